@@ -1,0 +1,17 @@
+"""The op schemas, mirrored from csrc/library.cpp.
+
+Used only when the compiled extension is absent (a source checkout without a build, an unsupported
+platform), so that ``import hebrus_torch`` still works and every op runs its reference kernel.
+tests/test_registration.py checks that these strings equal the compiled schemas.
+"""
+
+SCHEMAS = {
+    "ple_ngram_ids": "ple_ngram_ids(Tensor tokens, Tensor cu_seqlens, Tensor history, Tensor multipliers, "
+                     "Tensor vocab_sizes, Tensor offsets, int eos, int vocab) -> (Tensor, Tensor)",
+    "ple_conv": "ple_conv(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
+                "str activation) -> (Tensor, Tensor)",
+    "qsa_pool": "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "
+                "Tensor norm_weight, float eps, Tensor inv_freq) -> Tensor",
+    "qsa_select": "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "
+                  "int top_k) -> Tensor",
+}

@@ -1,0 +1,138 @@
+"""Metadata checks shared by the op wrappers, the fake (meta) impls and the reference kernels.
+
+They read only shapes, dtypes and devices, so they run unchanged on fake tensors under
+``torch.compile``. Checks that need tensor values (token ranges, holes) live in the kernels.
+Messages start with ``hebrus::<op>:`` and state what was expected and what was got.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import HebrusError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = ("silu", "none")
+
+
+def check(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise HebrusError(f"hebrus::{op}: {message}")
+
+
+def _dims(t: torch.Tensor, n: int, op: str, name: str) -> None:
+    check(t.dim() == n, op, f"{name} must be {n}-D, got shape {tuple(t.shape)}")
+
+
+def _dtype(t: torch.Tensor, dtypes, op: str, name: str) -> None:
+    if not isinstance(dtypes, tuple):
+        dtypes = (dtypes,)
+    check(t.dtype in dtypes, op, f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+
+
+def _same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        check(dev == first, op, f"all tensors must be on one device; {first_name} is on {first}, {name} is on {dev}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, op: str) -> int:
+    """Returns B, the number of rows."""
+    _dims(cu_seqlens, 1, op, "cu_seqlens")
+    _dtype(cu_seqlens, torch.int32, op, "cu_seqlens")
+    check(cu_seqlens.shape[0] >= 1, op, "cu_seqlens must have B+1 >= 1 entries")
+    return cu_seqlens.shape[0] - 1
+
+
+def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab) -> tuple[int, int]:
+    """Returns (N, number of hash heads)."""
+    op = "ple_ngram_ids"
+    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history=history, multipliers=multipliers,
+                 vocab_sizes=vocab_sizes, offsets=offsets)
+    for name, t in (("tokens", tokens), ("history", history), ("multipliers", multipliers),
+                    ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
+        _dtype(t, torch.int64, op, name)
+    _dims(tokens, 1, op, "tokens")
+    _dims(multipliers, 1, op, "multipliers")
+    _dims(vocab_sizes, 1, op, "vocab_sizes")
+    _dims(offsets, 1, op, "offsets")
+    _dims(history, 2, op, "history")
+    batch = check_cu_seqlens(cu_seqlens, op)
+    n = multipliers.shape[0]
+    check(n >= 2, op, f"multipliers must have N >= 2 entries (ngram_size), got {n}")
+    heads = vocab_sizes.shape[0]
+    check(heads >= n - 1 and heads % (n - 1) == 0, op,
+          f"vocab_sizes must have (N-1)*H entries for N={n}, got {heads}")
+    check(offsets.shape[0] == heads, op, f"offsets must have {heads} entries like vocab_sizes, got {offsets.shape[0]}")
+    check(tuple(history.shape) == (batch, n - 1), op,
+          f"history must have shape (B, N-1) = ({batch}, {n - 1}), got {tuple(history.shape)}")
+    check(vocab > 0, op, f"vocab must be positive, got {vocab}")
+    check(0 <= eos < vocab, op, f"eos {eos} must lie in [0, vocab={vocab})")
+    return n, heads
+
+
+def ple_conv(x, weight, cu_seqlens, state, dilation, activation) -> None:
+    op = "ple_conv"
+    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
+    _dims(x, 2, op, "x")
+    _dims(weight, 2, op, "weight")
+    _dims(state, 3, op, "state")
+    _dtype(x, FLOAT_DTYPES, op, "x")
+    check(weight.dtype == x.dtype, op, f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    check(state.dtype == x.dtype, op, f"state dtype {state.dtype} must match x dtype {x.dtype}")
+    batch = check_cu_seqlens(cu_seqlens, op)
+    check(dilation >= 1, op, f"dilation must be >= 1, got {dilation}")
+    check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    channels = x.shape[1]
+    width = weight.shape[1]
+    check(weight.shape[0] == channels and width >= 1, op,
+          f"weight must have shape (C, K) with C = {channels} and K >= 1, got {tuple(weight.shape)}")
+    state_len = (width - 1) * dilation
+    check(tuple(state.shape) == (batch, state_len, channels), op,
+          f"state must have shape (B, (K-1)*dilation, C) = ({batch}, {state_len}, {channels}), got {tuple(state.shape)}")
+
+
+def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq) -> None:
+    op = "qsa_pool"
+    _same_device(op, keys=keys, cell_pos=cell_pos, group_cells=group_cells, group_pos=group_pos,
+                 norm_weight=norm_weight, inv_freq=inv_freq)
+    _dims(keys, 2, op, "keys")
+    _dtype(keys, FLOAT_DTYPES, op, "keys")
+    _dims(cell_pos, 1, op, "cell_pos")
+    _dtype(cell_pos, torch.int64, op, "cell_pos")
+    _dims(group_cells, 2, op, "group_cells")
+    _dtype(group_cells, torch.int32, op, "group_cells")
+    _dims(group_pos, 1, op, "group_pos")
+    _dtype(group_pos, torch.int64, op, "group_pos")
+    _dims(norm_weight, 1, op, "norm_weight")
+    _dtype(norm_weight, FLOAT_DTYPES, op, "norm_weight")
+    _dims(inv_freq, 1, op, "inv_freq")
+    _dtype(inv_freq, torch.float32, op, "inv_freq")
+    cells, dim = keys.shape
+    check(cell_pos.shape[0] == cells, op, f"cell_pos must have one entry per cell ({cells}), got {cell_pos.shape[0]}")
+    check(group_cells.shape[1] >= 1, op, "group_cells must have r >= 1 columns")
+    check(group_pos.shape[0] == group_cells.shape[0], op,
+          f"group_pos must have one entry per group ({group_cells.shape[0]}), got {group_pos.shape[0]}")
+    check(norm_weight.shape[0] == dim, op, f"norm_weight must have D = {dim} entries, got {norm_weight.shape[0]}")
+    check(2 * inv_freq.shape[0] <= dim, op, f"rotary dims 2*{inv_freq.shape[0]} exceed head dim {dim}")
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+
+
+def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k) -> None:
+    op = "qsa_select"
+    _same_device(op, q=q, pooled=pooled, seq_groups=seq_groups, q_row=q_row, q_groups=q_groups)
+    _dims(q, 3, op, "q")
+    _dtype(q, FLOAT_DTYPES, op, "q")
+    _dims(pooled, 2, op, "pooled")
+    _dtype(pooled, FLOAT_DTYPES, op, "pooled")
+    _dims(seq_groups, 2, op, "seq_groups")
+    _dtype(seq_groups, torch.int32, op, "seq_groups")
+    _dims(q_row, 1, op, "q_row")
+    _dtype(q_row, torch.int32, op, "q_row")
+    _dims(q_groups, 1, op, "q_groups")
+    _dtype(q_groups, torch.int32, op, "q_groups")
+    check(q.shape[2] == pooled.shape[1], op, f"q head dim {q.shape[2]} must equal pooled dim {pooled.shape[1]}")
+    check(q_row.shape[0] == q.shape[0] and q_groups.shape[0] == q.shape[0], op,
+          f"q_row and q_groups must have Tq = {q.shape[0]} entries, got {q_row.shape[0]} and {q_groups.shape[0]}")
+    check(top_k >= 1, op, f"top_k must be >= 1, got {top_k}")

@@ -1,0 +1,1 @@
+"""Integrations with model libraries; each imports its library lazily."""

@@ -1,0 +1,46 @@
+"""Typed wrappers and fake impls for the PLE ops (SPEC §2)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validate
+from ..errors import translated
+
+
+def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor,
+                  multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor,
+                  eos: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hashed n-gram row ids of packed rows; see :func:`hebrus_torch.reference.ple_ngram_ids`.
+
+    Shapes: tokens [T] i64, cu_seqlens [B+1] i32, history [B, N-1] i64, multipliers [N] i64,
+    vocab_sizes / offsets [(N-1)*H] i64 -> (row_ids [T, (N-1)*H] i64, new_history [B, N-1] i64).
+    """
+    _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
+    with translated():
+        return torch.ops.hebrus.ple_ngram_ids.default(tokens, cu_seqlens, history, multipliers,
+                                                      vocab_sizes, offsets, eos, vocab)
+
+
+def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
+             dilation: int = 3, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal dilated conv of packed rows; see :func:`hebrus_torch.reference.ple_conv`.
+
+    Shapes: x [T, C], weight [C, K], cu_seqlens [B+1] i32, state [B, (K-1)*dilation, C]
+    -> (y [T, C], new_state [B, (K-1)*dilation, C]); float32/float16/bfloat16, fp32 accumulation.
+    """
+    _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
+    with translated():
+        return torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
+
+
+@torch.library.register_fake("hebrus::ple_ngram_ids")
+def _ple_ngram_ids_fake(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab):
+    _, heads = _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
+    return tokens.new_empty((tokens.shape[0], heads)), torch.empty_like(history)
+
+
+@torch.library.register_fake("hebrus::ple_conv")
+def _ple_conv_fake(x, weight, cu_seqlens, state, dilation, activation):
+    _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
+    return torch.empty_like(x), torch.empty_like(state)

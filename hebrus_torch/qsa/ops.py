@@ -1,0 +1,45 @@
+"""Typed wrappers and fake impls for the QSA ops (SPEC §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validate
+from ..errors import translated
+
+
+def qsa_pool(keys: torch.Tensor, cell_pos: torch.Tensor, group_cells: torch.Tensor, group_pos: torch.Tensor,
+             norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pooled key of each group; see :func:`hebrus_torch.reference.qsa_pool`.
+
+    Shapes: keys [cells, D], cell_pos [cells] i64, group_cells [G, r] i32, group_pos [G] i64,
+    norm_weight [D], inv_freq [R/2] f32 -> pooled [G, D] in keys' dtype. Raises HoleError.
+    """
+    _validate.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
+    with translated():
+        return torch.ops.hebrus.qsa_pool.default(keys, cell_pos, group_cells, group_pos, norm_weight,
+                                                 float(eps), inv_freq)
+
+
+def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, q_row: torch.Tensor,
+               q_groups: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k groups per query; see :func:`hebrus_torch.reference.qsa_select`.
+
+    Shapes: q [Tq, Hq, D], pooled [rows, D], seq_groups [B, maxG] i32, q_row [Tq] i32,
+    q_groups [Tq] i32 -> selected [Tq, top_k] i32 (ascending group indices, -1 padded).
+    """
+    _validate.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
+    with translated():
+        return torch.ops.hebrus.qsa_select.default(q, pooled, seq_groups, q_row, q_groups, top_k)
+
+
+@torch.library.register_fake("hebrus::qsa_pool")
+def _qsa_pool_fake(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq):
+    _validate.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
+    return keys.new_empty((group_cells.shape[0], keys.shape[1]))
+
+
+@torch.library.register_fake("hebrus::qsa_select")
+def _qsa_select_fake(q, pooled, seq_groups, q_row, q_groups, top_k):
+    _validate.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
+    return q.new_empty((q.shape[0], top_k), dtype=torch.int32)

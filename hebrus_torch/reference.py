@@ -1,0 +1,252 @@
+"""Pure-PyTorch reference implementations of every hebrus op: the executable form of SPEC.md.
+
+They run on any device, are vectorised over tokens, queries and sequences (the only Python loops
+are over sequences or fixed-size query blocks, never over tokens), and are registered as the
+kernel of every device that has no native one. fp32 accumulation throughout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate
+from .errors import HebrusError, HoleError
+
+__all__ = ["ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "check_cu_seqlens_values"]
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, op: str) -> None:
+    """cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == total (reads values: syncs on a GPU)."""
+    cu = cu_seqlens.to("cpu", torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise HebrusError(f"hebrus::{op}: cu_seqlens must start at 0 and end at T = {total}, "
+                          f"got {int(cu[0])} .. {int(cu[-1])}")
+    if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+        row = int(torch.nonzero(cu[1:] < cu[:-1])[0])
+        raise HebrusError(f"hebrus::{op}: cu_seqlens must be non-decreasing; row {row} has "
+                          f"cu_seqlens[{row}] = {int(cu[row])} > cu_seqlens[{row + 1}] = {int(cu[row + 1])}")
+
+
+def _packed_with_prefix(values: torch.Tensor, prefix: torch.Tensor, cu_seqlens: torch.Tensor):
+    """Interleave each row's prefix (B, P, ...) before its tokens (T, ...).
+
+    Returns (z, token_index_in_z, row_start_in_z, row_end_in_z) where z has T + B*P entries.
+    """
+    batch, plen = prefix.shape[0], prefix.shape[1]
+    device = values.device
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    total = values.shape[0]
+    lengths = cu[1:] - cu[:-1]
+    row_of_token = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=total)
+    token_in_z = torch.arange(total, device=device) + (row_of_token + 1) * plen
+    row_start = cu[:-1] + torch.arange(batch, device=device) * plen
+    prefix_in_z = (row_start[:, None] + torch.arange(plen, device=device)[None, :]).reshape(-1)
+    z = values.new_empty((total + batch * plen, *values.shape[1:]))
+    z[token_in_z] = values
+    z[prefix_in_z] = prefix.reshape(batch * plen, *prefix.shape[2:])
+    return z, token_in_z, row_start, row_start + plen + lengths
+
+
+def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor,
+                  multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor,
+                  eos: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hashed n-gram row ids with the frozen EOS history rule (SPEC §2).
+
+    Args:
+        tokens: Tensor[T] int64, packed token ids of B sequences.
+        cu_seqlens: Tensor[B+1] int32, row boundaries into ``tokens``.
+        history: Tensor[B, N-1] int64, the last N-1 raw tokens before this chunk per row
+            (``[eos]*(N-1)`` for a fresh sequence).
+        multipliers: Tensor[N] int64, ``layer_multipliers``.
+        vocab_sizes: Tensor[(N-1)*H] int64, ``ngram_heads_vocab_sizes``.
+        offsets: Tensor[(N-1)*H] int64, ``ngram_heads_offsets``.
+        eos: end-of-sequence token id.
+        vocab: unigram vocabulary size; every token and history id must lie in ``[0, vocab)``.
+
+    Returns:
+        row_ids: Tensor[T, (N-1)*H] int64, bigram heads first, then trigram heads, ...
+        new_history: Tensor[B, N-1] int64, the last N-1 raw tokens of ``history ++ tokens``.
+    """
+    n, heads = _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
+    op = "ple_ngram_ids"
+    check_cu_seqlens_values(cu_seqlens, tokens.shape[0], op)
+    for name, t in (("tokens", tokens), ("history", history)):
+        bad = (t < 0) | (t >= vocab)
+        if bool(bad.any()):
+            where = tuple(int(i) for i in torch.nonzero(bad)[0])
+            raise HebrusError(f"hebrus::{op}: {name}{list(where)} = {int(t[where])} is outside [0, vocab={vocab})")
+    ctx = n - 1
+    z, token_in_z, row_start, row_end = _packed_with_prefix(tokens, history, cu_seqlens)
+    idx = torch.arange(z.shape[0], device=z.device)
+    # Last EOS index at or before each z index, clipped to its own row.
+    eos_at = torch.where(z == eos, idx, torch.full_like(idx, -1))
+    last_eos_incl = torch.cummax(eos_at, dim=0).values
+    j = token_in_z
+    prev_eos = last_eos_incl[j - 1]  # j >= ctx >= 1 so j - 1 is inside the row
+    row_of_token = torch.bucketize(j, row_start, right=True) - 1
+    prev_eos = torch.where(prev_eos >= row_start[row_of_token], prev_eos, torch.full_like(prev_eos, -1 << 62))
+    eos_t = torch.full_like(tokens, eos)
+    shifted = [tokens]
+    for k in range(1, n):
+        valid = (j - prev_eos) > k
+        shifted.append(torch.where(valid, z[j - k], eos_t))
+    h = heads // ctx
+    blocks = []
+    mixed = shifted[0] * multipliers[0]
+    for order in range(2, n + 1):
+        mixed = torch.bitwise_xor(mixed, shifted[order - 1] * multipliers[order - 1])
+        sl = slice((order - 2) * h, (order - 1) * h)
+        blocks.append(torch.remainder(mixed[:, None], vocab_sizes[sl][None, :]) + offsets[sl][None, :])
+    row_ids = torch.cat(blocks, dim=1) if blocks else tokens.new_empty((tokens.shape[0], 0))
+    hist_idx = row_end[:, None] - ctx + torch.arange(ctx, device=z.device)[None, :]
+    return row_ids, z[hist_idx]
+
+
+def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
+             dilation: int, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal dilated conv over packed rows with carried input tails (SPEC §2).
+
+    ``y[t, c] = act(sum_{k<K} w[c, k] * u[t - (K-1-k)*d, c])`` accumulated in fp32 in ascending k,
+    where u is each row's ``state ++ x`` stream.
+
+    Args:
+        x: Tensor[T, C] float32/float16/bfloat16, packed conv inputs.
+        weight: Tensor[C, K], same dtype as x.
+        cu_seqlens: Tensor[B+1] int32.
+        state: Tensor[B, L, C], L = (K-1)*dilation, the last L inputs per row, oldest first.
+        dilation: d >= 1.
+        activation: ``"silu"`` or ``"none"``.
+
+    Returns:
+        y: Tensor[T, C] in x's dtype; new_state: Tensor[B, L, C], the last L inputs of ``state ++ x``.
+    """
+    _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
+    check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv")
+    width = weight.shape[1]
+    state_len = state.shape[1]
+    u, token_in_u, _, row_end = _packed_with_prefix(x, state, cu_seqlens)
+    w = weight.float()
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(width):
+        acc = acc + w[:, k] * u[token_in_u - (width - 1 - k) * dilation].float()
+    if activation == "silu":
+        acc = torch.nn.functional.silu(acc)
+    hist_idx = row_end[:, None] - state_len + torch.arange(state_len, device=x.device)[None, :]
+    return acc.to(x.dtype), u[hist_idx]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_groups_contiguous(cell_pos: torch.Tensor, group_cells: torch.Tensor, group_pos: torch.Tensor,
+                            op: str = "qsa_pool") -> None:
+    """Raise HoleError unless every group's cells hold positions group_pos, group_pos+1, ... ."""
+    cells = cell_pos.shape[0]
+    out_of_range = (group_cells < 0) | (group_cells >= cells)
+    if bool(out_of_range.any()):
+        g, i = (int(v) for v in torch.nonzero(out_of_range)[0])
+        raise HebrusError(f"hebrus::{op}: group {g} cell {i} = {int(group_cells[g, i])} is outside [0, {cells})")
+    r = group_cells.shape[1]
+    expected = group_pos[:, None] + torch.arange(r, device=group_pos.device)[None, :]
+    got = cell_pos[group_cells.long()]
+    bad = got != expected
+    if bool(bad.any()):
+        g, i = (int(v) for v in torch.nonzero(bad)[0])
+        raise HoleError(f"hebrus::{op}: group {g} starting at position {int(group_pos[g])} has position "
+                        f"{int(got[g, i])} in member {i} where {int(expected[g, i])} is required "
+                        f"(a hole inside the run is not padding)")
+
+
+def qsa_pool(keys: torch.Tensor, cell_pos: torch.Tensor, group_cells: torch.Tensor, group_pos: torch.Tensor,
+             norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pooled, normed and roped key of every group (SPEC §3), as transformers' indexer computes it.
+
+    Args:
+        keys: Tensor[cells, D] float32/float16/bfloat16, raw indexer keys (no norm, no RoPE).
+        cell_pos: Tensor[cells] int64, logical position held by each cell.
+        group_cells: Tensor[G, r] int32, the r cells of each group in position order.
+        group_pos: Tensor[G] int64, position of each group's first token.
+        norm_weight: Tensor[D], ``k_layernorm.weight`` (applied as ``1 + w``).
+        eps: RMSNorm epsilon.
+        inv_freq: Tensor[R/2] float32, rotary inverse frequencies (rotate-half on the first R dims).
+
+    Returns:
+        Tensor[G, D] in keys' dtype. Raises HoleError when a group's cells are not consecutive positions.
+    """
+    _validate.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
+    check_groups_contiguous(cell_pos, group_cells, group_pos)
+    dtype = keys.dtype
+    pooled = keys[group_cells.long()].float().mean(dim=1).to(dtype)
+    xf = pooled.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (normed * (1.0 + norm_weight.float())).to(dtype)
+    rot = 2 * inv_freq.shape[0]
+    freqs = group_pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    head = normed[:, :rot]
+    head = head * cos + rotate_half(head) * sin
+    return torch.cat((head, normed[:, rot:]), dim=-1)
+
+
+_QUERY_BLOCK = 256
+
+
+def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, q_row: torch.Tensor,
+               q_groups: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k groups per query by ``sum_h relu(q_h . k_g) / sqrt(D)`` in fp32 (SPEC §3).
+
+    Args:
+        q: Tensor[Tq, Hq, D], indexer queries (normed and roped by the model).
+        pooled: Tensor[rows, D], pooled group keys.
+        seq_groups: Tensor[B, maxG] int32, pooled row of each sequence's groups in order, -1 past the end.
+        q_row: Tensor[Tq] int32, the seq_groups row of each query.
+        q_groups: Tensor[Tq] int32, number of complete groups visible to each query.
+        top_k: number of groups to keep.
+
+    Returns:
+        Tensor[Tq, top_k] int32: selected group indices within the sequence, ascending, -1 padded.
+        Ties are broken by the lower group index.
+    """
+    _validate.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
+    op = "qsa_select"
+    tq, max_g = q.shape[0], seq_groups.shape[1]
+    out = torch.full((tq, top_k), -1, dtype=torch.int32, device=q.device)
+    if tq == 0:
+        return out
+    rows = q_row.long()
+    if bool(((rows < 0) | (rows >= seq_groups.shape[0])).any()):
+        raise HebrusError(f"hebrus::{op}: q_row values must lie in [0, B={seq_groups.shape[0]})")
+    ng = q_groups.long()
+    if bool(((ng < 0) | (ng > max_g)).any()):
+        raise HebrusError(f"hebrus::{op}: q_groups values must lie in [0, maxG={max_g}]")
+    sqrt_d = math.sqrt(q.shape[2])
+    qf = q.float()
+    pf = pooled.float()
+    # One pass per sequence, in blocks of queries: the pooled keys of a sequence are gathered once.
+    for row in torch.unique(rows).tolist():
+        members = torch.nonzero(rows == row).flatten()
+        groups_needed = int(ng[members].max())
+        if groups_needed == 0:
+            continue
+        group_rows = seq_groups[row, :groups_needed].long()
+        if bool(((group_rows < 0) | (group_rows >= pooled.shape[0])).any()):
+            raise HebrusError(f"hebrus::{op}: seq_groups[{row}] has an entry outside [0, rows={pooled.shape[0]}) "
+                              f"among the {groups_needed} groups visible to its queries")
+        keys = pf[group_rows]                                               # [G, D]
+        g_idx = torch.arange(groups_needed, device=q.device)
+        k = min(top_k, groups_needed)
+        for start in range(0, members.numel(), _QUERY_BLOCK):
+            sel = members[start:start + _QUERY_BLOCK]
+            scores = torch.relu(torch.einsum("bhd,gd->bhg", qf[sel], keys)).sum(dim=1) / sqrt_d
+            n_vis = ng[sel][:, None]
+            scores = torch.where(g_idx[None, :] < n_vis, scores, torch.full_like(scores, -math.inf))
+            order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+            chosen = torch.where(order < n_vis, order, torch.full_like(order, groups_needed))
+            chosen = torch.sort(chosen, dim=1).values
+            out[sel, :k] = torch.where(chosen < groups_needed, chosen, torch.full_like(chosen, -1)).to(torch.int32)
+    return out
