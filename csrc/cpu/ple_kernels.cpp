@@ -1,0 +1,283 @@
+// CPU kernels of hebrus::ple_ngram_ids and hebrus::ple_conv (SPEC §2); hebrus_torch/reference.py is
+// the spec. Every check runs before any output is written. Each output element depends only on its
+// own row's inputs, combined in a fixed order, so results are bitwise independent of how a stream is
+// chunked and of the other rows in the batch. Index math is int64 throughout.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "hebrus_check.h"
+
+namespace hebrus {
+namespace {
+
+using at::Tensor;
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "(";
+  for (const auto i : c10::irange(t.dim())) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+void check_devices(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  for (const auto& [name, t] : tensors) {
+    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op,
+                 ": all tensors must be on one device; the CPU kernel got ", name, " on ", t->device());
+  }
+}
+
+void check_dims(const char* op, const Tensor& t, int64_t n, const char* name) {
+  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ", shape_of(t));
+}
+
+void check_dtype(const char* op, const Tensor& t, at::ScalarType dtype, const char* name) {
+  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ", dtype,
+               ", got ", t.scalar_type());
+}
+
+// cu_seqlens metadata; returns B.
+int64_t check_cu_meta(const char* op, const Tensor& cu_seqlens) {
+  check_dims(op, cu_seqlens, 1, "cu_seqlens");
+  check_dtype(op, cu_seqlens, at::kInt, "cu_seqlens");
+  HEBRUS_CHECK(cu_seqlens.size(0) >= 1, HebrusError, "hebrus::", op, ": cu_seqlens must have B+1 >= 1 entries");
+  return cu_seqlens.size(0) - 1;
+}
+
+// cu_seqlens values: 0 first, non-decreasing, T last. Returns the contiguous copy the kernel reads.
+Tensor check_cu_values(const char* op, const Tensor& cu_seqlens, int64_t total) {
+  Tensor cu = cu_seqlens.contiguous();
+  const int32_t* p = cu.data_ptr<int32_t>();
+  const int64_t batch = cu.size(0) - 1;
+  HEBRUS_CHECK(p[0] == 0 && p[batch] == total, HebrusError, "hebrus::", op,
+               ": cu_seqlens must start at 0 and end at T = ", total, ", got ", p[0], " .. ", p[batch]);
+  for (const auto row : c10::irange(batch)) {
+    HEBRUS_CHECK(p[row] <= p[row + 1], HebrusError, "hebrus::", op, ": cu_seqlens must be non-decreasing; row ", row,
+                 " has cu_seqlens[", row, "] = ", p[row], " > cu_seqlens[", row + 1, "] = ", p[row + 1]);
+  }
+  return cu;
+}
+
+void check_ids_in_range(const char* op, const Tensor& ids, int64_t vocab, const char* name) {
+  const int64_t* p = ids.data_ptr<int64_t>();
+  const int64_t cols = ids.dim() == 2 ? ids.size(1) : 1;
+  for (const auto i : c10::irange(ids.numel())) {
+    if (p[i] < 0 || p[i] >= vocab) {
+      const std::string where = ids.dim() == 2 ? std::to_string(i / cols) + ", " + std::to_string(i % cols)
+                                               : std::to_string(i);
+      HEBRUS_CHECK(false, HebrusError, "hebrus::", op, ": ", name, "[", where, "] = ", p[i],
+                   " is outside [0, vocab=", vocab, ")");
+    }
+  }
+}
+
+// Row holding token t (0 <= t < T): the last row r with cu[r] <= t, which skips empty rows.
+int64_t row_of(const int32_t* cu, int64_t batch, int64_t t) {
+  return static_cast<int64_t>(std::upper_bound(cu, cu + batch + 1, t) - cu) - 1;
+}
+
+// Python-style (floor) remainder, as torch.remainder; divisor > 0 is checked by the caller.
+inline int64_t floor_mod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return r < 0 ? r + b : r;
+}
+
+// Wrapping int64 arithmetic (torch's int64 mul/add wrap; signed overflow is UB in C++).
+inline int64_t wrap_mul(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
+}
+inline int64_t wrap_add(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+
+std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor& cu_seqlens, const Tensor& history,
+                                             const Tensor& multipliers, const Tensor& vocab_sizes,
+                                             const Tensor& offsets, int64_t eos, int64_t vocab) {
+  const char* op = "ple_ngram_ids";
+  check_devices(op, {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
+                     {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
+  check_dtype(op, tokens, at::kLong, "tokens");
+  check_dtype(op, history, at::kLong, "history");
+  check_dtype(op, multipliers, at::kLong, "multipliers");
+  check_dtype(op, vocab_sizes, at::kLong, "vocab_sizes");
+  check_dtype(op, offsets, at::kLong, "offsets");
+  check_dims(op, tokens, 1, "tokens");
+  check_dims(op, multipliers, 1, "multipliers");
+  check_dims(op, vocab_sizes, 1, "vocab_sizes");
+  check_dims(op, offsets, 1, "offsets");
+  check_dims(op, history, 2, "history");
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  const int64_t n = multipliers.size(0);
+  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
+  const int64_t ctx = n - 1;
+  const int64_t heads = vocab_sizes.size(0);
+  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op, ": vocab_sizes must have (N-1)*H entries for N=",
+               n, ", got ", heads);
+  HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
+               " entries like vocab_sizes, got ", offsets.size(0));
+  HEBRUS_CHECK(history.size(0) == batch && history.size(1) == ctx, HebrusError, "hebrus::", op,
+               ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_of(history));
+  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
+  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab, ")");
+  const int64_t total = tokens.size(0);
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
+  const Tensor tok_t = tokens.contiguous(), hist_t = history.contiguous(), mult_t = multipliers.contiguous();
+  const Tensor sizes_t = vocab_sizes.contiguous(), off_t = offsets.contiguous();
+  check_ids_in_range(op, tok_t, vocab, "tokens");
+  check_ids_in_range(op, hist_t, vocab, "history");
+  const int64_t* sizes = sizes_t.data_ptr<int64_t>();
+  for (const auto h : c10::irange(heads)) {
+    HEBRUS_CHECK(sizes[h] > 0, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ", sizes[h]);
+  }
+
+  Tensor row_ids = at::empty({total, heads}, tokens.options());
+  Tensor new_history = at::empty({batch, ctx}, history.options());
+  const int32_t* cu = cu_t.data_ptr<int32_t>();
+  const int64_t* tok = tok_t.data_ptr<int64_t>();
+  const int64_t* hist = hist_t.data_ptr<int64_t>();
+  const int64_t* mult = mult_t.data_ptr<int64_t>();
+  const int64_t* offs = off_t.data_ptr<int64_t>();
+  int64_t* out = row_ids.data_ptr<int64_t>();
+  int64_t* out_hist = new_history.data_ptr<int64_t>();
+  const int64_t per_order = heads / ctx;
+
+  at::parallel_for(0, total, 1024, [&](int64_t begin, int64_t end) {
+    int64_t row = row_of(cu, batch, begin);
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= cu[row + 1]) ++row;
+      // z = history[row] ++ tokens[row]; token t sits at z index i = ctx + (t - start).
+      const int64_t start = cu[row];
+      const int64_t i = ctx + (t - start);
+      const int64_t* h = hist + row * ctx;
+      int64_t mixed = wrap_mul(tok[t], mult[0]);
+      bool valid = true;  // no EOS in z[i-k .. i-1]
+      int64_t* o = out + t * heads;
+      for (int64_t k = 1; k < n; ++k) {
+        const int64_t m = i - k;
+        const int64_t zk = m >= ctx ? tok[start + (m - ctx)] : h[m];
+        valid = valid && zk != eos;
+        mixed ^= wrap_mul(valid ? zk : eos, mult[k]);
+        for (int64_t j = (k - 1) * per_order; j < k * per_order; ++j) {
+          o[j] = wrap_add(floor_mod(mixed, sizes[j]), offs[j]);
+        }
+      }
+    }
+  });
+  for (const auto row : c10::irange(batch)) {
+    const int64_t start = cu[row], len = cu[row + 1] - cu[row];
+    for (const auto j : c10::irange(ctx)) {
+      const int64_t m = len + j;  // last ctx entries of z, which has ctx + len entries
+      out_hist[row * ctx + j] = m >= ctx ? tok[start + (m - ctx)] : hist[row * ctx + m];
+    }
+  }
+  return {row_ids, new_history};
+}
+
+constexpr int64_t kChannelBlock = 256;
+
+template <typename scalar_t>
+void ple_conv_kernel(const Tensor& x, const Tensor& w_kc, const int32_t* cu, const Tensor& state, Tensor& y,
+                     Tensor& new_state, int64_t batch, int64_t dilation, bool silu) {
+  const int64_t total = x.size(0), channels = x.size(1), width = w_kc.size(0), state_len = state.size(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* sp = state.data_ptr<scalar_t>();
+  const float* wp = w_kc.data_ptr<float>();
+  scalar_t* yp = y.data_ptr<scalar_t>();
+  scalar_t* nsp = new_state.data_ptr<scalar_t>();
+  // Row m of the stream u = state[row] ++ x[row] (m < L reads the carried state).
+  auto u_row = [&](int64_t row, int64_t start, int64_t m) -> const scalar_t* {
+    return m >= state_len ? xp + (start + m - state_len) * channels : sp + (row * state_len + m) * channels;
+  };
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, channels * width));
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    float acc[kChannelBlock];
+    int64_t row = row_of(cu, batch, begin);
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= cu[row + 1]) ++row;
+      const int64_t start = cu[row];
+      const int64_t i = state_len + (t - start);
+      for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
+        const int64_t nc = std::min(kChannelBlock, channels - c0);
+        std::fill(acc, acc + nc, 0.0f);
+        for (int64_t k = 0; k < width; ++k) {
+          const scalar_t* u = u_row(row, start, i - (width - 1 - k) * dilation) + c0;
+          const float* wk = wp + k * channels + c0;
+          for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * static_cast<float>(u[c]);
+        }
+        scalar_t* yt = yp + t * channels + c0;
+        if (silu) {
+          for (int64_t c = 0; c < nc; ++c) yt[c] = static_cast<scalar_t>(acc[c] / (1.0f + std::exp(-acc[c])));
+        } else {
+          for (int64_t c = 0; c < nc; ++c) yt[c] = static_cast<scalar_t>(acc[c]);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, batch * state_len, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, channels)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t row = r / state_len, j = r % state_len;
+      const int64_t len = cu[row + 1] - cu[row];
+      const scalar_t* src = u_row(row, cu[row], len + j);  // last L entries of u, which has L + len
+      std::copy(src, src + channels, nsp + r * channels);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                                        const Tensor& state, int64_t dilation, c10::string_view activation) {
+  const char* op = "ple_conv";
+  check_devices(op, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
+  check_dims(op, x, 2, "x");
+  check_dims(op, weight, 2, "weight");
+  check_dims(op, state, 3, "state");
+  const auto dtype = x.scalar_type();
+  HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError, "hebrus::", op,
+               ": x must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ", dtype);
+  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ", weight.scalar_type(),
+               " must match x dtype ", dtype);
+  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ", state.scalar_type(),
+               " must match x dtype ", dtype);
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
+  const bool silu = activation == "silu";
+  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
+               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
+  const int64_t channels = x.size(1), width = weight.size(1);
+  HEBRUS_CHECK(weight.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
+               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_of(weight));
+  int64_t state_len = 0;
+  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
+  HEBRUS_CHECK(len_ok && state.size(0) == batch && state.size(1) == state_len && state.size(2) == channels,
+               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
+               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
+               channels, "), got ", shape_of(state));
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, x.size(0));
+
+  const Tensor xc = x.contiguous(), sc = state.contiguous();
+  // fp32 [K, C] copy of the weight so the inner loop over channels reads it contiguously.
+  const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
+  Tensor y = at::empty_like(xc);
+  Tensor new_state = at::empty_like(sc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "hebrus::ple_conv", [&] {
+    ple_conv_kernel<scalar_t>(xc, w_kc, cu_t.data_ptr<int32_t>(), sc, y, new_state, batch, dilation, silu);
+  });
+  return {y, new_state};
+}
+
+}  // namespace
+}  // namespace hebrus
+
+TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
+  m.impl("ple_ngram_ids", &hebrus::ple_ngram_ids_cpu);
+  m.impl("ple_conv", &hebrus::ple_conv_cpu);
+}

@@ -1,0 +1,412 @@
+"""PLEState: per-sequence n-gram history and dilated-conv tails of a model's PLE layers (SPEC §2, §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CorruptStateError, HebrusError
+from ..state import blob
+from ..state.handles import SeqHandle, SlotTable
+from ..state.transaction import Transactional, autocommit
+from . import ops
+
+_KIND = "hebrus_torch.PLEState"
+
+
+@dataclass(frozen=True)
+class PLESnapshot:
+    """An in-memory copy of one sequence's PLE state, for rewinding (a conv tail cannot be recomputed backwards).
+
+    ``position`` is the caller's label for the next position the sequence would consume (ModelCache
+    uses the QSA frontier + 1); PLEState itself does not interpret it.
+    """
+
+    handle: SeqHandle
+    position: int | None
+    history: torch.Tensor      # [layers, N-1] int64
+    conv_tails: torch.Tensor   # [layers, L, C]
+
+
+@dataclass(frozen=True)
+class PLEHashParams:
+    """One PLE layer's n-gram hash buffers (transformers' ``Qwen4ExpTextNGramEmbedding``)."""
+
+    multipliers: torch.Tensor  # [N] int64, layer_multipliers
+    vocab_sizes: torch.Tensor  # [(N-1)*H] int64, ngram_heads_vocab_sizes
+    offsets: torch.Tensor      # [(N-1)*H] int64, ngram_heads_offsets
+
+
+class PLEState(torch.nn.Module, Transactional):
+    """Owns, per sequence slot and PLE layer, the n-gram history ``[N-1]`` and the conv tail ``[L, C]``.
+
+    Buffers (``state_dict``): ``history`` [layers, S, N-1] int64 (each layer carries its own, as
+    transformers' cache does, so a layer never depends on whether another ran this chunk), ``conv_state`` [layers, S, L, C] of ``dtype``,
+    ``generation`` [S] int64 and ``live`` [S] bool. L = (K-1) * dilation. Sequences are addressed by
+    ``SeqHandle``; a chunk runs through :meth:`ngram_ids` (once per chunk) and :meth:`conv` (once per
+    layer), which read each sequence's state by slot and stage the new state; it is published on
+    commit of the enclosing :func:`hebrus_torch.transaction`, or at once when there is none.
+
+    Args:
+        num_layers: number of PLE layers.
+        channels: conv channels C (``hidden_size * hc_count`` for Qwen4Exp).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        eos_token_id: the EOS id of the history rule.
+        ngram_size: N (history length N-1).
+        conv_kernel_size: K.
+        dilation: conv dilation (Qwen4Exp: N).
+        max_sequences: number of slots S.
+        dtype: dtype of the conv tails (the model's activation dtype).
+        hash_params: optional per-layer :class:`PLEHashParams` used by :meth:`ngram_ids`.
+        conv_weights: optional per-layer conv weights ``[C, K]`` used by :meth:`conv` when none is passed.
+        activation: ``"silu"`` (Qwen4Exp) or ``"none"``.
+    """
+
+    def __init__(self, num_layers: int, channels: int, *, vocab_size: int, eos_token_id: int,
+                 ngram_size: int = 3, conv_kernel_size: int = 4, dilation: int | None = None,
+                 max_sequences: int = 64, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None,
+                 hash_params: Sequence[PLEHashParams] | None = None,
+                 conv_weights: Sequence[torch.Tensor] | None = None, activation: str = "silu"):
+        super().__init__()
+        if num_layers < 1 or channels < 1 or ngram_size < 2 or conv_kernel_size < 1:
+            raise HebrusError(f"PLEState: need num_layers, channels, conv_kernel_size >= 1 and ngram_size >= 2, got "
+                              f"{num_layers}, {channels}, {conv_kernel_size}, {ngram_size}")
+        if not 0 <= eos_token_id < vocab_size:
+            raise HebrusError(f"PLEState: eos_token_id {eos_token_id} outside [0, vocab_size={vocab_size})")
+        self.num_layers, self.channels = num_layers, channels
+        self.vocab_size, self.eos_token_id, self.ngram_size = vocab_size, eos_token_id, ngram_size
+        self.conv_kernel_size = conv_kernel_size
+        self.dilation = ngram_size if dilation is None else dilation
+        if self.dilation < 1:
+            raise HebrusError(f"PLEState: dilation must be >= 1, got {self.dilation}")
+        self.state_len = (conv_kernel_size - 1) * self.dilation
+        self.activation = activation
+        self.slots = SlotTable(max_sequences, "PLEState")
+        self.register_buffer("history", torch.full((num_layers, max_sequences, ngram_size - 1), eos_token_id,
+                                                   dtype=torch.int64, device=device))
+        self.register_buffer("conv_state", torch.zeros((num_layers, max_sequences, self.state_len, channels),
+                                                       dtype=dtype, device=device))
+        self.register_buffer("generation", self.slots.generation.to(device))
+        self.register_buffer("live", self.slots.live.to(device))
+        if hash_params is not None and len(hash_params) != num_layers:
+            raise HebrusError(f"PLEState: hash_params has {len(hash_params)} entries for {num_layers} layers")
+        if conv_weights is not None and len(conv_weights) != num_layers:
+            raise HebrusError(f"PLEState: conv_weights has {len(conv_weights)} entries for {num_layers} layers")
+        for i, p in enumerate(hash_params or []):
+            self.register_buffer(f"multipliers_{i}", p.multipliers.clone().to(device), persistent=False)
+            self.register_buffer(f"vocab_sizes_{i}", p.vocab_sizes.clone().to(device), persistent=False)
+            self.register_buffer(f"offsets_{i}", p.offsets.clone().to(device), persistent=False)
+        self._has_hash = hash_params is not None
+        self._conv_weights = list(conv_weights) if conv_weights is not None else None
+        self._staged_history: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self._staged_tails: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self._backup: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def from_transformers(cls, model: torch.nn.Module, *, max_sequences: int = 64) -> "PLEState":
+        """Build from a transformers Qwen4Exp model (``Qwen4ExpForCausalLM`` or its text model).
+
+        Hash buffers are copied; conv weights are referenced (they follow the model's parameters).
+        ``layer_ids`` maps PLE index -> decoder layer index.
+        """
+        text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        config = text.config
+        layers = [(i, layer.ple) for i, layer in enumerate(text.layers) if getattr(layer, "ple", None) is not None]
+        if not layers:
+            raise HebrusError("PLEState.from_transformers: the model has no PLE layers (config.ple_layer_ids is empty)")
+        emb0 = layers[0][1].ple_embedding
+        conv0 = layers[0][1].conv1d
+        state = cls(
+            len(layers), conv0.weight.shape[0], vocab_size=config.vocab_size, eos_token_id=emb0.eos_token_id,
+            ngram_size=emb0.ngram_size, conv_kernel_size=conv0.kernel_size[0], dilation=conv0.dilation[0],
+            max_sequences=max_sequences, dtype=conv0.weight.dtype, device=conv0.weight.device,
+            hash_params=[PLEHashParams(p.ple_embedding.layer_multipliers, p.ple_embedding.ngram_heads_vocab_sizes,
+                                       p.ple_embedding.ngram_heads_offsets) for _, p in layers],
+            conv_weights=[p.conv1d.weight for _, p in layers],
+        )
+        state.layer_ids = [i for i, _ in layers]
+        return state
+
+    def hash_params(self, layer: int) -> PLEHashParams:
+        if not self._has_hash:
+            raise HebrusError("PLEState: built without hash_params; pass them to ngram_ids via ple_ngram_ids directly")
+        self._check_layer(layer)
+        return PLEHashParams(getattr(self, f"multipliers_{layer}"), getattr(self, f"vocab_sizes_{layer}"),
+                             getattr(self, f"offsets_{layer}"))
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
+        """Claim a slot (``handle`` adopts a given one) with fresh state: history all EOS, zero tails."""
+        with autocommit(self):
+            self._backup_once()
+            handle = self.slots.claim(handle)
+            self._clear_slot(handle.slot)
+            self._sync_slot_buffers()
+        return handle
+
+    def free(self, seq: SeqHandle) -> None:
+        with autocommit(self):
+            self._backup_once()
+            slot = self.slots.check(seq)
+            self.slots.release(seq)
+            self._drop_staged(slot)
+            self._sync_slot_buffers()
+
+    def reset(self, seq: SeqHandle) -> SeqHandle:
+        """Fresh state for the sequence; its slot's generation is bumped, so the new handle is returned."""
+        with autocommit(self):
+            self._backup_once()
+            self.slots.check(seq)
+            self.slots.release(seq)
+            handle = self.slots.claim(SeqHandle(seq.slot, seq.generation + 1))
+            self._clear_slot(handle.slot)
+            self._sync_slot_buffers()
+        return handle
+
+    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
+        """dst's history and tails become src's (as they would be published now)."""
+        snap = self.snapshot(src)
+        with autocommit(self):
+            self._backup_once()
+            self._write_slot(self.slots.check(dst), snap.history, snap.conv_tails)
+
+    def fork(self, src: SeqHandle) -> SeqHandle:
+        snap = self.snapshot(src)
+        with autocommit(self):
+            self._backup_once()
+            handle = self.slots.claim()
+            self._write_slot(handle.slot, snap.history, snap.conv_tails)
+            self._sync_slot_buffers()
+        return handle
+
+    def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
+        """A cheap copy of one sequence's current state (staged changes included)."""
+        slot = self.slots.check(seq)
+        history = torch.stack([self._staged_history[i].get(slot, self.history[i, slot])
+                               for i in range(self.num_layers)]).clone()
+        tails = torch.stack([self._staged_tails[i].get(slot, self.conv_state[i, slot])
+                             for i in range(self.num_layers)]).clone()
+        return PLESnapshot(seq, position, history, tails)
+
+    def restore(self, seq: SeqHandle, state: PLESnapshot | bytes) -> None:
+        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
+
+        Everything is validated first; a bad snapshot or blob raises and changes nothing.
+        """
+        slot = self.slots.check(seq)
+        if isinstance(state, PLESnapshot):
+            history, tails = state.history, state.conv_tails
+            self._validate_seq_state(history, tails, HebrusError)
+        else:
+            history, tails = self._decode(state)
+        with autocommit(self):
+            self._backup_once()
+            self._write_slot(slot, history, tails)
+
+    def save(self, seq: SeqHandle) -> bytes:
+        """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
+        snap = self.snapshot(seq)
+        return blob.pack(_KIND, self._config_meta(), {"history": snap.history, "conv_tails": snap.conv_tails})
+
+    # ----------------------------------------------------------------------------- chunk execution
+    def ngram_ids(self, layer: int, seqs: Sequence[SeqHandle], tokens: torch.Tensor,
+                  cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Row ids ``[T, (N-1)*H]`` int64 of a packed chunk for PLE layer ``layer``; stages its new history.
+
+        Args: seqs: one handle per packed row; tokens: Tensor[T] int64; cu_seqlens: Tensor[B+1] int32.
+        """
+        slots = self._slots_of(seqs, cu_seqlens)
+        p = self.hash_params(layer)
+        history = self._gather(self.history[layer], self._staged_history[layer], slots)
+        row_ids, new_history = ops.ple_ngram_ids(tokens, cu_seqlens, history, p.multipliers, p.vocab_sizes,
+                                                 p.offsets, self.eos_token_id, self.vocab_size)
+        with autocommit(self):
+            self._stage(self._staged_history[layer], slots, new_history)
+        return row_ids
+
+    def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
+             weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Dilated causal conv ``[T, C]`` of a packed chunk for PLE layer ``layer``; stages the new tails.
+
+        ``weight`` is ``[C, K]`` (or transformers' ``[C, 1, K]``); defaults to the layer's registered weight.
+        """
+        self._check_layer(layer)
+        slots = self._slots_of(seqs, cu_seqlens)
+        if weight is None:
+            if self._conv_weights is None:
+                raise HebrusError("PLEState.conv: no weight passed and none registered")
+            weight = self._conv_weights[layer]
+        weight = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)
+        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
+        y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
+        with autocommit(self):
+            self._stage(self._staged_tails[layer], slots, new_state.to(self.conv_state.dtype))
+        return y
+
+    # ----------------------------------------------------------------------------- transactions
+    def _txn_begin(self) -> None:
+        self._staged_history = [{} for _ in range(self.num_layers)]
+        self._staged_tails = [{} for _ in range(self.num_layers)]
+        self._backup = None
+
+    def _txn_commit(self) -> None:
+        for buffer, staged_layers in ((self.history, self._staged_history), (self.conv_state, self._staged_tails)):
+            for layer, staged in enumerate(staged_layers):
+                if staged:
+                    idx = torch.tensor(list(staged), dtype=torch.int64, device=buffer.device)
+                    buffer[layer].index_copy_(0, idx, torch.stack(list(staged.values())))
+        self._txn_begin()
+
+    def _txn_rollback(self) -> None:
+        if self._backup is not None:
+            for slot, (history, tails) in self._backup["rows"].items():
+                self.history[:, slot] = history
+                self.conv_state[:, slot] = tails
+            self.slots.load(self._backup["generation"], self._backup["live"])
+            self._sync_slot_buffers()
+        self._txn_begin()
+
+    def _backup_once(self, *slots: int) -> None:
+        """Lifecycle ops change published rows in place: keep what a rollback must restore
+        (the slot table, and the rows of the slots about to change)."""
+        if self._backup is None:
+            self._backup = {"generation": self.slots.generation.clone(), "live": self.slots.live.clone(), "rows": {}}
+        for slot in slots:
+            if slot not in self._backup["rows"]:
+                self._backup["rows"][slot] = (self.history[:, slot].clone(), self.conv_state[:, slot].clone())
+
+    # ----------------------------------------------------------------------------- whole-holder state
+    def digest(self, seq: SeqHandle | None = None) -> str:
+        """sha256 of the public state: config, live slots with generations, their history and tails.
+
+        With ``seq``, of that sequence's history and tails only (not its slot), so two sequences
+        with equal state have equal digests. Free slots' contents are not state.
+        """
+        if seq is not None:
+            snap = self.snapshot(seq)
+            return blob.digest_of([("history", snap.history), ("tails", snap.conv_tails)])
+        parts: list[tuple[str, Any]] = [("config", self._config_meta())]
+        for h in self.slots.live_handles():
+            parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
+        return blob.digest_of(parts)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
+                "checksum": blob.digest_of([("history", self.history), ("conv_state", self.conv_state),
+                                            ("generation", self.generation), ("live", self.live)])}
+
+    def set_extra_state(self, state: Any) -> None:
+        # Validation happens in load_state_dict before anything is published; nothing left to do here.
+        pass
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing."""
+        if self.in_transaction:
+            raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
+        sd = dict(state_dict)
+        expect = blob.expect
+        extra = sd.get("_extra_state")
+        expect(_KIND, isinstance(extra, dict) and extra.get("format") == _KIND, "state dict lacks PLEState metadata")
+        expect(_KIND, extra.get("version") == blob.FORMAT_VERSION, f"unsupported version {extra.get('version')!r}")
+        expect(_KIND, extra.get("config") == self._config_meta(),
+               f"state dict was saved with config {extra.get('config')!r}, this holder has {self._config_meta()!r}")
+        names = ("history", "conv_state", "generation", "live")
+        for name in names:
+            mine = getattr(self, name)
+            t = sd.get(name)
+            expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
+            expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
+                   f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
+        checksum = blob.digest_of([(n, sd[n]) for n in names])
+        expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
+        expect(_KIND, bool((sd["generation"] >= 0).all()), "negative generation")
+        tokens_ok = (sd["history"] >= 0) & (sd["history"] < self.vocab_size)
+        expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
+        with torch.no_grad():
+            for name in names:
+                getattr(self, name).copy_(sd[name])
+        self.slots.load(self.generation.cpu(), self.live.cpu())
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.slots.load(self.generation.cpu(), self.live.cpu())
+        return out
+
+    # ----------------------------------------------------------------------------- internals
+    def _config_meta(self) -> dict[str, Any]:
+        return {"layers": self.num_layers, "channels": self.channels, "ngram_size": self.ngram_size,
+                "state_len": self.state_len, "kernel": self.conv_kernel_size, "dilation": self.dilation,
+                "eos": self.eos_token_id, "vocab": self.vocab_size, "dtype": str(self.conv_state.dtype),
+                "max_sequences": self.slots.capacity}
+
+    def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        meta, tensors = blob.unpack(data, _KIND)
+        blob.expect(_KIND, meta == self._config_meta(),
+                    f"blob was saved with config {meta!r}, this holder has {self._config_meta()!r}")
+        blob.expect(_KIND, set(tensors) == {"history", "conv_tails"}, f"blob holds tensors {sorted(tensors)}")
+        self._validate_seq_state(tensors["history"], tensors["conv_tails"], CorruptStateError)
+        return tensors["history"], tensors["conv_tails"]
+
+    def _validate_seq_state(self, history: torch.Tensor, tails: torch.Tensor, error: type) -> None:
+        want_tails = (self.num_layers, self.state_len, self.channels)
+        want_history = (self.num_layers, self.ngram_size - 1)
+        if tuple(history.shape) != want_history or history.dtype != torch.int64:
+            raise error(f"PLEState: history must be {list(want_history)} int64, "
+                        f"got {list(history.shape)} {history.dtype}")
+        if tuple(tails.shape) != want_tails or tails.dtype != self.conv_state.dtype:
+            raise error(f"PLEState: conv tails must be {list(want_tails)} {self.conv_state.dtype}, "
+                        f"got {list(tails.shape)} {tails.dtype}")
+        if bool(((history < 0) | (history >= self.vocab_size)).any()):
+            raise error(f"PLEState: history ids {history.tolist()} outside [0, {self.vocab_size})")
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise HebrusError(f"PLEState: layer {layer} outside [0, {self.num_layers})")
+
+    def _slots_of(self, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor) -> list[int]:
+        slots = [self.slots.check(s) for s in seqs]
+        if len(set(slots)) != len(slots):
+            raise HebrusError(f"PLEState: a sequence appears twice in one packed chunk: {list(seqs)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != len(slots) + 1:
+            raise HebrusError(f"PLEState: cu_seqlens must have {len(slots) + 1} entries for {len(slots)} sequences, "
+                              f"got shape {tuple(cu_seqlens.shape)}")
+        return slots
+
+    @staticmethod
+    def _gather(published: torch.Tensor, staged: dict[int, torch.Tensor], slots: list[int]) -> torch.Tensor:
+        """Rows of ``published`` [S, ...] by slot, with rows staged earlier in this transaction on top."""
+        out = published.index_select(0, torch.tensor(slots, dtype=torch.int64, device=published.device))
+        for i, s in enumerate(slots):
+            if s in staged:
+                out[i] = staged[s]
+        return out
+
+    @staticmethod
+    def _stage(staged: dict[int, torch.Tensor], slots: list[int], rows: torch.Tensor) -> None:
+        for i, s in enumerate(slots):
+            staged[s] = rows[i]
+
+    def _clear_slot(self, slot: int) -> None:
+        self._backup_once(slot)
+        self._drop_staged(slot)
+        self.history[:, slot] = self.eos_token_id
+        self.conv_state[:, slot] = 0
+
+    def _write_slot(self, slot: int, history: torch.Tensor, tails: torch.Tensor) -> None:
+        self._backup_once(slot)
+        self._drop_staged(slot)
+        self.history[:, slot] = history.to(self.history.device)
+        self.conv_state[:, slot] = tails.to(self.conv_state.device, self.conv_state.dtype)
+
+    def _drop_staged(self, slot: int) -> None:
+        for staged in self._staged_history + self._staged_tails:
+            staged.pop(slot, None)
+
+    def _sync_slot_buffers(self) -> None:
+        self.generation.copy_(self.slots.generation)
+        self.live.copy_(self.slots.live)

@@ -1,0 +1,21 @@
+"""Tiny random Qwen4Exp configs and modules from transformers==5.23.0 (the `hf` extra)."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip install -e .[hf])")
+from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling  # noqa: E402
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+
+
+def tiny_config(**overrides) -> "Qwen4ExpTextConfig":
+    """A small text config with two PLE layers and an indexer with a small budget."""
+    kwargs = dict(
+        vocab_size=50, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_hidden_layers=2, ple_layer_ids=[1, 2], ple_embed_dim=32, eos_token_id=3, hc_count=2,
+        ngram_vocab_size_base=1000, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        indexer_budget=8, indexer_compress_ratio=4,
+    )
+    kwargs.update(overrides)
+    return Qwen4ExpTextConfig(**kwargs)
