@@ -77,6 +77,9 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
         if bool(bad.any()):
             where = tuple(int(i) for i in torch.nonzero(bad)[0])
             raise HebrusError(f"hebrus::{op}: {name}{list(where)} = {int(t[where])} is outside [0, vocab={vocab})")
+    if bool((vocab_sizes <= 0).any()):
+        head = int(torch.nonzero(vocab_sizes <= 0)[0])
+        raise HebrusError(f"hebrus::{op}: vocab_sizes[{head}] must be positive, got {int(vocab_sizes[head])}")
     ctx = n - 1
     z, token_in_z, row_start, row_end = _packed_with_prefix(tokens, history, cu_seqlens)
     idx = torch.arange(z.shape[0], device=z.device)

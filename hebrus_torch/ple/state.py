@@ -167,6 +167,12 @@ class PLEState(torch.nn.Module, Transactional):
             self._sync_slot_buffers()
         return handle
 
+    def clear(self, seq: SeqHandle) -> None:
+        """Fresh state (history all EOS, zero tails) for a live sequence, keeping its handle."""
+        with autocommit(self):
+            self._backup_once()
+            self._clear_slot(self.slots.check(seq))
+
     def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
         """dst's history and tails become src's (as they would be published now)."""
         snap = self.snapshot(src)
@@ -331,11 +337,6 @@ class PLEState(torch.nn.Module, Transactional):
                 getattr(self, name).copy_(sd[name])
         self.slots.load(self.generation.cpu(), self.live.cpu())
         return torch.nn.modules.module._IncompatibleKeys([], [])
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        self.slots.load(self.generation.cpu(), self.live.cpu())
-        return out
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:

@@ -1,0 +1,603 @@
+// CPU kernels of hebrus::qsa_pool and hebrus::qsa_select (SPEC §3). The executable spec is
+// hebrus_torch/reference.py; these kernels follow its arithmetic step by step (fp32 accumulation,
+// casts to the key dtype where transformers casts) and mirror the messages of _validate.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hebrus_check.h"
+
+namespace hebrus {
+namespace {
+
+// Limits of the CPU kernels: per-thread scratch lives on the stack or in small fixed buffers.
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxQueryHeads = 64;
+constexpr int64_t kMaxTopK = 4096;
+// Partial sums of one dot product. Fixes the summation order (lane j sums the dims d = j mod kLanes
+// in ascending d, then lanes combine pairwise), so a score never depends on blocking or threads.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGroupTile = 64;           // pooled keys per tile, reused across a block of queries
+constexpr int64_t kQueryBlockBytes = 64 * 1024;
+constexpr int64_t kMaxQueryBlock = 32;
+constexpr int64_t kMinSplitGroups = 1024;    // smallest group range worth its own task when splitting
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+void check_dims(const at::Tensor& t, int64_t n, const char* op, const char* name) {
+  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ",
+               shape_str(t.sizes()));
+}
+
+void check_float(const at::Tensor& t, const char* op, const char* name) {
+  HEBRUS_CHECK(is_float_dtype(t.scalar_type()), HebrusError, "hebrus::", op, ": ", name,
+               " must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
+               dtype_name(t.scalar_type()));
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
+  HEBRUS_CHECK(t.scalar_type() == want, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
+               dtype_name(want), ", got ", dtype_name(t.scalar_type()));
+}
+
+void check_cpu(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  const auto& first = *tensors.begin();
+  for (const auto& [name, t] : tensors) {
+    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op, ": all tensors must be on one device; ",
+                 first.first, " is on ", first.second->device().str(), ", ", name, " is on ", t->device().str());
+  }
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Rounds an fp32 value to T and back: what a tensor op whose result has dtype T stores.
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+template <>
+inline float round_to<float>(float v) { return v; }
+
+inline float reduce_lanes(float* a) {
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2)
+    for (int64_t j = 0; j < w; ++j) a[j] += a[j + w];
+  return a[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// qsa_pool
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void pool_kernel(const T* keys, int64_t dim, const int32_t* group_cells, int64_t groups, int64_t r,
+                 const float* w_plus_one, float eps, const float* cos_f, const float* sin_f, int64_t half, T* out) {
+  const float r_f = static_cast<float>(r);
+  const float dim_f = static_cast<float>(dim);
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    float x[kMaxHeadDim];
+    float lanes[kLanes];
+    for (int64_t g = begin; g < end; ++g) {
+      const int32_t* cells = group_cells + g * r;
+      // mean_fp32 of the r raw keys: sum in member order, then divide (torch's CPU mean), cast to T.
+      for (int64_t d = 0; d < dim; ++d) x[d] = 0.f;
+      for (int64_t i = 0; i < r; ++i) {
+        const T* k = keys + static_cast<int64_t>(cells[i]) * dim;
+        for (int64_t d = 0; d < dim; ++d) x[d] += to_float(k[d]);
+      }
+      for (int64_t d = 0; d < dim; ++d) x[d] = round_to<T>(x[d] / r_f);
+      // RMSNorm in fp32 with (1 + w), cast to T.
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] = 0.f;
+      int64_t d = 0;
+      for (; d + kLanes <= dim; d += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) lanes[j] += x[d + j] * x[d + j];
+      for (int64_t j = 0; d + j < dim; ++j) lanes[j] += x[d + j] * x[d + j];
+      const float inv = 1.f / std::sqrt(reduce_lanes(lanes) / dim_f + eps);
+      for (int64_t e = 0; e < dim; ++e) x[e] = round_to<T>((x[e] * inv) * w_plus_one[e]);
+      // RoPE rotate-half on the first 2*half dims at the group's first position; every product
+      // and the sum are rounded to T, as transformers' apply_rotary_pos_emb does on T tensors.
+      T* o = out + g * dim;
+      const float* cg = cos_f + g * half;
+      const float* sg = sin_f + g * half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float c = round_to<T>(cg[j]);
+        const float s = round_to<T>(sg[j]);
+        const float x1 = x[j];
+        const float x2 = x[j + half];
+        o[j] = static_cast<T>(round_to<T>(x1 * c) + round_to<T>(-x2 * s));
+        o[j + half] = static_cast<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+      }
+      for (int64_t e = 2 * half; e < dim; ++e) o[e] = static_cast<T>(x[e]);
+    }
+  });
+}
+
+// Lowest flat index in [0, n) for which bad(i) holds, or n.
+template <typename F>
+int64_t first_bad(int64_t n, F bad) {
+  return at::parallel_reduce(
+      0, n, 4096, n,
+      [&](int64_t begin, int64_t end, int64_t found) {
+        for (int64_t i = begin; i < end && i < found; ++i)
+          if (bad(i)) return i;
+        return found;
+      },
+      [](int64_t a, int64_t b) { return std::min(a, b); });
+}
+
+at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in, const at::Tensor& group_cells_in,
+                        const at::Tensor& group_pos_in, const at::Tensor& norm_weight, double eps,
+                        const at::Tensor& inv_freq_in) {
+  const char* op = "qsa_pool";
+  check_cpu(op, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
+                 {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
+  check_dims(keys_in, 2, op, "keys");
+  check_float(keys_in, op, "keys");
+  check_dims(cell_pos_in, 1, op, "cell_pos");
+  check_dtype(cell_pos_in, at::kLong, op, "cell_pos");
+  check_dims(group_cells_in, 2, op, "group_cells");
+  check_dtype(group_cells_in, at::kInt, op, "group_cells");
+  check_dims(group_pos_in, 1, op, "group_pos");
+  check_dtype(group_pos_in, at::kLong, op, "group_pos");
+  check_dims(norm_weight, 1, op, "norm_weight");
+  check_float(norm_weight, op, "norm_weight");
+  check_dims(inv_freq_in, 1, op, "inv_freq");
+  check_dtype(inv_freq_in, at::kFloat, op, "inv_freq");
+  const int64_t cells = keys_in.size(0);
+  const int64_t dim = keys_in.size(1);
+  const int64_t groups = group_cells_in.size(0);
+  const int64_t r = group_cells_in.size(1);
+  const int64_t half = inv_freq_in.size(0);
+  HEBRUS_CHECK(cell_pos_in.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
+               cells, "), got ", cell_pos_in.size(0));
+  HEBRUS_CHECK(r >= 1, HebrusError, "hebrus::qsa_pool: group_cells must have r >= 1 columns");
+  HEBRUS_CHECK(group_pos_in.size(0) == groups, HebrusError,
+               "hebrus::qsa_pool: group_pos must have one entry per group (", groups, "), got ", group_pos_in.size(0));
+  HEBRUS_CHECK(norm_weight.size(0) == dim, HebrusError, "hebrus::qsa_pool: norm_weight must have D = ", dim,
+               " entries, got ", norm_weight.size(0));
+  HEBRUS_CHECK(2 * half <= dim, HebrusError, "hebrus::qsa_pool: rotary dims 2*", half, " exceed head dim ", dim);
+  HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::qsa_pool: eps must be >= 0, got ", eps);
+  HEBRUS_CHECK(dim <= kMaxHeadDim, HebrusError, "hebrus::qsa_pool: head dim D must be at most ", kMaxHeadDim,
+               " on CPU, got ", dim);
+
+  const at::Tensor keys = keys_in.contiguous();
+  const at::Tensor cell_pos = cell_pos_in.contiguous();
+  const at::Tensor group_cells = group_cells_in.contiguous();
+  const at::Tensor group_pos = group_pos_in.contiguous();
+  const int32_t* gc = group_cells.data_ptr<int32_t>();
+  const int64_t* cp = cell_pos.data_ptr<int64_t>();
+  const int64_t* gp = group_pos.data_ptr<int64_t>();
+
+  // Every group is checked before anything is computed: a failing call publishes nothing.
+  const int64_t members = groups * r;
+  const int64_t out_of_range = first_bad(members, [&](int64_t i) { return gc[i] < 0 || gc[i] >= cells; });
+  if (out_of_range < members) {
+    HEBRUS_CHECK(false, HebrusError, "hebrus::qsa_pool: group ", out_of_range / r, " cell ", out_of_range % r, " = ",
+                 gc[out_of_range], " is outside [0, ", cells, ")");
+  }
+  auto required = [&](int64_t i) {  // wraps like the int64 tensor add of the reference
+    return static_cast<int64_t>(static_cast<uint64_t>(gp[i / r]) + static_cast<uint64_t>(i % r));
+  };
+  const int64_t hole = first_bad(members, [&](int64_t i) { return cp[gc[i]] != required(i); });
+  if (hole < members) {
+    HEBRUS_CHECK(false, HoleError, "hebrus::qsa_pool: group ", hole / r, " starting at position ", gp[hole / r],
+                 " has position ", cp[gc[hole]], " in member ", hole % r, " where ", required(hole),
+                 " is required (a hole inside the run is not padding)");
+  }
+
+  at::Tensor out = at::empty({groups, dim}, keys.options());
+  if (groups == 0 || dim == 0) return out;
+  // cos/sin through ATen's own elementwise kernels, so they equal the reference's (and the
+  // model's rotary embedding) bit for bit; positions are converted to fp32 first, as there.
+  const at::Tensor inv_freq = inv_freq_in.contiguous();
+  const at::Tensor freqs = (group_pos.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0)).contiguous();
+  const at::Tensor cos_f = freqs.cos().contiguous();
+  const at::Tensor sin_f = freqs.sin().contiguous();
+  const at::Tensor w_plus_one = (norm_weight.to(at::kFloat) + 1.0).contiguous();
+  const float eps_f = static_cast<float>(eps);
+
+  switch (keys.scalar_type()) {
+    case at::kFloat:
+      pool_kernel<float>(keys.data_ptr<float>(), dim, gc, groups, r, w_plus_one.data_ptr<float>(), eps_f,
+                         cos_f.data_ptr<float>(), sin_f.data_ptr<float>(), half, out.data_ptr<float>());
+      break;
+    case at::kHalf:
+      pool_kernel<c10::Half>(keys.data_ptr<c10::Half>(), dim, gc, groups, r, w_plus_one.data_ptr<float>(), eps_f,
+                             cos_f.data_ptr<float>(), sin_f.data_ptr<float>(), half, out.data_ptr<c10::Half>());
+      break;
+    case at::kBFloat16:
+      pool_kernel<c10::BFloat16>(keys.data_ptr<c10::BFloat16>(), dim, gc, groups, r, w_plus_one.data_ptr<float>(),
+                                 eps_f, cos_f.data_ptr<float>(), sin_f.data_ptr<float>(), half,
+                                 out.data_ptr<c10::BFloat16>());
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_pool: unreachable dtype");
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// qsa_select
+// ---------------------------------------------------------------------------------------------
+
+// Total order of candidates: NaN first (torch's sort and topk rank NaN above every number), then
+// higher score, then lower group index. Group indices are unique, so no two candidates tie.
+inline bool better(float sa, int32_t ga, float sb, int32_t gb) {
+  const bool na = std::isnan(sa);
+  const bool nb = std::isnan(sb);
+  if (na != nb) return na;
+  if (!na && sa != sb) return sa > sb;
+  return ga < gb;
+}
+
+// The best k candidates seen so far; the root is the worst of them. O(log k) per candidate.
+struct TopK {
+  float* score;
+  int32_t* group;
+  int64_t size;
+  int64_t k;
+
+  void push(float s, int32_t g) {
+    if (size < k) {
+      int64_t pos = size++;
+      while (pos > 0) {
+        const int64_t parent = (pos - 1) / 2;
+        if (!better(score[parent], group[parent], s, g)) break;
+        score[pos] = score[parent];
+        group[pos] = group[parent];
+        pos = parent;
+      }
+      score[pos] = s;
+      group[pos] = g;
+    } else if (better(s, g, score[0], group[0])) {
+      int64_t pos = 0;
+      for (;;) {
+        int64_t child = 2 * pos + 1;
+        if (child >= size) break;
+        if (child + 1 < size && better(score[child], group[child], score[child + 1], group[child + 1])) ++child;
+        if (!better(s, g, score[child], group[child])) break;
+        score[pos] = score[child];
+        group[pos] = group[child];
+        pos = child;
+      }
+      score[pos] = s;
+      group[pos] = g;
+    }
+  }
+
+  // Selected groups in ascending order, -1 padded to top_k.
+  void write(int32_t* out, int64_t top_k) const {
+    std::copy(group, group + size, out);
+    std::sort(out, out + size);
+    std::fill(out + size, out + top_k, -1);
+  }
+};
+
+// Scores of one query (hq heads of dp floats, zero padded) against NG keys:
+// sum_h relu(q_h . k) / sqrt(D), each dot product in the fixed lane order.
+template <int NG>
+inline void score_keys(const float* q, int64_t hq, int64_t dp, const float* const* keys, float sqrt_d, float* out) {
+  float total[NG];
+  for (int n = 0; n < NG; ++n) total[n] = 0.f;
+  for (int64_t h = 0; h < hq; ++h) {
+    const float* qh = q + h * dp;
+    float acc[NG][kLanes];
+    for (int n = 0; n < NG; ++n)
+      for (int64_t j = 0; j < kLanes; ++j) acc[n][j] = 0.f;
+    for (int64_t d = 0; d < dp; d += kLanes) {
+      for (int n = 0; n < NG; ++n) {
+        const float* kn = keys[n] + d;
+        for (int64_t j = 0; j < kLanes; ++j) acc[n][j] += qh[d + j] * kn[j];
+      }
+    }
+    for (int n = 0; n < NG; ++n) {
+      const float dot = reduce_lanes(acc[n]);
+      total[n] += dot < 0.f ? 0.f : dot;  // relu that keeps NaN, like torch.relu
+    }
+  }
+  for (int n = 0; n < NG; ++n) out[n] = total[n] / sqrt_d;
+}
+
+template <typename T>
+void pack_rows(const T* src, int64_t rows, int64_t dim, int64_t dp, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* s = src + i * dim;
+    float* o = dst + i * dp;
+    for (int64_t d = 0; d < dim; ++d) o[d] = to_float(s[d]);
+    for (int64_t d = dim; d < dp; ++d) o[d] = 0.f;
+  }
+}
+
+// Converts `rows` rows of `dim` elements (contiguous) to fp32 rows of `dp` floats.
+void pack(const at::Tensor& t, int64_t first_row, int64_t rows, int64_t dim, int64_t dp, float* dst) {
+  switch (t.scalar_type()) {
+    case at::kFloat: pack_rows(t.data_ptr<float>() + first_row * dim, rows, dim, dp, dst); break;
+    case at::kHalf: pack_rows(t.data_ptr<c10::Half>() + first_row * dim, rows, dim, dp, dst); break;
+    case at::kBFloat16: pack_rows(t.data_ptr<c10::BFloat16>() + first_row * dim, rows, dim, dp, dst); break;
+    default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
+  }
+}
+
+// A block of queries of one sequence against the group range [g0, g1).
+struct Item {
+  int64_t row;
+  int64_t first;      // into `heavy`
+  int64_t count;
+  int64_t g0;
+  int64_t g1;
+  int64_t splits;     // 1: writes the output; > 1: writes candidates to slots of the block
+  int64_t split;
+  int64_t slot_base;  // candidates of (query i, split s) live in slot slot_base + s * count + i
+  int64_t cost;
+};
+
+// A query whose group range was split: merges its `splits` candidate slots.
+struct Merge {
+  int64_t t;
+  int64_t slot;    // slot of split 0
+  int64_t stride;  // slot distance between splits (the block's query count)
+  int64_t splits;
+};
+
+at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, const at::Tensor& seq_groups_in,
+                          const at::Tensor& q_row_in, const at::Tensor& q_groups_in, int64_t top_k) {
+  const char* op = "qsa_select";
+  check_cpu(op, {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in}, {"q_row", &q_row_in},
+                 {"q_groups", &q_groups_in}});
+  check_dims(q_in, 3, op, "q");
+  check_float(q_in, op, "q");
+  check_dims(pooled_in, 2, op, "pooled");
+  check_float(pooled_in, op, "pooled");
+  check_dims(seq_groups_in, 2, op, "seq_groups");
+  check_dtype(seq_groups_in, at::kInt, op, "seq_groups");
+  check_dims(q_row_in, 1, op, "q_row");
+  check_dtype(q_row_in, at::kInt, op, "q_row");
+  check_dims(q_groups_in, 1, op, "q_groups");
+  check_dtype(q_groups_in, at::kInt, op, "q_groups");
+  const int64_t tq = q_in.size(0);
+  const int64_t hq = q_in.size(1);
+  const int64_t dim = q_in.size(2);
+  const int64_t rows = pooled_in.size(0);
+  const int64_t batch = seq_groups_in.size(0);
+  const int64_t max_g = seq_groups_in.size(1);
+  HEBRUS_CHECK(dim == pooled_in.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim,
+               " must equal pooled dim ", pooled_in.size(1));
+  HEBRUS_CHECK(q_row_in.size(0) == tq && q_groups_in.size(0) == tq, HebrusError,
+               "hebrus::qsa_select: q_row and q_groups must have Tq = ", tq, " entries, got ", q_row_in.size(0),
+               " and ", q_groups_in.size(0));
+  HEBRUS_CHECK(top_k >= 1, HebrusError, "hebrus::qsa_select: top_k must be >= 1, got ", top_k);
+  HEBRUS_CHECK(top_k <= kMaxTopK, HebrusError, "hebrus::qsa_select: top_k must be at most ", kMaxTopK,
+               " on CPU, got ", top_k);
+  HEBRUS_CHECK(hq <= kMaxQueryHeads, HebrusError, "hebrus::qsa_select: query heads Hq must be at most ",
+               kMaxQueryHeads, " on CPU, got ", hq);
+  HEBRUS_CHECK(dim <= kMaxHeadDim, HebrusError, "hebrus::qsa_select: head dim D must be at most ", kMaxHeadDim,
+               " on CPU, got ", dim);
+
+  at::Tensor out = at::full({tq, top_k}, -1, q_in.options().dtype(at::kInt));
+  if (tq == 0) return out;
+
+  const at::Tensor q_row_t = q_row_in.contiguous();
+  const at::Tensor q_groups_t = q_groups_in.contiguous();
+  const at::Tensor seq_groups_t = seq_groups_in.contiguous();
+  const int32_t* q_row = q_row_t.data_ptr<int32_t>();
+  const int32_t* q_groups = q_groups_t.data_ptr<int32_t>();
+  const int32_t* seq_groups = seq_groups_t.data_ptr<int32_t>();
+
+  // Values are checked in the reference's order, all before any output is written.
+  for (int64_t t = 0; t < tq; ++t) {
+    HEBRUS_CHECK(q_row[t] >= 0 && q_row[t] < batch, HebrusError, "hebrus::qsa_select: q_row[", t, "] = ", q_row[t],
+                 " is outside [0, B=", batch, ")");
+  }
+  for (int64_t t = 0; t < tq; ++t) {
+    HEBRUS_CHECK(q_groups[t] >= 0 && q_groups[t] <= max_g, HebrusError, "hebrus::qsa_select: q_groups[", t, "] = ",
+                 q_groups[t], " is outside [0, maxG=", max_g, "]");
+  }
+  std::vector<int64_t> needed(batch, 0);   // groups visible to the queries of each row
+  std::vector<int64_t> n_heavy(batch, 0);  // queries that must rank: more visible groups than top_k
+  for (int64_t t = 0; t < tq; ++t) {
+    needed[q_row[t]] = std::max<int64_t>(needed[q_row[t]], q_groups[t]);
+    if (q_groups[t] > top_k) ++n_heavy[q_row[t]];
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t* sg = seq_groups + b * max_g;
+    for (int64_t g = 0; g < needed[b]; ++g) {
+      HEBRUS_CHECK(sg[g] >= 0 && sg[g] < rows, HebrusError, "hebrus::qsa_select: seq_groups[", b, ", ", g, "] = ",
+                   sg[g], " is outside [0, rows=", rows, "); the first ", needed[b], " groups of row ", b,
+                   " are visible to its queries");
+    }
+  }
+
+  int32_t* out_p = out.data_ptr<int32_t>();
+  // A query that sees at most top_k groups selects all of them, whatever the scores.
+  at::parallel_for(0, tq, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (q_groups[t] > top_k) continue;
+      for (int32_t g = 0; g < q_groups[t]; ++g) out_p[t * top_k + g] = g;
+    }
+  });
+
+  // Queries that rank, grouped by row (ascending t within a row).
+  std::vector<int64_t> row_start(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) row_start[b + 1] = row_start[b] + n_heavy[b];
+  const int64_t heavy_total = row_start[batch];
+  if (heavy_total == 0) return out;
+  std::vector<int64_t> heavy(heavy_total);
+  {
+    std::vector<int64_t> fill(row_start.begin(), row_start.end() - 1);
+    for (int64_t t = 0; t < tq; ++t)
+      if (q_groups[t] > top_k) heavy[fill[q_row[t]]++] = t;
+  }
+
+  const int64_t dp = (dim + kLanes - 1) / kLanes * kLanes;
+  const int64_t q_bytes = std::max<int64_t>(1, hq) * std::max<int64_t>(dp, kLanes) * 4;
+  const int64_t qb = std::clamp<int64_t>(kQueryBlockBytes / q_bytes, 1, kMaxQueryBlock);
+  const int num_threads = std::max(1, at::get_num_threads());
+
+  // Work items: blocks of qb queries of one row; when there are fewer blocks than threads
+  // (decode), a single-block row is also split over group ranges and merged afterwards.
+  int64_t n_blocks = 0;
+  for (int64_t b = 0; b < batch; ++b) n_blocks += (n_heavy[b] + qb - 1) / qb;
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  int64_t slots = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t first = row_start[b]; first < row_start[b + 1]; first += qb) {
+      const int64_t count = std::min(qb, row_start[b + 1] - first);
+      int64_t groups_seen = 0;
+      for (int64_t i = 0; i < count; ++i) groups_seen = std::max<int64_t>(groups_seen, q_groups[heavy[first + i]]);
+      int64_t splits = 1;
+      if (n_blocks < num_threads && n_heavy[b] <= qb) {
+        splits = std::min<int64_t>((2 * num_threads + n_blocks - 1) / n_blocks,
+                                   (groups_seen + kMinSplitGroups - 1) / kMinSplitGroups);
+        splits = std::max<int64_t>(splits, 1);
+      }
+      const int64_t span = (groups_seen + splits - 1) / splits;
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t g0 = s * span;
+        const int64_t g1 = std::min(groups_seen, g0 + span);
+        items.push_back({b, first, count, g0, g1, splits, s, slots, count * std::max<int64_t>(g1 - g0, 0)});
+      }
+      if (splits > 1) {
+        for (int64_t i = 0; i < count; ++i) merges.push_back({heavy[first + i], slots + i, count, splits});
+        slots += splits * count;
+      }
+    }
+  }
+  // Longest first, so the dynamic schedule below balances causal prefill (later blocks see more).
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  std::vector<float> cand_score(slots * top_k);
+  std::vector<int32_t> cand_group(slots * top_k);
+  std::vector<int64_t> cand_size(slots, 0);
+
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor pooled = pooled_in.contiguous();
+  const bool q_direct = q.scalar_type() == at::kFloat && dim == dp;
+  const bool k_direct = pooled.scalar_type() == at::kFloat && dim == dp;
+  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(dim)));
+
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(num_threads, n_items), 1, [&](int64_t, int64_t) {
+    // Per-thread scratch, reused for every item this thread takes.
+    std::vector<float> qbuf(q_direct ? 0 : qb * std::max<int64_t>(hq, 1) * dp);
+    std::vector<float> kbuf(k_direct ? 0 : kGroupTile * dp);
+    std::vector<float> heap_score(qb * top_k);
+    std::vector<int32_t> heap_group(qb * top_k);
+    const float* qptr[kMaxQueryBlock];
+    const float* kptr[kGroupTile];
+    float scores[kGroupTile];
+    TopK heaps[kMaxQueryBlock];
+    for (;;) {
+      const int64_t index = next.fetch_add(1);
+      if (index >= n_items) break;
+      const Item& it = items[index];
+      int64_t g_end = 0;
+      for (int64_t i = 0; i < it.count; ++i) {
+        const int64_t t = heavy[it.first + i];
+        if (q_direct) {
+          qptr[i] = q.data_ptr<float>() + t * hq * dim;
+        } else {
+          pack(q, t * hq, hq, dim, dp, qbuf.data() + i * hq * dp);
+          qptr[i] = qbuf.data() + i * hq * dp;
+        }
+        const int64_t slot = it.slot_base + it.split * it.count + i;
+        float* hs = it.splits > 1 ? cand_score.data() + slot * top_k : heap_score.data() + i * top_k;
+        int32_t* hg = it.splits > 1 ? cand_group.data() + slot * top_k : heap_group.data() + i * top_k;
+        heaps[i] = TopK{hs, hg, 0, top_k};
+        g_end = std::max<int64_t>(g_end, q_groups[t]);
+      }
+      g_end = std::min(g_end, it.g1);
+      const int32_t* sg = seq_groups + it.row * max_g;
+      for (int64_t gs = it.g0; gs < g_end; gs += kGroupTile) {
+        const int64_t ge = std::min(gs + kGroupTile, g_end);
+        for (int64_t g = gs; g < ge; ++g) {
+          if (k_direct) {
+            kptr[g - gs] = pooled.data_ptr<float>() + static_cast<int64_t>(sg[g]) * dim;
+          } else {
+            pack(pooled, sg[g], 1, dim, dp, kbuf.data() + (g - gs) * dp);
+            kptr[g - gs] = kbuf.data() + (g - gs) * dp;
+          }
+        }
+        for (int64_t i = 0; i < it.count; ++i) {
+          const int64_t stop = std::min<int64_t>(ge, q_groups[heavy[it.first + i]]);
+          if (stop <= gs) continue;
+          const int64_t n = stop - gs;
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4) score_keys<4>(qptr[i], hq, dp, kptr + j, sqrt_d, scores + j);
+          for (; j < n; ++j) score_keys<1>(qptr[i], hq, dp, kptr + j, sqrt_d, scores + j);
+          for (j = 0; j < n; ++j) heaps[i].push(scores[j], static_cast<int32_t>(gs + j));
+        }
+      }
+      for (int64_t i = 0; i < it.count; ++i) {
+        if (it.splits > 1) {
+          cand_size[it.slot_base + it.split * it.count + i] = heaps[i].size;
+        } else {
+          heaps[i].write(out_p + heavy[it.first + i] * top_k, top_k);
+        }
+      }
+    }
+  });
+
+  if (!merges.empty()) {
+    // Exact merge: each split kept its own best top_k, so the union holds the global best top_k,
+    // and the strict candidate order makes the result independent of how groups were split.
+    at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> hs(top_k);
+      std::vector<int32_t> hg(top_k);
+      for (int64_t m = begin; m < end; ++m) {
+        const Merge& mg = merges[m];
+        TopK heap{hs.data(), hg.data(), 0, top_k};
+        for (int64_t sp = 0; sp < mg.splits; ++sp) {
+          const int64_t slot = mg.slot + sp * mg.stride;
+          for (int64_t j = 0; j < cand_size[slot]; ++j)
+            heap.push(cand_score[slot * top_k + j], cand_group[slot * top_k + j]);
+        }
+        heap.write(out_p + mg.t * top_k, top_k);
+      }
+    });
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace hebrus
+
+TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
+  m.impl("qsa_pool", &hebrus::qsa_pool_cpu);
+  m.impl("qsa_select", &hebrus::qsa_select_cpu);
+}

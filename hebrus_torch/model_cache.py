@@ -1,0 +1,359 @@
+"""ModelCache: the one object a runtime holds per model, over a QSACache and a PLEState (SPEC §4)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from .errors import HebrusError
+from .ple.state import PLESnapshot, PLEState
+from .state import blob
+from .state.handles import SeqHandle, SlotTable
+from .state.transaction import Transactional, transaction
+
+_KIND = "hebrus_torch.ModelCache"
+
+
+@dataclass
+class Batch:
+    """A packed chunk of several sequences: rows in ``seqs`` order.
+
+    Attributes:
+        seqs: one handle per row.
+        tokens: Tensor[T] int64, the rows' tokens back to back.
+        cu_seqlens: Tensor[B+1] int32, row boundaries.
+        first_positions: per row, the position of its first token when the sequence is still empty
+            (left padding / an offset start); None means "0 if empty, else frontier + 1".
+    """
+
+    seqs: list[SeqHandle]
+    tokens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    first_positions: list[int | None] = field(default_factory=list)
+
+    @classmethod
+    def pack(cls, rows: Mapping[SeqHandle, torch.Tensor | Sequence[int]], *,
+             first_positions: Mapping[SeqHandle, int] | None = None,
+             device: torch.device | str | None = None) -> "Batch":
+        """Pack ``{handle: tokens}`` into one batch (insertion order = row order)."""
+        seqs = list(rows)
+        token_rows = [torch.as_tensor(rows[s], dtype=torch.int64).reshape(-1) for s in seqs]
+        if device is None:
+            device = token_rows[0].device if token_rows else "cpu"
+        lengths = torch.tensor([0] + [t.numel() for t in token_rows], dtype=torch.int64)
+        cu = lengths.cumsum(0).to(torch.int32).to(device)
+        tokens = torch.cat(token_rows).to(device) if token_rows else torch.empty(0, dtype=torch.int64, device=device)
+        firsts = [(first_positions or {}).get(s) for s in seqs]
+        return cls(seqs, tokens, cu, firsts)
+
+    @property
+    def counts(self) -> list[int]:
+        cu = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+class ChunkStep:
+    """What a model's layers call inside ``ModelCache.transaction(batch)``.
+
+    Layer indices are the model's decoder-layer indices; the step maps them to PLE and QSA layers.
+    Every call stages its state change; nothing is visible until the transaction commits.
+    """
+
+    def __init__(self, cache: "ModelCache", batch: Batch):
+        self.cache, self.batch = cache, batch
+        for seq in batch.seqs:
+            cache.slots.check(seq)
+        if len(set(batch.seqs)) != len(batch.seqs):
+            raise HebrusError(f"ModelCache: a sequence appears twice in one batch: {batch.seqs}")
+        self.chunk = None
+        if cache.qsa is not None:
+            self.chunk = cache.qsa.reserve(batch.seqs, batch.counts, batch.first_positions or None)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Tensor[T] int64: the logical position of every packed token (None without a QSA cache)."""
+        return None if self.chunk is None else self.chunk.positions
+
+    def ple_ngram_ids(self, layer_idx: int) -> torch.Tensor:
+        """``hebrus::ple_ngram_ids`` for the batch's tokens: Tensor[T, (N-1)*H] int64."""
+        ple = self.cache._need("ple")
+        return ple.ngram_ids(self.cache._ple_layer(layer_idx), self.batch.seqs, self.batch.tokens,
+                             self.batch.cu_seqlens)
+
+    def ple_conv(self, layer_idx: int, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``hebrus::ple_conv`` of the conv input x: Tensor[T, C] -> Tensor[T, C]; tails staged."""
+        ple = self.cache._need("ple")
+        return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, x, self.batch.cu_seqlens, weight)
+
+    def qsa_write(self, layer_idx: int, index_keys: torch.Tensor, k: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None) -> None:
+        """Write the chunk's raw indexer keys Tensor[T, D] (and K/V) for one layer; pools completed groups."""
+        qsa = self.cache._need("qsa")
+        qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, index_keys, k, v)
+
+    def qsa_select(self, layer_idx: int, q_index: torch.Tensor, top_k: int | None = None):
+        """Selection plan (``QSAPlan``) for one query per packed token: q_index Tensor[T, Hq, D]."""
+        qsa = self.cache._need("qsa")
+        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index,
+                        top_k if top_k is not None else self.cache.top_k)
+
+
+class ModelCache(torch.nn.Module, Transactional):
+    """Issues the handles both holders use and forwards every lifecycle operation to both, atomically.
+
+    PLE goes first in each operation because it can refuse (a partial rewind needs a PLE snapshot
+    at that position). Either holder may be None for a model without that path.
+
+    Args:
+        qsa: a ``QSACache`` or None.
+        ple: a ``PLEState`` or None.
+        top_k: default number of groups ``ChunkStep.qsa_select`` keeps (``indexer_budget // r``).
+        keep_snapshots: PLE snapshots kept automatically per sequence, taken at the start of each
+            transaction (what ``rewind`` into the last chunks needs); 0 keeps only explicit
+            :meth:`checkpoint` snapshots. Each costs ``layers * L * C`` elements.
+    """
+
+    def __init__(self, qsa=None, ple: PLEState | None = None, *, top_k: int | None = None,
+                 keep_snapshots: int = 0):
+        super().__init__()
+        if qsa is None and ple is None:
+            raise HebrusError("ModelCache needs a qsa cache, a ple state, or both")
+        self.qsa, self.ple = qsa, ple
+        capacities = [h.slots.capacity for h in (qsa, ple) if h is not None]
+        self.slots = SlotTable(min(capacities), "ModelCache")
+        self.top_k = top_k
+        self.keep_snapshots = keep_snapshots
+        self._snapshots: dict[int, list[PLESnapshot]] = {}
+        self._backup: tuple | None = None
+
+    @classmethod
+    def from_transformers(cls, model: torch.nn.Module, *, capacity_tokens: int, max_sequences: int = 64,
+                          with_kv: bool = False, window: int | None = None, keep_snapshots: int = 0) -> "ModelCache":
+        """Both holders for a transformers Qwen4Exp model, in one call."""
+        from .qsa.cache import QSACache
+
+        text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        config = text.config
+        has_indexer = "indexed_attention" in config.layer_types
+        qsa = QSACache.from_transformers(model, capacity_tokens=capacity_tokens, max_sequences=max_sequences,
+                                         with_kv=with_kv, window=window) if has_indexer else None
+        ple = PLEState.from_transformers(model, max_sequences=max_sequences) if config.ple_layer_ids else None
+        top_k = config.indexer_budget // config.indexer_compress_ratio if has_indexer else None
+        return cls(qsa=qsa, ple=ple, top_k=top_k, keep_snapshots=keep_snapshots)
+
+    # ----------------------------------------------------------------------------- holders
+    @property
+    def holders(self) -> list:
+        """PLE first: it is the one that can refuse."""
+        return [h for h in (self.ple, self.qsa) if h is not None]
+
+    def _need(self, name: str):
+        holder = getattr(self, name)
+        if holder is None:
+            raise HebrusError(f"ModelCache: this model has no {name} holder")
+        return holder
+
+    @staticmethod
+    def _layer_index(holder, layer_idx: int, what: str) -> int:
+        ids = getattr(holder, "layer_ids", None)
+        if ids is None:
+            return layer_idx
+        if layer_idx not in ids:
+            raise HebrusError(f"ModelCache: decoder layer {layer_idx} has no {what} (layers with one: {ids})")
+        return ids.index(layer_idx)
+
+    def _ple_layer(self, layer_idx: int) -> int:
+        return self._layer_index(self.ple, layer_idx, "PLE")
+
+    def _qsa_layer(self, layer_idx: int) -> int:
+        return self._layer_index(self.qsa, layer_idx, "indexer")
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        if self.in_transaction:
+            yield
+        else:
+            with transaction(self, *self.holders):
+                yield
+
+    # ----------------------------------------------------------------------------- transactions
+    @contextlib.contextmanager
+    def transaction(self, batch: Batch | None = None) -> Iterator[ChunkStep | None]:
+        """Open one transaction over both holders; with a batch, reserve its positions and yield a ChunkStep.
+
+        Leaving the block publishes every layer's new state at once; an exception publishes nothing.
+        """
+        with transaction(self, *self.holders):
+            if batch is not None and self.keep_snapshots and self.ple is not None:
+                for seq in batch.seqs:
+                    self._remember(seq, self.ple.snapshot(seq, self._next_position(seq)))
+            yield ChunkStep(self, batch) if batch is not None else None
+
+    def _txn_begin(self) -> None:
+        self._backup = (self.slots.generation.clone(), self.slots.live.clone(),
+                        {k: list(v) for k, v in self._snapshots.items()})
+
+    def _txn_commit(self) -> None:
+        self._backup = None
+
+    def _txn_rollback(self) -> None:
+        generation, live, snapshots = self._backup
+        self.slots.load(generation, live)
+        self._snapshots = snapshots
+        self._backup = None
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def new_sequence(self) -> SeqHandle:
+        with self._atomic():
+            handle = self.slots.claim()
+            for holder in self.holders:
+                holder.new_sequence(handle)
+        return handle
+
+    def free(self, seq: SeqHandle) -> None:
+        with self._atomic():
+            self.slots.check(seq)
+            for holder in self.holders:
+                holder.free(seq)
+            self.slots.release(seq)
+            self._snapshots.pop(seq.slot, None)
+
+    def reset(self, seq: SeqHandle) -> SeqHandle:
+        """Empty the sequence; returns its new handle (the slot's generation is bumped)."""
+        with self._atomic():
+            self.free(seq)
+            handle = SeqHandle(seq.slot, seq.generation + 1)
+            self.slots.claim(handle)
+            for holder in self.holders:
+                holder.new_sequence(handle)
+        return handle
+
+    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
+        with self._atomic():
+            self.slots.check(src), self.slots.check(dst)
+            for holder in self.holders:
+                holder.copy(src, dst)
+            self._snapshots[dst.slot] = [PLESnapshot(dst, s.position, s.history, s.conv_tails)
+                                         for s in self._snapshots.get(src.slot, [])]
+
+    def fork(self, src: SeqHandle) -> SeqHandle:
+        with self._atomic():
+            self.slots.check(src)
+            handle = self.new_sequence()
+            self.copy(src, handle)
+        return handle
+
+    def keep(self, seq: SeqHandle) -> None:
+        """Free every sequence but ``seq``."""
+        with self._atomic():
+            self.slots.check(seq)
+            for other in self.slots.live_handles():
+                if other != seq:
+                    self.free(other)
+
+    def checkpoint(self, seq: SeqHandle) -> PLESnapshot:
+        """Keep a PLE snapshot at the sequence's current frontier, so that ``rewind`` can return here."""
+        snap = self._need("ple").snapshot(seq, self._next_position(seq))
+        self._remember(seq, snap, bound=False)
+        return snap
+
+    def rewind(self, seq: SeqHandle, p: int) -> None:
+        """Drop positions >= p in both holders, or refuse and change nothing.
+
+        Dropping everything clears the PLE state; a partial rewind needs a PLE snapshot taken at
+        position p (:meth:`checkpoint`, or ``keep_snapshots``).
+        """
+        self.slots.check(seq)
+        if self.qsa is None:
+            raise HebrusError("ModelCache.rewind: positions live in the QSA cache; this model has none")
+        p0, n = self.qsa.run(seq)
+        if p >= p0 + n:
+            return
+        with self._atomic():
+            if self.ple is not None:
+                if p <= p0 or n == 0:
+                    self.ple.clear(seq)
+                else:
+                    snap = next((s for s in self._snapshots.get(seq.slot, []) if s.position == p), None)
+                    if snap is None:
+                        kept = [s.position for s in self._snapshots.get(seq.slot, [])]
+                        raise HebrusError(f"ModelCache.rewind: {seq} to position {p} needs a PLE snapshot at {p} "
+                                          f"(a conv tail cannot be recomputed backwards); snapshots kept at {kept}")
+                    self.ple.restore(seq, snap)
+            self.qsa.rewind(seq, p)
+            self._snapshots[seq.slot] = [s for s in self._snapshots.get(seq.slot, []) if s.position <= p]
+
+    def remove(self, seq: SeqHandle, p0: int, p1: int) -> None:
+        """seq_rm over [p0, p1) (p1 = -1: to the end): a prefix, a suffix (= rewind) or all."""
+        self.slots.check(seq)
+        q0, n = self._need("qsa").run(seq)
+        end = q0 + n if p1 < 0 else p1
+        if n and p0 > q0 and end >= q0 + n:
+            self.rewind(seq, p0)
+            return
+        with self._atomic():
+            self.qsa.remove(seq, p0, p1)
+            if self.ple is not None and self.qsa.run(seq)[1] == 0:
+                self.ple.clear(seq)
+
+    def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
+        """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move too)."""
+        with self._atomic():
+            self.slots.check(seq)
+            self._need("qsa").shift(seq, p0, p1, delta)
+            self._snapshots[seq.slot] = [PLESnapshot(s.handle, s.position + delta, s.history, s.conv_tails)
+                                         for s in self._snapshots.get(seq.slot, [])]
+
+    def save(self, seq: SeqHandle) -> bytes:
+        """One sequence of both holders as bytes (no pickle; see hebrus_torch.state.blob)."""
+        self.slots.check(seq)
+        parts = {name: torch.frombuffer(bytearray(h.save(seq)), dtype=torch.uint8)
+                 for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None}
+        return blob.pack(_KIND, {"holders": sorted(parts)}, parts)
+
+    def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
+        """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle."""
+        meta, parts = blob.unpack(data, _KIND)
+        names = sorted(n for n, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None)
+        blob.expect(_KIND, meta.get("holders") == names and sorted(parts) == names,
+                    f"blob holds {meta.get('holders')!r}, this cache has {names}")
+        with self._atomic():
+            handle = self.slots.claim(seq)
+            if self.ple is not None:
+                self.ple.new_sequence(handle)
+                self.ple.restore(handle, parts["ple"].numpy().tobytes())
+            if self.qsa is not None:
+                self.qsa.restore(handle, parts["qsa"].numpy().tobytes())
+        return handle
+
+    def digest(self) -> str:
+        """sha256 over both holders' digests and the handle table."""
+        return blob.digest_of([("slots", [[h.slot, h.generation] for h in self.slots.live_handles()])] +
+                              [(type(h).__name__, h.digest()) for h in self.holders])
+
+    # ----------------------------------------------------------------------------- internals
+    def _next_position(self, seq: SeqHandle) -> int | None:
+        if self.qsa is None:
+            return None
+        p0, n = self.qsa.run(seq)
+        return p0 + n if n else None
+
+    def _remember(self, seq: SeqHandle, snap: PLESnapshot, bound: bool = True) -> None:
+        kept = [s for s in self._snapshots.get(seq.slot, []) if s.position != snap.position] + [snap]
+        if bound and self.keep_snapshots:
+            kept = kept[-self.keep_snapshots:]
+        self._snapshots[seq.slot] = kept
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"generation": self.slots.generation.tolist(), "live": self.slots.live.tolist()}
+
+    def set_extra_state(self, state: Any) -> None:
+        ok = (isinstance(state, dict) and isinstance(state.get("generation"), list)
+              and isinstance(state.get("live"), list) and len(state["generation"]) == self.slots.capacity
+              and len(state["live"]) == self.slots.capacity)
+        blob.expect(_KIND, ok, "state dict has no valid handle table")
+        self.slots.load(torch.tensor(state["generation"], dtype=torch.int64),
+                        torch.tensor(state["live"], dtype=torch.bool))

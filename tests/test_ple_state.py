@@ -1,0 +1,255 @@
+"""PLEState: chunk invariance, isolation, EOS, transactions, lifecycle, saved state (SPEC §4, §5)."""
+
+import random
+
+import pytest
+import torch
+
+import hebrus_torch as ht
+from hebrus_torch.errors import CorruptStateError, HebrusError, StaleHandleError
+
+VOCAB, EOS, CHANNELS, LAYERS = 40, 2, 24, 2
+
+
+def make_state(device="cpu", dtype=torch.float32, max_sequences=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [ht.PLEHashParams(torch.randint(1, 1 << 40, (3,), generator=g) * 2 + 1,
+                               torch.tensor([101, 103, 107, 109, 113, 127, 131, 137])[: 2 * 2 + 2 * 2],
+                               torch.arange(8) * 200)
+              for _ in range(LAYERS)]
+    weights = [torch.randn(CHANNELS, 4, generator=g).to(dtype) for _ in range(LAYERS)]
+    return ht.PLEState(LAYERS, CHANNELS, vocab_size=VOCAB, eos_token_id=EOS, ngram_size=3, conv_kernel_size=4,
+                       max_sequences=max_sequences, dtype=dtype, device=device,
+                       hash_params=params, conv_weights=[w.to(device) for w in weights])
+
+
+def stream(n, seed, eos_every=7):
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, VOCAB, (n,), generator=g)
+    toks[::eos_every] = EOS
+    return toks
+
+
+def run_chunk(state, seqs, token_rows, x_rows, device):
+    """One packed chunk through every layer; returns per-layer (ids, y) split per row."""
+    cu = torch.tensor([0] + list(torch.tensor([len(t) for t in token_rows]).cumsum(0)), dtype=torch.int32,
+                      device=device)
+    tokens = torch.cat(token_rows).to(device)
+    x = torch.cat(x_rows).to(device)
+    outs = []
+    with ht.transaction(state):
+        for layer in range(state.num_layers):
+            ids = state.ngram_ids(layer, seqs, tokens, cu)
+            y = state.conv(layer, seqs, x * (layer + 1), cu)
+            outs.append((ids, y))
+    return outs
+
+
+def feed(state, seq, tokens, x, cuts, device):
+    """Feed one sequence in chunks ending at ``cuts``; returns concatenated ids and y per layer."""
+    ids = [[] for _ in range(state.num_layers)]
+    ys = [[] for _ in range(state.num_layers)]
+    start = 0
+    for stop in list(cuts) + [len(tokens)]:
+        if stop <= start:
+            continue
+        for layer, (i, y) in enumerate(run_chunk(state, [seq], [tokens[start:stop]], [x[start:stop]], device)):
+            ids[layer].append(i)
+            ys[layer].append(y)
+        start = stop
+    return [torch.cat(i) for i in ids], [torch.cat(y) for y in ys]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_invariance_bitwise(device, dtype):
+    n = 23
+    tokens = stream(n, 1)
+    x = torch.randn(n, CHANNELS, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rng = random.Random(3)
+    plans = {"one_shot": [], "1/2/1": [], "random": sorted(rng.sample(range(1, n), 6))}
+    pattern, pos = [1, 2, 1], 0
+    while pos < n:
+        pos += pattern[len(plans["1/2/1"]) % 3]
+        plans["1/2/1"].append(min(pos, n))
+    results = {}
+    for name, cuts in plans.items():
+        state = make_state(device, dtype)
+        seq = state.new_sequence()
+        ids, ys = feed(state, seq, tokens, x, cuts, device)
+        results[name] = (ids, ys, state.digest(), state.snapshot(seq))
+    base = results["one_shot"]
+    for name, (ids, ys, digest, snap) in results.items():
+        for layer in range(LAYERS):
+            assert torch.equal(ids[layer], base[0][layer]), name
+            assert torch.equal(ys[layer], base[1][layer]), name
+        assert torch.equal(snap.history, base[3].history) and torch.equal(snap.conv_tails, base[3].conv_tails), name
+        assert digest == base[2], name
+
+
+def test_isolation_and_untouched_slots(device):
+    state = make_state(device)
+    a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()
+    feed(state, c, stream(5, 9), torch.randn(5, CHANNELS), [], device)
+    c_digest = state.digest(c)
+    ta, tb = stream(11, 4), stream(6, 5)
+    xa, xb = torch.randn(11, CHANNELS), torch.randn(6, CHANNELS)
+    packed = run_chunk(state, [a, b], [ta, tb], [xa, xb], device)
+    solo = make_state(device)
+    sa = solo.new_sequence()
+    alone = run_chunk(solo, [sa], [ta], [xa], device)
+    for layer in range(LAYERS):
+        assert torch.equal(packed[layer][0][:11], alone[layer][0])
+        assert torch.equal(packed[layer][1][:11], alone[layer][1])
+    assert state.digest(a) == solo.digest(sa)
+    assert state.digest(c) == c_digest
+
+
+def test_eos_resets_history_not_conv_tail(device):
+    state = make_state(device)
+    tail = torch.tensor([7, 8, 9, 10, 11])
+    prefix = torch.tensor([5, 6, 12, EOS])
+    a = state.new_sequence()
+    ids_a, _ = feed(state, a, torch.cat([prefix, tail]), torch.randn(9, CHANNELS), [2], device)
+    fresh = make_state(device)
+    b = fresh.new_sequence()
+    ids_b, _ = feed(fresh, b, tail, torch.randn(5, CHANNELS), [], device)
+    for layer in range(LAYERS):
+        assert torch.equal(ids_a[layer][4:], ids_b[layer])
+    # The conv tail carries across EOS: it holds the inputs before the EOS, not zeros.
+    snap = state.snapshot(a)
+    assert bool((snap.conv_tails[:, :4] != 0).any())
+
+
+def test_failure_after_some_layers_rolls_back_every_layer(device):
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(6, 1), torch.randn(6, CHANNELS), [], device)
+    before = state.digest()
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="injected"):
+        with ht.transaction(state):
+            state.ngram_ids(0, [a, b], stream(5, 2).to(device), cu)
+            state.conv(0, [a, b], torch.randn(5, CHANNELS, device=device), cu)
+            state.conv(1, [a, b], torch.randn(5, CHANNELS, device=device), cu)
+            state.free(b)
+            raise RuntimeError("injected failure after two layers")
+    assert state.digest() == before
+    state.snapshot(b)  # still live
+
+
+def test_lifecycle_copy_fork_reset_free(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    feed(state, a, stream(9, 3), torch.randn(9, CHANNELS), [4], device)
+    f = state.fork(a)
+    assert state.digest(f) == state.digest(a)
+    b = state.new_sequence()
+    state.copy(a, b)
+    assert state.digest(b) == state.digest(a)
+    r = state.reset(a)
+    assert r.slot == a.slot and r.generation == a.generation + 1
+    with pytest.raises(StaleHandleError, match="stale"):
+        state.snapshot(a)
+    fresh = make_state(device)
+    assert state.digest(r) == fresh.digest(fresh.new_sequence())
+    state.free(b)
+    with pytest.raises(StaleHandleError):
+        state.free(b)
+    with pytest.raises(ht.CapacityError):
+        for _ in range(5):
+            state.new_sequence()
+
+
+def test_snapshot_restore_for_rewind(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    tokens, x = stream(12, 6), torch.randn(12, CHANNELS)
+    feed(state, a, tokens[:7], x[:7], [], device)
+    snap = state.snapshot(a, position=7)
+    ids1, y1 = feed(state, a, tokens[7:], x[7:], [], device)
+    state.restore(a, snap)
+    ids2, y2 = feed(state, a, tokens[7:], x[7:], [2], device)
+    for layer in range(LAYERS):
+        assert torch.equal(ids1[layer], ids2[layer]) and torch.equal(y1[layer], y2[layer])
+
+
+def test_save_restore_and_corrupt_blobs(device):
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    data = state.save(a)
+    state.restore(b, data)
+    assert state.digest(b) == state.digest(a)
+    before = state.digest()
+    tampered = bytearray(data)
+    tampered[len(tampered) // 2] ^= 0x10
+    for bad, pattern in [(data[:-5], "checksum|truncated"), (data[:10], "truncated"), (bytes(tampered), "checksum"),
+                         (b"not a blob at all, really not" * 3, "magic")]:
+        with pytest.raises(CorruptStateError, match=pattern):
+            state.restore(b, bad)
+        assert state.digest() == before
+    other = ht.PLEState(1, 8, vocab_size=VOCAB, eos_token_id=EOS)
+    with pytest.raises(CorruptStateError, match="config"):
+        other.restore(other.new_sequence(), data)
+
+
+def test_state_dict_roundtrip_and_validation(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    sd = state.state_dict()
+    copy = make_state(device)
+    copy.load_state_dict(sd)
+    assert copy.digest() == state.digest()
+    assert copy.snapshot(a) is not None  # the handle is valid in the copy
+    before = copy.digest()
+    bad = dict(sd)
+    bad["conv_state"] = sd["conv_state"].clone()
+    bad["conv_state"][0, 0, 0, 0] += 1
+    with pytest.raises(CorruptStateError, match="checksum"):
+        copy.load_state_dict(bad)
+    bad = dict(sd)
+    bad["history"] = sd["history"][:, :2]
+    with pytest.raises(CorruptStateError, match="history"):
+        copy.load_state_dict(bad)
+    bad = {k: v for k, v in sd.items() if k != "_extra_state"}
+    with pytest.raises(CorruptStateError, match="metadata"):
+        copy.load_state_dict(bad)
+    assert copy.digest() == before
+
+
+def test_bad_input_changes_nothing(device):
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    before = state.digest()
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    with pytest.raises(HebrusError, match="outside"):
+        state.ngram_ids(0, [a, b], torch.tensor([1, 2, 3, VOCAB], device=device), cu)
+    with pytest.raises(HebrusError, match="twice"):
+        state.conv(0, [a, a], torch.randn(4, CHANNELS, device=device), cu)
+    with pytest.raises(HebrusError, match="cu_seqlens"):
+        state.conv(0, [a], torch.randn(4, CHANNELS, device=device), cu)
+    with pytest.raises(HebrusError, match="layer"):
+        state.conv(5, [a, b], torch.randn(4, CHANNELS, device=device), cu)
+    with pytest.raises(HebrusError, match="C = 24|shape"):
+        state.conv(0, [a, b], torch.randn(4, CHANNELS + 1, device=device), cu)
+    with pytest.raises(HebrusError, match="already inside"):
+        with ht.transaction(state):
+            with ht.transaction(state):
+                pass
+    assert state.digest() == before
+
+
+def test_to_device_moves_buffers_and_keeps_handles():
+    state = make_state("cpu")
+    a = state.new_sequence()
+    before = state.digest(a)
+    assert state.to("cpu") is state and state.digest(a) == before
+    half = make_state("cpu")
+    half.new_sequence()
+    half.to(torch.float16)
+    assert half.conv_state.dtype == torch.float16 and half.history.dtype == torch.int64
+    assert half.snapshot(a).conv_tails.dtype == torch.float16  # same slot/generation in a fresh holder
+    meta = make_state("cpu").to("meta")
+    assert meta.conv_state.device.type == "meta" and meta.history.device.type == "meta"
+    assert state.digest(a) == before
