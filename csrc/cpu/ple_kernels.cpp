@@ -29,6 +29,11 @@ std::string shape_of(const Tensor& t) {
   return s + (t.dim() == 1 ? ",)" : ")");
 }
 
+// "torch.int64", as Python prints a dtype, so messages read the same from every backend.
+std::string dtype_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
 void check_devices(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   for (const auto& [name, t] : tensors) {
     HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op,
@@ -41,8 +46,8 @@ void check_dims(const char* op, const Tensor& t, int64_t n, const char* name) {
 }
 
 void check_dtype(const char* op, const Tensor& t, at::ScalarType dtype, const char* name) {
-  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ", dtype,
-               ", got ", t.scalar_type());
+  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ", dtype_name(dtype),
+               ", got ", dtype_name(t.scalar_type()));
 }
 
 // cu_seqlens metadata; returns B.
@@ -242,11 +247,11 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
   check_dims(op, state, 3, "state");
   const auto dtype = x.scalar_type();
   HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError, "hebrus::", op,
-               ": x must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ", dtype);
-  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ", weight.scalar_type(),
-               " must match x dtype ", dtype);
-  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ", state.scalar_type(),
-               " must match x dtype ", dtype);
+               ": x must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ", dtype_name(dtype));
+  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ", dtype_name(weight.scalar_type()),
+               " must match x dtype ", dtype_name(dtype));
+  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ", dtype_name(state.scalar_type()),
+               " must match x dtype ", dtype_name(dtype));
   const int64_t batch = check_cu_meta(op, cu_seqlens);
   HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
   const bool silu = activation == "silu";

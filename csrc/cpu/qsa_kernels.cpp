@@ -103,6 +103,37 @@ inline float reduce_lanes(float* a) {
 // qsa_pool
 // ---------------------------------------------------------------------------------------------
 
+// Sum of x[d]^2 in the order of ATen's CPU cascade sum over one contiguous row of fp32 (8-float
+// vectors, four partial vectors, scalar tail first, then the lanes), so on x86 builds fp32 pooled
+// keys equal the reference's and transformers' bit for bit; elsewhere they differ by rounding only.
+inline float sum_squares(const float* x, int64_t dim) {
+  constexpr int64_t V = 8;
+  float sq[kMaxHeadDim];
+  for (int64_t d = 0; d < dim; ++d) sq[d] = x[d] * x[d];
+  if (dim < V) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const int64_t n = dim / 4;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < 4; ++k) acc[k] += sq[4 * i + k];
+    for (int64_t j = 4 * n; j < dim; ++j) acc[0] += sq[j];
+    return ((acc[0] + acc[1]) + acc[2]) + acc[3];
+  }
+  const int64_t nvec = dim / V;
+  const int64_t n = nvec / 4;
+  float acc[4][V] = {};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < 4; ++k)
+      for (int64_t l = 0; l < V; ++l) acc[k][l] += sq[(4 * i + k) * V + l];
+  for (int64_t i = 4 * n; i < nvec; ++i)
+    for (int64_t l = 0; l < V; ++l) acc[0][l] += sq[i * V + l];
+  for (int64_t k = 1; k < 4; ++k)
+    for (int64_t l = 0; l < V; ++l) acc[0][l] += acc[k][l];
+  float total = 0.f;
+  for (int64_t j = nvec * V; j < dim; ++j) total += sq[j];
+  for (int64_t l = 0; l < V; ++l) total += acc[0][l];
+  return total;
+}
+
 template <typename T>
 void pool_kernel(const T* keys, int64_t dim, const int32_t* group_cells, int64_t groups, int64_t r,
                  const float* w_plus_one, float eps, const float* cos_f, const float* sin_f, int64_t half, T* out) {
@@ -110,7 +141,6 @@ void pool_kernel(const T* keys, int64_t dim, const int32_t* group_cells, int64_t
   const float dim_f = static_cast<float>(dim);
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
     float x[kMaxHeadDim];
-    float lanes[kLanes];
     for (int64_t g = begin; g < end; ++g) {
       const int32_t* cells = group_cells + g * r;
       // mean_fp32 of the r raw keys: sum in member order, then divide (torch's CPU mean), cast to T.
@@ -121,12 +151,7 @@ void pool_kernel(const T* keys, int64_t dim, const int32_t* group_cells, int64_t
       }
       for (int64_t d = 0; d < dim; ++d) x[d] = round_to<T>(x[d] / r_f);
       // RMSNorm in fp32 with (1 + w), cast to T.
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] = 0.f;
-      int64_t d = 0;
-      for (; d + kLanes <= dim; d += kLanes)
-        for (int64_t j = 0; j < kLanes; ++j) lanes[j] += x[d + j] * x[d + j];
-      for (int64_t j = 0; d + j < dim; ++j) lanes[j] += x[d + j] * x[d + j];
-      const float inv = 1.f / std::sqrt(reduce_lanes(lanes) / dim_f + eps);
+      const float inv = 1.f / std::sqrt(sum_squares(x, dim) / dim_f + eps);
       for (int64_t e = 0; e < dim; ++e) x[e] = round_to<T>((x[e] * inv) * w_plus_one[e]);
       // RoPE rotate-half on the first 2*half dims at the group's first position; every product
       // and the sum are rounded to T, as transformers' apply_rotary_pos_emb does on T tensors.
@@ -330,6 +355,23 @@ inline void score_keys(const float* q, int64_t hq, int64_t dp, const float* cons
     }
   }
   for (int n = 0; n < NG; ++n) out[n] = total[n] / sqrt_d;
+}
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
+// every clone and the lane order is explicit, so all of them produce the same bits.
+#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HEBRUS_VECTOR_CLONES
+#endif
+
+// Scores of one query against n keys (n <= kGroupTile).
+HEBRUS_VECTOR_CLONES
+void score_tile(const float* q, int64_t hq, int64_t dp, const float* const* keys, int64_t n, float sqrt_d,
+                float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_keys<4>(q, hq, dp, keys + j, sqrt_d, out + j);
+  for (; j < n; ++j) score_keys<1>(q, hq, dp, keys + j, sqrt_d, out + j);
 }
 
 template <typename T>
@@ -557,10 +599,8 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
           const int64_t stop = std::min<int64_t>(ge, q_groups[heavy[it.first + i]]);
           if (stop <= gs) continue;
           const int64_t n = stop - gs;
-          int64_t j = 0;
-          for (; j + 4 <= n; j += 4) score_keys<4>(qptr[i], hq, dp, kptr + j, sqrt_d, scores + j);
-          for (; j < n; ++j) score_keys<1>(qptr[i], hq, dp, kptr + j, sqrt_d, scores + j);
-          for (j = 0; j < n; ++j) heaps[i].push(scores[j], static_cast<int32_t>(gs + j));
+          score_tile(qptr[i], hq, dp, kptr, n, sqrt_d, scores);
+          for (int64_t j = 0; j < n; ++j) heaps[i].push(scores[j], static_cast<int32_t>(gs + j));
         }
       }
       for (int64_t i = 0; i < it.count; ++i) {

@@ -91,6 +91,7 @@ class PLEState(torch.nn.Module, Transactional):
                                                        dtype=dtype, device=device))
         self.register_buffer("generation", self.slots.generation.to(device))
         self.register_buffer("live", self.slots.live.to(device))
+        # Staged rows: slot -> (tensor, row) of the op output that holds the slot's new state.
         if hash_params is not None and len(hash_params) != num_layers:
             raise HebrusError(f"PLEState: hash_params has {len(hash_params)} entries for {num_layers} layers")
         if conv_weights is not None and len(conv_weights) != num_layers:
@@ -101,8 +102,8 @@ class PLEState(torch.nn.Module, Transactional):
             self.register_buffer(f"offsets_{i}", p.offsets.clone().to(device), persistent=False)
         self._has_hash = hash_params is not None
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
-        self._staged_history: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
-        self._staged_tails: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self._staged_history: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
+        self._staged_tails: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
         self._backup: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------- construction
@@ -192,9 +193,9 @@ class PLEState(torch.nn.Module, Transactional):
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
         """A cheap copy of one sequence's current state (staged changes included)."""
         slot = self.slots.check(seq)
-        history = torch.stack([self._staged_history[i].get(slot, self.history[i, slot])
+        history = torch.stack([self._staged_row(self.history[i], self._staged_history[i], slot)
                                for i in range(self.num_layers)]).clone()
-        tails = torch.stack([self._staged_tails[i].get(slot, self.conv_state[i, slot])
+        tails = torch.stack([self._staged_row(self.conv_state[i], self._staged_tails[i], slot)
                              for i in range(self.num_layers)]).clone()
         return PLESnapshot(seq, position, history, tails)
 
@@ -262,9 +263,17 @@ class PLEState(torch.nn.Module, Transactional):
     def _txn_commit(self) -> None:
         for buffer, staged_layers in ((self.history, self._staged_history), (self.conv_state, self._staged_tails)):
             for layer, staged in enumerate(staged_layers):
-                if staged:
-                    idx = torch.tensor(list(staged), dtype=torch.int64, device=buffer.device)
-                    buffer[layer].index_copy_(0, idx, torch.stack(list(staged.values())))
+                # One index_copy_ per op output that staged rows (usually one per layer).
+                by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+                for slot, (source, row) in staged.items():
+                    entry = by_source.setdefault(id(source), (source, [], []))
+                    entry[1].append(slot)
+                    entry[2].append(row)
+                for source, slots, rows in by_source.values():
+                    dst = torch.tensor(slots, dtype=torch.int64, device=buffer.device)
+                    if rows != list(range(source.shape[0])):
+                        source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
+                    buffer[layer].index_copy_(0, dst, source)
         self._txn_begin()
 
     def _txn_rollback(self) -> None:
@@ -379,18 +388,26 @@ class PLEState(torch.nn.Module, Transactional):
         return slots
 
     @staticmethod
-    def _gather(published: torch.Tensor, staged: dict[int, torch.Tensor], slots: list[int]) -> torch.Tensor:
+    def _staged_row(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slot: int) -> torch.Tensor:
+        if slot in staged:
+            source, row = staged[slot]
+            return source[row]
+        return published[slot]
+
+    @staticmethod
+    def _gather(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slots: list[int]) -> torch.Tensor:
         """Rows of ``published`` [S, ...] by slot, with rows staged earlier in this transaction on top."""
         out = published.index_select(0, torch.tensor(slots, dtype=torch.int64, device=published.device))
         for i, s in enumerate(slots):
             if s in staged:
-                out[i] = staged[s]
+                source, row = staged[s]
+                out[i] = source[row]
         return out
 
     @staticmethod
-    def _stage(staged: dict[int, torch.Tensor], slots: list[int], rows: torch.Tensor) -> None:
+    def _stage(staged: dict[int, tuple[torch.Tensor, int]], slots: list[int], rows: torch.Tensor) -> None:
         for i, s in enumerate(slots):
-            staged[s] = rows[i]
+            staged[s] = (rows, i)
 
     def _clear_slot(self, slot: int) -> None:
         self._backup_once(slot)

@@ -31,15 +31,26 @@ class SlotTable:
         if capacity < 1:
             raise HebrusError(f"{owner}: max_sequences must be >= 1, got {capacity}")
         self.owner = owner
-        self.generation = torch.zeros(capacity, dtype=torch.int64)
-        self.live = torch.zeros(capacity, dtype=torch.bool)
+        # Python lists: checked on every call of a hot path, where tensor element reads cost microseconds.
+        self._generation = [0] * capacity
+        self._live = [False] * capacity
 
     @property
     def capacity(self) -> int:
-        return self.generation.shape[0]
+        return len(self._generation)
+
+    @property
+    def generation(self) -> torch.Tensor:
+        """Tensor[capacity] int64 (a copy)."""
+        return torch.tensor(self._generation, dtype=torch.int64)
+
+    @property
+    def live(self) -> torch.Tensor:
+        """Tensor[capacity] bool (a copy)."""
+        return torch.tensor(self._live, dtype=torch.bool)
 
     def live_handles(self) -> list[SeqHandle]:
-        return [SeqHandle(s, int(self.generation[s])) for s in torch.nonzero(self.live).flatten().tolist()]
+        return [SeqHandle(s, g) for s, (g, on) in enumerate(zip(self._generation, self._live)) if on]
 
     def check(self, handle: SeqHandle) -> int:
         """Returns the slot of a live, current handle; raises StaleHandleError otherwise."""
@@ -48,8 +59,8 @@ class SlotTable:
         slot = handle.slot
         if not 0 <= slot < self.capacity:
             raise StaleHandleError(f"{self.owner}: {handle} names slot {slot} outside [0, {self.capacity})")
-        if not bool(self.live[slot]) or int(self.generation[slot]) != handle.generation:
-            state = "free" if not bool(self.live[slot]) else f"at generation {int(self.generation[slot])}"
+        if not self._live[slot] or self._generation[slot] != handle.generation:
+            state = "free" if not self._live[slot] else f"at generation {self._generation[slot]}"
             raise StaleHandleError(f"{self.owner}: {handle} is stale (slot {slot} is {state})")
         return slot
 
@@ -59,32 +70,34 @@ class SlotTable:
             slot = handle.slot
             if not 0 <= slot < self.capacity:
                 raise CapacityError(f"{self.owner}: slot {slot} outside [0, {self.capacity})")
-            if bool(self.live[slot]):
+            if self._live[slot]:
                 raise HebrusError(f"{self.owner}: slot {slot} is already in use by "
-                                  f"{SeqHandle(slot, int(self.generation[slot]))}")
-            if handle.generation < int(self.generation[slot]):
+                                  f"{SeqHandle(slot, self._generation[slot])}")
+            if handle.generation < self._generation[slot]:
                 raise StaleHandleError(f"{self.owner}: {handle} is older than slot {slot}'s generation "
-                                       f"{int(self.generation[slot])}")
+                                       f"{self._generation[slot]}")
             return handle
-        free = torch.nonzero(~self.live).flatten()
-        if free.numel() == 0:
-            raise CapacityError(f"{self.owner}: all {self.capacity} sequence slots are in use")
-        slot = int(free[0])
-        return SeqHandle(slot, int(self.generation[slot]))
+        for slot, on in enumerate(self._live):
+            if not on:
+                return SeqHandle(slot, self._generation[slot])
+        raise CapacityError(f"{self.owner}: all {self.capacity} sequence slots are in use")
 
     def claim(self, handle: SeqHandle | None = None) -> SeqHandle:
         """Marks a free slot live. With ``handle``, adopts exactly that slot and generation
         (how a ModelCache makes its holders share handles)."""
         handle = self.next_free(handle)
-        self.generation[handle.slot] = handle.generation
-        self.live[handle.slot] = True
+        self._generation[handle.slot] = handle.generation
+        self._live[handle.slot] = True
         return handle
 
     def release(self, handle: SeqHandle) -> None:
         slot = self.check(handle)
-        self.live[slot] = False
-        self.generation[slot] += 1
+        self._live[slot] = False
+        self._generation[slot] += 1
 
-    def load(self, generation: torch.Tensor, live: torch.Tensor) -> None:
-        self.generation = generation.clone()
-        self.live = live.clone()
+    def load(self, generation: torch.Tensor | list[int], live: torch.Tensor | list[bool]) -> None:
+        generation = [int(g) for g in (generation.tolist() if isinstance(generation, torch.Tensor) else generation)]
+        live = [bool(v) for v in (live.tolist() if isinstance(live, torch.Tensor) else live)]
+        if len(generation) != self.capacity or len(live) != self.capacity:
+            raise HebrusError(f"{self.owner}: slot table of {len(generation)} entries, expected {self.capacity}")
+        self._generation, self._live = generation, live

@@ -1,0 +1,163 @@
+"""PLE benchmarks at Qwen4Exp sizes: hebrus ops vs the transformers-style composite, same run.
+
+Conv: C = 10240 channels, K = 4, dilation 3 (state 9). Hash: N = 3, 16 heads.
+Cases: prefill of 4096 tokens in one sequence and in 8 packed sequences; decode of 64 sequences x 1
+token with state gathered by slot from a pool of 128. Writes the "PLE" section of RESULTS.md.
+
+    python benchmarks/bench_ple.py [--device cpu] [--tokens 4096] [--channels 10240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+import hebrus_torch as ht
+from hebrus_torch import reference
+from common import copy_bandwidth, machine, table, timeit, write_section
+
+K, DIL, N, HEADS, VOCAB, EOS = 4, 3, 3, 16, 151_936, 151_645
+L = (K - 1) * DIL
+
+
+def composite_conv(x_bct: torch.Tensor, state_bcl: torch.Tensor, weight_c1k: torch.Tensor):
+    """What transformers' Qwen4ExpTextPLELayer._short_conv does: cat state, dilated grouped conv1d, slice."""
+    seq_len = x_bct.shape[-1]
+    full = torch.cat([state_bcl, x_bct], dim=-1)
+    new_state = full[..., -L:]
+    y = F.silu(F.conv1d(full[..., -(L + seq_len):], weight_c1k, groups=x_bct.shape[1], dilation=DIL))
+    return y, new_state
+
+
+def transformers_hash(device: str):
+    """transformers' Qwen4ExpTextNGramEmbedding with its embedding swapped for the identity on ids."""
+    try:
+        from transformers.models.qwen4_exp import modeling_qwen4_exp as m
+        from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    except ImportError:
+        return None, None
+    cfg = Qwen4ExpTextConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=32, num_hidden_layers=1, ple_layer_ids=[1], ple_embed_dim=16,
+                             eos_token_id=EOS, ngram_vocab_size_base=100_000)
+    emb = m.Qwen4ExpTextNGramEmbedding(cfg, 16, 0, 0).to(device)
+
+    class IdsOnly(torch.nn.Module):  # keeps the hash, drops the table lookup
+        weight = torch.empty(0, device=device)
+
+        def forward(self, ids):
+            return ids
+
+    emb.ngram_embedding = IdsOnly()
+    return emb, cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--channels", type=int, default=10240)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    dev, T, C = args.device, args.tokens, args.channels
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    rows = []
+
+    def report(case, path, seconds, tokens, nbytes, base=None):
+        gbs = nbytes / seconds / 1e9
+        rows.append([case, path, f"{seconds * 1e3:.2f}", f"{tokens / seconds:,.0f}", f"{gbs:.2f}",
+                     f"{nbytes / bw / seconds:.2f}", "" if base is None else f"{base / seconds:.1f}x"])
+
+    weight = torch.randn(C, K, device=dev)
+    w_c1k = weight[:, None, :].contiguous()
+    for batch in (1, 8):
+        per = T // batch
+        x = torch.randn(T, C, device=dev)
+        state = torch.randn(batch, L, C, device=dev)
+        cu = torch.arange(0, T + 1, per, dtype=torch.int32, device=dev)
+        x_bct = x.view(batch, per, C).transpose(1, 2).contiguous()
+        s_bcl = state.transpose(1, 2).contiguous()
+        nbytes = 2 * T * C * 4 + 2 * batch * L * C * 4
+        case = f"conv prefill {T} tok, {batch} seq"
+        t_comp = timeit(lambda: composite_conv(x_bct, s_bcl, w_c1k), dev, args.repeat)
+        t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
+        t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
+        report(case, "composite (transformers conv1d)", t_comp, T, nbytes)
+        report(case, "hebrus reference (torch)", t_ref, T, nbytes, t_comp)
+        report(case, "hebrus::ple_conv", t_op, T, nbytes, t_comp)
+
+    # Decode: 64 sequences x 1 token, state gathered by slot from a pool of 128 slots.
+    B, pool = 64, 128
+    slots = torch.randperm(pool, device=dev)[:B]
+    x = torch.randn(B, C, device=dev)
+    state_pool = torch.randn(pool, L, C, device=dev)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+
+    def decode_composite():
+        s = state_pool.index_select(0, slots).transpose(1, 2)
+        y, new = composite_conv(x[:, :, None], s, w_c1k)
+        state_pool.index_copy_(0, slots, new.transpose(1, 2))
+        return y
+
+    def decode_op():
+        y, new = ht.ple_conv(x, weight, cu, state_pool.index_select(0, slots), DIL, "silu")
+        state_pool.index_copy_(0, slots, new)
+        return y
+
+    ple = ht.PLEState(1, C, vocab_size=VOCAB, eos_token_id=EOS, max_sequences=pool, device=dev,
+                      conv_weights=[weight])
+    handles = [ple.new_sequence() for _ in range(pool)]
+    chosen = [handles[i] for i in slots.tolist()]
+
+    def decode_holder():
+        with ht.transaction(ple):
+            return ple.conv(0, chosen, x, cu)
+
+    nbytes = 2 * B * C * 4 + 2 * B * L * C * 4
+    case = f"conv decode {B} seq x 1 tok"
+    t_comp = timeit(decode_composite, dev, args.repeat * 4)
+    report(case, "composite (gather, cat, conv1d, scatter)", t_comp, B, nbytes)
+    report(case, "hebrus::ple_conv (gather, op, scatter)", timeit(decode_op, dev, args.repeat * 4), B, nbytes, t_comp)
+    report(case, "PLEState.conv in a transaction", timeit(decode_holder, dev, args.repeat * 4), B, nbytes, t_comp)
+
+    # Hash.
+    emb, _ = transformers_hash(dev)
+    mult = torch.randint(1, (1 << 62) // VOCAB, (N,), device=dev) | 1
+    sizes = torch.randint(20_000_000, 20_100_000, (HEADS,), device=dev)
+    offs = torch.arange(HEADS, device=dev) * 20_100_000
+    if emb is not None:
+        mult, sizes, offs = emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets
+    for batch, per in ((1, T), (8, T // 8), (64, 1)):
+        tokens = torch.randint(0, VOCAB, (batch * per,), device=dev)
+        tokens[::97] = EOS
+        cu = torch.arange(0, batch * per + 1, per, dtype=torch.int32, device=dev)
+        hist = torch.full((batch, N - 1), EOS, dtype=torch.int64, device=dev)
+        nbytes = batch * per * (8 + HEADS * 8)
+        case = f"hash {batch} seq x {per} tok"
+        base = None
+        if emb is not None:
+            ids2d = tokens.view(batch, per)
+            base = timeit(lambda: emb(ids2d, None), dev, args.repeat)
+            report(case, "transformers NGramEmbedding hash", base, batch * per, nbytes)
+        report(case, "hebrus reference (torch)",
+               timeit(lambda: reference.ple_ngram_ids(tokens, cu, hist, mult, sizes, offs, EOS, VOCAB), dev,
+                      args.repeat), batch * per, nbytes, base)
+        report(case, "hebrus::ple_ngram_ids",
+               timeit(lambda: ht.ple_ngram_ids(tokens, cu, hist, mult, sizes, offs, EOS, VOCAB), dev,
+                      args.repeat), batch * per, nbytes, base)
+
+    body = (f"Machine: {machine(dev)}; device `{dev}`; measured copy bandwidth {bw / 1e9:.1f} GB/s "
+            f"(read + write of 512 MiB). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
+            f"{args.repeat} runs (decode: {args.repeat * 4}). GB/s counts the bytes each path must move "
+            f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
+            f"bandwidth; speedup is against the first row of its case.\n\n")
+    body += table(["case", "path", "ms", "tokens/s", "GB/s", "of BW", "speedup"], rows)
+    write_section("PLE (issue 2)", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Timing helpers shared by the benchmarks: median wall time, copy bandwidth, results file."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def timeit(fn: Callable[[], object], device: str = "cpu", repeat: int = 5, warmup: int = 1,
+           min_time: float = 0.0) -> float:
+    """Median seconds per call over ``repeat`` timed calls (after ``warmup`` untimed ones)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    while len(times) < repeat or sum(times) < min_time:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str = "cpu", megabytes: int = 512) -> float:
+    """Measured device copy bandwidth in bytes/s: read + write of a large buffer (``clone``)."""
+    n = megabytes * (1 << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    seconds = timeit(lambda: dst.copy_(src), device, repeat=7)
+    return 2 * src.numel() * 4 / seconds
+
+
+def machine(device: str = "cpu") -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def write_section(title: str, body: str) -> None:
+    """Replace (or append) the ``## title`` section of benchmarks/RESULTS.md."""
+    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+    head = f"## {title}\n"
+    start = text.find(head)
+    if start >= 0:
+        end = text.find("\n## ", start + len(head))
+        text = text[:start] + text[end + 1:] if end >= 0 else text[:start]
+    text = text.rstrip("\n") + "\n\n" + head + body.rstrip("\n") + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(text)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,652 @@
+"""hebrus::ple_ngram_ids and hebrus::ple_conv (SPEC §2, §5).
+
+Parity with transformers' Qwen4ExpTextNGramEmbedding / Qwen4ExpTextPLELayer, the native kernel
+against the reference, chunk invariance, row isolation, the EOS rule, opcheck, torch.compile and
+every kind of bad input.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hebrus_torch as ht
+from hebrus_torch import errors, reference
+from hebrus_torch._extension import has_native_kernel
+
+from conftest import ATOL, RTOL
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def pack(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate per-row streams and build int32 cu_seqlens."""
+    lengths = torch.tensor([0] + [r.shape[0] for r in rows])
+    cu = torch.cumsum(lengths, 0).to(torch.int32)
+    return torch.cat(rows, 0), cu.to(rows[0].device)
+
+
+def split_rows(packed: torch.Tensor, cu: torch.Tensor) -> list[torch.Tensor]:
+    cu = cu.tolist()
+    return [packed[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def hash_params(n: int, heads_per_order: int, gen: torch.Generator, huge: bool = False):
+    """Random multipliers / head sizes / offsets; ``huge`` multipliers overflow int64 products."""
+    heads = (n - 1) * heads_per_order
+    if huge:
+        mult = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen) * 2 + 1
+    else:
+        mult = torch.randint(1, 1 << 40, (n,), generator=gen) * 2 + 1
+    sizes = torch.randint(50, 3000, (heads,), generator=gen)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    return mult, sizes, offsets
+
+
+def random_tokens(length: int, vocab: int, eos: int, gen: torch.Generator, eos_rate: float = 0.2) -> torch.Tensor:
+    tok = torch.randint(0, vocab, (length,), generator=gen)
+    tok[torch.rand(length, generator=gen) < eos_rate] = eos
+    return tok
+
+
+def random_partition(length: int, rng: random.Random) -> list[int]:
+    cuts = sorted(rng.randint(0, length) for _ in range(rng.randint(0, 5)))
+    return [b - a for a, b in zip([0] + cuts, cuts + [length])]
+
+
+def run_ids_chunked(streams, chunk_lens, history, params, eos, vocab):
+    """Feed per-row streams through ple_ngram_ids in steps; chunk_lens[step][row] tokens per row."""
+    pos = [0] * len(streams)
+    out = [[] for _ in streams]
+    for lens in chunk_lens:
+        pieces = [s[p:p + n] for s, p, n in zip(streams, pos, lens)]
+        tokens, cu = pack(pieces)
+        ids, history = ht.ple_ngram_ids(tokens, cu, history, *params, eos, vocab)
+        for row, part in enumerate(split_rows(ids, cu)):
+            out[row].append(part)
+        pos = [p + n for p, n in zip(pos, lens)]
+    return [torch.cat(o, 0) for o in out], history
+
+
+def run_conv_chunked(streams, chunk_lens, weight, state, dilation, activation):
+    pos = [0] * len(streams)
+    out = [[] for _ in streams]
+    for lens in chunk_lens:
+        x, cu = pack([s[p:p + n] for s, p, n in zip(streams, pos, lens)])
+        y, state = ht.ple_conv(x, weight, cu, state, dilation, activation)
+        for row, part in enumerate(split_rows(y, cu)):
+            out[row].append(part)
+        pos = [p + n for p, n in zip(pos, lens)]
+    return [torch.cat(o, 0) for o in out], state
+
+
+def chunk_schedules(lengths: list[int], rng: random.Random) -> dict[str, list[list[int]]]:
+    """One shot, 1/2/1-token chunks and random (per-row different, sometimes empty) partitions."""
+    steps = max(lengths)
+    one_two_one = []
+    pattern = [1, 2, 1]
+    done = [0] * len(lengths)
+    i = 0
+    while any(d < n for d, n in zip(done, lengths)):
+        step = [min(pattern[i % 3], n - d) for d, n in zip(done, lengths)]
+        one_two_one.append(step)
+        done = [d + s for d, s in zip(done, step)]
+        i += 1
+    parts = [random_partition(n, rng) for n in lengths]
+    depth = max(len(p) for p in parts)
+    randomised = [[p[j] if j < len(p) else 0 for p in parts] for j in range(depth)]
+    assert steps >= 0
+    return {"one_shot": [list(lengths)], "1/2/1": one_two_one, "random": randomised}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.cpu().float(), want.cpu().float(), atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
+# ----------------------------------------------------------------------------------------------
+# build
+
+
+def test_native_cpu_kernels_are_registered():
+    assert has_native_kernel("ple_ngram_ids", "cpu")
+    assert has_native_kernel("ple_conv", "cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# hand-checked cases
+
+
+def test_ngram_ids_hand_checked(device):
+    # N=2, H=1, eos=0. Token 5 sees E: (5*3 ^ 0*5) % 11 = 4 -> 104; token 7 sees 5: (21 ^ 25) % 11 = 1 -> 101.
+    ids, hist = ht.ple_ngram_ids(torch.tensor([5, 7], device=device), torch.tensor([0, 2], dtype=torch.int32, device=device),
+                                 torch.tensor([[0]], device=device), torch.tensor([3, 5], device=device),
+                                 torch.tensor([11], device=device), torch.tensor([100], device=device), 0, 10)
+    assert ids.cpu().tolist() == [[104], [101]]
+    assert hist.cpu().tolist() == [[7]]
+
+
+def test_conv_hand_checked(device):
+    x = torch.tensor([[1.0], [2.0], [3.0]], device=device)
+    w = torch.tensor([[0.5, 2.0]], device=device)
+    y, st = ht.ple_conv(x, w, torch.tensor([0, 3], dtype=torch.int32, device=device),
+                        torch.tensor([[[10.0]]], device=device), 1, "none")
+    assert y.cpu().flatten().tolist() == [7.0, 4.5, 7.0]
+    assert st.cpu().flatten().tolist() == [3.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# parity with transformers 5.23.0
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return pytest.importorskip("hf_models", reason="needs transformers==5.23.0")
+
+
+def random_hf_config(hf, rng: random.Random):
+    n = rng.choice([2, 3, 4])
+    h = rng.randint(1, 3)
+    vocab = rng.randint(12, 80)
+    return hf.tiny_config(
+        vocab_size=vocab, ngram_size=n, heads_per_ngram=h, ple_embed_dim=(n - 1) * h * 2,
+        ple_conv_kernel_size=rng.choice([2, 3, 4]), eos_token_id=rng.randrange(vocab),
+        ngram_vocab_size_base=rng.randint(100, 5000), seed=rng.randint(0, 10**6), hc_count=rng.choice([2, 3]),
+    )
+
+
+def hf_ple_layer(hf, config, ple_layer_index: int, gen: torch.Generator):
+    layer = hf.modeling.Qwen4ExpTextPLELayer(config, ple_layer_index, ple_layer_index)  # decoder layer i+1 (1-based ids)
+    with torch.no_grad():  # conv1d is zero-initialised by the model; randomise it
+        layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen) * 0.5)
+    captured: list[torch.Tensor] = []
+    layer.ple_embedding.ngram_embedding.register_forward_pre_hook(lambda mod, args: captured.append(args[0]))
+    return layer, captured
+
+
+def ids_params(emb, device):
+    return tuple(b.to(device) for b in (emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets))
+
+
+def hf_token_batch(config, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    eos = config.eos_token_id
+    tok = torch.stack([random_tokens(length, config.vocab_size, eos, gen, 0.15) for _ in range(batch)])
+    tok[0, 0] = eos                      # EOS first
+    tok[1, -1] = eos                     # EOS last
+    tok[batch - 1, 3:5] = eos            # adjacent EOS
+    return tok
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_ids_match_transformers(hf, device, seed):
+    from transformers.cache_utils import DynamicCache
+
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    config = random_hf_config(hf, rng)
+    ple_index = rng.randint(0, 1)
+    layer, captured = hf_ple_layer(hf, config, ple_index, gen)
+    emb = layer.ple_embedding
+    batch, length = 3, 13
+    tok = hf_token_batch(config, batch, length, gen)
+    params = ids_params(emb, device)
+    eos, vocab, ctx = config.eos_token_id, config.vocab_size, config.ngram_size - 1
+    fresh = torch.full((batch, ctx), eos, device=device)
+
+    emb(tok, None)
+    want = captured.pop()                                         # [B, T, heads]
+    got, hist = ht.ple_ngram_ids(tok.reshape(-1).to(device), pack([t for t in tok])[1].to(device), fresh,
+                                 *params, eos, vocab)
+    assert torch.equal(got.cpu(), want.reshape(batch * length, -1))
+
+    # Chunked through transformers' cache (chunks shorter than the history included) vs our carried history.
+    cache = DynamicCache(config=config)
+    history = fresh
+    start = 0
+    for size in [1, ctx - 1 if ctx > 1 else 1, 2, 1, 5, length]:
+        end = min(length, start + size)
+        if end == start:
+            break
+        emb(tok[:, start:end], cache)
+        want = captured.pop()
+        chunk = tok[:, start:end]
+        got, history = ht.ple_ngram_ids(chunk.reshape(-1).to(device), pack([c for c in chunk])[1].to(device),
+                                        history, *params, eos, vocab)
+        assert torch.equal(got.cpu(), want.reshape(-1, want.shape[-1])), (start, end)
+        start = end
+    assert torch.equal(history.cpu(), cache.layers[emb.layer_idx].conv_states[2])
+    assert torch.equal(history.cpu(), hist.cpu())
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("seed", range(3))
+def test_conv_matches_transformers(hf, device, seed):
+    from transformers.cache_utils import DynamicCache
+
+    rng, gen = random.Random(100 + seed), torch.Generator().manual_seed(100 + seed)
+    config = random_hf_config(hf, rng)
+    layer, _ = hf_ple_layer(hf, config, 0, gen)
+    batch, length = 2, 11
+    channels = layer.conv1d.weight.shape[0]
+    dilation, state_len = config.ngram_size, layer.short_conv_state_len
+    weight = layer.conv1d.weight.detach().squeeze(1).to(device)
+    x = torch.randn(batch, length, channels, generator=gen)
+    zero = torch.zeros(batch, state_len, channels, device=device)
+    cu = pack([r for r in x])[1].to(device)
+
+    with torch.no_grad():
+        want = layer._short_conv(x, None)
+    got, _ = ht.ple_conv(x.reshape(-1, channels).to(device), weight, cu, zero, dilation, "silu")
+    assert_close(got, want.reshape(-1, channels), torch.float32)
+
+    cache = DynamicCache(config=config)
+    state, start = zero, 0
+    for size in [1, 2, 1, 4, length]:
+        end = min(length, start + size)
+        if end == start:
+            break
+        with torch.no_grad():
+            want = layer._short_conv(x[:, start:end], cache)
+        chunk = x[:, start:end]
+        got, state = ht.ple_conv(chunk.reshape(-1, channels).to(device), weight, pack([c for c in chunk])[1].to(device),
+                                 state, dilation, "silu")
+        assert_close(got, want.reshape(-1, channels), torch.float32)
+        start = end
+    assert torch.equal(state.cpu(), cache.layers[layer.layer_idx].conv_states[1].transpose(1, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# native kernel vs reference
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["plain", "wrapping-products"])
+@pytest.mark.parametrize("n,h", [(2, 1), (3, 8), (4, 3)])
+def test_ngram_ids_kernel_vs_reference(device, n, h, huge):
+    gen = torch.Generator().manual_seed(n * 10 + h + huge)
+    vocab, eos = 41, 7
+    params = hash_params(n, h, gen, huge)
+    lengths = [0, 5, 1, 0, 33, 2, 17, 0]
+    tokens, cu = pack([random_tokens(m, vocab, eos, gen, 0.25) for m in lengths])
+    history = torch.randint(0, vocab, (len(lengths), n - 1), generator=gen)
+    history[1, -1] = eos
+    want = reference.ple_ngram_ids(tokens, cu, history, *params, eos, vocab)
+    d = lambda t: t.to(device)  # noqa: E731
+    got = ht.ple_ngram_ids(d(tokens), d(cu), d(history), *map(d, params), eos, vocab)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    # Strided views of every input.
+    wide_tok = torch.stack([tokens, torch.zeros_like(tokens)], 1)
+    wide_cu = torch.stack([cu, torch.zeros_like(cu)], 1)
+    hist_t = history.t().contiguous().t()
+    wide_params = [torch.stack([p, p], 1)[:, 0] for p in params]
+    got = ht.ple_ngram_ids(d(wide_tok)[:, 0], d(wide_cu)[:, 0], d(hist_t), *map(d, wide_params), eos, vocab)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("channels", [31, 32, 33])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_conv_kernel_vs_reference(device, dtype, channels, activation):
+    gen = torch.Generator().manual_seed(channels)
+    lengths = [0, 7, 1, 0, 12, 3, 0]
+    for width in (1, 2, 4):
+        for dilation in (1, 3):
+            state_len = (width - 1) * dilation
+            x, cu = pack([torch.randn(m, channels, generator=gen).to(dtype) for m in lengths])
+            weight = torch.randn(channels, width, generator=gen).to(dtype)
+            state = torch.randn(len(lengths), state_len, channels, generator=gen).to(dtype)
+            want_y, want_s = reference.ple_conv(x, weight, cu, state, dilation, activation)
+            got_y, got_s = ht.ple_conv(x.to(device), weight.to(device), cu.to(device), state.to(device),
+                                       dilation, activation)
+            assert got_y.dtype == dtype and got_s.dtype == dtype
+            assert torch.equal(got_s.cpu(), want_s)
+            if device == "cpu" and activation == "none":
+                # Same fp32 products and sums in the same order, one cast: bitwise.
+                assert torch.equal(got_y, want_y), (width, dilation)
+            else:
+                assert_close(got_y, want_y, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_conv_strided_inputs(device, dtype):
+    gen = torch.Generator().manual_seed(3)
+    channels, width, dilation = 33, 4, 3
+    lengths = [4, 0, 9]
+    x, cu = pack([torch.randn(m, channels, generator=gen).to(dtype) for m in lengths])
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    state = torch.randn(len(lengths), (width - 1) * dilation, channels, generator=gen).to(dtype)
+    want = reference.ple_conv(x, weight, cu, state, dilation, "silu")
+    d = lambda t: t.to(device)  # noqa: E731
+    x_s = d(torch.stack([x, -x], 2))[..., 0]                     # channel stride 2
+    w_s = d(weight.t().contiguous()).t()                          # transposed
+    st_s = d(state.transpose(1, 2).contiguous()).transpose(1, 2)  # channel-major state
+    cu_s = d(torch.stack([cu, cu], 1))[:, 1]
+    assert not (x_s.is_contiguous() or w_s.is_contiguous() or st_s.is_contiguous() or cu_s.is_contiguous())
+    got = ht.ple_conv(x_s, w_s, cu_s, st_s, dilation, "silu")
+    assert_close(got[0], want[0], dtype)
+    assert torch.equal(got[1].cpu(), want[1])
+
+
+def test_empty_batch_and_empty_rows(device):
+    gen = torch.Generator().manual_seed(5)
+    params = [p.to(device) for p in hash_params(3, 2, gen)]
+    cu0 = torch.zeros(1, dtype=torch.int32, device=device)
+    ids, hist = ht.ple_ngram_ids(torch.zeros(0, dtype=torch.long, device=device), cu0,
+                                 torch.zeros(0, 2, dtype=torch.long, device=device), *params, 1, 10)
+    assert ids.shape == (0, 4) and hist.shape == (0, 2)
+    y, st = ht.ple_conv(torch.zeros(0, 8, device=device), torch.ones(8, 3, device=device), cu0,
+                        torch.zeros(0, 4, 8, device=device), 2, "silu")
+    assert y.shape == (0, 8) and st.shape == (0, 4, 8)
+    # Rows with no tokens pass their state and history through unchanged.
+    cu = torch.zeros(4, dtype=torch.int32, device=device)
+    history = torch.randint(0, 10, (3, 2), generator=gen).to(device)
+    state = torch.randn(3, 4, 8, generator=gen).to(device)
+    assert torch.equal(ht.ple_ngram_ids(torch.zeros(0, dtype=torch.long, device=device), cu, history,
+                                        *params, 1, 10)[1], history)
+    assert torch.equal(ht.ple_conv(torch.zeros(0, 8, device=device), torch.ones(8, 3, device=device), cu,
+                                   state, 2, "none")[1], state)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk invariance, isolation, EOS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_invariance(device, seed, dtype):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n, vocab, eos = rng.choice([2, 3, 4]), 30, 4
+    params = [p.to(device) for p in hash_params(n, 3, gen)]
+    width, dilation, channels = rng.choice([1, 2, 4]), rng.choice([1, 3]), 33
+    lengths = [rng.randint(0, 25) for _ in range(4)] + [0]
+    streams = [random_tokens(m, vocab, eos, gen, 0.2).to(device) for m in lengths]
+    xs = [torch.randn(m, channels, generator=gen).to(dtype).to(device) for m in lengths]
+    weight = torch.randn(channels, width, generator=gen).to(dtype).to(device)
+    history0 = torch.randint(0, vocab, (len(lengths), n - 1), generator=gen).to(device)
+    state0 = torch.randn(len(lengths), (width - 1) * dilation, channels, generator=gen).to(dtype).to(device)
+
+    results = {}
+    for name, schedule in chunk_schedules(lengths, rng).items():
+        ids, hist = run_ids_chunked(streams, schedule, history0, params, eos, vocab)
+        ys, state = run_conv_chunked(xs, schedule, weight, state0, dilation, "silu")
+        results[name] = (ids, hist, ys, state)
+    base = results.pop("one_shot")
+    for name, (ids, hist, ys, state) in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(ids, base[0])), name
+        assert torch.equal(hist, base[1]), name
+        assert all(torch.equal(a, b) for a, b in zip(ys, base[2])), name
+        assert torch.equal(state, base[3]), name
+
+
+def test_row_isolation(device):
+    gen = torch.Generator().manual_seed(11)
+    n, vocab, eos, channels, width, dilation = 3, 25, 2, 33, 4, 3
+    params = [p.to(device) for p in hash_params(n, 4, gen)]
+    lengths = [6, 0, 19, 1, 8]
+    streams = [random_tokens(m, vocab, eos, gen).to(device) for m in lengths]
+    xs = [torch.randn(m, channels, generator=gen).to(device) for m in lengths]
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    history = torch.randint(0, vocab, (len(lengths), n - 1), generator=gen).to(device)
+    state = torch.randn(len(lengths), (width - 1) * dilation, channels, generator=gen).to(device)
+
+    tokens, cu = pack(streams)
+    ids, new_hist = ht.ple_ngram_ids(tokens, cu, history, *params, eos, vocab)
+    y, new_state = ht.ple_conv(pack(xs)[0], weight, cu, state, dilation, "silu")
+    ids_rows, y_rows = split_rows(ids, cu), split_rows(y, cu)
+    for row in range(len(lengths)):
+        one_cu = torch.tensor([0, lengths[row]], dtype=torch.int32, device=device)
+        ids1, hist1 = ht.ple_ngram_ids(streams[row], one_cu, history[row:row + 1], *params, eos, vocab)
+        y1, st1 = ht.ple_conv(xs[row], weight, one_cu, state[row:row + 1], dilation, "silu")
+        assert torch.equal(ids1, ids_rows[row]) and torch.equal(hist1[0], new_hist[row])
+        assert torch.equal(y1, y_rows[row]) and torch.equal(st1[0], new_state[row])
+    # Reversed row order: every row still gets the same bits.
+    perm = list(reversed(range(len(lengths))))
+    tokens_r, cu_r = pack([streams[i] for i in perm])
+    ids_r, hist_r = ht.ple_ngram_ids(tokens_r, cu_r, history[perm], *params, eos, vocab)
+    y_r, st_r = ht.ple_conv(pack([xs[i] for i in perm])[0], weight, cu_r, state[perm], dilation, "silu")
+    for j, i in enumerate(perm):
+        assert torch.equal(split_rows(ids_r, cu_r)[j], ids_rows[i]) and torch.equal(hist_r[j], new_hist[i])
+        assert torch.equal(split_rows(y_r, cu_r)[j], y_rows[i]) and torch.equal(st_r[j], new_state[i])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_eos_rule(device, n):
+    gen = torch.Generator().manual_seed(n)
+    vocab, eos = 20, 9
+    params = [p.to(device) for p in hash_params(n, 2, gen)]
+    prefix = torch.tensor([1, 2, 3, 4, 5])[: n + 1]
+    suffix = torch.tensor([6, 7, 8, 1, 2, 3])
+    stream = torch.cat([prefix, torch.tensor([eos]), suffix]).to(device)
+    history = torch.randint(0, vocab, (1, n - 1), generator=gen).to(device)
+    cu = torch.tensor([0, stream.shape[0]], dtype=torch.int32, device=device)
+    ids, hist = ht.ple_ngram_ids(stream, cu, history, *params, eos, vocab)
+    fresh = torch.full((1, n - 1), eos, device=device)
+    cu_s = torch.tensor([0, suffix.shape[0]], dtype=torch.int32, device=device)
+    ids_fresh, _ = ht.ple_ngram_ids(suffix.to(device), cu_s, fresh, *params, eos, vocab)
+    assert torch.equal(ids[-suffix.shape[0]:], ids_fresh)
+    # The history is raw: a chunk ending at EOS carries the EOS, and the next chunk still resets.
+    ids_a, hist_a = ht.ple_ngram_ids(stream[: n + 2], torch.tensor([0, n + 2], dtype=torch.int32, device=device),
+                                     history, *params, eos, vocab)
+    assert int(hist_a[0, -1]) == eos
+    ids_b, hist_b = ht.ple_ngram_ids(stream[n + 2:], cu_s, hist_a, *params, eos, vocab)
+    assert torch.equal(ids_b, ids_fresh) and torch.equal(hist_b, hist)
+    # Without the EOS the suffix ids do see the prefix (the rule is not vacuous).
+    no_eos = torch.cat([prefix, suffix]).to(device)
+    ids_no, _ = ht.ple_ngram_ids(no_eos, torch.tensor([0, no_eos.shape[0]], dtype=torch.int32, device=device),
+                                 history, *params, eos, vocab)
+    assert not torch.equal(ids_no[-suffix.shape[0]:], ids_fresh)
+
+
+def test_conv_state_carries_across_eos(device):
+    # The conv never sees token ids: its tail after a chunk ending in EOS is the raw last inputs, and the
+    # next chunk's outputs equal the one-shot outputs, not those of a zero state.
+    gen = torch.Generator().manual_seed(2)
+    channels, width, dilation = 16, 4, 3
+    x = torch.randn(20, channels, generator=gen).to(device)
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    zero = torch.zeros(1, (width - 1) * dilation, channels, device=device)
+    cu = lambda m: torch.tensor([0, m], dtype=torch.int32, device=device)  # noqa: E731
+    y_all, _ = ht.ple_conv(x, weight, cu(20), zero, dilation, "silu")
+    eos_at = 10  # the token at index 10 is an EOS; nothing resets
+    _, st = ht.ple_conv(x[: eos_at + 1], weight, cu(eos_at + 1), zero, dilation, "silu")
+    assert torch.equal(st[0], x[eos_at + 1 - 9: eos_at + 1])
+    y_rest, _ = ht.ple_conv(x[eos_at + 1:], weight, cu(19 - eos_at), st, dilation, "silu")
+    y_reset, _ = ht.ple_conv(x[eos_at + 1:], weight, cu(19 - eos_at), zero, dilation, "silu")
+    assert torch.equal(y_rest, y_all[eos_at + 1:])
+    assert not torch.equal(y_reset, y_all[eos_at + 1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+
+
+def ids_samples():
+    gen = torch.Generator().manual_seed(0)
+    for n, h, lengths in [(3, 8, [3, 0, 5]), (2, 1, [1]), (4, 2, [0, 0]), (3, 2, [10, 1, 1, 4])]:
+        params = hash_params(n, h, gen)
+        tokens, cu = pack([random_tokens(m, 30, 1, gen) for m in lengths])
+        history = torch.randint(0, 30, (len(lengths), n - 1), generator=gen)
+        yield (tokens, cu, history, *params, 1, 30)
+
+
+def conv_samples():
+    gen = torch.Generator().manual_seed(1)
+    for dtype, channels, width, dilation, act, lengths in [
+        (torch.float32, 32, 4, 3, "silu", [3, 0, 5]), (torch.float16, 33, 1, 1, "none", [2]),
+        (torch.bfloat16, 31, 2, 3, "silu", [0, 0]), (torch.float32, 8, 3, 2, "none", [9, 1, 4]),
+    ]:
+        x, cu = pack([torch.randn(m, channels, generator=gen).to(dtype) for m in lengths])
+        yield (x, torch.randn(channels, width, generator=gen).to(dtype), cu,
+               torch.randn(len(lengths), (width - 1) * dilation, channels, generator=gen).to(dtype), dilation, act)
+
+
+def test_opcheck(device):
+    def to_dev(args):
+        return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+    for args in ids_samples():
+        torch.library.opcheck(torch.ops.hebrus.ple_ngram_ids.default, to_dev(args))
+    for args in conv_samples():
+        torch.library.opcheck(torch.ops.hebrus.ple_conv.default, to_dev(args))
+
+
+def test_compile_chunked_loop_matches_eager(device):
+    gen = torch.Generator().manual_seed(9)
+    n, vocab, eos, channels, width, dilation = 3, 30, 2, 32, 4, 3
+    params = [p.to(device) for p in hash_params(n, 4, gen)]
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    chunks = []
+    for lengths in ([5, 0, 3], [1, 2, 1], [4, 4, 0]):
+        tokens, cu = pack([random_tokens(m, vocab, eos, gen) for m in lengths])
+        chunks.append((tokens.to(device), cu.to(device),
+                       torch.randn(tokens.shape[0], channels, generator=gen).to(device)))
+    history0 = torch.full((3, n - 1), eos, device=device)
+    state0 = torch.zeros(3, (width - 1) * dilation, channels, device=device)
+
+    def loop(history, state):
+        outs = []
+        for tokens, cu, x in chunks:
+            ids, history = ht.ple_ngram_ids(tokens, cu, history, *params, eos, vocab)
+            y, state = ht.ple_conv(x, weight, cu, state, dilation, "silu")
+            outs += [ids, y]
+        return outs, history, state
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loop, fullgraph=True)(history0, state0)
+    finally:
+        torch._dynamo.reset()
+    eager = loop(history0, state0)
+    assert all(torch.equal(a, b) for a, b in zip(compiled[0], eager[0]))
+    assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: the wrapper raises HebrusError; the CPU kernel called directly raises a tagged ValueError
+
+
+def good_ids_args(device="cpu"):
+    d = lambda t: t.to(device)  # noqa: E731
+    return dict(tokens=d(torch.tensor([1, 2, 3, 4, 5])), cu_seqlens=d(torch.tensor([0, 2, 5], dtype=torch.int32)),
+                history=d(torch.tensor([[0, 0], [6, 7]])), multipliers=d(torch.tensor([3, 5, 7])),
+                vocab_sizes=d(torch.tensor([11, 13, 17, 19])), offsets=d(torch.tensor([0, 11, 24, 41])),
+                eos=0, vocab=10)
+
+
+def good_conv_args(device="cpu"):
+    d = lambda t: t.to(device)  # noqa: E731
+    return dict(x=d(torch.randn(5, 4)), weight=d(torch.randn(4, 3)), cu_seqlens=d(torch.tensor([0, 2, 5], dtype=torch.int32)),
+                state=d(torch.randn(2, 4, 4)), dilation=2, activation="silu")
+
+
+BAD_IDS = {
+    "tokens-dtype": (dict(tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)), r"tokens must have dtype torch\.int64"),
+    "tokens-2d": (dict(tokens=torch.tensor([[1, 2, 3, 4, 5]])), r"tokens must be 1-D"),
+    "history-dtype": (dict(history=torch.tensor([[0.0, 0.0], [6.0, 7.0]])), r"history must have dtype"),
+    "history-shape": (dict(history=torch.tensor([[0, 0, 0], [6, 7, 8]])), r"history must have shape \(B, N-1\) = \(2, 2\)"),
+    "history-rows": (dict(history=torch.tensor([[0, 0]])), r"history must have shape"),
+    "multipliers-short": (dict(multipliers=torch.tensor([3])), r"multipliers must have N >= 2"),
+    "vocab-sizes-count": (dict(vocab_sizes=torch.tensor([11, 13, 17])), r"vocab_sizes must have \(N-1\)\*H entries"),
+    "offsets-count": (dict(offsets=torch.tensor([0, 11])), r"offsets must have 4 entries"),
+    "cu-dtype": (dict(cu_seqlens=torch.tensor([0, 2, 5])), r"cu_seqlens must have dtype torch\.int32"),
+    "cu-2d": (dict(cu_seqlens=torch.tensor([[0, 2, 5]], dtype=torch.int32)), r"cu_seqlens must be 1-D"),
+    "cu-empty": (dict(cu_seqlens=torch.zeros(0, dtype=torch.int32)), r"B\+1 >= 1"),
+    "cu-start": (dict(cu_seqlens=torch.tensor([1, 2, 5], dtype=torch.int32)), r"must start at 0 and end at T = 5, got 1"),
+    "cu-end-short": (dict(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32)), r"end at T = 5, got 0 \.\. 4"),
+    "cu-end-long": (dict(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32)), r"end at T = 5, got 0 \.\. 6"),
+    "cu-decreasing": (dict(cu_seqlens=torch.tensor([0, 4, 2, 5], dtype=torch.int32),
+                           history=torch.zeros(3, 2, dtype=torch.long)), r"non-decreasing; row 1"),
+    "token-negative": (dict(tokens=torch.tensor([1, 2, -1, 4, 5])), r"tokens\[2\] = -1 is outside \[0, vocab=10\)"),
+    "token-vocab": (dict(tokens=torch.tensor([1, 2, 3, 4, 10])), r"tokens\[4\] = 10 is outside"),
+    "history-negative": (dict(history=torch.tensor([[0, 0], [6, -3]])), r"history\[1, 1\] = -3 is outside"),
+    "history-vocab": (dict(history=torch.tensor([[10, 0], [6, 7]])), r"history\[0, 0\] = 10 is outside"),
+    "eos-negative": (dict(eos=-1), r"eos -1 must lie in \[0, vocab=10\)"),
+    "eos-vocab": (dict(eos=10), r"eos 10 must lie in"),
+    "vocab-zero": (dict(vocab=0), r"vocab must be positive"),
+    "head-size-zero": (dict(vocab_sizes=torch.tensor([11, 0, 17, 19])), r"vocab_sizes\[1\] must be positive, got 0"),
+}
+
+BAD_CONV = {
+    "x-1d": (dict(x=torch.randn(5)), r"x must be 2-D, got shape \(5,\)"),
+    "x-dtype": (dict(x=torch.randn(5, 4, dtype=torch.float64)), r"x must have dtype"),
+    "x-int": (dict(x=torch.ones(5, 4, dtype=torch.int64)), r"x must have dtype"),
+    "weight-dtype": (dict(weight=torch.randn(4, 3, dtype=torch.float16)), r"weight dtype torch\.float16 must match x dtype"),
+    "state-dtype": (dict(state=torch.randn(2, 4, 4, dtype=torch.bfloat16)), r"state dtype torch\.bfloat16 must match"),
+    "weight-1d": (dict(weight=torch.randn(4)), r"weight must be 2-D"),
+    "weight-channels": (dict(weight=torch.randn(5, 3)), r"weight must have shape \(C, K\) with C = 4"),
+    "weight-width-0": (dict(weight=torch.randn(4, 0)), r"weight must have shape \(C, K\) with C = 4 and K >= 1"),
+    "state-2d": (dict(state=torch.randn(2, 4)), r"state must be 3-D"),
+    "state-len": (dict(state=torch.randn(2, 3, 4)), r"state must have shape \(B, \(K-1\)\*dilation, C\) = \(2, 4, 4\), got \(2, 3, 4\)"),
+    "state-batch": (dict(state=torch.randn(3, 4, 4)), r"state must have shape .* got \(3, 4, 4\)"),
+    "state-channels": (dict(state=torch.randn(2, 4, 5)), r"state must have shape .* got \(2, 4, 5\)"),
+    "cu-dtype": (dict(cu_seqlens=torch.tensor([0, 2, 5])), r"cu_seqlens must have dtype torch\.int32"),
+    "cu-2d": (dict(cu_seqlens=torch.tensor([[0, 2, 5]], dtype=torch.int32)), r"cu_seqlens must be 1-D"),
+    "cu-empty": (dict(cu_seqlens=torch.zeros(0, dtype=torch.int32)), r"B\+1 >= 1"),
+    "cu-start": (dict(cu_seqlens=torch.tensor([-1, 2, 5], dtype=torch.int32)), r"start at 0 and end at T = 5, got -1"),
+    "cu-end": (dict(cu_seqlens=torch.tensor([0, 2, 3], dtype=torch.int32)), r"end at T = 5, got 0 \.\. 3"),
+    "cu-decreasing": (dict(cu_seqlens=torch.tensor([0, 3, 1, 5], dtype=torch.int32), state=torch.randn(3, 4, 4)),
+                      r"non-decreasing; row 1 has cu_seqlens\[1\] = 3 > cu_seqlens\[2\] = 1"),
+    "dilation-0": (dict(dilation=0), r"dilation must be >= 1, got 0"),
+    "dilation-negative": (dict(dilation=-2), r"dilation must be >= 1, got -2"),
+    "activation": (dict(activation="relu"), r"activation must be one of \('silu', 'none'\), got 'relu'"),
+}
+
+
+def _apply(good: dict, changes: dict, device: str) -> dict:
+    args = dict(good)
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in changes.items()})
+    return args
+
+
+@pytest.mark.parametrize("case", BAD_IDS)
+def test_ngram_ids_bad_input(device, case):
+    changes, pattern = BAD_IDS[case]
+    args = _apply(good_ids_args(device), changes, device)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ht.HebrusError, match="hebrus::ple_ngram_ids: .*" + pattern):
+        ht.ple_ngram_ids(**args)
+    assert all(torch.equal(args[k], v) for k, v in before.items())
+    if device == "cpu":  # straight into the C++ kernel, past the Python validator
+        with pytest.raises(ValueError, match=r"\[HebrusError\] hebrus::ple_ngram_ids: .*" + pattern) as info:
+            torch.ops.hebrus.ple_ngram_ids(*args.values())
+        mapped = errors.translate(info.value)
+        assert type(mapped) is ht.HebrusError and str(mapped).startswith("hebrus::ple_ngram_ids: ")
+
+
+@pytest.mark.parametrize("case", BAD_CONV)
+def test_conv_bad_input(device, case):
+    changes, pattern = BAD_CONV[case]
+    args = _apply(good_conv_args(device), changes, device)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ht.HebrusError, match="hebrus::ple_conv: .*" + pattern):
+        ht.ple_conv(**args)
+    assert all(torch.equal(args[k], v) for k, v in before.items())
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"\[HebrusError\] hebrus::ple_conv: .*" + pattern) as info:
+            torch.ops.hebrus.ple_conv(*args.values())
+        mapped = errors.translate(info.value)
+        assert type(mapped) is ht.HebrusError and str(mapped).startswith("hebrus::ple_conv: ")
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "cu_seqlens", "state"])
+def test_conv_mismatched_devices(name):
+    args = good_conv_args()
+    args[name] = args[name].to("meta")
+    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_conv: all tensors must be on one device"):
+        ht.ple_conv(**args)
+    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
+        torch.ops.hebrus.ple_conv(*args.values())  # dispatches to the fake, which validates
+
+
+@pytest.mark.parametrize("name", ["tokens", "history", "vocab_sizes"])
+def test_ngram_ids_mismatched_devices(name):
+    args = good_ids_args()
+    args[name] = args[name].to("meta")
+    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_ngram_ids: all tensors must be on one device"):
+        ht.ple_ngram_ids(**args)
+    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
+        torch.ops.hebrus.ple_ngram_ids(*args.values())
