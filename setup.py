@@ -28,6 +28,11 @@ def extension() -> CppExtension:
     cxx += ["-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
     sources = ["csrc/library.cpp"] + _sources("csrc/cpu/*.cpp")
     extra_link: list[str] = []
+    if platform.system() == "Linux":
+        # at::parallel_for only runs threads when the extension itself is built with OpenMP
+        # (it then shares torch's libgomp).
+        cxx.append("-fopenmp")
+        extra_link.append("-fopenmp")
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "mps_kernels")]
     with_mps = platform.system() == "Darwin" and torch.backends.mps.is_built()
     if with_mps:

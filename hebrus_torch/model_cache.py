@@ -347,13 +347,38 @@ class ModelCache(torch.nn.Module, Transactional):
             kept = kept[-self.keep_snapshots:]
         self._snapshots[seq.slot] = kept
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Validate both holders' parts and the handle table first, then publish all; else CorruptStateError."""
+        if self.in_transaction:
+            raise HebrusError("ModelCache.load_state_dict cannot run inside a transaction")
+        sd = dict(state_dict)
+        extra = sd.get("_extra_state")
+        ok = (isinstance(extra, dict) and isinstance(extra.get("generation"), list)
+              and isinstance(extra.get("live"), list) and len(extra["generation"]) == self.slots.capacity
+              and len(extra["live"]) == self.slots.capacity)
+        blob.expect(_KIND, ok, "state dict has no valid handle table")
+        parts = {}
+        for name, holder in (("ple", self.ple), ("qsa", self.qsa)):
+            if holder is None:
+                continue
+            prefix = name + "."
+            parts[name] = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            holder.check_state_dict(parts[name])
+            generation, live = parts[name].get("generation"), parts[name].get("live")
+            blob.expect(_KIND, isinstance(generation, torch.Tensor) and isinstance(live, torch.Tensor),
+                        f"{name} state lacks its handle table")
+            want = [(g, on) if on else None for g, on in zip(extra["generation"], extra["live"])]
+            want += [None] * (live.numel() - len(want))
+            got = [(g, on) if on else None for g, on in zip(generation.tolist(), live.tolist())]
+            blob.expect(_KIND, got == want, f"{name} live sequences disagree with the ModelCache handles")
+        for name, part in parts.items():
+            getattr(self, name).publish_state_dict(part)
+        self.slots.load(extra["generation"], extra["live"])
+        self._snapshots = {}
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
     def get_extra_state(self) -> dict[str, Any]:
         return {"generation": self.slots.generation.tolist(), "live": self.slots.live.tolist()}
 
     def set_extra_state(self, state: Any) -> None:
-        ok = (isinstance(state, dict) and isinstance(state.get("generation"), list)
-              and isinstance(state.get("live"), list) and len(state["generation"]) == self.slots.capacity
-              and len(state["live"]) == self.slots.capacity)
-        blob.expect(_KIND, ok, "state dict has no valid handle table")
-        self.slots.load(torch.tensor(state["generation"], dtype=torch.int64),
-                        torch.tensor(state["live"], dtype=torch.bool))
+        pass  # load_state_dict validates and applies the handle table itself

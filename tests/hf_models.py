@@ -19,3 +19,19 @@ def tiny_config(**overrides) -> "Qwen4ExpTextConfig":
     )
     kwargs.update(overrides)
     return Qwen4ExpTextConfig(**kwargs)
+
+
+def tiny_indexer_config(**overrides) -> "Qwen4ExpTextConfig":
+    """A tiny text config whose decoder layer 1 is an "indexed_attention" layer (QSA indexer).
+
+    Layer 0 is linear attention and carries the only PLE layer (PLE is linear-attention only); the MoE
+    and the linear attention are shrunk so that a whole-model forward takes milliseconds.
+    """
+    kwargs = dict(
+        layer_types=["linear_attention", "indexed_attention"], ple_layer_ids=[1], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        hc_lowrank=8,
+    )
+    kwargs.update(overrides)
+    return tiny_config(**kwargs)

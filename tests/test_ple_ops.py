@@ -124,7 +124,8 @@ def test_native_cpu_kernels_are_registered():
 
 def test_ngram_ids_hand_checked(device):
     # N=2, H=1, eos=0. Token 5 sees E: (5*3 ^ 0*5) % 11 = 4 -> 104; token 7 sees 5: (21 ^ 25) % 11 = 1 -> 101.
-    ids, hist = ht.ple_ngram_ids(torch.tensor([5, 7], device=device), torch.tensor([0, 2], dtype=torch.int32, device=device),
+    ids, hist = ht.ple_ngram_ids(torch.tensor([5, 7], device=device),
+                                 torch.tensor([0, 2], dtype=torch.int32, device=device),
                                  torch.tensor([[0]], device=device), torch.tensor([3, 5], device=device),
                                  torch.tensor([11], device=device), torch.tensor([100], device=device), 0, 10)
     assert ids.cpu().tolist() == [[104], [101]]
@@ -161,7 +162,8 @@ def random_hf_config(hf, rng: random.Random):
 
 
 def hf_ple_layer(hf, config, ple_layer_index: int, gen: torch.Generator):
-    layer = hf.modeling.Qwen4ExpTextPLELayer(config, ple_layer_index, ple_layer_index)  # decoder layer i+1 (1-based ids)
+    # PLE layer i sits on decoder layer i (config.ple_layer_ids are 1-based: [1, 2]).
+    layer = hf.modeling.Qwen4ExpTextPLELayer(config, ple_layer_index, ple_layer_index)
     with torch.no_grad():  # conv1d is zero-initialised by the model; randomise it
         layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen) * 0.5)
     captured: list[torch.Tensor] = []
@@ -382,6 +384,26 @@ def test_chunk_invariance(device, seed, dtype):
         assert torch.equal(state, base[3]), name
 
 
+def test_thread_count_invariance():
+    # at::parallel_for splits tokens differently with 1 and 2 threads; the bits must not change.
+    gen = torch.Generator().manual_seed(4)
+    params = hash_params(3, 8, gen)
+    tokens, cu = pack([random_tokens(m, 100, 3, gen) for m in (3000, 0, 1777)])
+    history = torch.randint(0, 100, (3, 2), generator=gen)
+    x = torch.randn(tokens.shape[0], 64, generator=gen)
+    weight, state = torch.randn(64, 4, generator=gen), torch.randn(3, 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            results.append((*ht.ple_ngram_ids(tokens, cu, history, *params, 3, 100),
+                            *ht.ple_conv(x, weight, cu, state, 3, "silu")))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_row_isolation(device):
     gen = torch.Generator().manual_seed(11)
     n, vocab, eos, channels, width, dilation = 3, 25, 2, 33, 4, 3
@@ -494,6 +516,18 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.hebrus.ple_conv.default, to_dev(args))
 
 
+def test_opcheck_transposed_inputs(device):
+    x = torch.randn(8, 5, device=device).t()
+    weight = torch.randn(3, 8, device=device).t()
+    state = torch.randn(2, 8, 4, device=device).transpose(1, 2)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.hebrus.ple_conv.default, (x, weight, cu, state, 2, "silu"))
+    history = torch.randint(0, 30, (2, 2), device=device).t()
+    params = [p.to(device) for p in hash_params(3, 2, torch.Generator().manual_seed(0))]
+    torch.library.opcheck(torch.ops.hebrus.ple_ngram_ids.default,
+                          (torch.randint(0, 30, (5,), device=device), cu, history, *params, 1, 30))
+
+
 def test_compile_chunked_loop_matches_eager(device):
     gen = torch.Generator().manual_seed(9)
     n, vocab, eos, channels, width, dilation = 3, 30, 2, 32, 4, 3
@@ -539,15 +573,18 @@ def good_ids_args(device="cpu"):
 
 def good_conv_args(device="cpu"):
     d = lambda t: t.to(device)  # noqa: E731
-    return dict(x=d(torch.randn(5, 4)), weight=d(torch.randn(4, 3)), cu_seqlens=d(torch.tensor([0, 2, 5], dtype=torch.int32)),
+    return dict(x=d(torch.randn(5, 4)), weight=d(torch.randn(4, 3)),
+                cu_seqlens=d(torch.tensor([0, 2, 5], dtype=torch.int32)),
                 state=d(torch.randn(2, 4, 4)), dilation=2, activation="silu")
 
 
 BAD_IDS = {
-    "tokens-dtype": (dict(tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)), r"tokens must have dtype torch\.int64"),
+    "tokens-dtype": (dict(tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)),
+                     r"tokens must have dtype torch\.int64"),
     "tokens-2d": (dict(tokens=torch.tensor([[1, 2, 3, 4, 5]])), r"tokens must be 1-D"),
     "history-dtype": (dict(history=torch.tensor([[0.0, 0.0], [6.0, 7.0]])), r"history must have dtype"),
-    "history-shape": (dict(history=torch.tensor([[0, 0, 0], [6, 7, 8]])), r"history must have shape \(B, N-1\) = \(2, 2\)"),
+    "history-shape": (dict(history=torch.tensor([[0, 0, 0], [6, 7, 8]])),
+                      r"history must have shape \(B, N-1\) = \(2, 2\)"),
     "history-rows": (dict(history=torch.tensor([[0, 0]])), r"history must have shape"),
     "multipliers-short": (dict(multipliers=torch.tensor([3])), r"multipliers must have N >= 2"),
     "vocab-sizes-count": (dict(vocab_sizes=torch.tensor([11, 13, 17])), r"vocab_sizes must have \(N-1\)\*H entries"),
@@ -555,7 +592,8 @@ BAD_IDS = {
     "cu-dtype": (dict(cu_seqlens=torch.tensor([0, 2, 5])), r"cu_seqlens must have dtype torch\.int32"),
     "cu-2d": (dict(cu_seqlens=torch.tensor([[0, 2, 5]], dtype=torch.int32)), r"cu_seqlens must be 1-D"),
     "cu-empty": (dict(cu_seqlens=torch.zeros(0, dtype=torch.int32)), r"B\+1 >= 1"),
-    "cu-start": (dict(cu_seqlens=torch.tensor([1, 2, 5], dtype=torch.int32)), r"must start at 0 and end at T = 5, got 1"),
+    "cu-start": (dict(cu_seqlens=torch.tensor([1, 2, 5], dtype=torch.int32)),
+                 r"must start at 0 and end at T = 5, got 1"),
     "cu-end-short": (dict(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32)), r"end at T = 5, got 0 \.\. 4"),
     "cu-end-long": (dict(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32)), r"end at T = 5, got 0 \.\. 6"),
     "cu-decreasing": (dict(cu_seqlens=torch.tensor([0, 4, 2, 5], dtype=torch.int32),
@@ -574,13 +612,15 @@ BAD_CONV = {
     "x-1d": (dict(x=torch.randn(5)), r"x must be 2-D, got shape \(5,\)"),
     "x-dtype": (dict(x=torch.randn(5, 4, dtype=torch.float64)), r"x must have dtype"),
     "x-int": (dict(x=torch.ones(5, 4, dtype=torch.int64)), r"x must have dtype"),
-    "weight-dtype": (dict(weight=torch.randn(4, 3, dtype=torch.float16)), r"weight dtype torch\.float16 must match x dtype"),
+    "weight-dtype": (dict(weight=torch.randn(4, 3, dtype=torch.float16)),
+                     r"weight dtype torch\.float16 must match x dtype"),
     "state-dtype": (dict(state=torch.randn(2, 4, 4, dtype=torch.bfloat16)), r"state dtype torch\.bfloat16 must match"),
     "weight-1d": (dict(weight=torch.randn(4)), r"weight must be 2-D"),
     "weight-channels": (dict(weight=torch.randn(5, 3)), r"weight must have shape \(C, K\) with C = 4"),
     "weight-width-0": (dict(weight=torch.randn(4, 0)), r"weight must have shape \(C, K\) with C = 4 and K >= 1"),
     "state-2d": (dict(state=torch.randn(2, 4)), r"state must be 3-D"),
-    "state-len": (dict(state=torch.randn(2, 3, 4)), r"state must have shape \(B, \(K-1\)\*dilation, C\) = \(2, 4, 4\), got \(2, 3, 4\)"),
+    "state-len": (dict(state=torch.randn(2, 3, 4)),
+                  r"state must have shape \(B, \(K-1\)\*dilation, C\) = \(2, 4, 4\), got \(2, 3, 4\)"),
     "state-batch": (dict(state=torch.randn(3, 4, 4)), r"state must have shape .* got \(3, 4, 4\)"),
     "state-channels": (dict(state=torch.randn(2, 4, 5)), r"state must have shape .* got \(2, 4, 5\)"),
     "cu-dtype": (dict(cu_seqlens=torch.tensor([0, 2, 5])), r"cu_seqlens must have dtype torch\.int32"),

@@ -46,8 +46,8 @@ void check_dims(const char* op, const Tensor& t, int64_t n, const char* name) {
 }
 
 void check_dtype(const char* op, const Tensor& t, at::ScalarType dtype, const char* name) {
-  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ", dtype_name(dtype),
-               ", got ", dtype_name(t.scalar_type()));
+  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
+               dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
 // cu_seqlens metadata; returns B.
@@ -125,14 +125,15 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
   HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
   const int64_t ctx = n - 1;
   const int64_t heads = vocab_sizes.size(0);
-  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op, ": vocab_sizes must have (N-1)*H entries for N=",
-               n, ", got ", heads);
+  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
+               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
   HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
                " entries like vocab_sizes, got ", offsets.size(0));
   HEBRUS_CHECK(history.size(0) == batch && history.size(1) == ctx, HebrusError, "hebrus::", op,
                ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_of(history));
   HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
-  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab, ")");
+  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab,
+               ")");
   const int64_t total = tokens.size(0);
   const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
   const Tensor tok_t = tokens.contiguous(), hist_t = history.contiguous(), mult_t = multipliers.contiguous();
@@ -248,10 +249,10 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
   const auto dtype = x.scalar_type();
   HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError, "hebrus::", op,
                ": x must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ", dtype_name(dtype));
-  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ", dtype_name(weight.scalar_type()),
-               " must match x dtype ", dtype_name(dtype));
-  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ", dtype_name(state.scalar_type()),
-               " must match x dtype ", dtype_name(dtype));
+  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ",
+               dtype_name(weight.scalar_type()), " must match x dtype ", dtype_name(dtype));
+  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ",
+               dtype_name(state.scalar_type()), " must match x dtype ", dtype_name(dtype));
   const int64_t batch = check_cu_meta(op, cu_seqlens);
   HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
   const bool silu = activation == "silu";

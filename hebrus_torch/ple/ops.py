@@ -37,10 +37,10 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
 @torch.library.register_fake("hebrus::ple_ngram_ids")
 def _ple_ngram_ids_fake(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab):
     _, heads = _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
-    return tokens.new_empty((tokens.shape[0], heads)), torch.empty_like(history)
+    return tokens.new_empty((tokens.shape[0], heads)), history.new_empty(history.shape)
 
 
 @torch.library.register_fake("hebrus::ple_conv")
 def _ple_conv_fake(x, weight, cu_seqlens, state, dilation, activation):
     _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
-    return torch.empty_like(x), torch.empty_like(state)
+    return x.new_empty(x.shape), state.new_empty(state.shape)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -320,6 +320,14 @@ class PLEState(torch.nn.Module, Transactional):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing."""
+        self.check_state_dict(state_dict)
+        self.publish_state_dict(state_dict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    _STATE_NAMES = ("history", "conv_state", "generation", "live")
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Everything ``load_state_dict`` validates, without changing anything (CorruptStateError)."""
         if self.in_transaction:
             raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
         sd = dict(state_dict)
@@ -329,23 +337,25 @@ class PLEState(torch.nn.Module, Transactional):
         expect(_KIND, extra.get("version") == blob.FORMAT_VERSION, f"unsupported version {extra.get('version')!r}")
         expect(_KIND, extra.get("config") == self._config_meta(),
                f"state dict was saved with config {extra.get('config')!r}, this holder has {self._config_meta()!r}")
-        names = ("history", "conv_state", "generation", "live")
-        for name in names:
+        for name in self._STATE_NAMES:
             mine = getattr(self, name)
             t = sd.get(name)
             expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
             expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
                    f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
-        checksum = blob.digest_of([(n, sd[n]) for n in names])
+        checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
         expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
         expect(_KIND, bool((sd["generation"] >= 0).all()), "negative generation")
         tokens_ok = (sd["history"] >= 0) & (sd["history"] < self.vocab_size)
         expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
+
+    def publish_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy a state dict that ``check_state_dict`` accepted into the buffers."""
         with torch.no_grad():
-            for name in names:
-                getattr(self, name).copy_(sd[name])
+            for name in self._STATE_NAMES:
+                getattr(self, name).copy_(state_dict[name])
         self.slots.load(self.generation.cpu(), self.live.cpu())
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        self._txn_begin()
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:
