@@ -25,4 +25,6 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "
       "int top_k) -> Tensor");
+  // QSA attention (issue 6): softmax(scale q.k) v per query over exactly its selected cells.
+  m.def("qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor");
 }

@@ -1,6 +1,8 @@
 """hebrus_torch: custom ops and state holders for the stateful sparse paths of Qwen4Exp.
 
-``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select}``.
+``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select,
+qsa_attention}``: C++ kernels on CPU, Metal kernels on MPS (macOS builds), the pure-PyTorch reference
+everywhere else.
 """
 
 from . import _extension
@@ -9,13 +11,17 @@ from .errors import (CapacityError, CorruptStateError, HebrusError, HoleError, N
                      StaleHandleError)
 from .ple.ops import ple_conv, ple_ngram_ids
 from .qsa.ops import qsa_pool, qsa_select
+from .qsa.attention import qsa_attention
 from .ple.state import PLEHashParams, PLESnapshot, PLEState
+from .qsa.cache import QSACache, QSAPlan, ReservedChunk
 from .state import SeqHandle, transaction
+from .model_cache import Batch, ChunkStep, ModelCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
-    "CorruptStateError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select",
-    "PLEState", "PLESnapshot", "PLEHashParams", "SeqHandle", "transaction",
+    "CorruptStateError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
+    "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
+    "transaction", "ModelCache", "Batch", "ChunkStep",
 ]

@@ -14,4 +14,5 @@ SCHEMAS = {
                 "Tensor norm_weight, float eps, Tensor inv_freq) -> Tensor",
     "qsa_select": "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "
                   "int top_k) -> Tensor",
+    "qsa_attention": "qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor",
 }

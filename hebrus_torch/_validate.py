@@ -136,3 +136,28 @@ def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k) -> None:
     check(q_row.shape[0] == q.shape[0] and q_groups.shape[0] == q.shape[0], op,
           f"q_row and q_groups must have Tq = {q.shape[0]} entries, got {q_row.shape[0]} and {q_groups.shape[0]}")
     check(top_k >= 1, op, f"top_k must be >= 1, got {top_k}")
+
+
+def qsa_attention(q, k, v, token_cells, scale) -> int:
+    """Returns the number of query heads per KV head (Hq // Hkv)."""
+    op = "qsa_attention"
+    _same_device(op, q=q, k=k, v=v, token_cells=token_cells)
+    _dims(q, 3, op, "q")
+    _dtype(q, FLOAT_DTYPES, op, "q")
+    _dims(k, 3, op, "k")
+    _dims(v, 3, op, "v")
+    check(k.dtype == q.dtype, op, f"k dtype {k.dtype} must match q dtype {q.dtype}")
+    check(v.dtype == q.dtype, op, f"v dtype {v.dtype} must match q dtype {q.dtype}")
+    _dims(token_cells, 2, op, "token_cells")
+    _dtype(token_cells, torch.int32, op, "token_cells")
+    tq, hq, dh = q.shape
+    cells, hkv, _ = k.shape
+    check(hkv >= 1, op, f"k must have Hkv >= 1 heads, got shape {tuple(k.shape)}")
+    check(k.shape[2] == dh, op, f"k head dim {k.shape[2]} must equal q head dim {dh}")
+    check(v.shape[0] == cells and v.shape[1] == hkv, op,
+          f"v must have shape (cells, Hkv, Dv) with cells = {cells} and Hkv = {hkv} like k, got {tuple(v.shape)}")
+    check(hq % hkv == 0, op, f"query heads Hq = {hq} must be a multiple of KV heads Hkv = {hkv}")
+    check(token_cells.shape[0] == tq, op,
+          f"token_cells must have one row per query (Tq = {tq}), got shape {tuple(token_cells.shape)}")
+    check(abs(scale) < float("inf"), op, f"scale must be finite, got {scale}")
+    return hq // hkv

@@ -189,7 +189,8 @@ class ModelCache(torch.nn.Module, Transactional):
         with transaction(self, *self.holders):
             if batch is not None and self.keep_snapshots and self.ple is not None:
                 for seq in batch.seqs:
-                    self._remember(seq, self.ple.snapshot(seq, self._next_position(seq)))
+                    if self.qsa is None or self.qsa.run(seq)[1]:  # an empty run rewinds by clearing
+                        self._remember(seq, self.ple.snapshot(seq, self._next_position(seq)))
             yield ChunkStep(self, batch) if batch is not None else None
 
     def _txn_begin(self) -> None:
@@ -339,7 +340,7 @@ class ModelCache(torch.nn.Module, Transactional):
         if self.qsa is None:
             return None
         p0, n = self.qsa.run(seq)
-        return p0 + n if n else None
+        return p0 + n
 
     def _remember(self, seq: SeqHandle, snap: PLESnapshot, bound: bool = True) -> None:
         kept = [s for s in self._snapshots.get(seq.slot, []) if s.position != snap.position] + [snap]

@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -25,13 +27,10 @@ namespace {
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxQueryHeads = 64;
 constexpr int64_t kMaxTopK = 4096;
-// Partial sums of one dot product. Fixes the summation order (lane j sums the dims d = j mod kLanes
-// in ascending d, then lanes combine pairwise), so a score never depends on blocking or threads.
-constexpr int64_t kLanes = 16;
-constexpr int64_t kGroupTile = 64;           // pooled keys per tile, reused across a block of queries
+constexpr int64_t kGroupTile = 64;         // pooled keys per tile, reused across a block of queries
 constexpr int64_t kQueryBlockBytes = 64 * 1024;
 constexpr int64_t kMaxQueryBlock = 32;
-constexpr int64_t kMinSplitGroups = 1024;    // smallest group range worth its own task when splitting
+constexpr int64_t kMinSplitGroups = 1024;  // smallest group range worth its own task when splitting
 
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -92,12 +91,6 @@ template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 template <>
 inline float round_to<float>(float v) { return v; }
-
-inline float reduce_lanes(float* a) {
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2)
-    for (int64_t j = 0; j < w; ++j) a[j] += a[j + w];
-  return a[0];
-}
 
 // ---------------------------------------------------------------------------------------------
 // qsa_pool
@@ -279,117 +272,152 @@ at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in
 // qsa_select
 // ---------------------------------------------------------------------------------------------
 
-// Total order of candidates: NaN first (torch's sort and topk rank NaN above every number), then
-// higher score, then lower group index. Group indices are unique, so no two candidates tie.
-inline bool better(float sa, int32_t ga, float sb, int32_t gb) {
-  const bool na = std::isnan(sa);
-  const bool nb = std::isnan(sb);
-  if (na != nb) return na;
-  if (!na && sa != sb) return sa > sb;
-  return ga < gb;
+// A candidate as one integer whose order is the selection order: NaN first (torch's sort and topk
+// rank NaN above every number), then higher score, then lower group index. Group indices are
+// unique, so no two candidates compare equal; -0 is folded into +0 so that they tie.
+inline uint64_t candidate_key(float score, int32_t group) {
+  uint32_t bits;
+  if (std::isnan(score)) {
+    bits = 0xFFFFFFFFu;
+  } else {
+    const float s = score == 0.f ? 0.f : score;
+    std::memcpy(&bits, &s, sizeof(bits));
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  }
+  return (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(group));
 }
 
-// The best k candidates seen so far; the root is the worst of them. O(log k) per candidate.
+inline int32_t candidate_group(uint64_t key) {
+  return static_cast<int32_t>(~static_cast<uint32_t>(key & 0xFFFFFFFFu));
+}
+
+// Bounded selection of the best k candidates: entries above the current floor are buffered (room
+// for 2k); a full buffer is cut back to its best k with nth_element, which raises the floor to
+// the k-th best. O(G) on average per query, O(G + k log k) at worst per cut, and exact: keys are
+// unique, so the kept set is the top k of the strict order whatever the order of arrival.
 struct TopK {
-  float* score;
-  int32_t* group;
+  uint64_t* buf;  // room for 2k keys
   int64_t size;
   int64_t k;
+  uint64_t floor;  // every key ever pushed that is <= floor is outside the top k (0: none yet)
 
-  void push(float s, int32_t g) {
-    if (size < k) {
-      int64_t pos = size++;
-      while (pos > 0) {
-        const int64_t parent = (pos - 1) / 2;
-        if (!better(score[parent], group[parent], s, g)) break;
-        score[pos] = score[parent];
-        group[pos] = group[parent];
-        pos = parent;
-      }
-      score[pos] = s;
-      group[pos] = g;
-    } else if (better(s, g, score[0], group[0])) {
-      int64_t pos = 0;
-      for (;;) {
-        int64_t child = 2 * pos + 1;
-        if (child >= size) break;
-        if (child + 1 < size && better(score[child], group[child], score[child + 1], group[child + 1])) ++child;
-        if (!better(s, g, score[child], group[child])) break;
-        score[pos] = score[child];
-        group[pos] = group[child];
-        pos = child;
-      }
-      score[pos] = s;
-      group[pos] = g;
-    }
+  inline void push(uint64_t key) {
+    if (key <= floor) return;
+    buf[size++] = key;
+    if (size == 2 * k) cut();
   }
 
-  // Selected groups in ascending order, -1 padded to top_k.
-  void write(int32_t* out, int64_t top_k) const {
-    std::copy(group, group + size, out);
-    std::sort(out, out + size);
-    std::fill(out + size, out + top_k, -1);
+  void cut() {
+    if (size <= k) return;
+    std::nth_element(buf, buf + (k - 1), buf + size, std::greater<uint64_t>());
+    floor = buf[k - 1];
+    size = k;
+  }
+
+  // Selected groups (all < n_groups) in ascending order, -1 padded to top_k. `bitmap` has
+  // ceil(n_groups / 64) words, all zero, and is left all zero.
+  void write(int32_t* out, int64_t top_k, int64_t n_groups, uint64_t* bitmap) {
+    cut();
+    for (int64_t i = 0; i < size; ++i) {
+      const int32_t g = candidate_group(buf[i]);
+      bitmap[g >> 6] |= uint64_t{1} << (g & 63);
+    }
+    int64_t n = 0;
+    for (int64_t w = 0; w < (n_groups + 63) / 64; ++w) {
+      uint64_t bits = bitmap[w];
+      bitmap[w] = 0;
+      while (bits) {
+        out[n++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(bits));
+        bits &= bits - 1;
+      }
+    }
+    std::fill(out + n, out + top_k, -1);
   }
 };
 
-// Scores of one query (hq heads of dp floats, zero padded) against NG keys:
-// sum_h relu(q_h . k) / sqrt(D), each dot product in the fixed lane order.
-template <int NG>
-inline void score_keys(const float* q, int64_t hq, int64_t dp, const float* const* keys, float sqrt_d, float* out) {
-  float total[NG];
-  for (int n = 0; n < NG; ++n) total[n] = 0.f;
-  for (int64_t h = 0; h < hq; ++h) {
-    const float* qh = q + h * dp;
-    float acc[NG][kLanes];
-    for (int n = 0; n < NG; ++n)
-      for (int64_t j = 0; j < kLanes; ++j) acc[n][j] = 0.f;
-    for (int64_t d = 0; d < dp; d += kLanes) {
-      for (int n = 0; n < NG; ++n) {
-        const float* kn = keys[n] + d;
-        for (int64_t j = 0; j < kLanes; ++j) acc[n][j] += qh[d + j] * kn[j];
-      }
-    }
-    for (int n = 0; n < NG; ++n) {
-      const float dot = reduce_lanes(acc[n]);
-      total[n] += dot < 0.f ? 0.f : dot;  // relu that keeps NaN, like torch.relu
-    }
-  }
-  for (int n = 0; n < NG; ++n) out[n] = total[n] / sqrt_d;
-}
-
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 // One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
-// every clone and the lane order is explicit, so all of them produce the same bits.
+// every clone and each score is computed in the order the source states, so all give the same bits.
 #define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define HEBRUS_VECTOR_CLONES
 #endif
 
-// Scores of one query against n keys (n <= kGroupTile).
+// Scores of one query (hq heads of dim fp32 values) against a tile of kGroupTile keys stored
+// transposed, kt[d * kGroupTile + g]: score_g = sum_h relu(q_h . k_g) / sqrt(D), each dot product
+// summed over d = 0..D-1 in order and the heads in order, so a score depends on its query and
+// key only, never on the tile, the block or the thread. Vectorised across groups.
 HEBRUS_VECTOR_CLONES
-void score_tile(const float* q, int64_t hq, int64_t dp, const float* const* keys, int64_t n, float sqrt_d,
-                float* out) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) score_keys<4>(q, hq, dp, keys + j, sqrt_d, out + j);
-  for (; j < n; ++j) score_keys<1>(q, hq, dp, keys + j, sqrt_d, out + j);
+void score_tile(const float* q, int64_t hq, int64_t dim, const float* kt, float sqrt_d, float* out) {
+  float total[kGroupTile];
+  for (int64_t g = 0; g < kGroupTile; ++g) total[g] = 0.f;
+  int64_t h = 0;
+  for (; h + 2 <= hq; h += 2) {
+    const float* q0 = q + h * dim;
+    const float* q1 = q0 + dim;
+    float a0[kGroupTile];
+    float a1[kGroupTile];
+    for (int64_t g = 0; g < kGroupTile; ++g) a0[g] = a1[g] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x0 = q0[d];
+      const float x1 = q1[d];
+      const float* k = kt + d * kGroupTile;
+      for (int64_t g = 0; g < kGroupTile; ++g) {
+        a0[g] += x0 * k[g];
+        a1[g] += x1 * k[g];
+      }
+    }
+    for (int64_t g = 0; g < kGroupTile; ++g) {
+      total[g] += a0[g] < 0.f ? 0.f : a0[g];  // relu that keeps NaN, like torch.relu
+      total[g] += a1[g] < 0.f ? 0.f : a1[g];
+    }
+  }
+  if (h < hq) {
+    const float* q0 = q + h * dim;
+    float a0[kGroupTile];
+    for (int64_t g = 0; g < kGroupTile; ++g) a0[g] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x0 = q0[d];
+      const float* k = kt + d * kGroupTile;
+      for (int64_t g = 0; g < kGroupTile; ++g) a0[g] += x0 * k[g];
+    }
+    for (int64_t g = 0; g < kGroupTile; ++g) total[g] += a0[g] < 0.f ? 0.f : a0[g];
+  }
+  for (int64_t g = 0; g < kGroupTile; ++g) out[g] = total[g] / sqrt_d;
 }
 
 template <typename T>
-void pack_rows(const T* src, int64_t rows, int64_t dim, int64_t dp, float* dst) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* s = src + i * dim;
-    float* o = dst + i * dp;
-    for (int64_t d = 0; d < dim; ++d) o[d] = to_float(s[d]);
-    for (int64_t d = dim; d < dp; ++d) o[d] = 0.f;
+void pack_rows(const T* src, int64_t rows, int64_t dim, float* dst) {
+  for (int64_t i = 0; i < rows * dim; ++i) dst[i] = to_float(src[i]);
+}
+
+// Query heads of query t as fp32 [hq, dim].
+void pack_query(const at::Tensor& q, int64_t t, int64_t hq, int64_t dim, float* dst) {
+  const int64_t offset = t * hq * dim;
+  switch (q.scalar_type()) {
+    case at::kFloat: pack_rows(q.data_ptr<float>() + offset, hq, dim, dst); break;
+    case at::kHalf: pack_rows(q.data_ptr<c10::Half>() + offset, hq, dim, dst); break;
+    case at::kBFloat16: pack_rows(q.data_ptr<c10::BFloat16>() + offset, hq, dim, dst); break;
+    default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
   }
 }
 
-// Converts `rows` rows of `dim` elements (contiguous) to fp32 rows of `dp` floats.
-void pack(const at::Tensor& t, int64_t first_row, int64_t rows, int64_t dim, int64_t dp, float* dst) {
-  switch (t.scalar_type()) {
-    case at::kFloat: pack_rows(t.data_ptr<float>() + first_row * dim, rows, dim, dp, dst); break;
-    case at::kHalf: pack_rows(t.data_ptr<c10::Half>() + first_row * dim, rows, dim, dp, dst); break;
-    case at::kBFloat16: pack_rows(t.data_ptr<c10::BFloat16>() + first_row * dim, rows, dim, dp, dst); break;
+template <typename T>
+void pack_tile_t(const T* pooled, const int32_t* rows, int64_t n, int64_t dim, float* kt) {
+  for (int64_t g = 0; g < n; ++g) {
+    const T* src = pooled + static_cast<int64_t>(rows[g]) * dim;
+    for (int64_t d = 0; d < dim; ++d) kt[d * kGroupTile + g] = to_float(src[d]);
+  }
+  for (int64_t d = 0; d < dim; ++d)
+    for (int64_t g = n; g < kGroupTile; ++g) kt[d * kGroupTile + g] = 0.f;
+}
+
+// Pooled rows rows[0..n) as a transposed fp32 tile; columns past n are zero (scored, never used).
+void pack_tile(const at::Tensor& pooled, const int32_t* rows, int64_t n, int64_t dim, float* kt) {
+  switch (pooled.scalar_type()) {
+    case at::kFloat: pack_tile_t(pooled.data_ptr<float>(), rows, n, dim, kt); break;
+    case at::kHalf: pack_tile_t(pooled.data_ptr<c10::Half>(), rows, n, dim, kt); break;
+    case at::kBFloat16: pack_tile_t(pooled.data_ptr<c10::BFloat16>(), rows, n, dim, kt); break;
     default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
   }
 }
@@ -492,7 +520,7 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
     }
   });
 
-  // Queries that rank, grouped by row (ascending t within a row).
+  // Queries that rank, grouped by row, ascending t within a row.
   std::vector<int64_t> row_start(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) row_start[b + 1] = row_start[b] + n_heavy[b];
   const int64_t heavy_total = row_start[batch];
@@ -504,13 +532,13 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
       if (q_groups[t] > top_k) heavy[fill[q_row[t]]++] = t;
   }
 
-  const int64_t dp = (dim + kLanes - 1) / kLanes * kLanes;
-  const int64_t q_bytes = std::max<int64_t>(1, hq) * std::max<int64_t>(dp, kLanes) * 4;
+  const int64_t q_bytes = std::max<int64_t>(1, hq * dim) * static_cast<int64_t>(sizeof(float));
   const int64_t qb = std::clamp<int64_t>(kQueryBlockBytes / q_bytes, 1, kMaxQueryBlock);
-  const int num_threads = std::max(1, at::get_num_threads());
+  const int64_t num_threads = std::max(1, at::get_num_threads());
 
-  // Work items: blocks of qb queries of one row; when there are fewer blocks than threads
-  // (decode), a single-block row is also split over group ranges and merged afterwards.
+  // Work items: blocks of qb queries of one row, so that a tile of pooled keys is read once per
+  // block. With fewer blocks than threads (decode), a single-block row is also split into group
+  // ranges whose candidates are merged afterwards.
   int64_t n_blocks = 0;
   for (int64_t b = 0; b < batch; ++b) n_blocks += (n_heavy[b] + qb - 1) / qb;
   std::vector<Item> items;
@@ -529,9 +557,9 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
       }
       const int64_t span = (groups_seen + splits - 1) / splits;
       for (int64_t s = 0; s < splits; ++s) {
-        const int64_t g0 = s * span;
+        const int64_t g0 = std::min(groups_seen, s * span);
         const int64_t g1 = std::min(groups_seen, g0 + span);
-        items.push_back({b, first, count, g0, g1, splits, s, slots, count * std::max<int64_t>(g1 - g0, 0)});
+        items.push_back({b, first, count, g0, g1, splits, s, slots, count * (g1 - g0)});
       }
       if (splits > 1) {
         for (int64_t i = 0; i < count; ++i) merges.push_back({heavy[first + i], slots + i, count, splits});
@@ -542,28 +570,25 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
   // Longest first, so the dynamic schedule below balances causal prefill (later blocks see more).
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  std::vector<float> cand_score(slots * top_k);
-  std::vector<int32_t> cand_group(slots * top_k);
+  std::vector<uint64_t> cand(slots * top_k);
   std::vector<int64_t> cand_size(slots, 0);
 
   const at::Tensor q = q_in.contiguous();
   const at::Tensor pooled = pooled_in.contiguous();
-  const bool q_direct = q.scalar_type() == at::kFloat && dim == dp;
-  const bool k_direct = pooled.scalar_type() == at::kFloat && dim == dp;
+  const bool q_direct = q.scalar_type() == at::kFloat;
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(dim)));
 
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(num_threads, n_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(num_threads, n_items), 1, [&](int64_t, int64_t) {
     // Per-thread scratch, reused for every item this thread takes.
-    std::vector<float> qbuf(q_direct ? 0 : qb * std::max<int64_t>(hq, 1) * dp);
-    std::vector<float> kbuf(k_direct ? 0 : kGroupTile * dp);
-    std::vector<float> heap_score(qb * top_k);
-    std::vector<int32_t> heap_group(qb * top_k);
+    std::vector<float> qbuf(q_direct ? 0 : qb * hq * dim);
+    std::vector<float> kt(std::max<int64_t>(dim, 1) * kGroupTile);
+    std::vector<uint64_t> sel_buf(qb * 2 * top_k);
+    std::vector<uint64_t> bitmap((max_g + 63) / 64, 0);
     const float* qptr[kMaxQueryBlock];
-    const float* kptr[kGroupTile];
-    float scores[kGroupTile];
     TopK heaps[kMaxQueryBlock];
+    alignas(64) float scores[kGroupTile];
     for (;;) {
       const int64_t index = next.fetch_add(1);
       if (index >= n_items) break;
@@ -574,60 +599,53 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
         if (q_direct) {
           qptr[i] = q.data_ptr<float>() + t * hq * dim;
         } else {
-          pack(q, t * hq, hq, dim, dp, qbuf.data() + i * hq * dp);
-          qptr[i] = qbuf.data() + i * hq * dp;
+          pack_query(q, t, hq, dim, qbuf.data() + i * hq * dim);
+          qptr[i] = qbuf.data() + i * hq * dim;
         }
-        const int64_t slot = it.slot_base + it.split * it.count + i;
-        float* hs = it.splits > 1 ? cand_score.data() + slot * top_k : heap_score.data() + i * top_k;
-        int32_t* hg = it.splits > 1 ? cand_group.data() + slot * top_k : heap_group.data() + i * top_k;
-        heaps[i] = TopK{hs, hg, 0, top_k};
+        heaps[i] = TopK{sel_buf.data() + i * 2 * top_k, 0, top_k, 0};
         g_end = std::max<int64_t>(g_end, q_groups[t]);
       }
       g_end = std::min(g_end, it.g1);
       const int32_t* sg = seq_groups + it.row * max_g;
       for (int64_t gs = it.g0; gs < g_end; gs += kGroupTile) {
         const int64_t ge = std::min(gs + kGroupTile, g_end);
-        for (int64_t g = gs; g < ge; ++g) {
-          if (k_direct) {
-            kptr[g - gs] = pooled.data_ptr<float>() + static_cast<int64_t>(sg[g]) * dim;
-          } else {
-            pack(pooled, sg[g], 1, dim, dp, kbuf.data() + (g - gs) * dp);
-            kptr[g - gs] = kbuf.data() + (g - gs) * dp;
-          }
-        }
+        pack_tile(pooled, sg + gs, ge - gs, dim, kt.data());
         for (int64_t i = 0; i < it.count; ++i) {
           const int64_t stop = std::min<int64_t>(ge, q_groups[heavy[it.first + i]]);
           if (stop <= gs) continue;
-          const int64_t n = stop - gs;
-          score_tile(qptr[i], hq, dp, kptr, n, sqrt_d, scores);
-          for (int64_t j = 0; j < n; ++j) heaps[i].push(scores[j], static_cast<int32_t>(gs + j));
+          score_tile(qptr[i], hq, dim, kt.data(), sqrt_d, scores);
+          for (int64_t j = 0; j < stop - gs; ++j)
+            heaps[i].push(candidate_key(scores[j], static_cast<int32_t>(gs + j)));
         }
       }
       for (int64_t i = 0; i < it.count; ++i) {
         if (it.splits > 1) {
-          cand_size[it.slot_base + it.split * it.count + i] = heaps[i].size;
+          const int64_t slot = it.slot_base + it.split * it.count + i;
+          heaps[i].cut();
+          std::copy(heaps[i].buf, heaps[i].buf + heaps[i].size, cand.data() + slot * top_k);
+          cand_size[slot] = heaps[i].size;
         } else {
-          heaps[i].write(out_p + heavy[it.first + i] * top_k, top_k);
+          const int64_t t = heavy[it.first + i];
+          heaps[i].write(out_p + t * top_k, top_k, q_groups[t], bitmap.data());
         }
       }
     }
   });
 
   if (!merges.empty()) {
-    // Exact merge: each split kept its own best top_k, so the union holds the global best top_k,
-    // and the strict candidate order makes the result independent of how groups were split.
+    // Exact merge: each split kept its own best top_k, so their union holds the overall best
+    // top_k, and the strict candidate order makes the result independent of the split.
     at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> hs(top_k);
-      std::vector<int32_t> hg(top_k);
+      std::vector<uint64_t> sel_buf(2 * top_k);
+      std::vector<uint64_t> bitmap((max_g + 63) / 64, 0);
       for (int64_t m = begin; m < end; ++m) {
         const Merge& mg = merges[m];
-        TopK heap{hs.data(), hg.data(), 0, top_k};
+        TopK heap{sel_buf.data(), 0, top_k, 0};
         for (int64_t sp = 0; sp < mg.splits; ++sp) {
           const int64_t slot = mg.slot + sp * mg.stride;
-          for (int64_t j = 0; j < cand_size[slot]; ++j)
-            heap.push(cand_score[slot * top_k + j], cand_group[slot * top_k + j]);
+          for (int64_t j = 0; j < cand_size[slot]; ++j) heap.push(cand[slot * top_k + j]);
         }
-        heap.write(out_p + mg.t * top_k, top_k);
+        heap.write(out_p + mg.t * top_k, top_k, q_groups[mg.t], bitmap.data());
       }
     });
   }

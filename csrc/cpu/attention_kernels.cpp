@@ -1,0 +1,515 @@
+// CPU kernel of hebrus::qsa_attention (issue 6): every query attends to exactly the cells its QSA
+// selection lists. The executable spec is hebrus_torch/reference.py (qsa_attention); the checks and
+// messages mirror hebrus_torch/_validate.py and the reference's value checks.
+//
+// Work item: one query and one KV head, with the Hq/Hkv query heads that share that KV head
+// processed together so that every gathered key and value row is read once per item. Keys and
+// values are read in place through token_cells (fp16/bf16 rows are widened to fp32 one block of
+// kKeyBlock rows at a time in per-thread scratch; fp32 rows are not copied at all). The softmax is
+// online in fp32 over blocks of kKeyBlock selected cells taken in token_cells order, and every
+// reduction has a fixed order, so an output depends only on its own query's inputs: never on the
+// other queries in the batch, the thread count or the vector width of the CPU.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hebrus_check.h"
+
+// Vec values only ever live inside always_inline functions of one clone; no ABI crosses them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace hebrus {
+namespace {
+
+// Partial sums of one dot product: lane j sums the dims d = j mod kLanes in ascending d, then the
+// lanes combine pairwise. Fixed, so a score never depends on blocking, threads or vector width.
+constexpr int64_t kLanes = 16;
+// Selected cells per online-softmax step. The running max / sum / accumulator are rescaled once
+// per block; block boundaries depend only on the query's own row of token_cells.
+constexpr int64_t kKeyBlock = 32;
+// Query heads sharing one KV head that are processed in one pass over the keys (registers).
+constexpr int64_t kMaxHeadChunk = 8;
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+void check_dims(const at::Tensor& t, int64_t n, const char* name) {
+  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::qsa_attention: ", name, " must be ", n, "-D, got shape ",
+               shape_str(t.sizes()));
+}
+
+#if defined(__GNUC__)
+#define HEBRUS_INLINE inline __attribute__((always_inline))
+#else
+#define HEBRUS_INLINE inline
+#endif
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
+// every clone and the source fixes every summation order, so all of them produce the same bits.
+// Everything the hot loop calls is always_inline, so it is compiled inside each clone.
+#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HEBRUS_VECTOR_CLONES
+#endif
+
+HEBRUS_INLINE float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+HEBRUS_INLINE uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+// exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
+// exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
+// trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
+HEBRUS_INLINE float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float xc = x < -87.f ? -87.f : x;
+  const float t = xc * kLog2e + kMagic;
+  const float n = t - kMagic;
+  const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.f;
+  const float result = y * bits_to_float((ni + 127u) << 23);
+  return x < -87.f ? 0.f : result;
+}
+
+template <typename T>
+HEBRUS_INLINE float widen(T v) {
+  return static_cast<float>(v);
+}
+
+template <>
+HEBRUS_INLINE float widen<c10::BFloat16>(c10::BFloat16 v) {
+  return bits_to_float(static_cast<uint32_t>(v.x) << 16);
+}
+
+struct Params {
+  const void* q;
+  int64_t q_s0, q_s1;  // strides in elements; the last dim of q, k and v is contiguous
+  const void* k;
+  int64_t k_s0, k_s1;
+  const void* v;
+  int64_t v_s0, v_s1;
+  const int32_t* cells;  // [Tq, width], contiguous
+  int64_t width;
+  void* out;  // [Tq, Hq, Dv], contiguous
+  int64_t hq, hkv, rep, dh, dv;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<const void*> rows_k;  // selected rows of the item, token_cells order
+  std::vector<const void*> rows_v;
+  std::vector<float> q;      // [kMaxHeadChunk, dh]
+  std::vector<float> ktile;  // [kKeyBlock, dh], fp16/bf16 only
+  std::vector<float> vtile;  // [kKeyBlock, dv], fp16/bf16 only
+  std::vector<float> acc;    // [kMaxHeadChunk, dv]
+  alignas(64) float s[kMaxHeadChunk][kKeyBlock];
+  float m[kMaxHeadChunk];
+  float l[kMaxHeadChunk];
+};
+
+// kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
+// (an avx512f clone keeps one in a zmm register, the others in two ymm or four xmm registers).
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+HEBRUS_INLINE Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+HEBRUS_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
+HEBRUS_INLINE float reduce_lanes(Vec a) {
+  static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
+  a += __builtin_shuffle(a, VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+  a += __builtin_shuffle(a, VecIdx{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+  a += __builtin_shuffle(a, VecIdx{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+  return a[0] + a[1];
+}
+
+// s[h][j + n] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
+// the dims d = i mod kLanes in ascending d; the lanes then combine pairwise (reduce_lanes).
+template <int HB, int NK>
+HEBRUS_INLINE void dots(const float* q, int64_t dh, const float* const* krow, float scale, float (*s)[kKeyBlock],
+                        int64_t j) {
+  const int64_t full = dh / kLanes * kLanes;
+  Vec acc[NK][HB];
+  for (int n = 0; n < NK; ++n)
+    for (int h = 0; h < HB; ++h) acc[n][h] = Vec{};
+  for (int64_t d = 0; d < full; d += kLanes) {
+    Vec kv[NK];
+    for (int n = 0; n < NK; ++n) kv[n] = load(krow[j + n] + d);
+    for (int h = 0; h < HB; ++h) {
+      const Vec qv = load(q + h * dh + d);
+      for (int n = 0; n < NK; ++n) acc[n][h] += qv * kv[n];
+    }
+  }
+  for (int64_t i = 0; full + i < dh; ++i)
+    for (int h = 0; h < HB; ++h)
+      for (int n = 0; n < NK; ++n) acc[n][h][i] += q[h * dh + full + i] * krow[j + n][full + i];
+  for (int n = 0; n < NK; ++n)
+    for (int h = 0; h < HB; ++h) s[h][j + n] = reduce_lanes(acc[n][h]) * scale;
+}
+
+// Rows still to be fetched from memory, requested a few at a time between dot products so that
+// the loads overlap the arithmetic without flooding the miss queue.
+struct Prefetch {
+  const void* const* rows;
+  int64_t count;
+  int64_t bytes;
+
+  HEBRUS_INLINE void at(int64_t j) const {
+    if (j >= count) return;
+    const char* r = static_cast<const char*>(rows[j]);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+  }
+};
+
+template <int HB>
+HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const float* const* krow, int64_t nb, float scale,
+                                float (*s)[kKeyBlock], const Prefetch& pf_a, const Prefetch& pf_b) {
+  int64_t j = 0;
+  for (; j + 2 <= nb; j += 2) {
+    pf_a.at(j);
+    pf_a.at(j + 1);
+    pf_b.at(j);
+    pf_b.at(j + 1);
+    dots<HB, 2>(q, dh, krow, scale, s, j);
+  }
+  for (; j < nb; ++j) {
+    pf_a.at(j);
+    pf_b.at(j);
+    dots<HB, 1>(q, dh, krow, scale, s, j);
+  }
+}
+
+// acc[h][d] += p[h][j] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
+// Columns are taken NC vectors at a time so that the accumulators stay in registers.
+template <int HB, int NC>
+HEBRUS_INLINE void value_columns(const float* const* vrow, int64_t nb, int64_t dv, int64_t d0,
+                                 const float (*p)[kKeyBlock], float* acc) {
+  Vec a[NC][HB];
+  for (int c = 0; c < NC; ++c)
+    for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
+  for (int64_t j = 0; j < nb; ++j) {
+    Vec vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load(vrow[j] + d0 + c * kLanes);
+    for (int h = 0; h < HB; ++h) {
+      const float w = p[h][j];
+      for (int c = 0; c < NC; ++c) a[c][h] += w * vv[c];
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int h = 0; h < HB; ++h) store(acc + h * dv + d0 + c * kLanes, a[c][h]);
+}
+
+template <int HB>
+HEBRUS_INLINE void block_values(const float* const* vrow, int64_t nb, int64_t dv, const float (*p)[kKeyBlock],
+                                float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<HB, 2>(vrow, nb, dv, d0, p, acc);
+  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<HB, 1>(vrow, nb, dv, d0, p, acc);
+  for (int64_t j = 0; j < nb; ++j)
+    for (int h = 0; h < HB; ++h)
+      for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[h][j] * vrow[j][d];
+}
+
+// Heads [h0, h0 + HB) of query t, all sharing KV head g, over the item's n selected rows.
+template <typename T, int HB>
+HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t g, int64_t h0, int64_t n) {
+  const int64_t dh = p.dh;
+  const int64_t dv = p.dv;
+  const T* q = static_cast<const T*>(p.q) + t * p.q_s0;
+  for (int h = 0; h < HB; ++h) {
+    const T* qh = q + (g * p.rep + h0 + h) * p.q_s1;
+    for (int64_t d = 0; d < dh; ++d) sc.q[h * dh + d] = widen<T>(qh[d]);
+  }
+  float* acc = sc.acc.data();
+  for (int64_t i = 0; i < HB * dv; ++i) acc[i] = 0.f;
+  const float* krow[kKeyBlock];
+  const float* vrow[kKeyBlock];
+  const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
+  const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
+  const Prefetch first_keys{sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes};
+  for (int64_t j = 0; j < first_keys.count; ++j) first_keys.at(j);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - j0);
+    // Rows are scattered over the cache: while this block's keys are scored, fetch this block's
+    // values and the next block's keys.
+    const Prefetch pf_v{sc.rows_v.data() + j0, nb, v_bytes};
+    const Prefetch pf_k{sc.rows_k.data() + j0 + nb, std::min(kKeyBlock, n - j0 - nb), k_bytes};
+    for (int64_t j = 0; j < nb; ++j) {
+      const T* src = static_cast<const T*>(sc.rows_k[j0 + j]);
+      if constexpr (std::is_same_v<T, float>) {
+        krow[j] = src;
+      } else {
+        float* dst = sc.ktile.data() + j * dh;
+        for (int64_t d = 0; d < dh; ++d) dst[d] = widen<T>(src[d]);
+        krow[j] = dst;
+      }
+    }
+    block_scores<HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_v, pf_k);
+    for (int h = 0; h < HB; ++h) {
+      float* s = sc.s[h];
+      float bm = s[0];
+      for (int64_t j = 1; j < nb; ++j) bm = (s[j] > bm || s[j] != s[j]) ? s[j] : bm;
+      const bool first = j0 == 0;
+      const float m_new = first ? bm : ((bm > sc.m[h] || bm != bm) ? bm : sc.m[h]);
+      for (int64_t j = 0; j < nb; ++j) s[j] = exp_nonpositive(s[j] - m_new);  // s now holds p
+      float sum = 0.f;
+      for (int64_t j = 0; j < nb; ++j) sum += s[j];
+      if (first) {
+        sc.l[h] = sum;
+      } else {
+        const float alpha = exp_nonpositive(sc.m[h] - m_new);
+        sc.l[h] = sc.l[h] * alpha + sum;
+        if (alpha != 1.f) {
+          float* a = acc + h * dv;
+          for (int64_t d = 0; d < dv; ++d) a[d] *= alpha;
+        }
+      }
+      sc.m[h] = m_new;
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const T* src = static_cast<const T*>(sc.rows_v[j0 + j]);
+      if constexpr (std::is_same_v<T, float>) {
+        vrow[j] = src;
+      } else {
+        float* dst = sc.vtile.data() + j * dv;
+        for (int64_t d = 0; d < dv; ++d) dst[d] = widen<T>(src[d]);
+        vrow[j] = dst;
+      }
+    }
+    block_values<HB>(vrow, nb, dv, sc.s, acc);
+  }
+  T* out = static_cast<T*>(p.out) + (t * p.hq + g * p.rep + h0) * dv;
+  for (int h = 0; h < HB; ++h) {
+    const float l = sc.l[h];
+    for (int64_t d = 0; d < dv; ++d) out[h * dv + d] = static_cast<T>(acc[h * dv + d] / l);
+  }
+}
+
+template <typename T>
+HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t item) {
+  const int64_t t = item / p.hkv;
+  const int64_t g = item % p.hkv;
+  const int32_t* row = p.cells + t * p.width;
+  const T* k = static_cast<const T*>(p.k) + g * p.k_s1;
+  const T* v = static_cast<const T*>(p.v) + g * p.v_s1;
+  int64_t n = 0;
+  for (int64_t i = 0; i < p.width; ++i) {
+    const int32_t c = row[i];
+    if (c < 0) continue;  // padding, wherever it is in the row
+    sc.rows_k[n] = k + static_cast<int64_t>(c) * p.k_s0;
+    sc.rows_v[n] = v + static_cast<int64_t>(c) * p.v_s0;
+    ++n;
+  }
+  // Heads in chunks of 8, 4, 2, 1: a head's result does not depend on the chunk it falls in.
+  int64_t h0 = 0;
+  for (; h0 + 8 <= p.rep; h0 += 8) attend_heads<T, 8>(p, sc, t, g, h0, n);
+  if (h0 + 4 <= p.rep) { attend_heads<T, 4>(p, sc, t, g, h0, n); h0 += 4; }
+  if (h0 + 2 <= p.rep) { attend_heads<T, 2>(p, sc, t, g, h0, n); h0 += 2; }
+  if (h0 + 1 <= p.rep) { attend_heads<T, 1>(p, sc, t, g, h0, n); h0 += 1; }
+}
+
+// One worker: takes items from the shared counter until none is left.
+HEBRUS_VECTOR_CLONES
+void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* next, int64_t items, int64_t chunk) {
+  Scratch sc;
+  sc.rows_k.resize(p.width);
+  sc.rows_v.resize(p.width);
+  sc.q.resize(kMaxHeadChunk * std::max<int64_t>(p.dh, 1));
+  sc.acc.resize(kMaxHeadChunk * std::max<int64_t>(p.dv, 1));
+  if (dtype != at::kFloat) {
+    sc.ktile.resize(kKeyBlock * std::max<int64_t>(p.dh, 1));
+    sc.vtile.resize(kKeyBlock * std::max<int64_t>(p.dv, 1));
+  }
+  for (;;) {
+    const int64_t begin = next->fetch_add(chunk);
+    if (begin >= items) break;
+    const int64_t end = std::min(items, begin + chunk);
+    for (int64_t item = begin; item < end; ++item) {
+      switch (dtype) {
+        case at::kFloat: attend_item<float>(p, sc, item); break;
+        case at::kHalf: attend_item<c10::Half>(p, sc, item); break;
+        case at::kBFloat16: attend_item<c10::BFloat16>(p, sc, item); break;
+        default: break;
+      }
+    }
+  }
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous();
+}
+
+at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                             const at::Tensor& token_cells_in, double scale) {
+  // Metadata checks in the order of _validate.qsa_attention, with the same messages.
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}};
+  for (const auto& [name, t] : tensors) {
+    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::qsa_attention: all tensors must be on one device; q is on ",
+                 q_in.device().str(), ", ", name, " is on ", t->device().str());
+  }
+  check_dims(q_in, 3, "q");
+  const at::ScalarType dtype = q_in.scalar_type();
+  HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError,
+               "hebrus::qsa_attention: q must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
+               dtype_name(dtype));
+  check_dims(k_in, 3, "k");
+  check_dims(v_in, 3, "v");
+  HEBRUS_CHECK(k_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: k dtype ",
+               dtype_name(k_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
+  HEBRUS_CHECK(v_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: v dtype ",
+               dtype_name(v_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
+  check_dims(token_cells_in, 2, "token_cells");
+  HEBRUS_CHECK(token_cells_in.scalar_type() == at::kInt, HebrusError,
+               "hebrus::qsa_attention: token_cells must have dtype torch.int32, got ",
+               dtype_name(token_cells_in.scalar_type()));
+  const int64_t tq = q_in.size(0);
+  const int64_t hq = q_in.size(1);
+  const int64_t dh = q_in.size(2);
+  const int64_t cells = k_in.size(0);
+  const int64_t hkv = k_in.size(1);
+  HEBRUS_CHECK(hkv >= 1, HebrusError, "hebrus::qsa_attention: k must have Hkv >= 1 heads, got shape ",
+               shape_str(k_in.sizes()));
+  HEBRUS_CHECK(k_in.size(2) == dh, HebrusError, "hebrus::qsa_attention: k head dim ", k_in.size(2),
+               " must equal q head dim ", dh);
+  HEBRUS_CHECK(v_in.size(0) == cells && v_in.size(1) == hkv, HebrusError,
+               "hebrus::qsa_attention: v must have shape (cells, Hkv, Dv) with cells = ", cells, " and Hkv = ", hkv,
+               " like k, got ", shape_str(v_in.sizes()));
+  HEBRUS_CHECK(hq % hkv == 0, HebrusError, "hebrus::qsa_attention: query heads Hq = ", hq,
+               " must be a multiple of KV heads Hkv = ", hkv);
+  HEBRUS_CHECK(token_cells_in.size(0) == tq, HebrusError,
+               "hebrus::qsa_attention: token_cells must have one row per query (Tq = ", tq, "), got shape ",
+               shape_str(token_cells_in.sizes()));
+  HEBRUS_CHECK(std::isfinite(scale), HebrusError, "hebrus::qsa_attention: scale must be finite, got ", scale);
+  const int64_t dv = v_in.size(2);
+  const int64_t width = token_cells_in.size(1);
+
+  at::Tensor out = at::empty({tq, hq, dv}, q_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (tq == 0) return out;
+
+  // Value checks, all before anything is computed, in the reference's order: the first
+  // out-of-range entry in row-major order, then the first query with no selected cell.
+  const at::Tensor token_cells = token_cells_in.contiguous();
+  const int32_t* tc = token_cells.data_ptr<int32_t>();
+  const int64_t entries = tq * width;
+  const int64_t bad = at::parallel_reduce(
+      0, entries, 1 << 14, entries,
+      [&](int64_t begin, int64_t end, int64_t found) {
+        for (int64_t i = begin; i < end && i < found; ++i)
+          if (tc[i] >= cells) return i;
+        return found;
+      },
+      [](int64_t a, int64_t b) { return std::min(a, b); });
+  if (bad < entries) {
+    const int64_t t = bad / width;
+    const int64_t i = bad % width;
+    HEBRUS_CHECK(false, HebrusError, "hebrus::qsa_attention: query ", t, " selects cell ", tc[bad],
+                 " (token_cells[", t, ", ", i, "]), outside [0, cells=", cells, "); negative entries are padding");
+  }
+  for (int64_t t = 0; t < tq; ++t) {
+    const int32_t* row = tc + t * width;
+    HEBRUS_CHECK(std::any_of(row, row + width, [](int32_t c) { return c >= 0; }), HebrusError,
+                 "hebrus::qsa_attention: query ", t, " selects no cell (every entry of token_cells[", t,
+                 "] is negative padding); attention over an empty selection is undefined");
+  }
+  if (hq == 0 || dv == 0) return out;
+
+  const at::Tensor q = last_dim_contiguous(q_in);
+  const at::Tensor k = last_dim_contiguous(k_in);
+  const at::Tensor v = last_dim_contiguous(v_in);
+  Params p;
+  p.q = q.data_ptr();
+  p.q_s0 = q.stride(0);
+  p.q_s1 = q.stride(1);
+  p.k = k.data_ptr();
+  p.k_s0 = k.stride(0);
+  p.k_s1 = k.stride(1);
+  p.v = v.data_ptr();
+  p.v_s0 = v.stride(0);
+  p.v_s1 = v.stride(1);
+  p.cells = tc;
+  p.width = width;
+  p.out = out.data_ptr();
+  p.hq = hq;
+  p.hkv = hkv;
+  p.rep = hq / hkv;
+  p.dh = dh;
+  p.dv = dv;
+  p.scale = static_cast<float>(scale);
+
+  // Items are (query, KV head) pairs taken dynamically in small chunks, which balances rows with
+  // different selection sizes and cores shared with other work; each item is computed by one
+  // thread from its own inputs only, so the schedule never changes a bit of the output.
+  const int64_t items = tq * hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::clamp<int64_t>(items / (threads * 8), 1, 16);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
+    attend_worker(p, dtype, &next, items, chunk);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace hebrus
+
+TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
+  m.impl("qsa_attention", &hebrus::qsa_attention_cpu);
+}

@@ -1,0 +1,71 @@
+// MPS kernel of hebrus::ple_conv (SPEC section 2): glue for mps_kernels/ple_conv.metal.
+// Checks metadata as the CPU kernel does, launches with hebrus::metal::plan_ple_conv (the grid the
+// Linux emulator also runs), then reads the error slots back: bad cu_seqlens raise the CPU
+// kernel's message and nothing is returned.
+#include "hebrus_mps.h"
+
+#include <c10/util/string_view.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace hebrus::mps {
+namespace {
+
+std::tuple<Tensor, Tensor> ple_conv_mps(const Tensor& x_in, const Tensor& weight_in, const Tensor& cu_in,
+                                        const Tensor& state_in, int64_t dilation, c10::string_view activation) {
+  const char* op = "ple_conv";
+  check_on_mps(op, {{"x", &x_in}, {"weight", &weight_in}, {"cu_seqlens", &cu_in}, {"state", &state_in}});
+  check_dims(op, x_in, 2, "x");
+  check_dims(op, weight_in, 2, "weight");
+  check_dims(op, state_in, 3, "state");
+  check_float(op, x_in, "x");
+  const auto dtype = x_in.scalar_type();
+  HEBRUS_CHECK(weight_in.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ",
+               dtype_name(weight_in.scalar_type()), " must match x dtype ", dtype_name(dtype));
+  HEBRUS_CHECK(state_in.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ",
+               dtype_name(state_in.scalar_type()), " must match x dtype ", dtype_name(dtype));
+  const int64_t batch = check_cu_meta(op, cu_in);
+  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
+  const bool silu = activation == "silu";
+  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
+               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
+  const int64_t total = x_in.size(0), channels = x_in.size(1), width = weight_in.size(1);
+  HEBRUS_CHECK(weight_in.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
+               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_str(weight_in.sizes()));
+  int64_t state_len = 0;
+  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
+  HEBRUS_CHECK(len_ok && state_in.size(0) == batch && state_in.size(1) == state_len && state_in.size(2) == channels,
+               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
+               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
+               channels, "), got ", shape_str(state_in.sizes()));
+  const char* type = metal_type(op, dtype);
+
+  if (batch == 0 || channels == 0) {  // no thread would look at cu_seqlens: check it here
+    check_cu_values_on_host(op, cu_in, total);
+    return {at::empty_like(x_in, at::MemoryFormat::Contiguous), state_in.clone(at::MemoryFormat::Contiguous)};
+  }
+  const auto plan = hebrus::metal::plan_ple_conv(total, channels, width, batch, dilation, silu);
+  check_plan(op, plan.error);
+
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), cu = cu_in.contiguous();
+  const Tensor state = state_in.contiguous();
+  Tensor y = at::empty_like(x);
+  Tensor new_state = at::empty_like(state);
+  Tensor err = error_slots(x);
+  const auto fn = kernel(op, "ple_conv", hebrus::metal::kernel_name(op, "", type), plan.dispatch.group);
+  launch(fn, {&x, &weight, &cu, &state, &y, &new_state, &err}, plan.params, plan.dispatch);
+
+  if (read_error_slots(err).index[HEBRUS_ERR_CONV_CU_ROW] >= 0) {
+    check_cu_values_on_host(op, cu, total);
+    TORCH_INTERNAL_ASSERT(false, "hebrus::ple_conv: the kernel rejected cu_seqlens the host check accepts");
+  }
+  return {y, new_state};
+}
+
+}  // namespace
+}  // namespace hebrus::mps
+
+TORCH_LIBRARY_IMPL(hebrus, MPS, m) {
+  m.impl("ple_conv", &hebrus::mps::ple_conv_mps);
+}

@@ -1,0 +1,729 @@
+"""Drop-in for Hugging Face transformers' Qwen4Exp: ``apply(model)`` / ``revert(model)``.
+
+``apply`` patches, per module instance (the classes are never touched):
+
+- ``Qwen4ExpTextNGramEmbedding.forward``: the n-gram hash of every PLE layer becomes one
+  ``hebrus_torch.ple_ngram_ids`` call over the packed batch; the cache bookkeeping (the n-gram
+  context kept in conv state 2 and its EOS padding rule) and the embedding lookup are unchanged.
+- ``Qwen4ExpTextPLELayer._short_conv``: the dilated depthwise conv becomes one
+  ``hebrus_torch.ple_conv`` call; the cache still runs its own ``update_conv_state`` as the original
+  does, so ``record_past``/``crop`` and every other cache semantic is transformers' own.
+- ``Qwen4ExpTextQSAIndexer.forward``: queries and raw keys are computed by the same calls as the
+  original; the per-query Python loop becomes one ``hebrus_torch.qsa_pool`` call over the groups not
+  pooled yet and one ``hebrus_torch.qsa_select`` call for every query of the chunk. Pooled groups are
+  kept on the cache layer between calls, so a decode step pools only the groups its new token
+  completes.
+
+A forward hook on the text model's ``rotary_emb`` captures the position ids the indexer needs to
+rope pooled keys (``group_pos``). Where the hebrus path cannot reproduce transformers exactly
+(multimodal 3-D positions that differ across the 3 rows, ``attention_scaling != 1``, an indexer
+called outside its text model, positions that are not consecutive inside a group), that call runs
+the original forward; ``stats()`` counts both paths. A hole inside a query's visible run (a masked
+position between visible ones) raises :class:`hebrus_torch.HoleError` (SPEC §3: a hole is not
+padding); ``apply(model, on_hole="fallback")`` runs the original forward for such calls instead.
+
+transformers is imported lazily: importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+import weakref
+from typing import Any
+
+import torch
+
+import hebrus_torch
+from hebrus_torch.errors import HebrusError, HoleError
+
+__all__ = ["apply", "revert", "is_applied", "stats", "reset_stats"]
+
+_PATCH = "_hebrus_patch"             # per patched module: what to restore
+_CTX = "_hebrus_ctx"                 # per text model: the shared call context
+_GROUPS = "_hebrus_qsa_groups"       # per indexed cache layer: pooled groups kept between calls
+_INVALIDATING = ("reset", "crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices")
+
+_STATS: collections.Counter = collections.Counter()
+_applied_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_cache_class_patches: dict[type, dict[str, Any]] = {}
+_epoch = 0                           # bumped whenever the cache-layer wrappers are (re)installed
+
+
+def stats() -> dict[str, int]:
+    """Counters of the patched paths: ``qsa_hebrus``, ``qsa_fallback:<reason>``, ``qsa_groups_pooled``,
+    ``qsa_queries_selected``, ``ple_ngram``, ``ple_conv``."""
+    return dict(_STATS)
+
+
+def reset_stats() -> None:
+    _STATS.clear()
+
+
+def _modeling():
+    from transformers.models.qwen4_exp import modeling_qwen4_exp
+
+    return modeling_qwen4_exp
+
+
+def is_applied(model: torch.nn.Module) -> bool:
+    return any(_PATCH in m.__dict__ for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# apply / revert
+
+
+def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
+    """Route a transformers Qwen4Exp model's QSA indexer and PLE through hebrus ops, in place.
+
+    Args:
+        model: any module containing transformers 5.23.0 Qwen4Exp text modules (``Qwen4ExpForCausalLM``,
+            ``Qwen4ExpTextModel``, the multimodal model, or a single layer).
+        on_hole: ``"raise"`` (default): a masked position inside a query's visible run raises
+            :class:`hebrus_torch.HoleError`; ``"fallback"``: that call runs transformers' own forward.
+
+    Returns:
+        ``model`` itself. Idempotent: applying twice patches once (``on_hole`` is updated).
+    """
+    if on_hole not in ("raise", "fallback"):
+        raise ValueError(f"on_hole must be 'raise' or 'fallback', got {on_hole!r}")
+    m = _modeling()
+    text_models = [mod for mod in model.modules() if isinstance(mod, m.Qwen4ExpTextModel)]
+    owner: dict[int, Any] = {}
+    for text_model in text_models:
+        ctx = text_model.__dict__.get(_CTX)
+        if ctx is None:
+            ctx = _Context(text_model.rotary_emb)
+            ctx.handles = [text_model.rotary_emb.register_forward_hook(ctx.capture_rope, with_kwargs=True),
+                           text_model.register_forward_hook(ctx.end_of_forward)]
+            text_model.__dict__[_CTX] = ctx
+        for mod in text_model.modules():
+            owner[id(mod)] = ctx
+
+    patched_any = False
+    for mod in model.modules():
+        if isinstance(mod, m.Qwen4ExpTextQSAIndexer):
+            ctx = owner.get(id(mod))
+            if ctx is not None:
+                rot = 2 * ctx.rotary.inv_freq.shape[0]
+                if rot > mod.index_head_dim:
+                    raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
+                                      f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
+            if _patch(mod, "forward", _indexer_forward, ctx=ctx, on_hole=on_hole):
+                patched_any = True
+            mod.__dict__[_PATCH]["on_hole"] = on_hole
+        elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
+            patched_any |= _patch(mod, "forward", _ngram_forward)
+        elif isinstance(mod, m.Qwen4ExpTextPLELayer):
+            conv = mod.conv1d
+            plain = (conv.bias is None and conv.groups == conv.in_channels == conv.out_channels
+                     and conv.padding in ((0,), 0) and conv.stride == (1,) and conv.padding_mode == "zeros")
+            if plain:
+                patched_any |= _patch(mod, "_short_conv", _short_conv)
+    if patched_any or is_applied(model):
+        if model not in _applied_models:
+            _applied_models.add(model)
+            _install_cache_wrappers()
+    return model
+
+
+def revert(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`apply`: restore every patched method exactly and remove the hooks. Idempotent."""
+    for mod in model.modules():
+        record = mod.__dict__.pop(_PATCH, None)
+        if record is not None:
+            for name, original in record["methods"].items():
+                if original is _MISSING:
+                    mod.__dict__.pop(name, None)
+                else:
+                    mod.__dict__[name] = original
+        ctx = mod.__dict__.pop(_CTX, None)
+        if ctx is not None:
+            for handle in ctx.handles:
+                handle.remove()
+            ctx.clear()
+    if model in _applied_models:
+        _applied_models.discard(model)
+    if not any(is_applied(m) for m in list(_applied_models)):
+        _remove_cache_wrappers()
+    return model
+
+
+_MISSING = object()
+
+
+def _patch(mod: torch.nn.Module, name: str, impl, **extra) -> bool:
+    record = mod.__dict__.get(_PATCH)
+    if record is not None and name in record["methods"]:
+        record.update(extra)
+        return False
+    if record is None:
+        record = mod.__dict__[_PATCH] = {"methods": {}}
+    record["methods"][name] = mod.__dict__.get(name, _MISSING)
+    record[f"original_{name}"] = getattr(mod, name)
+    record.update(extra)
+    mod.__dict__[name] = types.MethodType(impl, mod)
+    return True
+
+
+def _install_cache_wrappers() -> None:
+    """Wrap the lifecycle methods of the indexed cache layers so they drop the pooled groups."""
+    global _epoch
+    if _cache_class_patches:
+        return
+    from transformers import cache_utils
+
+    _epoch += 1
+    for cls_name in ("DynamicIndexedLayer", "StaticIndexedLayer"):
+        cls = getattr(cache_utils, cls_name, None)
+        if cls is None:
+            continue
+        saved = {}
+        for name in _INVALIDATING:
+            inherited = getattr(cls, name, None)
+            if inherited is None:
+                continue
+            saved[name] = cls.__dict__.get(name, _MISSING)
+            setattr(cls, name, _invalidating(inherited))
+        _cache_class_patches[cls] = saved
+
+
+def _remove_cache_wrappers() -> None:
+    for cls, saved in _cache_class_patches.items():
+        for name, original in saved.items():
+            if original is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+    _cache_class_patches.clear()
+
+
+def _invalidating(method):
+    def wrapper(self, *args, **kwargs):
+        self.__dict__.pop(_GROUPS, None)
+        return method(self, *args, **kwargs)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__qualname__ = getattr(method, "__qualname__", method.__name__)
+    wrapper.__doc__ = method.__doc__
+    wrapper.__wrapped__ = method
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------------------
+# PLE
+
+
+def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextNGramEmbedding.forward with the hash as one hebrus::ple_ngram_ids call."""
+    input_ids = input_ids.long()
+    batch, length = input_ids.shape
+    ctx_len = self.context_len
+    cached_ctx = past_key_values.get_conv_state(self.layer_idx, state_idx=2) if past_key_values is not None else None
+    if cached_ctx is not None:
+        # The shift rule reads at most N-1 tokens back; with record_past the state may hold more columns.
+        history = cached_ctx[:, -ctx_len:].clone()
+    else:
+        history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
+
+    # Cache bookkeeping exactly as transformers does it.
+    if past_key_values is not None:
+        input_ids_to_cache = input_ids
+        if cached_ctx is None and length < ctx_len:
+            input_ids_to_cache = torch.nn.functional.pad(
+                input_ids_to_cache, (ctx_len - length, 0), value=self.eos_token_id)
+        past_key_values.update_conv_state(input_ids_to_cache, self.layer_idx, state_idx=2, conv_kernel_size=ctx_len)
+
+    cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
+    row_ids, _ = hebrus_torch.ple_ngram_ids(
+        input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+        self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+    ngram_ids = row_ids.view(batch, length, -1)
+    if not torch.compiler.is_compiling():
+        _STATS["ple_ngram"] += 1
+    execution_device = (
+        self.ngram_embedding.weight.device if self.ngram_embedding.weight.device.type != "meta" else None
+    )
+    return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
+
+
+def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache updates itself as before."""
+    batch, length, channels = hidden_states.shape
+    state_len = self.short_conv_state_len
+    state = None
+    if past_key_values is not None:
+        previous = past_key_values.get_conv_state(self.layer_idx, state_idx=1)
+        if previous is not None:
+            # [B, C, >=L] -> the last L inputs as [B, L, C]; a copy, since the cache overwrites in place.
+            state = previous[..., -state_len:].transpose(1, 2).contiguous().clone()
+        past_key_values.update_conv_state(hidden_states.transpose(1, 2), self.layer_idx, state_idx=1,
+                                          conv_kernel_size=state_len)
+    if state is None:
+        state = hidden_states.new_zeros((batch, state_len, channels))
+    weight = self.conv1d.weight[:, 0, :].contiguous()
+    cu_seqlens = torch.arange(batch + 1, device=hidden_states.device, dtype=torch.int32) * length
+    y, _ = hebrus_torch.ple_conv(hidden_states.reshape(batch * length, channels), weight, cu_seqlens, state,
+                                 int(self.conv1d.dilation[0]), "silu")
+    if not torch.compiler.is_compiling():
+        _STATS["ple_conv"] += 1
+    return y.view(batch, length, channels)
+
+
+# ------------------------------------------------------------------------------------------------
+# QSA indexer
+
+
+class _Context:
+    """What the indexers of one text model share during a forward: positions, rope, the mask plan."""
+
+    def __init__(self, rotary: torch.nn.Module):
+        self.rotary = rotary
+        self.handles: list = []
+        self.clear()
+
+    def clear(self) -> None:
+        self.cos = None
+        self.position_ids = None
+        self.positions = None            # [B, K] int64 text positions, once verified
+        self.plan_key = None
+        self.plan = None
+
+    def capture_rope(self, module, args, kwargs, output) -> None:
+        position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        self.clear()
+        self.position_ids = position_ids
+        self.cos = output[0] if isinstance(output, (tuple, list)) else None
+
+    def end_of_forward(self, module, args, output) -> None:
+        self.clear()
+
+    def text_positions(self, full_cos: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+        """[B, K] positions behind ``full_cos``, or (None, reason) where the hebrus path does not apply."""
+        if self.cos is None or full_cos is not self.cos:
+            return None, "positions_unknown"
+        if float(getattr(self.rotary, "attention_scaling", 1.0)) != 1.0:
+            return None, "attention_scaling"
+        if self.positions is None:
+            pos = self.position_ids
+            if pos is None or pos.dim() != 3 or pos.shape[0] != 3 or pos.shape[1:] != full_cos.shape[:2]:
+                return None, "position_shape"
+            if not bool((pos == pos[:1]).all()):
+                return None, "multimodal_positions"
+            self.positions = pos[0].to(torch.int64)
+        return self.positions, ""
+
+
+class _KeysReplay:
+    """Stands in for the cache when the original forward runs after our update_indexer already did."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+
+    def update_indexer(self, indexer_key_states, layer_idx):
+        return self.keys
+
+
+class _Plan:
+    """Per-mask analysis shared by every indexed layer of one forward (the mask object is shared)."""
+
+    __slots__ = ("visible", "trivial", "sel_idx", "f_q", "n_q", "ng_q", "q_anchor", "anchors")
+
+
+def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: str) -> _Plan | None:
+    """Visible runs per query: contiguity check, and which queries need a selection (None: fall back)."""
+    visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    batch, length, kv = visible.shape
+    vis8 = visible.to(torch.uint8)
+    n = vis8.sum(-1, dtype=torch.int64)                                         # [B, T]
+    first = vis8.argmax(-1)                                                     # first visible (0 if none)
+    last = (kv - 1) - vis8.flip(-1).argmax(-1)
+    hole = (n > 0) & (last - first + 1 != n)
+    ng = torch.div(n, ratio, rounding_mode="floor")
+    need = ng > top_k
+    flags = torch.stack([hole.any(), need.any()]).tolist()                      # one host sync
+    if flags[0]:
+        if on_hole == "fallback":
+            return None
+        b, q = (int(v) for v in torch.nonzero(hole)[0])
+        row = visible[b, q]
+        f, l_ = int(first[b, q]), int(last[b, q])
+        missing = torch.nonzero(~row[f:l_ + 1]).flatten()[:8] + f
+        raise HoleError(
+            f"hebrus_torch.integrations.transformers: batch row {b}, query {q}: visible key positions run from "
+            f"{f} to {l_} but {missing.tolist()} inside that run are masked (a hole inside the visible run is not "
+            f"padding; QSA groups need one contiguous run). Pass apply(model, on_hole='fallback') to run "
+            f"transformers' own indexer for such masks.")
+    plan = _Plan()
+    plan.visible = visible
+    plan.trivial = not flags[1]
+    if plan.trivial:
+        return plan
+    sel_idx = torch.nonzero(need.reshape(-1)).flatten()                         # queries that must choose
+    f_q = first.reshape(-1)[sel_idx]
+    b_q = torch.div(sel_idx, length, rounding_mode="floor")
+    key = b_q * kv + f_q
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    need_groups = torch.zeros(uniq.shape[0], dtype=torch.int64, device=key.device)
+    ng_q = ng.reshape(-1)[sel_idx]
+    need_groups = need_groups.scatter_reduce(0, inverse, ng_q, reduce="amax", include_self=True)
+    table = torch.stack([torch.div(uniq, kv, rounding_mode="floor"), uniq % kv, need_groups], 1).tolist()
+    plan.sel_idx = sel_idx
+    plan.f_q = f_q
+    plan.n_q = n.reshape(-1)[sel_idx]
+    plan.ng_q = ng_q
+    plan.q_anchor = inverse
+    plan.anchors = [tuple(row) for row in table]                                # (b, f, groups needed)
+    return plan
+
+
+class _Groups:
+    """Pooled groups of one indexed cache layer, kept between calls (stored on the cache layer)."""
+
+    __slots__ = ("epoch", "batch", "kv", "dtype", "device", "dim", "ratio", "slots", "have", "table", "pooled",
+                 "used")
+
+
+def _fresh_groups(batch, kv, keys: torch.Tensor, ratio: int) -> _Groups:
+    g = _Groups()
+    g.epoch, g.batch, g.kv, g.ratio = _epoch, batch, kv, ratio
+    g.dtype, g.device, g.dim = keys.dtype, keys.device, keys.shape[-1]
+    g.slots = {}                     # (b, f) -> slot
+    g.have = []                      # per slot: groups pooled
+    g.table = torch.full((0, 0), -1, dtype=torch.int32, device=keys.device)   # [slots, capG] pooled row per group
+    g.pooled = keys.new_empty((0, keys.shape[-1]))                               # [cap, D]
+    g.used = 0
+    return g
+
+
+def _grow_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with room for ``rows`` rows (capacity doubles; contents kept)."""
+    if rows <= t.shape[0]:
+        return t
+    out = t.new_empty((max(rows, 2 * t.shape[0]), *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def _grow_table(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The slot table with at least ``rows`` slots and ``cols`` groups per slot, new entries -1."""
+    if rows <= t.shape[0] and cols <= t.shape[1]:
+        return t
+    new_cols = t.shape[1] if cols <= t.shape[1] else max(cols, 2 * t.shape[1])
+    out = t.new_full((max(rows, t.shape[0]), new_cols), -1)
+    out[:t.shape[0], :t.shape[1]] = t
+    return out
+
+
+def _reusable(state: _Groups | None, batch: int, kv: int, keys: torch.Tensor, ratio: int) -> bool:
+    return (state is not None and state.epoch == _epoch and state.batch == batch and state.kv <= kv
+            and state.dtype == keys.dtype and state.device == keys.device and state.dim == keys.shape[-1]
+            and state.ratio == ratio)
+
+
+def _indexer_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor,
+                     past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextQSAIndexer.forward with one qsa_pool (new groups only) and one qsa_select per call."""
+    record = self.__dict__[_PATCH]
+    if torch.compiler.is_compiling():
+        return _indexer_traceable(self, record, hidden_states, position_embeddings, attention_mask, past_key_values)
+    return _indexer_impl(self, record, record["original_forward"], hidden_states, position_embeddings,
+                         attention_mask, past_key_values)
+
+
+def _queries_and_keys(self, hidden_states, position_embeddings, past_key_values):
+    """q [B, T, Hq, D] (normed, roped) and the full raw keys [B, K, D]: the same calls as transformers."""
+    full_cos, full_sin = position_embeddings
+    batch_size, seq_length, _ = hidden_states.shape
+    hidden_shape = (batch_size, seq_length, -1, self.index_head_dim)
+    current_cos, current_sin = full_cos[:, -seq_length:, :], full_sin[:, -seq_length:, :]
+    qk = self.index_qk_proj(hidden_states)
+    q, token_k = torch.split(
+        qk, [self.index_n_heads * self.index_head_dim, self.index_kv_heads * self.index_head_dim], dim=-1)
+    q, raw_keys = q.reshape(*hidden_shape), token_k.reshape(*hidden_shape).squeeze(2)
+    q = self.q_layernorm(q)
+    q = _modeling().apply_rotary_pos_emb(q, cos=current_cos, sin=current_sin, unsqueeze_dim=2)
+    if past_key_values is not None:
+        raw_keys = past_key_values.update_indexer(raw_keys, self.layer_idx)
+    return q, raw_keys
+
+
+def _indexer_traceable(self, record, hidden_states, position_embeddings, attention_mask, past_key_values):
+    """The same selection with static shapes, for torch.compile (fullgraph): no host syncs, no kept groups.
+
+    Every row is anchored at the first visible position of its widest query and all ``K // r`` candidate
+    groups of a row are pooled (those past the run point at r zero cells); the checks that eager mode
+    raises as errors (holes, several anchors in one row, multimodal positions) are device-side asserts.
+    """
+    ctx: _Context | None = record.get("ctx")
+    full_cos = position_embeddings[0]
+    pos3 = ctx.position_ids if ctx is not None else None
+    if (pos3 is None or attention_mask is None or attention_mask.dim() != 4 or pos3.dim() != 3
+            or pos3.shape[0] != 3 or pos3.shape[1:] != full_cos.shape[:2]
+            or float(getattr(ctx.rotary, "attention_scaling", 1.0)) != 1.0):
+        return record["original_forward"](hidden_states, position_embeddings, attention_mask, past_key_values)
+    torch._assert_async((pos3 == pos3[:1]).all(), "hebrus qsa: the 3 rows of the text position ids differ "
+                        "(multimodal positions): run this call without torch.compile")
+    positions = pos3[0].to(torch.int64)
+    ratio, top_k = self.compress_ratio, self.block_topk
+    q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
+    batch, kv, dim = raw_keys.shape
+    length = q.shape[1]
+    device = raw_keys.device
+    visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    vis8 = visible.to(torch.uint8)
+    n = vis8.sum(-1, dtype=torch.int64)                                          # [B, T]
+    first = vis8.argmax(-1)
+    last = (kv - 1) - vis8.flip(-1).argmax(-1)
+    torch._assert_async(((n == 0) | (last - first + 1 == n)).all(),
+                        "hebrus qsa: a masked position inside a query's visible run (a hole is not padding)")
+    widest = n.argmax(-1, keepdim=True)
+    f_row = first.gather(1, widest)                                              # [B, 1]
+    n_row = n.gather(1, widest)
+    torch._assert_async(((n == 0) | (first == f_row)).all(),
+                        "hebrus qsa: queries of one batch row start their visible runs at different positions; "
+                        "run this call without torch.compile")
+    groups = kv // ratio
+    members = torch.arange(ratio, device=device)
+    g_idx = torch.arange(groups, device=device)
+    starts = f_row + ratio * g_idx                                               # [B, G] kv index
+    valid = starts + ratio <= f_row + n_row
+    rows = torch.arange(batch, device=device)[:, None]
+    start_cell = torch.where(valid, rows * kv + starts, batch * kv)              # invalid -> the zero cells
+    group_pos = torch.where(valid, positions.gather(1, starts.clamp(max=kv - 1)), 0)
+    cells = start_cell[:, :, None] + members                                     # [B, G, r]
+    cell_pos = torch.zeros(batch * kv + ratio, dtype=torch.int64, device=device)
+    # RoPE at the group start, as transformers does: cells carry their group's start position + offset.
+    cell_pos = cell_pos.scatter(0, cells.reshape(-1), (group_pos[:, :, None] + members).reshape(-1))
+    keys = torch.cat([raw_keys.reshape(batch * kv, dim), raw_keys.new_zeros((ratio, dim))])
+    pooled = hebrus_torch.qsa_pool(keys, cell_pos, cells.reshape(-1, ratio).to(torch.int32), group_pos.reshape(-1),
+                                   self.k_layernorm.weight, float(self.k_layernorm.eps),
+                                   ctx.rotary.inv_freq.to(torch.float32))
+    seq_groups = torch.arange(batch * groups, device=device, dtype=torch.int32).view(batch, groups)
+    q_row = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(length)
+    ng = torch.div(n, ratio, rounding_mode="floor").reshape(-1)
+    selected = hebrus_torch.qsa_select(q.reshape(batch * length, q.shape[-2], q.shape[-1]), pooled, seq_groups,
+                                       q_row, ng.to(torch.int32), top_k)
+    f_q = f_row.expand(batch, length).reshape(-1)
+    return _expand_rows(selected, f_q, n.reshape(-1), ng, ratio, kv).view(batch, 1, length, kv)
+
+
+def _indexer_impl(self, record, original, hidden_states, position_embeddings, attention_mask, past_key_values):
+    ctx: _Context | None = record.get("ctx")
+    full_cos, full_sin = position_embeddings
+    if ctx is None:
+        return _fallback(original, "no_text_model", hidden_states, position_embeddings, attention_mask,
+                         past_key_values)
+    if attention_mask is None or attention_mask.dim() != 4:
+        return _fallback(original, "mask_shape", hidden_states, position_embeddings, attention_mask, past_key_values)
+    positions, reason = ctx.text_positions(full_cos)
+    if positions is None:
+        return _fallback(original, reason, hidden_states, position_embeddings, attention_mask, past_key_values)
+
+    ratio, top_k = self.compress_ratio, self.block_topk
+    plan_key = (ratio, top_k, record["on_hole"])
+    if ctx.plan_key is not None and ctx.plan_key[0] is attention_mask and ctx.plan_key[1:] == plan_key:
+        plan = ctx.plan
+    else:
+        plan = _mask_plan(attention_mask, ratio, top_k, record["on_hole"])
+        ctx.plan_key, ctx.plan = (attention_mask, *plan_key), plan
+    if plan is None:
+        return _fallback(original, "hole", hidden_states, position_embeddings, attention_mask, past_key_values)
+
+    q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
+    layer = None
+    if past_key_values is not None:
+        layers = getattr(past_key_values, "layers", None)
+        layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
+
+    _STATS["qsa_hebrus"] += 1
+    if plan.trivial:                     # every query sees at most budget + r - 1 tokens: all are selected
+        return plan.visible.unsqueeze(1)
+    try:
+        selected = _select(self, plan, q, raw_keys, positions, layer)
+    except HoleError:
+        # Positions not consecutive inside a group: transformers ropes at the group start regardless.
+        _STATS["qsa_hebrus"] -= 1
+        return _fallback(original, "positions_not_consecutive", hidden_states, position_embeddings,
+                         attention_mask, _KeysReplay(raw_keys))
+    return _expand(plan, selected, ratio)
+
+
+def _fallback(original, reason, *args):
+    _STATS[f"qsa_fallback:{reason}"] += 1
+    return original(*args)
+
+
+def _select(self, plan: _Plan, q: torch.Tensor, raw_keys: torch.Tensor, positions: torch.Tensor, layer):
+    ratio, top_k = self.compress_ratio, self.block_topk
+    batch, kv, dim = raw_keys.shape
+    device = raw_keys.device
+    state = layer.__dict__.get(_GROUPS) if layer is not None else None
+    if not _reusable(state, batch, kv, raw_keys, ratio):
+        state = _fresh_groups(batch, kv, raw_keys, ratio)
+
+    # Anchors of this call; slots of anchors no query uses any more are dropped (compaction).
+    current = {(b, f): need for b, f, need in plan.anchors}
+    if any(key not in current for key in state.slots):
+        keep = [key for key in state.slots if key in current]
+        old = state
+        state = _fresh_groups(batch, kv, raw_keys, ratio)
+        if keep:
+            old_slots = torch.tensor([old.slots[k] for k in keep], device=device)
+            have = [old.have[old.slots[k]] for k in keep]
+            width = max(have)
+            rows = old.table[old_slots, :width]                                  # [K, width] old pooled rows
+            valid = rows >= 0
+            flat = rows[valid].long()
+            state.pooled = old.pooled[flat]
+            state.used = flat.numel()
+            renum = torch.full_like(rows, -1)
+            renum[valid] = torch.arange(state.used, device=device, dtype=torch.int32)
+            state.table = renum
+            state.slots = {k: i for i, k in enumerate(keep)}
+            state.have = have
+    for key in plan.anchors:
+        if (key[0], key[1]) not in state.slots:
+            state.slots[(key[0], key[1])] = len(state.have)
+            state.have.append(0)
+
+    # New groups: for every anchor, [have, need).
+    slot_list, b_list, f_list, have_list, count_list = [], [], [], [], []
+    for (b, f), need in current.items():
+        slot = state.slots[(b, f)]
+        slot_list.append(slot)
+        b_list.append(b)
+        f_list.append(f)
+        have_list.append(state.have[slot])
+        count_list.append(max(need - state.have[slot], 0))
+    new_total = sum(count_list)
+    max_need = max(max(current.values()), max(state.have) if state.have else 0)
+    state.table = _grow_table(state.table, len(state.have), max_need)
+    if new_total:
+        small = torch.tensor([slot_list, b_list, f_list, have_list, count_list], dtype=torch.int64).to(device)
+        slot_t, b_t, f_t, have_t, count_t = small
+        a_of = torch.repeat_interleave(torch.arange(len(slot_list), device=device), count_t, output_size=new_total)
+        first = torch.cumsum(count_t, 0) - count_t
+        g = have_t[a_of] + torch.arange(new_total, device=device) - first[a_of]
+        start = b_t[a_of] * kv + f_t[a_of] + ratio * g                          # flat cell of each group's start
+        group_cells = (start[:, None] + torch.arange(ratio, device=device)).to(torch.int32)
+        if positions.shape[1] == kv:
+            cell_pos = positions.reshape(-1)
+        else:                            # static caches: cells past the positions are never visible
+            cell_pos = torch.full((batch, kv), -1, dtype=torch.int64, device=device)
+            cell_pos[:, :positions.shape[1]] = positions
+            cell_pos = cell_pos.reshape(-1)
+        group_pos = cell_pos[start]
+        inv_freq = _inv_freq(self)
+        pooled = hebrus_torch.qsa_pool(raw_keys.reshape(batch * kv, dim), cell_pos, group_cells, group_pos,
+                                       self.k_layernorm.weight, float(self.k_layernorm.eps), inv_freq)
+        state.pooled = _grow_rows(state.pooled, state.used + new_total)
+        state.pooled[state.used:state.used + new_total] = pooled
+        rows = torch.arange(state.used, state.used + new_total, device=device, dtype=torch.int32)
+        state.table[slot_t[a_of], g] = rows
+        state.used += new_total
+        for slot, count in zip(slot_list, count_list):
+            state.have[slot] += count
+        _STATS["qsa_groups_pooled"] += new_total
+    state.kv = kv
+    if layer is not None:
+        layer.__dict__[_GROUPS] = state
+
+    slot_of_anchor = torch.tensor(slot_list, dtype=torch.int64).to(device)
+    q_row = slot_of_anchor[plan.q_anchor].to(torch.int32)
+    q_sel = q.reshape(-1, q.shape[-2], q.shape[-1])[plan.sel_idx]
+    seq_groups = state.table[:, :max_need]
+    _STATS["qsa_queries_selected"] += int(plan.sel_idx.shape[0])
+    return hebrus_torch.qsa_select(q_sel, state.pooled[:state.used], seq_groups, q_row,
+                                   plan.ng_q.to(torch.int32), top_k)
+
+
+def _inv_freq(indexer) -> torch.Tensor:
+    ctx: _Context = indexer.__dict__[_PATCH]["ctx"]
+    return ctx.rotary.inv_freq.to(torch.float32)
+
+
+def _expand_rows(selected, f_q, n_q, ng_q, ratio: int, kv: int) -> torch.Tensor:
+    """[Tq, K] bool: tokens of the selected groups plus the raw tail, per query."""
+    device = selected.device
+    groups = selected.long()                                                     # [Tq, k]
+    members = torch.arange(ratio, device=device)
+    tokens = f_q[:, None, None] + ratio * groups[:, :, None] + members           # [Tq, k, r]
+    tokens = torch.where(groups[:, :, None] >= 0, tokens, kv).flatten(1)
+    tail_len = n_q - ratio * ng_q
+    tail_idx = torch.arange(ratio - 1, device=device)
+    tail = f_q[:, None] + ratio * ng_q[:, None] + tail_idx
+    tail = torch.where(tail_idx < tail_len[:, None], tail, kv)
+    index = torch.cat([tokens, tail], dim=1)
+    rows = torch.zeros((index.shape[0], kv + 1), dtype=torch.bool, device=device)
+    return rows.scatter(1, index, True)[:, :kv]
+
+
+def _expand(plan: _Plan, selected: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Choosing queries get their selected groups + raw tail; every other query keeps its whole visible run."""
+    visible = plan.visible
+    batch, length, kv = visible.shape
+    out = torch.empty((batch, length, kv), dtype=torch.bool, device=visible.device)
+    out.copy_(visible)
+    out.view(batch * length, kv)[plan.sel_idx] = _expand_rows(selected, plan.f_q, plan.n_q, plan.ng_q, ratio, kv)
+    return out.unsqueeze(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A random-weight model for tests, benchmarks and the demo
+
+
+def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "eager", positive_index_scores: bool = True, conv_std: float = 0.3,
+                 embed_shift: float = 8.0, index_shift: float = 3.0, **overrides):
+    """A small random-weight ``Qwen4ExpForCausalLM`` (transformers 5.23.0) in eval mode.
+
+    Defaults: 4 layers (linear, indexed, linear, indexed), PLE on layers 1 and 3, indexer budget 8 with
+    compress ratio 4 (top 2 groups), so prompts of a few dozen tokens already select sparsely. The PLE
+    conv weights, zero-initialised by transformers, are randomised.
+
+    ``positive_index_scores``: with random weights many indexer scores ``sum_h relu(q_h . k)`` are
+    exactly 0, and transformers' ``torch.topk`` breaks such ties in an unspecified order while hebrus
+    picks the lower group index (SPEC §3). A shared direction added to every token embedding
+    (``embed_shift`` x the mean row norm) and read by the indexer's un-roped dims (``index_shift`` x the
+    mean row norm of ``index_qk_proj``) keeps scores positive and distinct, so both pick the same groups.
+    ``conv_std``: standard deviation of the randomised PLE conv weights. ``overrides``: config fields.
+    """
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    m = _modeling()
+    kwargs = dict(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention"] * 2, ple_layer_ids=[1, 3],
+        ple_embed_dim=32, eos_token_id=3, pad_token_id=0, bos_token_id=1, hc_count=2, hc_lowrank=8,
+        ngram_vocab_size_base=1000, indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32,
+        indexer_budget=8, indexer_compress_ratio=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, max_position_embeddings=65536,
+    )
+    kwargs.update(overrides)
+    config = Qwen4ExpTextConfig(**kwargs)
+    config._attn_implementation = attn_implementation
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = m.Qwen4ExpForCausalLM(config)
+    model.eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, m.Qwen4ExpTextPLELayer):
+                mod.conv1d.weight.copy_(torch.randn(mod.conv1d.weight.shape, generator=gen) * conv_std)
+        if positive_index_scores:
+            embed = model.model.embed_tokens.weight
+            direction = torch.randn(config.hidden_size, generator=gen)
+            direction /= direction.norm()
+            embed.add_(direction * embed_shift * embed.norm(dim=1).mean())
+            rotary = 2 * model.model.rotary_emb.inv_freq.shape[0]
+            for mod in model.modules():
+                if isinstance(mod, m.Qwen4ExpTextQSAIndexer):
+                    dim, weight = mod.index_head_dim, mod.index_qk_proj.weight
+                    scale = index_shift * weight.norm(dim=1).mean()
+                    for head in range(mod.index_n_heads + mod.index_kv_heads):
+                        weight[head * dim + rotary:(head + 1) * dim] += scale * direction
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,172 @@
+#pragma once
+// Launch geometry of the hebrus Metal kernels: the one place that fixes how many threads run, how
+// they are grouped and which kernel variant runs. The kernels read the compile-time sizes (macros
+// below); on the host, the plan_* functions turn tensor sizes into the parameter block and the
+// dispatch. Both the .mm glue (csrc/mps) and the Linux emulator (tests/metal/plan_abi.cpp) call
+// these same functions, so the emulator runs exactly the grid the GPU runs.
+//
+// Every dispatch is MetalKernelFunction::dispatch(threads, group), i.e. dispatchThreads with
+// threadgroups of `group` threads; a partial last threadgroup is allowed only for kernels without
+// barriers (ple_conv, ple_ngram_ids) or whose partial group still holds whole SIMD-groups (qsa_pool).
+#include "hebrus_params.h"
+
+#define HEBRUS_SIMD_WIDTH 32
+
+// ple_conv: one thread per (token, channel vector) plus one per (row, channel vector).
+#define HEBRUS_PLE_CONV_TG 256
+#define HEBRUS_PLE_CONV_VEC 4
+// ple_ngram_ids: one thread per token plus one per row.
+#define HEBRUS_PLE_NGRAM_TG 256
+// qsa_pool: one SIMD-group per group, 8 groups per threadgroup.
+#define HEBRUS_QSA_POOL_TG 256
+// qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
+// tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
+// the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
+//   k512:  4 queries x 512 keys  x 8 B + 4 x 256 x 8 B = 24 KiB
+//   k2048: 1 query   x 2048 keys x 8 B + 1 x 256 x 8 B = 18 KiB
+#define HEBRUS_QSA_SELECT_TG 256
+#define HEBRUS_QSA_SELECT_TILE 256
+#define HEBRUS_QSA_SELECT_K512_QB 4
+#define HEBRUS_QSA_SELECT_K512_KMAX 512
+#define HEBRUS_QSA_SELECT_K2048_QB 1
+#define HEBRUS_QSA_SELECT_K2048_KMAX 2048
+
+#ifndef __METAL_VERSION__
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+namespace hebrus::metal {
+
+// dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
+struct Dispatch {
+  uint64_t threads = 0;
+  uint64_t group = 1;
+};
+
+// "<op>_<type>" or "<op>_<variant>_<type>"; the kernels build the same string in
+// HEBRUS_INSTANTIATE / HEBRUS_INSTANTIATE_VARIANT (hebrus_metal_common.h).
+inline std::string kernel_name(const char* op, const char* variant, const char* type) {
+  std::string name(op);
+  if (variant != nullptr && variant[0] != '\0') name += std::string("_") + variant;
+  return name + "_" + type;
+}
+
+constexpr uint64_t kMaxThreads = 0xFFFFFFFFull;  // thread_position_in_grid is a 32-bit uint
+
+inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+struct PleConvPlan {
+  PleConvParams params{};
+  Dispatch dispatch;
+  const char* error = nullptr;  // a limit of the Metal kernel, or nullptr
+};
+
+inline PleConvPlan plan_ple_conv(int64_t tokens, int64_t channels, int64_t width, int64_t batch, int64_t dilation,
+                                 bool silu) {
+  PleConvPlan plan;
+  PleConvParams& p = plan.params;
+  p.tokens = tokens;
+  p.channels = channels;
+  p.width = width;
+  p.dilation = dilation;
+  p.state_len = (width - 1) * dilation;
+  p.batch = batch;
+  p.channel_vecs = static_cast<int64_t>(ceil_div(static_cast<uint64_t>(channels), HEBRUS_PLE_CONV_VEC));
+  p.silu = silu ? 1 : 0;
+  const uint64_t threads = static_cast<uint64_t>(tokens + batch) * static_cast<uint64_t>(p.channel_vecs);
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads ((T + B) * ceil(C / 4))";
+  plan.dispatch = {channels > 0 ? threads : 0, HEBRUS_PLE_CONV_TG};
+  return plan;
+}
+
+struct PleNgramPlan {
+  PleNgramParams params{};
+  Dispatch dispatch;
+  const char* error = nullptr;
+};
+
+inline PleNgramPlan plan_ple_ngram_ids(int64_t tokens, int64_t batch, int64_t ngram, int64_t heads, int64_t eos,
+                                       int64_t vocab) {
+  PleNgramPlan plan;
+  PleNgramParams& p = plan.params;
+  p.tokens = tokens;
+  p.batch = batch;
+  p.ngram = ngram;
+  p.heads = heads;
+  p.heads_per_order = ngram > 1 ? heads / (ngram - 1) : 0;
+  p.eos = eos;
+  p.vocab = vocab;
+  const uint64_t threads = static_cast<uint64_t>(tokens + batch);
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T + B)";
+  plan.dispatch = {threads, HEBRUS_PLE_NGRAM_TG};
+  return plan;
+}
+
+struct QsaPoolPlan {
+  QsaPoolParams params{};
+  Dispatch dispatch;
+  const char* error = nullptr;
+};
+
+inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int64_t group_size, int64_t rot_half,
+                                 double eps) {
+  QsaPoolPlan plan;
+  QsaPoolParams& p = plan.params;
+  p.cells = cells;
+  p.dim = dim;
+  p.groups = groups;
+  p.group_size = group_size;
+  p.rot_half = rot_half;
+  p.eps = static_cast<float>(eps);
+  const uint64_t threads = static_cast<uint64_t>(groups) * HEBRUS_SIMD_WIDTH;
+  if (threads > kMaxThreads || static_cast<uint64_t>(groups) * static_cast<uint64_t>(group_size) >= kMaxThreads) {
+    plan.error = "more than 2^32-1 threads or group members (G * 32, G * r)";
+  }
+  plan.dispatch = {threads, HEBRUS_QSA_POOL_TG};
+  return plan;
+}
+
+struct QsaSelectPlan {
+  QsaSelectParams params{};
+  Dispatch dispatch;
+  const char* variant = "k512";
+  int64_t queries_per_block = HEBRUS_QSA_SELECT_K512_QB;
+  const char* error = nullptr;
+};
+
+// The variant is chosen by the largest number of groups a query can keep: min(top_k, maxG).
+inline QsaSelectPlan plan_qsa_select(int64_t queries, int64_t query_heads, int64_t dim, int64_t rows, int64_t batch,
+                                     int64_t max_groups, int64_t top_k) {
+  QsaSelectPlan plan;
+  QsaSelectParams& p = plan.params;
+  p.queries = queries;
+  p.query_heads = query_heads;
+  p.dim = dim;
+  p.rows = rows;
+  p.batch = batch;
+  p.max_groups = max_groups;
+  p.top_k = top_k;
+  p.sqrt_dim = static_cast<float>(std::sqrt(static_cast<double>(dim)));
+  const int64_t keep = top_k < max_groups ? top_k : max_groups;
+  if (keep <= HEBRUS_QSA_SELECT_K512_KMAX) {
+    plan.variant = "k512";
+    plan.queries_per_block = HEBRUS_QSA_SELECT_K512_QB;
+  } else {
+    plan.variant = "k2048";
+    plan.queries_per_block = HEBRUS_QSA_SELECT_K2048_QB;
+    if (keep > HEBRUS_QSA_SELECT_K2048_KMAX) {
+      plan.error = "the Metal kernel keeps at most 2048 groups per query (min(top_k, maxG) <= 2048)";
+    }
+  }
+  if (max_groups >= static_cast<int64_t>(kMaxThreads) || queries >= static_cast<int64_t>(kMaxThreads)) {
+    plan.error = "more than 2^32-1 queries or groups per sequence";
+  }
+  const uint64_t blocks = ceil_div(static_cast<uint64_t>(queries), static_cast<uint64_t>(plan.queries_per_block));
+  if (blocks * HEBRUS_QSA_SELECT_TG > kMaxThreads) plan.error = "more than 2^32-1 threads";
+  plan.dispatch = {blocks * HEBRUS_QSA_SELECT_TG, HEBRUS_QSA_SELECT_TG};
+  return plan;
+}
+
+}  // namespace hebrus::metal
+#endif  // __METAL_VERSION__

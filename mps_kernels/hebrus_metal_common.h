@@ -1,0 +1,50 @@
+#pragma once
+// Helpers shared by the hebrus Metal kernels (Metal side only; keep ASCII).
+#include <metal_stdlib>
+
+#include "hebrus_launch.h"
+#include "hebrus_params.h"
+
+using namespace metal;
+
+// Kernel names: "<op>_<type>" and "<op>_<variant>_<type>", instantiated MLX-style from decltype so
+// the signature is never retyped. hebrus::metal::kernel_name() (hebrus_launch.h) builds the same
+// strings on the host. The type names are MSL's: float, half, bfloat.
+#define HEBRUS_INSTANTIATE(op, type, ...) \
+  template [[host_name(#op "_" #type)]] [[kernel]] decltype(op<__VA_ARGS__>) op<__VA_ARGS__>;
+#define HEBRUS_INSTANTIATE_VARIANT(op, variant, type, ...) \
+  template [[host_name(#op "_" #variant "_" #type)]] [[kernel]] decltype(op<__VA_ARGS__>) op<__VA_ARGS__>;
+
+// bfloat needs MSL 3.1 (macOS 14); the glue defines HEBRUS_METAL_BFLOAT when the extension was
+// built with HEBRUS_METAL_BFLOAT=1 (the default).
+#if defined(HEBRUS_METAL_BFLOAT) && __METAL_VERSION__ >= 310
+#define HEBRUS_HAS_BFLOAT 1
+#else
+#define HEBRUS_HAS_BFLOAT 0
+#endif
+
+// Records `index` in error slot `slot` unless a smaller index is there already.
+inline void hebrus_report(device atomic_uint* err, uint slot, uint index) {
+  atomic_fetch_min_explicit(err + slot, index, memory_order_relaxed);
+}
+
+// The row b in [0, batch) with cu[b] <= t < cu[b + 1] for valid (non-decreasing) cu_seqlens; the
+// caller checks the bounds it gets, so garbage cu_seqlens never lead to an out-of-bounds access.
+inline long hebrus_row_of(device const int* cu, long batch, long t) {
+  long lo = 0, hi = batch;
+  while (hi - lo > 1) {
+    const long mid = lo + (hi - lo) / 2;
+    if (long(cu[mid]) <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// cu_seqlens of row b are valid: 0 first, T last, non-decreasing.
+inline bool hebrus_row_valid(device const int* cu, long batch, long tokens, long b) {
+  const long start = cu[b], end = cu[b + 1];
+  return start >= 0 && start <= end && end <= tokens && (b != 0 || start == 0) && (b != batch - 1 || end == tokens);
+}

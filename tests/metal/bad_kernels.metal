@@ -1,0 +1,128 @@
+// Deliberately broken (and a few correct) kernels: tests/test_metal_harness.py checks that the
+// emulator reports each bug. Not part of the product.
+#include <metal_stdlib>
+using namespace metal;
+
+// Correct: reverses each threadgroup's 64 values through threadgroup memory.
+kernel void tg_reverse(device float* data [[buffer(0)]], uint lid [[thread_position_in_threadgroup]],
+                       uint tg [[threadgroup_position_in_grid]]) {
+  threadgroup float tmp[64];
+  tmp[lid] = data[tg * 64 + lid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tg * 64 + lid] = tmp[63 - lid];
+}
+
+// BUG: missing barrier between the write and the read of threadgroup memory.
+kernel void racy_reverse(device float* data [[buffer(0)]], uint lid [[thread_position_in_threadgroup]],
+                         uint tg [[threadgroup_position_in_grid]]) {
+  threadgroup float tmp[64];
+  tmp[lid] = data[tg * 64 + lid];
+  data[tg * 64 + lid] = tmp[63 - lid];
+}
+
+// BUG: a barrier inside divergent control flow (two different barrier calls).
+kernel void divergent_barrier(device float* data [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
+  if (lid < 32) {
+    data[lid] *= 2;
+    threadgroup_barrier(mem_flags::mem_device);
+  } else {
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+}
+
+// BUG: out-of-range threads return before the barrier the others wait at.
+kernel void early_return(device float* data [[buffer(0)]], constant uint& n [[buffer(1)]],
+                         uint gid [[thread_position_in_grid]], uint lid [[thread_position_in_threadgroup]]) {
+  threadgroup float tmp[64];
+  if (gid >= n) return;
+  tmp[lid] = data[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[gid] = tmp[lid ^ 1];
+}
+
+// BUG: a SIMD-group reduction that only half of the lanes reach.
+kernel void divergent_simd(device float* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
+  float s = -1.0f;
+  if (lane < 16) s = simd_sum(float(lane));
+  out[lane] = s;
+}
+
+// Correct: a SIMD-group sum every lane reaches.
+kernel void uniform_simd(device float* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]]) {
+  const float s = simd_sum(float(lane));
+  const bool any = simd_any(lane == 7u);
+  if (lane == 0) out[sg] = any ? s : -1.0f;
+}
+
+// BUG: reads one element past the end of `in` (n elements) in the last thread.
+kernel void read_past_end(device const float* in [[buffer(0)]], device float* out [[buffer(1)]],
+                          constant uint& n [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  if (gid < n) out[gid] = in[gid + 1];
+}
+
+// BUG: reads one element before the start of `in` in thread 0.
+kernel void read_before_start(device const float* in [[buffer(0)]], device float* out [[buffer(1)]],
+                              constant uint& n [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  if (gid < n) out[gid] = in[int(gid) - 1];
+}
+
+// BUG: writes one element past the end of `out`.
+kernel void write_past_end(device float* out [[buffer(0)]], constant uint& n [[buffer(1)]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (gid <= n) out[gid] = 1.0f;
+}
+
+// BUG: threadgroup array indexed out of bounds.
+kernel void tg_out_of_bounds(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
+  threadgroup float tmp[32];
+  tmp[lid] = float(lid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lid] = tmp[lid];
+}
+
+// Conversions the hebrus kernels rely on: float -> half / bfloat (round to nearest even) and back.
+kernel void convert_float(device const float* in [[buffer(0)]], device half* h [[buffer(1)]],
+                          device bfloat* b [[buffer(2)]], device float* back [[buffer(3)]],
+                          uint gid [[thread_position_in_grid]]) {
+  h[gid] = static_cast<half>(in[gid]);
+  b[gid] = static_cast<bfloat>(in[gid]);
+  back[gid] = static_cast<float>(b[gid]);
+}
+
+// Builtins of a dispatchThreads launch with a partial last threadgroup.
+kernel void builtins(device uint* out [[buffer(0)]], uint gid [[thread_position_in_grid]],
+                     uint lid [[thread_position_in_threadgroup]], uint tgsize [[threads_per_threadgroup]],
+                     uint tg [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]]) {
+  out[gid * 6 + 0] = gid;
+  out[gid * 6 + 1] = lid;
+  out[gid * 6 + 2] = tgsize;
+  out[gid * 6 + 3] = tg;
+  out[gid * 6 + 4] = lane;
+  out[gid * 6 + 5] = sg;
+}
+
+// Strict clang check cases (compiled with -DCASE=n by the tests; CASE 0 is valid MSL).
+inline void set_device(device float* p) { p[0] = 1.0f; }
+kernel void address_spaces(device float* out [[buffer(0)]], constant float* c [[buffer(1)]],
+                           device atomic_uint* flag [[buffer(2)]], uint lid [[thread_position_in_threadgroup]]) {
+  threadgroup float t[32];
+  threadgroup atomic_uint tflag;
+  t[lid] = c[0];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  set_device(out);
+  atomic_fetch_min_explicit(flag, lid, memory_order_relaxed);
+  atomic_fetch_min_explicit(&tflag, lid, memory_order_relaxed);
+  out[lid] = t[lid];
+#if CASE == 1
+  set_device(t);  // threadgroup pointer passed as a device pointer
+#elif CASE == 2
+  c[0] = 1.0f;  // write through the constant address space
+#elif CASE == 3
+  set_device(c);  // constant pointer passed as a device pointer
+#elif CASE == 4
+  device atomic_uint* wrong = &tflag;  // threadgroup atomic used as a device atomic
+  (void)wrong;
+#endif
+}

@@ -1,0 +1,104 @@
+"""Builds of the Metal side on Linux: every kernel file through the emulator shim (g++) and the
+strict clang check (real address spaces), the embedded-source header the glue compiles at first
+use, kernel names on both sides, and the .mm glue type-checked as C++ against the torch headers.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal"))
+import check_mm_syntax  # noqa: E402
+import hebrus_emu  # noqa: E402
+import msl_emu  # noqa: E402
+
+pytestmark = [pytest.mark.metal,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
+
+METAL_FILES = sorted(glob.glob(os.path.join(msl_emu.KERNEL_DIR, "*.metal")))
+TYPES = ("float", "half", "bfloat")
+EXPECTED = {
+    "ple_conv": {f"ple_conv_{t}" for t in TYPES},
+    "ple_ngram_ids": {"ple_ngram_ids_long"},
+    "qsa_pool": {f"qsa_pool_{t}" for t in TYPES},
+    "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
+}
+
+
+def stem(path: str) -> str:
+    return os.path.basename(path)[: -len(".metal")]
+
+
+def test_every_op_has_a_kernel_file():
+    assert {stem(p) for p in METAL_FILES} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", METAL_FILES, ids=stem)
+def test_builds_with_gxx_and_names_match_the_host_helper(path):
+    names = set(hebrus_emu.module(stem(path)).kernels)
+    assert names == EXPECTED[stem(path)]
+    variants = {"qsa_select": ("k512", "k2048")}.get(stem(path), ("",))
+    dtypes = [hebrus_emu.torch.int64] if stem(path) == "ple_ngram_ids" else list(hebrus_emu.METAL_TYPE)[:3]
+    host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
+    assert host == names  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
+
+
+@pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")
+@pytest.mark.parametrize("bfloat", [True, False])
+@pytest.mark.parametrize("path", METAL_FILES, ids=stem)
+def test_clang_strict_check(path, bfloat):
+    ok, out = msl_emu.check_clang(path, defines=msl_emu.DEFAULT_DEFINES if bfloat else {})
+    assert ok, out
+
+
+def test_embedded_header():
+    import embed_metal
+
+    with tempfile.TemporaryDirectory() as out:
+        header = embed_metal.write_embedded_header(msl_emu.KERNEL_DIR, out)
+        text = open(header).read()
+        assert text.isascii()
+        for path in METAL_FILES:
+            assert f"k_{stem(path)}_source[]" in text
+        tu = os.path.join(out, "use.cpp")
+        with open(tu, "w") as f:
+            f.write('#include "hebrus_metal_sources.h"\n#include <cstring>\n'
+                    "static_assert(sizeof(hebrus::metal::k_embedded_sources) / sizeof(hebrus::metal::EmbeddedSource)"
+                    f" == {len(METAL_FILES)});\n"
+                    "int main() { return std::strlen(hebrus::metal::k_qsa_pool_source) > 0 ? 0 : 1; }\n")
+        r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-I", out, tu], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        # Rewriting with unchanged sources leaves the file alone (no rebuild of the glue).
+        mtime = os.stat(header).st_mtime_ns
+        embed_metal.write_embedded_header(msl_emu.KERNEL_DIR, out)
+        assert os.stat(header).st_mtime_ns == mtime
+
+
+def test_emulator_compiles_the_embedded_text():
+    import embed_metal
+
+    for path in METAL_FILES:
+        embedded = embed_metal.metal_sources(msl_emu.KERNEL_DIR)[stem(path)]
+        emulated = embed_metal.inline_source(path, (msl_emu.KERNEL_DIR,), line_names="abspath")
+        strip = lambda s: [ln for ln in s.split("\n") if not ln.startswith("#line")]  # noqa: E731
+        assert strip(embedded) == strip(emulated)
+
+
+def test_mm_glue_typechecks_as_cpp():
+    # A pass is remembered under build/metal_emu, keyed by a hash of every input (glue, kernels,
+    # torch version, compiler): ~4 s of g++ per file is only spent when something changed.
+    stamp = os.path.join(msl_emu.BUILD_DIR, f"mm_syntax.{check_mm_syntax.inputs_digest()}.ok")
+    if os.path.exists(stamp):
+        return
+    results = check_mm_syntax.check_all(jobs=2, bfloat_off_files=1)
+    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 5
+    failed = [f"{name}\n{out}" for name, ok, out in results if not ok]
+    assert not failed, "\n".join(failed)
+    os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
+    open(stamp, "w").write("\n".join(name for name, _, _ in results) + "\n")

@@ -1,0 +1,166 @@
+"""The Metal emulator itself (tests/metal): it must catch the bugs it exists to catch.
+
+Deliberately broken kernels in tests/metal/bad_kernels.metal: divergent and skipped barriers, SIMD
+functions in divergent code, missing barriers (visible through poisoned threadgroup memory under
+another schedule), device accesses past either end of a buffer, threadgroup arrays indexed out of
+bounds, and address-space misuse (strict clang check). Plus the conversions and builtins the hebrus
+kernels rely on.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal"))
+import msl_emu  # noqa: E402
+
+pytestmark = [pytest.mark.metal,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
+
+BAD = os.path.join(msl_emu.HERE, "bad_kernels.metal")
+
+
+@pytest.fixture(scope="module")
+def mod() -> msl_emu.Module:
+    return msl_emu.build(BAD)
+
+
+def line_of(snippet: str) -> int:
+    """Line number of `snippet` in bad_kernels.metal."""
+    return next(i for i, line in enumerate(open(BAD), 1) if snippet in line)
+
+
+def u32(v: int) -> bytes:
+    return struct.pack("<I", v)
+
+
+def test_finds_plain_kernels(mod):
+    assert {"tg_reverse", "racy_reverse", "divergent_barrier", "read_past_end", "address_spaces"} <= set(mod.kernels)
+
+
+@pytest.mark.parametrize("sched", msl_emu.SCHEDULES)
+def test_correct_kernel_all_schedules(mod, sched):
+    data = torch.arange(128, dtype=torch.float32)
+    mod.dispatch("tg_reverse", [data], grid=(2,), tg=(64,), threads=False, sched=sched, seed=5)
+    assert torch.equal(data, torch.cat([torch.arange(63, -1, -1), torch.arange(127, 63, -1)]).float())
+
+
+def test_missing_barrier_reads_poison(mod):
+    # Forward order happens to work; reverse order reads threadgroup memory nobody wrote yet (NaN).
+    data = torch.arange(128, dtype=torch.float32)
+    mod.dispatch("racy_reverse", [data], grid=(2,), tg=(64,), threads=False, sched="reverse")
+    assert torch.isnan(data).any()
+
+
+def test_divergent_barrier(mod):
+    with pytest.raises(msl_emu.MSLError, match="different threadgroup_barrier calls"):
+        mod.dispatch("divergent_barrier", [torch.ones(64)], grid=(1,), tg=(64,), threads=False)
+
+
+def test_barrier_after_early_return(mod):
+    with pytest.raises(msl_emu.MSLError, match=r"reached by 36 of 64 threads"):
+        mod.dispatch("early_return", [torch.zeros(100), u32(100)], grid=(2,), tg=(64,), threads=False)
+    # non-strict mode runs it the way a GPU might (undefined behaviour, but no report)
+    mod.dispatch("early_return", [torch.zeros(100), u32(100)], grid=(2,), tg=(64,), threads=False, strict=False)
+
+
+def test_divergent_simd(mod):
+    with pytest.raises(msl_emu.MSLError, match=f"SIMD-group function at .*bad_kernels.metal:{line_of('s = simd_sum')} "
+                                               r"called in divergent control flow \(16 lanes .* already returned"):
+        mod.dispatch("divergent_simd", [torch.zeros(32)], grid=(1,), tg=(32,), threads=False)
+    out = torch.zeros(32)
+    mod.dispatch("divergent_simd", [out], grid=(1,), tg=(32,), threads=False, strict=False)
+    assert out[:16].tolist() == [120.0] * 16 and out[16:].tolist() == [-1.0] * 16  # active lanes only
+
+
+@pytest.mark.parametrize("sched", msl_emu.SCHEDULES)
+def test_uniform_simd(mod, sched):
+    out = torch.zeros(4)
+    mod.dispatch("uniform_simd", [out], grid=(1,), tg=(128,), threads=False, sched=sched)
+    assert out.tolist() == [496.0] * 4
+
+
+def test_read_past_end(mod):
+    # guard="end" (the default) catches reads past the end; guard="start" reads before the start.
+    n = 37
+    with pytest.raises(msl_emu.MSLError, match=r"buffer\(0\) holds 148 bytes, accessed at byte offset 148 "
+                                               r"\(past the end\) by thread_position_in_grid 36,0,0"):
+        mod.dispatch("read_past_end", [torch.zeros(n), torch.zeros(n), u32(n)], grid=(n,), tg=(32,))
+
+
+def test_out_of_bounds_names_the_source_line(mod):
+    n = 40
+    with pytest.raises(msl_emu.MSLError, match=rf"at .*bad_kernels\.metal:{line_of('in[gid + 1]')}"):
+        mod.dispatch("read_past_end", [torch.zeros(n), torch.zeros(n), u32(n)], grid=(n,), tg=(32,))
+
+
+def test_read_before_start(mod):
+    n = 5
+    with pytest.raises(msl_emu.MSLError, match=r"byte offset -4 \(before the start\) by thread_position_in_grid 0,0,0"):
+        mod.dispatch("read_before_start", [torch.zeros(n), torch.zeros(n), u32(n)], grid=(n,), tg=(32,),
+                     guard="start")
+
+
+@pytest.mark.parametrize("guard", ["end", "start"])
+def test_write_past_end(mod, guard):
+    n = 8
+    out = torch.zeros(n)
+    with pytest.raises(msl_emu.MSLError, match=r"out-of-bounds device memory (write|access)"):
+        mod.dispatch("write_past_end", [out, u32(n)], grid=(n + 1,), tg=(32,), guard=guard)
+
+
+def test_threadgroup_array_out_of_bounds(mod):
+    with pytest.raises(msl_emu.MSLError, match=r"threadgroup array index 32 out of bounds \[0, 32\)"):
+        mod.dispatch("tg_out_of_bounds", [torch.zeros(64)], grid=(1,), tg=(64,), threads=False)
+
+
+def test_conversions_match_torch(mod):
+    special = [0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.0e38, -3.4e38, 65504.0, 65520.0, 1e-8, 5.96e-8,
+               float("inf"), float("-inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-9]
+    x = torch.cat([torch.tensor(special), torch.randn(1000) * 100, torch.randn(1000) * 1e-3])
+    h = torch.zeros(x.shape, dtype=torch.float16)
+    b = torch.zeros(x.shape, dtype=torch.bfloat16)
+    back = torch.zeros(x.shape)
+    mod.dispatch("convert_float", [x, h, b, back], grid=(x.numel(),), tg=(256,))
+    assert torch.equal(h.view(torch.int16), x.to(torch.float16).view(torch.int16))
+    assert torch.equal(b.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(back, x.to(torch.bfloat16).float())
+
+
+def test_dispatch_threads_builtins(mod):
+    n, tg = 70, 32  # 3 threadgroups, the last one partial (6 threads), as dispatchThreads runs them
+    out = torch.zeros(n * 6, dtype=torch.int32)
+    mod.dispatch("builtins", [out], grid=(n,), tg=(tg,))
+    got = out.view(n, 6)
+    gid = torch.arange(n)
+    assert torch.equal(got[:, 0], gid.int()) and torch.equal(got[:, 1], (gid % tg).int())
+    assert torch.equal(got[:, 2], torch.where(gid < 64, 32, 6).int()) and torch.equal(got[:, 3], (gid // tg).int())
+    assert torch.equal(got[:, 4], (gid % 32).int()) and torch.equal(got[:, 5], torch.zeros(n, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 4])
+def test_clang_strict_address_spaces(case):
+    ok, out = msl_emu.check_clang(BAD, defines={"CASE": str(case)})
+    if case == 0:
+        assert ok, out
+    else:
+        assert not ok and "error" in out, out
+
+
+def test_gxx_check_rejects_non_msl():
+    # double does not exist in MSL: the shim turns it into an error.
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".metal", delete=False) as f:
+        f.write("#include <metal_stdlib>\nusing namespace metal;\n"
+                "kernel void k(device float* o [[buffer(0)]]) { double d = 1.0; o[0] = d; }\n")
+    try:
+        ok, out = msl_emu.check(f.name)
+    finally:
+        os.unlink(f.name)
+    assert not ok and "double" in out

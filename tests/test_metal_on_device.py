@@ -1,0 +1,164 @@
+"""The MPS kernels on a real Apple GPU (device="mps"): what the Linux emulator cannot show.
+
+Skipped unless torch.backends.mps.is_available() and the extension was built with its MPS kernels
+(macOS; .github/workflows/macos.yml runs it). Checks the glue end to end: the native MPS kernel is
+registered, results match the reference computed on the CPU, tensors with a storage offset and
+non-contiguous tensors are read correctly, values checked inside the kernels raise through the
+error slots (HoleError from qsa_pool), and chunk invariance holds bitwise on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hebrus_torch
+from hebrus_torch import reference
+from hebrus_torch._extension import has_native_kernel
+from hebrus_torch.errors import HebrusError, HoleError
+
+HAS_MPS = torch.backends.mps.is_available()
+pytestmark = [pytest.mark.metal, pytest.mark.mps,
+              pytest.mark.skipif(not HAS_MPS, reason="needs an Apple GPU (torch.backends.mps.is_available())")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OPS = ("ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select")
+
+
+def mps(*tensors):
+    return [t.to("mps") for t in tensors]
+
+
+def test_native_kernels_registered():
+    missing = [op for op in OPS if not has_native_kernel(op, "mps")]
+    assert not missing, f"no MPS kernel for {missing}: was the extension built on macOS with MPS?"
+
+
+def conv_inputs(dtype, lengths=(0, 5, 1, 13, 0, 7), channels=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), channels, generator=g).to(dtype)
+    w = (torch.randn(channels, 4, generator=g) / 4).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    state = torch.randn(len(lengths), 9, channels, generator=g).to(dtype)
+    return x, w, cu, state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ple_conv_matches_reference(dtype):
+    x, w, cu, state = conv_inputs(dtype)
+    y, new_state = hebrus_torch.ple_conv(*mps(x, w, cu, state), 3, "silu")
+    y_ref, state_ref = reference.ple_conv(x, w, cu, state, 3, "silu")
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(new_state.cpu(), state_ref)
+
+
+def test_ple_conv_storage_offset_and_strides():
+    x, w, cu, state = conv_inputs(torch.float32)
+    base = torch.randn(x.shape[0] + 3, x.shape[1]).to("mps")
+    base[3:] = x.to("mps")
+    x_offset = base[3:]  # contiguous, storage offset 3 rows
+    w_t = w.t().contiguous().to("mps").t()  # non-contiguous view
+    y, new_state = hebrus_torch.ple_conv(x_offset, w_t, cu.to("mps"), state.to("mps"), 3, "none")
+    y_ref, state_ref = reference.ple_conv(x, w, cu, state, 3, "none")
+    torch.testing.assert_close(y.cpu(), y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(new_state.cpu(), state_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ple_conv_chunk_invariance_on_device(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 16, generator=g).to(dtype).to("mps")
+    w = torch.randn(16, 4, generator=g).to(dtype).to("mps")
+    state0 = torch.zeros(1, 9, 16, dtype=dtype, device="mps")
+    whole, s_whole = hebrus_torch.ple_conv(x, w, torch.tensor([0, 12], dtype=torch.int32, device="mps"), state0)
+    parts, state = [], state0
+    for a, b in ((0, 1), (1, 3), (3, 4), (4, 12)):
+        cu = torch.tensor([0, b - a], dtype=torch.int32, device="mps")
+        y, state = hebrus_torch.ple_conv(x[a:b], w, cu, state)
+        parts.append(y)
+    assert torch.equal(torch.cat(parts).cpu(), whole.cpu()) and torch.equal(state.cpu(), s_whole.cpu())
+
+
+def ngram_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = (0, 6, 1, 17, 3)
+    tokens = torch.randint(0, 50, (sum(lengths),), generator=g)
+    tokens[torch.rand(tokens.shape, generator=g) < 0.2] = 7
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    history = torch.randint(0, 50, (len(lengths), 2), generator=g)
+    mult = torch.randint(1, 1 << 40, (3,), generator=g)
+    sizes = torch.randint(1000, 100000, (16,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]]) + 50
+    return tokens, cu, history, mult, sizes, offsets
+
+
+def test_ple_ngram_ids_matches_reference_exactly():
+    args = ngram_inputs()
+    got = hebrus_torch.ple_ngram_ids(*mps(*args), 7, 50)
+    want = reference.ple_ngram_ids(*args, 7, 50)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_ple_ngram_ids_bad_token_raises():
+    tokens, *rest = ngram_inputs()
+    tokens[4] = 50
+    with pytest.raises(HebrusError, match=r"tokens\[4\] = 50 is outside \[0, vocab=50\)"):
+        hebrus_torch.ple_ngram_ids(*mps(tokens, *rest), 7, 50)
+
+
+def pool_inputs(dtype, groups=9, r=4, dim=128, rot=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cells = groups * r + 3
+    keys = torch.randn(cells, dim, generator=g).to(dtype)
+    perm = torch.randperm(cells, generator=g)
+    cell_pos = torch.empty(cells, dtype=torch.int64)
+    cell_pos[perm] = torch.arange(cells) + 40
+    group_pos = torch.arange(groups) * r + 40
+    group_cells = perm[(group_pos - 40)[:, None] + torch.arange(r)].to(torch.int32)
+    weight = (torch.randn(dim, generator=g) * 0.1).to(dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    return keys, cell_pos, group_cells, group_pos, weight, 1e-6, inv_freq
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qsa_pool_matches_reference(dtype):
+    keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq = pool_inputs(dtype)
+    got = hebrus_torch.qsa_pool(*mps(keys, cell_pos, group_cells, group_pos, weight), eps, inv_freq.to("mps"))
+    want = reference.qsa_pool(keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_qsa_pool_hole_raises_from_the_kernel():
+    keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq = pool_inputs(torch.float16)
+    cell_pos[group_cells[4, 1]] += 100
+    with pytest.raises(HoleError, match="group 4 .* member 1 "):
+        hebrus_torch.qsa_pool(*mps(keys, cell_pos, group_cells, group_pos, weight), eps, inv_freq.to("mps"))
+
+
+def select_inputs(dtype, tq=13, hq=4, dim=32, batch=3, max_groups=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = batch * max_groups
+    pooled = torch.randint(-2, 3, (rows, dim), generator=g).to(dtype)  # exact scores: bitwise selections
+    q = torch.randint(-1, 2, (tq, hq, dim), generator=g).to(dtype)
+    seq_groups = torch.randperm(rows, generator=g).view(batch, max_groups).to(torch.int32)
+    q_row = torch.randint(0, batch, (tq,), generator=g).to(torch.int32)
+    q_groups = torch.randint(0, max_groups + 1, (tq,), generator=g).to(torch.int32)
+    return q, pooled, seq_groups, q_row, q_groups
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [1, 16, 300])
+def test_qsa_select_matches_reference_exactly(dtype, top_k):
+    args = select_inputs(dtype, seed=top_k)
+    got = hebrus_torch.qsa_select(*mps(*args), top_k)
+    assert torch.equal(got.cpu(), reference.qsa_select(*args, top_k))
+
+
+def test_qsa_select_independent_of_batching_on_device():
+    q, pooled, seq_groups, q_row, q_groups = mps(*select_inputs(torch.bfloat16, seed=5))
+    whole = hebrus_torch.qsa_select(q, pooled, seq_groups, q_row, q_groups, 9)
+    parts = [hebrus_torch.qsa_select(q[a:b], pooled, seq_groups, q_row[a:b], q_groups[a:b], 9)
+             for a, b in ((0, 1), (1, 3), (3, 4), (4, 13))]
+    assert torch.equal(torch.cat(parts).cpu(), whole.cpu())

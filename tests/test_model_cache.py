@@ -1,0 +1,250 @@
+"""ModelCache: handles shared by both holders, atomic lifecycle (PLE first), chunk steps in one
+transaction, rewind via PLE snapshots, saved state (SPEC §4, §5)."""
+
+import random
+
+import pytest
+import torch
+
+import hebrus_torch as ht
+from hebrus_torch.errors import CorruptStateError, HebrusError, HoleError, NonSuccessorError, StaleHandleError
+
+from hf_models import modeling, tiny_config  # skips without transformers
+
+LAYER_TYPES = ["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = tiny_config(num_hidden_layers=4, layer_types=LAYER_TYPES, ple_layer_ids=[1, 3])
+    m = modeling.Qwen4ExpForCausalLM(cfg).eval()
+    for layer in m.model.layers:
+        if layer.ple is not None:
+            torch.nn.init.normal_(layer.ple.conv1d.weight)
+        if layer.layer_type == "indexed_attention":
+            torch.nn.init.normal_(layer.self_attn.indexer.k_layernorm.weight, std=0.1)
+    return m
+
+
+class Tables:
+    """Per-token inputs, so the same token stream gives the same layer inputs however it is cut."""
+
+    def __init__(self, mc, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        vocab = mc.ple.vocab_size
+        self.x = torch.randn(vocab, mc.ple.channels, generator=g)
+        d = mc.qsa.head_dim if hasattr(mc.qsa, "head_dim") else 16
+        self.keys = torch.randn(vocab, d, generator=g)
+        self.q = torch.randn(vocab, 2, d, generator=g)
+
+
+def make_cache(model, **kw):
+    return ht.ModelCache.from_transformers(model, capacity_tokens=256, max_sequences=4, **kw)
+
+
+def run_chunk(mc, tables, rows, fail_after_layer=None, first_positions=None):
+    """Every layer of the model over one packed chunk; returns {layer: (ids, y) or plan}."""
+    batch = ht.Batch.pack(rows, first_positions=first_positions)
+    out = {}
+    with mc.transaction(batch) as step:
+        for li in range(len(LAYER_TYPES)):
+            if li in mc.ple.layer_ids:
+                out[("ids", li)] = step.ple_ngram_ids(li)
+                out[("y", li)] = step.ple_conv(li, tables.x[batch.tokens])
+            if li in mc.qsa.layer_ids:
+                step.qsa_write(li, tables.keys[batch.tokens])
+                out[("plan", li)] = step.qsa_select(li, tables.q[batch.tokens])
+            if fail_after_layer == li:
+                raise RuntimeError(f"injected failure after layer {li}")
+    return out
+
+
+def feed(mc, tables, seq, tokens, cuts):
+    outs, start = [], 0
+    for stop in list(cuts) + [len(tokens)]:
+        if stop > start:
+            outs.append(run_chunk(mc, tables, {seq: tokens[start:stop]}))
+            start = stop
+    return outs
+
+
+def test_from_transformers_wires_both_holders(model):
+    mc = make_cache(model)
+    assert mc.ple.layer_ids == [0, 2] and mc.qsa.layer_ids == [1, 3]
+    assert mc.top_k == model.config.indexer_budget // model.config.indexer_compress_ratio
+    a = mc.new_sequence()
+    mc.ple.snapshot(a)
+    assert mc.qsa.run(a)[1] == 0
+
+
+def test_chunk_invariance_across_holders(model):
+    tokens = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(1))
+    tokens[[0, 9, 10]] = 3
+    cuts = {"one shot": [], "1/2/1": [], "random": sorted(random.Random(2).sample(range(1, 30), 7))}
+    pos, pattern = 0, [1, 2, 1]
+    while pos < 30:
+        pos += pattern[len(cuts["1/2/1"]) % 3]
+        cuts["1/2/1"].append(pos)
+    results = {}
+    for name, c in cuts.items():
+        mc = make_cache(model)
+        tables = Tables(mc)
+        seq = mc.new_sequence()
+        outs = feed(mc, tables, seq, tokens, c)
+        sel = {li: torch.cat([o[("plan", li)].selected_groups for o in outs]) for li in mc.qsa.layer_ids}
+        ys = {li: torch.cat([o[("y", li)] for o in outs]) for li in mc.ple.layer_ids}
+        results[name] = (mc.digest(), sel, ys)
+    base = results["one shot"]
+    for name, (digest, sel, ys) in results.items():
+        assert digest == base[0], name
+        for li in sel:
+            assert torch.equal(sel[li], base[1][li]), name
+        for li in ys:
+            assert torch.equal(ys[li], base[2][li]), name
+
+
+def test_failure_in_a_late_layer_publishes_nothing(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a, b = mc.new_sequence(), mc.new_sequence()
+    run_chunk(mc, tables, {a: torch.tensor([5, 6, 7, 8, 9])})
+    before = mc.digest()
+    with pytest.raises(RuntimeError, match="injected"):
+        run_chunk(mc, tables, {a: torch.tensor([1, 2]), b: torch.tensor([4, 4, 4])}, fail_after_layer=3)
+    assert mc.digest() == before
+    assert mc.qsa.run(a) == (0, 5) and mc.qsa.run(b)[1] == 0
+
+
+def test_isolation_untouched_sequence_bitwise_unchanged(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a, b, c = mc.new_sequence(), mc.new_sequence(), mc.new_sequence()
+    run_chunk(mc, tables, {c: torch.arange(10, 19)})
+    c_ple, c_qsa = mc.ple.digest(c), mc.qsa.digest(c)
+    out = run_chunk(mc, tables, {a: torch.arange(20, 33), b: torch.arange(1, 8)})
+    solo = make_cache(model)
+    s = solo.new_sequence()
+    alone = run_chunk(solo, Tables(solo), {s: torch.arange(20, 33)})
+    for li in mc.qsa.layer_ids:
+        assert torch.equal(out[("plan", li)].selected_groups[:13], alone[("plan", li)].selected_groups)
+    assert mc.ple.digest(a) == solo.ple.digest(s) and mc.qsa.digest(a) == solo.qsa.digest(s)
+    assert mc.ple.digest(c) == c_ple and mc.qsa.digest(c) == c_qsa
+
+
+def test_rewind_needs_a_snapshot_and_restores_both(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    tokens = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(4))
+    feed(mc, tables, a, tokens[:12], [])
+    before = mc.digest()
+    with pytest.raises(HebrusError, match="snapshot"):
+        mc.rewind(a, 8)
+    assert mc.digest() == before
+    mc.checkpoint(a)                      # at position 12
+    at_12 = mc.digest()
+    feed(mc, tables, a, tokens[12:], [3])
+    mc.rewind(a, 12)
+    assert mc.digest() == at_12
+    mc.rewind(a, 0)                        # dropping everything clears PLE too
+    fresh = make_cache(model)
+    fresh.new_sequence()
+    assert mc.ple.digest(a) == fresh.ple.digest(fresh.slots.live_handles()[0])
+    assert mc.qsa.run(a)[1] == 0
+
+
+def test_keep_snapshots_allows_rewind_to_last_chunk(model):
+    mc = make_cache(model, keep_snapshots=2)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 11), [])
+    at_10 = mc.digest()
+    feed(mc, tables, a, torch.arange(11, 14), [])
+    mc.rewind(a, 10)
+    assert mc.digest() == at_10
+
+
+def test_lifecycle_forwarded_atomically(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 17), [])
+    f = mc.fork(a)
+    assert mc.ple.digest(f) == mc.ple.digest(a) and mc.qsa.digest(f) == mc.qsa.digest(a)
+    before = mc.digest()
+    with pytest.raises(HoleError):
+        mc.remove(a, 4, 8)                  # a middle range is a hole
+    with pytest.raises(HoleError):
+        mc.shift(a, 0, 8, 5)                # only whole-run shifts
+    assert mc.digest() == before
+    mc.remove(a, 0, 4)                      # prefix: groups re-anchored at 4
+    assert mc.qsa.run(a) == (4, 12)
+    mc.shift(a, 4, -1, 10)
+    assert mc.qsa.run(a) == (14, 12)
+    with pytest.raises(NonSuccessorError):
+        run_chunk(mc, tables, {a: torch.tensor([1])}, first_positions={a: 40})
+    b = mc.new_sequence()
+    mc.copy(f, b)
+    assert mc.qsa.digest(b) == mc.qsa.digest(f)
+    mc.keep(b)
+    assert [h.slot for h in mc.slots.live_handles()] == [b.slot]
+    with pytest.raises(StaleHandleError):
+        mc.free(a)
+    r = mc.reset(b)
+    assert r.generation == b.generation + 1 and mc.qsa.run(r)[1] == 0
+    with pytest.raises(StaleHandleError):
+        mc.rewind(b, 0)
+
+
+def test_save_free_restore_roundtrip_and_corruption(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    b = mc.new_sequence()
+    feed(mc, tables, b, torch.arange(3, 26), [7])
+    ple_d, qsa_d = mc.ple.digest(b), mc.qsa.digest(b)
+    data = mc.save(b)
+    mc.free(b)
+    before = mc.digest()
+    for bad in (data[:-1], data[:40], data[:20] + bytes([data[20] ^ 1]) + data[21:]):
+        with pytest.raises(CorruptStateError):
+            mc.restore(bad)
+        assert mc.digest() == before
+    b2 = mc.restore(data)
+    assert mc.ple.digest(b2) == ple_d and mc.qsa.digest(b2) == qsa_d
+    out = run_chunk(mc, tables, {b2: torch.tensor([30])})
+    assert out[("plan", 1)].positions.tolist() == [23]
+
+
+def test_state_dict_roundtrip_and_validation(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 14), [])
+    sd = mc.state_dict()
+    other = make_cache(model)
+    other.load_state_dict(sd)
+    assert other.digest() == mc.digest()
+    run_chunk(other, Tables(other), {a: torch.tensor([7, 8])})  # the handle is valid in the copy
+    before = other.digest()
+    bad = dict(sd)
+    key = next(k for k in sd if k.startswith("ple.conv_state"))
+    bad[key] = sd[key].clone() + 1
+    with pytest.raises(CorruptStateError):
+        other.load_state_dict(bad)
+    bad = dict(sd)
+    bad["_extra_state"] = {"generation": [0] * 4, "live": [False] * 4}
+    with pytest.raises(CorruptStateError, match="disagree"):
+        other.load_state_dict(bad)
+    assert other.digest() == before
+
+
+def test_stale_handle_in_batch_changes_nothing(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a, b = mc.new_sequence(), mc.new_sequence()
+    mc.free(b)
+    before = mc.digest()
+    with pytest.raises(StaleHandleError):
+        run_chunk(mc, tables, {a: torch.tensor([1, 2]), b: torch.tensor([3])})
+    assert mc.digest() == before

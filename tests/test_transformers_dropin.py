@@ -1,0 +1,362 @@
+"""hebrus_torch.integrations.transformers on a tiny random Qwen4ExpForCausalLM (transformers 5.23.0).
+
+Every test runs the same inputs through the model unpatched and patched (apply/revert on one
+instance) and compares: logits within fp32 tolerance, indexer selection masks and generated tokens
+identical. The model (``random_model``): 4 layers (linear, indexed, linear, indexed), PLE on layers 1
+and 3 with random conv weights, indexer budget 8 / ratio 4 (top 2 groups), so prompts of 30-60
+tokens select sparsely. Its embeddings carry a shared direction that keeps indexer scores positive:
+with plain random weights many scores are exactly 0 and transformers' ``torch.topk`` breaks those
+ties in an unspecified order (hebrus: lower group index, SPEC §3); see test_ties_differ_only_where_scores_tie.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip install -e .[hf])")
+
+import hebrus_torch as ht  # noqa: E402
+from hebrus_torch.integrations import transformers as htx  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicIndexedLayer  # noqa: E402
+from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+ATOL = 1e-5
+EOS = 3
+
+
+def tokens(batch: int, length: int, seed: int, eos_at=()) -> torch.Tensor:
+    ids = torch.randint(4, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+    for b, t in eos_at:
+        ids[b, t] = EOS
+    return ids
+
+
+class Indexers:
+    """Records every indexer output (the boolean selection masks) of a model."""
+
+    def __init__(self, model):
+        self.masks: list[torch.Tensor] = []
+        self.handles = [m.register_forward_hook(lambda mod, args, out: self.masks.append(out.cpu()))
+                        for m in model.modules() if isinstance(m, M.Qwen4ExpTextQSAIndexer)]
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.masks = self.masks, []
+        return out
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def both(model, fn):
+    """fn() unpatched, then patched: (reference, patched, patched stats, reference masks, patched masks)."""
+    rec = Indexers(model)
+    try:
+        htx.revert(model)
+        with torch.no_grad():
+            ref = fn()
+        ref_masks = rec.take()
+        htx.apply(model)
+        htx.reset_stats()
+        with torch.no_grad():
+            got = fn()
+        stats = htx.stats()
+        got_masks = rec.take()
+    finally:
+        htx.revert(model)
+        rec.remove()
+    return ref, got, stats, ref_masks, got_masks
+
+
+def assert_same(ref_masks, got_masks):
+    assert len(ref_masks) == len(got_masks) > 0
+    for i, (a, b) in enumerate(zip(ref_masks, got_masks)):
+        assert a.shape == b.shape and torch.equal(a, b), f"indexer call {i}: selection masks differ"
+
+
+def assert_hebrus_path(stats, sparse=True):
+    assert stats.get("qsa_hebrus", 0) > 0 and stats.get("ple_ngram", 0) > 0 and stats.get("ple_conv", 0) > 0, stats
+    assert not any(k.startswith("qsa_fallback") for k in stats), stats
+    if sparse:
+        assert stats.get("qsa_queries_selected", 0) > 0, stats          # the budget was actually exceeded
+
+
+def chunked(model, ids, sizes, attention_mask=None):
+    cache = DynamicCache(config=model.config)
+    out, start = [], 0
+    for size in sizes:
+        stop = min(ids.shape[1], start + size)
+        mask = None if attention_mask is None else attention_mask[:, :stop]
+        out.append(model(ids[:, start:stop], attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+        start = stop
+        if start == ids.shape[1]:
+            break
+    assert start == ids.shape[1]
+    return torch.cat(out, dim=1)
+
+
+@pytest.fixture
+def model(device):
+    return htx.random_model(0, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_one_shot_prefill(device, attn):
+    model = htx.random_model(1, device=device, attn_implementation=attn)
+    ids = tokens(2, 56, seed=1, eos_at=[(0, 17), (1, 30), (1, 31)]).to(device)
+    ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    assert stats["qsa_queries_selected"] == 2 * 2 * (56 - 11)           # 2 layers x 2 rows x queries with > 2 groups
+
+
+@pytest.mark.parametrize("sizes", ["1/2/1", "random0", "random1"])
+def test_chunked_prefill(model, device, sizes):
+    ids = tokens(2, 44, seed=2, eos_at=[(0, 5), (0, 6), (1, 40)]).to(device)
+    if sizes == "1/2/1":
+        ids, plan = ids[:, :32], [1, 2, 1] * 8
+    else:
+        rng = random.Random(sizes)
+        plan = [rng.choice([1, 2, 3, 5, 8, 13]) for _ in range(44)]
+    ref, got, stats, rm, gm = both(model, lambda: chunked(model, ids, plan))
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+
+
+def test_greedy_generate_identical_tokens(model, device):
+    prompt = tokens(1, 30, seed=3, eos_at=[(0, 12)]).to(device)
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref, got, stats, rm, gm = both(model, lambda: model.generate(prompt, **kw))
+    assert torch.equal(got, ref)
+    assert got.shape[1] == 54
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+
+
+def test_eos_in_the_middle(model, device):
+    # EOS runs of every length, at chunk boundaries too: the n-gram history and conv tail cross them.
+    ids = tokens(1, 40, seed=4, eos_at=[(0, 0), (0, 9), (0, 10), (0, 20), (0, 21), (0, 22), (0, 39)]).to(device)
+    ref, got, stats, rm, gm = both(model, lambda: torch.cat([model(ids).logits, chunked(model, ids, [9, 1, 1, 10, 2, 17])], 1))
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+
+
+def test_left_padded_batch(model, device):
+    a, b = tokens(1, 46, seed=5, eos_at=[(0, 20)])[0], tokens(1, 31, seed=6)[0]
+    ids = torch.zeros(2, 46, dtype=torch.long)
+    mask = torch.zeros(2, 46, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 15:], mask[1, 15:] = b, 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run():
+        logits = model(ids, attention_mask=mask).logits
+        return logits, model.generate(ids, attention_mask=mask, **kw)
+
+    (ref_logits, ref_tok), (got_logits, got_tok), stats, rm, gm = both(model, run)
+    real = mask.bool()
+    torch.testing.assert_close(got_logits[real], ref_logits[real], atol=ATOL, rtol=ATOL)
+    assert torch.equal(got_tok, ref_tok)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+
+
+def test_decode_pools_only_new_groups(model, device, monkeypatch):
+    """Prefill pools every group once; each decode step pools only the group its token completes."""
+    pooled_per_call: list[int] = []
+    real_pool = ht.qsa_pool
+
+    def counting_pool(keys, cell_pos, group_cells, *args):
+        pooled_per_call.append(int(group_cells.shape[0]))
+        return real_pool(keys, cell_pos, group_cells, *args)
+
+    monkeypatch.setattr(ht, "qsa_pool", counting_pool)
+    prompt, steps = 37, 13
+    ids = tokens(2, prompt + steps, seed=7, eos_at=[(1, 25)]).to(device)
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        for t in range(prompt, prompt + steps):
+            out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(out, 1)
+
+    ref, got, stats, rm, gm = both(model, run)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    layers, rows, ratio = 2, 2, 4
+    assert pooled_per_call[:layers] == [rows * (prompt // ratio)] * layers       # prefill: 9 groups per row
+    decode = pooled_per_call[layers:]
+    completed = [t for t in range(prompt + 1, prompt + steps + 1) if t % ratio == 0]   # steps that finish a group
+    assert decode == [rows] * (layers * len(completed))
+    assert stats["qsa_groups_pooled"] == layers * rows * ((prompt + steps) // ratio)
+
+
+def test_cache_lifecycle_invalidates_pooled_groups(model, device):
+    """reorder_cache and reset drop the groups kept on the cache layer; results stay exact."""
+    ids = tokens(2, 40, seed=8).to(device)
+    other = tokens(2, 40, seed=9).to(device)
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        out = [model(ids[:, :30], past_key_values=cache, use_cache=True).logits]
+        layer = cache.layers[1]
+        kept = htx._GROUPS in layer.__dict__
+        cache.reorder_cache(torch.tensor([1, 0], device=device))       # rows swap: anchors (b, f) now name other keys
+        dropped = htx._GROUPS not in layer.__dict__
+        for t in range(30, 40):
+            out.append(model(ids[:, t:t + 1].flip(0), past_key_values=cache, use_cache=True).logits)
+        cache.reset()
+        out.append(model(other, past_key_values=cache, use_cache=True).logits)
+        return torch.cat(out, 1), (kept, dropped)
+
+    (ref, _), (got, flags), stats, rm, gm = both(model, run)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    assert flags == (True, True)
+
+
+@pytest.mark.parametrize("method, arg", [("crop", -3), ("batch_select_indices", [0]), ("batch_repeat_interleave", 2),
+                                         ("reorder_cache", [1, 0]), ("reset", None)])
+def test_every_indexed_layer_lifecycle_method_drops_groups(model, device, method, arg):
+    ids = tokens(2, 30, seed=15).to(device)
+    cache = DynamicCache(config=model.config)
+    htx.apply(model)
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        layer = cache.layers[1]
+        assert isinstance(layer, DynamicIndexedLayer) and htx._GROUPS in layer.__dict__
+        args = () if arg is None else (torch.tensor(arg, device=device) if isinstance(arg, list) else arg,)
+        getattr(layer, method)(*args)
+        assert htx._GROUPS not in layer.__dict__
+    finally:
+        htx.revert(model)
+
+
+def test_hole_raises_or_falls_back(model, device):
+    ids = tokens(1, 40, seed=10).to(device)
+    length = ids.shape[1]
+    mask = torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
+    mask[20:, 9] = False                                                   # position 9 missing for queries >= 20
+    mask4 = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[None, None]   # eager attention: float mask
+    htx.apply(model)
+    try:
+        with torch.no_grad(), pytest.raises(ht.HoleError, match=r"batch row 0, query 20: .*\[9\]"):
+            model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None})
+        htx.apply(model, on_hole="fallback")
+        htx.reset_stats()
+        with torch.no_grad():
+            got = model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None}).logits
+        assert htx.stats().get("qsa_fallback:hole") == 2
+    finally:
+        htx.revert(model)
+    with torch.no_grad():
+        ref = model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None}).logits
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+
+
+def test_multimodal_positions_fall_back(model, device):
+    ids = tokens(1, 36, seed=11).to(device)
+    pos = torch.arange(36, device=device)[None, None].repeat(3, 1, 1)
+    pos[1, 0, 10:] += 5                                                    # an image-like grid: rows differ
+    ref, got, stats, rm, gm = both(model, lambda: model(ids, position_ids=pos).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert stats.get("qsa_fallback:multimodal_positions") == 2 and "qsa_hebrus" not in stats
+
+
+def test_revert_restores_original_methods(model, device):
+    ids = tokens(1, 40, seed=12).to(device)
+    classes = (M.Qwen4ExpTextQSAIndexer, M.Qwen4ExpTextNGramEmbedding, M.Qwen4ExpTextPLELayer)
+    modules = [m for m in model.modules() if isinstance(m, classes)]
+    before = {id(m): dict(m.__dict__) for m in modules}
+    hooks_before = len(model.model.rotary_emb._forward_hooks), len(model.model._forward_hooks)
+    crop_before = DynamicIndexedLayer.__dict__["crop"]
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert htx.apply(model) is model
+    htx.apply(model)                                                       # idempotent
+    assert htx.is_applied(model)
+    assert "forward" in model.model.layers[1].self_attn.indexer.__dict__
+    assert DynamicIndexedLayer.__dict__["crop"] is not crop_before
+    htx.revert(model)
+    htx.revert(model)                                                      # idempotent
+    assert not htx.is_applied(model)
+    for m in modules:
+        assert m.__dict__.keys() == before[id(m)].keys()
+        assert type(m).forward is m.forward.__func__
+    assert M.Qwen4ExpTextPLELayer._short_conv is model.model.layers[0].ple._short_conv.__func__
+    assert (len(model.model.rotary_emb._forward_hooks), len(model.model._forward_hooks)) == hooks_before
+    assert DynamicIndexedLayer.__dict__["crop"] is crop_before
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def test_ties_differ_only_where_scores_tie(device):
+    """Plain random weights: many indexer scores are exactly 0. Where the masks differ, transformers'
+    torch.topk and hebrus' lower-index rule picked different members of an exact tie, nothing else."""
+    model = htx.random_model(0, device=device, positive_index_scores=False)
+    ids = tokens(2, 56, seed=13).to(device)
+    inputs: list[tuple] = []
+    indexer = model.model.layers[1].self_attn.indexer
+    handle = indexer.register_forward_pre_hook(lambda mod, args: inputs.append(args))
+    try:
+        _, _, _, rm, gm = both(model, lambda: model(ids).logits)
+    finally:
+        handle.remove()
+    hidden, (cos, sin), _, _ = inputs[0]
+    ref, got = rm[0][:, 0], gm[0][:, 0]
+    with torch.no_grad():
+        qk = indexer.index_qk_proj(hidden)
+        q, k = torch.split(qk, [indexer.index_n_heads * indexer.index_head_dim, indexer.index_head_dim], -1)
+        q = M.apply_rotary_pos_emb(indexer.q_layernorm(q.unflatten(-1, (-1, indexer.index_head_dim))),
+                                   cos=cos, sin=sin, unsqueeze_dim=2)
+    differing = torch.nonzero((ref != got).any(-1)).tolist()
+    assert differing                                                       # this seed does hit exact ties
+    for b, t in differing:
+        groups = (t + 1) // 4
+        with torch.no_grad():
+            pooled = indexer.k_layernorm(k[b, :4 * groups].view(groups, 4, -1).float().mean(1))
+            starts = torch.arange(groups, device=device) * 4
+            pooled = M.apply_rotary_pos_emb(pooled[:, None], cos=cos[b, starts], sin=sin[b, starts])[:, 0]
+            scores = torch.relu(q[b, t] @ pooled.T).sum(0) / math.sqrt(indexer.index_head_dim)
+        a = scores[ref[b, t, :4 * groups].view(groups, 4)[:, 0]].sort().values
+        h = scores[got[b, t, :4 * groups].view(groups, 4)[:, 0]].sort().values
+        assert torch.equal(a, h), (b, t)                                   # same multiset of scores: a tie
+
+
+def test_torch_compile_prefill(model, device):
+    """The patched model compiles with fullgraph=True (transformers' own indexer cannot: its per-query
+    loop branches on data); backend aot_eager by default (inductor codegen takes minutes on a small
+    CPU), HEBRUS_COMPILE_BACKEND=inductor to use it."""
+    torch._dynamo.reset()
+    backend = os.environ.get("HEBRUS_COMPILE_BACKEND", "aot_eager")
+    ids = tokens(1, 40, seed=14, eos_at=[(0, 11)]).to(device)
+    with torch.no_grad():
+        ref = model(ids).logits
+        htx.apply(model)
+        try:
+            eager = model(ids).logits
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            got = compiled(ids).logits
+        finally:
+            htx.revert(model)
+            torch._dynamo.reset()
+    torch.testing.assert_close(eager, ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got, eager, atol=ATOL, rtol=ATOL)
