@@ -1,4 +1,6 @@
-"""``python -m hebrus_torch``: which ops run natively where, then a chunked-prefill demo on the best device."""
+"""``python -m hebrus_torch``: which ops run natively where, a chunked-prefill PLE demo on the best device,
+then (with transformers installed, ``pip install -e .[hf]``) a tiny random Qwen4Exp run through
+transformers as is and through ``hebrus_torch.integrations.transformers.apply``: parity and speed."""
 
 from __future__ import annotations
 
@@ -88,6 +90,80 @@ def ple_demo(device: str, tokens: int, channels: int, layers: int, seed: int) ->
     return same
 
 
+def model_demo(device: str, prompt_len: int, new_tokens: int, seed: int) -> bool:
+    """The same left-padded prompts through a tiny random Qwen4Exp, unpatched and patched: greedy decode."""
+    from transformers.cache_utils import DynamicCache
+
+    from hebrus_torch.integrations import transformers as htx
+
+    model = htx.random_model(seed, device=device)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(4, cfg.vocab_size, (2, prompt_len), generator=gen)
+    prompt[:, 29::41] = cfg.eos_token_id                        # EOS inside the prompts
+    pad = prompt_len // 4
+    mask = torch.ones(2, prompt_len, dtype=torch.long)
+    prompt[1, :pad], mask[1, :pad] = cfg.pad_token_id, 0        # second prompt left-padded
+    prompt, mask = prompt.to(device), mask.to(device)
+    print(f"  random Qwen4ExpForCausalLM ({cfg.num_hidden_layers} layers: {cfg.layer_types.count('indexed_attention')} "
+          f"indexed, PLE on {cfg.ple_layer_ids}), indexer budget {cfg.indexer_budget} = top "
+          f"{cfg.indexer_budget // cfg.indexer_compress_ratio} groups of {cfg.indexer_compress_ratio}; prompts of "
+          f"{prompt_len} and {prompt_len - pad} tokens (left-padded), {new_tokens} greedy tokens each")
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elif device == "mps":
+            torch.mps.synchronize()
+
+    def run(label: str):
+        cache = DynamicCache(config=cfg)
+        sync()
+        t0 = time.perf_counter()
+        out = model(prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        sync()
+        t_prefill = time.perf_counter() - t0
+        logits, generated, am = [out.logits[:, -1]], [], mask
+        t0 = time.perf_counter()
+        for step in range(new_tokens):
+            nxt = logits[-1].argmax(-1, keepdim=True)
+            generated.append(nxt)
+            am = torch.cat([am, am.new_ones(2, 1)], dim=1)
+            logits.append(model(nxt, attention_mask=am, past_key_values=cache, use_cache=True).logits[:, -1])
+            sync()
+            sys.stdout.write(f"\r  {label:<13}")
+            progress(step + 1, new_tokens)
+        t_decode = time.perf_counter() - t0
+        print()
+        return t_prefill, t_decode, torch.cat(generated, 1), torch.stack(logits), out.logits
+
+    with torch.no_grad():
+        warm = prompt[:, :16]                                   # first-call costs out of the timings
+        for patched in (False, True):
+            (htx.apply if patched else htx.revert)(model)
+            model(warm)
+        htx.revert(model)
+        ref = run("transformers")
+        htx.apply(model)
+        htx.reset_stats()
+        got = run("hebrus apply()")
+        stats = htx.stats()
+        htx.revert(model)
+    real = mask.bool()
+    diff = max((got[4][real] - ref[4][real]).abs().max().item(), (got[3] - ref[3]).abs().max().item())
+    same = torch.equal(got[2], ref[2])
+    fallbacks = {k: v for k, v in stats.items() if k.startswith("qsa_fallback")}
+    print(f"  parity: max |logit difference| {diff:.2e} (prefill + {new_tokens} steps, fp32); generated tokens "
+          f"{'identical' if same else 'DIFFER'} ({2 * new_tokens} tokens)")
+    print(f"  hebrus path: {stats.get('qsa_hebrus', 0)} indexer calls, {stats.get('qsa_queries_selected', 0)} queries "
+          f"selected sparsely, {stats.get('qsa_groups_pooled', 0)} groups pooled once each"
+          f"{'; fallbacks ' + str(fallbacks) if fallbacks else ''}")
+    print(f"\n  {'phase':<26}{'transformers':>14}{'hebrus':>10}{'speedup':>9}")
+    for name, i in ((f"prefill 2 x {prompt_len} tokens", 0), (f"decode {new_tokens} steps x 2", 1)):
+        print(f"  {name:<26}{ref[i]:>12.3f} s{got[i]:>8.3f} s{ref[i] / got[i]:>8.1f}x")
+    return same and diff < 1e-4
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hebrus_torch", description=__doc__)
     parser.add_argument("--device", default=None, help="cpu, mps or cuda (default: the best available)")
@@ -95,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", type=int, default=320, help="model demo: prompt length")
+    parser.add_argument("--new-tokens", type=int, default=32, help="model demo: greedy tokens to generate")
+    parser.add_argument("--no-model", action="store_true", help="skip the transformers model demo")
     args = parser.parse_args(argv)
     print(f"hebrus_torch {ht.__version__}, torch {torch.__version__}")
     if _extension.EXTENSION_ERROR:
@@ -103,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or available_devices()[-1]
     print(f"\nPLE demo on {device}:")
     ok = ple_demo(device, args.tokens, args.channels, args.layers, args.seed)
+    if args.no_model:
+        return 0 if ok else 1
+    try:
+        import transformers  # noqa: F401
+        from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: F401
+    except ImportError:
+        print("\nModel demo skipped: it runs a tiny Qwen4Exp through Hugging Face transformers, which is not "
+              "installed.\nInstall it with `pip install -e .[hf]` (transformers==5.23.0) and run "
+              "`python -m hebrus_torch` again.")
+        return 0 if ok else 1
+    print(f"\nModel demo on {device}: transformers' Qwen4Exp as is vs hebrus_torch.integrations.transformers.apply")
+    ok = model_demo(device, args.prompt, args.new_tokens, args.seed) and ok
     return 0 if ok else 1
 
 

@@ -23,6 +23,10 @@ using namespace metal;
 #define HEBRUS_HAS_BFLOAT 0
 #endif
 
+// 64-bit min / max spelled out, so no overload question arises for long operands.
+inline long hebrus_min(long a, long b) { return a < b ? a : b; }
+inline long hebrus_max(long a, long b) { return a > b ? a : b; }
+
 // Records `index` in error slot `slot` unless a smaller index is there already.
 inline void hebrus_report(device atomic_uint* err, uint slot, uint index) {
   atomic_fetch_min_explicit(err + slot, index, memory_order_relaxed);

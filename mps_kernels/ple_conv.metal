@@ -26,7 +26,7 @@ template <typename T>
     return;
   }
   const long channels = p.channels;
-  const long c1 = min(c0 + long(HEBRUS_PLE_CONV_VEC), channels);
+  const long c1 = hebrus_min(c0 + long(HEBRUS_PLE_CONV_VEC), channels);
   const long L = p.state_len;
 
   if (item < p.tokens) {

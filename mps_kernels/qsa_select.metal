@@ -132,7 +132,7 @@ template <typename T, int QB, int KMAX>
     }
     q_seq[lid] = seq;
     q_vis[lid] = vis;
-    q_keep[lid] = seq < 0 ? 0 : int(min(min(long(vis), p.top_k), long(KMAX)));
+    q_keep[lid] = seq < 0 ? 0 : int(hebrus_min(hebrus_min(long(vis), p.top_k), long(KMAX)));
     q_have[lid] = 0;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -151,7 +151,7 @@ template <typename T, int QB, int KMAX>
     long need = 0;  // groups any of the block's queries of this sequence can see
     for (int i = 0; i < QB; ++i) {
       if (q_seq[i] == seq) {
-        need = max(need, long(q_vis[i]));
+        need = hebrus_max(need, long(q_vis[i]));
       }
     }
 
@@ -187,7 +187,7 @@ template <typename T, int QB, int KMAX>
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
       // Merge each query's candidates into its top-k.
-      const uint tile_n = uint(min(long(TILE), need - g0));
+      const uint tile_n = uint(hebrus_min(long(TILE), need - g0));
       const uint sort_n = hebrus_pow2_at_least(tile_n);
       for (int i = 0; i < QB; ++i) {
         if (q_seq[i] != seq) {

@@ -102,3 +102,56 @@ def test_mm_glue_typechecks_as_cpp():
     assert not failed, "\n".join(failed)
     os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
     open(stamp, "w").write("\n".join(name for name, _, _ in results) + "\n")
+
+
+def _kernel_buffers(metal_path: str) -> list[str]:
+    """Names of the [[buffer(i)]] parameters of the file's kernel, in index order."""
+    import re
+
+    text = open(metal_path).read()
+    found = {int(i): name for name, i in re.findall(r"(\w+)\s*\[\[\s*buffer\((\d+)\)\s*\]\]", text)}
+    assert sorted(found) == list(range(len(found)))
+    return [found[i] for i in range(len(found))]
+
+
+def _glue_buffers(mm_path: str) -> list[str]:
+    """Names of the tensors the .mm binds, in order, from its launch(fn, {&a, &b, ...}, params, ...)."""
+    import re
+
+    m = re.search(r"launch\(fn,\s*\{([^}]*)\}", open(mm_path).read())
+    return [n.strip().lstrip("&") for n in m.group(1).split(",")]
+
+
+@pytest.mark.parametrize("path", METAL_FILES, ids=stem)
+def test_glue_binds_buffers_in_kernel_order(path):
+    kernel = _kernel_buffers(path)
+    glue = _glue_buffers(os.path.join(msl_emu.REPO, "csrc", "mps", stem(path) + ".mm"))
+    assert len(glue) + 1 == len(kernel) and kernel[-1] == "p"  # tensors, then the parameter block
+    for g, k in zip(glue, kernel):
+        assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {kernel}"
+
+
+@pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")
+def test_kernels_built_by_clang_agree_with_gxx():
+    # A second compiler's view of the same source: undefined behaviour or shim quirks that one
+    # compiler happens to hide would show as a difference.
+    import torch
+
+    from test_metal_ple_conv import make as conv_inputs
+    from test_metal_ple_ngram_ids import EOS, VOCAB, config, stream
+    from test_metal_qsa_pool import make as pool_inputs
+    from test_metal_qsa_select import make as select_inputs
+
+    x = conv_inputs([3, 0, 9], 6, 4, 3, torch.bfloat16)
+    a = hebrus_emu.ple_conv(*x, 3, "silu")
+    b = hebrus_emu.ple_conv(*x, 3, "silu", cxx=msl_emu.CLANG)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    mult, sizes, offsets = config(3, 8)
+    tokens, cu, history = stream([5, 0, 12], 3)
+    a = hebrus_emu.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, EOS, VOCAB)
+    b = hebrus_emu.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, EOS, VOCAB, cxx=msl_emu.CLANG)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    args = pool_inputs(7, 4, 64, 32, torch.float16)
+    assert torch.equal(hebrus_emu.qsa_pool(*args), hebrus_emu.qsa_pool(*args, cxx=msl_emu.CLANG))
+    args = select_inputs(9, 4, 16, 2, 300, torch.float32)
+    assert torch.equal(hebrus_emu.qsa_select(*args, 10), hebrus_emu.qsa_select(*args, 10, cxx=msl_emu.CLANG))

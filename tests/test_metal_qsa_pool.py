@@ -126,3 +126,22 @@ def test_cell_out_of_range_raises():
 def test_no_groups():
     keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq = make(0, 4, 32, 16, torch.float32)
     assert hebrus_emu.qsa_pool(keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq).shape == (0, 32)
+
+
+def test_kernel_sets_the_error_slot_and_leaves_broken_groups_unwritten():
+    # Below the glue: the raw launch, as csrc/mps/qsa_pool.mm issues it.
+    keys, cell_pos, group_cells, group_pos, weight, eps, inv_freq = make(10, 4, 64, 32, torch.float16, seed=11)
+    cell_pos[group_cells[7, 3]] += 50
+    cell_pos[group_cells[2, 1]] += 50
+    p = hebrus_emu.plan("qsa_pool", keys.shape[0], 64, 10, 4, inv_freq.shape[0], eps)
+    assert (p.threads, p.group) == (10 * 32, 256)
+    pooled, err = hebrus_emu.poisoned((10, 64), keys.dtype), hebrus_emu.error_slots()
+    hebrus_emu.module("qsa_pool").dispatch(
+        hebrus_emu.kernel_name("qsa_pool", "", keys.dtype),
+        [keys, cell_pos, group_cells, group_pos, weight.float(), inv_freq, pooled, err, p.params_bytes],
+        grid=(p.threads,), tg=(p.group,), sched="random", seed=1)
+    assert err.tolist() == [-1, 2 * 4 + 1, -1, -1]  # first broken member, flat index g * r + i
+    assert bool(torch.isnan(pooled[[2, 7]]).all())  # broken groups write nothing
+    good = [g for g in range(10) if g not in (2, 7)]
+    want = reference.qsa_pool(keys, cell_pos, group_cells[good], group_pos[good], weight, eps, inv_freq)
+    close(pooled[good], want, torch.float16)

@@ -80,7 +80,8 @@ def selection_mask(token_cells: torch.Tensor, cells: int) -> torch.Tensor:
 
 def dense_masked(q, k, v, token_cells, scale):
     """transformers' sdpa path over a key layout of all cells, masked to each query's selection."""
-    sdpa = pytest.importorskip("transformers.integrations.sdpa_attention")
+    sdpa = pytest.importorskip("transformers.integrations.sdpa_attention",
+                               reason="needs transformers==5.23.0 (pip install -e .[hf])")
     rep = q.shape[1] // k.shape[1]
     module = torch.nn.Module()
     module.num_key_value_groups = rep
@@ -148,6 +149,7 @@ def test_kernel_vs_reference(device, dtype, name):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", ["gqa-16-2", "dh-ne-dv", "odd-dims", "long-row"])
 def test_equals_dense_masked_attention(device, name):
     tq, hq, hkv, dh, dv, cells, width, pad = CONFIGS[name]
@@ -158,36 +160,48 @@ def test_equals_dense_masked_attention(device, name):
     assert_close(reference.qsa_attention(q, k, v, tc, scale), want, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_qsa_selection_matches_dense_masked(device, dtype):
+def qsa_rows(dtype, device):
     """QSA-shaped rows: whole history selected (n <= budget + r - 1), empty tails (n % r == 0),
     sparse rows with a tail, cells in a scrambled physical order."""
     gen = torch.Generator().manual_seed(5)
     r, top_k, hq, hkv, dh = 4, 6, 8, 2, 32
-    n_tokens = 90
-    cells = 128
+    cells, n_tokens = 128, 90
     cell_of_pos = torch.randperm(cells, generator=gen)[:n_tokens]
-    budget_window = top_k * r + r - 1                                   # 27
+    window = top_k * r + r - 1                                                  # 27
     positions = [0, 1, 2, 3, 7, 15, 23, 26, 27, 35, 36, 47, 63, 64, 88, 89]
     tc = qsa_like_selection(positions, cell_of_pos, r, top_k, gen).to(device)
     q = rand((len(positions), hq, dh), gen, dtype, device)
     k = rand((cells, hkv, dh), gen, dtype, device)
     v = rand((cells, hkv, dh), gen, dtype, device)
     counts = (tc >= 0).sum(1).tolist()
-    whole = [i for i, p in enumerate(positions) if p + 1 <= budget_window]
-    assert all(counts[i] == positions[i] + 1 for i in whole)                # whole history
-    assert any((p + 1) % r == 0 and p + 1 > budget_window for p in positions)  # sparse, empty tail
-    got = ht.qsa_attention(q, k, v, tc, dh ** -0.5)
-    assert_close(got, reference.qsa_attention(q, k, v, tc, dh ** -0.5), dtype)
-    if dtype == torch.float32:
-        assert_close(got, dense_masked(q, k, v, tc, dh ** -0.5), dtype)
-        # The rows that see their whole history are plain causal attention over the run.
-        for i in whole:
-            p = positions[i]
-            kk, vv = k[cell_of_pos[:p + 1]], v[cell_of_pos[:p + 1]]
-            kk, vv = kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1)
-            w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], kk) * dh ** -0.5, -1)
-            assert_close(got[i], torch.einsum("hn,nhd->hd", w, vv), dtype)
+    whole = [i for i, p in enumerate(positions) if p + 1 <= window]
+    assert all(counts[i] == positions[i] + 1 for i in whole)                    # whole history
+    assert any((p + 1) % r == 0 and p + 1 > window for p in positions)          # sparse, empty tail
+    assert any((p + 1) % r != 0 and p + 1 > window for p in positions)          # sparse, with a tail
+    return q, k, v, tc, dh ** -0.5, positions, whole, cell_of_pos
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_qsa_selection_rows(device, dtype):
+    q, k, v, tc, scale, positions, whole, cell_of_pos = qsa_rows(dtype, device)
+    got = ht.qsa_attention(q, k, v, tc, scale)
+    assert_close(got, reference.qsa_attention(q, k, v, tc, scale), dtype)
+    # The rows that see their whole history are plain causal attention over the run.
+    rep = q.shape[1] // k.shape[1]
+    for i in whole:
+        cells = cell_of_pos[:positions[i] + 1].to(device)
+        kk = k[cells].float().repeat_interleave(rep, 1)
+        vv = v[cells].float().repeat_interleave(rep, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), kk) * scale, -1)
+        assert_close(got[i], torch.einsum("hn,nhd->hd", w, vv), dtype)
+
+
+@pytest.mark.hf
+def test_qsa_selection_matches_dense_masked(device):
+    q, k, v, tc, scale, *_ = qsa_rows(torch.float32, device)
+    want = dense_masked(q, k, v, tc, scale)
+    assert_close(ht.qsa_attention(q, k, v, tc, scale), want, torch.float32)
+    assert_close(reference.qsa_attention(q, k, v, tc, scale), want, torch.float32)
 
 
 def test_padding_position_and_order_of_cells(device):
@@ -340,26 +354,31 @@ BAD = {
     "q-int": (dict(q=torch.ones(3, 4, 8, dtype=torch.int64)), r"q must have dtype"),
     "k-2d": (dict(k=torch.randn(10, 16)), r"k must be 3-D"),
     "v-4d": (dict(v=torch.randn(10, 2, 6, 1)), r"v must be 3-D"),
-    "k-dtype": (dict(k=torch.randn(10, 2, 8, dtype=torch.float16)), r"k dtype torch\.float16 must match q dtype torch\.float32"),
+    "k-dtype": (dict(k=torch.randn(10, 2, 8, dtype=torch.float16)),
+                r"k dtype torch\.float16 must match q dtype torch\.float32"),
     "v-dtype": (dict(v=torch.randn(10, 2, 6, dtype=torch.bfloat16)), r"v dtype torch\.bfloat16 must match q dtype"),
-    "cells-dtype": (dict(token_cells=torch.zeros(3, 4, dtype=torch.int64)), r"token_cells must have dtype torch\.int32, got torch\.int64"),
+    "cells-dtype": (dict(token_cells=torch.zeros(3, 4, dtype=torch.int64)),
+                    r"token_cells must have dtype torch\.int32, got torch\.int64"),
     "cells-1d": (dict(token_cells=_tc([0, 1, 2])), r"token_cells must be 2-D"),
     "no-kv-heads": (dict(k=torch.randn(10, 0, 8), v=torch.randn(10, 0, 6)), r"k must have Hkv >= 1 heads"),
     "k-head-dim": (dict(k=torch.randn(10, 2, 9)), r"k head dim 9 must equal q head dim 8"),
-    "v-cells": (dict(v=torch.randn(11, 2, 6)), r"v must have shape \(cells, Hkv, Dv\) with cells = 10 and Hkv = 2 like k, got \(11, 2, 6\)"),
+    "v-cells": (dict(v=torch.randn(11, 2, 6)),
+                r"v must have shape \(cells, Hkv, Dv\) with cells = 10 and Hkv = 2 like k, got \(11, 2, 6\)"),
     "v-heads": (dict(v=torch.randn(10, 1, 6)), r"v must have shape .* got \(10, 1, 6\)"),
     "gqa-ratio": (dict(q=torch.randn(3, 3, 8)), r"query heads Hq = 3 must be a multiple of KV heads Hkv = 2"),
-    "cells-rows": (dict(token_cells=_tc([[0, 1, 2, 3]])), r"token_cells must have one row per query \(Tq = 3\), got shape \(1, 4\)"),
+    "cells-rows": (dict(token_cells=_tc([[0, 1, 2, 3]])),
+                   r"token_cells must have one row per query \(Tq = 3\), got shape \(1, 4\)"),
     "scale-nan": (dict(scale=float("nan")), r"scale must be finite, got nan"),
     "scale-inf": (dict(scale=float("inf")), r"scale must be finite, got inf"),
     "cell-too-big": (dict(token_cells=_tc([[0, 1, -1, -1], [2, -1, 10, 3], [4, 5, 6, 7]])),
-                     r"query 1 selects cell 10 \(token_cells\[1, 2\]\), outside \[0, cells=10\); negative entries are padding"),
+                     r"query 1 selects cell 10 \(token_cells\[1, 2\]\), outside \[0, cells=10\); "
+                     r"negative entries are padding"),
     "cell-huge": (dict(token_cells=_tc([[0, 1, -1, -1], [2, -1, 1, 3], [4, 2147483647, 6, 7]])),
                   r"query 2 selects cell 2147483647 \(token_cells\[2, 1\]\)"),
     "empty-query": (dict(token_cells=_tc([[0, 1, -1, -1], [-1, -1, -1, -1], [4, 5, 6, 7]])),
                     r"query 1 selects no cell \(every entry of token_cells\[1\] is negative padding\)"),
-    "empty-query-other-negatives": (dict(token_cells=_tc([[0, 1, -1, -1], [3, -1, -1, -1], [-5, -2147483648, -1, -9]])),
-                                    r"query 2 selects no cell"),
+    "empty-query-other-negatives": (dict(token_cells=_tc([[0, 1, -1, -1], [3, -1, -1, -1],
+                                                          [-5, -2147483648, -1, -9]])), r"query 2 selects no cell"),
     "zero-width": (dict(token_cells=torch.zeros(3, 0, dtype=torch.int32)), r"query 0 selects no cell"),
     "range-before-empty": (dict(token_cells=_tc([[-1, -1, -1, -1], [2, 12, 1, 3], [4, 5, 6, 7]])),
                            r"query 1 selects cell 12"),

@@ -23,6 +23,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "hebrus_check.h"
@@ -169,11 +170,12 @@ HEBRUS_INLINE Vec load(const float* p) {
   return v;
 }
 
-HEBRUS_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
-HEBRUS_INLINE float reduce_lanes(Vec a) {
+HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
+  Vec a = lanes;
   a += __builtin_shuffle(a, VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
   a += __builtin_shuffle(a, VecIdx{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
   a += __builtin_shuffle(a, VecIdx{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
@@ -402,8 +404,9 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   const std::pair<const char*, const at::Tensor*> tensors[] = {
       {"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}};
   for (const auto& [name, t] : tensors) {
-    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::qsa_attention: all tensors must be on one device; q is on ",
-                 q_in.device().str(), ", ", name, " is on ", t->device().str());
+    HEBRUS_CHECK(t->device().is_cpu(), HebrusError,
+                 "hebrus::qsa_attention: all tensors must be on one device; q is on ", q_in.device().str(), ", ",
+                 name, " is on ", t->device().str());
   }
   check_dims(q_in, 3, "q");
   const at::ScalarType dtype = q_in.scalar_type();

@@ -23,7 +23,7 @@
 namespace hebrus {
 namespace {
 
-// Limits of the CPU kernels: per-thread scratch lives on the stack or in small fixed buffers.
+// Limits of the CPU kernels (checked with clear errors): per-thread scratch is sized by them.
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxQueryHeads = 64;
 constexpr int64_t kMaxTopK = 4096;
@@ -292,9 +292,10 @@ inline int32_t candidate_group(uint64_t key) {
 }
 
 // Bounded selection of the best k candidates: entries above the current floor are buffered (room
-// for 2k); a full buffer is cut back to its best k with nth_element, which raises the floor to
-// the k-th best. O(G) on average per query, O(G + k log k) at worst per cut, and exact: keys are
-// unique, so the kept set is the top k of the strict order whatever the order of arrival.
+// for 2k); a full buffer is cut back to its best k with nth_element (O(k) on average), which
+// raises the floor to the k-th best. A cut follows at least k accepted entries, so a query costs
+// O(G) on average with no sort of its G scores. Exact: keys are unique, so the kept set is the
+// top k of the strict order whatever the order of arrival (tiles, splits, merges).
 struct TopK {
   uint64_t* buf;  // room for 2k keys
   int64_t size;

@@ -8,7 +8,8 @@ it (``HebrusError`` / ``HoleError``), and no output returned when a slot is set.
 poison (NaN for floats, 0x7F7F... for integers) so an element the kernel forgets to write shows.
 
 Keyword arguments select the emulator's schedule (``sched``, ``seed``), the guard-page side
-(``guard``) and worker threads (``workers``).
+(``guard``), worker threads (``workers``) and the host compiler of the kernels (``cxx``, g++ by
+default; clang++-19 also works).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def plan(op: str, *args) -> EmuPlan:
     if op == "ple_conv":
         conv[-1] = ctypes.c_int32(int(args[-1]))
     if fn(*conv, ctypes.byref(out)):
-        raise HebrusError(f"hebrus::{op}: {out.error.decode()}")
+        raise HebrusError(f"hebrus::{op} on MPS: {out.error.decode()}")
     return out
 
 
@@ -65,8 +66,8 @@ def kernel_name(op: str, variant: str, dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def module(stem: str) -> msl_emu.Module:
-    return msl_emu.build(os.path.join(KERNEL_DIR, stem + ".metal"))
+def module(stem: str, cxx: str = "g++") -> msl_emu.Module:
+    return msl_emu.build(os.path.join(KERNEL_DIR, stem + ".metal"), cxx=cxx)
 
 
 def poisoned(shape, dtype) -> torch.Tensor:
@@ -79,9 +80,9 @@ def error_slots() -> torch.Tensor:
     return torch.full((plan_library().hebrus_emu_error_slots(),), ERR_NONE, dtype=torch.int32)
 
 
-def _launch(stem: str, name: str, buffers, p: EmuPlan, **emu):
+def _launch(stem: str, name: str, buffers, p: EmuPlan, cxx: str = "g++", **emu):
     if p.threads:
-        module(stem).dispatch(name, [*buffers, p.params_bytes], grid=(p.threads,), tg=(p.group,), **emu)
+        module(stem, cxx).dispatch(name, [*buffers, p.params_bytes], grid=(p.threads,), tg=(p.group,), **emu)
 
 
 def _slot(err: torch.Tensor, i: int) -> int | None:

@@ -65,8 +65,14 @@ _INSTANTIATION = re.compile(r"template\s*\[\[\s*host_name\s*\(\s*(?P<name>(?:\"[
                             r"\[\[\s*kernel\s*\]\]\s*decltype\s*\(\s*(?P<fn>[^;]+?)\s*\)\s*(?P=fn)\s*;")
 
 
+_HOST_NAME_ATTRS = re.compile(r"template(\s*)\[\[\s*host_name\s*\([^\]]*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]")
+
+
 def rewrite(src: str) -> str:
-    """Line-preserving rewrites of threadgroup declarations (see module docstring)."""
+    """Line-preserving rewrites of threadgroup declarations (see module docstring), and Metal's
+    attributes between `template` and an explicit instantiation dropped (standard C++ rejects them;
+    the kernel names were collected from them before)."""
+    src = _HOST_NAME_ATTRS.sub(r"template\1", src)
     src = re.sub(r"\[\[\s*threadgroup\s*\(", "[[msl_threadgroup_arg(", src)
     counter = iter(range(1, 1 << 30))
 
@@ -255,7 +261,7 @@ def check_clang(path: str, defines: dict[str, str] | None = None, extra: tuple[s
     # MSL threadgroup locals are not automatic variables: static gives them a place clang accepts.
     src = _TG_LOCAL.sub(lambda m: "static " + m.group(0), src)
     # Metal accepts attributes between `template` and an explicit instantiation; standard C++ does not.
-    src = re.sub(r"template(\s*)\[\[\s*host_name\s*\([^\]]*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]", r"template\1", src)
+    src = _HOST_NAME_ATTRS.sub(r"template\1", src)
     text = '#include "msl_check_clang.h"\n' + _prelude(defines) + src
     with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
         f.write(text)

@@ -233,6 +233,7 @@ template <class A, class B> inline auto mulhi(const A& a, const B& b) { return d
 template <class To, class From> inline To as_type(const From& f) { static_assert(sizeof(To) == sizeof(From), "MSL: as_type requires equal sizes"); To t; std::memcpy((void*)&t, (const void*)&f, sizeof(To)); return t; }
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wunknown-warning-option"
 #pragma GCC diagnostic ignored "-Wliteral-suffix"
 #pragma GCC diagnostic ignored "-Wuser-defined-literals"
 inline half operator""h(long double v) { return half(float(v)); }   // MSL half literals: 1.0h
