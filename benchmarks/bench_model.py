@@ -132,12 +132,13 @@ def main() -> None:
     parser.add_argument("--full-unpatched", action="store_true",
                         help="run transformers' own prefill at every length instead of extrapolating above 2048")
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads; 1 by default: on a shared machine 2-thread regions stall "
+                             "whenever another process holds a core, which punishes op-heavy code erratically")
     parser.add_argument("--chunk", type=int, default=64)
     args = parser.parse_args()
     dev = args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build(dev, args.layers)
     n_indexed = sum(t == "indexed_attention" for t in model.config.layer_types)

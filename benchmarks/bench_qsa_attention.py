@@ -93,6 +93,15 @@ def gathered_dense(q_thd, k_pool, v_pool, tc):
                                           enable_gqa=True)[:, :, 0]
 
 
+def timeit_many(fn, repeat: int, calls: int = 8) -> float:
+    """Seconds per call, each timed sample running ``calls`` calls: short calls on a loaded machine
+    are otherwise quantised by the scheduler tick."""
+    def run():
+        for _ in range(calls):
+            fn()
+    return timeit(run, repeat=repeat) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="8192,32768,131072")
@@ -151,11 +160,11 @@ def main() -> None:
             case = f"decode {B} seq, ctx {ctx // 1024}K, {dname}"
             t_dense = timeit(lambda: dense_masked(q[:, :, None, :], k_b, v_b, mask), repeat=args.repeat)
             t_comp = timeit(lambda: gathered_dense(q, k_pool, v_pool, tc), repeat=args.repeat)
-            t_op = timeit(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), repeat=args.repeat * 3)
+            t_op = timeit_many(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), args.repeat * 3)
             flat = tc[tc >= 0].long()
             k_sel, v_sel = k_pool.new_empty((flat.numel(), HKV, DH)), v_pool.new_empty((flat.numel(), HKV, DH))
-            t_gather = timeit(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
-                                       torch.index_select(v_pool, 0, flat, out=v_sel)), repeat=args.repeat * 3)
+            t_gather = timeit_many(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
+                                            torch.index_select(v_pool, 0, flat, out=v_sel)), args.repeat * 3)
             d = report(case, "dense masked SDPA (transformers)", t_dense, B, ctx * row_bytes, sel_bytes)
             report(case, "gathered-then-dense composite", t_comp, B, sel_bytes, sel_bytes, d)
             report(case, "(gather only: index_select of the selected rows)", t_gather, B, sel_bytes, sel_bytes, d)
@@ -215,7 +224,8 @@ def main() -> None:
             f"W = {W} (512 groups of 4 + tail); scale Dh^-1/2. Decode: {args.sequences} sequences x 1 token at the "
             f"end of the context (at 128K the sequences share one cache, see the script's docstring). Prefill: one "
             f"sequence, a block of new tokens ending at the context length. Median of {args.repeat} runs for decode "
-            f"(op: {3 * args.repeat}), one run for the dense prefill and the 4096-token op prefill; the CPU is shared "
+            f"(op and gather: {3 * args.repeat} samples of 8 calls each), one run for the dense prefill and the "
+            f"{args.prefill}-token op prefill; the CPU is shared "
             f"with other jobs, so expect +-30% noise. 'K/V MB/query': bytes of keys and values the path must "
             f"read per query (dense: the whole cache; the others: the selected cells only). 'GB/s': those bytes "
             f"over the time. 'x of BW limit': time per query over (selected K/V bytes / copy bandwidth), i.e. how "
@@ -232,8 +242,7 @@ def main() -> None:
              "decode summary gives the op's time as a multiple of it). On top of the reads the op does 2 x 16 heads "
              "x 512 multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, which at the ~100 "
              "GFLOP/s per core this kernel reaches on cached rows (measured alone, not in this table) is about as "
-             "long as reading the bytes at copy speed. Timings under about 50 ms are quantised by the scheduler "
-             "tick (4 ms) while other jobs hold the cores.")
+             "long as reading the bytes at copy speed.")
     if notes:
         body += (f"\n\nDense masked prefill of {args.prefill} new tokens is not feasible on this CPU within the "
                  f"benchmark's time (it is compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus "

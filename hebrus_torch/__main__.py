@@ -33,9 +33,9 @@ def kernel_table() -> str:
     return "\n".join(lines)
 
 
-def progress(done: int, total: int, width: int = 32) -> None:
+def progress(done: int, total: int, width: int = 32, label: str = "") -> None:
     filled = width * done // max(total, 1)
-    sys.stdout.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens")
+    sys.stdout.write(f"\r  {label}[{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens")
     sys.stdout.flush()
 
 
@@ -131,11 +131,22 @@ def model_demo(device: str, prompt_len: int, new_tokens: int, seed: int) -> bool
             am = torch.cat([am, am.new_ones(2, 1)], dim=1)
             logits.append(model(nxt, attention_mask=am, past_key_values=cache, use_cache=True).logits[:, -1])
             sync()
-            sys.stdout.write(f"\r  {label:<13}")
-            progress(step + 1, new_tokens)
+            progress(step + 1, new_tokens, label=f"{label:<16}")
         t_decode = time.perf_counter() - t0
         print()
         return t_prefill, t_decode, torch.cat(generated, 1), torch.stack(logits), out.logits
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)        # a tiny model is thousands of tiny ops: threads only add sync cost
+    try:
+        return _model_demo_runs(model, run, prompt, mask, new_tokens, prompt_len)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _model_demo_runs(model, run, prompt, mask, new_tokens, prompt_len) -> bool:
+    from hebrus_torch.integrations import transformers as htx
 
     with torch.no_grad():
         warm = prompt[:, :16]                                   # first-call costs out of the timings

@@ -10,6 +10,7 @@ import torch
 
 from .errors import HebrusError
 from .ple.state import PLESnapshot, PLEState
+from .qsa.attention import qsa_attention
 from .state import blob
 from .state.handles import SeqHandle, SlotTable
 from .state.transaction import Transactional, transaction
@@ -99,6 +100,19 @@ class ChunkStep:
         qsa = self.cache._need("qsa")
         return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index,
                         top_k if top_k is not None else self.cache.top_k)
+
+
+    def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
+        """``hebrus::qsa_attention`` of the chunk's queries over exactly the cells ``plan`` selected.
+
+        q: Tensor[T, Hq, Dh] (main attention queries) -> Tensor[T, Hq, Dv]. Reads the K/V planes
+        of the QSA cache (built ``with_kv=True``; written by :meth:`qsa_write`'s k and v).
+        """
+        qsa = self.cache._need("qsa")
+        if not qsa.has_kv:
+            raise HebrusError("ModelCache: the QSA cache keeps no K/V planes (build it with with_kv=True)")
+        layer = self.cache._qsa_layer(layer_idx)
+        return qsa_attention(q, qsa.k_cache[layer], qsa.v_cache[layer], plan.token_cells, scale)
 
 
 class ModelCache(torch.nn.Module, Transactional):

@@ -7,7 +7,8 @@
 //
 // Every dispatch is MetalKernelFunction::dispatch(threads, group), i.e. dispatchThreads with
 // threadgroups of `group` threads; a partial last threadgroup is allowed only for kernels without
-// barriers (ple_conv, ple_ngram_ids) or whose partial group still holds whole SIMD-groups (qsa_pool).
+// barriers (ple_conv, ple_ngram_ids) or whose partial group still holds whole SIMD-groups (qsa_pool);
+// qsa_select and qsa_attention launch whole threadgroups only.
 #include "hebrus_params.h"
 
 #define HEBRUS_SIMD_WIDTH 32
@@ -30,6 +31,15 @@
 #define HEBRUS_QSA_SELECT_K512_KMAX 512
 #define HEBRUS_QSA_SELECT_K2048_QB 1
 #define HEBRUS_QSA_SELECT_K2048_KMAX 2048
+// qsa_attention: one threadgroup of 8 SIMD-groups per (query, KV head); SIMD-group s takes the
+// entries s, s + 8, s + 16, ... of the query's token_cells row, lanes split the head dims
+// (d = lane + 32 i). Variants "h<HB>_d<DMAX>": HB query heads of the KV head per pass over the cells
+// (1, 2, 4 or 8: rep = Hq / Hkv rounded up to a power of two, at most 8; larger rep takes several
+// passes), DMAX = 32 * DPL >= max(Dh, Dv) with DPL dims per lane (64, 128 or 256). Threadgroup
+// memory at h8_d256: q 8 x 256 x 4 B + partial accumulators 8 x 256 x 4 B + 8 x 8 x 8 B = 16.5 KiB.
+#define HEBRUS_QSA_ATTN_TG 256
+#define HEBRUS_QSA_ATTN_MAX_HB 8
+#define HEBRUS_QSA_ATTN_MAX_DIM 256
 
 #ifndef __METAL_VERSION__
 #include <cmath>
@@ -165,6 +175,55 @@ inline QsaSelectPlan plan_qsa_select(int64_t queries, int64_t query_heads, int64
   const uint64_t blocks = ceil_div(static_cast<uint64_t>(queries), static_cast<uint64_t>(plan.queries_per_block));
   if (blocks * HEBRUS_QSA_SELECT_TG > kMaxThreads) plan.error = "more than 2^32-1 threads";
   plan.dispatch = {blocks * HEBRUS_QSA_SELECT_TG, HEBRUS_QSA_SELECT_TG};
+  return plan;
+}
+
+struct QsaAttentionPlan {
+  QsaAttentionParams params{};
+  Dispatch dispatch;
+  const char* variant = "h1_d64";
+  int64_t heads_per_pass = 1;  // HB of the variant
+  int64_t dim_max = 64;        // DMAX of the variant
+  const char* error = nullptr;
+};
+
+// Called with Tq, Hq, Dv, cells >= 1 (the glue handles empty shapes on the host). The variant is the
+// smallest one that holds max(Dh, Dv) and min(rep, 8) query heads, so the per-lane registers
+// (HB x DMAX / 32 accumulators) are no larger than the shape needs.
+inline QsaAttentionPlan plan_qsa_attention(int64_t queries, int64_t query_heads, int64_t kv_heads, int64_t head_dim,
+                                           int64_t value_dim, int64_t cells, int64_t width, double scale) {
+  static const char* const kVariants[4][3] = {{"h1_d64", "h1_d128", "h1_d256"},
+                                              {"h2_d64", "h2_d128", "h2_d256"},
+                                              {"h4_d64", "h4_d128", "h4_d256"},
+                                              {"h8_d64", "h8_d128", "h8_d256"}};
+  QsaAttentionPlan plan;
+  QsaAttentionParams& p = plan.params;
+  p.queries = queries;
+  p.query_heads = query_heads;
+  p.kv_heads = kv_heads;
+  p.rep = kv_heads > 0 ? query_heads / kv_heads : 0;
+  p.head_dim = head_dim;
+  p.value_dim = value_dim;
+  p.cells = cells;
+  p.width = width;
+  p.scale = static_cast<float>(scale);
+  int hb_index = 0;
+  while (hb_index < 3 && (int64_t{1} << hb_index) < p.rep) ++hb_index;
+  plan.heads_per_pass = int64_t{1} << hb_index;
+  const int64_t dim = head_dim > value_dim ? head_dim : value_dim;
+  int dim_index = 0;
+  while (dim_index < 2 && (int64_t{64} << dim_index) < dim) ++dim_index;
+  plan.dim_max = int64_t{64} << dim_index;
+  plan.variant = kVariants[hb_index][dim_index];
+  if (dim > HEBRUS_QSA_ATTN_MAX_DIM) {
+    plan.error = "the Metal kernel takes head dims up to 256 (max(Dh, Dv) <= 256)";
+  }
+  const uint64_t groups = static_cast<uint64_t>(queries) * static_cast<uint64_t>(kv_heads);
+  if (groups * HEBRUS_QSA_ATTN_TG > kMaxThreads) plan.error = "more than 2^32-1 threads (Tq * Hkv * 256)";
+  if (static_cast<uint64_t>(queries) * static_cast<uint64_t>(width) >= kMaxThreads) {
+    plan.error = "more than 2^32-2 token_cells entries (Tq * W)";
+  }
+  plan.dispatch = {groups * HEBRUS_QSA_ATTN_TG, HEBRUS_QSA_ATTN_TG};
   return plan;
 }
 

@@ -65,6 +65,21 @@ struct QsaSelectParams {
   hebrus_i32 pad0;
 };
 
+// hebrus::qsa_attention. Threads: queries x kv_heads threadgroups of HEBRUS_QSA_ATTN_TG, one per
+// (query, KV head); the kernel variant's HB query heads of the KV head share one pass over the cells.
+struct QsaAttentionParams {
+  hebrus_i64 queries;      // Tq
+  hebrus_i64 query_heads;  // Hq
+  hebrus_i64 kv_heads;     // Hkv
+  hebrus_i64 rep;          // Hq / Hkv query heads per KV head
+  hebrus_i64 head_dim;     // Dh (q, k)
+  hebrus_i64 value_dim;    // Dv (v, out)
+  hebrus_i64 cells;        // rows of k and v
+  hebrus_i64 width;        // W, columns of token_cells
+  float scale;             // softmax scale as fp32 (the reference multiplies fp32 scores by it)
+  hebrus_i32 pad0;
+};
+
 // Error slots: every kernel takes `device atomic_uint* err [[buffer(...)]]` with HEBRUS_ERR_SLOTS
 // entries that the glue fills with HEBRUS_ERR_NONE; a thread that finds bad input stores the
 // smallest offending index of its kind with atomic_fetch_min (the result does not depend on the
@@ -87,3 +102,6 @@ struct QsaSelectParams {
 #define HEBRUS_ERR_SELECT_ROW 0         // first query with q_row outside [0, B)
 #define HEBRUS_ERR_SELECT_GROUPS 1      // first query with q_groups outside [0, maxG]
 #define HEBRUS_ERR_SELECT_SEQ_GROUPS 2  // first row b with a visible seq_groups entry outside [0, rows)
+// qsa_attention
+#define HEBRUS_ERR_ATTN_CELL 0          // first flat index t * W + i with token_cells[t, i] >= cells
+#define HEBRUS_ERR_ATTN_EMPTY 1         // first query t with no entry >= 0 in token_cells[t]

@@ -248,3 +248,34 @@ def test_stale_handle_in_batch_changes_nothing(model):
     with pytest.raises(StaleHandleError):
         run_chunk(mc, tables, {a: torch.tensor([1, 2]), b: torch.tensor([3])})
     assert mc.digest() == before
+
+
+def test_step_attention_reads_only_selected_cells(model):
+    mc = make_cache(model, with_kv=True)
+    g = torch.Generator().manual_seed(7)
+    a, b = mc.new_sequence(), mc.new_sequence()
+    hkv, dh = model.config.num_key_value_heads, model.config.head_dim
+    tables = Tables(mc)
+    kv_table = torch.randn(50, 2, hkv, dh, generator=g)
+    q_main = torch.randn(50, model.config.num_attention_heads, dh, generator=g)
+    li = mc.qsa.layer_ids[0]
+    for rows in ({a: torch.randint(0, 50, (23,), generator=g), b: torch.randint(0, 50, (9,), generator=g)},
+                 {a: torch.randint(0, 50, (2,), generator=g)}):
+        batch = ht.Batch.pack(rows)
+        with mc.transaction(batch) as step:
+            step.qsa_write(li, tables.keys[batch.tokens], kv_table[batch.tokens, 0], kv_table[batch.tokens, 1])
+            plan = step.qsa_select(li, tables.q[batch.tokens])
+            out = step.qsa_attention(li, q_main[batch.tokens], plan)
+            # Dense attention over every cell with the plan's mask, as transformers computes it.
+            layer = mc.qsa.layer_index(li)
+            k, v = mc.qsa.k_cache[layer], mc.qsa.v_cache[layer]
+            key_cells = torch.arange(k.shape[0])
+            mask = plan.mask(key_cells)
+            rep = q_main.shape[1] // hkv
+            kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+            vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+            dense = torch.nn.functional.scaled_dot_product_attention(
+                q_main[batch.tokens].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask[None, None])
+            torch.testing.assert_close(out, dense[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    # Sparsity happened: some query saw fewer cells than its sequence holds.
+    assert bool((plan.token_cells >= 0).sum(1).lt(mc.qsa.run(a)[1]).all())

@@ -101,6 +101,16 @@ def chunked(model, ids, sizes, attention_mask=None):
     return torch.cat(out, dim=1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A tiny model is thousands of tiny ops: on a shared 2-core machine 2-thread regions stall whenever
+    another process holds a core (seconds per test); one thread is both faster and steadier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def model(device):
     return htx.random_model(0, device=device)

@@ -559,6 +559,8 @@ def _select(self, plan: _Plan, q: torch.Tensor, raw_keys: torch.Tensor, position
     ratio, top_k = self.compress_ratio, self.block_topk
     batch, kv, dim = raw_keys.shape
     device = raw_keys.device
+    if layer is not None and not _cache_class_patches:
+        _install_cache_wrappers()        # e.g. a deep copy of a patched model outlived revert() of the original
     state = layer.__dict__.get(_GROUPS) if layer is not None else None
     if not _reusable(state, batch, kv, raw_keys, ratio):
         state = _fresh_groups(batch, kv, raw_keys, ratio)
