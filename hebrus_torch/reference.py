@@ -14,7 +14,7 @@ import torch
 from . import _validate
 from .errors import HebrusError, HoleError
 
-__all__ = ["ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "check_cu_seqlens_values"]
+__all__ = ["ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention", "check_cu_seqlens_values"]
 
 
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, op: str) -> None:

@@ -28,6 +28,11 @@ EXPECTED = {
     "ple_ngram_ids": {"ple_ngram_ids_long"},
     "qsa_pool": {f"qsa_pool_{t}" for t in TYPES},
     "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
+    "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES},
+}
+VARIANTS = {
+    "qsa_select": ("k512", "k2048"),
+    "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
 }
 
 
@@ -43,7 +48,7 @@ def test_every_op_has_a_kernel_file():
 def test_builds_with_gxx_and_names_match_the_host_helper(path):
     names = set(hebrus_emu.module(stem(path)).kernels)
     assert names == EXPECTED[stem(path)]
-    variants = {"qsa_select": ("k512", "k2048")}.get(stem(path), ("",))
+    variants = VARIANTS.get(stem(path), ("",))
     dtypes = [hebrus_emu.torch.int64] if stem(path) == "ple_ngram_ids" else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
     assert host == names  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
@@ -97,7 +102,7 @@ def test_mm_glue_typechecks_as_cpp():
     if os.path.exists(stamp):
         return
     results = check_mm_syntax.check_all(jobs=2, bfloat_off_files=1)
-    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 5
+    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 6
     failed = [f"{name}\n{out}" for name, ok, out in results if not ok]
     assert not failed, "\n".join(failed)
     os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
@@ -139,6 +144,7 @@ def test_kernels_built_by_clang_agree_with_gxx():
 
     from test_metal_ple_conv import make as conv_inputs
     from test_metal_ple_ngram_ids import EOS, VOCAB, config, stream
+    from test_metal_qsa_attention import make as attention_inputs
     from test_metal_qsa_pool import make as pool_inputs
     from test_metal_qsa_select import make as select_inputs
 
@@ -155,3 +161,6 @@ def test_kernels_built_by_clang_agree_with_gxx():
     assert torch.equal(hebrus_emu.qsa_pool(*args), hebrus_emu.qsa_pool(*args, cxx=msl_emu.CLANG))
     args = select_inputs(9, 4, 16, 2, 300, torch.float32)
     assert torch.equal(hebrus_emu.qsa_select(*args, 10), hebrus_emu.qsa_select(*args, 10, cxx=msl_emu.CLANG))
+    for dtype in (torch.float32, torch.bfloat16):
+        args = attention_inputs(5, 8, 2, 40, 24, 60, 33, dtype, "scattered")
+        assert torch.equal(hebrus_emu.qsa_attention(*args), hebrus_emu.qsa_attention(*args, cxx=msl_emu.CLANG))

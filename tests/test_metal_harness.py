@@ -2,9 +2,9 @@
 
 Deliberately broken kernels in tests/metal/bad_kernels.metal: divergent and skipped barriers, SIMD
 functions in divergent code, missing barriers (visible through poisoned threadgroup memory under
-another schedule), device accesses past either end of a buffer, threadgroup arrays indexed out of
-bounds, and address-space misuse (strict clang check). Plus the conversions and builtins the hebrus
-kernels rely on.
+another schedule), device accesses past either end of a buffer or far from every buffer,
+threadgroup arrays indexed out of bounds, and address-space misuse (strict clang check). Plus the
+conversions and builtins the hebrus kernels rely on.
 """
 
 from __future__ import annotations
@@ -104,6 +104,15 @@ def test_read_before_start(mod):
     with pytest.raises(msl_emu.MSLError, match=r"byte offset -4 \(before the start\) by thread_position_in_grid 0,0,0"):
         mod.dispatch("read_before_start", [torch.zeros(n), torch.zeros(n), u32(n)], grid=(n,), tg=(32,),
                      guard="start")
+
+
+def test_wild_access_far_from_every_buffer(mod):
+    # Not on a guard page: reported all the same (with the source line), the process survives.
+    rows = torch.tensor([0, 1, -2 ** 31, 2], dtype=torch.int32)
+    with pytest.raises(msl_emu.MSLError, match=rf"invalid memory access at address .* not next to any bound buffer "
+                                               rf".*thread_position_in_grid 2,0,0 .*bad_kernels\.metal:"
+                                               rf"{line_of('rows[gid]) * 4096')}"):
+        mod.dispatch("wild_read", [torch.zeros(4 * 4096), torch.zeros(4), rows], grid=(4,), tg=(4,))
 
 
 @pytest.mark.parametrize("guard", ["end", "start"])

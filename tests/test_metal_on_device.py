@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.metal, pytest.mark.mps,
               pytest.mark.skipif(not HAS_MPS, reason="needs an Apple GPU (torch.backends.mps.is_available())")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-OPS = ("ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select")
+OPS = ("ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention")
 
 
 def mps(*tensors):
@@ -162,3 +162,74 @@ def test_qsa_select_independent_of_batching_on_device():
     parts = [hebrus_torch.qsa_select(q[a:b], pooled, seq_groups, q_row[a:b], q_groups[a:b], 9)
              for a, b in ((0, 1), (1, 3), (3, 4), (4, 13))]
     assert torch.equal(torch.cat(parts).cpu(), whole.cpu())
+
+
+def attention_inputs(dtype, tq=7, hq=8, hkv=2, dh=64, dv=48, cells=300, width=90, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, hq, dh, generator=g).to(dtype)
+    k = torch.randn(cells, hkv, dh, generator=g).to(dtype)
+    v = torch.randn(cells, hkv, dv, generator=g).to(dtype)
+    tc = torch.randint(-2 ** 31, 0, (tq, width), generator=g, dtype=torch.int32)  # padding anywhere
+    for t in range(tq):
+        n = int(torch.randint(1, width + 1, (1,), generator=g))
+        slots = torch.randperm(width, generator=g)[:n]
+        tc[t, slots] = torch.randperm(cells, generator=g)[:n].to(torch.int32)
+    return q, k, v, tc, dh ** -0.5
+
+
+ATTENTION_SHAPES = {  # tq, hq, hkv, dh, dv, cells, width
+    "gqa-8-2": (7, 8, 2, 64, 48, 300, 90),
+    "gqa-4-1": (5, 4, 1, 128, 128, 200, 70),
+    "rep-12": (3, 12, 1, 16, 80, 64, 65),
+    "qwen4exp": (4, 16, 2, 256, 256, 3000, 2051),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_qsa_attention_matches_reference(dtype, shape):
+    q, k, v, tc, scale = attention_inputs(dtype, *ATTENTION_SHAPES[shape])
+    got = hebrus_torch.qsa_attention(*mps(q, k, v, tc), scale)
+    want = reference.qsa_attention(q, k, v, tc, scale)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert got.device.type == "mps" and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_qsa_attention_storage_offset_and_strides():
+    q, k, v, tc, scale = attention_inputs(torch.float32)
+    kv = torch.cat([k, v], 2).to("mps")  # fused K/V plane: k and v are strided views
+    k_view, v_view = kv[..., :k.shape[2]], kv[..., k.shape[2]:]
+    base = torch.randn(q.shape[0] + 2, *q.shape[1:]).to("mps")
+    base[2:] = q.to("mps")
+    got = hebrus_torch.qsa_attention(base[2:], k_view, v_view, tc.to("mps"), scale)
+    torch.testing.assert_close(got.cpu(), reference.qsa_attention(q, k, v, tc, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qsa_attention_batch_independence_on_device(dtype):
+    *tensors, scale = attention_inputs(dtype, seed=3)
+    q, k, v, tc = mps(*tensors)
+    whole = hebrus_torch.qsa_attention(q, k, v, tc, scale)
+    parts = [hebrus_torch.qsa_attention(q[a:b], k, v, tc[a:b], scale) for a, b in ((0, 1), (1, 4), (4, 7))]
+    assert torch.equal(torch.cat(parts).cpu(), whole.cpu())
+    assert torch.equal(hebrus_torch.qsa_attention(q, k, v, tc, scale).cpu(), whole.cpu())  # repeated run
+
+
+@pytest.mark.parametrize("where", ["cell", "empty"])
+def test_qsa_attention_bad_cells_raise_from_the_kernel(where):
+    q, k, v, tc, scale = attention_inputs(torch.float16)
+    if where == "cell":
+        tc[4, 17] = k.shape[0]
+        pattern = rf"query 4 selects cell {k.shape[0]} \(token_cells\[4, 17\]\), outside \[0, cells={k.shape[0]}\)"
+    else:
+        tc[2] = -1
+        pattern = r"query 2 selects no cell"
+    with pytest.raises(HebrusError, match=r"hebrus::qsa_attention: " + pattern):
+        hebrus_torch.qsa_attention(*mps(q, k, v, tc), scale)
+
+
+def test_qsa_attention_head_dim_limit():
+    q, k, v, tc, scale = attention_inputs(torch.float32, dv=320)
+    with pytest.raises(HebrusError, match="head dims up to 256"):
+        hebrus_torch.qsa_attention(*mps(q, k, v, tc), scale)

@@ -358,3 +358,23 @@ def test_torch_compile_prefill(model, device):
             torch._dynamo.reset()
     torch.testing.assert_close(eager, ref, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(got, eager, atol=ATOL, rtol=ATOL)
+
+
+def test_record_past_cache(model, device):
+    """activate_past_recording keeps full conv histories (more, or after a short prefill fewer, than the
+    conv needs): the patched PLE reads the same last inputs transformers does."""
+    ids = tokens(1, 30, seed=16, eos_at=[(0, 1)]).to(device)
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        cache.activate_past_recording()
+        out, start = [], 0
+        for size in (2, 5, 1, 9, 13):
+            out.append(model(ids[:, start:start + size], past_key_values=cache, use_cache=True).logits)
+            start += size
+        return torch.cat(out, 1)
+
+    ref, got, stats, rm, gm = both(model, run)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)

@@ -191,6 +191,15 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
 constexpr int64_t kChannelBlock = 256;
 
 template <typename scalar_t>
+inline void store_activation(scalar_t* y, const float* acc, int64_t n, bool silu) {
+  if (silu) {
+    for (int64_t c = 0; c < n; ++c) y[c] = static_cast<scalar_t>(acc[c] / (1.0f + std::exp(-acc[c])));
+  } else {
+    for (int64_t c = 0; c < n; ++c) y[c] = static_cast<scalar_t>(acc[c]);
+  }
+}
+
+template <typename scalar_t>
 void ple_conv_kernel(const Tensor& x, const Tensor& w_kc, const int32_t* cu, const Tensor& state, Tensor& y,
                      Tensor& new_state, int64_t batch, int64_t dilation, bool silu) {
   const int64_t total = x.size(0), channels = x.size(1), width = w_kc.size(0), state_len = state.size(1);
@@ -213,18 +222,29 @@ void ple_conv_kernel(const Tensor& x, const Tensor& w_kc, const int32_t* cu, con
       const int64_t i = state_len + (t - start);
       for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
         const int64_t nc = std::min(kChannelBlock, channels - c0);
-        std::fill(acc, acc + nc, 0.0f);
-        for (int64_t k = 0; k < width; ++k) {
-          const scalar_t* u = u_row(row, start, i - (width - 1 - k) * dilation) + c0;
-          const float* wk = wp + k * channels + c0;
-          for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * static_cast<float>(u[c]);
-        }
-        scalar_t* yt = yp + t * channels + c0;
-        if (silu) {
-          for (int64_t c = 0; c < nc; ++c) yt[c] = static_cast<scalar_t>(acc[c] / (1.0f + std::exp(-acc[c])));
+        if (width == 4) {
+          // Qwen4Exp's width, one pass: the same sum ((0 + w0u0) + w1u1) + ... as the general loop.
+          const scalar_t* u0 = u_row(row, start, i - 3 * dilation) + c0;
+          const scalar_t* u1 = u_row(row, start, i - 2 * dilation) + c0;
+          const scalar_t* u2 = u_row(row, start, i - dilation) + c0;
+          const scalar_t* u3 = u_row(row, start, i) + c0;
+          const float *w0 = wp + c0, *w1 = w0 + channels, *w2 = w1 + channels, *w3 = w2 + channels;
+          for (int64_t c = 0; c < nc; ++c) {
+            float a = 0.0f + w0[c] * static_cast<float>(u0[c]);
+            a += w1[c] * static_cast<float>(u1[c]);
+            a += w2[c] * static_cast<float>(u2[c]);
+            a += w3[c] * static_cast<float>(u3[c]);
+            acc[c] = a;
+          }
         } else {
-          for (int64_t c = 0; c < nc; ++c) yt[c] = static_cast<scalar_t>(acc[c]);
+          std::fill(acc, acc + nc, 0.0f);
+          for (int64_t k = 0; k < width; ++k) {
+            const scalar_t* u = u_row(row, start, i - (width - 1 - k) * dilation) + c0;
+            const float* wk = wp + k * channels + c0;
+            for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * static_cast<float>(u[c]);
+          }
         }
+        store_activation(yp + t * channels + c0, acc, nc, silu);
       }
     }
   });

@@ -1,6 +1,6 @@
 """Drop-in for Hugging Face transformers' Qwen4Exp: ``apply(model)`` / ``revert(model)``.
 
-``apply`` patches, per module instance (the classes are never touched):
+``apply`` patches, per module instance (the model classes are never touched):
 
 - ``Qwen4ExpTextNGramEmbedding.forward``: the n-gram hash of every PLE layer becomes one
   ``hebrus_torch.ple_ngram_ids`` call over the packed batch; the cache bookkeeping (the n-gram
@@ -18,7 +18,9 @@ A forward hook on the text model's ``rotary_emb`` captures the position ids the 
 rope pooled keys (``group_pos``). Where the hebrus path cannot reproduce transformers exactly
 (multimodal 3-D positions that differ across the 3 rows, ``attention_scaling != 1``, an indexer
 called outside its text model, positions that are not consecutive inside a group), that call runs
-the original forward; ``stats()`` counts both paths. A hole inside a query's visible run (a masked
+the original forward; ``stats()`` counts both paths. While any model is applied, the lifecycle methods
+of transformers' indexed cache layers (``reset``, ``crop``, ``reorder_cache``,
+``batch_select_indices``, ``batch_repeat_interleave``) are wrapped to drop the kept groups first. A hole inside a query's visible run (a masked
 position between visible ones) raises :class:`hebrus_torch.HoleError` (SPEC §3: a hole is not
 padding); ``apply(model, on_hole="fallback")`` runs the original forward for such calls instead.
 
@@ -37,7 +39,7 @@ import torch
 import hebrus_torch
 from hebrus_torch.errors import HebrusError, HoleError
 
-__all__ = ["apply", "revert", "is_applied", "stats", "reset_stats"]
+__all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "random_model"]
 
 _PATCH = "_hebrus_patch"             # per patched module: what to restore
 _CTX = "_hebrus_ctx"                 # per text model: the shared call context
@@ -101,30 +103,26 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
         for mod in text_model.modules():
             owner[id(mod)] = ctx
 
-    patched_any = False
+    for mod in model.modules():                          # validate everything before patching anything
+        if isinstance(mod, m.Qwen4ExpTextQSAIndexer) and owner.get(id(mod)) is not None:
+            rot = 2 * owner[id(mod)].rotary.inv_freq.shape[0]
+            if rot > mod.index_head_dim:
+                raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
+                                  f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
     for mod in model.modules():
         if isinstance(mod, m.Qwen4ExpTextQSAIndexer):
-            ctx = owner.get(id(mod))
-            if ctx is not None:
-                rot = 2 * ctx.rotary.inv_freq.shape[0]
-                if rot > mod.index_head_dim:
-                    raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
-                                      f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
-            if _patch(mod, "forward", _indexer_forward, ctx=ctx, on_hole=on_hole):
-                patched_any = True
-            mod.__dict__[_PATCH]["on_hole"] = on_hole
+            _patch(mod, "forward", _indexer_forward, ctx=owner.get(id(mod)), on_hole=on_hole)
         elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
-            patched_any |= _patch(mod, "forward", _ngram_forward)
+            _patch(mod, "forward", _ngram_forward)
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
             conv = mod.conv1d
             plain = (conv.bias is None and conv.groups == conv.in_channels == conv.out_channels
                      and conv.padding in ((0,), 0) and conv.stride == (1,) and conv.padding_mode == "zeros")
             if plain:
-                patched_any |= _patch(mod, "_short_conv", _short_conv)
-    if patched_any or is_applied(model):
-        if model not in _applied_models:
-            _applied_models.add(model)
-            _install_cache_wrappers()
+                _patch(mod, "_short_conv", _short_conv)
+    if is_applied(model):
+        _applied_models.add(model)
+        _install_cache_wrappers()
     return model
 
 
@@ -222,8 +220,11 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     ctx_len = self.context_len
     cached_ctx = past_key_values.get_conv_state(self.layer_idx, state_idx=2) if past_key_values is not None else None
     if cached_ctx is not None:
-        # The shift rule reads at most N-1 tokens back; with record_past the state may hold more columns.
+        # The shift rule reads at most N-1 tokens back (record_past may keep more columns; a shorter
+        # history reads as EOS, as transformers' shift does past the start).
         history = cached_ctx[:, -ctx_len:].clone()
+        if history.shape[1] < ctx_len:
+            history = torch.nn.functional.pad(history, (ctx_len - history.shape[1], 0), value=self.eos_token_id)
     else:
         history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
 
@@ -256,8 +257,12 @@ def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Ten
     if past_key_values is not None:
         previous = past_key_values.get_conv_state(self.layer_idx, state_idx=1)
         if previous is not None:
-            # [B, C, >=L] -> the last L inputs as [B, L, C]; a copy, since the cache overwrites in place.
-            state = previous[..., -state_len:].transpose(1, 2).contiguous().clone()
+            # [B, C, L'] -> the last L inputs as [B, L, C]; a copy, since the cache overwrites in place.
+            # (record_past keeps L' > L columns, or fewer after a short prefill: zeros, as F.pad does.)
+            previous = previous[..., -state_len:]
+            if previous.shape[-1] < state_len:
+                previous = torch.nn.functional.pad(previous, (state_len - previous.shape[-1], 0))
+            state = previous.transpose(1, 2).contiguous().clone()
         past_key_values.update_conv_state(hidden_states.transpose(1, 2), self.layer_idx, state_idx=1,
                                           conv_kernel_size=state_len)
     if state is None:
@@ -287,6 +292,7 @@ class _Context:
         self.cos = None
         self.position_ids = None
         self.positions = None            # [B, K] int64 text positions, once verified
+        self.positions_reason = ""       # why not, once found
         self.plan_key = None
         self.plan = None
 
@@ -305,14 +311,15 @@ class _Context:
             return None, "positions_unknown"
         if float(getattr(self.rotary, "attention_scaling", 1.0)) != 1.0:
             return None, "attention_scaling"
-        if self.positions is None:
+        if self.positions is None and not self.positions_reason:
             pos = self.position_ids
             if pos is None or pos.dim() != 3 or pos.shape[0] != 3 or pos.shape[1:] != full_cos.shape[:2]:
-                return None, "position_shape"
-            if not bool((pos == pos[:1]).all()):
-                return None, "multimodal_positions"
-            self.positions = pos[0].to(torch.int64)
-        return self.positions, ""
+                self.positions_reason = "position_shape"
+            elif not bool((pos == pos[:1]).all()):                               # one host sync per forward
+                self.positions_reason = "multimodal_positions"
+            else:
+                self.positions = pos[0].to(torch.int64)
+        return self.positions, self.positions_reason
 
 
 class _KeysReplay:

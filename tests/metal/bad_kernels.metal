@@ -67,6 +67,13 @@ kernel void read_before_start(device const float* in [[buffer(0)]], device float
   if (gid < n) out[gid] = in[int(gid) - 1];
 }
 
+// BUG: a negative index scaled by a row size (a padding entry used as a row index) lands far away
+// from every buffer, not on a guard page.
+kernel void wild_read(device const float* in [[buffer(0)]], device float* out [[buffer(1)]],
+                      device const int* rows [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = in[long(rows[gid]) * 4096 + gid];
+}
+
 // BUG: writes one element past the end of `out`.
 kernel void write_past_end(device float* out [[buffer(0)]], constant uint& n [[buffer(1)]],
                            uint gid [[thread_position_in_grid]]) {

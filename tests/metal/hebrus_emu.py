@@ -193,3 +193,30 @@ def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k, **emu):
                           f"[0, rows={pooled.shape[0]}); the first {needed} groups of row {row} "
                           f"are visible to its queries")
     return out
+
+
+# ---- qsa_attention ----------------------------------------------------------------------------------
+
+def qsa_attention(q, k, v, token_cells, scale, **emu):
+    _validate.qsa_attention(q, k, v, token_cells, scale)
+    op = "qsa_attention"
+    tq, hq, dh = q.shape
+    cells, hkv, dv = v.shape
+    if tq == 0:
+        return q.new_empty((0, hq, dv))
+    if hq == 0 or dv == 0 or cells == 0:  # nothing to launch: the glue checks token_cells on the host
+        reference.check_token_cells_values(token_cells, cells)
+        return q.new_empty((tq, hq, dv))
+    p = plan(op, tq, hq, hkv, dh, dv, cells, token_cells.shape[1], float(scale))
+    q, k, v, token_cells = (t.contiguous() for t in (q, k, v, token_cells))
+    out, err = poisoned((tq, hq, dv), q.dtype), error_slots()
+    _launch(op, kernel_name(op, p.variant.decode(), q.dtype), [q, k, v, token_cells, out, err], p, **emu)
+    width = token_cells.shape[1]
+    if (e := _slot(err, 0)) is not None:
+        t, i = divmod(e, width)
+        raise HebrusError(f"hebrus::{op}: query {t} selects cell {int(token_cells[t, i])} (token_cells[{t}, {i}]), "
+                          f"outside [0, cells={cells}); negative entries are padding")
+    if (t := _slot(err, 1)) is not None:
+        raise HebrusError(f"hebrus::{op}: query {t} selects no cell (every entry of token_cells[{t}] is "
+                          f"negative padding); attention over an empty selection is undefined")
+    return out

@@ -67,5 +67,14 @@ __attribute__((visibility("default"))) int hebrus_emu_plan_qsa_select(int64_t qu
   return fill(plan, &plan.params, sizeof(plan.params), plan.variant, out);
 }
 
+__attribute__((visibility("default"))) int hebrus_emu_plan_qsa_attention(int64_t queries, int64_t query_heads,
+                                                                         int64_t kv_heads, int64_t head_dim,
+                                                                         int64_t value_dim, int64_t cells,
+                                                                         int64_t width, double scale, EmuPlan* out) {
+  const auto plan =
+      hebrus::metal::plan_qsa_attention(queries, query_heads, kv_heads, head_dim, value_dim, cells, width, scale);
+  return fill(plan, &plan.params, sizeof(plan.params), plan.variant, out);
+}
+
 __attribute__((visibility("default"))) int hebrus_emu_error_slots() { return HEBRUS_ERR_SLOTS; }
 }

@@ -35,6 +35,8 @@ template <class T, int N> vec<T, N> select(vec<T, N>, vec<T, N>, vec<bool, N>);
 template <class V> typename vtraits<V>::elem dot(V, V); template <class V> typename vtraits<V>::elem length(V); template <class V> V normalize(V);
 template <class V> bool all(V); template <class V> bool any(V);
 template <class To, class From> To as_type(From);
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
 namespace precise { using ::metal::sqrt; using ::metal::rsqrt; using ::metal::exp; using ::metal::log; using ::metal::sin; using ::metal::cos; using ::metal::tanh; }
 namespace fast { using ::metal::sqrt; using ::metal::rsqrt; using ::metal::exp; using ::metal::log; using ::metal::sin; using ::metal::cos; using ::metal::tanh; }
 #pragma clang diagnostic push

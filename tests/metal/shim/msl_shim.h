@@ -471,10 +471,8 @@ inline void on_fault(int sig, siginfo_t* si, void* uctx) {
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);
   char* a = (char*)si->si_addr;
   auto& gv = guarded();
-  for (size_t i = 0; i < gv.size(); i++) {
-    const Guarded& b = gv[i];
-    bool lo = a >= b.lo_guard && a < b.lo_guard + page, hi = a >= b.hi_guard && a < b.hi_guard + page;
-    if (!(lo || hi) || !G || !G->escape_set || G->cur < 0) continue;
+  const bool in_kernel = G && G->escape_set && G->cur >= 0;
+  if (in_kernel) {
     uintptr_t pc = 0;
 #if defined(__x86_64__) && defined(__linux__)
     pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
@@ -483,13 +481,24 @@ inline void on_fault(int sig, siginfo_t* si, void* uctx) {
 #endif
     Dl_info info{}; uintptr_t rel = pc;
     if (pc && dladdr((void*)pc, &info) && info.dli_fbase) rel = pc - (uintptr_t)info.dli_fbase;
-    long long off = (long long)(a - b.data);
     const Fiber& f = G->f[G->cur];
     uint3 gpos = G->tgid * G->dispatch_tg + f.lid;
-    G->err = fmt("out-of-bounds device memory access: buffer(%zu) holds %llu bytes, accessed at byte offset %lld (%s) "
+    for (size_t i = 0; i < gv.size(); i++) {
+      const Guarded& b = gv[i];
+      bool lo = a >= b.lo_guard && a < b.lo_guard + page, hi = a >= b.hi_guard && a < b.hi_guard + page;
+      if (!(lo || hi)) continue;
+      long long off = (long long)(a - b.data);
+      G->err = fmt("out-of-bounds device memory access: buffer(%zu) holds %llu bytes, accessed at byte offset %lld (%s) "
+                   "by thread_position_in_grid %u,%u,%u (threadgroup %u,%u,%u) [pc=+0x%llx]",
+                   i, (unsigned long long)b.len, off, lo ? "before the start" : "past the end",
+                   gpos.x, gpos.y, gpos.z, G->tgid.x, G->tgid.y, G->tgid.z, (unsigned long long)rel);
+      siglongjmp(G->escape, 1);
+    }
+    // Not next to any buffer: a wild pointer (an index far outside every buffer, e.g. a negative
+    // cell index scaled by a row size). Reported the same way instead of crashing the process.
+    G->err = fmt("invalid memory access at address %p, not next to any bound buffer (an index far outside a buffer) "
                  "by thread_position_in_grid %u,%u,%u (threadgroup %u,%u,%u) [pc=+0x%llx]",
-                 i, (unsigned long long)b.len, off, lo ? "before the start" : "past the end",
-                 gpos.x, gpos.y, gpos.z, G->tgid.x, G->tgid.y, G->tgid.z, (unsigned long long)rel);
+                 (void*)a, gpos.x, gpos.y, gpos.z, G->tgid.x, G->tgid.y, G->tgid.z, (unsigned long long)rel);
     siglongjmp(G->escape, 1);
   }
   // not ours: hand the fault to whoever was installed before (pytest's faulthandler, or the default)

@@ -1,0 +1,220 @@
+"""mps_kernels/qsa_attention.metal run in the emulator with the glue's grid, against the reference.
+
+Outputs are compared with the reference evaluated on the same values in fp32: within fp32 rounding
+for float32 and within one rounding of the output dtype for float16 / bfloat16 (the kernel sums in
+another order than the reference, never in lower precision). Covered: every dtype and every kernel
+variant (1, 2, 4, 8 heads per pass; head dims up to 64, 128, 256), grouped-query attention
+(Hq 4 / Hkv 1, Hq 8 / Hkv 2, Hq 12 / Hkv 1 in two passes), Dh != Dv, padding at the end, first,
+scattered and with any negative value, rows of one cell and rows longer than the threadgroup,
+queries whose whole history is selected (plain causal attention over the run), empty shapes, the
+same bits under every schedule and guard side, a query's output independent of the other queries
+of the launch, and bad cells / empty queries raising the reference's errors through the error slots.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal"))
+import hebrus_emu  # noqa: E402
+from hebrus_torch import reference  # noqa: E402
+from hebrus_torch.errors import HebrusError  # noqa: E402
+
+pytestmark = [pytest.mark.metal,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Relative size of one rounding step of the output dtype (a full ulp at the bottom of a binade).
+ONE_ROUNDING = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def selection(tq, cells, width, gen, pad="end", fill=0.7):
+    """token_cells [tq, width] int32: distinct cells per row, about `fill` of the row used (at least
+    one cell), the rest padding: -1 at the end (pad="end") or any negative value anywhere ("scattered")."""
+    out = torch.full((tq, width), -1, dtype=torch.int32)
+    for t in range(tq):
+        n = max(1, min(width, cells, int(width * fill) + int(torch.randint(-2, 3, (1,), generator=gen))))
+        sel = torch.randperm(cells, generator=gen)[:n].to(torch.int32)
+        if pad == "end":
+            out[t, :n] = sel
+        else:
+            out[t] = torch.randint(-2 ** 31, 0, (width,), generator=gen, dtype=torch.int32)
+            out[t, torch.sort(torch.randperm(width, generator=gen)[:n]).values] = sel
+    return out
+
+
+def make(tq, hq, hkv, dh, dv, cells, width, dtype, pad="end", seed=0, fill=0.7):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, hq, dh, generator=gen).to(dtype)
+    k = torch.randn(cells, hkv, dh, generator=gen).to(dtype)
+    v = torch.randn(cells, hkv, dv, generator=gen).to(dtype)
+    return q, k, v, selection(tq, cells, width, gen, pad, fill), dh ** -0.5 if dh else 1.0
+
+
+def assert_matches_reference(got, q, k, v, tc, scale):
+    """got within one rounding of q's dtype of the reference evaluated in fp32 on the same values."""
+    want = reference.qsa_attention(q.float(), k.float(), v.float(), tc, scale)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    tol = ONE_ROUNDING[q.dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=1e-6 if q.dtype == torch.float32 else tol * 1e-3)
+
+
+CONFIGS = {
+    # name: (tq, hq, hkv, dh, dv, cells, width, pad)         variant
+    "mha": (5, 2, 2, 32, 32, 40, 12, "end"),                  # h1_d64
+    "gqa-4-1": (6, 4, 1, 64, 64, 100, 40, "end"),             # h4_d64
+    "gqa-8-2": (5, 8, 2, 48, 40, 120, 50, "scattered"),       # h4_d64
+    "gqa-16-2": (3, 16, 2, 24, 24, 90, 30, "scattered"),      # h8_d64
+    "dh-ne-dv": (4, 6, 3, 40, 24, 60, 33, "scattered"),       # h2_d64
+    "dv-gt-dh": (3, 2, 1, 72, 200, 50, 30, "end"),            # h2_d256
+    "odd-dims": (4, 3, 1, 33, 17, 31, 31, "end"),             # h4_d64
+    "rep-12": (3, 12, 1, 16, 80, 64, 65, "scattered"),        # h8_d128, passes of 8 and 4 heads
+    "long-row": (2, 8, 2, 256, 256, 700, 600, "end"),         # h4_d256, 75 entries per SIMD-group
+    "one-cell": (4, 2, 1, 8, 8, 5, 1, "end"),                 # h2_d64
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_matches_reference(name, dtype):
+    tq, hq, hkv, dh, dv, cells, width, pad = CONFIGS[name]
+    args = make(tq, hq, hkv, dh, dv, cells, width, dtype, pad, seed=len(name) + DTYPES.index(dtype))
+    assert_matches_reference(hebrus_emu.qsa_attention(*args), *args)
+
+
+def test_variants():
+    want = {(1, 64): "h1_d64", (2, 65): "h2_d128", (3, 128): "h4_d128", (4, 129): "h4_d256", (5, 16): "h8_d64",
+            (8, 256): "h8_d256", (16, 100): "h8_d128"}
+    for (rep, dim), variant in want.items():
+        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, dim, 8, 10, 4, 0.5).variant.decode() == variant
+        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, 8, dim, 10, 4, 0.5).variant.decode() == variant
+
+
+def test_padding_anywhere():
+    # The same five cells with the padding at the end, first, interleaved, and with other negative
+    # values (INT_MIN included): every layout is attention over exactly those cells.
+    q, k, v, _, scale = make(4, 4, 2, 24, 24, 40, 10, torch.float32, seed=1)
+    cells = torch.tensor([3, 17, 5, 39, 0], dtype=torch.int32)
+    rows = torch.stack([
+        torch.cat([cells, torch.full((5,), -1, dtype=torch.int32)]),
+        torch.tensor([-1, 3, -7, 17, 5, -1, -2147483648, 39, 0, -1], dtype=torch.int32),
+        torch.cat([torch.full((5,), -3, dtype=torch.int32), cells.flip(0)]),
+        torch.tensor([39, -1, 0, -1, 3, -1, 17, -1, 5, -1], dtype=torch.int32),
+    ])
+    q = q[:1].expand(4, -1, -1).contiguous()
+    out = hebrus_emu.qsa_attention(q, k, v, rows, scale)
+    assert_matches_reference(out, q, k, v, rows, scale)
+    dense = reference.qsa_attention(q[:1], k, v, cells[None], scale)
+    for i in range(4):
+        torch.testing.assert_close(out[i], dense[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_history_is_causal_attention(dtype):
+    # QSA rows of queries that see their whole history (n <= budget + r - 1 tokens): the row lists
+    # every cell of the run (scrambled physical cells, -1 after), and the output is plain causal
+    # attention over the run, here computed densely in fp64.
+    gen = torch.Generator().manual_seed(2)
+    hq, hkv, dh, cells, width = 8, 2, 32, 64, 27
+    cell_of_pos = torch.randperm(cells, generator=gen)[:width]
+    positions = [0, 1, 3, 9, 17, 26]
+    tc = torch.full((len(positions), width), -1, dtype=torch.int32)
+    for i, p in enumerate(positions):
+        tc[i, :p + 1] = cell_of_pos[:p + 1].to(torch.int32)
+    q = torch.randn(len(positions), hq, dh, generator=gen).to(dtype)
+    k = torch.randn(cells, hkv, dh, generator=gen).to(dtype)
+    v = torch.randn(cells, hkv, dh, generator=gen).to(dtype)
+    got = hebrus_emu.qsa_attention(q, k, v, tc, dh ** -0.5)
+    assert_matches_reference(got, q, k, v, tc, dh ** -0.5)
+    rep = hq // hkv
+    for i, p in enumerate(positions):
+        kk = k[cell_of_pos[:p + 1]].double().repeat_interleave(rep, 1)          # [n, Hq, Dh]
+        vv = v[cell_of_pos[:p + 1]].double().repeat_interleave(rep, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), kk) * dh ** -0.5, -1)
+        want = torch.einsum("hn,nhd->hd", w, vv)
+        tol = ONE_ROUNDING[dtype]
+        torch.testing.assert_close(got[i].double(), want, rtol=tol, atol=1e-6 if dtype == torch.float32 else tol * 1e-3)
+
+
+def test_empty_shapes():
+    q, k, v, tc, scale = make(3, 4, 2, 16, 8, 20, 5, torch.float32, seed=3)
+    assert hebrus_emu.qsa_attention(q[:0], k, v, tc[:0], scale).shape == (0, 4, 8)
+    assert hebrus_emu.qsa_attention(q, k, v[..., :0], tc, scale).shape == (3, 4, 0)
+    assert hebrus_emu.qsa_attention(q[:, :0], k, v, tc, scale).shape == (3, 0, 8)
+    # Dh = 0: every score is 0, so each query averages the values of its cells.
+    got = hebrus_emu.qsa_attention(q[..., :0], k[..., :0], v, tc, 1.0)
+    assert_matches_reference(got, q[..., :0], k[..., :0], v, tc, 1.0)
+    # No kernel thread looks at token_cells there, so the glue checks it on the host.
+    bad = tc.clone()
+    bad[1, 2] = 20
+    with pytest.raises(HebrusError, match=r"query 1 selects cell 20 \(token_cells\[1, 2\]\)"):
+        hebrus_emu.qsa_attention(q, k, v[..., :0], bad, scale)
+    with pytest.raises(HebrusError, match=r"query 0 selects cell"):
+        hebrus_emu.qsa_attention(q, k[:0], v[:0], tc, scale)
+
+
+@pytest.mark.parametrize("sched,guard", [("reverse", "start"), ("random", "end"), ("random", "start")])
+def test_schedules_agree_bitwise(sched, guard):
+    for dtype, config in ((torch.bfloat16, "rep-12"), (torch.float32, "gqa-8-2")):
+        tq, hq, hkv, dh, dv, cells, width, pad = CONFIGS[config]
+        args = make(tq, hq, hkv, dh, dv, cells, width, dtype, pad, seed=4)
+        a = hebrus_emu.qsa_attention(*args)
+        b = hebrus_emu.qsa_attention(*args, sched=sched, seed=11, guard=guard)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_independent_of_the_other_queries(dtype):
+    q, k, v, tc, scale = make(10, 8, 2, 32, 32, 200, 60, dtype, "scattered", seed=5)
+    batch = hebrus_emu.qsa_attention(q, k, v, tc, scale)
+    for t in (0, 7):
+        assert torch.equal(hebrus_emu.qsa_attention(q[t:t + 1], k, v, tc[t:t + 1], scale)[0], batch[t])
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(hebrus_emu.qsa_attention(q[perm], k, v, tc[perm], scale), batch[perm])
+    # Next to other queries with longer rows: query 3's row padded at the end to their width.
+    gen = torch.Generator().manual_seed(7)
+    others = selection(4, 200, 150, gen, "scattered")
+    row3 = torch.cat([tc[3:4], torch.full((1, 90), -1, dtype=torch.int32)], 1)
+    mixed = hebrus_emu.qsa_attention(torch.cat([q[:4], q[3:4]]), k, v, torch.cat([others, row3]), scale)
+    assert torch.equal(mixed[4], batch[3])
+
+
+BAD = {
+    "cell-too-big": ([[0, 1, -1, -1], [2, -1, 10, 3], [4, 5, 6, 7]],
+                     r"query 1 selects cell 10 \(token_cells\[1, 2\]\), outside \[0, cells=10\); "
+                     r"negative entries are padding"),
+    "cell-huge": ([[0, 1, -1, -1], [2, -1, 1, 3], [4, 2147483647, 6, 7]], r"query 2 selects cell 2147483647"),
+    "two-bad-cells": ([[0, 11, -1, 12], [13, -1, 1, 3], [4, 5, 6, 7]], r"query 0 selects cell 11 "),
+    "empty-query": ([[0, 1, -1, -1], [-1, -1, -1, -1], [4, 5, 6, 7]], r"query 1 selects no cell \(every entry "
+                    r"of token_cells\[1\] is negative padding\); attention over an empty selection is undefined"),
+    "empty-query-other-negatives": ([[0, 1, -1, -1], [3, -1, -1, -1], [-5, -2147483648, -1, -9]],
+                                    r"query 2 selects no cell"),
+    "only-bad-cells": ([[0, 1, -1, -1], [10, -1, 10, -1], [4, 5, 6, 7]], r"query 1 selects cell 10"),
+    "range-before-empty": ([[-1, -1, -1, -1], [2, 12, 1, 3], [4, 5, 6, 7]], r"query 1 selects cell 12"),
+    "zero-width": (torch.zeros(3, 0, dtype=torch.int32), r"query 0 selects no cell"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_token_cells_raise_like_the_reference(name):
+    rows, pattern = BAD[name]
+    q, k, v, _, scale = make(3, 4, 2, 8, 6, 10, 4, torch.float32, seed=8)
+    tc = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int32)
+    with pytest.raises(HebrusError, match=r"hebrus::qsa_attention: " + pattern) as emu_err:
+        hebrus_emu.qsa_attention(q, k, v, tc, scale)
+    with pytest.raises(HebrusError) as ref_err:
+        reference.qsa_attention(q, k, v, tc, scale)
+    assert str(emu_err.value) == str(ref_err.value)
+
+
+def test_head_dims_beyond_the_kernel_limit_are_refused():
+    q, k, v, tc, scale = make(2, 2, 1, 8, 257, 6, 3, torch.float32, seed=9)
+    with pytest.raises(HebrusError, match=r"qsa_attention on MPS: .*head dims up to 256"):
+        hebrus_emu.qsa_attention(q, k, v, tc, scale)
+    q, k, v, tc, scale = make(2, 2, 1, 300, 8, 6, 3, torch.float32, seed=9)
+    with pytest.raises(HebrusError, match=r"head dims up to 256"):
+        hebrus_emu.qsa_attention(q, k, v, tc, scale)
