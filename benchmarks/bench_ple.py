@@ -86,6 +86,8 @@ def main() -> None:
         t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
         t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
         report(case, "composite (transformers conv1d)", t_comp, T, nbytes)
+        # The floor of any op that returns a fresh [T, C] tensor here: allocate and write it once.
+        report(case, "floor: x.clone() (fresh output)", timeit(lambda: x.clone(), dev, args.repeat), T, nbytes, t_comp)
         report(case, "hebrus reference (torch)", t_ref, T, nbytes, t_comp)
         report(case, "hebrus::ple_conv", t_op, T, nbytes, t_comp)
 
@@ -153,7 +155,10 @@ def main() -> None:
             f"(read + write of 512 MiB). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
             f"{args.repeat} runs (decode: {args.repeat * 4}). GB/s counts the bytes each path must move "
             f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
-            f"bandwidth; speedup is against the first row of its case.\n\n")
+            f"bandwidth; speedup is against the first row of its case. The 'floor' row allocates and writes a "
+            f"fresh [T, C] tensor, which every path returning a new output pays: on this Linux box "
+            f"first-touch page faults of freshly mmapped memory make that far slower than the copy "
+            f"bandwidth suggests.\n\n")
     body += table(["case", "path", "ms", "tokens/s", "GB/s", "of BW", "speedup"], rows)
     write_section("PLE (issue 2)", body)
     print(body)

@@ -54,8 +54,10 @@ template <typename T, int HB, int DPL>
   for (long h0 = 0; h0 < p.rep; h0 += HB) {
     const long hb = hebrus_min(long(HB), p.rep - h0);  // heads of this pass
     const long head0 = t * p.query_heads + g * p.rep + h0;  // first (query, head) row of the pass
-    for (long e = long(lid); e < hb * dh; e += TG) {
-      q_tile[e / dh][e % dh] = static_cast<float>(q[head0 * dh + e]);
+    for (long h = 0; h < hb; ++h) {
+      for (long d = long(lid); d < dh; d += TG) {
+        q_tile[h][d] = static_cast<float>(q[(head0 + h) * dh + d]);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 

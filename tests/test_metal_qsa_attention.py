@@ -74,6 +74,7 @@ CONFIGS = {
     "odd-dims": (4, 3, 1, 33, 17, 31, 31, "end"),             # h4_d64
     "rep-12": (3, 12, 1, 16, 80, 64, 65, "scattered"),        # h8_d128, passes of 8 and 4 heads
     "long-row": (2, 8, 2, 256, 256, 700, 600, "end"),         # h4_d256, 75 entries per SIMD-group
+    "qwen4exp": (2, 16, 2, 256, 256, 2100, 2051, "end"),      # h8_d256, W = budget + r - 1
     "one-cell": (4, 2, 1, 8, 8, 5, 1, "end"),                 # h2_d64
 }
 
