@@ -18,11 +18,16 @@ A forward hook on the text model's ``rotary_emb`` captures the position ids the 
 rope pooled keys (``group_pos``). Where the hebrus path cannot reproduce transformers exactly
 (multimodal 3-D positions that differ across the 3 rows, ``attention_scaling != 1``, an indexer
 called outside its text model, positions that are not consecutive inside a group), that call runs
-the original forward; ``stats()`` counts both paths. While any model is applied, the lifecycle methods
-of transformers' indexed cache layers (``reset``, ``crop``, ``reorder_cache``,
-``batch_select_indices``, ``batch_repeat_interleave``) are wrapped to drop the kept groups first. A hole inside a query's visible run (a masked
+the original forward; ``stats()`` counts both paths. A hole inside a query's visible run (a masked
 position between visible ones) raises :class:`hebrus_torch.HoleError` (SPEC §3: a hole is not
 padding); ``apply(model, on_hole="fallback")`` runs the original forward for such calls instead.
+
+While any model is applied, the lifecycle methods of transformers' indexed cache layers (``reset``,
+``crop``, ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) are wrapped to
+drop the kept groups first; ``revert`` of the last applied model restores them.
+
+Under ``torch.compile`` the indexer takes a static-shape path (no host syncs, no kept groups; see
+``_indexer_traceable``), so the patched model compiles with ``fullgraph=True``.
 
 transformers is imported lazily: importing this module does not need it.
 """
@@ -63,8 +68,11 @@ def reset_stats() -> None:
 
 
 def _modeling():
-    from transformers.models.qwen4_exp import modeling_qwen4_exp
-
+    try:
+        from transformers.models.qwen4_exp import modeling_qwen4_exp
+    except ImportError as exc:
+        raise ImportError("hebrus_torch.integrations.transformers needs transformers with Qwen4Exp "
+                          "(transformers==5.23.0: pip install -e .[hf])") from exc
     return modeling_qwen4_exp
 
 
@@ -111,7 +119,9 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
                                   f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
     for mod in model.modules():
         if isinstance(mod, m.Qwen4ExpTextQSAIndexer):
-            _patch(mod, "forward", _indexer_forward, ctx=owner.get(id(mod)), on_hole=on_hole)
+            # rope is resolved here: importing transformers' lazy modules inside traced code breaks dynamo
+            _patch(mod, "forward", _indexer_forward, ctx=owner.get(id(mod)), on_hole=on_hole,
+                   rope=m.apply_rotary_pos_emb)
         elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
             _patch(mod, "forward", _ngram_forward)
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
@@ -450,7 +460,7 @@ def _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
         qk, [self.index_n_heads * self.index_head_dim, self.index_kv_heads * self.index_head_dim], dim=-1)
     q, raw_keys = q.reshape(*hidden_shape), token_k.reshape(*hidden_shape).squeeze(2)
     q = self.q_layernorm(q)
-    q = _modeling().apply_rotary_pos_emb(q, cos=current_cos, sin=current_sin, unsqueeze_dim=2)
+    q = self.__dict__[_PATCH]["rope"](q, cos=current_cos, sin=current_sin, unsqueeze_dim=2)
     if past_key_values is not None:
         raw_keys = past_key_values.update_indexer(raw_keys, self.layer_idx)
     return q, raw_keys
@@ -544,16 +554,17 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
         layers = getattr(past_key_values, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
 
-    _STATS["qsa_hebrus"] += 1
     if plan.trivial:                     # every query sees at most budget + r - 1 tokens: all are selected
+        _STATS["qsa_hebrus"] += 1
         return plan.visible.unsqueeze(1)
     try:
         selected = _select(self, plan, q, raw_keys, positions, layer)
     except HoleError:
-        # Positions not consecutive inside a group: transformers ropes at the group start regardless.
-        _STATS["qsa_hebrus"] -= 1
+        # RoPE positions not consecutive inside a group (qsa_pool checks): transformers ropes at the group
+        # start regardless, so run its forward on the keys already in the cache.
         return _fallback(original, "positions_not_consecutive", hidden_states, position_embeddings,
                          attention_mask, _KeysReplay(raw_keys))
+    _STATS["qsa_hebrus"] += 1
     return _expand(plan, selected, ratio)
 
 
