@@ -43,30 +43,6 @@ constexpr int64_t kKeyBlock = 32;
 // Query heads sharing one KV head that are processed in one pass over the keys (registers).
 constexpr int64_t kMaxHeadChunk = 8;
 
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kDouble: return "torch.float64";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kShort: return "torch.int16";
-    case at::kChar: return "torch.int8";
-    case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
 void check_dims(const at::Tensor& t, int64_t n, const char* name) {
   HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::qsa_attention: ", name, " must be ", n, "-D, got shape ",
                shape_str(t.sizes()));

@@ -23,16 +23,7 @@ namespace {
 
 using at::Tensor;
 
-std::string shape_of(const Tensor& t) {
-  std::string s = "(";
-  for (const auto i : c10::irange(t.dim())) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + (t.dim() == 1 ? ",)" : ")");
-}
-
-// "torch.int64", as Python prints a dtype, so messages read the same from every backend.
-std::string dtype_name(at::ScalarType t) {
-  return "torch." + std::string(c10::getDtypeNames(t).first);
-}
+std::string shape_of(const Tensor& t) { return shape_str(t.sizes()); }
 
 void check_devices(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   for (const auto& [name, t] : tensors) {

@@ -108,27 +108,6 @@ inline const char* metal_type(const char* op, at::ScalarType t) {
 
 // ---- checks (messages as hebrus_torch/_validate.py and the CPU kernels word them) ----------------
 
-inline std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kDouble: return "torch.float64";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
-inline std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
 inline void check_on_mps(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   const auto& first = *tensors.begin();
   for (const auto& [name, t] : tensors) {
