@@ -154,7 +154,7 @@ def _model_demo_runs(model, run, prompt, mask, new_tokens, prompt_len) -> bool:
     from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
 
     masks: list[torch.Tensor] = []
-    hooks = [mod.register_forward_hook(lambda mod, args, out: masks.append(out.cpu()))
+    hooks = [mod.register_forward_hook(lambda mod, args, out: masks.append(htx.selection_mask(out).cpu()))
              for mod in model.modules() if isinstance(mod, modeling.Qwen4ExpTextQSAIndexer)]
     with torch.no_grad():
         warm = prompt[:, :16]                                   # first-call costs out of the timings
@@ -183,7 +183,8 @@ def _model_demo_runs(model, run, prompt, mask, new_tokens, prompt_len) -> bool:
           f"{rows - differ} of {rows} query rows" + ("" if not differ else " (others: expected only where "
                                                     "scores tie or nearly tie, as fp32 rounding decides)"))
     print(f"  hebrus path: {stats.get('qsa_hebrus', 0)} indexer calls, {stats.get('qsa_queries_selected', 0)} queries "
-          f"selected sparsely, {stats.get('qsa_groups_pooled', 0)} groups pooled once each"
+          f"selected sparsely, {stats.get('qsa_groups_pooled', 0)} groups pooled once each, "
+          f"{stats.get('sparse_attention_calls', 0)} attention calls as qsa_attention"
           f"{'; fallbacks ' + str(fallbacks) if fallbacks else ''}")
     print(f"\n  {'phase':<26}{'transformers':>14}{'hebrus':>10}{'speedup':>9}")
     for name, i in ((f"prefill 2 x {prompt_len} tokens", 0), (f"decode {new_tokens} steps x 2", 1)):

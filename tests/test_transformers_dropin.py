@@ -42,7 +42,7 @@ class Indexers:
 
     def __init__(self, model):
         self.masks: list[torch.Tensor] = []
-        self.handles = [m.register_forward_hook(lambda mod, args, out: self.masks.append(out.cpu()))
+        self.handles = [m.register_forward_hook(lambda mod, args, out: self.masks.append(htx.selection_mask(out).cpu()))
                         for m in model.modules() if isinstance(m, M.Qwen4ExpTextQSAIndexer)]
 
     def take(self) -> list[torch.Tensor]:
@@ -85,6 +85,7 @@ def assert_hebrus_path(stats, sparse=True):
     assert not any(k.startswith("qsa_fallback") for k in stats), stats
     if sparse:
         assert stats.get("qsa_queries_selected", 0) > 0, stats          # the budget was actually exceeded
+        assert stats.get("sparse_attention_calls", 0) > 0, stats        # attention ran as hebrus::qsa_attention
 
 
 def chunked(model, ids, sizes, attention_mask=None):
@@ -307,7 +308,8 @@ def test_multimodal_positions_fall_back(model, device):
 
 def test_revert_restores_original_methods(model, device):
     ids = tokens(1, 40, seed=12).to(device)
-    classes = (M.Qwen4ExpTextQSAIndexer, M.Qwen4ExpTextNGramEmbedding, M.Qwen4ExpTextPLELayer)
+    classes = (M.Qwen4ExpTextQSAIndexer, M.Qwen4ExpTextNGramEmbedding, M.Qwen4ExpTextPLELayer,
+               M.Qwen4ExpTextAttention)
     modules = [m for m in model.modules() if isinstance(m, classes)]
     before = {id(m): dict(m.__dict__) for m in modules}
     hooks_before = len(model.model.rotary_emb._forward_hooks), len(model.model._forward_hooks)
@@ -318,6 +320,7 @@ def test_revert_restores_original_methods(model, device):
     htx.apply(model)                                                       # idempotent
     assert htx.is_applied(model)
     assert "forward" in model.model.layers[1].self_attn.indexer.__dict__
+    assert "forward" in model.model.layers[1].self_attn.__dict__
     assert DynamicIndexedLayer.__dict__["crop"] is not crop_before
     htx.revert(model)
     htx.revert(model)                                                      # idempotent
@@ -460,3 +463,78 @@ def test_non_consecutive_positions_fall_back(model, device):
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
     assert_same(rm, gm)
     assert stats.get("qsa_fallback:positions_not_consecutive") == 2 and "qsa_hebrus" not in stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention over the selection (hebrus::qsa_attention). The parity tests above already run it: every
+# assert_hebrus_path(stats) with sparse=True requires stats["sparse_attention_calls"] > 0.
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_sparse_attention_left_padding_rows(device, attn):
+    """Left-padding queries see nothing: their attention is transformers' own (every logit compared,
+    padding positions included); the real queries attend through qsa_attention, in one-shot and decode."""
+    model = htx.random_model(2, device=device, attn_implementation=attn)
+    ids = tokens(2, 40, seed=19).to(device)
+    mask = torch.ones_like(ids)
+    ids[1, :13], mask[1, :13] = 0, 0
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        out = [model(ids[:, :34], attention_mask=mask[:, :34], past_key_values=cache, use_cache=True).logits]
+        for t in range(34, 40):
+            out.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                             use_cache=True).logits)
+        return torch.cat(out, 1)
+
+    ref, got, stats, rm, gm = both(model, run)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    assert stats["sparse_attention_calls"] == 2 * 7
+
+
+def test_sparse_attention_skipped_when_budget_covers_the_cache(device):
+    """A budget of 64 (W = 67 tokens per query) covers a 40-token cache: transformers' attention runs."""
+    model = htx.random_model(0, device=device, indexer_budget=64)
+    ids = tokens(2, 40, seed=20).to(device)
+    ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert "sparse_attention_calls" not in stats and stats["sparse_attention_skipped:not_sparser"] == 2, stats
+
+
+def test_sparse_attention_option_and_output_attentions(model, device):
+    """apply(sparse_attention=False) keeps the masked dense attention; output_attentions takes the original
+    forward (attention weights are returned, equal to transformers'); re-applying switches it back on."""
+    ids = tokens(1, 36, seed=21).to(device)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        try:
+            htx.apply(model, sparse_attention=False)
+            htx.reset_stats()
+            off = model(ids).logits
+            assert "sparse_attention_calls" not in htx.stats() and htx.stats()["sparse_attention_skipped:off"] == 2
+            htx.apply(model)                                               # sparse_attention=True again
+            htx.reset_stats()
+            got = model(ids, output_attentions=True)
+            stats = htx.stats()
+            assert "sparse_attention_calls" not in stats and stats["sparse_attention_skipped:output_attentions"] == 2
+            htx.reset_stats()
+            on = model(ids).logits
+            assert htx.stats()["sparse_attention_calls"] == 2
+        finally:
+            htx.revert(model)
+    htx.apply(model)
+    try:
+        htx.reset_stats()
+        grad = model(ids).logits                                           # grad enabled: transformers' attention
+        assert htx.stats()["sparse_attention_skipped:autograd"] == 2 and "sparse_attention_calls" not in htx.stats()
+        assert grad.requires_grad
+    finally:
+        htx.revert(model)
+    for x in (off, got.logits, on, grad.detach()):
+        torch.testing.assert_close(x, ref.logits, atol=ATOL, rtol=ATOL)
+    assert len(got.attentions) == len(ref.attentions) == 2
+    for a, b in zip(got.attentions, ref.attentions):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)

@@ -13,6 +13,15 @@
   pooled yet and one ``hebrus_torch.qsa_select`` call for every query of the chunk. Pooled groups are
   kept on the cache layer between calls, so a decode step pools only the groups its new token
   completes.
+- ``Qwen4ExpTextAttention.forward`` (``apply(model, sparse_attention=True)``, the default): where the
+  selection is narrower than the cache (``budget + r - 1 < K``) the indexer hands over the selected kv
+  indices of every query instead of the dense mask, and attention is one ``hebrus::qsa_attention`` call
+  over all queries of the batch on the cache's K/V; projections, norms, rope, the cache update and the
+  output gate are transformers' own. Queries that see nothing (left padding) get transformers' result
+  for a fully masked row. ``output_attentions``, attention dropout in training, autograd (the op has no
+  backward: run under ``torch.no_grad()``/``inference_mode()``, as ``generate`` does), an indexer
+  fallback (a dense mask) and ``torch.compile`` take the original attention. Forward hooks on the indexer then
+  receive a selection object instead of the mask: :func:`selection_mask` turns it into the mask.
 
 A forward hook on the text model's ``rotary_emb`` captures the position ids the indexer needs to
 rope pooled keys (``group_pos``). Where the hebrus path cannot reproduce transformers exactly
@@ -44,7 +53,7 @@ import torch
 import hebrus_torch
 from hebrus_torch.errors import HebrusError, HoleError
 
-__all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "random_model"]
+__all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "selection_mask", "random_model"]
 
 _PATCH = "_hebrus_patch"             # per patched module: what to restore
 _CTX = "_hebrus_ctx"                 # per text model: the shared call context
@@ -59,7 +68,8 @@ _epoch = 0                           # bumped whenever the cache-layer wrappers 
 
 def stats() -> dict[str, int]:
     """Counters of the patched paths: ``qsa_hebrus``, ``qsa_fallback:<reason>``, ``qsa_groups_pooled``,
-    ``qsa_queries_selected``, ``ple_ngram``, ``ple_conv``."""
+    ``qsa_queries_selected``, ``ple_ngram``, ``ple_conv``, ``sparse_attention_calls``,
+    ``sparse_attention_skipped:<reason>``."""
     return dict(_STATS)
 
 
@@ -84,7 +94,7 @@ def is_applied(model: torch.nn.Module) -> bool:
 # apply / revert
 
 
-def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
+def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: bool = True) -> torch.nn.Module:
     """Route a transformers Qwen4Exp model's QSA indexer and PLE through hebrus ops, in place.
 
     Args:
@@ -92,9 +102,13 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
             ``Qwen4ExpTextModel``, the multimodal model, or a single layer).
         on_hole: ``"raise"`` (default): a masked position inside a query's visible run raises
             :class:`hebrus_torch.HoleError`; ``"fallback"``: that call runs transformers' own forward.
+        sparse_attention: ``True`` (default): the indexed-attention layers attend with one
+            ``hebrus::qsa_attention`` call over the selected tokens where the selection (at most
+            ``budget + r - 1`` tokens per query) is narrower than the cache; ``False``: transformers'
+            masked dense attention over the selection mask.
 
     Returns:
-        ``model`` itself. Idempotent: applying twice patches once (``on_hole`` is updated).
+        ``model`` itself. Idempotent: applying twice patches once (``on_hole``, ``sparse_attention`` updated).
     """
     if on_hole not in ("raise", "fallback"):
         raise ValueError(f"on_hole must be 'raise' or 'fallback', got {on_hole!r}")
@@ -122,6 +136,9 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise") -> torch.nn.Module:
             # rope is resolved here: importing transformers' lazy modules inside traced code breaks dynamo
             _patch(mod, "forward", _indexer_forward, ctx=owner.get(id(mod)), on_hole=on_hole,
                    rope=m.apply_rotary_pos_emb)
+        elif isinstance(mod, m.Qwen4ExpTextAttention):
+            _patch(mod, "forward", _attention_forward, sparse=bool(sparse_attention), rope=m.apply_rotary_pos_emb,
+                   interfaces=m.ALL_ATTENTION_FUNCTIONS, eager=m.eager_attention_forward)
         elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
             _patch(mod, "forward", _ngram_forward)
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
@@ -345,7 +362,8 @@ class _KeysReplay:
 class _Plan:
     """Per-mask analysis shared by every indexed layer of one forward (the mask object is shared)."""
 
-    __slots__ = ("visible", "trivial", "sel_idx", "f_q", "n_q", "ng_q", "q_anchor", "anchors")
+    __slots__ = ("visible", "first", "n", "any_empty", "trivial", "sel_idx", "f_q", "n_q", "ng_q", "q_anchor",
+                 "anchors")
 
 
 def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: str) -> _Plan | None:
@@ -359,7 +377,7 @@ def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: st
     hole = (n > 0) & (last - first + 1 != n)
     ng = torch.div(n, ratio, rounding_mode="floor")
     need = ng > top_k
-    flags = torch.stack([hole.any(), need.any()]).tolist()                      # one host sync
+    flags = torch.stack([hole.any(), need.any(), (n == 0).any()]).tolist()      # one host sync
     if flags[0]:
         if on_hole == "fallback":
             return None
@@ -374,6 +392,7 @@ def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: st
             f"transformers' own indexer for such masks.")
     plan = _Plan()
     plan.visible = visible
+    plan.first, plan.n, plan.any_empty = first, n, bool(flags[2])
     plan.trivial = not flags[1]
     if plan.trivial:
         return plan
@@ -554,9 +573,10 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
         layers = getattr(past_key_values, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
 
+    as_indices = bool(record.get("as_indices"))
     if plan.trivial:                     # every query sees at most budget + r - 1 tokens: all are selected
         _STATS["qsa_hebrus"] += 1
-        return plan.visible.unsqueeze(1)
+        return _Selection(self, plan, None) if as_indices else plan.visible.unsqueeze(1)
     try:
         selected = _select(self, plan, q, raw_keys, positions, layer)
     except HoleError:
@@ -565,7 +585,7 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
         return _fallback(original, "positions_not_consecutive", hidden_states, position_embeddings,
                          attention_mask, _KeysReplay(raw_keys))
     _STATS["qsa_hebrus"] += 1
-    return _expand(plan, selected, ratio)
+    return _Selection(self, plan, selected) if as_indices else _expand(plan, selected, ratio)
 
 
 def _fallback(original, reason, *args):
@@ -688,6 +708,174 @@ def _expand(plan: _Plan, selected: torch.Tensor, ratio: int) -> torch.Tensor:
     out.copy_(visible)
     out.view(batch * length, kv)[plan.sel_idx] = _expand_rows(selected, plan.f_q, plan.n_q, plan.ng_q, ratio, kv)
     return out.unsqueeze(1)
+
+
+class _Selection:
+    """What a patched indexer returns to the patched attention instead of the dense mask.
+
+    ``token_idx`` [B, T, W] int32: the selected kv indices of every query (``W = budget + r - 1``, -1 padded):
+    the selected groups plus the raw tail for queries that choose, the whole visible run for the others.
+    ``empty`` [B, T] bool: queries that see no position at all (``any_empty``: whether there is one).
+    ``mask()`` builds the boolean selection mask transformers' indexer returns, only when asked for
+    (forward hooks on the indexer receive this object: :func:`selection_mask` turns it into that mask).
+    """
+
+    __slots__ = ("token_idx", "kv", "empty", "any_empty")
+
+    def __init__(self, indexer, plan: _Plan, selected: torch.Tensor | None):
+        ratio = indexer.compress_ratio
+        width = indexer.token_budget + ratio - 1
+        first, n = plan.first, plan.n                                            # [B, T]
+        batch, length, kv = plan.visible.shape
+        device = first.device
+        offs = torch.arange(width, device=device)
+        # Queries that do not choose see at most top_k * r + r - 1 <= W positions: their whole run.
+        idx = torch.where(offs < n[..., None], first[..., None] + offs, -1)
+        if selected is not None:
+            groups = selected.long()                                             # [Q, k]
+            members = torch.arange(ratio, device=device)
+            f_q, ng_q = plan.f_q, plan.ng_q
+            tokens = torch.where(groups[:, :, None] >= 0, f_q[:, None, None] + ratio * groups[:, :, None] + members,
+                                 -1).flatten(1)
+            tail_idx = torch.arange(ratio - 1, device=device)
+            tail = torch.where(tail_idx < (plan.n_q - ratio * ng_q)[:, None],
+                               f_q[:, None] + ratio * ng_q[:, None] + tail_idx, -1)
+            rows = torch.cat([tokens, tail], dim=1)
+            if rows.shape[1] < width:
+                rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
+            idx.view(batch * length, width)[plan.sel_idx] = rows
+        self.token_idx = idx.to(torch.int32)
+        self.kv = kv
+        self.empty = n == 0
+        self.any_empty = plan.any_empty
+
+    def mask(self) -> torch.Tensor:
+        """[B, 1, T, K] bool: the selection mask, as transformers' indexer builds it."""
+        idx = self.token_idx.long()
+        rows = torch.zeros((*idx.shape[:-1], self.kv + 1), dtype=torch.bool, device=idx.device)
+        return rows.scatter(-1, torch.where(idx >= 0, idx, self.kv), True)[..., :self.kv].unsqueeze(1)
+
+
+def selection_mask(indexer_output) -> torch.Tensor:
+    """The boolean selection mask behind an indexer output (a mask already, or what the sparse path passes)."""
+    return indexer_output.mask() if isinstance(indexer_output, _Selection) else indexer_output
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention over the selection: hebrus::qsa_attention
+
+
+def _attentions_requested(kwargs) -> bool:
+    """Whether this forward must return attention weights (transformers records them from our output)."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get()
+    except (ImportError, LookupError):
+        return False
+    except Exception:                    # unknown transformers internals: be safe, take the original path
+        return True
+    return bool(collected) and "attentions" in collected
+
+
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor,
+                       past_key_values=None, **kwargs):
+    """Qwen4ExpTextAttention.forward with one hebrus::qsa_attention call where the selection is sparser than
+    the cache; everything else (projections, norms, rope, cache update, output gate) as transformers does it."""
+    record = self.__dict__[_PATCH]
+    original = record["original_forward"]
+    indexer = self.indexer
+    reason = None
+    if torch.compiler.is_compiling():
+        return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    if not record.get("sparse", True):
+        reason = "off"
+    elif _PATCH not in indexer.__dict__:
+        reason = "indexer_not_patched"
+    elif attention_mask is None or attention_mask.dim() != 4:
+        reason = "mask_shape"
+    elif attention_mask.shape[-1] <= indexer.token_budget + indexer.compress_ratio - 1:
+        reason = "not_sparser"           # every query may select the whole cache: plain attention
+    elif self.training and self.attention_dropout > 0:
+        reason = "dropout"
+    elif torch.is_grad_enabled() and (hidden_states.requires_grad or self.q_proj.weight.requires_grad):
+        reason = "autograd"              # hebrus::qsa_attention has no backward
+    elif _attentions_requested(kwargs):
+        reason = "output_attentions"
+    if reason is not None:
+        _STATS[f"sparse_attention_skipped:{reason}"] += 1
+        return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+
+    ind_record = indexer.__dict__[_PATCH]
+    ind_record["as_indices"] = True
+    try:                                 # through the module call, so indexer hooks still see its output
+        selection = indexer(hidden_states, position_embeddings, attention_mask, past_key_values)
+    finally:
+        ind_record["as_indices"] = False
+
+    # From here on transformers' Qwen4ExpTextAttention.forward (5.23.0), line for line.
+    position_embeddings = tuple(x[:, -hidden_states.shape[1]:, :] for x in position_embeddings)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = record["rope"](query_states, key_states, cos, sin)
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    interface = record["interfaces"].get_interface(self.config._attn_implementation, record["eager"])
+
+    batch, heads, length, _ = query_states.shape
+    kv = key_states.shape[-2]
+    if not isinstance(selection, _Selection) or selection.kv != kv:
+        # The indexer fell back to transformers' own (a dense mask), or a cache whose key count differs
+        # from the mask's: masked dense attention, as the original.
+        _STATS["sparse_attention_skipped:dense_mask"] += 1
+        selected = selection_mask(selection)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & selected
+        else:
+            attention_mask = attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
+        attn_output, attn_weights = interface(self, query_states, key_states, value_states, attention_mask,
+                                              dropout=0.0 if not self.training else self.attention_dropout,
+                                              scaling=self.scaling, **kwargs)
+    else:
+        hkv = key_states.shape[1]
+        # qsa_attention wants cells-major K/V ([cells, Hkv, D]); the cache is [B, Hkv, K, D], so this
+        # permute+reshape copies K and V once per call.
+        k_cells = key_states.permute(0, 2, 1, 3).reshape(batch * kv, hkv, key_states.shape[-1])
+        v_cells = value_states.permute(0, 2, 1, 3).reshape(batch * kv, hkv, value_states.shape[-1])
+        q = query_states.transpose(1, 2).reshape(batch * length, heads, query_states.shape[-1])
+        idx = selection.token_idx                                                # [B, T, W]
+        row_base = (torch.arange(batch, device=idx.device, dtype=torch.int32) * kv)[:, None, None]
+        cells = torch.where(idx >= 0, idx + row_base, -1)
+        if selection.any_empty:
+            # Queries that see nothing (left-padding positions): give them one cell for the op, then take
+            # transformers' own result for them below (a fully masked row: eager averages, sdpa as torch does).
+            cells[..., 0] = torch.where(selection.empty, row_base[..., 0], cells[..., 0])
+        out = hebrus_torch.qsa_attention(q, k_cells, v_cells, cells.reshape(batch * length, -1), self.scaling)
+        attn_output = out.view(batch, length, heads, -1)
+        if selection.any_empty:
+            rows = torch.nonzero(selection.empty.any(0)).flatten()              # query positions with an empty row
+            if attention_mask.dtype == torch.bool:
+                masked = attention_mask.new_zeros((batch, 1, rows.numel(), kv))
+            else:
+                masked = attention_mask.new_full((batch, 1, rows.numel(), kv), torch.finfo(attention_mask.dtype).min)
+            dense, _ = interface(self, query_states[:, :, rows], key_states, value_states, masked, dropout=0.0,
+                                 scaling=self.scaling, **kwargs)                 # [B, n, H, Dv]
+            keep = selection.empty[:, rows][..., None, None]
+            attn_output[:, rows] = torch.where(keep, dense.to(attn_output.dtype), attn_output[:, rows])
+        attn_weights = None
+        _STATS["sparse_attention_calls"] += 1
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = attn_output * torch.sigmoid(gate)
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
 
 
 # ------------------------------------------------------------------------------------------------
