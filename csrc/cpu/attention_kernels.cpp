@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "hebrus_check.h"
+#include "op_checks.h"
 
 // Vec values only ever live inside always_inline functions of one clone; no ABI crosses them.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -42,11 +43,6 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kKeyBlock = 32;
 // Query heads sharing one KV head that are processed in one pass over the keys (registers).
 constexpr int64_t kMaxHeadChunk = 8;
-
-void check_dims(const at::Tensor& t, int64_t n, const char* name) {
-  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::qsa_attention: ", name, " must be ", n, "-D, got shape ",
-               shape_str(t.sizes()));
-}
 
 #if defined(__GNUC__)
 #define HEBRUS_INLINE inline __attribute__((always_inline))
@@ -384,41 +380,9 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
                  "hebrus::qsa_attention: all tensors must be on one device; q is on ", q_in.device().str(), ", ",
                  name, " is on ", t->device().str());
   }
-  check_dims(q_in, 3, "q");
+  const QsaAttentionSizes sz = check_qsa_attention_args(q_in, k_in, v_in, token_cells_in, scale);
   const at::ScalarType dtype = q_in.scalar_type();
-  HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError,
-               "hebrus::qsa_attention: q must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
-               dtype_name(dtype));
-  check_dims(k_in, 3, "k");
-  check_dims(v_in, 3, "v");
-  HEBRUS_CHECK(k_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: k dtype ",
-               dtype_name(k_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
-  HEBRUS_CHECK(v_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: v dtype ",
-               dtype_name(v_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
-  check_dims(token_cells_in, 2, "token_cells");
-  HEBRUS_CHECK(token_cells_in.scalar_type() == at::kInt, HebrusError,
-               "hebrus::qsa_attention: token_cells must have dtype torch.int32, got ",
-               dtype_name(token_cells_in.scalar_type()));
-  const int64_t tq = q_in.size(0);
-  const int64_t hq = q_in.size(1);
-  const int64_t dh = q_in.size(2);
-  const int64_t cells = k_in.size(0);
-  const int64_t hkv = k_in.size(1);
-  HEBRUS_CHECK(hkv >= 1, HebrusError, "hebrus::qsa_attention: k must have Hkv >= 1 heads, got shape ",
-               shape_str(k_in.sizes()));
-  HEBRUS_CHECK(k_in.size(2) == dh, HebrusError, "hebrus::qsa_attention: k head dim ", k_in.size(2),
-               " must equal q head dim ", dh);
-  HEBRUS_CHECK(v_in.size(0) == cells && v_in.size(1) == hkv, HebrusError,
-               "hebrus::qsa_attention: v must have shape (cells, Hkv, Dv) with cells = ", cells, " and Hkv = ", hkv,
-               " like k, got ", shape_str(v_in.sizes()));
-  HEBRUS_CHECK(hq % hkv == 0, HebrusError, "hebrus::qsa_attention: query heads Hq = ", hq,
-               " must be a multiple of KV heads Hkv = ", hkv);
-  HEBRUS_CHECK(token_cells_in.size(0) == tq, HebrusError,
-               "hebrus::qsa_attention: token_cells must have one row per query (Tq = ", tq, "), got shape ",
-               shape_str(token_cells_in.sizes()));
-  HEBRUS_CHECK(std::isfinite(scale), HebrusError, "hebrus::qsa_attention: scale must be finite, got ", scale);
-  const int64_t dv = v_in.size(2);
-  const int64_t width = token_cells_in.size(1);
+  const int64_t tq = sz.tq, hq = sz.hq, dh = sz.dh, cells = sz.cells, hkv = sz.hkv, dv = sz.dv, width = sz.width;
 
   at::Tensor out = at::empty({tq, hq, dv}, q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (tq == 0) return out;

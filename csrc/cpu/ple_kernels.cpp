@@ -17,36 +17,18 @@
 #include <tuple>
 
 #include "hebrus_check.h"
+#include "op_checks.h"
 
 namespace hebrus {
 namespace {
 
 using at::Tensor;
 
-std::string shape_of(const Tensor& t) { return shape_str(t.sizes()); }
-
 void check_devices(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   for (const auto& [name, t] : tensors) {
     HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op,
                  ": all tensors must be on one device; the CPU kernel got ", name, " on ", t->device());
   }
-}
-
-void check_dims(const char* op, const Tensor& t, int64_t n, const char* name) {
-  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ", shape_of(t));
-}
-
-void check_dtype(const char* op, const Tensor& t, at::ScalarType dtype, const char* name) {
-  HEBRUS_CHECK(t.scalar_type() == dtype, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
-               dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
-}
-
-// cu_seqlens metadata; returns B.
-int64_t check_cu_meta(const char* op, const Tensor& cu_seqlens) {
-  check_dims(op, cu_seqlens, 1, "cu_seqlens");
-  check_dtype(op, cu_seqlens, at::kInt, "cu_seqlens");
-  HEBRUS_CHECK(cu_seqlens.size(0) >= 1, HebrusError, "hebrus::", op, ": cu_seqlens must have B+1 >= 1 entries");
-  return cu_seqlens.size(0) - 1;
 }
 
 // cu_seqlens values: 0 first, non-decreasing, T last. Returns the contiguous copy the kernel reads.
@@ -101,31 +83,9 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
   const char* op = "ple_ngram_ids";
   check_devices(op, {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
                      {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
-  check_dtype(op, tokens, at::kLong, "tokens");
-  check_dtype(op, history, at::kLong, "history");
-  check_dtype(op, multipliers, at::kLong, "multipliers");
-  check_dtype(op, vocab_sizes, at::kLong, "vocab_sizes");
-  check_dtype(op, offsets, at::kLong, "offsets");
-  check_dims(op, tokens, 1, "tokens");
-  check_dims(op, multipliers, 1, "multipliers");
-  check_dims(op, vocab_sizes, 1, "vocab_sizes");
-  check_dims(op, offsets, 1, "offsets");
-  check_dims(op, history, 2, "history");
-  const int64_t batch = check_cu_meta(op, cu_seqlens);
-  const int64_t n = multipliers.size(0);
-  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
-  const int64_t ctx = n - 1;
-  const int64_t heads = vocab_sizes.size(0);
-  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
-               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
-  HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
-               " entries like vocab_sizes, got ", offsets.size(0));
-  HEBRUS_CHECK(history.size(0) == batch && history.size(1) == ctx, HebrusError, "hebrus::", op,
-               ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_of(history));
-  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
-  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab,
-               ")");
-  const int64_t total = tokens.size(0);
+  const PleNgramIdsSizes sz =
+      check_ple_ngram_ids_args(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab);
+  const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
   const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
   const Tensor tok_t = tokens.contiguous(), hist_t = history.contiguous(), mult_t = multipliers.contiguous();
   const Tensor sizes_t = vocab_sizes.contiguous(), off_t = offsets.contiguous();
@@ -254,31 +214,11 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
                                         const Tensor& state, int64_t dilation, c10::string_view activation) {
   const char* op = "ple_conv";
   check_devices(op, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
-  check_dims(op, x, 2, "x");
-  check_dims(op, weight, 2, "weight");
-  check_dims(op, state, 3, "state");
+  const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation);
+  const int64_t batch = sz.batch;
+  const bool silu = sz.silu;
   const auto dtype = x.scalar_type();
-  HEBRUS_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, HebrusError, "hebrus::", op,
-               ": x must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ", dtype_name(dtype));
-  HEBRUS_CHECK(weight.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ",
-               dtype_name(weight.scalar_type()), " must match x dtype ", dtype_name(dtype));
-  HEBRUS_CHECK(state.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ",
-               dtype_name(state.scalar_type()), " must match x dtype ", dtype_name(dtype));
-  const int64_t batch = check_cu_meta(op, cu_seqlens);
-  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
-  const bool silu = activation == "silu";
-  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
-               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
-  const int64_t channels = x.size(1), width = weight.size(1);
-  HEBRUS_CHECK(weight.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
-               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_of(weight));
-  int64_t state_len = 0;
-  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
-  HEBRUS_CHECK(len_ok && state.size(0) == batch && state.size(1) == state_len && state.size(2) == channels,
-               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
-               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
-               channels, "), got ", shape_of(state));
-  const Tensor cu_t = check_cu_values(op, cu_seqlens, x.size(0));
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
 
   const Tensor xc = x.contiguous(), sc = state.contiguous();
   // fp32 [K, C] copy of the weight so the inner loop over channels reads it contiguously.

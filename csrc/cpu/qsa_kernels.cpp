@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "hebrus_check.h"
+#include "op_checks.h"
 
 namespace hebrus {
 namespace {
@@ -31,24 +32,6 @@ constexpr int64_t kGroupTile = 64;         // pooled keys per tile, reused acros
 constexpr int64_t kQueryBlockBytes = 64 * 1024;
 constexpr int64_t kMaxQueryBlock = 32;
 constexpr int64_t kMinSplitGroups = 1024;  // smallest group range worth its own task when splitting
-
-bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-void check_dims(const at::Tensor& t, int64_t n, const char* op, const char* name) {
-  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ",
-               shape_str(t.sizes()));
-}
-
-void check_float(const at::Tensor& t, const char* op, const char* name) {
-  HEBRUS_CHECK(is_float_dtype(t.scalar_type()), HebrusError, "hebrus::", op, ": ", name,
-               " must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
-               dtype_name(t.scalar_type()));
-}
-
-void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
-  HEBRUS_CHECK(t.scalar_type() == want, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
-               dtype_name(want), ", got ", dtype_name(t.scalar_type()));
-}
 
 void check_cpu(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   const auto& first = *tensors.begin();
@@ -159,32 +142,9 @@ at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in
   const char* op = "qsa_pool";
   check_cpu(op, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
                  {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
-  check_dims(keys_in, 2, op, "keys");
-  check_float(keys_in, op, "keys");
-  check_dims(cell_pos_in, 1, op, "cell_pos");
-  check_dtype(cell_pos_in, at::kLong, op, "cell_pos");
-  check_dims(group_cells_in, 2, op, "group_cells");
-  check_dtype(group_cells_in, at::kInt, op, "group_cells");
-  check_dims(group_pos_in, 1, op, "group_pos");
-  check_dtype(group_pos_in, at::kLong, op, "group_pos");
-  check_dims(norm_weight, 1, op, "norm_weight");
-  check_float(norm_weight, op, "norm_weight");
-  check_dims(inv_freq_in, 1, op, "inv_freq");
-  check_dtype(inv_freq_in, at::kFloat, op, "inv_freq");
-  const int64_t cells = keys_in.size(0);
-  const int64_t dim = keys_in.size(1);
-  const int64_t groups = group_cells_in.size(0);
-  const int64_t r = group_cells_in.size(1);
-  const int64_t half = inv_freq_in.size(0);
-  HEBRUS_CHECK(cell_pos_in.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
-               cells, "), got ", cell_pos_in.size(0));
-  HEBRUS_CHECK(r >= 1, HebrusError, "hebrus::qsa_pool: group_cells must have r >= 1 columns");
-  HEBRUS_CHECK(group_pos_in.size(0) == groups, HebrusError,
-               "hebrus::qsa_pool: group_pos must have one entry per group (", groups, "), got ", group_pos_in.size(0));
-  HEBRUS_CHECK(norm_weight.size(0) == dim, HebrusError, "hebrus::qsa_pool: norm_weight must have D = ", dim,
-               " entries, got ", norm_weight.size(0));
-  HEBRUS_CHECK(2 * half <= dim, HebrusError, "hebrus::qsa_pool: rotary dims 2*", half, " exceed head dim ", dim);
-  HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::qsa_pool: eps must be >= 0, got ", eps);
+  const QsaPoolSizes sz =
+      check_qsa_pool_args(keys_in, cell_pos_in, group_cells_in, group_pos_in, norm_weight, eps, inv_freq_in);
+  const int64_t cells = sz.cells, dim = sz.dim, groups = sz.groups, r = sz.r, half = sz.half;
   HEBRUS_CHECK(dim <= kMaxHeadDim, HebrusError, "hebrus::qsa_pool: head dim D must be at most ", kMaxHeadDim,
                " on CPU, got ", dim);
 
@@ -425,28 +385,8 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
   const char* op = "qsa_select";
   check_cpu(op, {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in}, {"q_row", &q_row_in},
                  {"q_groups", &q_groups_in}});
-  check_dims(q_in, 3, op, "q");
-  check_float(q_in, op, "q");
-  check_dims(pooled_in, 2, op, "pooled");
-  check_float(pooled_in, op, "pooled");
-  check_dims(seq_groups_in, 2, op, "seq_groups");
-  check_dtype(seq_groups_in, at::kInt, op, "seq_groups");
-  check_dims(q_row_in, 1, op, "q_row");
-  check_dtype(q_row_in, at::kInt, op, "q_row");
-  check_dims(q_groups_in, 1, op, "q_groups");
-  check_dtype(q_groups_in, at::kInt, op, "q_groups");
-  const int64_t tq = q_in.size(0);
-  const int64_t hq = q_in.size(1);
-  const int64_t dim = q_in.size(2);
-  const int64_t rows = pooled_in.size(0);
-  const int64_t batch = seq_groups_in.size(0);
-  const int64_t max_g = seq_groups_in.size(1);
-  HEBRUS_CHECK(dim == pooled_in.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim,
-               " must equal pooled dim ", pooled_in.size(1));
-  HEBRUS_CHECK(q_row_in.size(0) == tq && q_groups_in.size(0) == tq, HebrusError,
-               "hebrus::qsa_select: q_row and q_groups must have Tq = ", tq, " entries, got ", q_row_in.size(0),
-               " and ", q_groups_in.size(0));
-  HEBRUS_CHECK(top_k >= 1, HebrusError, "hebrus::qsa_select: top_k must be >= 1, got ", top_k);
+  const QsaSelectSizes sz = check_qsa_select_args(q_in, pooled_in, seq_groups_in, q_row_in, q_groups_in, top_k);
+  const int64_t tq = sz.tq, hq = sz.hq, dim = sz.dim, rows = sz.rows, batch = sz.batch, max_g = sz.max_groups;
   HEBRUS_CHECK(top_k <= kMaxTopK, HebrusError, "hebrus::qsa_select: top_k must be at most ", kMaxTopK,
                " on CPU, got ", top_k);
   HEBRUS_CHECK(hq <= kMaxQueryHeads, HebrusError, "hebrus::qsa_select: query heads Hq must be at most ",

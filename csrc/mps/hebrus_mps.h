@@ -106,7 +106,8 @@ inline const char* metal_type(const char* op, at::ScalarType t) {
   return "";
 }
 
-// ---- checks (messages as hebrus_torch/_validate.py and the CPU kernels word them) ----------------
+// ---- checks (messages as hebrus_torch/_validate.py and the CPU kernels word them; the metadata checks
+// shared with the CPU kernels are in csrc/op_checks.h) -----------------------------------------------
 
 inline void check_on_mps(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   const auto& first = *tensors.begin();
@@ -114,32 +115,6 @@ inline void check_on_mps(const char* op, std::initializer_list<std::pair<const c
     HEBRUS_CHECK(t->device().is_mps(), HebrusError, "hebrus::", op, ": all tensors must be on one device; ",
                  first.first, " is on ", first.second->device().str(), ", ", name, " is on ", t->device().str());
   }
-}
-
-inline void check_dims(const char* op, const Tensor& t, int64_t n, const char* name) {
-  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ",
-               shape_str(t.sizes()));
-}
-
-inline void check_dtype(const char* op, const Tensor& t, at::ScalarType want, const char* name) {
-  HEBRUS_CHECK(t.scalar_type() == want, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
-               dtype_name(want), ", got ", dtype_name(t.scalar_type()));
-}
-
-inline bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-inline void check_float(const char* op, const Tensor& t, const char* name) {
-  HEBRUS_CHECK(is_float(t.scalar_type()), HebrusError, "hebrus::", op, ": ", name,
-               " must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
-               dtype_name(t.scalar_type()));
-}
-
-// cu_seqlens metadata; returns B.
-inline int64_t check_cu_meta(const char* op, const Tensor& cu_seqlens) {
-  check_dims(op, cu_seqlens, 1, "cu_seqlens");
-  check_dtype(op, cu_seqlens, at::kInt, "cu_seqlens");
-  HEBRUS_CHECK(cu_seqlens.size(0) >= 1, HebrusError, "hebrus::", op, ": cu_seqlens must have B+1 >= 1 entries");
-  return cu_seqlens.size(0) - 1;
 }
 
 inline void check_plan(const char* op, const char* error) {

@@ -3,6 +3,7 @@
 // Linux emulator also runs), then reads the error slots back: bad cu_seqlens raise the CPU
 // kernel's message and nothing is returned.
 #include "hebrus_mps.h"
+#include "op_checks.h"
 
 #include <c10/util/string_view.h>
 #include <torch/library.h>
@@ -16,29 +17,10 @@ std::tuple<Tensor, Tensor> ple_conv_mps(const Tensor& x_in, const Tensor& weight
                                         const Tensor& state_in, int64_t dilation, c10::string_view activation) {
   const char* op = "ple_conv";
   check_on_mps(op, {{"x", &x_in}, {"weight", &weight_in}, {"cu_seqlens", &cu_in}, {"state", &state_in}});
-  check_dims(op, x_in, 2, "x");
-  check_dims(op, weight_in, 2, "weight");
-  check_dims(op, state_in, 3, "state");
-  check_float(op, x_in, "x");
+  const PleConvSizes sz = check_ple_conv_args(x_in, weight_in, cu_in, state_in, dilation, activation);
+  const int64_t batch = sz.batch, total = sz.total, channels = sz.channels, width = sz.width;
+  const bool silu = sz.silu;
   const auto dtype = x_in.scalar_type();
-  HEBRUS_CHECK(weight_in.scalar_type() == dtype, HebrusError, "hebrus::", op, ": weight dtype ",
-               dtype_name(weight_in.scalar_type()), " must match x dtype ", dtype_name(dtype));
-  HEBRUS_CHECK(state_in.scalar_type() == dtype, HebrusError, "hebrus::", op, ": state dtype ",
-               dtype_name(state_in.scalar_type()), " must match x dtype ", dtype_name(dtype));
-  const int64_t batch = check_cu_meta(op, cu_in);
-  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
-  const bool silu = activation == "silu";
-  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
-               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
-  const int64_t total = x_in.size(0), channels = x_in.size(1), width = weight_in.size(1);
-  HEBRUS_CHECK(weight_in.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
-               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_str(weight_in.sizes()));
-  int64_t state_len = 0;
-  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
-  HEBRUS_CHECK(len_ok && state_in.size(0) == batch && state_in.size(1) == state_len && state_in.size(2) == channels,
-               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
-               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
-               channels, "), got ", shape_str(state_in.sizes()));
   const char* type = metal_type(op, dtype);
 
   if (batch == 0 || channels == 0) {  // no thread would look at cu_seqlens: check it here

@@ -2,6 +2,7 @@
 // Metadata checks as the CPU kernel; values (cu_seqlens, token and history ids, vocab sizes) are
 // checked by the kernel and raised here, in the CPU kernel's order, after the launch.
 #include "hebrus_mps.h"
+#include "op_checks.h"
 
 #include <torch/library.h>
 
@@ -16,31 +17,9 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_mps(const Tensor& tokens_in, const Tens
   const char* op = "ple_ngram_ids";
   check_on_mps(op, {{"tokens", &tokens_in}, {"cu_seqlens", &cu_in}, {"history", &history_in},
                     {"multipliers", &multipliers_in}, {"vocab_sizes", &vocab_sizes_in}, {"offsets", &offsets_in}});
-  check_dtype(op, tokens_in, at::kLong, "tokens");
-  check_dtype(op, history_in, at::kLong, "history");
-  check_dtype(op, multipliers_in, at::kLong, "multipliers");
-  check_dtype(op, vocab_sizes_in, at::kLong, "vocab_sizes");
-  check_dtype(op, offsets_in, at::kLong, "offsets");
-  check_dims(op, tokens_in, 1, "tokens");
-  check_dims(op, multipliers_in, 1, "multipliers");
-  check_dims(op, vocab_sizes_in, 1, "vocab_sizes");
-  check_dims(op, offsets_in, 1, "offsets");
-  check_dims(op, history_in, 2, "history");
-  const int64_t batch = check_cu_meta(op, cu_in);
-  const int64_t n = multipliers_in.size(0);
-  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
-  const int64_t ctx = n - 1;
-  const int64_t heads = vocab_sizes_in.size(0);
-  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
-               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
-  HEBRUS_CHECK(offsets_in.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
-               " entries like vocab_sizes, got ", offsets_in.size(0));
-  HEBRUS_CHECK(history_in.size(0) == batch && history_in.size(1) == ctx, HebrusError, "hebrus::", op,
-               ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_str(history_in.sizes()));
-  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
-  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab,
-               ")");
-  const int64_t total = tokens_in.size(0);
+  const PleNgramIdsSizes sz =
+      check_ple_ngram_ids_args(tokens_in, cu_in, history_in, multipliers_in, vocab_sizes_in, offsets_in, eos, vocab);
+  const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
 
   if (batch == 0) {  // no row threads: check cu_seqlens here (T must be 0)
     check_cu_values_on_host(op, cu_in, total);

@@ -7,6 +7,7 @@
 // anything is returned. Shapes where no kernel thread would look at token_cells (Hq = 0, Dv = 0 or
 // no cells) are checked on a host copy instead.
 #include "hebrus_mps.h"
+#include "op_checks.h"
 
 #include <torch/library.h>
 
@@ -46,33 +47,9 @@ Tensor qsa_attention_mps(const Tensor& q_in, const Tensor& k_in, const Tensor& v
                          double scale) {
   const char* op = "qsa_attention";
   check_on_mps(op, {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}});
-  check_dims(op, q_in, 3, "q");
-  check_float(op, q_in, "q");
-  check_dims(op, k_in, 3, "k");
-  check_dims(op, v_in, 3, "v");
+  const QsaAttentionSizes sz = check_qsa_attention_args(q_in, k_in, v_in, token_cells_in, scale);
   const auto dtype = q_in.scalar_type();
-  HEBRUS_CHECK(k_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: k dtype ",
-               dtype_name(k_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
-  HEBRUS_CHECK(v_in.scalar_type() == dtype, HebrusError, "hebrus::qsa_attention: v dtype ",
-               dtype_name(v_in.scalar_type()), " must match q dtype ", dtype_name(dtype));
-  check_dims(op, token_cells_in, 2, "token_cells");
-  check_dtype(op, token_cells_in, at::kInt, "token_cells");
-  const int64_t tq = q_in.size(0), hq = q_in.size(1), dh = q_in.size(2);
-  const int64_t cells = k_in.size(0), hkv = k_in.size(1);
-  HEBRUS_CHECK(hkv >= 1, HebrusError, "hebrus::qsa_attention: k must have Hkv >= 1 heads, got shape ",
-               shape_str(k_in.sizes()));
-  HEBRUS_CHECK(k_in.size(2) == dh, HebrusError, "hebrus::qsa_attention: k head dim ", k_in.size(2),
-               " must equal q head dim ", dh);
-  HEBRUS_CHECK(v_in.size(0) == cells && v_in.size(1) == hkv, HebrusError,
-               "hebrus::qsa_attention: v must have shape (cells, Hkv, Dv) with cells = ", cells, " and Hkv = ", hkv,
-               " like k, got ", shape_str(v_in.sizes()));
-  HEBRUS_CHECK(hq % hkv == 0, HebrusError, "hebrus::qsa_attention: query heads Hq = ", hq,
-               " must be a multiple of KV heads Hkv = ", hkv);
-  HEBRUS_CHECK(token_cells_in.size(0) == tq, HebrusError,
-               "hebrus::qsa_attention: token_cells must have one row per query (Tq = ", tq, "), got shape ",
-               shape_str(token_cells_in.sizes()));
-  HEBRUS_CHECK(std::isfinite(scale), HebrusError, "hebrus::qsa_attention: scale must be finite, got ", scale);
-  const int64_t dv = v_in.size(2), width = token_cells_in.size(1);
+  const int64_t tq = sz.tq, hq = sz.hq, dh = sz.dh, cells = sz.cells, hkv = sz.hkv, dv = sz.dv, width = sz.width;
   const char* type = metal_type(op, dtype);
 
   if (tq == 0) return at::empty({0, hq, dv}, q_in.options());

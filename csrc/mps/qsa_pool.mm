@@ -5,6 +5,7 @@
 // index out of range) with the reference's message, before anything is returned: a failing call
 // publishes nothing.
 #include "hebrus_mps.h"
+#include "op_checks.h"
 
 #include <torch/library.h>
 
@@ -16,29 +17,9 @@ Tensor qsa_pool_mps(const Tensor& keys_in, const Tensor& cell_pos_in, const Tens
   const char* op = "qsa_pool";
   check_on_mps(op, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
                     {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight_in}, {"inv_freq", &inv_freq_in}});
-  check_dims(op, keys_in, 2, "keys");
-  check_float(op, keys_in, "keys");
-  check_dims(op, cell_pos_in, 1, "cell_pos");
-  check_dtype(op, cell_pos_in, at::kLong, "cell_pos");
-  check_dims(op, group_cells_in, 2, "group_cells");
-  check_dtype(op, group_cells_in, at::kInt, "group_cells");
-  check_dims(op, group_pos_in, 1, "group_pos");
-  check_dtype(op, group_pos_in, at::kLong, "group_pos");
-  check_dims(op, norm_weight_in, 1, "norm_weight");
-  check_float(op, norm_weight_in, "norm_weight");
-  check_dims(op, inv_freq_in, 1, "inv_freq");
-  check_dtype(op, inv_freq_in, at::kFloat, "inv_freq");
-  const int64_t cells = keys_in.size(0), dim = keys_in.size(1);
-  const int64_t groups = group_cells_in.size(0), r = group_cells_in.size(1), half = inv_freq_in.size(0);
-  HEBRUS_CHECK(cell_pos_in.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
-               cells, "), got ", cell_pos_in.size(0));
-  HEBRUS_CHECK(r >= 1, HebrusError, "hebrus::qsa_pool: group_cells must have r >= 1 columns");
-  HEBRUS_CHECK(group_pos_in.size(0) == groups, HebrusError,
-               "hebrus::qsa_pool: group_pos must have one entry per group (", groups, "), got ", group_pos_in.size(0));
-  HEBRUS_CHECK(norm_weight_in.size(0) == dim, HebrusError, "hebrus::qsa_pool: norm_weight must have D = ", dim,
-               " entries, got ", norm_weight_in.size(0));
-  HEBRUS_CHECK(2 * half <= dim, HebrusError, "hebrus::qsa_pool: rotary dims 2*", half, " exceed head dim ", dim);
-  HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::qsa_pool: eps must be >= 0, got ", eps);
+  const QsaPoolSizes sz =
+      check_qsa_pool_args(keys_in, cell_pos_in, group_cells_in, group_pos_in, norm_weight_in, eps, inv_freq_in);
+  const int64_t cells = sz.cells, dim = sz.dim, groups = sz.groups, r = sz.r, half = sz.half;
   const char* type = metal_type(op, keys_in.scalar_type());
 
   if (groups == 0) return at::empty({0, dim}, keys_in.options());

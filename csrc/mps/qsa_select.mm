@@ -4,6 +4,7 @@
 // different dtypes are both widened to fp32, which is exact. Bad q_row / q_groups / seq_groups
 // entries are found by the kernel and raised here with the reference's messages.
 #include "hebrus_mps.h"
+#include "op_checks.h"
 
 #include <torch/library.h>
 
@@ -17,24 +18,8 @@ Tensor qsa_select_mps(const Tensor& q_in, const Tensor& pooled_in, const Tensor&
   const char* op = "qsa_select";
   check_on_mps(op, {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in}, {"q_row", &q_row_in},
                     {"q_groups", &q_groups_in}});
-  check_dims(op, q_in, 3, "q");
-  check_float(op, q_in, "q");
-  check_dims(op, pooled_in, 2, "pooled");
-  check_float(op, pooled_in, "pooled");
-  check_dims(op, seq_groups_in, 2, "seq_groups");
-  check_dtype(op, seq_groups_in, at::kInt, "seq_groups");
-  check_dims(op, q_row_in, 1, "q_row");
-  check_dtype(op, q_row_in, at::kInt, "q_row");
-  check_dims(op, q_groups_in, 1, "q_groups");
-  check_dtype(op, q_groups_in, at::kInt, "q_groups");
-  const int64_t tq = q_in.size(0), hq = q_in.size(1), dim = q_in.size(2);
-  const int64_t rows = pooled_in.size(0), batch = seq_groups_in.size(0), max_groups = seq_groups_in.size(1);
-  HEBRUS_CHECK(dim == pooled_in.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim,
-               " must equal pooled dim ", pooled_in.size(1));
-  HEBRUS_CHECK(q_row_in.size(0) == tq && q_groups_in.size(0) == tq, HebrusError,
-               "hebrus::qsa_select: q_row and q_groups must have Tq = ", tq, " entries, got ", q_row_in.size(0),
-               " and ", q_groups_in.size(0));
-  HEBRUS_CHECK(top_k >= 1, HebrusError, "hebrus::qsa_select: top_k must be >= 1, got ", top_k);
+  const QsaSelectSizes sz = check_qsa_select_args(q_in, pooled_in, seq_groups_in, q_row_in, q_groups_in, top_k);
+  const int64_t tq = sz.tq, hq = sz.hq, dim = sz.dim, rows = sz.rows, batch = sz.batch, max_groups = sz.max_groups;
 
   if (tq == 0) return at::full({0, top_k}, -1, q_in.options().dtype(at::kInt));
   const bool same = q_in.scalar_type() == pooled_in.scalar_type();

@@ -54,7 +54,8 @@ def inputs_digest(cxx: str = "g++") -> str:
 
     h = hashlib.sha1(torch.__version__.encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
-    paths = [*mm_files(), *glob.glob(os.path.join(REPO, "csrc", "mps", "*.h")), os.path.join(REPO, "csrc", "hebrus_check.h"),
+    paths = [*mm_files(), *glob.glob(os.path.join(REPO, "csrc", "mps", "*.h")),
+             *glob.glob(os.path.join(REPO, "csrc", "*.h")),
              *glob.glob(os.path.join(REPO, "mps_kernels", "*")), os.path.abspath(__file__)]
     for p in sorted(paths):
         if os.path.isfile(p):

@@ -1,0 +1,251 @@
+#pragma once
+// Device-independent metadata checks of the hebrus ops, shared by the CPU kernels (csrc/cpu/*.cpp)
+// and the MPS glue (csrc/mps/*.mm). Each check_<op>_args checks dims, dtypes, shapes and scalar
+// arguments in the order and with the messages of hebrus_torch/_validate.py, and returns the sizes
+// its callers need. What stays with each backend: the device check (run before these), limits of
+// that backend (CPU scratch sizes, MPS launch plans), and value checks that read tensor data.
+//
+// Plain C++ (no Objective-C), header-only: the .mm files also type-check as C++ on Linux.
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "hebrus_check.h"
+
+namespace hebrus {
+
+// ---- generic checks ---------------------------------------------------------------------------------
+
+inline void check_dims(const char* op, const at::Tensor& t, int64_t n, const char* name) {
+  HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ",
+               shape_str(t.sizes()));
+}
+
+inline void check_dtype(const char* op, const at::Tensor& t, at::ScalarType want, const char* name) {
+  HEBRUS_CHECK(t.scalar_type() == want, HebrusError, "hebrus::", op, ": ", name, " must have dtype ",
+               dtype_name(want), ", got ", dtype_name(t.scalar_type()));
+}
+
+inline bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+inline void check_float(const char* op, const at::Tensor& t, const char* name) {
+  HEBRUS_CHECK(is_float_dtype(t.scalar_type()), HebrusError, "hebrus::", op, ": ", name,
+               " must have dtype torch.float32 or torch.float16 or torch.bfloat16, got ",
+               dtype_name(t.scalar_type()));
+}
+
+// t (named `name`) must have the dtype of ref (named `ref_name`).
+inline void check_same_dtype(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
+                             const char* ref_name) {
+  HEBRUS_CHECK(t.scalar_type() == ref.scalar_type(), HebrusError, "hebrus::", op, ": ", name, " dtype ",
+               dtype_name(t.scalar_type()), " must match ", ref_name, " dtype ", dtype_name(ref.scalar_type()));
+}
+
+// cu_seqlens metadata; returns B. Its values (0 first, non-decreasing, T last) are each backend's.
+inline int64_t check_cu_meta(const char* op, const at::Tensor& cu_seqlens) {
+  check_dims(op, cu_seqlens, 1, "cu_seqlens");
+  check_dtype(op, cu_seqlens, at::kInt, "cu_seqlens");
+  HEBRUS_CHECK(cu_seqlens.size(0) >= 1, HebrusError, "hebrus::", op, ": cu_seqlens must have B+1 >= 1 entries");
+  return cu_seqlens.size(0) - 1;
+}
+
+// ---- ple_ngram_ids ----------------------------------------------------------------------------------
+
+struct PleNgramIdsSizes {
+  int64_t batch;  // B
+  int64_t n;      // N (ngram size)
+  int64_t ctx;    // N - 1
+  int64_t heads;  // (N-1)*H
+  int64_t total;  // T
+};
+
+inline PleNgramIdsSizes check_ple_ngram_ids_args(const at::Tensor& tokens, const at::Tensor& cu_seqlens,
+                                                 const at::Tensor& history, const at::Tensor& multipliers,
+                                                 const at::Tensor& vocab_sizes, const at::Tensor& offsets, int64_t eos,
+                                                 int64_t vocab) {
+  const char* op = "ple_ngram_ids";
+  check_dtype(op, tokens, at::kLong, "tokens");
+  check_dtype(op, history, at::kLong, "history");
+  check_dtype(op, multipliers, at::kLong, "multipliers");
+  check_dtype(op, vocab_sizes, at::kLong, "vocab_sizes");
+  check_dtype(op, offsets, at::kLong, "offsets");
+  check_dims(op, tokens, 1, "tokens");
+  check_dims(op, multipliers, 1, "multipliers");
+  check_dims(op, vocab_sizes, 1, "vocab_sizes");
+  check_dims(op, offsets, 1, "offsets");
+  check_dims(op, history, 2, "history");
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  const int64_t n = multipliers.size(0);
+  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
+  const int64_t ctx = n - 1;
+  const int64_t heads = vocab_sizes.size(0);
+  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
+               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
+  HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
+               " entries like vocab_sizes, got ", offsets.size(0));
+  HEBRUS_CHECK(history.size(0) == batch && history.size(1) == ctx, HebrusError, "hebrus::", op,
+               ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_str(history.sizes()));
+  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
+  HEBRUS_CHECK(eos >= 0 && eos < vocab, HebrusError, "hebrus::", op, ": eos ", eos, " must lie in [0, vocab=", vocab,
+               ")");
+  return {batch, n, ctx, heads, tokens.size(0)};
+}
+
+// ---- ple_conv ---------------------------------------------------------------------------------------
+
+struct PleConvSizes {
+  int64_t batch;      // B
+  int64_t total;      // T
+  int64_t channels;   // C
+  int64_t width;      // K
+  int64_t state_len;  // (K-1)*dilation
+  bool silu;          // activation == "silu" (else "none")
+};
+
+inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
+                                        const at::Tensor& state, int64_t dilation, c10::string_view activation) {
+  const char* op = "ple_conv";
+  check_dims(op, x, 2, "x");
+  check_dims(op, weight, 2, "weight");
+  check_dims(op, state, 3, "state");
+  check_float(op, x, "x");
+  check_same_dtype(op, weight, "weight", x, "x");
+  check_same_dtype(op, state, "state", x, "x");
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
+  const bool silu = activation == "silu";
+  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
+               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
+  const int64_t channels = x.size(1), width = weight.size(1);
+  HEBRUS_CHECK(weight.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
+               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_str(weight.sizes()));
+  int64_t state_len = 0;
+  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
+  HEBRUS_CHECK(len_ok && state.size(0) == batch && state.size(1) == state_len && state.size(2) == channels,
+               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
+               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
+               channels, "), got ", shape_str(state.sizes()));
+  return {batch, x.size(0), channels, width, state_len, silu};
+}
+
+// ---- qsa_pool ---------------------------------------------------------------------------------------
+
+struct QsaPoolSizes {
+  int64_t cells;   // keys.size(0)
+  int64_t dim;     // D
+  int64_t groups;  // G
+  int64_t r;       // members per group
+  int64_t half;    // rotary pairs (inv_freq entries)
+};
+
+inline QsaPoolSizes check_qsa_pool_args(const at::Tensor& keys, const at::Tensor& cell_pos,
+                                        const at::Tensor& group_cells, const at::Tensor& group_pos,
+                                        const at::Tensor& norm_weight, double eps, const at::Tensor& inv_freq) {
+  const char* op = "qsa_pool";
+  check_dims(op, keys, 2, "keys");
+  check_float(op, keys, "keys");
+  check_dims(op, cell_pos, 1, "cell_pos");
+  check_dtype(op, cell_pos, at::kLong, "cell_pos");
+  check_dims(op, group_cells, 2, "group_cells");
+  check_dtype(op, group_cells, at::kInt, "group_cells");
+  check_dims(op, group_pos, 1, "group_pos");
+  check_dtype(op, group_pos, at::kLong, "group_pos");
+  check_dims(op, norm_weight, 1, "norm_weight");
+  check_float(op, norm_weight, "norm_weight");
+  check_dims(op, inv_freq, 1, "inv_freq");
+  check_dtype(op, inv_freq, at::kFloat, "inv_freq");
+  const int64_t cells = keys.size(0), dim = keys.size(1);
+  const int64_t groups = group_cells.size(0), r = group_cells.size(1), half = inv_freq.size(0);
+  HEBRUS_CHECK(cell_pos.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
+               cells, "), got ", cell_pos.size(0));
+  HEBRUS_CHECK(r >= 1, HebrusError, "hebrus::qsa_pool: group_cells must have r >= 1 columns");
+  HEBRUS_CHECK(group_pos.size(0) == groups, HebrusError,
+               "hebrus::qsa_pool: group_pos must have one entry per group (", groups, "), got ", group_pos.size(0));
+  HEBRUS_CHECK(norm_weight.size(0) == dim, HebrusError, "hebrus::qsa_pool: norm_weight must have D = ", dim,
+               " entries, got ", norm_weight.size(0));
+  HEBRUS_CHECK(2 * half <= dim, HebrusError, "hebrus::qsa_pool: rotary dims 2*", half, " exceed head dim ", dim);
+  HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::qsa_pool: eps must be >= 0, got ", eps);
+  return {cells, dim, groups, r, half};
+}
+
+// ---- qsa_select -------------------------------------------------------------------------------------
+
+struct QsaSelectSizes {
+  int64_t tq;          // queries
+  int64_t hq;          // query heads
+  int64_t dim;         // D
+  int64_t rows;        // pooled rows
+  int64_t batch;       // B (seq_groups rows)
+  int64_t max_groups;  // maxG (seq_groups columns)
+};
+
+inline QsaSelectSizes check_qsa_select_args(const at::Tensor& q, const at::Tensor& pooled,
+                                            const at::Tensor& seq_groups, const at::Tensor& q_row,
+                                            const at::Tensor& q_groups, int64_t top_k) {
+  const char* op = "qsa_select";
+  check_dims(op, q, 3, "q");
+  check_float(op, q, "q");
+  check_dims(op, pooled, 2, "pooled");
+  check_float(op, pooled, "pooled");
+  check_dims(op, seq_groups, 2, "seq_groups");
+  check_dtype(op, seq_groups, at::kInt, "seq_groups");
+  check_dims(op, q_row, 1, "q_row");
+  check_dtype(op, q_row, at::kInt, "q_row");
+  check_dims(op, q_groups, 1, "q_groups");
+  check_dtype(op, q_groups, at::kInt, "q_groups");
+  const int64_t tq = q.size(0), hq = q.size(1), dim = q.size(2);
+  const int64_t rows = pooled.size(0), batch = seq_groups.size(0), max_groups = seq_groups.size(1);
+  HEBRUS_CHECK(dim == pooled.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim, " must equal pooled dim ",
+               pooled.size(1));
+  HEBRUS_CHECK(q_row.size(0) == tq && q_groups.size(0) == tq, HebrusError,
+               "hebrus::qsa_select: q_row and q_groups must have Tq = ", tq, " entries, got ", q_row.size(0), " and ",
+               q_groups.size(0));
+  HEBRUS_CHECK(top_k >= 1, HebrusError, "hebrus::qsa_select: top_k must be >= 1, got ", top_k);
+  return {tq, hq, dim, rows, batch, max_groups};
+}
+
+// ---- qsa_attention ----------------------------------------------------------------------------------
+
+struct QsaAttentionSizes {
+  int64_t tq;     // queries
+  int64_t hq;     // query heads
+  int64_t dh;     // q / k head dim
+  int64_t cells;  // k / v rows
+  int64_t hkv;    // KV heads
+  int64_t dv;     // v head dim
+  int64_t width;  // token_cells columns
+};
+
+inline QsaAttentionSizes check_qsa_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& token_cells, double scale) {
+  const char* op = "qsa_attention";
+  check_dims(op, q, 3, "q");
+  check_float(op, q, "q");
+  check_dims(op, k, 3, "k");
+  check_dims(op, v, 3, "v");
+  check_same_dtype(op, k, "k", q, "q");
+  check_same_dtype(op, v, "v", q, "q");
+  check_dims(op, token_cells, 2, "token_cells");
+  check_dtype(op, token_cells, at::kInt, "token_cells");
+  const int64_t tq = q.size(0), hq = q.size(1), dh = q.size(2);
+  const int64_t cells = k.size(0), hkv = k.size(1);
+  HEBRUS_CHECK(hkv >= 1, HebrusError, "hebrus::qsa_attention: k must have Hkv >= 1 heads, got shape ",
+               shape_str(k.sizes()));
+  HEBRUS_CHECK(k.size(2) == dh, HebrusError, "hebrus::qsa_attention: k head dim ", k.size(2),
+               " must equal q head dim ", dh);
+  HEBRUS_CHECK(v.size(0) == cells && v.size(1) == hkv, HebrusError,
+               "hebrus::qsa_attention: v must have shape (cells, Hkv, Dv) with cells = ", cells, " and Hkv = ", hkv,
+               " like k, got ", shape_str(v.sizes()));
+  HEBRUS_CHECK(hq % hkv == 0, HebrusError, "hebrus::qsa_attention: query heads Hq = ", hq,
+               " must be a multiple of KV heads Hkv = ", hkv);
+  HEBRUS_CHECK(token_cells.size(0) == tq, HebrusError,
+               "hebrus::qsa_attention: token_cells must have one row per query (Tq = ", tq, "), got shape ",
+               shape_str(token_cells.sizes()));
+  HEBRUS_CHECK(std::isfinite(scale), HebrusError, "hebrus::qsa_attention: scale must be finite, got ", scale);
+  return {tq, hq, dh, cells, hkv, v.size(2), token_cells.size(1)};
+}
+
+}  // namespace hebrus
