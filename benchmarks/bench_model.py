@@ -133,8 +133,10 @@ class MaskRecorder:
     def __init__(self, model):
         from transformers.models.qwen4_exp import modeling_qwen4_exp as m
 
+        from hebrus_torch.integrations.transformers import selection_mask
+
         self.masks: list[torch.Tensor] = []
-        self.handles = [mod.register_forward_hook(lambda mod, a, out: self.masks.append(out.cpu()))
+        self.handles = [mod.register_forward_hook(lambda mod, a, out: self.masks.append(selection_mask(out).cpu()))
                         for mod in model.modules() if isinstance(mod, m.Qwen4ExpTextQSAIndexer)]
 
     def stop(self) -> list[torch.Tensor]:
