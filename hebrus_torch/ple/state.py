@@ -82,6 +82,8 @@ class PLEState(torch.nn.Module, Transactional):
         self.dilation = ngram_size if dilation is None else dilation
         if self.dilation < 1:
             raise HebrusError(f"PLEState: dilation must be >= 1, got {self.dilation}")
+        if activation not in ("silu", "none"):
+            raise HebrusError(f"PLEState: activation must be 'silu' or 'none', got {activation!r}")
         self.state_len = (conv_kernel_size - 1) * self.dilation
         self.activation = activation
         self.slots = SlotTable(max_sequences, "PLEState")
@@ -91,7 +93,6 @@ class PLEState(torch.nn.Module, Transactional):
                                                        dtype=dtype, device=device))
         self.register_buffer("generation", self.slots.generation.to(device))
         self.register_buffer("live", self.slots.live.to(device))
-        # Staged rows: slot -> (tensor, row) of the op output that holds the slot's new state.
         if hash_params is not None and len(hash_params) != num_layers:
             raise HebrusError(f"PLEState: hash_params has {len(hash_params)} entries for {num_layers} layers")
         if conv_weights is not None and len(conv_weights) != num_layers:
@@ -102,6 +103,7 @@ class PLEState(torch.nn.Module, Transactional):
             self.register_buffer(f"offsets_{i}", p.offsets.clone().to(device), persistent=False)
         self._has_hash = hash_params is not None
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
+        # Staged rows per layer: slot -> (tensor, row) of the op output that holds the slot's new state.
         self._staged_history: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
         self._staged_tails: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
         self._backup: dict[str, Any] | None = None
@@ -247,7 +249,7 @@ class PLEState(torch.nn.Module, Transactional):
             if self._conv_weights is None:
                 raise HebrusError("PLEState.conv: no weight passed and none registered")
             weight = self._conv_weights[layer]
-        weight = weight.reshape(weight.shape[0], weight.shape[-1]).to(x.dtype)
+        weight = weight.reshape(weight.shape[0], weight.shape[-1]).to(device=x.device, dtype=x.dtype)
         state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
         y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
         with autocommit(self):
