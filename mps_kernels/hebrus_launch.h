@@ -66,11 +66,16 @@ constexpr uint64_t kMaxThreads = 0xFFFFFFFFull;  // thread_position_in_grid is a
 
 inline uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
-struct PleConvPlan {
-  PleConvParams params{};
+// What plan_<op>() returns: the kernel's parameter block, its dispatch, and the limit of the Metal
+// kernel the launch would exceed (nullptr when it fits).
+template <typename Params>
+struct LaunchPlan {
+  Params params{};
   Dispatch dispatch;
-  const char* error = nullptr;  // a limit of the Metal kernel, or nullptr
+  const char* error = nullptr;
 };
+
+using PleConvPlan = LaunchPlan<PleConvParams>;
 
 inline PleConvPlan plan_ple_conv(int64_t tokens, int64_t channels, int64_t width, int64_t batch, int64_t dilation,
                                  bool silu) {
@@ -90,11 +95,7 @@ inline PleConvPlan plan_ple_conv(int64_t tokens, int64_t channels, int64_t width
   return plan;
 }
 
-struct PleNgramPlan {
-  PleNgramParams params{};
-  Dispatch dispatch;
-  const char* error = nullptr;
-};
+using PleNgramPlan = LaunchPlan<PleNgramParams>;
 
 inline PleNgramPlan plan_ple_ngram_ids(int64_t tokens, int64_t batch, int64_t ngram, int64_t heads, int64_t eos,
                                        int64_t vocab) {
@@ -113,11 +114,7 @@ inline PleNgramPlan plan_ple_ngram_ids(int64_t tokens, int64_t batch, int64_t ng
   return plan;
 }
 
-struct QsaPoolPlan {
-  QsaPoolParams params{};
-  Dispatch dispatch;
-  const char* error = nullptr;
-};
+using QsaPoolPlan = LaunchPlan<QsaPoolParams>;
 
 inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int64_t group_size, int64_t rot_half,
                                  double eps) {
@@ -137,12 +134,9 @@ inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int
   return plan;
 }
 
-struct QsaSelectPlan {
-  QsaSelectParams params{};
-  Dispatch dispatch;
+struct QsaSelectPlan : LaunchPlan<QsaSelectParams> {
   const char* variant = "k512";
   int64_t queries_per_block = HEBRUS_QSA_SELECT_K512_QB;
-  const char* error = nullptr;
 };
 
 // The variant is chosen by the largest number of groups a query can keep: min(top_k, maxG).
@@ -178,13 +172,10 @@ inline QsaSelectPlan plan_qsa_select(int64_t queries, int64_t query_heads, int64
   return plan;
 }
 
-struct QsaAttentionPlan {
-  QsaAttentionParams params{};
-  Dispatch dispatch;
+struct QsaAttentionPlan : LaunchPlan<QsaAttentionParams> {
   const char* variant = "h1_d64";
   int64_t heads_per_pass = 1;  // HB of the variant
   int64_t dim_max = 64;        // DMAX of the variant
-  const char* error = nullptr;
 };
 
 // Called with Tq, Hq, Dv, cells >= 1 (the glue handles empty shapes on the host). The variant is the
