@@ -1,8 +1,10 @@
-"""Metadata checks shared by the op wrappers, the fake (meta) impls and the reference kernels.
+"""Metadata checks shared by the fake (meta) impls and the reference kernels.
 
 They read only shapes, dtypes and devices, so they run unchanged on fake tensors under
-``torch.compile``. Checks that need tensor values (token ranges, holes) live in the kernels.
-Messages start with ``hebrus::<op>:`` and state what was expected and what was got.
+``torch.compile``. The C++ kernels and the MPS glue make the same checks with the same messages
+(csrc/op_checks.h), so the op wrappers leave checking to whichever kernel runs. Checks that need
+tensor values (token ranges, holes) live in the kernels. Messages start with ``hebrus::<op>:`` and
+state what was expected and what was got.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
     Shapes: tokens [T] i64, cu_seqlens [B+1] i32, history [B, N-1] i64, multipliers [N] i64,
     vocab_sizes / offsets [(N-1)*H] i64 -> (row_ids [T, (N-1)*H] i64, new_history [B, N-1] i64).
     """
-    _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
     with translated():
         return torch.ops.hebrus.ple_ngram_ids.default(tokens, cu_seqlens, history, multipliers,
                                                       vocab_sizes, offsets, eos, vocab)
@@ -29,7 +28,6 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
     Shapes: x [T, C], weight [C, K], cu_seqlens [B+1] i32, state [B, (K-1)*dilation, C]
     -> (y [T, C], new_state [B, (K-1)*dilation, C]); float32/float16/bfloat16, fp32 accumulation.
     """
-    _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
     with translated():
         return torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
 

@@ -20,7 +20,6 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_cells
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 3 and q.shape[-1] > 0 else 1.0
-    _validate.qsa_attention(q, k, v, token_cells, float(scale))
     with translated():
         return torch.ops.hebrus.qsa_attention.default(q, k, v, token_cells, float(scale))
 

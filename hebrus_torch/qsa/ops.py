@@ -15,7 +15,6 @@ def qsa_pool(keys: torch.Tensor, cell_pos: torch.Tensor, group_cells: torch.Tens
     Shapes: keys [cells, D], cell_pos [cells] i64, group_cells [G, r] i32, group_pos [G] i64,
     norm_weight [D], inv_freq [R/2] f32 -> pooled [G, D] in keys' dtype. Raises HoleError.
     """
-    _validate.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
     with translated():
         return torch.ops.hebrus.qsa_pool.default(keys, cell_pos, group_cells, group_pos, norm_weight,
                                                  float(eps), inv_freq)
@@ -28,7 +27,6 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
     Shapes: q [Tq, Hq, D], pooled [rows, D], seq_groups [B, maxG] i32, q_row [Tq] i32,
     q_groups [Tq] i32 -> selected [Tq, top_k] i32 (ascending group indices, -1 padded).
     """
-    _validate.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
     with translated():
         return torch.ops.hebrus.qsa_select.default(q, pooled, seq_groups, q_row, q_groups, top_k)
 
