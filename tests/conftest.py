@@ -18,3 +18,25 @@ def device(request) -> str:
 # Tolerances against the fp32-accumulating reference, per dtype.
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def with_changes(good: dict, changes: dict, device: str) -> dict:
+    """A copy of an op's good keyword arguments with some replaced (tensors moved to ``device``)."""
+    args = dict(good)
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in changes.items()})
+    return args
+
+
+def assert_rejected(op: str, args: dict, pattern: str, device: str) -> None:
+    """Bad input for ``hebrus::<op>``: the wrapper raises a HebrusError naming the op and matching
+    ``pattern`` and leaves every input tensor unchanged; on CPU the C++ kernel called directly
+    raises the tagged ValueError that ``errors.translate`` maps back to HebrusError."""
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(hebrus_torch.HebrusError, match=f"hebrus::{op}: .*" + pattern):
+        getattr(hebrus_torch, op)(**args)
+    assert all(torch.equal(args[k], v) for k, v in before.items())
+    if device == "cpu":
+        with pytest.raises(ValueError, match=rf"\[HebrusError\] hebrus::{op}: .*" + pattern) as info:
+            getattr(torch.ops.hebrus, op)(*args.values())
+        mapped = hebrus_torch.errors.translate(info.value)
+        assert type(mapped) is hebrus_torch.HebrusError and str(mapped).startswith(f"hebrus::{op}: ")
