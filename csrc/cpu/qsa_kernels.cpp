@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -237,6 +241,7 @@ struct TopK {
   int64_t size;
   int64_t k;
   uint64_t floor;  // every key ever pushed that is <= floor is outside the top k (0: none yet)
+  float floor_score = -std::numeric_limits<float>::infinity();  // a score below it has a key below floor
 
   inline void push(uint64_t key) {
     if (key <= floor) return;
@@ -244,11 +249,25 @@ struct TopK {
     if (size == 2 * k) cut();
   }
 
+  // push(candidate_key(score, group)), skipping the key for the common case of a score that is
+  // already out (NaN and -0 / +0 compare false here and take the exact path).
+  inline void push_score(float score, int32_t group) {
+    if (score < floor_score) return;
+    push(candidate_key(score, group));
+  }
+
   void cut() {
     if (size <= k) return;
     std::nth_element(buf, buf + (k - 1), buf + size, std::greater<uint64_t>());
     floor = buf[k - 1];
     size = k;
+    const uint32_t bits = static_cast<uint32_t>(floor >> 32);
+    if (bits == 0xFFFFFFFFu) {
+      floor_score = std::numeric_limits<float>::infinity();  // the floor is a NaN: every number is out
+    } else {
+      const uint32_t raw = (bits & 0x80000000u) ? (bits & 0x7FFFFFFFu) : ~bits;
+      std::memcpy(&floor_score, &raw, sizeof(raw));
+    }
   }
 
   // Selected groups (all < n_groups) in ascending order, -1 padded to top_k. `bitmap` has
@@ -339,9 +358,90 @@ void pack_query(const at::Tensor& q, int64_t t, int64_t hq, int64_t dim, float* 
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HEBRUS_AVX2_PACK 1
+// Transposing a tile is pure data movement, so this path gives the same tile bits as the scalar
+// loop below; it exists because the scalar transpose (one strided store per element) costs more
+// than scoring the tile against one query, which is all a decode step does.
+#define HEBRUS_AVX2 __attribute__((target("avx2,f16c")))
+
+HEBRUS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+HEBRUS_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+HEBRUS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// kt[(d0 + j) * kGroupTile + g0 + i] = row_i[d0 + j] for an 8 x 8 block.
+HEBRUS_AVX2 inline void transpose8_store(__m256 r[8], float* kt) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(kt + 0 * kGroupTile, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(kt + 1 * kGroupTile, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(kt + 2 * kGroupTile, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(kt + 3 * kGroupTile, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(kt + 4 * kGroupTile, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(kt + 5 * kGroupTile, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(kt + 6 * kGroupTile, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(kt + 7 * kGroupTile, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+// Rows this far ahead of the block being packed are prefetched: consecutive pooled rows of one
+// sequence cross a 4 KiB page every few rows, where the hardware prefetchers stop.
+constexpr int64_t kPrefetchRows = 32;
+
+// The whole 8-group blocks of the tile, whole 8-dim blocks only; returns how many groups it did.
+// rows[0..ahead) are valid (ahead >= n), so prefetching may run past the tile.
 template <typename T>
-void pack_tile_t(const T* pooled, const int32_t* rows, int64_t n, int64_t dim, float* kt) {
-  for (int64_t g = 0; g < n; ++g) {
+HEBRUS_AVX2 int64_t pack_tile_avx2(const T* pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim,
+                                   float* kt) {
+  const int64_t whole_d = dim - dim % 8;
+  if (whole_d == 0) return 0;
+  const int64_t whole_g = n - n % 8;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t g0 = 0; g0 < whole_g; g0 += 8) {
+    for (int64_t i = g0 + kPrefetchRows; i < std::min(ahead, g0 + kPrefetchRows + 8); ++i) {
+      const char* row = reinterpret_cast<const char*>(pooled + static_cast<int64_t>(rows[i]) * dim);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);;
+    }
+    const T* src[8];
+    for (int64_t i = 0; i < 8; ++i) src[i] = pooled + static_cast<int64_t>(rows[g0 + i]) * dim;
+    for (int64_t d0 = 0; d0 < whole_d; d0 += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = load8(src[i] + d0);
+      transpose8_store(r, kt + d0 * kGroupTile + g0);
+    }
+    for (int64_t d = whole_d; d < dim; ++d)
+      for (int64_t i = 0; i < 8; ++i) kt[d * kGroupTile + g0 + i] = to_float(src[i][d]);
+  }
+  return whole_g;
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+template <typename T>
+void pack_tile_t(const T* pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim, float* kt) {
+  int64_t g0 = 0;
+#ifdef HEBRUS_AVX2_PACK
+  if (cpu_has_avx2()) g0 = pack_tile_avx2(pooled, rows, n, ahead, dim, kt);
+#endif
+  for (int64_t g = g0; g < n; ++g) {
     const T* src = pooled + static_cast<int64_t>(rows[g]) * dim;
     for (int64_t d = 0; d < dim; ++d) kt[d * kGroupTile + g] = to_float(src[d]);
   }
@@ -350,11 +450,12 @@ void pack_tile_t(const T* pooled, const int32_t* rows, int64_t n, int64_t dim, f
 }
 
 // Pooled rows rows[0..n) as a transposed fp32 tile; columns past n are zero (scored, never used).
-void pack_tile(const at::Tensor& pooled, const int32_t* rows, int64_t n, int64_t dim, float* kt) {
+// rows[0..ahead) are the rows the caller packs next (ahead >= n).
+void pack_tile(const at::Tensor& pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim, float* kt) {
   switch (pooled.scalar_type()) {
-    case at::kFloat: pack_tile_t(pooled.data_ptr<float>(), rows, n, dim, kt); break;
-    case at::kHalf: pack_tile_t(pooled.data_ptr<c10::Half>(), rows, n, dim, kt); break;
-    case at::kBFloat16: pack_tile_t(pooled.data_ptr<c10::BFloat16>(), rows, n, dim, kt); break;
+    case at::kFloat: pack_tile_t(pooled.data_ptr<float>(), rows, n, ahead, dim, kt); break;
+    case at::kHalf: pack_tile_t(pooled.data_ptr<c10::Half>(), rows, n, ahead, dim, kt); break;
+    case at::kBFloat16: pack_tile_t(pooled.data_ptr<c10::BFloat16>(), rows, n, ahead, dim, kt); break;
     default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
   }
 }
@@ -526,13 +627,13 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
       const int32_t* sg = seq_groups + it.row * max_g;
       for (int64_t gs = it.g0; gs < g_end; gs += kGroupTile) {
         const int64_t ge = std::min(gs + kGroupTile, g_end);
-        pack_tile(pooled, sg + gs, ge - gs, dim, kt.data());
+        pack_tile(pooled, sg + gs, ge - gs, g_end - gs, dim, kt.data());
         for (int64_t i = 0; i < it.count; ++i) {
           const int64_t stop = std::min<int64_t>(ge, q_groups[heavy[it.first + i]]);
           if (stop <= gs) continue;
           score_tile(qptr[i], hq, dim, kt.data(), sqrt_d, scores);
           for (int64_t j = 0; j < stop - gs; ++j)
-            heaps[i].push(candidate_key(scores[j], static_cast<int32_t>(gs + j)));
+            heaps[i].push_score(scores[j], static_cast<int32_t>(gs + j));
         }
       }
       for (int64_t i = 0; i < it.count; ++i) {
