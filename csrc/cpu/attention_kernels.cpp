@@ -4,11 +4,11 @@
 //
 // Work item: one query and one KV head, with the Hq/Hkv query heads that share that KV head
 // processed together so that every gathered key and value row is read once per item. Keys and
-// values are read in place through token_cells (fp16/bf16 rows are widened to fp32 one block of
-// kKeyBlock rows at a time in per-thread scratch; fp32 rows are not copied at all). The softmax is
-// online in fp32 over blocks of kKeyBlock selected cells taken in token_cells order, and every
-// reduction has a fixed order, so an output depends only on its own query's inputs: never on the
-// other queries in the batch, the thread count or the vector width of the CPU.
+// values are read in place through token_cells, never copied (fp16/bf16 elements are widened to
+// fp32 in registers as they are loaded). The softmax is online in fp32 over blocks of kKeyBlock
+// selected cells taken in token_cells order, and every reduction has a fixed order, so an output
+// depends only on its own query's inputs: never on the other queries in the batch, the thread
+// count or the vector width of the CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -71,30 +71,6 @@ HEBRUS_INLINE uint32_t float_to_bits(float f) {
   return b;
 }
 
-// exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
-// exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
-// trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
-HEBRUS_INLINE float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float xc = x < -87.f ? -87.f : x;
-  const float t = xc * kLog2e + kMagic;
-  const float n = t - kMagic;
-  const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.f;
-  const float result = y * bits_to_float((ni + 127u) << 23);
-  return x < -87.f ? 0.f : result;
-}
-
 template <typename T>
 HEBRUS_INLINE float widen(T v) {
   return static_cast<float>(v);
@@ -122,13 +98,11 @@ struct Params {
 struct Scratch {
   std::vector<const void*> rows_k;  // selected rows of the item, token_cells order
   std::vector<const void*> rows_v;
-  std::vector<float> q;      // [kMaxHeadChunk, dh]
-  std::vector<float> ktile;  // [kKeyBlock, dh], fp16/bf16 only
-  std::vector<float> vtile;  // [kKeyBlock, dv], fp16/bf16 only
-  std::vector<float> acc;    // [kMaxHeadChunk, dv]
-  alignas(64) float s[kMaxHeadChunk][kKeyBlock];
-  float m[kMaxHeadChunk];
-  float l[kMaxHeadChunk];
+  std::vector<float> q;    // [kMaxHeadChunk, dh]
+  std::vector<float> acc;  // [kMaxHeadChunk, dv]
+  // Scores, then probabilities, of one block: s[j][h], the heads of a key side by side so that the
+  // softmax steps run across heads in one vector (lanes >= the chunk's heads are unused).
+  alignas(64) float s[kKeyBlock][kMaxHeadChunk] = {};
 };
 
 // kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
@@ -144,6 +118,82 @@ HEBRUS_INLINE Vec load(const float* p) {
 
 HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
+// kLanes elements of a row widened to fp32 in registers (bf16: the bits shifted into the high
+// half, exact), so that fp16/bf16 rows are read in place like fp32 ones.
+template <typename T>
+HEBRUS_INLINE Vec load_row(const T* p) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = widen<T>(p[i]);
+  return v;
+}
+
+template <>
+HEBRUS_INLINE Vec load_row<float>(const float* p) {
+  return load(p);
+}
+
+template <>
+HEBRUS_INLINE Vec load_row<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Vec32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Vec16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const Vec32 b = __builtin_convertvector(h, Vec32) << 16;
+  Vec v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+// One lane per query head of a chunk: the online-softmax state and its steps, which are
+// element-wise, so every head gets the same arithmetic as if computed alone.
+typedef float HeadVec __attribute__((vector_size(kMaxHeadChunk * sizeof(float))));
+typedef int32_t HeadMask __attribute__((vector_size(kMaxHeadChunk * sizeof(int32_t))));
+
+HEBRUS_INLINE HeadVec load_heads(const float* p) {
+  HeadVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+HEBRUS_INLINE HeadVec splat(float x) { return HeadVec{} + x; }
+
+// exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
+// exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
+// trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
+HEBRUS_INLINE HeadVec exp_nonpositive(HeadVec x) {
+  typedef uint32_t HeadBits __attribute__((vector_size(kMaxHeadChunk * sizeof(uint32_t))));
+  const float kLog2e = 1.44269504088896341f;
+  const float kLn2Hi = 0.693359375f;
+  const float kLn2Lo = -2.12194440e-4f;
+  const HeadVec kMagic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const HeadMask tiny = x < -87.f;
+  const HeadVec xc = tiny ? splat(-87.f) : x;
+  const HeadVec t = xc * kLog2e + kMagic;
+  const HeadVec n = t - kMagic;
+  HeadBits tb, mb;
+  std::memcpy(&tb, &t, sizeof(tb));
+  std::memcpy(&mb, &kMagic, sizeof(mb));
+  const HeadBits pow2 = ((tb - mb) + 127u) << 23;  // 2^n: n as a two's complement integer
+  HeadVec scale;
+  std::memcpy(&scale, &pow2, sizeof(scale));
+  const HeadVec r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  HeadVec y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.f;
+  const HeadVec result = y * scale;
+  return tiny ? HeadVec{} : result;
+}
+
+// (a > b || a is NaN) ? a : b, per lane: the running maximum, which keeps a NaN once seen.
+HEBRUS_INLINE HeadVec max_keep_nan(HeadVec a, HeadVec b) {
+  const HeadMask take = (a > b) | (a != a);
+  return take ? a : b;
+}
+
 // Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
 HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
@@ -154,28 +204,50 @@ HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   return a[0] + a[1];
 }
 
-// s[h][j + n] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
+// Lane i is reduce_lanes(a[i]), with the same additions, for sixteen dot products at once: each
+// level adds the two halves of every group of lanes, two sums packed per vector.
+HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
+  static_assert(kLanes == 16, "reduce_lanes16 is written for 16 lanes");
+  Vec b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], VecIdx{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                             VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(e[0], e[1], VecIdx{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+// s[j + n][h] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
 // the dims d = i mod kLanes in ascending d; the lanes then combine pairwise (reduce_lanes).
-template <int HB, int NK>
-HEBRUS_INLINE void dots(const float* q, int64_t dh, const float* const* krow, float scale, float (*s)[kKeyBlock],
-                        int64_t j) {
+template <typename T, int HB, int NK>
+HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float scale,
+                        float (*s)[kMaxHeadChunk], int64_t j) {
   const int64_t full = dh / kLanes * kLanes;
-  Vec acc[NK][HB];
-  for (int n = 0; n < NK; ++n)
-    for (int h = 0; h < HB; ++h) acc[n][h] = Vec{};
+  Vec acc[NK * HB];
+  for (int i = 0; i < NK * HB; ++i) acc[i] = Vec{};
   for (int64_t d = 0; d < full; d += kLanes) {
     Vec kv[NK];
-    for (int n = 0; n < NK; ++n) kv[n] = load(krow[j + n] + d);
+    for (int n = 0; n < NK; ++n) kv[n] = load_row<T>(krow[j + n] + d);
     for (int h = 0; h < HB; ++h) {
       const Vec qv = load(q + h * dh + d);
-      for (int n = 0; n < NK; ++n) acc[n][h] += qv * kv[n];
+      for (int n = 0; n < NK; ++n) acc[n * HB + h] += qv * kv[n];
     }
   }
   for (int64_t i = 0; full + i < dh; ++i)
     for (int h = 0; h < HB; ++h)
-      for (int n = 0; n < NK; ++n) acc[n][h][i] += q[h * dh + full + i] * krow[j + n][full + i];
-  for (int n = 0; n < NK; ++n)
-    for (int h = 0; h < HB; ++h) s[h][j + n] = reduce_lanes(acc[n][h]) * scale;
+      for (int n = 0; n < NK; ++n) acc[n * HB + h][i] += q[h * dh + full + i] * widen<T>(krow[j + n][full + i]);
+  if constexpr (NK * HB == kLanes && HB == kMaxHeadChunk) {
+    store(s[j], reduce_lanes16(acc) * scale);  // rows j and j + 1 of s, all heads
+  } else {
+    for (int n = 0; n < NK; ++n)
+      for (int h = 0; h < HB; ++h) s[j + n][h] = reduce_lanes(acc[n * HB + h]) * scale;
+  }
 }
 
 // Rows still to be fetched from memory, requested a few at a time between dot products so that
@@ -192,37 +264,37 @@ struct Prefetch {
   }
 };
 
-template <int HB>
-HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const float* const* krow, int64_t nb, float scale,
-                                float (*s)[kKeyBlock], const Prefetch& pf_a, const Prefetch& pf_b) {
+template <typename T, int HB>
+HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const T* const* krow, int64_t nb, float scale,
+                                float (*s)[kMaxHeadChunk], const Prefetch& pf_a, const Prefetch& pf_b) {
   int64_t j = 0;
   for (; j + 2 <= nb; j += 2) {
     pf_a.at(j);
     pf_a.at(j + 1);
     pf_b.at(j);
     pf_b.at(j + 1);
-    dots<HB, 2>(q, dh, krow, scale, s, j);
+    dots<T, HB, 2>(q, dh, krow, scale, s, j);
   }
   for (; j < nb; ++j) {
     pf_a.at(j);
     pf_b.at(j);
-    dots<HB, 1>(q, dh, krow, scale, s, j);
+    dots<T, HB, 1>(q, dh, krow, scale, s, j);
   }
 }
 
-// acc[h][d] += p[h][j] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
+// acc[h][d] += p[j][h] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
 // Columns are taken NC vectors at a time so that the accumulators stay in registers.
-template <int HB, int NC>
-HEBRUS_INLINE void value_columns(const float* const* vrow, int64_t nb, int64_t dv, int64_t d0,
-                                 const float (*p)[kKeyBlock], float* acc) {
+template <typename T, int HB, int NC>
+HEBRUS_INLINE void value_columns(const T* const* vrow, int64_t nb, int64_t dv, int64_t d0,
+                                 const float (*p)[kMaxHeadChunk], float* acc) {
   Vec a[NC][HB];
   for (int c = 0; c < NC; ++c)
     for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
   for (int64_t j = 0; j < nb; ++j) {
     Vec vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load(vrow[j] + d0 + c * kLanes);
+    for (int c = 0; c < NC; ++c) vv[c] = load_row<T>(vrow[j] + d0 + c * kLanes);
     for (int h = 0; h < HB; ++h) {
-      const float w = p[h][j];
+      const float w = p[j][h];
       for (int c = 0; c < NC; ++c) a[c][h] += w * vv[c];
     }
   }
@@ -230,15 +302,15 @@ HEBRUS_INLINE void value_columns(const float* const* vrow, int64_t nb, int64_t d
     for (int h = 0; h < HB; ++h) store(acc + h * dv + d0 + c * kLanes, a[c][h]);
 }
 
-template <int HB>
-HEBRUS_INLINE void block_values(const float* const* vrow, int64_t nb, int64_t dv, const float (*p)[kKeyBlock],
+template <typename T, int HB>
+HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, const float (*p)[kMaxHeadChunk],
                                 float* acc) {
   int64_t d0 = 0;
-  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<HB, 2>(vrow, nb, dv, d0, p, acc);
-  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<HB, 1>(vrow, nb, dv, d0, p, acc);
+  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<T, HB, 2>(vrow, nb, dv, d0, p, acc);
+  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<T, HB, 1>(vrow, nb, dv, d0, p, acc);
   for (int64_t j = 0; j < nb; ++j)
     for (int h = 0; h < HB; ++h)
-      for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[h][j] * vrow[j][d];
+      for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[j][h] * widen<T>(vrow[j][d]);
 }
 
 // Heads [h0, h0 + HB) of query t, all sharing KV head g, over the item's n selected rows.
@@ -253,8 +325,9 @@ HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t
   }
   float* acc = sc.acc.data();
   for (int64_t i = 0; i < HB * dv; ++i) acc[i] = 0.f;
-  const float* krow[kKeyBlock];
-  const float* vrow[kKeyBlock];
+  HeadVec m{}, l{};
+  const T* krow[kKeyBlock];
+  const T* vrow[kKeyBlock];
   const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
   const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
   const Prefetch first_keys{sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes};
@@ -266,53 +339,39 @@ HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t
     const Prefetch pf_v{sc.rows_v.data() + j0, nb, v_bytes};
     const Prefetch pf_k{sc.rows_k.data() + j0 + nb, std::min(kKeyBlock, n - j0 - nb), k_bytes};
     for (int64_t j = 0; j < nb; ++j) {
-      const T* src = static_cast<const T*>(sc.rows_k[j0 + j]);
-      if constexpr (std::is_same_v<T, float>) {
-        krow[j] = src;
-      } else {
-        float* dst = sc.ktile.data() + j * dh;
-        for (int64_t d = 0; d < dh; ++d) dst[d] = widen<T>(src[d]);
-        krow[j] = dst;
-      }
+      krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]);
+      vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]);
     }
-    block_scores<HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_v, pf_k);
-    for (int h = 0; h < HB; ++h) {
-      float* s = sc.s[h];
-      float bm = s[0];
-      for (int64_t j = 1; j < nb; ++j) bm = (s[j] > bm || s[j] != s[j]) ? s[j] : bm;
-      const bool first = j0 == 0;
-      const float m_new = first ? bm : ((bm > sc.m[h] || bm != bm) ? bm : sc.m[h]);
-      for (int64_t j = 0; j < nb; ++j) s[j] = exp_nonpositive(s[j] - m_new);  // s now holds p
-      float sum = 0.f;
-      for (int64_t j = 0; j < nb; ++j) sum += s[j];
-      if (first) {
-        sc.l[h] = sum;
-      } else {
-        const float alpha = exp_nonpositive(sc.m[h] - m_new);
-        sc.l[h] = sc.l[h] * alpha + sum;
-        if (alpha != 1.f) {
+    block_scores<T, HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_v, pf_k);
+    HeadVec bm = load_heads(sc.s[0]);
+    for (int64_t j = 1; j < nb; ++j) bm = max_keep_nan(load_heads(sc.s[j]), bm);
+    const bool first = j0 == 0;
+    const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
+    HeadVec sum{};
+    for (int64_t j = 0; j < nb; ++j) {
+      const HeadVec pj = exp_nonpositive(load_heads(sc.s[j]) - m_new);
+      std::memcpy(sc.s[j], &pj, sizeof(pj));  // s now holds p
+      sum += pj;
+    }
+    if (first) {
+      l = sum;
+    } else {
+      const HeadVec alpha = exp_nonpositive(m - m_new);
+      l = l * alpha + sum;
+      for (int h = 0; h < HB; ++h) {
+        if (alpha[h] != 1.f) {
           float* a = acc + h * dv;
-          for (int64_t d = 0; d < dv; ++d) a[d] *= alpha;
+          for (int64_t d = 0; d < dv; ++d) a[d] *= alpha[h];
         }
       }
-      sc.m[h] = m_new;
     }
-    for (int64_t j = 0; j < nb; ++j) {
-      const T* src = static_cast<const T*>(sc.rows_v[j0 + j]);
-      if constexpr (std::is_same_v<T, float>) {
-        vrow[j] = src;
-      } else {
-        float* dst = sc.vtile.data() + j * dv;
-        for (int64_t d = 0; d < dv; ++d) dst[d] = widen<T>(src[d]);
-        vrow[j] = dst;
-      }
-    }
-    block_values<HB>(vrow, nb, dv, sc.s, acc);
+    m = m_new;
+    block_values<T, HB>(vrow, nb, dv, sc.s, acc);
   }
   T* out = static_cast<T*>(p.out) + (t * p.hq + g * p.rep + h0) * dv;
   for (int h = 0; h < HB; ++h) {
-    const float l = sc.l[h];
-    for (int64_t d = 0; d < dv; ++d) out[h * dv + d] = static_cast<T>(acc[h * dv + d] / l);
+    const float lh = l[h];
+    for (int64_t d = 0; d < dv; ++d) out[h * dv + d] = static_cast<T>(acc[h * dv + d] / lh);
   }
 }
 
@@ -347,10 +406,6 @@ void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* 
   sc.rows_v.resize(p.width);
   sc.q.resize(kMaxHeadChunk * std::max<int64_t>(p.dh, 1));
   sc.acc.resize(kMaxHeadChunk * std::max<int64_t>(p.dv, 1));
-  if (dtype != at::kFloat) {
-    sc.ktile.resize(kKeyBlock * std::max<int64_t>(p.dh, 1));
-    sc.vtile.resize(kKeyBlock * std::max<int64_t>(p.dv, 1));
-  }
   for (;;) {
     const int64_t begin = next->fetch_add(chunk);
     if (begin >= items) break;
