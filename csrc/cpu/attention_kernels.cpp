@@ -98,7 +98,9 @@ struct Params {
 struct Scratch {
   std::vector<const void*> rows_k;  // selected rows of the item, token_cells order
   std::vector<const void*> rows_v;
-  std::vector<float> q;    // [kMaxHeadChunk, dh]
+  // Query heads of a chunk, interleaved by vector: [dh / kLanes][HB][kLanes], then the last dh %
+  // kLanes dims as [HB][dh % kLanes]; one pointer walks all heads of the dot-product loop.
+  std::vector<float> q;
   std::vector<float> acc;  // [kMaxHeadChunk, dv]
   // Scores, then probabilities, of one block: s[j][h], the heads of a key side by side so that the
   // softmax steps run across heads in one vector (lanes >= the chunk's heads are unused).
@@ -223,25 +225,63 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
          __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
+// The cache lines of a list of scattered rows, requested `per` lines at a time between steps of the
+// arithmetic: requested all at once they would fill the miss queue, and the loads the arithmetic
+// waits for would queue behind them.
+struct Prefetcher {
+  const void* const* rows;
+  int64_t count;  // rows
+  int64_t bytes;  // per row
+  int64_t per;    // lines per step
+  int64_t j = 0;  // next line: byte b of row j
+  int64_t b = 0;
+
+  // The lines spread over `steps` steps (all in the first one if steps == 0).
+  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t steps)
+      : rows(rows_), count(count_), bytes(bytes_) {
+    const int64_t lines = count * ((bytes + 63) / 64);
+    per = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+
+  HEBRUS_INLINE void step() {
+    for (int64_t i = 0; i < per && j < count; ++i) {
+      __builtin_prefetch(static_cast<const char*>(rows[j]) + b, 0, 3);
+      b += 64;
+      if (b >= bytes) {
+        b = 0;
+        ++j;
+      }
+    }
+  }
+
+  HEBRUS_INLINE void finish() {
+    per = std::numeric_limits<int64_t>::max();
+    step();
+  }
+};
+
 // s[j + n][h] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
 // the dims d = i mod kLanes in ascending d; the lanes then combine pairwise (reduce_lanes).
 template <typename T, int HB, int NK>
 HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float scale,
-                        float (*s)[kMaxHeadChunk], int64_t j) {
+                        float (*s)[kMaxHeadChunk], int64_t j, Prefetcher& pf) {
   const int64_t full = dh / kLanes * kLanes;
   Vec acc[NK * HB];
   for (int i = 0; i < NK * HB; ++i) acc[i] = Vec{};
   for (int64_t d = 0; d < full; d += kLanes) {
+    pf.step();
     Vec kv[NK];
     for (int n = 0; n < NK; ++n) kv[n] = load_row<T>(krow[j + n] + d);
     for (int h = 0; h < HB; ++h) {
-      const Vec qv = load(q + h * dh + d);
+      const Vec qv = load(q + d * HB + h * kLanes);
       for (int n = 0; n < NK; ++n) acc[n * HB + h] += qv * kv[n];
     }
   }
+  const float* q_tail = q + full * HB;
   for (int64_t i = 0; full + i < dh; ++i)
     for (int h = 0; h < HB; ++h)
-      for (int n = 0; n < NK; ++n) acc[n * HB + h][i] += q[h * dh + full + i] * widen<T>(krow[j + n][full + i]);
+      for (int n = 0; n < NK; ++n)
+        acc[n * HB + h][i] += q_tail[h * (dh - full) + i] * widen<T>(krow[j + n][full + i]);
   if constexpr (NK * HB == kLanes && HB == kMaxHeadChunk) {
     store(s[j], reduce_lanes16(acc) * scale);  // rows j and j + 1 of s, all heads
   } else {
@@ -250,47 +290,24 @@ HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float 
   }
 }
 
-// Rows still to be fetched from memory, requested a few at a time between dot products so that
-// the loads overlap the arithmetic without flooding the miss queue.
-struct Prefetch {
-  const void* const* rows;
-  int64_t count;
-  int64_t bytes;
-
-  HEBRUS_INLINE void at(int64_t j) const {
-    if (j >= count) return;
-    const char* r = static_cast<const char*>(rows[j]);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
-  }
-};
-
 template <typename T, int HB>
 HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const T* const* krow, int64_t nb, float scale,
-                                float (*s)[kMaxHeadChunk], const Prefetch& pf_a, const Prefetch& pf_b) {
+                                float (*s)[kMaxHeadChunk], Prefetcher& pf) {
   int64_t j = 0;
-  for (; j + 2 <= nb; j += 2) {
-    pf_a.at(j);
-    pf_a.at(j + 1);
-    pf_b.at(j);
-    pf_b.at(j + 1);
-    dots<T, HB, 2>(q, dh, krow, scale, s, j);
-  }
-  for (; j < nb; ++j) {
-    pf_a.at(j);
-    pf_b.at(j);
-    dots<T, HB, 1>(q, dh, krow, scale, s, j);
-  }
+  for (; j + 2 <= nb; j += 2) dots<T, HB, 2>(q, dh, krow, scale, s, j, pf);
+  for (; j < nb; ++j) dots<T, HB, 1>(q, dh, krow, scale, s, j, pf);
 }
 
 // acc[h][d] += p[j][h] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
 // Columns are taken NC vectors at a time so that the accumulators stay in registers.
 template <typename T, int HB, int NC>
 HEBRUS_INLINE void value_columns(const T* const* vrow, int64_t nb, int64_t dv, int64_t d0,
-                                 const float (*p)[kMaxHeadChunk], float* acc) {
+                                 const float (*p)[kMaxHeadChunk], float* acc, Prefetcher& pf) {
   Vec a[NC][HB];
   for (int c = 0; c < NC; ++c)
     for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
   for (int64_t j = 0; j < nb; ++j) {
+    pf.step();
     Vec vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load_row<T>(vrow[j] + d0 + c * kLanes);
     for (int h = 0; h < HB; ++h) {
@@ -304,10 +321,10 @@ HEBRUS_INLINE void value_columns(const T* const* vrow, int64_t nb, int64_t dv, i
 
 template <typename T, int HB>
 HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, const float (*p)[kMaxHeadChunk],
-                                float* acc) {
+                                float* acc, Prefetcher& pf) {
   int64_t d0 = 0;
-  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<T, HB, 2>(vrow, nb, dv, d0, p, acc);
-  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<T, HB, 1>(vrow, nb, dv, d0, p, acc);
+  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<T, HB, 2>(vrow, nb, dv, d0, p, acc, pf);
+  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<T, HB, 1>(vrow, nb, dv, d0, p, acc, pf);
   for (int64_t j = 0; j < nb; ++j)
     for (int h = 0; h < HB; ++h)
       for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[j][h] * widen<T>(vrow[j][d]);
@@ -319,9 +336,11 @@ HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t
   const int64_t dh = p.dh;
   const int64_t dv = p.dv;
   const T* q = static_cast<const T*>(p.q) + t * p.q_s0;
+  const int64_t full = dh / kLanes * kLanes;
   for (int h = 0; h < HB; ++h) {
     const T* qh = q + (g * p.rep + h0 + h) * p.q_s1;
-    for (int64_t d = 0; d < dh; ++d) sc.q[h * dh + d] = widen<T>(qh[d]);
+    for (int64_t d = 0; d < full; ++d) sc.q[(d - d % kLanes) * HB + h * kLanes + d % kLanes] = widen<T>(qh[d]);
+    for (int64_t d = full; d < dh; ++d) sc.q[full * HB + h * (dh - full) + d - full] = widen<T>(qh[d]);
   }
   float* acc = sc.acc.data();
   for (int64_t i = 0; i < HB * dv; ++i) acc[i] = 0.f;
@@ -330,19 +349,24 @@ HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t
   const T* vrow[kKeyBlock];
   const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
   const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
-  const Prefetch first_keys{sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes};
-  for (int64_t j = 0; j < first_keys.count; ++j) first_keys.at(j);
+  // Rows are scattered over the cache: the first block's rows are requested at once; then the next
+  // block's keys while this block's are scored, and the next block's values while this block's are
+  // summed, spread over the steps of that work (measured: 25% faster than requesting a block's rows
+  // at once, and no faster when requested two blocks ahead or with other locality hints).
+  const int64_t score_steps = (kKeyBlock / 2) * (dh / kLanes);
+  const int64_t value_steps = kKeyBlock * (dv / (2 * kLanes) + dv % (2 * kLanes) / kLanes);
+  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, 0).finish();
+  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, 0).finish();
   for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, n - j0);
-    // Rows are scattered over the cache: while this block's keys are scored, fetch this block's
-    // values and the next block's keys.
-    const Prefetch pf_v{sc.rows_v.data() + j0, nb, v_bytes};
-    const Prefetch pf_k{sc.rows_k.data() + j0 + nb, std::min(kKeyBlock, n - j0 - nb), k_bytes};
+    const int64_t next = std::min(kKeyBlock, n - j0 - nb);
     for (int64_t j = 0; j < nb; ++j) {
       krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]);
       vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]);
     }
-    block_scores<T, HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_v, pf_k);
+    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, score_steps);
+    block_scores<T, HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_k);
+    pf_k.finish();
     HeadVec bm = load_heads(sc.s[0]);
     for (int64_t j = 1; j < nb; ++j) bm = max_keep_nan(load_heads(sc.s[j]), bm);
     const bool first = j0 == 0;
@@ -366,7 +390,9 @@ HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t
       }
     }
     m = m_new;
-    block_values<T, HB>(vrow, nb, dv, sc.s, acc);
+    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, value_steps);
+    block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
+    pf_v.finish();
   }
   T* out = static_cast<T*>(p.out) + (t * p.hq + g * p.rep + h0) * dv;
   for (int h = 0; h < HB; ++h) {
