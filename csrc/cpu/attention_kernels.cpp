@@ -2,8 +2,10 @@
 // selection lists. The executable spec is hebrus_torch/reference.py (qsa_attention); the checks and
 // messages mirror hebrus_torch/_validate.py and the reference's value checks.
 //
-// Work item: one query and one KV head, with the Hq/Hkv query heads that share that KV head
-// processed together so that every gathered key and value row is read once per item. Keys and
+// Work item: one query. The Hq/Hkv query heads that share a KV head are processed together (in
+// register chunks of up to kMaxHeadChunk) so that every gathered key and value row is read once
+// per chunk, and all KV heads advance block by block together, so that the rows of a cell for
+// every KV head, usually adjacent in memory, are fetched together. Keys and
 // values are read in place through token_cells, never copied (fp16/bf16 elements are widened to
 // fp32 in registers as they are loaded). The softmax is online in fp32 over blocks of kKeyBlock
 // selected cells taken in token_cells order, and every reduction has a fixed order, so an output
@@ -95,13 +97,22 @@ struct Params {
   float scale;
 };
 
+// Query heads sharing one KV head, processed in one pass over the keys (registers).
+struct HeadChunk {
+  int64_t g, h0, hb;  // KV head, first query head (of the rep sharing g), heads
+};
+
 struct Scratch {
-  std::vector<const void*> rows_k;  // selected rows of the item, token_cells order
+  std::vector<const void*> rows_k;  // selected rows of the item (KV head 0), token_cells order
   std::vector<const void*> rows_v;
-  // Query heads of a chunk, interleaved by vector: [dh / kLanes][HB][kLanes], then the last dh %
-  // kLanes dims as [HB][dh % kLanes]; one pointer walks all heads of the dot-product loop.
-  std::vector<float> q;
-  std::vector<float> acc;  // [kMaxHeadChunk, dv]
+  std::vector<HeadChunk> chunks;
+  // Per chunk, at its first query head: q [hb * dh] interleaved by vector, [dh / kLanes][hb][kLanes]
+  // then the last dh % kLanes dims as [hb][dh % kLanes], so one pointer walks all heads of the
+  // dot-product loop; acc [hb * dv]; the running max and sum.
+  std::vector<float> q;    // [hq, dh]
+  std::vector<float> acc;  // [hq, dv]
+  std::vector<float> m;    // [chunks, kMaxHeadChunk]
+  std::vector<float> l;
   // Scores, then probabilities, of one block: s[j][h], the heads of a key side by side so that the
   // softmax steps run across heads in one vector (lanes >= the chunk's heads are unused).
   alignas(64) float s[kKeyBlock][kMaxHeadChunk] = {};
@@ -229,27 +240,34 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
 // arithmetic: requested all at once they would fill the miss queue, and the loads the arithmetic
 // waits for would queue behind them.
 struct Prefetcher {
-  const void* const* rows;
-  int64_t count;  // rows
-  int64_t bytes;  // per row
-  int64_t per;    // lines per step
-  int64_t j = 0;  // next line: byte b of row j
+  const void* const* rows;  // KV head 0 of each cell
+  int64_t count;            // cells
+  int64_t bytes;            // per row
+  int64_t heads;            // rows per cell, head_stride bytes apart
+  int64_t head_stride;
+  int64_t per;  // lines per step
+  int64_t j = 0;  // next line: byte b of head g of cell j
+  int64_t g = 0;
   int64_t b = 0;
 
   // The lines spread over `steps` steps (all in the first one if steps == 0).
-  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t steps)
-      : rows(rows_), count(count_), bytes(bytes_) {
-    const int64_t lines = count * ((bytes + 63) / 64);
+  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t heads_,
+                           int64_t head_stride_, int64_t steps)
+      : rows(rows_), count(count_), bytes(bytes_), heads(heads_), head_stride(head_stride_) {
+    const int64_t lines = count * heads * ((bytes + 63) / 64);
     per = steps > 0 ? (lines + steps - 1) / steps : lines;
   }
 
   HEBRUS_INLINE void step() {
     for (int64_t i = 0; i < per && j < count; ++i) {
-      __builtin_prefetch(static_cast<const char*>(rows[j]) + b, 0, 3);
+      __builtin_prefetch(static_cast<const char*>(rows[j]) + g * head_stride + b, 0, 3);
       b += 64;
       if (b >= bytes) {
         b = 0;
-        ++j;
+        if (++g == heads) {
+          g = 0;
+          ++j;
+        }
       }
     }
   }
@@ -330,84 +348,51 @@ HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, co
       for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[j][h] * widen<T>(vrow[j][d]);
 }
 
-// Heads [h0, h0 + HB) of query t, all sharing KV head g, over the item's n selected rows.
+// One block of nb selected cells for the HB query heads of a chunk: scores, the online-softmax
+// update of m, l and acc, then the probability-weighted values.
 template <typename T, int HB>
-HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t g, int64_t h0, int64_t n) {
-  const int64_t dh = p.dh;
+HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* krow, const T* const* vrow, int64_t nb,
+                                bool first, const float* q, float* acc, float* m_out, float* l_out, Prefetcher& pf_k,
+                                Prefetcher& pf_v) {
   const int64_t dv = p.dv;
-  const T* q = static_cast<const T*>(p.q) + t * p.q_s0;
-  const int64_t full = dh / kLanes * kLanes;
-  for (int h = 0; h < HB; ++h) {
-    const T* qh = q + (g * p.rep + h0 + h) * p.q_s1;
-    for (int64_t d = 0; d < full; ++d) sc.q[(d - d % kLanes) * HB + h * kLanes + d % kLanes] = widen<T>(qh[d]);
-    for (int64_t d = full; d < dh; ++d) sc.q[full * HB + h * (dh - full) + d - full] = widen<T>(qh[d]);
+  block_scores<T, HB>(q, p.dh, krow, nb, p.scale, sc.s, pf_k);
+  HeadVec bm = load_heads(sc.s[0]);
+  for (int64_t j = 1; j < nb; ++j) bm = max_keep_nan(load_heads(sc.s[j]), bm);
+  const HeadVec m = load_heads(m_out);
+  const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
+  HeadVec sum{};
+  for (int64_t j = 0; j < nb; ++j) {
+    const HeadVec pj = exp_nonpositive(load_heads(sc.s[j]) - m_new);
+    std::memcpy(sc.s[j], &pj, sizeof(pj));  // s now holds p
+    sum += pj;
   }
-  float* acc = sc.acc.data();
-  for (int64_t i = 0; i < HB * dv; ++i) acc[i] = 0.f;
-  HeadVec m{}, l{};
-  const T* krow[kKeyBlock];
-  const T* vrow[kKeyBlock];
-  const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
-  const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
-  // Rows are scattered over the cache: the first block's rows are requested at once; then the next
-  // block's keys while this block's are scored, and the next block's values while this block's are
-  // summed, spread over the steps of that work (measured: 25% faster than requesting a block's rows
-  // at once, and no faster when requested two blocks ahead or with other locality hints).
-  const int64_t score_steps = (kKeyBlock / 2) * (dh / kLanes);
-  const int64_t value_steps = kKeyBlock * (dv / (2 * kLanes) + dv % (2 * kLanes) / kLanes);
-  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, 0).finish();
-  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, 0).finish();
-  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, n - j0);
-    const int64_t next = std::min(kKeyBlock, n - j0 - nb);
-    for (int64_t j = 0; j < nb; ++j) {
-      krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]);
-      vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]);
-    }
-    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, score_steps);
-    block_scores<T, HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_k);
-    pf_k.finish();
-    HeadVec bm = load_heads(sc.s[0]);
-    for (int64_t j = 1; j < nb; ++j) bm = max_keep_nan(load_heads(sc.s[j]), bm);
-    const bool first = j0 == 0;
-    const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
-    HeadVec sum{};
-    for (int64_t j = 0; j < nb; ++j) {
-      const HeadVec pj = exp_nonpositive(load_heads(sc.s[j]) - m_new);
-      std::memcpy(sc.s[j], &pj, sizeof(pj));  // s now holds p
-      sum += pj;
-    }
-    if (first) {
-      l = sum;
-    } else {
-      const HeadVec alpha = exp_nonpositive(m - m_new);
-      l = l * alpha + sum;
-      for (int h = 0; h < HB; ++h) {
-        if (alpha[h] != 1.f) {
-          float* a = acc + h * dv;
-          for (int64_t d = 0; d < dv; ++d) a[d] *= alpha[h];
-        }
+  HeadVec l = load_heads(l_out);
+  if (first) {
+    l = sum;
+  } else {
+    const HeadVec alpha = exp_nonpositive(m - m_new);
+    l = l * alpha + sum;
+    for (int h = 0; h < HB; ++h) {
+      if (alpha[h] != 1.f) {
+        float* a = acc + h * dv;
+        for (int64_t d = 0; d < dv; ++d) a[d] *= alpha[h];
       }
     }
-    m = m_new;
-    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, value_steps);
-    block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
-    pf_v.finish();
   }
-  T* out = static_cast<T*>(p.out) + (t * p.hq + g * p.rep + h0) * dv;
-  for (int h = 0; h < HB; ++h) {
-    const float lh = l[h];
-    for (int64_t d = 0; d < dv; ++d) out[h * dv + d] = static_cast<T>(acc[h * dv + d] / lh);
-  }
+  std::memcpy(m_out, &m_new, sizeof(m_new));
+  std::memcpy(l_out, &l, sizeof(l));
+  block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
 }
 
+// Query t, all its heads. The KV heads' rows of a cell usually lie side by side, so all heads
+// advance block by block together and each block's cells are fetched for every head at once.
 template <typename T>
-HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t item) {
-  const int64_t t = item / p.hkv;
-  const int64_t g = item % p.hkv;
+HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t) {
+  const int64_t dh = p.dh;
+  const int64_t dv = p.dv;
   const int32_t* row = p.cells + t * p.width;
-  const T* k = static_cast<const T*>(p.k) + g * p.k_s1;
-  const T* v = static_cast<const T*>(p.v) + g * p.v_s1;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
   int64_t n = 0;
   for (int64_t i = 0; i < p.width; ++i) {
     const int32_t c = row[i];
@@ -417,11 +402,79 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t item) {
     ++n;
   }
   // Heads in chunks of 8, 4, 2, 1: a head's result does not depend on the chunk it falls in.
-  int64_t h0 = 0;
-  for (; h0 + 8 <= p.rep; h0 += 8) attend_heads<T, 8>(p, sc, t, g, h0, n);
-  if (h0 + 4 <= p.rep) { attend_heads<T, 4>(p, sc, t, g, h0, n); h0 += 4; }
-  if (h0 + 2 <= p.rep) { attend_heads<T, 2>(p, sc, t, g, h0, n); h0 += 2; }
-  if (h0 + 1 <= p.rep) { attend_heads<T, 1>(p, sc, t, g, h0, n); h0 += 1; }
+  sc.chunks.clear();
+  for (int64_t g = 0; g < p.hkv; ++g) {
+    int64_t h0 = 0;
+    for (int64_t hb = kMaxHeadChunk; hb >= 1; hb /= 2)
+      for (; h0 + hb <= p.rep; h0 += hb) sc.chunks.push_back({g, h0, hb});
+  }
+  const int64_t full = dh / kLanes * kLanes;
+  const T* q_in = static_cast<const T*>(p.q) + t * p.q_s0;
+  for (const HeadChunk& c : sc.chunks) {
+    const int64_t head = c.g * p.rep + c.h0;
+    float* q = sc.q.data() + head * dh;
+    for (int64_t h = 0; h < c.hb; ++h) {
+      const T* qh = q_in + (head + h) * p.q_s1;
+      for (int64_t d = 0; d < full; ++d) q[(d - d % kLanes) * c.hb + h * kLanes + d % kLanes] = widen<T>(qh[d]);
+      for (int64_t d = full; d < dh; ++d) q[full * c.hb + h * (dh - full) + d - full] = widen<T>(qh[d]);
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
+  const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
+  const int64_t k_head = p.k_s1 * static_cast<int64_t>(sizeof(T));
+  const int64_t v_head = p.v_s1 * static_cast<int64_t>(sizeof(T));
+  const int64_t chunks = static_cast<int64_t>(sc.chunks.size());
+  // Rows are scattered over the cache: the first block's rows are requested at once; then the next
+  // block's keys while this block's are scored, and the next block's values while this block's are
+  // summed, spread over the steps of that work (measured: 25% faster than requesting a block's rows
+  // at once, and no faster when requested two blocks ahead or with other locality hints).
+  const int64_t score_steps = chunks * (kKeyBlock / 2) * (dh / kLanes);
+  const int64_t value_steps = chunks * kKeyBlock * (dv / (2 * kLanes) + dv % (2 * kLanes) / kLanes);
+  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, p.hkv, k_head, 0).finish();
+  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, p.hkv, v_head, 0).finish();
+  const T* krow[kKeyBlock];
+  const T* vrow[kKeyBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - j0);
+    const int64_t next = std::min(kKeyBlock, n - j0 - nb);
+    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, p.hkv, k_head, score_steps);
+    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, p.hkv, v_head, value_steps);
+    int64_t g = -1;
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      const HeadChunk& c = sc.chunks[ci];
+      if (c.g != g) {
+        g = c.g;
+        for (int64_t j = 0; j < nb; ++j) {
+          krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]) + g * p.k_s1;
+          vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]) + g * p.v_s1;
+        }
+      }
+      const int64_t head = c.g * p.rep + c.h0;
+      const float* q = sc.q.data() + head * dh;
+      float* acc = sc.acc.data() + head * dv;
+      float* m = sc.m.data() + ci * kMaxHeadChunk;
+      float* l = sc.l.data() + ci * kMaxHeadChunk;
+      switch (c.hb) {
+        case 8: attend_block<T, 8>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        case 4: attend_block<T, 4>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        case 2: attend_block<T, 2>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        default: attend_block<T, 1>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+      }
+    }
+    pf_k.finish();
+    pf_v.finish();
+  }
+  T* out = static_cast<T*>(p.out) + t * p.hq * dv;
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    const HeadChunk& c = sc.chunks[ci];
+    const int64_t head = c.g * p.rep + c.h0;
+    for (int64_t h = 0; h < c.hb; ++h) {
+      const float lh = sc.l[ci * kMaxHeadChunk + h];
+      const float* acc = sc.acc.data() + (head + h) * dv;
+      for (int64_t d = 0; d < dv; ++d) out[(head + h) * dv + d] = static_cast<T>(acc[d] / lh);
+    }
+  }
 }
 
 // One worker: takes items from the shared counter until none is left.
@@ -430,8 +483,11 @@ void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* 
   Scratch sc;
   sc.rows_k.resize(p.width);
   sc.rows_v.resize(p.width);
-  sc.q.resize(kMaxHeadChunk * std::max<int64_t>(p.dh, 1));
-  sc.acc.resize(kMaxHeadChunk * std::max<int64_t>(p.dv, 1));
+  sc.q.resize(p.hq * std::max<int64_t>(p.dh, 1));
+  sc.acc.resize(p.hq * std::max<int64_t>(p.dv, 1));
+  sc.m.resize(p.hq * kMaxHeadChunk);  // at most one chunk per query head
+  sc.l.resize(p.hq * kMaxHeadChunk);
+  sc.chunks.reserve(p.hq);
   for (;;) {
     const int64_t begin = next->fetch_add(chunk);
     if (begin >= items) break;
@@ -518,10 +574,10 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   p.dv = dv;
   p.scale = static_cast<float>(scale);
 
-  // Items are (query, KV head) pairs taken dynamically in small chunks, which balances rows with
-  // different selection sizes and cores shared with other work; each item is computed by one
-  // thread from its own inputs only, so the schedule never changes a bit of the output.
-  const int64_t items = tq * hkv;
+  // Items are queries taken dynamically in small chunks, which balances rows with different
+  // selection sizes and cores shared with other work; each item is computed by one thread from its
+  // own inputs only, so the schedule never changes a bit of the output.
+  const int64_t items = tq;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = std::clamp<int64_t>(items / (threads * 8), 1, 16);
   std::atomic<int64_t> next{0};
