@@ -2,10 +2,11 @@
 // selection lists. The executable spec is hebrus_torch/reference.py (qsa_attention); the checks and
 // messages mirror hebrus_torch/_validate.py and the reference's value checks.
 //
-// Work item: one query. The Hq/Hkv query heads that share a KV head are processed together (in
-// register chunks of up to kMaxHeadChunk) so that every gathered key and value row is read once
-// per chunk, and all KV heads advance block by block together, so that the rows of a cell for
-// every KV head, usually adjacent in memory, are fetched together. Keys and
+// Work item: one query (or one query and one KV head, when there are few queries). The Hq/Hkv
+// query heads that share a KV head are processed together (in register chunks of up to
+// kMaxHeadChunk) so that every gathered key and value row is read once per chunk, and the item's
+// KV heads advance block by block together, so that the rows of a cell for all of them, usually
+// adjacent in memory, are fetched together. Keys and
 // values are read in place through token_cells, never copied (fp16/bf16 elements are widened to
 // fp32 in registers as they are loaded). The softmax is online in fp32 over blocks of kKeyBlock
 // selected cells taken in token_cells order, and every reduction has a fixed order, so an output
@@ -384,15 +385,16 @@ HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* kr
   block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
 }
 
-// Query t, all its heads. The KV heads' rows of a cell usually lie side by side, so all heads
-// advance block by block together and each block's cells are fetched for every head at once.
+// Query t, KV heads [g_begin, g_end) and the query heads sharing them. The KV heads' rows of a
+// cell usually lie side by side, so the heads advance block by block together and each block's
+// cells are fetched for all of them at once.
 template <typename T>
-HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t) {
+HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t, int64_t g_begin, int64_t g_end) {
   const int64_t dh = p.dh;
   const int64_t dv = p.dv;
   const int32_t* row = p.cells + t * p.width;
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
+  const T* k = static_cast<const T*>(p.k) + g_begin * p.k_s1;
+  const T* v = static_cast<const T*>(p.v) + g_begin * p.v_s1;
   int64_t n = 0;
   for (int64_t i = 0; i < p.width; ++i) {
     const int32_t c = row[i];
@@ -403,7 +405,7 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t) {
   }
   // Heads in chunks of 8, 4, 2, 1: a head's result does not depend on the chunk it falls in.
   sc.chunks.clear();
-  for (int64_t g = 0; g < p.hkv; ++g) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
     int64_t h0 = 0;
     for (int64_t hb = kMaxHeadChunk; hb >= 1; hb /= 2)
       for (; h0 + hb <= p.rep; h0 += hb) sc.chunks.push_back({g, h0, hb});
@@ -431,23 +433,24 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t) {
   // at once, and no faster when requested two blocks ahead or with other locality hints).
   const int64_t score_steps = chunks * (kKeyBlock / 2) * (dh / kLanes);
   const int64_t value_steps = chunks * kKeyBlock * (dv / (2 * kLanes) + dv % (2 * kLanes) / kLanes);
-  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, p.hkv, k_head, 0).finish();
-  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, p.hkv, v_head, 0).finish();
+  const int64_t heads = g_end - g_begin;
+  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, heads, k_head, 0).finish();
+  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, heads, v_head, 0).finish();
   const T* krow[kKeyBlock];
   const T* vrow[kKeyBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, n - j0);
     const int64_t next = std::min(kKeyBlock, n - j0 - nb);
-    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, p.hkv, k_head, score_steps);
-    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, p.hkv, v_head, value_steps);
+    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, heads, k_head, score_steps);
+    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, heads, v_head, value_steps);
     int64_t g = -1;
     for (int64_t ci = 0; ci < chunks; ++ci) {
       const HeadChunk& c = sc.chunks[ci];
       if (c.g != g) {
         g = c.g;
         for (int64_t j = 0; j < nb; ++j) {
-          krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]) + g * p.k_s1;
-          vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]) + g * p.v_s1;
+          krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]) + (g - g_begin) * p.k_s1;
+          vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]) + (g - g_begin) * p.v_s1;
         }
       }
       const int64_t head = c.g * p.rep + c.h0;
@@ -479,7 +482,8 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t) {
 
 // One worker: takes items from the shared counter until none is left.
 HEBRUS_VECTOR_CLONES
-void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* next, int64_t items, int64_t chunk) {
+void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* next, int64_t items, int64_t chunk,
+                   int64_t splits) {
   Scratch sc;
   sc.rows_k.resize(p.width);
   sc.rows_v.resize(p.width);
@@ -493,10 +497,13 @@ void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* 
     if (begin >= items) break;
     const int64_t end = std::min(items, begin + chunk);
     for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / splits;
+      const int64_t g_begin = item % splits * p.hkv / splits;
+      const int64_t g_end = (item % splits + 1) * p.hkv / splits;
       switch (dtype) {
-        case at::kFloat: attend_item<float>(p, sc, item); break;
-        case at::kHalf: attend_item<c10::Half>(p, sc, item); break;
-        case at::kBFloat16: attend_item<c10::BFloat16>(p, sc, item); break;
+        case at::kFloat: attend_item<float>(p, sc, t, g_begin, g_end); break;
+        case at::kHalf: attend_item<c10::Half>(p, sc, t, g_begin, g_end); break;
+        case at::kBFloat16: attend_item<c10::BFloat16>(p, sc, t, g_begin, g_end); break;
         default: break;
       }
     }
@@ -574,15 +581,17 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   p.dv = dv;
   p.scale = static_cast<float>(scale);
 
-  // Items are queries taken dynamically in small chunks, which balances rows with different
-  // selection sizes and cores shared with other work; each item is computed by one thread from its
-  // own inputs only, so the schedule never changes a bit of the output.
-  const int64_t items = tq;
+  // Items are queries (or, with few queries per thread, (query, KV head) pairs) taken dynamically
+  // in small chunks, which balances rows with different selection sizes and cores shared with
+  // other work; each head is computed by one thread from its own inputs only, so neither the
+  // split nor the schedule ever changes a bit of the output.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = tq >= 4 * threads ? 1 : hkv;
+  const int64_t items = tq * splits;
   const int64_t chunk = std::clamp<int64_t>(items / (threads * 8), 1, 16);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
-    attend_worker(p, dtype, &next, items, chunk);
+    attend_worker(p, dtype, &next, items, chunk, splits);
   });
   return out;
 }
