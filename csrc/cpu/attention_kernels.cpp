@@ -2,13 +2,16 @@
 // selection lists. The executable spec is hebrus_torch/reference.py (qsa_attention); the checks and
 // messages mirror hebrus_torch/_validate.py and the reference's value checks.
 //
-// Work item: one query and one KV head, with the Hq/Hkv query heads that share that KV head
-// processed together so that every gathered key and value row is read once per item. Keys and
-// values are read in place through token_cells (fp16/bf16 rows are widened to fp32 one block of
-// kKeyBlock rows at a time in per-thread scratch; fp32 rows are not copied at all). The softmax is
-// online in fp32 over blocks of kKeyBlock selected cells taken in token_cells order, and every
-// reduction has a fixed order, so an output depends only on its own query's inputs: never on the
-// other queries in the batch, the thread count or the vector width of the CPU.
+// Work item: one query (or one query and one KV head, when there are few queries). The Hq/Hkv
+// query heads that share a KV head are processed together (in register chunks of up to
+// kMaxHeadChunk) so that every gathered key and value row is read once per chunk, and the item's
+// KV heads advance block by block together, so that the rows of a cell for all of them, usually
+// adjacent in memory, are fetched together. Keys and
+// values are read in place through token_cells, never copied (fp16/bf16 elements are widened to
+// fp32 in registers as they are loaded). The softmax is online in fp32 over blocks of kKeyBlock
+// selected cells taken in token_cells order, and every reduction has a fixed order, so an output
+// depends only on its own query's inputs: never on the other queries in the batch, the thread
+// count or the vector width of the CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -23,7 +26,6 @@
 #include <limits>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "hebrus_check.h"
@@ -71,30 +73,6 @@ HEBRUS_INLINE uint32_t float_to_bits(float f) {
   return b;
 }
 
-// exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
-// exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
-// trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
-HEBRUS_INLINE float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float xc = x < -87.f ? -87.f : x;
-  const float t = xc * kLog2e + kMagic;
-  const float n = t - kMagic;
-  const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.f;
-  const float result = y * bits_to_float((ni + 127u) << 23);
-  return x < -87.f ? 0.f : result;
-}
-
 template <typename T>
 HEBRUS_INLINE float widen(T v) {
   return static_cast<float>(v);
@@ -119,16 +97,25 @@ struct Params {
   float scale;
 };
 
+// Query heads sharing one KV head, processed in one pass over the keys (registers).
+struct HeadChunk {
+  int64_t g, h0, hb;  // KV head, first query head (of the rep sharing g), heads
+};
+
 struct Scratch {
-  std::vector<const void*> rows_k;  // selected rows of the item, token_cells order
+  std::vector<const void*> rows_k;  // selected rows of the item (KV head 0), token_cells order
   std::vector<const void*> rows_v;
-  std::vector<float> q;      // [kMaxHeadChunk, dh]
-  std::vector<float> ktile;  // [kKeyBlock, dh], fp16/bf16 only
-  std::vector<float> vtile;  // [kKeyBlock, dv], fp16/bf16 only
-  std::vector<float> acc;    // [kMaxHeadChunk, dv]
-  alignas(64) float s[kMaxHeadChunk][kKeyBlock];
-  float m[kMaxHeadChunk];
-  float l[kMaxHeadChunk];
+  std::vector<HeadChunk> chunks;
+  // Per chunk, at its first query head: q [hb * dh] interleaved by vector, [dh / kLanes][hb][kLanes]
+  // then the last dh % kLanes dims as [hb][dh % kLanes], so one pointer walks all heads of the
+  // dot-product loop; acc [hb * dv]; the running max and sum.
+  std::vector<float> q;    // [hq, dh]
+  std::vector<float> acc;  // [hq, dv]
+  std::vector<float> m;    // [chunks, kMaxHeadChunk]
+  std::vector<float> l;
+  // Scores, then probabilities, of one block: s[j][h], the heads of a key side by side so that the
+  // softmax steps run across heads in one vector (lanes >= the chunk's heads are unused).
+  alignas(64) float s[kKeyBlock][kMaxHeadChunk] = {};
 };
 
 // kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
@@ -144,6 +131,82 @@ HEBRUS_INLINE Vec load(const float* p) {
 
 HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
+// kLanes elements of a row widened to fp32 in registers (bf16: the bits shifted into the high
+// half, exact), so that fp16/bf16 rows are read in place like fp32 ones.
+template <typename T>
+HEBRUS_INLINE Vec load_row(const T* p) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = widen<T>(p[i]);
+  return v;
+}
+
+template <>
+HEBRUS_INLINE Vec load_row<float>(const float* p) {
+  return load(p);
+}
+
+template <>
+HEBRUS_INLINE Vec load_row<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Vec32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Vec16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const Vec32 b = __builtin_convertvector(h, Vec32) << 16;
+  Vec v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+// One lane per query head of a chunk: the online-softmax state and its steps, which are
+// element-wise, so every head gets the same arithmetic as if computed alone.
+typedef float HeadVec __attribute__((vector_size(kMaxHeadChunk * sizeof(float))));
+typedef int32_t HeadMask __attribute__((vector_size(kMaxHeadChunk * sizeof(int32_t))));
+
+HEBRUS_INLINE HeadVec load_heads(const float* p) {
+  HeadVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+HEBRUS_INLINE HeadVec splat(float x) { return HeadVec{} + x; }
+
+// exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
+// exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
+// trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
+HEBRUS_INLINE HeadVec exp_nonpositive(HeadVec x) {
+  typedef uint32_t HeadBits __attribute__((vector_size(kMaxHeadChunk * sizeof(uint32_t))));
+  const float kLog2e = 1.44269504088896341f;
+  const float kLn2Hi = 0.693359375f;
+  const float kLn2Lo = -2.12194440e-4f;
+  const HeadVec kMagic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const HeadMask tiny = x < -87.f;
+  const HeadVec xc = tiny ? splat(-87.f) : x;
+  const HeadVec t = xc * kLog2e + kMagic;
+  const HeadVec n = t - kMagic;
+  HeadBits tb, mb;
+  std::memcpy(&tb, &t, sizeof(tb));
+  std::memcpy(&mb, &kMagic, sizeof(mb));
+  const HeadBits pow2 = ((tb - mb) + 127u) << 23;  // 2^n: n as a two's complement integer
+  HeadVec scale;
+  std::memcpy(&scale, &pow2, sizeof(scale));
+  const HeadVec r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  HeadVec y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.f;
+  const HeadVec result = y * scale;
+  return tiny ? HeadVec{} : result;
+}
+
+// (a > b || a is NaN) ? a : b, per lane: the running maximum, which keeps a NaN once seen.
+HEBRUS_INLINE HeadVec max_keep_nan(HeadVec a, HeadVec b) {
+  const HeadMask take = (a > b) | (a != a);
+  return take ? a : b;
+}
+
 // Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
 HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
@@ -154,75 +217,119 @@ HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   return a[0] + a[1];
 }
 
-// s[h][j + n] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
-// the dims d = i mod kLanes in ascending d; the lanes then combine pairwise (reduce_lanes).
-template <int HB, int NK>
-HEBRUS_INLINE void dots(const float* q, int64_t dh, const float* const* krow, float scale, float (*s)[kKeyBlock],
-                        int64_t j) {
-  const int64_t full = dh / kLanes * kLanes;
-  Vec acc[NK][HB];
-  for (int n = 0; n < NK; ++n)
-    for (int h = 0; h < HB; ++h) acc[n][h] = Vec{};
-  for (int64_t d = 0; d < full; d += kLanes) {
-    Vec kv[NK];
-    for (int n = 0; n < NK; ++n) kv[n] = load(krow[j + n] + d);
-    for (int h = 0; h < HB; ++h) {
-      const Vec qv = load(q + h * dh + d);
-      for (int n = 0; n < NK; ++n) acc[n][h] += qv * kv[n];
-    }
-  }
-  for (int64_t i = 0; full + i < dh; ++i)
-    for (int h = 0; h < HB; ++h)
-      for (int n = 0; n < NK; ++n) acc[n][h][i] += q[h * dh + full + i] * krow[j + n][full + i];
-  for (int n = 0; n < NK; ++n)
-    for (int h = 0; h < HB; ++h) s[h][j + n] = reduce_lanes(acc[n][h]) * scale;
+// Lane i is reduce_lanes(a[i]), with the same additions, for sixteen dot products at once: each
+// level adds the two halves of every group of lanes, two sums packed per vector.
+HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
+  static_assert(kLanes == 16, "reduce_lanes16 is written for 16 lanes");
+  Vec b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], VecIdx{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                             VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(e[0], e[1], VecIdx{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
-// Rows still to be fetched from memory, requested a few at a time between dot products so that
-// the loads overlap the arithmetic without flooding the miss queue.
-struct Prefetch {
-  const void* const* rows;
-  int64_t count;
-  int64_t bytes;
+// The cache lines of a list of scattered rows, requested `per` lines at a time between steps of the
+// arithmetic: requested all at once they would fill the miss queue, and the loads the arithmetic
+// waits for would queue behind them.
+struct Prefetcher {
+  const void* const* rows;  // KV head 0 of each cell
+  int64_t count;            // cells
+  int64_t bytes;            // per row
+  int64_t heads;            // rows per cell, head_stride bytes apart
+  int64_t head_stride;
+  int64_t per;  // lines per step
+  int64_t j = 0;  // next line: byte b of head g of cell j
+  int64_t g = 0;
+  int64_t b = 0;
 
-  HEBRUS_INLINE void at(int64_t j) const {
-    if (j >= count) return;
-    const char* r = static_cast<const char*>(rows[j]);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+  // The lines spread over `steps` steps (all in the first one if steps == 0).
+  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t heads_,
+                           int64_t head_stride_, int64_t steps)
+      : rows(rows_), count(count_), bytes(bytes_), heads(heads_), head_stride(head_stride_) {
+    const int64_t lines = count * heads * ((bytes + 63) / 64);
+    per = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+
+  HEBRUS_INLINE void step() {
+    for (int64_t i = 0; i < per && j < count; ++i) {
+      __builtin_prefetch(static_cast<const char*>(rows[j]) + g * head_stride + b, 0, 3);
+      b += 64;
+      if (b >= bytes) {
+        b = 0;
+        if (++g == heads) {
+          g = 0;
+          ++j;
+        }
+      }
+    }
+  }
+
+  HEBRUS_INLINE void finish() {
+    per = std::numeric_limits<int64_t>::max();
+    step();
   }
 };
 
-template <int HB>
-HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const float* const* krow, int64_t nb, float scale,
-                                float (*s)[kKeyBlock], const Prefetch& pf_a, const Prefetch& pf_b) {
-  int64_t j = 0;
-  for (; j + 2 <= nb; j += 2) {
-    pf_a.at(j);
-    pf_a.at(j + 1);
-    pf_b.at(j);
-    pf_b.at(j + 1);
-    dots<HB, 2>(q, dh, krow, scale, s, j);
+// s[j + n][h] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
+// the dims d = i mod kLanes in ascending d; the lanes then combine pairwise (reduce_lanes).
+template <typename T, int HB, int NK>
+HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float scale,
+                        float (*s)[kMaxHeadChunk], int64_t j, Prefetcher& pf) {
+  const int64_t full = dh / kLanes * kLanes;
+  Vec acc[NK * HB];
+  for (int i = 0; i < NK * HB; ++i) acc[i] = Vec{};
+  for (int64_t d = 0; d < full; d += kLanes) {
+    pf.step();
+    Vec kv[NK];
+    for (int n = 0; n < NK; ++n) kv[n] = load_row<T>(krow[j + n] + d);
+    for (int h = 0; h < HB; ++h) {
+      const Vec qv = load(q + d * HB + h * kLanes);
+      for (int n = 0; n < NK; ++n) acc[n * HB + h] += qv * kv[n];
+    }
   }
-  for (; j < nb; ++j) {
-    pf_a.at(j);
-    pf_b.at(j);
-    dots<HB, 1>(q, dh, krow, scale, s, j);
+  const float* q_tail = q + full * HB;
+  for (int64_t i = 0; full + i < dh; ++i)
+    for (int h = 0; h < HB; ++h)
+      for (int n = 0; n < NK; ++n)
+        acc[n * HB + h][i] += q_tail[h * (dh - full) + i] * widen<T>(krow[j + n][full + i]);
+  if constexpr (NK * HB == kLanes && HB == kMaxHeadChunk) {
+    store(s[j], reduce_lanes16(acc) * scale);  // rows j and j + 1 of s, all heads
+  } else {
+    for (int n = 0; n < NK; ++n)
+      for (int h = 0; h < HB; ++h) s[j + n][h] = reduce_lanes(acc[n * HB + h]) * scale;
   }
 }
 
-// acc[h][d] += p[h][j] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
+template <typename T, int HB>
+HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const T* const* krow, int64_t nb, float scale,
+                                float (*s)[kMaxHeadChunk], Prefetcher& pf) {
+  int64_t j = 0;
+  for (; j + 2 <= nb; j += 2) dots<T, HB, 2>(q, dh, krow, scale, s, j, pf);
+  for (; j < nb; ++j) dots<T, HB, 1>(q, dh, krow, scale, s, j, pf);
+}
+
+// acc[h][d] += p[j][h] * v_j[d] for j = 0..nb-1 in ascending order, for every column d.
 // Columns are taken NC vectors at a time so that the accumulators stay in registers.
-template <int HB, int NC>
-HEBRUS_INLINE void value_columns(const float* const* vrow, int64_t nb, int64_t dv, int64_t d0,
-                                 const float (*p)[kKeyBlock], float* acc) {
+template <typename T, int HB, int NC>
+HEBRUS_INLINE void value_columns(const T* const* vrow, int64_t nb, int64_t dv, int64_t d0,
+                                 const float (*p)[kMaxHeadChunk], float* acc, Prefetcher& pf) {
   Vec a[NC][HB];
   for (int c = 0; c < NC; ++c)
     for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
   for (int64_t j = 0; j < nb; ++j) {
+    pf.step();
     Vec vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load(vrow[j] + d0 + c * kLanes);
+    for (int c = 0; c < NC; ++c) vv[c] = load_row<T>(vrow[j] + d0 + c * kLanes);
     for (int h = 0; h < HB; ++h) {
-      const float w = p[h][j];
+      const float w = p[j][h];
       for (int c = 0; c < NC; ++c) a[c][h] += w * vv[c];
     }
   }
@@ -230,99 +337,63 @@ HEBRUS_INLINE void value_columns(const float* const* vrow, int64_t nb, int64_t d
     for (int h = 0; h < HB; ++h) store(acc + h * dv + d0 + c * kLanes, a[c][h]);
 }
 
-template <int HB>
-HEBRUS_INLINE void block_values(const float* const* vrow, int64_t nb, int64_t dv, const float (*p)[kKeyBlock],
-                                float* acc) {
+template <typename T, int HB>
+HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, const float (*p)[kMaxHeadChunk],
+                                float* acc, Prefetcher& pf) {
   int64_t d0 = 0;
-  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<HB, 2>(vrow, nb, dv, d0, p, acc);
-  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<HB, 1>(vrow, nb, dv, d0, p, acc);
+  for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<T, HB, 2>(vrow, nb, dv, d0, p, acc, pf);
+  for (; d0 + kLanes <= dv; d0 += kLanes) value_columns<T, HB, 1>(vrow, nb, dv, d0, p, acc, pf);
   for (int64_t j = 0; j < nb; ++j)
     for (int h = 0; h < HB; ++h)
-      for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[h][j] * vrow[j][d];
+      for (int64_t d = d0; d < dv; ++d) acc[h * dv + d] += p[j][h] * widen<T>(vrow[j][d]);
 }
 
-// Heads [h0, h0 + HB) of query t, all sharing KV head g, over the item's n selected rows.
+// One block of nb selected cells for the HB query heads of a chunk: scores, the online-softmax
+// update of m, l and acc, then the probability-weighted values.
 template <typename T, int HB>
-HEBRUS_INLINE void attend_heads(const Params& p, Scratch& sc, int64_t t, int64_t g, int64_t h0, int64_t n) {
+HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* krow, const T* const* vrow, int64_t nb,
+                                bool first, const float* q, float* acc, float* m_out, float* l_out, Prefetcher& pf_k,
+                                Prefetcher& pf_v) {
+  const int64_t dv = p.dv;
+  block_scores<T, HB>(q, p.dh, krow, nb, p.scale, sc.s, pf_k);
+  HeadVec bm = load_heads(sc.s[0]);
+  for (int64_t j = 1; j < nb; ++j) bm = max_keep_nan(load_heads(sc.s[j]), bm);
+  const HeadVec m = load_heads(m_out);
+  const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
+  HeadVec sum{};
+  for (int64_t j = 0; j < nb; ++j) {
+    const HeadVec pj = exp_nonpositive(load_heads(sc.s[j]) - m_new);
+    std::memcpy(sc.s[j], &pj, sizeof(pj));  // s now holds p
+    sum += pj;
+  }
+  HeadVec l = load_heads(l_out);
+  if (first) {
+    l = sum;
+  } else {
+    const HeadVec alpha = exp_nonpositive(m - m_new);
+    l = l * alpha + sum;
+    for (int h = 0; h < HB; ++h) {
+      if (alpha[h] != 1.f) {
+        float* a = acc + h * dv;
+        for (int64_t d = 0; d < dv; ++d) a[d] *= alpha[h];
+      }
+    }
+  }
+  std::memcpy(m_out, &m_new, sizeof(m_new));
+  std::memcpy(l_out, &l, sizeof(l));
+  block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
+}
+
+// Query t, KV heads [g_begin, g_end) and the query heads sharing them. The KV heads' rows of a
+// cell usually lie side by side, so the heads advance block by block together and each block's
+// cells are fetched for all of them at once.
+template <typename T>
+HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t, int64_t g_begin, int64_t g_end) {
   const int64_t dh = p.dh;
   const int64_t dv = p.dv;
-  const T* q = static_cast<const T*>(p.q) + t * p.q_s0;
-  for (int h = 0; h < HB; ++h) {
-    const T* qh = q + (g * p.rep + h0 + h) * p.q_s1;
-    for (int64_t d = 0; d < dh; ++d) sc.q[h * dh + d] = widen<T>(qh[d]);
-  }
-  float* acc = sc.acc.data();
-  for (int64_t i = 0; i < HB * dv; ++i) acc[i] = 0.f;
-  const float* krow[kKeyBlock];
-  const float* vrow[kKeyBlock];
-  const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
-  const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
-  const Prefetch first_keys{sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes};
-  for (int64_t j = 0; j < first_keys.count; ++j) first_keys.at(j);
-  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, n - j0);
-    // Rows are scattered over the cache: while this block's keys are scored, fetch this block's
-    // values and the next block's keys.
-    const Prefetch pf_v{sc.rows_v.data() + j0, nb, v_bytes};
-    const Prefetch pf_k{sc.rows_k.data() + j0 + nb, std::min(kKeyBlock, n - j0 - nb), k_bytes};
-    for (int64_t j = 0; j < nb; ++j) {
-      const T* src = static_cast<const T*>(sc.rows_k[j0 + j]);
-      if constexpr (std::is_same_v<T, float>) {
-        krow[j] = src;
-      } else {
-        float* dst = sc.ktile.data() + j * dh;
-        for (int64_t d = 0; d < dh; ++d) dst[d] = widen<T>(src[d]);
-        krow[j] = dst;
-      }
-    }
-    block_scores<HB>(sc.q.data(), dh, krow, nb, p.scale, sc.s, pf_v, pf_k);
-    for (int h = 0; h < HB; ++h) {
-      float* s = sc.s[h];
-      float bm = s[0];
-      for (int64_t j = 1; j < nb; ++j) bm = (s[j] > bm || s[j] != s[j]) ? s[j] : bm;
-      const bool first = j0 == 0;
-      const float m_new = first ? bm : ((bm > sc.m[h] || bm != bm) ? bm : sc.m[h]);
-      for (int64_t j = 0; j < nb; ++j) s[j] = exp_nonpositive(s[j] - m_new);  // s now holds p
-      float sum = 0.f;
-      for (int64_t j = 0; j < nb; ++j) sum += s[j];
-      if (first) {
-        sc.l[h] = sum;
-      } else {
-        const float alpha = exp_nonpositive(sc.m[h] - m_new);
-        sc.l[h] = sc.l[h] * alpha + sum;
-        if (alpha != 1.f) {
-          float* a = acc + h * dv;
-          for (int64_t d = 0; d < dv; ++d) a[d] *= alpha;
-        }
-      }
-      sc.m[h] = m_new;
-    }
-    for (int64_t j = 0; j < nb; ++j) {
-      const T* src = static_cast<const T*>(sc.rows_v[j0 + j]);
-      if constexpr (std::is_same_v<T, float>) {
-        vrow[j] = src;
-      } else {
-        float* dst = sc.vtile.data() + j * dv;
-        for (int64_t d = 0; d < dv; ++d) dst[d] = widen<T>(src[d]);
-        vrow[j] = dst;
-      }
-    }
-    block_values<HB>(vrow, nb, dv, sc.s, acc);
-  }
-  T* out = static_cast<T*>(p.out) + (t * p.hq + g * p.rep + h0) * dv;
-  for (int h = 0; h < HB; ++h) {
-    const float l = sc.l[h];
-    for (int64_t d = 0; d < dv; ++d) out[h * dv + d] = static_cast<T>(acc[h * dv + d] / l);
-  }
-}
-
-template <typename T>
-HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t item) {
-  const int64_t t = item / p.hkv;
-  const int64_t g = item % p.hkv;
   const int32_t* row = p.cells + t * p.width;
-  const T* k = static_cast<const T*>(p.k) + g * p.k_s1;
-  const T* v = static_cast<const T*>(p.v) + g * p.v_s1;
+  const T* k = static_cast<const T*>(p.k) + g_begin * p.k_s1;
+  const T* v = static_cast<const T*>(p.v) + g_begin * p.v_s1;
   int64_t n = 0;
   for (int64_t i = 0; i < p.width; ++i) {
     const int32_t c = row[i];
@@ -332,34 +403,106 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t item) {
     ++n;
   }
   // Heads in chunks of 8, 4, 2, 1: a head's result does not depend on the chunk it falls in.
-  int64_t h0 = 0;
-  for (; h0 + 8 <= p.rep; h0 += 8) attend_heads<T, 8>(p, sc, t, g, h0, n);
-  if (h0 + 4 <= p.rep) { attend_heads<T, 4>(p, sc, t, g, h0, n); h0 += 4; }
-  if (h0 + 2 <= p.rep) { attend_heads<T, 2>(p, sc, t, g, h0, n); h0 += 2; }
-  if (h0 + 1 <= p.rep) { attend_heads<T, 1>(p, sc, t, g, h0, n); h0 += 1; }
+  sc.chunks.clear();
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    int64_t h0 = 0;
+    for (int64_t hb = kMaxHeadChunk; hb >= 1; hb /= 2)
+      for (; h0 + hb <= p.rep; h0 += hb) sc.chunks.push_back({g, h0, hb});
+  }
+  const int64_t full = dh / kLanes * kLanes;
+  const T* q_in = static_cast<const T*>(p.q) + t * p.q_s0;
+  for (const HeadChunk& c : sc.chunks) {
+    const int64_t head = c.g * p.rep + c.h0;
+    float* q = sc.q.data() + head * dh;
+    for (int64_t h = 0; h < c.hb; ++h) {
+      const T* qh = q_in + (head + h) * p.q_s1;
+      for (int64_t d = 0; d < full; ++d) q[(d - d % kLanes) * c.hb + h * kLanes + d % kLanes] = widen<T>(qh[d]);
+      for (int64_t d = full; d < dh; ++d) q[full * c.hb + h * (dh - full) + d - full] = widen<T>(qh[d]);
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  const int64_t k_bytes = dh * static_cast<int64_t>(sizeof(T));
+  const int64_t v_bytes = dv * static_cast<int64_t>(sizeof(T));
+  const int64_t k_head = p.k_s1 * static_cast<int64_t>(sizeof(T));
+  const int64_t v_head = p.v_s1 * static_cast<int64_t>(sizeof(T));
+  const int64_t chunks = static_cast<int64_t>(sc.chunks.size());
+  // Rows are scattered over the cache: the first block's rows are requested at once; then the next
+  // block's keys while this block's are scored, and the next block's values while this block's are
+  // summed, spread over the steps of that work (measured: 25% faster than requesting a block's rows
+  // at once, and no faster when requested two blocks ahead or with other locality hints).
+  const int64_t score_steps = chunks * (kKeyBlock / 2) * (dh / kLanes);
+  const int64_t value_steps = chunks * kKeyBlock * (dv / (2 * kLanes) + dv % (2 * kLanes) / kLanes);
+  const int64_t heads = g_end - g_begin;
+  Prefetcher(sc.rows_k.data(), std::min(kKeyBlock, n), k_bytes, heads, k_head, 0).finish();
+  Prefetcher(sc.rows_v.data(), std::min(kKeyBlock, n), v_bytes, heads, v_head, 0).finish();
+  const T* krow[kKeyBlock];
+  const T* vrow[kKeyBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - j0);
+    const int64_t next = std::min(kKeyBlock, n - j0 - nb);
+    Prefetcher pf_k(sc.rows_k.data() + j0 + nb, next, k_bytes, heads, k_head, score_steps);
+    Prefetcher pf_v(sc.rows_v.data() + j0 + nb, next, v_bytes, heads, v_head, value_steps);
+    int64_t g = -1;
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      const HeadChunk& c = sc.chunks[ci];
+      if (c.g != g) {
+        g = c.g;
+        for (int64_t j = 0; j < nb; ++j) {
+          krow[j] = static_cast<const T*>(sc.rows_k[j0 + j]) + (g - g_begin) * p.k_s1;
+          vrow[j] = static_cast<const T*>(sc.rows_v[j0 + j]) + (g - g_begin) * p.v_s1;
+        }
+      }
+      const int64_t head = c.g * p.rep + c.h0;
+      const float* q = sc.q.data() + head * dh;
+      float* acc = sc.acc.data() + head * dv;
+      float* m = sc.m.data() + ci * kMaxHeadChunk;
+      float* l = sc.l.data() + ci * kMaxHeadChunk;
+      switch (c.hb) {
+        case 8: attend_block<T, 8>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        case 4: attend_block<T, 4>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        case 2: attend_block<T, 2>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        default: attend_block<T, 1>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+      }
+    }
+    pf_k.finish();
+    pf_v.finish();
+  }
+  T* out = static_cast<T*>(p.out) + t * p.hq * dv;
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    const HeadChunk& c = sc.chunks[ci];
+    const int64_t head = c.g * p.rep + c.h0;
+    for (int64_t h = 0; h < c.hb; ++h) {
+      const float lh = sc.l[ci * kMaxHeadChunk + h];
+      const float* acc = sc.acc.data() + (head + h) * dv;
+      for (int64_t d = 0; d < dv; ++d) out[(head + h) * dv + d] = static_cast<T>(acc[d] / lh);
+    }
+  }
 }
 
 // One worker: takes items from the shared counter until none is left.
 HEBRUS_VECTOR_CLONES
-void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* next, int64_t items, int64_t chunk) {
+void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* next, int64_t items, int64_t chunk,
+                   int64_t splits) {
   Scratch sc;
   sc.rows_k.resize(p.width);
   sc.rows_v.resize(p.width);
-  sc.q.resize(kMaxHeadChunk * std::max<int64_t>(p.dh, 1));
-  sc.acc.resize(kMaxHeadChunk * std::max<int64_t>(p.dv, 1));
-  if (dtype != at::kFloat) {
-    sc.ktile.resize(kKeyBlock * std::max<int64_t>(p.dh, 1));
-    sc.vtile.resize(kKeyBlock * std::max<int64_t>(p.dv, 1));
-  }
+  sc.q.resize(p.hq * std::max<int64_t>(p.dh, 1));
+  sc.acc.resize(p.hq * std::max<int64_t>(p.dv, 1));
+  sc.m.resize(p.hq * kMaxHeadChunk);  // at most one chunk per query head
+  sc.l.resize(p.hq * kMaxHeadChunk);
+  sc.chunks.reserve(p.hq);
   for (;;) {
     const int64_t begin = next->fetch_add(chunk);
     if (begin >= items) break;
     const int64_t end = std::min(items, begin + chunk);
     for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / splits;
+      const int64_t g_begin = item % splits * p.hkv / splits;
+      const int64_t g_end = (item % splits + 1) * p.hkv / splits;
       switch (dtype) {
-        case at::kFloat: attend_item<float>(p, sc, item); break;
-        case at::kHalf: attend_item<c10::Half>(p, sc, item); break;
-        case at::kBFloat16: attend_item<c10::BFloat16>(p, sc, item); break;
+        case at::kFloat: attend_item<float>(p, sc, t, g_begin, g_end); break;
+        case at::kHalf: attend_item<c10::Half>(p, sc, t, g_begin, g_end); break;
+        case at::kBFloat16: attend_item<c10::BFloat16>(p, sc, t, g_begin, g_end); break;
         default: break;
       }
     }
@@ -437,15 +580,17 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   p.dv = dv;
   p.scale = static_cast<float>(scale);
 
-  // Items are (query, KV head) pairs taken dynamically in small chunks, which balances rows with
-  // different selection sizes and cores shared with other work; each item is computed by one
-  // thread from its own inputs only, so the schedule never changes a bit of the output.
-  const int64_t items = tq * hkv;
+  // Items are queries (or, with few queries per thread, (query, KV head) pairs) taken dynamically
+  // in small chunks, which balances rows with different selection sizes and cores shared with
+  // other work; each head is computed by one thread from its own inputs only, so neither the
+  // split nor the schedule ever changes a bit of the output.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t splits = tq >= 4 * threads ? 1 : hkv;
+  const int64_t items = tq * splits;
   const int64_t chunk = std::clamp<int64_t>(items / (threads * 8), 1, 16);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
-    attend_worker(p, dtype, &next, items, chunk);
+    attend_worker(p, dtype, &next, items, chunk, splits);
   });
   return out;
 }
