@@ -289,6 +289,29 @@ def test_ngram_ids_kernel_vs_reference(device, n, h, huge):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+@pytest.mark.parametrize("h", [1, 8, 11])
+@pytest.mark.parametrize("sizes_kind", ["extremes", "below-2^30", "huge"])
+def test_ngram_ids_kernel_vs_reference_divisors(device, h, sizes_kind):
+    # The CPU kernel has an exact double-arithmetic remainder for divisors below 2^30 and int64
+    # division otherwise; both must equal torch.remainder for every int64 mix, any heads per order.
+    gen = torch.Generator().manual_seed(h)
+    n, vocab, eos = 3, 1000, 3
+    heads = (n - 1) * h
+    pool = {"extremes": [1, 2, 3, 7, 97, (1 << 30) - 1, (1 << 30) - 35, (1 << 29) + 11],
+            "below-2^30": [(1 << 30) - 1 - i for i in range(5)] + [99991, 20_000_003, 1],
+            "huge": [1 << 30, (1 << 62) + 5, (1 << 63) - 1, 3, (1 << 40) + 1, 5, 12345, 2]}[sizes_kind]
+    sizes = torch.tensor([pool[i % len(pool)] for i in range(heads)])
+    offsets = torch.randint(-(1 << 40), 1 << 40, (heads,), generator=gen)
+    mult = torch.tensor([(1 << 62) + 1, -(1 << 61) - 3, (1 << 63) - 25])
+    tokens, cu = pack([random_tokens(m, vocab, eos, gen, 0.1) for m in (40, 0, 9)])
+    tokens[:4] = torch.tensor([0, vocab - 1, 1, vocab - 2])
+    history = torch.randint(0, vocab, (3, n - 1), generator=gen)
+    want = reference.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, vocab)
+    d = lambda t: t.to(device)  # noqa: E731
+    got = ht.ple_ngram_ids(d(tokens), d(cu), d(history), d(mult), d(sizes), d(offsets), eos, vocab)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("channels", [31, 32, 33])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
