@@ -2,7 +2,6 @@
 // the spec. Every check runs before any output is written. Each output element depends only on its
 // own row's inputs, combined in a fixed order, so results are bitwise independent of how a stream is
 // chunked and of the other rows in the batch. Index math is int64 throughout.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -262,76 +261,188 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
   return {row_ids, new_history};
 }
 
-constexpr int64_t kChannelBlock = 256;
+HEBRUS_INLINE float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
 
-template <typename scalar_t>
-inline void store_activation(scalar_t* y, const float* acc, int64_t n, bool silu) {
-  if (silu) {
-    for (int64_t c = 0; c < n; ++c) y[c] = static_cast<scalar_t>(acc[c] / (1.0f + std::exp(-acc[c])));
-  } else {
-    for (int64_t c = 0; c < n; ++c) y[c] = static_cast<scalar_t>(acc[c]);
+HEBRUS_INLINE uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+// exp(x) for SiLU, over the whole float range: within about 1 ulp for x >= -87, 0 below (where expf
+// is under 2e-38: 1 + exp(x) is 1 either way), inf above 88.72; NaN gives a finite value (silu
+// keeps NaN through its numerator). Cephes' expf polynomial with round-to-nearest range reduction
+// through the 1.5 * 2^23 trick (no float-to-int conversion, so it vectorises and has no undefined
+// behaviour on inf or NaN). x is clamped to [-87.5, 89] on its bit pattern with integer minima: a
+// float compare-and-select there lets GCC's PRE split the loop tail into branches (one arm is all
+// constants), which blocks vectorisation. The clamp keeps n in [-126, 128]; 2^n is applied as
+// 2^(n-1) * 2, whose first factor is +0 for n = -126 and finite for n = 128, so overflow and
+// underflow need no select.
+HEBRUS_INLINE float exp_silu(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr uint32_t kMinus87_5 = 0xC2AF0000u;  // bits of -87.5f
+  constexpr uint32_t k89 = 0x42B20000u;         // bits of 89.f
+  constexpr uint32_t kSign = 0x80000000u;
+  const uint32_t b = float_to_bits(x);
+  const uint32_t neg_capped = b < kMinus87_5 ? b : kMinus87_5;  // caps negative magnitudes
+  const uint32_t flipped = neg_capped ^ kSign;  // now positive floats order above negative ones
+  const uint32_t capped = flipped < (k89 ^ kSign) ? flipped : (k89 ^ kSign);  // caps positive values
+  const float xc = bits_to_float(capped ^ kSign);
+  const float t = xc * kLog2e + kMagic;
+  const float n = t - kMagic;
+  const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.f;
+  return (y * bits_to_float((ni + 126u) << 23)) * 2.f;
+}
+
+// x * sigmoid(x) as x / (1 + exp(-x)): silu(+inf) = inf, silu(x < -88.7) = -0, silu(NaN) = NaN.
+HEBRUS_INLINE float silu(float x) { return x / (1.f + exp_silu(-x)); }
+
+// Storage types of the conv: widening to fp32 and narrowing back (round to nearest even, the same
+// bits as c10's conversions for every non-NaN value), branch-free so the channel loops vectorise.
+struct F32 {
+  using T = float;
+  static HEBRUS_INLINE float load(float v) { return v; }
+  static HEBRUS_INLINE float store(float f) { return f; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static HEBRUS_INLINE float load(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
+  static HEBRUS_INLINE uint16_t store(float f) {
+    const uint32_t w = float_to_bits(f);
+    const auto rounded = static_cast<uint16_t>((w + (((w >> 16) & 1u) + 0x7FFFu)) >> 16);
+    return f != f ? uint16_t{0x7FC0} : rounded;
+  }
+};
+
+// c10's fp16_ieee_to_fp32_value / fp16_ieee_from_fp32_value (the portable, F16C-free versions).
+struct F16 {
+  using T = uint16_t;
+  static HEBRUS_INLINE float load(uint16_t h) {
+    const uint32_t w = static_cast<uint32_t>(h) << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    // Integer mask select: a ternary here lets GCC sink the float math into branches.
+    const uint32_t denormal = 0u - static_cast<uint32_t>(two_w < (1u << 27));
+    return bits_to_float(sign | (float_to_bits(denormalized) & denormal) | (float_to_bits(normalized) & ~denormal));
+  }
+  static HEBRUS_INLINE uint16_t store(float f) {
+    float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = float_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t bias_raw = shl1_w & 0xFF000000u;
+    const uint32_t bias = bias_raw < 0x71000000u ? 0x71000000u : bias_raw;
+    base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);  // mask select, as in load
+    return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
+  }
+};
+
+// Channels per inner sweep and tokens per tile: a tile walks its tokens over one channel block, so
+// the rows t - 3d .. t of the block and its weights stay in L1 while x and y stream through once.
+constexpr int64_t kChannelBlock = 512;
+constexpr int64_t kTokenTile = 64;
+
+struct ConvArgs {
+  const void* x;
+  const void* state;
+  const float* w;  // [K, C] fp32
+  const int32_t* cu;
+  void* y;
+  int64_t batch, channels, width, state_len, dilation;
+  bool silu;
+};
+
+// y over the channels [c0, c0 + nc) of token t, whose row starts at token `start`.
+template <typename D, bool kSilu>
+HEBRUS_INLINE void conv_block(const ConvArgs& a, int64_t row, int64_t start, int64_t t, int64_t c0, int64_t nc) {
+  using T = typename D::T;
+  const T* xp = static_cast<const T*>(a.x);
+  const T* sp = static_cast<const T*>(a.state);
+  const int64_t channels = a.channels, state_len = a.state_len, width = a.width;
+  // Row m of the stream u = state[row] ++ x[row] (m < L reads the carried state).
+  auto u_row = [&](int64_t m) -> const T* {
+    return (m >= state_len ? xp + (start + m - state_len) * channels : sp + (row * state_len + m) * channels) + c0;
+  };
+  const int64_t i = state_len + (t - start);
+  const float* w = a.w + c0;
+  T* __restrict y = static_cast<T*>(a.y) + t * channels + c0;
+  if (width == 4) {
+    // Qwen4Exp's width, one pass: the same sum ((0 + w0u0) + w1u1) + ... as the general loop.
+    const T* __restrict u0 = u_row(i - 3 * a.dilation);
+    const T* __restrict u1 = u_row(i - 2 * a.dilation);
+    const T* __restrict u2 = u_row(i - a.dilation);
+    const T* __restrict u3 = u_row(i);
+    const float* __restrict w0 = w;
+    const float* __restrict w1 = w0 + channels;
+    const float* __restrict w2 = w1 + channels;
+    const float* __restrict w3 = w2 + channels;
+    for (int64_t c = 0; c < nc; ++c) {
+      float acc = 0.0f + w0[c] * D::load(u0[c]);
+      acc += w1[c] * D::load(u1[c]);
+      acc += w2[c] * D::load(u2[c]);
+      acc += w3[c] * D::load(u3[c]);
+      y[c] = D::store(kSilu ? silu(acc) : acc);
+    }
+    return;
+  }
+  float acc[kChannelBlock];
+  for (int64_t c = 0; c < nc; ++c) acc[c] = 0.0f;
+  for (int64_t k = 0; k < width; ++k) {
+    const T* __restrict u = u_row(i - (width - 1 - k) * a.dilation);
+    const float* __restrict wk = w + k * channels;
+    for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * D::load(u[c]);
+  }
+  for (int64_t c = 0; c < nc; ++c) y[c] = D::store(kSilu ? silu(acc[c]) : acc[c]);
+}
+
+// y of tokens [begin, end): tiles of kTokenTile tokens, each swept block by block over the channels.
+template <typename D>
+HEBRUS_INLINE void conv_tokens(const ConvArgs& a, int64_t begin, int64_t end) {
+  for (int64_t t0 = begin; t0 < end; t0 += kTokenTile) {
+    const int64_t t1 = std::min(end, t0 + kTokenTile);
+    const int64_t first_row = row_of(a.cu, a.batch, t0);
+    for (int64_t c0 = 0; c0 < a.channels; c0 += kChannelBlock) {
+      const int64_t nc = std::min(kChannelBlock, a.channels - c0);
+      int64_t row = first_row;
+      for (int64_t t = t0; t < t1; ++t) {
+        while (t >= a.cu[row + 1]) ++row;
+        if (a.silu) {
+          conv_block<D, true>(a, row, a.cu[row], t, c0, nc);
+        } else {
+          conv_block<D, false>(a, row, a.cu[row], t, c0, nc);
+        }
+      }
+    }
   }
 }
 
-template <typename scalar_t>
-void ple_conv_kernel(const Tensor& x, const Tensor& w_kc, const int32_t* cu, const Tensor& state, Tensor& y,
-                     Tensor& new_state, int64_t batch, int64_t dilation, bool silu) {
-  const int64_t total = x.size(0), channels = x.size(1), width = w_kc.size(0), state_len = state.size(1);
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  const scalar_t* sp = state.data_ptr<scalar_t>();
-  const float* wp = w_kc.data_ptr<float>();
-  scalar_t* yp = y.data_ptr<scalar_t>();
-  scalar_t* nsp = new_state.data_ptr<scalar_t>();
-  // Row m of the stream u = state[row] ++ x[row] (m < L reads the carried state).
-  auto u_row = [&](int64_t row, int64_t start, int64_t m) -> const scalar_t* {
-    return m >= state_len ? xp + (start + m - state_len) * channels : sp + (row * state_len + m) * channels;
-  };
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, channels * width));
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    float acc[kChannelBlock];
-    int64_t row = row_of(cu, batch, begin);
-    for (int64_t t = begin; t < end; ++t) {
-      while (t >= cu[row + 1]) ++row;
-      const int64_t start = cu[row];
-      const int64_t i = state_len + (t - start);
-      for (int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
-        const int64_t nc = std::min(kChannelBlock, channels - c0);
-        if (width == 4) {
-          // Qwen4Exp's width, one pass: the same sum ((0 + w0u0) + w1u1) + ... as the general loop.
-          const scalar_t* u0 = u_row(row, start, i - 3 * dilation) + c0;
-          const scalar_t* u1 = u_row(row, start, i - 2 * dilation) + c0;
-          const scalar_t* u2 = u_row(row, start, i - dilation) + c0;
-          const scalar_t* u3 = u_row(row, start, i) + c0;
-          const float *w0 = wp + c0, *w1 = w0 + channels, *w2 = w1 + channels, *w3 = w2 + channels;
-          for (int64_t c = 0; c < nc; ++c) {
-            float a = 0.0f + w0[c] * static_cast<float>(u0[c]);
-            a += w1[c] * static_cast<float>(u1[c]);
-            a += w2[c] * static_cast<float>(u2[c]);
-            a += w3[c] * static_cast<float>(u3[c]);
-            acc[c] = a;
-          }
-        } else {
-          std::fill(acc, acc + nc, 0.0f);
-          for (int64_t k = 0; k < width; ++k) {
-            const scalar_t* u = u_row(row, start, i - (width - 1 - k) * dilation) + c0;
-            const float* wk = wp + k * channels + c0;
-            for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * static_cast<float>(u[c]);
-          }
-        }
-        store_activation(yp + t * channels + c0, acc, nc, silu);
-      }
-    }
-  });
-  at::parallel_for(0, batch * state_len, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, channels)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t row = r / state_len, j = r % state_len;
-      const int64_t len = cu[row + 1] - cu[row];
-      const scalar_t* src = u_row(row, cu[row], len + j);  // last L entries of u, which has L + len
-      std::copy(src, src + channels, nsp + r * channels);
-    }
-  });
-}
+HEBRUS_VECTOR_CLONES
+void conv_tokens_f32(const ConvArgs& a, int64_t begin, int64_t end) { conv_tokens<F32>(a, begin, end); }
+HEBRUS_VECTOR_CLONES
+void conv_tokens_f16(const ConvArgs& a, int64_t begin, int64_t end) { conv_tokens<F16>(a, begin, end); }
+HEBRUS_VECTOR_CLONES
+void conv_tokens_bf16(const ConvArgs& a, int64_t begin, int64_t end) { conv_tokens<BF16>(a, begin, end); }
 
 std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                                         const Tensor& state, int64_t dilation, c10::string_view activation) {
@@ -348,8 +459,28 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
   const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
   Tensor y = at::empty_like(xc);
   Tensor new_state = at::empty_like(sc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "hebrus::ple_conv", [&] {
-    ple_conv_kernel<scalar_t>(xc, w_kc, cu_t.data_ptr<int32_t>(), sc, y, new_state, batch, dilation, silu);
+  const int64_t channels = sz.channels, state_len = sz.state_len;
+  const ConvArgs args{xc.data_ptr(), sc.data_ptr(), w_kc.data_ptr<float>(), cu_t.data_ptr<int32_t>(), y.data_ptr(),
+                      batch, channels, sz.width, state_len, dilation, silu};
+  void (*conv_tokens_fn)(const ConvArgs&, int64_t, int64_t) =
+      dtype == at::kFloat ? conv_tokens_f32 : dtype == at::kHalf ? conv_tokens_f16 : conv_tokens_bf16;
+  // At least ~64K outputs per thread (tens of microseconds of work).
+  at::parallel_for(0, sz.total, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, channels)),
+                   [&](int64_t begin, int64_t end) { conv_tokens_fn(args, begin, end); });
+  // new_state: the last L entries of u = state ++ x, row by row.
+  const auto elem = static_cast<int64_t>(xc.element_size());
+  const char* xb = static_cast<const char*>(xc.data_ptr());
+  const char* sb = static_cast<const char*>(sc.data_ptr());
+  char* nb = static_cast<char*>(new_state.data_ptr());
+  const int32_t* cu = cu_t.data_ptr<int32_t>();
+  const int64_t row_bytes = channels * elem;
+  at::parallel_for(0, row_bytes > 0 ? batch * state_len : 0, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, row_bytes)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t row = r / state_len, m = cu[row + 1] - cu[row] + r % state_len;  // u has L + len entries
+      const char* src = m >= state_len ? xb + (cu[row] + m - state_len) * row_bytes : sb + (row * state_len + m) * row_bytes;
+      std::memcpy(nb + r * row_bytes, src, static_cast<size_t>(row_bytes));
+    }
   });
   return {y, new_state};
 }
