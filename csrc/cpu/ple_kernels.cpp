@@ -97,7 +97,7 @@ inline int64_t wrap_add(int64_t a, int64_t b) {
 }
 
 // Exact floor remainder by per-head divisors 0 < p < 2^30 in double arithmetic, vectorised across
-// the heads of one order (an int64 division per head costs ~10x more). With a + 2^63 = u2*2^42 +
+// the heads of one order (an int64 division per head made the op ~4x slower). With a + 2^63 = u2*2^42 +
 // u1*2^21 + u0 (limbs of 22, 21 and 21 bits), a mod p = s mod p for s = u2*c2 + u1*c1 + u0 + cn, where
 // c2 = 2^42 mod p, c1 = 2^21 mod p, cn = -2^63 mod p. Every product and partial sum is an integer
 // below 2^53, so s is exact; the rounded quotient s/p is floor or floor + 1, so one correction
@@ -115,7 +115,8 @@ struct alignas(64) HeadLanes {
   int32_t p32[kHeadLanes];  // p as int32
 };
 
-// Lane groups of every order, `groups_per_order` per order; empty when some divisor is >= kFastModLimit.
+// Lane groups of every order, ceil(per_order / kHeadLanes) per order; every divisor must be below
+// kFastModLimit.
 std::vector<HeadLanes> head_lanes(const int64_t* sizes, const int64_t* offs, int64_t ctx, int64_t per_order) {
   const int64_t groups_per_order = (per_order + kHeadLanes - 1) / kHeadLanes;
   std::vector<HeadLanes> g(static_cast<size_t>(ctx * groups_per_order));
@@ -550,11 +551,12 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
   char* nb = static_cast<char*>(new_state.data_ptr());
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int64_t row_bytes = channels * elem;
-  at::parallel_for(0, row_bytes > 0 ? batch * state_len : 0, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, row_bytes)),
-                   [&](int64_t begin, int64_t end) {
+  const int64_t copy_grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, row_bytes));  // ~1 MiB
+  at::parallel_for(0, row_bytes > 0 ? batch * state_len : 0, copy_grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t row = r / state_len, m = cu[row + 1] - cu[row] + r % state_len;  // u has L + len entries
-      const char* src = m >= state_len ? xb + (cu[row] + m - state_len) * row_bytes : sb + (row * state_len + m) * row_bytes;
+      const char* src = m >= state_len ? xb + (cu[row] + m - state_len) * row_bytes
+                                       : sb + (row * state_len + m) * row_bytes;
       std::memcpy(nb + r * row_bytes, src, static_cast<size_t>(row_bytes));
     }
   });
