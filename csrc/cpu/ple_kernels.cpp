@@ -379,17 +379,23 @@ struct ConvArgs {
   bool silu;
 };
 
+// Channel c0 of row m of the stream u = state[row] ++ x[row], whose x part starts at token `start`
+// (m < L reads the carried state).
+template <typename T>
+HEBRUS_INLINE const T* u_row(const ConvArgs& a, int64_t row, int64_t start, int64_t m, int64_t c0) {
+  const int64_t channels = a.channels, state_len = a.state_len;
+  return (m >= state_len ? static_cast<const T*>(a.x) + (start + m - state_len) * channels
+                         : static_cast<const T*>(a.state) + (row * state_len + m) * channels) +
+         c0;
+}
+
 // y over the channels [c0, c0 + nc) of token t, whose row starts at token `start`.
 template <typename D, bool kSilu>
 HEBRUS_INLINE void conv_block(const ConvArgs& a, int64_t row, int64_t start, int64_t t, int64_t c0, int64_t nc) {
   using T = typename D::T;
   const T* xp = static_cast<const T*>(a.x);
-  const T* sp = static_cast<const T*>(a.state);
   const int64_t channels = a.channels, state_len = a.state_len, width = a.width;
-  // Row m of the stream u = state[row] ++ x[row] (m < L reads the carried state).
-  auto u_row = [&](int64_t m) -> const T* {
-    return (m >= state_len ? xp + (start + m - state_len) * channels : sp + (row * state_len + m) * channels) + c0;
-  };
+  auto u_at = [&](int64_t m) { return u_row<T>(a, row, start, m, c0); };
   const int64_t i = state_len + (t - start);
   const float* w = a.w + c0;
   T* __restrict y = static_cast<T*>(a.y) + t * channels + c0;
@@ -397,10 +403,10 @@ HEBRUS_INLINE void conv_block(const ConvArgs& a, int64_t row, int64_t start, int
   for (int64_t c = 0; c < nc; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(ahead + c);
   if (width == 4) {
     // Qwen4Exp's width, one pass: the same sum ((0 + w0u0) + w1u1) + ... as the general loop.
-    const T* __restrict u0 = u_row(i - 3 * a.dilation);
-    const T* __restrict u1 = u_row(i - 2 * a.dilation);
-    const T* __restrict u2 = u_row(i - a.dilation);
-    const T* __restrict u3 = u_row(i);
+    const T* __restrict u0 = u_at(i - 3 * a.dilation);
+    const T* __restrict u1 = u_at(i - 2 * a.dilation);
+    const T* __restrict u2 = u_at(i - a.dilation);
+    const T* __restrict u3 = u_at(i);
     const float* __restrict w0 = w;
     const float* __restrict w1 = w0 + channels;
     const float* __restrict w2 = w1 + channels;
@@ -417,7 +423,7 @@ HEBRUS_INLINE void conv_block(const ConvArgs& a, int64_t row, int64_t start, int
   float acc[kChannelBlock];
   for (int64_t c = 0; c < nc; ++c) acc[c] = 0.0f;
   for (int64_t k = 0; k < width; ++k) {
-    const T* __restrict u = u_row(i - (width - 1 - k) * a.dilation);
+    const T* __restrict u = u_at(i - (width - 1 - k) * a.dilation);
     const float* __restrict wk = w + k * channels;
     for (int64_t c = 0; c < nc; ++c) acc[c] += wk[c] * D::load(u[c]);
   }
@@ -463,7 +469,6 @@ template <typename D, bool kSilu>
 HEBRUS_INLINE void conv_tokens_act(const ConvArgs& a, int64_t begin, int64_t end) {
   using T = typename D::T;
   const T* xp = static_cast<const T*>(a.x);
-  const T* sp = static_cast<const T*>(a.state);
   T* yp = static_cast<T*>(a.y);
   const int64_t channels = a.channels, d = a.dilation, state_len = a.state_len;
   for (int64_t t0 = begin; t0 < end; t0 += kTokenTile) {
@@ -486,19 +491,16 @@ HEBRUS_INLINE void conv_tokens_act(const ConvArgs& a, int64_t begin, int64_t end
             continue;
           }
           const int64_t start = a.cu[row], i = state_len + (t - start);
-          auto u_row = [&](int64_t m) -> const T* {
-            return (m >= state_len ? xp + (start + m - state_len) * channels : sp + (row * state_len + m) * channels) +
-                   c0;
-          };
+          auto u_at = [&](int64_t m) { return u_row<T>(a, row, start, m, c0); };
           for (int64_t j = 0; j < 4; ++j) {
             const T* ahead = xp + std::min(t + j * d + 1, a.total - 1) * channels + c0;
             for (int64_t c = 0; c < nc; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(ahead + c);
           }
           const float* w = a.w + c0;
           T* y = yp + t * channels + c0;
-          conv4_group<D, kSilu>(u_row(i - 3 * d), u_row(i - 2 * d), u_row(i - d), u_row(i), u_row(i + d),
-                                u_row(i + 2 * d), u_row(i + 3 * d), w, w + channels, w + 2 * channels,
-                                w + 3 * channels, y, y + d * channels, y + 2 * d * channels, y + 3 * d * channels, nc);
+          conv4_group<D, kSilu>(u_at(i - 3 * d), u_at(i - 2 * d), u_at(i - d), u_at(i), u_at(i + d), u_at(i + 2 * d),
+                                u_at(i + 3 * d), w, w + channels, w + 2 * channels, w + 3 * channels, y,
+                                y + d * channels, y + 2 * d * channels, y + 3 * d * channels, nc);
         }
       }
     }
