@@ -1,8 +1,14 @@
 """PLE benchmarks at Qwen4Exp sizes: hebrus ops vs the transformers-style composite, same run.
 
-Conv: C = 10240 channels, K = 4, dilation 3 (state 9). Hash: N = 3, 16 heads.
+Conv: C = 10240 channels, K = 4, dilation 3 (state 9). Hash: N = 3, 16 hash heads.
 Cases: prefill of 4096 tokens in one sequence and in 8 packed sequences; decode of 64 sequences x 1
 token with state gathered by slot from a pool of 128. Writes the "PLE" section of RESULTS.md.
+
+On CPU the conv prefill cases run twice: in this process, and in a subprocess with PyTorch's CPU
+allocator switched to the other setting of THP_MEM_ALLOC_ENABLE (2 MiB-aligned allocations advised
+as transparent huge pages; the variable is read once, before the first allocation, hence the
+subprocess). A fresh [T, C] output costs tens of milliseconds of 4 KiB first-touch page faults
+under the default allocator, far more than writing it.
 
     python benchmarks/bench_ple.py [--device cpu] [--tokens 4096] [--channels 10240]
 """
@@ -10,7 +16,10 @@ token with state gathered by slot from a pool of 128. Writes the "PLE" section o
 from __future__ import annotations
 
 import argparse
-import math
+import json
+import os
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -54,23 +63,24 @@ def transformers_hash(device: str):
     return emb, cfg
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--channels", type=int, default=10240)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    dev, T, C = args.device, args.tokens, args.channels
+THP_VAR = "THP_MEM_ALLOC_ENABLE"
+
+
+def thp_enabled() -> bool:
+    return os.environ.get(THP_VAR, "0") == "1"
+
+
+def row(case, path, seconds, tokens, nbytes, bw, base=None) -> list[str]:
+    gbs = nbytes / seconds / 1e9
+    return [case, path, f"{seconds * 1e3:.2f}", f"{tokens / seconds:,.0f}", f"{gbs:.2f}",
+            f"{nbytes / bw / seconds:.2f}", "" if base is None else f"{base / seconds:.1f}x"]
+
+
+def conv_prefill_rows(dev: str, T: int, C: int, repeat: int, bw: float, with_reference: bool) -> list[list[str]]:
+    """Conv prefill cases under this process's CPU allocator setting."""
     torch.manual_seed(0)
-    bw = copy_bandwidth(dev)
+    allocator = f"{THP_VAR}=1" if thp_enabled() else "default allocator"
     rows = []
-
-    def report(case, path, seconds, tokens, nbytes, base=None):
-        gbs = nbytes / seconds / 1e9
-        rows.append([case, path, f"{seconds * 1e3:.2f}", f"{tokens / seconds:,.0f}", f"{gbs:.2f}",
-                     f"{nbytes / bw / seconds:.2f}", "" if base is None else f"{base / seconds:.1f}x"])
-
     weight = torch.randn(C, K, device=dev)
     w_c1k = weight[:, None, :].contiguous()
     for batch in (1, 8):
@@ -81,15 +91,64 @@ def main() -> None:
         x_bct = x.view(batch, per, C).transpose(1, 2).contiguous()
         s_bcl = state.transpose(1, 2).contiguous()
         nbytes = 2 * T * C * 4 + 2 * batch * L * C * 4
-        case = f"conv prefill {T} tok, {batch} seq"
-        t_comp = timeit(lambda: composite_conv(x_bct, s_bcl, w_c1k), dev, args.repeat)
-        t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
-        t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, args.repeat)
-        report(case, "composite (transformers conv1d)", t_comp, T, nbytes)
+        case = f"conv prefill {T} tok, {batch} seq" + (f", {allocator}" if dev == "cpu" else "")
+        t_comp = timeit(lambda: composite_conv(x_bct, s_bcl, w_c1k), dev, repeat)
+        rows.append(row(case, "composite (transformers conv1d)", t_comp, T, nbytes, bw))
         # The floor of any op that returns a fresh [T, C] tensor here: allocate and write it once.
-        report(case, "floor: x.clone() (fresh output)", timeit(lambda: x.clone(), dev, args.repeat), T, nbytes, t_comp)
-        report(case, "hebrus reference (torch)", t_ref, T, nbytes, t_comp)
-        report(case, "hebrus::ple_conv", t_op, T, nbytes, t_comp)
+        t_floor = timeit(lambda: x.clone(), dev, repeat)
+        rows.append(row(case, "floor: x.clone() (fresh output)", t_floor, T, nbytes, bw, t_comp))
+        if with_reference:
+            t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat)
+            rows.append(row(case, "hebrus reference (torch)", t_ref, T, nbytes, bw, t_comp))
+        t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat)
+        rows.append(row(case, "hebrus::ple_conv", t_op, T, nbytes, bw, t_comp))
+    return rows
+
+
+def conv_prefill_rows_other_allocator(args, bw: float) -> list[list[str]]:
+    """The conv prefill cases in a subprocess with THP_MEM_ALLOC_ENABLE flipped."""
+    env = dict(os.environ)
+    env[THP_VAR] = "0" if thp_enabled() else "1"
+    cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--tokens", str(args.tokens),
+           "--channels", str(args.channels), "--repeat", str(args.repeat), "--conv-prefill-only", str(bw)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return next(w.strip("[]") for w in f.read().split() if w.startswith("["))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--channels", type=int, default=10240)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--conv-prefill-only", type=float, default=None, metavar="BW",
+                        help=argparse.SUPPRESS)  # subprocess mode: print the conv prefill rows as JSON
+    args = parser.parse_args()
+    dev, T, C = args.device, args.tokens, args.channels
+    if args.conv_prefill_only is not None:
+        print(json.dumps(conv_prefill_rows(dev, T, C, args.repeat, args.conv_prefill_only, with_reference=False)))
+        return
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    rows = conv_prefill_rows(dev, T, C, args.repeat, bw, with_reference=True)
+    if dev == "cpu":
+        other = conv_prefill_rows_other_allocator(args, bw)
+        rows = rows + other if not thp_enabled() else other + rows
+
+    def report(case, path, seconds, tokens, nbytes, base=None):
+        rows.append(row(case, path, seconds, tokens, nbytes, bw, base))
+
+    torch.manual_seed(0)
+    weight = torch.randn(C, K, device=dev)
+    w_c1k = weight[:, None, :].contiguous()
 
     # Decode: 64 sequences x 1 token, state gathered by slot from a pool of 128 slots.
     B, pool = 64, 128
@@ -155,10 +214,14 @@ def main() -> None:
             f"(read + write of 512 MiB). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
             f"{args.repeat} runs (decode: {args.repeat * 4}). GB/s counts the bytes each path must move "
             f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
-            f"bandwidth; speedup is against the first row of its case. The 'floor' row allocates and writes a "
-            f"fresh [T, C] tensor, which every path returning a new output pays: on this Linux box "
-            f"first-touch page faults of freshly mmapped memory make that far slower than the copy "
-            f"bandwidth suggests.\n\n")
+            f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup is against the first row "
+            f"of its case. The 'floor' row allocates and writes a fresh [T, C] tensor, which every path "
+            f"returning a new output pays: first-touch page faults of freshly mmapped memory make that far "
+            f"slower than the copy bandwidth suggests under PyTorch's default CPU allocator (4 KiB pages). "
+            f"The conv prefill cases are measured under both allocator settings (the "
+            f"'{THP_VAR}=1' rows in a subprocess started with that variable: 2 MiB-aligned "
+            f"allocations advised as transparent huge pages, where the kernel's THP mode is 'madvise' or "
+            f"'always'; current mode: {thp_mode()}).\n\n")
     body += table(["case", "path", "ms", "tokens/s", "GB/s", "of BW", "speedup"], rows)
     write_section("PLE (issue 2)", body)
     print(body)

@@ -289,12 +289,35 @@ def test_ngram_ids_kernel_vs_reference(device, n, h, huge):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
+@pytest.mark.parametrize("h", [1, 8, 11])
+@pytest.mark.parametrize("sizes_kind", ["extremes", "below-2^30", "huge"])
+def test_ngram_ids_kernel_vs_reference_divisors(device, h, sizes_kind):
+    # The CPU kernel has an exact double-arithmetic remainder for divisors below 2^30 and int64
+    # division otherwise; both must equal torch.remainder for every int64 mix, any heads per order.
+    gen = torch.Generator().manual_seed(h)
+    n, vocab, eos = 3, 1000, 3
+    heads = (n - 1) * h
+    pool = {"extremes": [1, 2, 3, 7, 97, (1 << 30) - 1, (1 << 30) - 35, (1 << 29) + 11],
+            "below-2^30": [(1 << 30) - 1 - i for i in range(5)] + [99991, 20_000_003, 1],
+            "huge": [1 << 30, (1 << 62) + 5, (1 << 63) - 1, 3, (1 << 40) + 1, 5, 12345, 2]}[sizes_kind]
+    sizes = torch.tensor([pool[i % len(pool)] for i in range(heads)])
+    offsets = torch.randint(-(1 << 40), 1 << 40, (heads,), generator=gen)
+    mult = torch.tensor([(1 << 62) + 1, -(1 << 61) - 3, (1 << 63) - 25])
+    tokens, cu = pack([random_tokens(m, vocab, eos, gen, 0.1) for m in (40, 0, 9)])
+    tokens[:4] = torch.tensor([0, vocab - 1, 1, vocab - 2])
+    history = torch.randint(0, vocab, (3, n - 1), generator=gen)
+    want = reference.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, vocab)
+    d = lambda t: t.to(device)  # noqa: E731
+    got = ht.ple_ngram_ids(d(tokens), d(cu), d(history), d(mult), d(sizes), d(offsets), eos, vocab)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("channels", [31, 32, 33])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_conv_kernel_vs_reference(device, dtype, channels, activation):
     gen = torch.Generator().manual_seed(channels)
-    lengths = [0, 7, 1, 0, 12, 3, 0]
+    lengths = [0, 7, 1, 0, 12, 3, 0, 101]  # 101: several token tiles and 4-token groups of the CPU kernel
     for width in (1, 2, 4):
         for dilation in (1, 3):
             state_len = (width - 1) * dilation
@@ -311,6 +334,56 @@ def test_conv_kernel_vs_reference(device, dtype, channels, activation):
                 assert torch.equal(got_y, want_y), (width, dilation)
             else:
                 assert_close(got_y, want_y, dtype)
+
+
+def conv_pointwise(x: torch.Tensor, scale: float, activation: str, width: int = 1) -> torch.Tensor:
+    """ple_conv with weights (0, ..., 0, scale): y = act(scale * x) elementwise, x any shape.
+
+    width > 1 multiplies the previous tokens by 0, so x must be finite there.
+    """
+    channels = 256
+    flat = torch.cat([x.reshape(-1), x.new_zeros((-x.numel()) % channels)]).view(-1, channels)
+    weight = torch.zeros(channels, width, dtype=x.dtype)
+    weight[:, -1] = scale
+    cu = torch.tensor([0, flat.shape[0]], dtype=torch.int32)
+    y, _ = ht.ple_conv(flat, weight, cu, torch.zeros(1, width - 1, channels, dtype=x.dtype), 1, activation)
+    return y.reshape(-1)[: x.numel()].view(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_conv_cpu_every_16_bit_value(dtype):
+    # The CPU kernel widens and narrows fp16/bf16 with its own branch-free code: every bit pattern
+    # must round-trip, and products must round like torch's conversion (ties, subnormals, overflow).
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    nan = torch.isnan(x)
+    same = conv_pointwise(x, 1.0, "none")
+    assert torch.equal(same[~nan], x[~nan]) and torch.isnan(same[nan]).all()
+    for scale in (0.3, 3.0, 1e-3, 1.0 + 2.0 ** -9):
+        w = torch.tensor(scale, dtype=dtype).float()
+        want = (0.0 + x.float() * w).to(dtype)  # the kernel's sum starts at +0, as the reference's
+        got = conv_pointwise(x, scale, "none")
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), scale
+
+
+def test_conv_cpu_silu_accuracy_and_specials():
+    # Vectorised SiLU with its own exp: within a few ulp of the exact value over the whole range,
+    # and expf's behaviour at the ends: silu(-large) = -0, silu(+inf) = inf, silu(nan) = nan.
+    x = torch.cat([torch.linspace(-110, 110, 200_001), torch.randn(100_000) * 4,
+                   torch.tensor([89.0, 88.72, 88.7, -87.0, -87.5, -88.72, -88.8, 1e-40, -1e-40, 1e30, -1e30])])
+    got = conv_pointwise(x, 1.0, "silu").double()
+    exact = torch.nn.functional.silu(x.double())
+    ulp = (torch.nextafter(exact.float().abs(), torch.tensor(float("inf"))) - exact.float().abs()).double()
+    finite_exp = x > -88.72
+    assert ((got - exact).abs() <= 3 * ulp)[finite_exp].all()
+    # Below x = -88.72, exp(-x) overflows and x / (1 + exp(-x)) is -0, as with expf.
+    assert (got[x < -88.73] == 0).all() and torch.signbit(got[x < -88.73]).all()
+    # Qwen4Exp's width 4 has its own loop: same bits.
+    assert torch.equal(conv_pointwise(x, 1.0, "silu", width=4).double(), got)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -100.0, -1e30, 100.0, 0.0])
+    got = conv_pointwise(specials, 1.0, "silu")
+    assert got[0] == float("inf") and torch.isnan(got[1]) and torch.isnan(got[2])
+    assert got[3] == 0 and torch.signbit(got[3]) and got[4] == 0 and torch.signbit(got[4])
+    assert got[5] == 100.0 and got[6] == 0
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
