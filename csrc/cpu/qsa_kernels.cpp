@@ -18,10 +18,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
-
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -291,6 +287,12 @@ struct TopK {
   }
 };
 
+#if defined(__GNUC__)
+#define HEBRUS_INLINE inline __attribute__((always_inline))
+#else
+#define HEBRUS_INLINE inline
+#endif
+
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 // One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
 // every clone and each score is computed in the order the source states, so all give the same bits.
@@ -299,165 +301,168 @@ struct TopK {
 #define HEBRUS_VECTOR_CLONES
 #endif
 
-// Scores of one query (hq heads of dim fp32 values) against a tile of kGroupTile keys stored
-// transposed, kt[d * kGroupTile + g]: score_g = sum_h relu(q_h . k_g) / sqrt(D), each dot product
-// summed over d = 0..D-1 in order and the heads in order, so a score depends on its query and
-// key only, never on the tile, the block or the thread. Vectorised across groups.
-HEBRUS_VECTOR_CLONES
-void score_tile(const float* q, int64_t hq, int64_t dim, const float* kt, float sqrt_d, float* out) {
-  float total[kGroupTile];
-  for (int64_t g = 0; g < kGroupTile; ++g) total[g] = 0.f;
-  int64_t h = 0;
-  for (; h + 2 <= hq; h += 2) {
-    const float* q0 = q + h * dim;
-    const float* q1 = q0 + dim;
-    float a0[kGroupTile];
-    float a1[kGroupTile];
-    for (int64_t g = 0; g < kGroupTile; ++g) a0[g] = a1[g] = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x0 = q0[d];
-      const float x1 = q1[d];
-      const float* k = kt + d * kGroupTile;
-      for (int64_t g = 0; g < kGroupTile; ++g) {
-        a0[g] += x0 * k[g];
-        a1[g] += x1 * k[g];
+// Vec values only live inside always_inline helpers of one clone; no ABI crosses them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+// A dot product q_h . k over D dims is summed in 16 lanes, lane j taking the dims d = j mod 16 in
+// ascending d (dims past D count as 0 * 0), and the lanes then combine pairwise (j + 8, then + 4,
+// + 2, + 1). The order is the same for every query, key, tile, block, thread and vector width, so
+// a score depends on its query and key only. Keys are read row by row in place: a decode step
+// streams the pooled rows once, in order.
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+HEBRUS_INLINE Vec load_vec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Lane i is the pairwise lane sum of a[i], sixteen dot products at once: each level adds the two
+// halves of every group of lanes, two sums packed per vector.
+HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
+  Vec b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], VecIdx{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                             VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(e[0], e[1], VecIdx{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+// Rows ahead of the one being scored that are prefetched (pooled rows of a sequence need not be
+// adjacent, and adjacent ones cross a 4 KiB page every few rows, where hardware prefetch stops).
+constexpr int64_t kPrefetchRows = 8;
+
+// Sixteen key values from storage as fp32: fp32 as is, bf16 (raw bits) by a shift.
+HEBRUS_INLINE Vec load_key(const float* p) { return load_vec(p); }
+HEBRUS_INLINE Vec load_key(const uint16_t* p) {
+  uint16_t raw[kLanes];
+  std::memcpy(raw, p, sizeof(raw));
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    v[i] = f;
+  }
+  return v;
+}
+
+// Scores of one query (hq heads of dp fp32 values, dp a multiple of 16, zero past D) against the n
+// keys krow[0..n) (dp values each, fp32 or bf16 bits, zero past D): out[g] = sum_h relu(q_h . k_g) /
+// sqrt(D), heads added in order from 0. Four keys x four heads per pass: sixteen dot products share
+// one lane reduction. krow[n .. ahead) are only prefetched.
+template <typename K>
+HEBRUS_INLINE void score_rows_t(const float* q, int64_t hq, int64_t dp, const K* const* krow, int64_t n, int64_t ahead,
+                                float sqrt_d, float* out) {
+  const Vec zero = {};
+  for (int64_t g0 = 0; g0 < n; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, n - g0);
+    for (int64_t i = g0 + kPrefetchRows; i < std::min(ahead, g0 + kPrefetchRows + 4); ++i) {
+      const char* row = reinterpret_cast<const char*>(krow[i]);
+      for (int64_t b = 0; b < dp * static_cast<int64_t>(sizeof(K)); b += 64) __builtin_prefetch(row + b);
+    }
+    const K* k[4];
+    for (int64_t j = 0; j < 4; ++j) k[j] = krow[g0 + std::min<int64_t>(j, ng - 1)];
+    float total[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t h0 = 0; h0 < hq; h0 += 4) {
+      const int64_t nh = std::min<int64_t>(4, hq - h0);
+      const float* qh[4];
+      for (int64_t hh = 0; hh < 4; ++hh) qh[hh] = q + (h0 + std::min<int64_t>(hh, nh - 1)) * dp;
+      Vec acc[kLanes];
+      for (auto& a : acc) a = zero;
+      for (int64_t c = 0; c < dp; c += kLanes) {
+        const Vec k0 = load_key(k[0] + c), k1 = load_key(k[1] + c), k2 = load_key(k[2] + c), k3 = load_key(k[3] + c);
+        for (int64_t hh = 0; hh < 4; ++hh) {
+          const Vec qv = load_vec(qh[hh] + c);
+          acc[hh] += qv * k0;
+          acc[4 + hh] += qv * k1;
+          acc[8 + hh] += qv * k2;
+          acc[12 + hh] += qv * k3;
+        }
+      }
+      const Vec dots = reduce_lanes16(acc);
+      for (int64_t j = 0; j < ng; ++j) {
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const float d = dots[4 * j + hh];
+          total[j] += d < 0.f ? 0.f : d;  // relu that keeps NaN, like torch.relu
+        }
       }
     }
-    for (int64_t g = 0; g < kGroupTile; ++g) {
-      total[g] += a0[g] < 0.f ? 0.f : a0[g];  // relu that keeps NaN, like torch.relu
-      total[g] += a1[g] < 0.f ? 0.f : a1[g];
-    }
+    for (int64_t j = 0; j < ng; ++j) out[g0 + j] = total[j] / sqrt_d;
   }
-  if (h < hq) {
-    const float* q0 = q + h * dim;
-    float a0[kGroupTile];
-    for (int64_t g = 0; g < kGroupTile; ++g) a0[g] = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x0 = q0[d];
-      const float* k = kt + d * kGroupTile;
-      for (int64_t g = 0; g < kGroupTile; ++g) a0[g] += x0 * k[g];
-    }
-    for (int64_t g = 0; g < kGroupTile; ++g) total[g] += a0[g] < 0.f ? 0.f : a0[g];
-  }
-  for (int64_t g = 0; g < kGroupTile; ++g) out[g] = total[g] / sqrt_d;
 }
 
+// score_rows_t for keys given as fp32 rows (bf16 == false) or bf16 rows.
+HEBRUS_VECTOR_CLONES
+void score_rows(const float* q, int64_t hq, int64_t dp, const void* const* krow, bool bf16, int64_t n, int64_t ahead,
+                float sqrt_d, float* out) {
+  if (bf16) {
+    score_rows_t(q, hq, dp, reinterpret_cast<const uint16_t* const*>(krow), n, ahead, sqrt_d, out);
+  } else {
+    score_rows_t(q, hq, dp, reinterpret_cast<const float* const*>(krow), n, ahead, sqrt_d, out);
+  }
+}
+
+// Rows widened to fp32 and zero-padded to dp, as score_rows reads them.
 template <typename T>
-void pack_rows(const T* src, int64_t rows, int64_t dim, float* dst) {
-  for (int64_t i = 0; i < rows * dim; ++i) dst[i] = to_float(src[i]);
+void widen_rows(const T* src, int64_t rows, int64_t dim, int64_t dp, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * dim;
+    float* d = dst + r * dp;
+    for (int64_t e = 0; e < dim; ++e) d[e] = to_float(s[e]);
+    for (int64_t e = dim; e < dp; ++e) d[e] = 0.f;
+  }
 }
 
-// Query heads of query t as fp32 [hq, dim].
-void pack_query(const at::Tensor& q, int64_t t, int64_t hq, int64_t dim, float* dst) {
+// Query heads of query t as fp32 [hq, dp], zero past D.
+void pack_query(const at::Tensor& q, int64_t t, int64_t hq, int64_t dim, int64_t dp, float* dst) {
   const int64_t offset = t * hq * dim;
   switch (q.scalar_type()) {
-    case at::kFloat: pack_rows(q.data_ptr<float>() + offset, hq, dim, dst); break;
-    case at::kHalf: pack_rows(q.data_ptr<c10::Half>() + offset, hq, dim, dst); break;
-    case at::kBFloat16: pack_rows(q.data_ptr<c10::BFloat16>() + offset, hq, dim, dst); break;
+    case at::kFloat: widen_rows(q.data_ptr<float>() + offset, hq, dim, dp, dst); break;
+    case at::kHalf: widen_rows(q.data_ptr<c10::Half>() + offset, hq, dim, dp, dst); break;
+    case at::kBFloat16: widen_rows(q.data_ptr<c10::BFloat16>() + offset, hq, dim, dp, dst); break;
     default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HEBRUS_AVX2_PACK 1
-// Transposing a tile is pure data movement, so this path gives the same tile bits as the scalar
-// loop below; it exists because the scalar transpose (one strided store per element) costs more
-// than scoring the tile against one query, which is all a decode step does.
-#define HEBRUS_AVX2 __attribute__((target("avx2,f16c")))
-
-HEBRUS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-HEBRUS_AVX2 inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-HEBRUS_AVX2 inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// Whether score_rows reads the pooled rows in place (fp32 or bf16 rows of a multiple of 16 dims);
+// otherwise they are widened into an fp32 tile first.
+bool rows_in_place(const at::Tensor& pooled, int64_t dim, int64_t dp) {
+  return dp == dim && (pooled.scalar_type() == at::kFloat || pooled.scalar_type() == at::kBFloat16);
 }
 
-// kt[(d0 + j) * kGroupTile + g0 + i] = row_i[d0 + j] for an 8 x 8 block.
-HEBRUS_AVX2 inline void transpose8_store(__m256 r[8], float* kt) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  _mm256_storeu_ps(kt + 0 * kGroupTile, _mm256_permute2f128_ps(u0, u4, 0x20));
-  _mm256_storeu_ps(kt + 1 * kGroupTile, _mm256_permute2f128_ps(u1, u5, 0x20));
-  _mm256_storeu_ps(kt + 2 * kGroupTile, _mm256_permute2f128_ps(u2, u6, 0x20));
-  _mm256_storeu_ps(kt + 3 * kGroupTile, _mm256_permute2f128_ps(u3, u7, 0x20));
-  _mm256_storeu_ps(kt + 4 * kGroupTile, _mm256_permute2f128_ps(u0, u4, 0x31));
-  _mm256_storeu_ps(kt + 5 * kGroupTile, _mm256_permute2f128_ps(u1, u5, 0x31));
-  _mm256_storeu_ps(kt + 6 * kGroupTile, _mm256_permute2f128_ps(u2, u6, 0x31));
-  _mm256_storeu_ps(kt + 7 * kGroupTile, _mm256_permute2f128_ps(u3, u7, 0x31));
-}
-
-// Rows this far ahead of the block being packed are prefetched: consecutive pooled rows of one
-// sequence cross a 4 KiB page every few rows, where the hardware prefetchers stop.
-constexpr int64_t kPrefetchRows = 32;
-
-// The whole 8-group blocks of the tile, whole 8-dim blocks only; returns how many groups it did.
-// rows[0..ahead) are valid (ahead >= n), so prefetching may run past the tile.
-template <typename T>
-HEBRUS_AVX2 int64_t pack_tile_avx2(const T* pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim,
-                                   float* kt) {
-  const int64_t whole_d = dim - dim % 8;
-  if (whole_d == 0) return 0;
-  const int64_t whole_g = n - n % 8;
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t g0 = 0; g0 < whole_g; g0 += 8) {
-    for (int64_t i = g0 + kPrefetchRows; i < std::min(ahead, g0 + kPrefetchRows + 8); ++i) {
-      const char* row = reinterpret_cast<const char*>(pooled + static_cast<int64_t>(rows[i]) * dim);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);;
+// Row pointers of pooled rows rows[0..n) for score_rows, plus up to kPrefetchRows more of
+// rows[n..ahead) as prefetch hints. Rows not read in place are widened into `tile` ([kGroupTile,
+// dp] fp32); the hints then point at the tile, and only hint.
+void tile_rows(const at::Tensor& pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim, int64_t dp,
+               float* tile, const void** krow) {
+  const int64_t hinted = std::min(ahead, n + kPrefetchRows);
+  if (rows_in_place(pooled, dim, dp)) {
+    const char* base = static_cast<const char*>(pooled.data_ptr());
+    const int64_t row_bytes = dim * static_cast<int64_t>(pooled.element_size());
+    for (int64_t g = 0; g < hinted; ++g) krow[g] = base + static_cast<int64_t>(rows[g]) * row_bytes;
+    return;
+  }
+  for (int64_t g = 0; g < n; ++g) {
+    const int64_t r = rows[g];
+    switch (pooled.scalar_type()) {
+      case at::kFloat: widen_rows(pooled.data_ptr<float>() + r * dim, 1, dim, dp, tile + g * dp); break;
+      case at::kHalf: widen_rows(pooled.data_ptr<c10::Half>() + r * dim, 1, dim, dp, tile + g * dp); break;
+      case at::kBFloat16: widen_rows(pooled.data_ptr<c10::BFloat16>() + r * dim, 1, dim, dp, tile + g * dp); break;
+      default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
     }
-    const T* src[8];
-    for (int64_t i = 0; i < 8; ++i) src[i] = pooled + static_cast<int64_t>(rows[g0 + i]) * dim;
-    for (int64_t d0 = 0; d0 < whole_d; d0 += 8) {
-      __m256 r[8];
-      for (int64_t i = 0; i < 8; ++i) r[i] = load8(src[i] + d0);
-      transpose8_store(r, kt + d0 * kGroupTile + g0);
-    }
-    for (int64_t d = whole_d; d < dim; ++d)
-      for (int64_t i = 0; i < 8; ++i) kt[d * kGroupTile + g0 + i] = to_float(src[i][d]);
+    krow[g] = tile + g * dp;
   }
-  return whole_g;
-}
-
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return has;
-}
-#endif
-
-template <typename T>
-void pack_tile_t(const T* pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim, float* kt) {
-  int64_t g0 = 0;
-#ifdef HEBRUS_AVX2_PACK
-  if (cpu_has_avx2()) g0 = pack_tile_avx2(pooled, rows, n, ahead, dim, kt);
-#endif
-  for (int64_t g = g0; g < n; ++g) {
-    const T* src = pooled + static_cast<int64_t>(rows[g]) * dim;
-    for (int64_t d = 0; d < dim; ++d) kt[d * kGroupTile + g] = to_float(src[d]);
-  }
-  for (int64_t d = 0; d < dim; ++d)
-    for (int64_t g = n; g < kGroupTile; ++g) kt[d * kGroupTile + g] = 0.f;
-}
-
-// Pooled rows rows[0..n) as a transposed fp32 tile; columns past n are zero (scored, never used).
-// rows[0..ahead) are the rows the caller packs next (ahead >= n).
-void pack_tile(const at::Tensor& pooled, const int32_t* rows, int64_t n, int64_t ahead, int64_t dim, float* kt) {
-  switch (pooled.scalar_type()) {
-    case at::kFloat: pack_tile_t(pooled.data_ptr<float>(), rows, n, ahead, dim, kt); break;
-    case at::kHalf: pack_tile_t(pooled.data_ptr<c10::Half>(), rows, n, ahead, dim, kt); break;
-    case at::kBFloat16: pack_tile_t(pooled.data_ptr<c10::BFloat16>(), rows, n, ahead, dim, kt); break;
-    default: TORCH_INTERNAL_ASSERT(false, "hebrus::qsa_select: unreachable dtype");
-  }
+  for (int64_t g = n; g < hinted; ++g) krow[g] = tile;
 }
 
 // A block of queries of one sequence against the group range [g0, g1).
@@ -593,20 +598,21 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
 
   const at::Tensor q = q_in.contiguous();
   const at::Tensor pooled = pooled_in.contiguous();
-  const bool q_direct = q.scalar_type() == at::kFloat;
+  const int64_t dp = std::max<int64_t>(kLanes, (dim + kLanes - 1) / kLanes * kLanes);
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(dim)));
 
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(num_threads, n_items), 1, [&](int64_t, int64_t) {
     // Per-thread scratch, reused for every item this thread takes.
-    std::vector<float> qbuf(q_direct ? 0 : qb * hq * dim);
-    std::vector<float> kt(std::max<int64_t>(dim, 1) * kGroupTile);
+    std::vector<float> qbuf(qb * hq * dp);
+    std::vector<float> tile(kGroupTile * dp);
+    std::vector<const void*> krow(kGroupTile + kPrefetchRows);
+    const bool bf16_rows = rows_in_place(pooled, dim, dp) && pooled.scalar_type() == at::kBFloat16;
     std::vector<uint64_t> sel_buf(qb * 2 * top_k);
     std::vector<uint64_t> bitmap((max_g + 63) / 64, 0);
-    const float* qptr[kMaxQueryBlock];
     TopK heaps[kMaxQueryBlock];
-    alignas(64) float scores[kGroupTile];
+    float scores[kGroupTile];
     for (;;) {
       const int64_t index = next.fetch_add(1);
       if (index >= n_items) break;
@@ -614,12 +620,7 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
       int64_t g_end = 0;
       for (int64_t i = 0; i < it.count; ++i) {
         const int64_t t = heavy[it.first + i];
-        if (q_direct) {
-          qptr[i] = q.data_ptr<float>() + t * hq * dim;
-        } else {
-          pack_query(q, t, hq, dim, qbuf.data() + i * hq * dim);
-          qptr[i] = qbuf.data() + i * hq * dim;
-        }
+        pack_query(q, t, hq, dim, dp, qbuf.data() + i * hq * dp);
         heaps[i] = TopK{sel_buf.data() + i * 2 * top_k, 0, top_k, 0};
         g_end = std::max<int64_t>(g_end, q_groups[t]);
       }
@@ -627,13 +628,14 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
       const int32_t* sg = seq_groups + it.row * max_g;
       for (int64_t gs = it.g0; gs < g_end; gs += kGroupTile) {
         const int64_t ge = std::min(gs + kGroupTile, g_end);
-        pack_tile(pooled, sg + gs, ge - gs, g_end - gs, dim, kt.data());
+        tile_rows(pooled, sg + gs, ge - gs, g_end - gs, dim, dp, tile.data(), krow.data());
         for (int64_t i = 0; i < it.count; ++i) {
           const int64_t stop = std::min<int64_t>(ge, q_groups[heavy[it.first + i]]);
           if (stop <= gs) continue;
-          score_tile(qptr[i], hq, dim, kt.data(), sqrt_d, scores);
-          for (int64_t j = 0; j < stop - gs; ++j)
-            heaps[i].push_score(scores[j], static_cast<int32_t>(gs + j));
+          // The block's first query brings the next rows in; the others find them cached.
+          const int64_t ahead = i == 0 ? std::min(g_end, ge + kPrefetchRows) - gs : stop - gs;
+          score_rows(qbuf.data() + i * hq * dp, hq, dp, krow.data(), bf16_rows, stop - gs, ahead, sqrt_d, scores);
+          for (int64_t j = 0; j < stop - gs; ++j) heaps[i].push_score(scores[j], static_cast<int32_t>(gs + j));
         }
       }
       for (int64_t i = 0; i < it.count; ++i) {
