@@ -341,6 +341,8 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
 // adjacent, and adjacent ones cross a 4 KiB page every few rows, where hardware prefetch stops).
 constexpr int64_t kPrefetchRows = 8;
 
+HEBRUS_INLINE float relu(float d) { return d < 0.f ? 0.f : d; }  // keeps NaN, like torch.relu
+
 // Sixteen key values from storage as fp32: fp32 as is, bf16 (raw bits) by a shift.
 HEBRUS_INLINE Vec load_key(const float* p) { return load_vec(p); }
 HEBRUS_INLINE Vec load_key(const uint16_t* p) {
@@ -390,11 +392,12 @@ HEBRUS_INLINE void score_rows_t(const float* q, int64_t hq, int64_t dp, const K*
         }
       }
       const Vec dots = reduce_lanes16(acc);
-      for (int64_t j = 0; j < ng; ++j) {
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          const float d = dots[4 * j + hh];
-          total[j] += d < 0.f ? 0.f : d;  // relu that keeps NaN, like torch.relu
-        }
+      if (ng == 4 && nh == 4) {  // the common case, with fixed trip counts
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t hh = 0; hh < 4; ++hh) total[j] += relu(dots[4 * j + hh]);
+      } else {
+        for (int64_t j = 0; j < ng; ++j)
+          for (int64_t hh = 0; hh < nh; ++hh) total[j] += relu(dots[4 * j + hh]);
       }
     }
     for (int64_t j = 0; j < ng; ++j) out[g0 + j] = total[j] / sqrt_d;
