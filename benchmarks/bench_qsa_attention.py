@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import hebrus_torch as ht
-from common import copy_bandwidth, machine, table, timeit, write_section
+from common import BANDWIDTH_NOTE, copy_bandwidth, machine, table, timeit, write_section
 
 HQ, HKV, DH, R, BUDGET = 16, 2, 256, 4, 2048
 TOP_K = BUDGET // R
@@ -219,7 +219,7 @@ def main() -> None:
             print(f"done ctx {ctx} {dname} at {time.perf_counter() - t_start:.0f} s", flush=True)
 
     total = time.perf_counter() - t_start
-    body = (f"Machine: {machine()}; measured copy bandwidth {bw / 1e9:.1f} GB/s (read + write of 512 MiB), "
+    body = (f"Machine: {machine()}; measured copy bandwidth {bw / 1e9:.1f} GB/s ({BANDWIDTH_NOTE}), "
             f"the 'bandwidth limit' below. Qwen4Exp attention sizes: Hq {HQ}, Hkv {HKV}, Dh = Dv = {DH}, "
             f"W = {W} (512 groups of 4 + tail); scale Dh^-1/2. Decode: {args.sequences} sequences x 1 token at the "
             f"end of the context (at 128K the sequences share one cache, see the script's docstring). Prefill: one "
@@ -235,14 +235,12 @@ def main() -> None:
             f"estimate for the full block, see below). Whole run: {total:.0f} s.\n\n")
     body += table(["case", "path", "ms", "us/query", "K/V MB/query", "GB/s", "GFLOP/s", "x of BW limit", "speedup"],
                   rows)
-    body += ("\n\nWhy decode is not within 2x of the bandwidth limit here: the limit assumes the selected bytes "
-             "stream at copy speed, but they are 512 B - 1 KiB rows scattered over the cache, and on this shared "
-             "2-core machine a scattered-row read runs at a fraction of the copy bandwidth: the '(gather only)' row "
-             "is torch.index_select of exactly the selected rows into preallocated buffers, no arithmetic (the "
-             "decode summary gives the op's time as a multiple of it). On top of the reads the op does 2 x 16 heads "
-             "x 512 multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, which at the ~100 "
-             "GFLOP/s per core this kernel reaches on cached rows (measured alone, not in this table) is about as "
-             "long as reading the bytes at copy speed.")
+    body += ("\n\nWhat bounds decode: the limit assumes the selected bytes stream at copy speed, but they are "
+             "512 B - 1 KiB rows scattered over the cache (each a separate page walk at 4 KiB pages); the "
+             "'(gather only)' row is torch.index_select of exactly the selected rows into preallocated buffers, no "
+             "arithmetic, the floor of any path that gathers. On top of the reads the op does 2 x 16 heads x 512 "
+             "multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, so with half the bytes bf16 "
+             "is the case closest to compute-bound on 2 cores.")
     if notes:
         body += (f"\n\nDense masked prefill of {args.prefill} new tokens is not feasible on this CPU within the "
                  f"benchmark's time (it is compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus "
