@@ -33,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/hebrus_simd.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -42,40 +43,16 @@
 namespace hebrus {
 namespace {
 
-// Partial sums of one dot product: lane j sums the dims d = j mod kLanes in ascending d, then the
-// lanes combine pairwise. Fixed, so a score never depends on blocking, threads or vector width.
-constexpr int64_t kLanes = 16;
 // Selected cells per online-softmax step. The running max / sum / accumulator are rescaled once
 // per block; block boundaries depend only on the query's own row of token_cells.
 constexpr int64_t kKeyBlock = 32;
 // Query heads sharing one KV head that are processed in one pass over the keys (registers).
 constexpr int64_t kMaxHeadChunk = 8;
 
-#if defined(__GNUC__)
-#define HEBRUS_INLINE inline __attribute__((always_inline))
-#else
-#define HEBRUS_INLINE inline
-#endif
-
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
-// every clone and the source fixes every summation order, so all of them produce the same bits.
-// Everything the hot loop calls is always_inline, so it is compiled inside each clone.
-#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define HEBRUS_VECTOR_CLONES
-#endif
-
 HEBRUS_INLINE float bits_to_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
   return f;
-}
-
-HEBRUS_INLINE uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
 }
 
 template <typename T>
@@ -125,8 +102,6 @@ struct Scratch {
 
 // kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
 // (an avx512f clone keeps one in a zmm register, the others in two ymm or four xmm registers).
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 HEBRUS_INLINE Vec load(const float* p) {
   Vec v;
@@ -210,35 +185,6 @@ HEBRUS_INLINE HeadVec exp_nonpositive(HeadVec x) {
 HEBRUS_INLINE HeadVec max_keep_nan(HeadVec a, HeadVec b) {
   const HeadMask take = (a > b) | (a != a);
   return take ? a : b;
-}
-
-// Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
-HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
-  static_assert(kLanes == 16, "reduce_lanes is written for 16 lanes");
-  Vec a = lanes;
-  a += __builtin_shuffle(a, VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  a += __builtin_shuffle(a, VecIdx{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  a += __builtin_shuffle(a, VecIdx{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  return a[0] + a[1];
-}
-
-// Lane i is reduce_lanes(a[i]), with the same additions, for sixteen dot products at once: each
-// level adds the two halves of every group of lanes, two sums packed per vector.
-HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
-  static_assert(kLanes == 16, "reduce_lanes16 is written for 16 lanes");
-  Vec b[8], c[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], VecIdx{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(a[2 * i], a[2 * i + 1],
-                             VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-           __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-  for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-           __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(e[0], e[1], VecIdx{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
 // The cache lines of a list of scattered rows, requested `per` lines at a time between steps of the

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/hebrus_simd.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -287,55 +288,11 @@ struct TopK {
   }
 };
 
-#if defined(__GNUC__)
-#define HEBRUS_INLINE inline __attribute__((always_inline))
-#else
-#define HEBRUS_INLINE inline
-#endif
-
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
-// every clone and each score is computed in the order the source states, so all give the same bits.
-#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define HEBRUS_VECTOR_CLONES
-#endif
-
 // Vec values only live inside always_inline helpers of one clone; no ABI crosses them.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-// A dot product q_h . k over D dims is summed in 16 lanes, lane j taking the dims d = j mod 16 in
-// ascending d (dims past D count as 0 * 0), and the lanes then combine pairwise (j + 8, then + 4,
-// + 2, + 1). The order is the same for every query, key, tile, block, thread and vector width, so
-// a score depends on its query and key only. Keys are read row by row in place: a decode step
-// streams the pooled rows once, in order.
-constexpr int64_t kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-HEBRUS_INLINE Vec load_vec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Lane i is the pairwise lane sum of a[i], sixteen dot products at once: each level adds the two
-// halves of every group of lanes, two sums packed per vector.
-HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
-  Vec b[8], c[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], VecIdx{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(a[2 * i], a[2 * i + 1],
-                             VecIdx{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-           __builtin_shuffle(b[2 * i], b[2 * i + 1], VecIdx{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-  for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-           __builtin_shuffle(c[2 * i], c[2 * i + 1], VecIdx{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(e[0], e[1], VecIdx{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(e[0], e[1], VecIdx{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-}
+// Dot products follow hebrus_simd.h's order (dims past D count as 0 * 0). Keys are read row by row
+// in place: a decode step streams the pooled rows once, in order.
 
 // Rows ahead of the one being scored that are prefetched (pooled rows of a sequence need not be
 // adjacent, and adjacent ones cross a 4 KiB page every few rows, where hardware prefetch stops).

@@ -1,0 +1,72 @@
+// 16-lane fp32 vectors (GCC / clang vector extensions) shared by the CPU kernels, and the lane
+// reduction that every dot product of qsa_select and qsa_attention ends with, so that summation
+// order is written down once: lane j sums the dims d = j mod 16 in ascending d, then the lanes
+// combine pairwise (j and j + 8, then + 4, + 2, + 1). Fixed, so a result never depends on
+// blocking, threads or the vector width of the CPU.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__GNUC__)
+#define HEBRUS_INLINE inline __attribute__((always_inline))
+#else
+#define HEBRUS_INLINE inline
+#endif
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
+// every clone and the source fixes every summation order, so all of them produce the same bits.
+// Everything a hot loop calls is always_inline, so it is compiled inside each clone.
+#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HEBRUS_VECTOR_CLONES
+#endif
+
+// Lanes of two vectors by index into their concatenation: clang and GCC >= 12 spell it
+// __builtin_shufflevector, older GCC __builtin_shuffle with an index vector.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define HEBRUS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define HEBRUS_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, ::hebrus::VecIdx{__VA_ARGS__})
+#endif
+
+namespace hebrus {
+
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+HEBRUS_INLINE Vec load_vec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
+HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
+  Vec a = lanes;
+  a += HEBRUS_SHUFFLE(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  a += HEBRUS_SHUFFLE(a, a, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  a += HEBRUS_SHUFFLE(a, a, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return a[0] + a[1];
+}
+
+// Lane i is reduce_lanes(a[i]), with the same additions, for sixteen dot products at once: each
+// level adds the two halves of every group of lanes, two sums packed per vector.
+HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
+  Vec b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = HEBRUS_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           HEBRUS_SHUFFLE(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = HEBRUS_SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           HEBRUS_SHUFFLE(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = HEBRUS_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           HEBRUS_SHUFFLE(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return HEBRUS_SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         HEBRUS_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+}  // namespace hebrus
