@@ -103,11 +103,7 @@ struct Scratch {
 // kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
 // (an avx512f clone keeps one in a zmm register, the others in two ymm or four xmm registers).
 
-HEBRUS_INLINE Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+HEBRUS_INLINE Vec load(const float* p) { return load_vec(p); }
 
 HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -142,11 +138,7 @@ HEBRUS_INLINE Vec load_row<c10::BFloat16>(const c10::BFloat16* p) {
 typedef float HeadVec __attribute__((vector_size(kMaxHeadChunk * sizeof(float))));
 typedef int32_t HeadMask __attribute__((vector_size(kMaxHeadChunk * sizeof(int32_t))));
 
-HEBRUS_INLINE HeadVec load_heads(const float* p) {
-  HeadVec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+HEBRUS_INLINE HeadVec load_heads(const float* p) { return load_vector<HeadVec>(p); }
 
 HEBRUS_INLINE HeadVec splat(float x) { return HeadVec{} + x; }
 
@@ -170,14 +162,7 @@ HEBRUS_INLINE HeadVec exp_nonpositive(HeadVec x) {
   HeadVec scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
   const HeadVec r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  HeadVec y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.f;
-  const HeadVec result = y * scale;
+  const HeadVec result = exp_reduced(r) * scale;
   return tiny ? HeadVec{} : result;
 }
 

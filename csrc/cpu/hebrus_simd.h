@@ -37,11 +37,15 @@ constexpr int64_t kLanes = 16;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t VecIdx __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-HEBRUS_INLINE Vec load_vec(const float* p) {
-  Vec v;
+// A vector of floats from any address (no alignment assumed).
+template <typename V>
+HEBRUS_INLINE V load_vector(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+HEBRUS_INLINE Vec load_vec(const float* p) { return load_vector<Vec>(p); }
 
 // Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
 HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
@@ -67,6 +71,19 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
            HEBRUS_SHUFFLE(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return HEBRUS_SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          HEBRUS_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Cephes' expf polynomial: exp(r) for a reduced argument |r| <= ln(2) / 2, as 1 + r + r^2 P(r).
+// V is float or a vector of floats; every lane gets the same operations.
+template <typename V>
+HEBRUS_INLINE V exp_reduced(V r) {
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  return (y * (r * r) + r) + 1.f;
 }
 
 }  // namespace hebrus

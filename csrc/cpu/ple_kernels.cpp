@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/hebrus_simd.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -28,20 +29,10 @@ namespace {
 
 using at::Tensor;
 
-#if defined(__GNUC__)
-#define HEBRUS_INLINE inline __attribute__((always_inline))
-#else
-#define HEBRUS_INLINE inline
-#endif
-
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-// One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
-// every clone and the source fixes every operation's order, so all of them produce the same bits.
-// Everything the hot loops call is always_inline, so it is compiled inside each clone.
-#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// GCC vectorises 16-bit conversions 512 bits wide only with AVX-512BW, which plain "avx512f" lacks.
 #define HEBRUS_VECTOR_CLONES_16 __attribute__((target_clones("arch=x86-64-v4", "avx512f", "avx2", "default")))
 #else
-#define HEBRUS_VECTOR_CLONES
 #define HEBRUS_VECTOR_CLONES_16
 #endif
 
@@ -302,14 +293,7 @@ HEBRUS_INLINE float exp_silu(float x) {
   const float n = t - kMagic;
   const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
   const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.f;
-  return (y * bits_to_float((ni + 126u) << 23)) * 2.f;
+  return (exp_reduced(r) * bits_to_float((ni + 126u) << 23)) * 2.f;
 }
 
 // x * sigmoid(x) as x / (1 + exp(-x)): silu(+inf) = inf, silu(x < -88.7) = -0, silu(NaN) = NaN.
