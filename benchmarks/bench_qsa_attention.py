@@ -25,6 +25,7 @@ padding mask. Writes the "QSA sparse attention (issue 6)" section of RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import gc
 import time
 
@@ -236,7 +237,7 @@ def main() -> None:
     body += table(["case", "path", "ms", "us/query", "K/V MB/query", "GB/s", "GFLOP/s", "x of BW limit", "speedup"],
                   rows)
     body += ("\n\nWhat bounds decode: the limit assumes the selected bytes stream at copy speed, but they are "
-             "512 B - 1 KiB rows scattered over the cache (each a separate page walk at 4 KiB pages); the "
+             "512 B - 1 KiB rows scattered over the cache (each a separate page walk, unless the cache sits on huge pages); the "
              "'(gather only)' row is torch.index_select of exactly the selected rows into preallocated buffers, no "
              "arithmetic, the floor of any path that gathers. On top of the reads the op does 2 x 16 heads x 512 "
              "multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, so with half the bytes bf16 "
@@ -257,7 +258,12 @@ def main() -> None:
         body += f"\nPrefill summary ({args.prefill}-token block against the dense estimate): " + "; ".join(
             f"{c // 1024}K {d}: {s:.1f}x vs dense" for c, d, s in pre) + "."
     if not args.no_write:
-        write_section("QSA sparse attention (issue 6)", body)
+        thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        if thp:
+            body = ("Allocator: THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator backs allocations of 2 MiB and "
+                    "more, the K/V cache included, with transparent huge pages; see the README's CPU "
+                    "performance notes). Otherwise as the section above.\n\n" + body)
+        write_section("QSA sparse attention (issue 6)" + (", THP_MEM_ALLOC_ENABLE=1" if thp else ""), body)
     print(body)
 
 
