@@ -1,6 +1,7 @@
 // CPU kernels of hebrus::qsa_pool and hebrus::qsa_select (SPEC §3). The executable spec is
-// hebrus_torch/reference.py; these kernels follow its arithmetic step by step (fp32 accumulation,
-// casts to the key dtype where transformers casts) and mirror the messages of _validate.py.
+// hebrus_torch/reference.py; pooling follows its arithmetic step by step (fp32 accumulation, casts to
+// the key dtype where transformers casts), selection computes fp32 scores in the fixed order of
+// cpu/hebrus_simd.h, and both mirror the messages of _validate.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
