@@ -11,13 +11,41 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "hebrus_check.h"
 
 namespace hebrus {
 
 // ---- generic checks ---------------------------------------------------------------------------------
+
+// Every tensor on the device of the kernel that runs (a mix is dispatched by the first tensor's
+// device, so the kernel is where the mismatch is seen); worded as _validate.py words it.
+inline void check_on_device(const char* op, c10::DeviceType want,
+                            std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  const auto& first = *tensors.begin();
+  for (const auto& [name, t] : tensors) {
+    HEBRUS_CHECK(t->device().type() == want, HebrusError, "hebrus::", op, ": all tensors must be on one device; ",
+                 first.first, " is on ", first.second->device().str(), ", ", name, " is on ", t->device().str());
+  }
+}
+
+// cu_seqlens values: 0 first, non-decreasing, T last. Returns the contiguous host copy it read (on
+// MPS the error path and B == 0 check here, where no kernel thread looks).
+inline at::Tensor check_cu_values(const char* op, const at::Tensor& cu_seqlens, int64_t total) {
+  at::Tensor cu = cu_seqlens.to(at::kCPU).contiguous();
+  const int32_t* p = cu.data_ptr<int32_t>();
+  const int64_t batch = cu.size(0) - 1;
+  HEBRUS_CHECK(p[0] == 0 && p[batch] == total, HebrusError, "hebrus::", op,
+               ": cu_seqlens must start at 0 and end at T = ", total, ", got ", p[0], " .. ", p[batch]);
+  for (int64_t row = 0; row < batch; ++row) {
+    HEBRUS_CHECK(p[row] <= p[row + 1], HebrusError, "hebrus::", op, ": cu_seqlens must be non-decreasing; row ", row,
+                 " has cu_seqlens[", row, "] = ", p[row], " > cu_seqlens[", row + 1, "] = ", p[row + 1]);
+  }
+  return cu;
+}
 
 inline void check_dims(const char* op, const at::Tensor& t, int64_t n, const char* name) {
   HEBRUS_CHECK(t.dim() == n, HebrusError, "hebrus::", op, ": ", name, " must be ", n, "-D, got shape ",

@@ -579,13 +579,8 @@ at::Tensor last_dim_contiguous(const at::Tensor& t) {
 at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                              const at::Tensor& token_cells_in, double scale) {
   // Metadata checks in the order of _validate.qsa_attention, with the same messages.
-  const std::pair<const char*, const at::Tensor*> tensors[] = {
-      {"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}};
-  for (const auto& [name, t] : tensors) {
-    HEBRUS_CHECK(t->device().is_cpu(), HebrusError,
-                 "hebrus::qsa_attention: all tensors must be on one device; q is on ", q_in.device().str(), ", ",
-                 name, " is on ", t->device().str());
-  }
+  check_on_device("qsa_attention", at::kCPU,
+                  {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}});
   const QsaAttentionSizes sz = check_qsa_attention_args(q_in, k_in, v_in, token_cells_in, scale);
   const at::ScalarType dtype = q_in.scalar_type();
   const int64_t tq = sz.tq, hq = sz.hq, dh = sz.dh, cells = sz.cells, hkv = sz.hkv, dv = sz.dv, width = sz.width;

@@ -36,27 +36,6 @@ using at::Tensor;
 #define HEBRUS_VECTOR_CLONES_16
 #endif
 
-void check_devices(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
-  for (const auto& [name, t] : tensors) {
-    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op,
-                 ": all tensors must be on one device; the CPU kernel got ", name, " on ", t->device());
-  }
-}
-
-// cu_seqlens values: 0 first, non-decreasing, T last. Returns the contiguous copy the kernel reads.
-Tensor check_cu_values(const char* op, const Tensor& cu_seqlens, int64_t total) {
-  Tensor cu = cu_seqlens.contiguous();
-  const int32_t* p = cu.data_ptr<int32_t>();
-  const int64_t batch = cu.size(0) - 1;
-  HEBRUS_CHECK(p[0] == 0 && p[batch] == total, HebrusError, "hebrus::", op,
-               ": cu_seqlens must start at 0 and end at T = ", total, ", got ", p[0], " .. ", p[batch]);
-  for (const auto row : c10::irange(batch)) {
-    HEBRUS_CHECK(p[row] <= p[row + 1], HebrusError, "hebrus::", op, ": cu_seqlens must be non-decreasing; row ", row,
-                 " has cu_seqlens[", row, "] = ", p[row], " > cu_seqlens[", row + 1, "] = ", p[row + 1]);
-  }
-  return cu;
-}
-
 void check_ids_in_range(const char* op, const Tensor& ids, int64_t vocab, const char* name) {
   const int64_t* p = ids.data_ptr<int64_t>();
   const int64_t cols = ids.dim() == 2 ? ids.size(1) : 1;
@@ -215,7 +194,7 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
                                              const Tensor& multipliers, const Tensor& vocab_sizes,
                                              const Tensor& offsets, int64_t eos, int64_t vocab) {
   const char* op = "ple_ngram_ids";
-  check_devices(op, {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
+  check_on_device(op, at::kCPU, {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
                      {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
   const PleNgramIdsSizes sz =
       check_ple_ngram_ids_args(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab);
@@ -514,7 +493,7 @@ void conv_tokens_bf16(const ConvArgs& a, int64_t begin, int64_t end) { conv_toke
 std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                                         const Tensor& state, int64_t dilation, c10::string_view activation) {
   const char* op = "ple_conv";
-  check_devices(op, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
+  check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
   const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation);
   const int64_t batch = sz.batch;
   const bool silu = sz.silu;

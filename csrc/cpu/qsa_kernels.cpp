@@ -35,14 +35,6 @@ constexpr int64_t kQueryBlockBytes = 64 * 1024;
 constexpr int64_t kMaxQueryBlock = 32;
 constexpr int64_t kMinSplitGroups = 1024;  // smallest group range worth its own task when splitting
 
-void check_cpu(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
-  const auto& first = *tensors.begin();
-  for (const auto& [name, t] : tensors) {
-    HEBRUS_CHECK(t->device().is_cpu(), HebrusError, "hebrus::", op, ": all tensors must be on one device; ",
-                 first.first, " is on ", first.second->device().str(), ", ", name, " is on ", t->device().str());
-  }
-}
-
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -142,8 +134,8 @@ at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in
                         const at::Tensor& group_pos_in, const at::Tensor& norm_weight, double eps,
                         const at::Tensor& inv_freq_in) {
   const char* op = "qsa_pool";
-  check_cpu(op, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
-                 {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
+  check_on_device(op, at::kCPU, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
+                                {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
   const QsaPoolSizes sz =
       check_qsa_pool_args(keys_in, cell_pos_in, group_cells_in, group_pos_in, norm_weight, eps, inv_freq_in);
   const int64_t cells = sz.cells, dim = sz.dim, groups = sz.groups, r = sz.r, half = sz.half;
@@ -450,8 +442,9 @@ struct Merge {
 at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, const at::Tensor& seq_groups_in,
                           const at::Tensor& q_row_in, const at::Tensor& q_groups_in, int64_t top_k) {
   const char* op = "qsa_select";
-  check_cpu(op, {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in}, {"q_row", &q_row_in},
-                 {"q_groups", &q_groups_in}});
+  check_on_device(op, at::kCPU,
+                  {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in}, {"q_row", &q_row_in},
+                   {"q_groups", &q_groups_in}});
   const QsaSelectSizes sz = check_qsa_select_args(q_in, pooled_in, seq_groups_in, q_row_in, q_groups_in, top_k);
   const int64_t tq = sz.tq, hq = sz.hq, dim = sz.dim, rows = sz.rows, batch = sz.batch, max_g = sz.max_groups;
   HEBRUS_CHECK(top_k <= kMaxTopK, HebrusError, "hebrus::qsa_select: top_k must be at most ", kMaxTopK,

@@ -35,6 +35,7 @@
 
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
+#include "op_checks.h"
 #include "hebrus_metal_sources.h"  // generated
 
 namespace hebrus::mps {
@@ -110,28 +111,11 @@ inline const char* metal_type(const char* op, at::ScalarType t) {
 // shared with the CPU kernels are in csrc/op_checks.h) -----------------------------------------------
 
 inline void check_on_mps(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
-  const auto& first = *tensors.begin();
-  for (const auto& [name, t] : tensors) {
-    HEBRUS_CHECK(t->device().is_mps(), HebrusError, "hebrus::", op, ": all tensors must be on one device; ",
-                 first.first, " is on ", first.second->device().str(), ", ", name, " is on ", t->device().str());
-  }
+  check_on_device(op, c10::DeviceType::MPS, tensors);
 }
 
 inline void check_plan(const char* op, const char* error) {
   HEBRUS_CHECK(error == nullptr, HebrusError, "hebrus::", op, " on MPS: ", error ? error : "");
-}
-
-// cu_seqlens values, on a host copy (the error path, or B == 0 where no kernel thread looks).
-inline void check_cu_values_on_host(const char* op, const Tensor& cu_seqlens, int64_t total) {
-  const Tensor cu = cu_seqlens.to(at::kCPU).contiguous();
-  const int32_t* p = cu.data_ptr<int32_t>();
-  const int64_t batch = cu.size(0) - 1;
-  HEBRUS_CHECK(p[0] == 0 && p[batch] == total, HebrusError, "hebrus::", op, ": cu_seqlens must start at 0 and end at T = ",
-               total, ", got ", p[0], " .. ", p[batch]);
-  for (int64_t row = 0; row < batch; ++row) {
-    HEBRUS_CHECK(p[row] <= p[row + 1], HebrusError, "hebrus::", op, ": cu_seqlens must be non-decreasing; row ", row,
-                 " has cu_seqlens[", row, "] = ", p[row], " > cu_seqlens[", row + 1, "] = ", p[row + 1]);
-  }
 }
 
 // ---- error slots ------------------------------------------------------------------------------------

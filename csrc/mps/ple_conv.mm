@@ -24,7 +24,7 @@ std::tuple<Tensor, Tensor> ple_conv_mps(const Tensor& x_in, const Tensor& weight
   const char* type = metal_type(op, dtype);
 
   if (batch == 0 || channels == 0) {  // no thread would look at cu_seqlens: check it here
-    check_cu_values_on_host(op, cu_in, total);
+    check_cu_values(op, cu_in, total);
     return {at::empty_like(x_in, at::MemoryFormat::Contiguous), state_in.clone(at::MemoryFormat::Contiguous)};
   }
   const auto plan = hebrus::metal::plan_ple_conv(total, channels, width, batch, dilation, silu);
@@ -39,7 +39,7 @@ std::tuple<Tensor, Tensor> ple_conv_mps(const Tensor& x_in, const Tensor& weight
   launch(fn, {&x, &weight, &cu, &state, &y, &new_state, &err}, plan.params, plan.dispatch);
 
   if (read_error_slots(err).index[HEBRUS_ERR_CONV_CU_ROW] >= 0) {
-    check_cu_values_on_host(op, cu, total);
+    check_cu_values(op, cu, total);
     TORCH_INTERNAL_ASSERT(false, "hebrus::ple_conv: the kernel rejected cu_seqlens the host check accepts");
   }
   return {y, new_state};

@@ -22,7 +22,7 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_mps(const Tensor& tokens_in, const Tens
   const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
 
   if (batch == 0) {  // no row threads: check cu_seqlens here (T must be 0)
-    check_cu_values_on_host(op, cu_in, total);
+    check_cu_values(op, cu_in, total);
     return {at::empty({0, heads}, tokens_in.options()), history_in.clone(at::MemoryFormat::Contiguous)};
   }
   const auto plan = hebrus::metal::plan_ple_ngram_ids(total, batch, n, heads, eos, vocab);
@@ -41,7 +41,7 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_mps(const Tensor& tokens_in, const Tens
   const ErrorSlots e = read_error_slots(err);
   if (e.any()) {
     if (e.index[HEBRUS_ERR_NGRAM_CU_ROW] >= 0) {
-      check_cu_values_on_host(op, cu, total);
+      check_cu_values(op, cu, total);
       TORCH_INTERNAL_ASSERT(false, "hebrus::ple_ngram_ids: the kernel rejected cu_seqlens the host check accepts");
     }
     if (const int64_t t = e.index[HEBRUS_ERR_NGRAM_TOKEN]; t >= 0) {
