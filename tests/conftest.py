@@ -27,6 +27,17 @@ def with_changes(good: dict, changes: dict, device: str) -> dict:
     return args
 
 
+def assert_mixed_devices_rejected(op: str, args: dict, name: str) -> None:
+    """``args[name]`` moved to the meta device: the wrapper and the raw op (which dispatches to the
+    fake, which validates) both refuse the mix with a HebrusError."""
+    args = dict(args)
+    args[name] = args[name].to("meta")
+    with pytest.raises(hebrus_torch.HebrusError, match=rf"hebrus::{op}: all tensors must be on one device"):
+        getattr(hebrus_torch, op)(**args)
+    with pytest.raises(hebrus_torch.HebrusError, match=r"all tensors must be on one device"):
+        getattr(torch.ops.hebrus, op)(*args.values())
+
+
 def assert_rejected(op: str, args: dict, pattern: str, device: str) -> None:
     """Bad input for ``hebrus::<op>``: the wrapper raises a HebrusError naming the op and matching
     ``pattern`` and leaves every input tensor unchanged; on CPU the C++ kernel called directly

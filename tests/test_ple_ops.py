@@ -16,7 +16,7 @@ import hebrus_torch as ht
 from hebrus_torch import reference
 from hebrus_torch._extension import has_native_kernel
 
-from conftest import ATOL, RTOL, assert_rejected, with_changes
+from conftest import ATOL, RTOL, assert_mixed_devices_rejected, assert_rejected, with_changes
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -723,19 +723,9 @@ def test_conv_bad_input(device, case):
 
 @pytest.mark.parametrize("name", ["x", "weight", "cu_seqlens", "state"])
 def test_conv_mismatched_devices(name):
-    args = good_conv_args()
-    args[name] = args[name].to("meta")
-    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_conv: all tensors must be on one device"):
-        ht.ple_conv(**args)
-    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
-        torch.ops.hebrus.ple_conv(*args.values())  # dispatches to the fake, which validates
+    assert_mixed_devices_rejected("ple_conv", good_conv_args(), name)
 
 
 @pytest.mark.parametrize("name", ["tokens", "history", "vocab_sizes"])
 def test_ngram_ids_mismatched_devices(name):
-    args = good_ids_args()
-    args[name] = args[name].to("meta")
-    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_ngram_ids: all tensors must be on one device"):
-        ht.ple_ngram_ids(**args)
-    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
-        torch.ops.hebrus.ple_ngram_ids(*args.values())
+    assert_mixed_devices_rejected("ple_ngram_ids", good_ids_args(), name)
