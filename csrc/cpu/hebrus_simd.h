@@ -17,8 +17,11 @@
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 // One binary for every x86 CPU; the clones differ in vector width only. -ffp-contract=off holds in
 // every clone and the source fixes every summation order, so all of them produce the same bits.
-// Everything a hot loop calls is always_inline, so it is compiled inside each clone.
-#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// Everything a hot loop calls is always_inline, so it is compiled inside each clone. The 256-bit
+// clone is x86-64-v3 (AVX2 with FMA) so that the fused multiply-adds the source asks for
+// (FusedMulAdd) are instructions there; only the baseline clone, for pre-2013 CPUs, calls libm's
+// fmaf for them (same bits, slowly).
+#define HEBRUS_VECTOR_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define HEBRUS_VECTOR_CLONES
 #endif
@@ -73,17 +76,30 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
          HEBRUS_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// Cephes' expf polynomial: exp(r) for a reduced argument |r| <= ln(2) / 2, as 1 + r + r^2 P(r).
-// V is float or a vector of floats; every lane gets the same operations.
-template <typename V>
+// a * b + c, rounded twice (MulAdd: float or vectors of floats) or once (FusedMulAdd: float only;
+// std::fma's result, an instruction wherever the CPU has FMA, including every arm64 CPU).
+struct MulAdd {
+  template <typename V, typename C>
+  static HEBRUS_INLINE V apply(V a, V b, C c) {
+    return a * b + c;
+  }
+};
+
+struct FusedMulAdd {
+  static HEBRUS_INLINE float apply(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+};
+
+// Cephes' expf polynomial: exp(r) for a reduced argument |r| <= ln(2) / 2, as 1 + r + r^2 P(r),
+// with M's multiply-adds. V is float or a vector of floats; every lane gets the same operations.
+template <typename M = MulAdd, typename V>
 HEBRUS_INLINE V exp_reduced(V r) {
   V y = V{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  return (y * (r * r) + r) + 1.f;
+  y = M::apply(y, r, 1.3981999507e-3f);
+  y = M::apply(y, r, 8.3334519073e-3f);
+  y = M::apply(y, r, 4.1665795894e-2f);
+  y = M::apply(y, r, 1.6666665459e-1f);
+  y = M::apply(y, r, 5.0000001201e-1f);
+  return M::apply(y, r * r, r) + 1.f;
 }
 
 }  // namespace hebrus
