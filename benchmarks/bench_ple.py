@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--channels", type=int, default=10240)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--section-suffix", default="",
+                        help="appended to the RESULTS.md section title (a run on another machine)")
     parser.add_argument("--conv-prefill-only", type=float, default=None, metavar="BW",
                         help=argparse.SUPPRESS)  # subprocess mode: print the conv prefill rows as JSON
     args = parser.parse_args()
@@ -223,7 +225,7 @@ def main() -> None:
             f"allocations advised as transparent huge pages, where the kernel's THP mode is 'madvise' or "
             f"'always'; current mode: {thp_mode()}).\n\n")
     body += table(["case", "path", "ms", "tokens/s", "GB/s", "of BW", "speedup"], rows)
-    write_section("PLE (issue 2)", body)
+    write_section("PLE (issue 2)" + (f", {args.section_suffix}" if args.section_suffix else ""), body)
     print(body)
 
 

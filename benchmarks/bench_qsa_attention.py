@@ -115,6 +115,8 @@ def main() -> None:
                         help="prefill block of the gathered-then-dense composite")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--section-suffix", default="",
+                        help="appended to the RESULTS.md section title (a run on another machine)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     dense_blocks = [int(b) for b in args.dense_block.split(",")]
@@ -166,12 +168,20 @@ def main() -> None:
             k_sel, v_sel = k_pool.new_empty((flat.numel(), HKV, DH)), v_pool.new_empty((flat.numel(), HKV, DH))
             t_gather = timeit_many(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
                                             torch.index_select(v_pool, 0, flat, out=v_sel)), args.repeat * 3)
+            # Reads the same rows and writes almost nothing: the machine's rate for this access pattern.
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), (tc >= 0).sum(1).cumsum(0)[:-1]])
+            k_rows, v_rows = k_pool.view(k_pool.shape[0], -1), v_pool.view(v_pool.shape[0], -1)
+            t_read = timeit_many(lambda: (F.embedding_bag(flat, k_rows, offsets, mode="sum"),
+                                          F.embedding_bag(flat, v_rows, offsets, mode="sum")), args.repeat * 3)
             d = report(case, "dense masked SDPA (transformers)", t_dense, B, ctx * row_bytes, sel_bytes)
             report(case, "gathered-then-dense composite", t_comp, B, sel_bytes, sel_bytes, d)
             report(case, "(gather only: index_select of the selected rows)", t_gather, B, sel_bytes, sel_bytes, d)
             rows[-1][6] = "-"
+            report(case, "(read only: embedding_bag sum of the selected rows)", t_read, B, sel_bytes, sel_bytes, d)
+            rows[-1][6] = "-"
             report(case, "hebrus::qsa_attention", t_op, B, sel_bytes, sel_bytes, d)
-            headline[("decode", ctx, dname)] = (t_dense / t_op, t_op / B / (sel_bytes / bw), t_op / t_gather)
+            headline[("decode", ctx, dname)] = (t_dense / t_op, t_op / B / (sel_bytes / bw), t_op / t_gather,
+                                                t_op / t_read)
             del mask, k_b, v_b, k_sel, v_sel
 
             # Prefill: one sequence, the block of new tokens ends at position ctx - 1.
@@ -225,7 +235,7 @@ def main() -> None:
             f"W = {W} (512 groups of 4 + tail); scale Dh^-1/2. Decode: {args.sequences} sequences x 1 token at the "
             f"end of the context (at 128K the sequences share one cache, see the script's docstring). Prefill: one "
             f"sequence, a block of new tokens ending at the context length. Median of {args.repeat} runs for decode "
-            f"(op and gather: {3 * args.repeat} samples of 8 calls each), one run for the dense prefill and the "
+            f"(op, gather and read: {3 * args.repeat} samples of 8 calls each), one run for the dense prefill and the "
             f"{args.prefill}-token op prefill; the CPU is shared "
             f"with other jobs, so expect +-30% noise. 'K/V MB/query': bytes of keys and values the path must "
             f"read per query (dense: the whole cache; the others: the selected cells only). 'GB/s': those bytes "
@@ -239,9 +249,11 @@ def main() -> None:
     body += ("\n\nWhat bounds decode: the limit assumes the selected bytes stream at copy speed, but they are "
              "512 B - 1 KiB rows scattered over the cache (each a separate page walk, unless the cache sits on huge pages); the "
              "'(gather only)' row is torch.index_select of exactly the selected rows into preallocated buffers, no "
-             "arithmetic, the floor of any path that gathers. On top of the reads the op does 2 x 16 heads x 512 "
+             "arithmetic; the '(read only)' row is F.embedding_bag(mode='sum') over the same rows, which reads "
+             "them in order and writes one row per query: what a plain in-order read of exactly these rows "
+             "reaches on this machine, with no arithmetic to overlap. On top of the reads the op does 2 x 16 heads x 512 "
              "multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, so with half the bytes bf16 "
-             "is the case closest to compute-bound on 2 cores.")
+             f"is the case closest to compute-bound on {torch.get_num_threads()} threads.")
     if notes:
         body += (f"\n\nDense masked prefill of {args.prefill} new tokens is not feasible on this CPU within the "
                  f"benchmark's time (it is compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus "
@@ -252,7 +264,7 @@ def main() -> None:
     if dec:
         body += "\n\nDecode summary: " + "; ".join(
             f"{c // 1024}K {d}: {s:.1f}x vs dense, {x:.1f}x of the bandwidth limit, {g:.1f}x the time of the "
-            f"bare gather" for c, d, (s, x, g) in dec) + "."
+            f"bare gather, {r:.1f}x the time of the read-only floor" for c, d, (s, x, g, r) in dec) + "."
     pre = [(c, d, v[0]) for (kind, c, d), v in headline.items() if kind == "prefill"]
     if pre:
         body += f"\nPrefill summary ({args.prefill}-token block against the dense estimate): " + "; ".join(
@@ -263,7 +275,8 @@ def main() -> None:
             body = ("Allocator: THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator backs allocations of 2 MiB and "
                     "more, the K/V cache included, with transparent huge pages; see the README's CPU "
                     "performance notes). Otherwise as the section above.\n\n" + body)
-        write_section("QSA sparse attention (issue 6)" + (", THP_MEM_ALLOC_ENABLE=1" if thp else ""), body)
+        write_section("QSA sparse attention (issue 6)" + (", THP_MEM_ALLOC_ENABLE=1" if thp else "")
+                      + (f", {args.section_suffix}" if args.section_suffix else ""), body)
     print(body)
 
 
