@@ -17,6 +17,11 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "ple_conv(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
       "str activation) -> (Tensor, Tensor)");
+  // ple_conv into caller-owned buffers y [T, C] and new_state [B, L, C] (not in the SPEC: the
+  // out-variant a prefill loop uses to reuse its output memory).
+  m.def(
+      "ple_conv_into(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
+      "str activation, Tensor(a!) y, Tensor(b!) new_state) -> ()");
   // QSA (SPEC §3): pooled, normed, roped key per 4-token group; fails on a hole.
   m.def(
       "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "

@@ -6,6 +6,7 @@
 // that backend (CPU scratch sizes, MPS launch plans), and value checks that read tensor data.
 //
 // Plain C++ (no Objective-C), header-only: the .mm files also type-check as C++ on Linux.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
@@ -134,8 +135,8 @@ struct PleConvSizes {
 };
 
 inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
-                                        const at::Tensor& state, int64_t dilation, c10::string_view activation) {
-  const char* op = "ple_conv";
+                                        const at::Tensor& state, int64_t dilation, c10::string_view activation,
+                                        const char* op = "ple_conv") {
   check_dims(op, x, 2, "x");
   check_dims(op, weight, 2, "weight");
   check_dims(op, state, 3, "state");
@@ -157,6 +158,33 @@ inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& w
                len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
                channels, "), got ", shape_str(state.sizes()));
   return {batch, x.size(0), channels, width, state_len, silu};
+}
+
+// The buffers ple_conv_into writes: y like x and new_state like state (shape and dtype), contiguous,
+// and sharing no memory with an input or with each other, since the kernel reads the inputs while it
+// writes (a possible overlap that is too costly to rule out counts as one).
+inline void check_ple_conv_outs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
+                                const at::Tensor& state, const at::Tensor& y, const at::Tensor& new_state) {
+  const char* op = "ple_conv_into";
+  HEBRUS_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(), HebrusError, "hebrus::", op,
+               ": y must have the shape and dtype of x, ", shape_str(x.sizes()), " ", dtype_name(x.scalar_type()),
+               ", got ", shape_str(y.sizes()), " ", dtype_name(y.scalar_type()));
+  HEBRUS_CHECK(new_state.sizes() == state.sizes() && new_state.scalar_type() == state.scalar_type(), HebrusError,
+               "hebrus::", op, ": new_state must have the shape and dtype of state, ", shape_str(state.sizes()), " ",
+               dtype_name(state.scalar_type()), ", got ", shape_str(new_state.sizes()), " ",
+               dtype_name(new_state.scalar_type()));
+  HEBRUS_CHECK(y.is_contiguous() && new_state.is_contiguous(), HebrusError, "hebrus::", op,
+               ": y and new_state must be contiguous");
+  const std::pair<const char*, const at::Tensor*> outs[] = {{"y", &y}, {"new_state", &new_state}};
+  const std::pair<const char*, const at::Tensor*> others[] = {
+      {"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}, {"new_state", &new_state}};
+  for (const auto& [out_name, out] : outs) {
+    for (const auto& [name, t] : others) {
+      if (t == out) continue;
+      HEBRUS_CHECK(at::get_overlap_status(*out, *t) == at::MemOverlapStatus::No, HebrusError, "hebrus::", op, ": ",
+                   out_name, " shares memory with ", name, "; the outputs must not overlap the inputs or each other");
+    }
+  }
 }
 
 // ---- qsa_pool ---------------------------------------------------------------------------------------

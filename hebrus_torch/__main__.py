@@ -28,7 +28,9 @@ def kernel_table() -> str:
     devices = available_devices()
     lines = [f"{'op':<16}" + "".join(f"{d:>12}" for d in devices)]
     for op in _extension.OP_NAMES:
-        cells = ["native" if _extension.has_native_kernel(op, d) else "reference" for d in devices]
+        cells = ["native" if _extension.has_native_kernel(op, d)
+                 else "native+copy" if op == "ple_conv_into" and _extension.has_native_kernel("ple_conv", d)
+                 else "reference" for d in devices]
         lines.append(f"{op:<16}" + "".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import _validate, reference
 from ._schemas import SCHEMAS
 
 try:
@@ -21,10 +21,26 @@ except ImportError as exc:  # no build, or a build for another torch
 
 OP_NAMES = tuple(SCHEMAS)
 
+
+
+def _ple_conv_into_composite(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
+    """ple_conv_into where the device has no kernel of it: the device's ple_conv (its native kernel
+    where one is built, as on MPS; else the reference), then a copy into the buffers."""
+    _validate.ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
+    _validate.no_overlap("ple_conv_into", {"y": y, "new_state": new_state},
+                         {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "state": state})
+    reference.check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv_into")
+    out_y, out_state = torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
+    y.copy_(out_y)
+    new_state.copy_(out_state)
+
+
 # CompositeExplicitAutograd covers every backend that has no kernel of its own, so a native CPU or
 # MPS kernel wins where it is registered and the reference runs everywhere else (CUDA, XPU, ...).
+_COMPOSITE = {name: getattr(reference, name) for name in OP_NAMES}
+_COMPOSITE["ple_conv_into"] = _ple_conv_into_composite
 for _name in OP_NAMES:
-    torch.library.impl(f"hebrus::{_name}", "CompositeExplicitAutograd")(getattr(reference, _name))
+    torch.library.impl(f"hebrus::{_name}", "CompositeExplicitAutograd")(_COMPOSITE[_name])
 
 
 def has_native_kernel(op: str, device_type: str) -> bool:

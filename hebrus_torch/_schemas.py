@@ -10,6 +10,8 @@ SCHEMAS = {
                      "Tensor vocab_sizes, Tensor offsets, int eos, int vocab) -> (Tensor, Tensor)",
     "ple_conv": "ple_conv(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
                 "str activation) -> (Tensor, Tensor)",
+    "ple_conv_into": "ple_conv_into(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
+                     "str activation, Tensor(a!) y, Tensor(b!) new_state) -> ()",
     "qsa_pool": "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "
                 "Tensor norm_weight, float eps, Tensor inv_freq) -> Tensor",
     "qsa_select": "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "

@@ -74,9 +74,9 @@ def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets
     return n, heads
 
 
-def ple_conv(x, weight, cu_seqlens, state, dilation, activation) -> None:
-    op = "ple_conv"
-    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
+def ple_conv(x, weight, cu_seqlens, state, dilation, activation, op: str = "ple_conv") -> None:
+    if op == "ple_conv":
+        _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
     _dims(x, 2, op, "x")
     _dims(weight, 2, op, "weight")
     _dims(state, 3, op, "state")
@@ -93,6 +93,40 @@ def ple_conv(x, weight, cu_seqlens, state, dilation, activation) -> None:
     state_len = (width - 1) * dilation
     check(tuple(state.shape) == (batch, state_len, channels), op,
           f"state must have shape (B, (K-1)*dilation, C) = ({batch}, {state_len}, {channels}), got {tuple(state.shape)}")
+
+
+def ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
+    """ple_conv's checks, then the buffers': y like x and new_state like state, both contiguous."""
+    op = "ple_conv_into"
+    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state, y=y, new_state=new_state)
+    ple_conv(x, weight, cu_seqlens, state, dilation, activation, op)
+    check(y.shape == x.shape and y.dtype == x.dtype, op,
+          f"y must have the shape and dtype of x, {tuple(x.shape)} {x.dtype}, got {tuple(y.shape)} {y.dtype}")
+    check(new_state.shape == state.shape and new_state.dtype == state.dtype, op,
+          f"new_state must have the shape and dtype of state, {tuple(state.shape)} {state.dtype}, "
+          f"got {tuple(new_state.shape)} {new_state.dtype}")
+    check(y.is_contiguous() and new_state.is_contiguous(), op, "y and new_state must be contiguous")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the elements of an eager tensor; None if empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()
+
+
+def no_overlap(op: str, outs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """Every out shares no memory with an input or another out (eager tensors only)."""
+    spans = {name: _byte_span(t) for name, t in {**inputs, **outs}.items()}
+    for out_name in outs:
+        for name, span in spans.items():
+            a = spans[out_name]
+            if name == out_name or a is None or span is None:
+                continue
+            check(a[0] != span[0] or a[2] <= span[1] or span[2] <= a[1], op,
+                  f"{out_name} shares memory with {name}; the outputs must not overlap the inputs or each other")
 
 
 def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq) -> None:

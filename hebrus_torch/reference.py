@@ -14,7 +14,7 @@ import torch
 from . import _validate
 from .errors import HebrusError, HoleError
 
-__all__ = ["ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention", "check_cu_seqlens_values"]
+__all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "qsa_pool", "qsa_select", "qsa_attention", "check_cu_seqlens_values"]
 
 
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, op: str) -> None:
@@ -138,6 +138,27 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
         acc = torch.nn.functional.silu(acc)
     hist_idx = row_end[:, None] - state_len + torch.arange(state_len, device=x.device)[None, :]
     return acc.to(x.dtype), u[hist_idx]
+
+
+def ple_conv_into(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
+                  dilation: int, activation: str, y: torch.Tensor, new_state: torch.Tensor) -> None:
+    """:func:`ple_conv` written into caller-owned buffers (not in the SPEC; an out-variant).
+
+    Args:
+        x, weight, cu_seqlens, state, dilation, activation: as :func:`ple_conv`.
+        y: Tensor[T, C] like x, contiguous; receives y.
+        new_state: Tensor[B, L, C] like state, contiguous; receives new_state.
+
+    Neither buffer may share memory with an input or with the other. Every check runs before
+    anything is written.
+    """
+    _validate.ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
+    _validate.no_overlap("ple_conv_into", {"y": y, "new_state": new_state},
+                         {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "state": state})
+    check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv_into")
+    out_y, out_state = ple_conv(x, weight, cu_seqlens, state, dilation, activation)
+    y.copy_(out_y)
+    new_state.copy_(out_state)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

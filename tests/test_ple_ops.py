@@ -1,4 +1,4 @@
-"""hebrus::ple_ngram_ids and hebrus::ple_conv (SPEC §2, §5).
+"""hebrus::ple_ngram_ids, hebrus::ple_conv (SPEC §2, §5) and its out-variant hebrus::ple_conv_into.
 
 Parity with transformers' Qwen4ExpTextNGramEmbedding / Qwen4ExpTextPLELayer, the native kernel
 against the reference, chunk invariance, row isolation, the EOS rule, opcheck, torch.compile and
@@ -729,3 +729,184 @@ def test_conv_mismatched_devices(name):
 @pytest.mark.parametrize("name", ["tokens", "history", "vocab_sizes"])
 def test_ngram_ids_mismatched_devices(name):
     assert_mixed_devices_rejected("ple_ngram_ids", good_ids_args(), name)
+
+
+# ----------------------------------------------------------------------------------------------
+# ple_conv_into: ple_conv written into caller-owned buffers (ht.ple_conv(..., out=(y, new_state)))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_conv_into_matches_conv(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    for lengths, channels, width, dilation, activation in [
+        ([0, 7, 1, 0, 101], 33, 4, 3, "silu"), ([5], 16, 2, 1, "none"), ([0, 0], 8, 4, 3, "silu"),
+    ]:
+        x, cu = pack([torch.randn(m, channels, generator=gen).to(dtype) for m in lengths])
+        weight = torch.randn(channels, width, generator=gen).to(dtype)
+        state = torch.randn(len(lengths), (width - 1) * dilation, channels, generator=gen).to(dtype)
+        args = [t.to(device) for t in (x, weight, cu, state)]
+        want = ht.ple_conv(*args, dilation, activation)
+        y = torch.full_like(args[0], float("nan"))
+        new_state = torch.full_like(args[3], float("nan"))
+        got = ht.ple_conv(*args, dilation, activation, out=(y, new_state))
+        assert got[0] is y and got[1] is new_state
+        assert torch.equal(y, want[0]) and torch.equal(new_state, want[1])
+        # The reference out-variant is the reference functional, copied.
+        ref_y, ref_state = torch.empty_like(x), torch.empty_like(state)
+        reference.ple_conv_into(x, weight, cu, state, dilation, activation, ref_y, ref_state)
+        want_ref = reference.ple_conv(x, weight, cu, state, dilation, activation)
+        assert torch.equal(ref_y, want_ref[0]) and torch.equal(ref_state, want_ref[1])
+
+
+def test_conv_into_reused_buffers_across_chunks(device):
+    # A chunked loop writing every chunk into the same two buffers gives the one-shot result.
+    gen = torch.Generator().manual_seed(6)
+    channels, width, dilation = 24, 4, 3
+    stream = torch.randn(40, channels, generator=gen).to(device)
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    state0 = torch.zeros(1, (width - 1) * dilation, channels, device=device)
+    cu_full = torch.tensor([0, 40], dtype=torch.int32, device=device)
+    want_y, want_state = ht.ple_conv(stream, weight, cu_full, state0, dilation, "silu")
+    y_buf = torch.empty(8, channels, device=device)
+    state_bufs = [torch.empty_like(state0), torch.empty_like(state0)]  # ping-pong: state in, new_state out
+    state, ys = state0, []
+    for i, start in enumerate(range(0, 40, 8)):
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+        y, state = ht.ple_conv(stream[start:start + 8], weight, cu, state, dilation, "silu",
+                               out=(y_buf, state_bufs[i % 2]))
+        ys.append(y.clone())
+    assert torch.equal(torch.cat(ys), want_y) and torch.equal(state, want_state)
+
+
+def conv_into_args(device="cpu"):
+    args = good_conv_args(device)
+    args["y"] = torch.zeros_like(args["x"])
+    args["new_state"] = torch.zeros_like(args["state"])
+    return args
+
+
+def assert_conv_into_rejected(args: dict, pattern: str, device: str) -> None:
+    """The wrapper (out=...) raises a HebrusError naming hebrus::ple_conv_into and writes nothing;
+    on CPU the kernel called directly raises the tagged ValueError."""
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    inputs = {k: v for k, v in args.items() if k not in ("y", "new_state")}
+    with pytest.raises(ht.HebrusError, match="hebrus::ple_conv_into: .*" + pattern):
+        ht.ple_conv(**inputs, out=(args["y"], args["new_state"]))
+    assert all(torch.equal(args[k], v) for k, v in before.items())
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"\[HebrusError\] hebrus::ple_conv_into: .*" + pattern):
+            torch.ops.hebrus.ple_conv_into(*args.values())
+        assert all(torch.equal(args[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("case", BAD_CONV)
+def test_conv_into_bad_input(device, case):
+    changes, pattern = BAD_CONV[case]
+    args = with_changes(conv_into_args(device), changes, device)
+    if "x" in changes and changes["x"].dim() == 2:
+        args["y"] = torch.zeros_like(args["x"])
+    if "state" in changes and changes["state"].dim() == 3:
+        args["new_state"] = torch.zeros_like(args["state"])
+    assert_conv_into_rejected(args, pattern, device)
+
+
+BAD_CONV_OUTS = {
+    "y-shape": (lambda a: dict(y=torch.zeros(5, 5)), r"y must have the shape and dtype of x, \(5, 4\) torch\.float32"),
+    "y-dtype": (lambda a: dict(y=torch.zeros(5, 4, dtype=torch.float16)), r"got \(5, 4\) torch\.float16"),
+    "y-strided": (lambda a: dict(y=torch.zeros(4, 5).t()), r"y and new_state must be contiguous"),
+    "new-state-shape": (lambda a: dict(new_state=torch.zeros(2, 3, 4)),
+                        r"new_state must have the shape and dtype of state, \(2, 4, 4\)"),
+    "new-state-dtype": (lambda a: dict(new_state=torch.zeros(2, 4, 4, dtype=torch.bfloat16)),
+                        r"new_state must have the shape and dtype"),
+    "new-state-strided": (lambda a: dict(new_state=torch.zeros(2, 4, 4).transpose(1, 2)),
+                          r"y and new_state must be contiguous"),
+    "y-is-x": (lambda a: dict(y=a["x"]), r"y shares memory with x"),
+    "y-inside-x": (lambda a: dict(x=a["x"].repeat(2, 1)[:5], y=a["x"].repeat(2, 1)[:5]), r"y shares memory with x"),
+    "y-overlaps-state": (lambda a: dict(y=a["state"].view(-1)[:20].view(5, 4)), r"y shares memory with state"),
+    "new-state-is-state": (lambda a: dict(new_state=a["state"]), r"new_state shares memory with state"),
+    "new-state-overlaps-y": (lambda a: overlapping_outs(), r"y shares memory with new_state"),
+}
+
+
+def overlapping_outs() -> dict:
+    flat = torch.zeros(40)
+    return dict(y=flat[:20].view(5, 4), new_state=flat[8:40].view(2, 4, 4))
+
+
+@pytest.mark.parametrize("case", BAD_CONV_OUTS)
+def test_conv_into_bad_outputs(device, case):
+    make, pattern = BAD_CONV_OUTS[case]
+    args = conv_into_args("cpu")
+    changes = make(args)
+    if case == "y-inside-x":
+        base = torch.randn(10, 4)
+        changes = dict(x=base[:5], y=base[3:8])
+    args.update({k: v.to(device) if v.device.type != device else v for k, v in changes.items()})
+    for key in ("x", "weight", "cu_seqlens", "state", "y", "new_state"):
+        if args[key].device.type != device:
+            args[key] = args[key].to(device)
+    assert_conv_into_rejected(args, pattern, device)
+
+
+def test_conv_into_disjoint_views_of_one_buffer(device):
+    # Outputs may share a storage as long as their bytes do not overlap.
+    args = good_conv_args(device)
+    flat = torch.zeros(52, device=device)
+    y, new_state = flat[:20].view(5, 4), flat[20:].view(2, 4, 4)
+    ht.ple_conv(**args, out=(y, new_state))
+    want = ht.ple_conv(**args)
+    assert torch.equal(y, want[0]) and torch.equal(new_state, want[1])
+
+
+@pytest.mark.parametrize("name", ["x", "state", "y", "new_state"])
+def test_conv_into_mismatched_devices(name):
+    args = conv_into_args()
+    args[name] = args[name].to("meta")
+    inputs = {k: v for k, v in args.items() if k not in ("y", "new_state")}
+    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_conv_into: all tensors must be on one device"):
+        ht.ple_conv(**inputs, out=(args["y"], args["new_state"]))
+    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
+        torch.ops.hebrus.ple_conv_into(*args.values())
+
+
+def test_conv_into_opcheck(device):
+    for x, weight, cu, state, dilation, act in conv_samples():
+        args = tuple(t.to(device) for t in (x, weight, cu, state))
+        outs = (torch.empty_like(args[0]), torch.empty_like(args[3]))
+        torch.library.opcheck(torch.ops.hebrus.ple_conv_into.default, (*args, dilation, act, *outs))
+
+
+def test_conv_into_compiled_loop_matches_eager(device):
+    gen = torch.Generator().manual_seed(10)
+    channels, width, dilation = 32, 4, 3
+    weight = torch.randn(channels, width, generator=gen).to(device)
+    chunks = []
+    for lengths in ([5, 0, 3], [1, 2, 1], [4, 4, 0]):
+        x, cu = pack([torch.randn(m, channels, generator=gen) for m in lengths])
+        chunks.append((x.to(device), cu.to(device)))
+    state0 = torch.randn(3, (width - 1) * dilation, channels, generator=gen).to(device)
+
+    proj = torch.randn(channels, 16, generator=gen).to(device)
+
+    # Each chunk's y is consumed (projected, as the model does) before the next chunk overwrites the
+    # buffer. (A bare y.clone() in its place is a known inductor reinplacing bug in torch 2.13: the
+    # clone is dropped as a no-op, see the README.)
+    def loop(state, y_buf, state_bufs):
+        outs = []
+        for i, (x, cu) in enumerate(chunks):
+            y, state = ht.ple_conv(x, weight, cu, state, dilation, "silu",
+                                   out=(y_buf[: x.shape[0]], state_bufs[i % 2]))
+            outs.append(y @ proj)
+        return outs, state
+
+    def buffers():
+        return torch.empty(8, channels, device=device), [torch.empty_like(state0), torch.empty_like(state0)]
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loop, fullgraph=True)(state0, *buffers())
+    finally:
+        torch._dynamo.reset()
+    eager = loop(state0, *buffers())
+    assert all(torch.equal(a, b) for a, b in zip(compiled[0], eager[0]))
+    assert torch.equal(compiled[1], eager[1])

@@ -5,7 +5,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
@@ -493,24 +492,17 @@ void conv_tokens_f16(const ConvArgs& a, int64_t begin, int64_t end) { conv_token
 HEBRUS_VECTOR_CLONES_16
 void conv_tokens_bf16(const ConvArgs& a, int64_t begin, int64_t end) { conv_tokens<BF16>(a, begin, end); }
 
-std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
-                                        const Tensor& state, int64_t dilation, c10::string_view activation) {
-  const char* op = "ple_conv";
-  check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
-  const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation);
+// y and new_state of ple_conv into contiguous buffers of the right shapes; the arguments are checked.
+void run_ple_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_t, const Tensor& state,
+                  const PleConvSizes& sz, int64_t dilation, const Tensor& y, const Tensor& new_state) {
   const int64_t batch = sz.batch;
-  const bool silu = sz.silu;
   const auto dtype = x.scalar_type();
-  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
-
   const Tensor xc = x.contiguous(), sc = state.contiguous();
   // fp32 [K, C] copy of the weight so the inner loop over channels reads it contiguously.
   const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
-  Tensor y = at::empty_like(xc);
-  Tensor new_state = at::empty_like(sc);
   const int64_t channels = sz.channels, state_len = sz.state_len;
   const ConvArgs args{xc.data_ptr(), sc.data_ptr(), w_kc.data_ptr<float>(), cu_t.data_ptr<int32_t>(), y.data_ptr(),
-                      sz.total, batch, channels, sz.width, state_len, dilation, silu};
+                      sz.total, batch, channels, sz.width, state_len, dilation, sz.silu};
   void (*conv_tokens_fn)(const ConvArgs&, int64_t, int64_t) =
       dtype == at::kFloat ? conv_tokens_f32 : dtype == at::kHalf ? conv_tokens_f16 : conv_tokens_bf16;
   // At least ~64K outputs per thread (tens of microseconds of work).
@@ -532,7 +524,32 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
       std::memcpy(nb + r * row_bytes, src, static_cast<size_t>(row_bytes));
     }
   });
+}
+
+std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                                        const Tensor& state, int64_t dilation, c10::string_view activation) {
+  const char* op = "ple_conv";
+  check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
+  const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation);
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
+  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor new_state = at::empty(state.sizes(), state.options());
+  run_ple_conv(x, weight, cu_t, state, sz, dilation, y, new_state);
   return {y, new_state};
+}
+
+// ple_conv into caller-owned buffers: a prefill loop that reuses them skips allocating (and, for
+// large outputs, page-faulting) a fresh [T, C] tensor per call.
+void ple_conv_into_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, const Tensor& state,
+                       int64_t dilation, c10::string_view activation, Tensor& y, Tensor& new_state) {
+  const char* op = "ple_conv_into";
+  check_on_device(op, at::kCPU,
+                  {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}, {"y", &y},
+                   {"new_state", &new_state}});
+  const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation, op);
+  check_ple_conv_outs(x, weight, cu_seqlens, state, y, new_state);
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
+  run_ple_conv(x, weight, cu_t, state, sz, dilation, y, new_state);
 }
 
 }  // namespace
@@ -541,4 +558,5 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("ple_ngram_ids", &hebrus::ple_ngram_ids_cpu);
   m.impl("ple_conv", &hebrus::ple_conv_cpu);
+  m.impl("ple_conv_into", &hebrus::ple_conv_into_cpu);
 }

@@ -22,14 +22,23 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
 
 
 def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
-             dilation: int = 3, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+             dilation: int = 3, activation: str = "silu", *,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal dilated conv of packed rows; see :func:`hebrus_torch.reference.ple_conv`.
 
     Shapes: x [T, C], weight [C, K], cu_seqlens [B+1] i32, state [B, (K-1)*dilation, C]
     -> (y [T, C], new_state [B, (K-1)*dilation, C]); float32/float16/bfloat16, fp32 accumulation.
+
+    ``out=(y, new_state)``: write into these contiguous buffers instead (``hebrus::ple_conv_into``)
+    and return them; they must have the output shapes and dtype and share no memory with the inputs
+    or each other. A prefill loop that reuses them skips a fresh [T, C] allocation per call.
     """
     with translated():
-        return torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
+        if out is None:
+            return torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
+        y, new_state = out
+        torch.ops.hebrus.ple_conv_into.default(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
+        return y, new_state
 
 
 @torch.library.register_fake("hebrus::ple_ngram_ids")
@@ -42,3 +51,8 @@ def _ple_ngram_ids_fake(tokens, cu_seqlens, history, multipliers, vocab_sizes, o
 def _ple_conv_fake(x, weight, cu_seqlens, state, dilation, activation):
     _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
     return x.new_empty(x.shape), state.new_empty(state.shape)
+
+
+@torch.library.register_fake("hebrus::ple_conv_into")
+def _ple_conv_into_fake(x, weight, cu_seqlens, state, dilation, activation, y, new_state):
+    _validate.ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
