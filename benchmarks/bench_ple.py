@@ -102,6 +102,11 @@ def conv_prefill_rows(dev: str, T: int, C: int, repeat: int, bw: float, with_ref
             rows.append(row(case, "hebrus reference (torch)", t_ref, T, nbytes, bw, t_comp))
         t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat)
         rows.append(row(case, "hebrus::ple_conv", t_op, T, nbytes, bw, t_comp))
+        # The out-variant into buffers a prefill loop keeps from call to call: no fresh output.
+        outs = (torch.empty_like(x), torch.empty_like(state))
+        t_into = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu", out=outs), dev, repeat)
+        rows.append(row(case, "hebrus::ple_conv_into (reused output buffers)", t_into, T, nbytes, bw, t_comp))
+        del outs
     return rows
 
 
@@ -219,7 +224,10 @@ def main() -> None:
             f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup is against the first row "
             f"of its case. The 'floor' row allocates and writes a fresh [T, C] tensor, which every path "
             f"returning a new output pays: first-touch page faults of freshly mmapped memory make that far "
-            f"slower than the copy bandwidth suggests under PyTorch's default CPU allocator (4 KiB pages). "
+            f"slower than the copy bandwidth suggests under PyTorch's default CPU allocator (4 KiB pages), "
+            f"and even on huge pages the kernel zeroes every fresh page before it is written. The "
+            f"'ple_conv_into' row writes into output buffers allocated once (ht.ple_conv(..., out=...)), "
+            f"as a prefill loop that keeps them from chunk to chunk does: the conv's own cost. "
             f"The conv prefill cases are measured under both allocator settings (the "
             f"'{THP_VAR}=1' rows in a subprocess started with that variable: 2 MiB-aligned "
             f"allocations advised as transparent huge pages, where the kernel's THP mode is 'madvise' or "
