@@ -36,8 +36,8 @@ def timeit(fn: Callable[[], object], device: str = "cpu", repeat: int = 5, warmu
 
 
 BANDWIDTH_NOTE = ("best over 8 fresh pairs of 512 MiB buffers of 3 copies each, read + write counted; the "
-                  "shared 2-core development VM's figure drifts with its neighbours: 36 to 74 GB/s over one "
-                  "session")
+                  "shared 2-core development VM's figure drifts with its neighbours: 36 to 78 GB/s across our "
+                  "sessions")
 
 
 def copy_bandwidth(device: str = "cpu", megabytes: int = 512, buffers: int = 8, repeat: int = 3) -> float:
