@@ -2,7 +2,9 @@
 
 Conv: C = 10240 channels, K = 4, dilation 3 (state 9). Hash: N = 3, 16 hash heads.
 Cases: prefill of 4096 tokens in one sequence and in 8 packed sequences; decode of 64 sequences x 1
-token with state gathered by slot from a pool of 128. Writes the "PLE" section of RESULTS.md.
+token with state gathered by slot from a pool of 128. The conv prefill also runs through
+ple_conv_into (ht.ple_conv(..., out=...)) into output buffers allocated once. Writes the "PLE"
+section of RESULTS.md.
 
 On CPU the conv prefill cases run twice: in this process, and in a subprocess with PyTorch's CPU
 allocator switched to the other setting of THP_MEM_ALLOC_ENABLE (2 MiB-aligned allocations advised

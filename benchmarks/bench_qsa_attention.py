@@ -17,7 +17,9 @@ Cases, at 8K, 32K and 128K tokens of context:
 Dense masked = transformers' sdpa_attention_forward (F.scaled_dot_product_attention with the boolean
 selection mask over the whole cache; repeat_kv in prefill, pack_gqa in decode). Composite = gather
 the selected K/V rows (index_select), then F.scaled_dot_product_attention(enable_gqa=True) with a
-padding mask. Writes the "QSA sparse attention (issue 6)" section of RESULTS.md.
+padding mask. Decode also times two bare reads of the selected rows with no attention: index_select
+(gather into a buffer) and F.embedding_bag(mode="sum") (read in order, one row written per query).
+Writes the "QSA sparse attention (issue 6)" section of RESULTS.md.
 
     python benchmarks/bench_qsa_attention.py [--contexts 8192,32768,131072] [--dtypes bf16,fp32]
 """

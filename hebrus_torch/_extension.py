@@ -22,7 +22,6 @@ except ImportError as exc:  # no build, or a build for another torch
 OP_NAMES = tuple(SCHEMAS)
 
 
-
 def _ple_conv_into_composite(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
     """ple_conv_into where the device has no kernel of it: the device's ple_conv (its native kernel
     where one is built, as on MPS; else the reference), then a copy into the buffers."""
