@@ -39,6 +39,21 @@ def test_import_without_extension_falls_back_to_reference():
         x = torch.randn(5, 3); w = torch.randn(3, 4); cu = torch.tensor([0, 5], dtype=torch.int32)
         y, s = ht.ple_conv(x, w, cu, torch.zeros(1, 9, 3))
         assert y.shape == (5, 3) and s.shape == (1, 9, 3)
+        # ple_conv_into without a native kernel: the device's ple_conv, then a copy (the MPS path).
+        assert not _extension.has_native_kernel("ple_conv_into", "cpu")
+        yb, sb = torch.full((5, 3), float("nan")), torch.full((1, 9, 3), float("nan"))
+        got = ht.ple_conv(x, w, cu, torch.zeros(1, 9, 3), out=(yb, sb))
+        assert got[0] is yb and torch.equal(yb, y) and torch.equal(sb, s)
+        for bad_out, bad_cu, message in [((x, sb), cu, "y shares memory with x"),
+                                         ((yb, sb), torch.tensor([0, 4], dtype=torch.int32), "end at T = 5")]:
+            before = yb.clone()
+            try:
+                ht.ple_conv(x, w, bad_cu, torch.zeros(1, 9, 3), out=bad_out)
+            except ht.HebrusError as e:
+                assert str(e).startswith("hebrus::ple_conv_into: ") and message in str(e), e
+            else:
+                raise AssertionError(message)
+            assert torch.equal(yb, before)
         try:
             ht.ple_ngram_ids(torch.tensor([7]), torch.tensor([0, 1], dtype=torch.int32),
                              torch.zeros(1, 2, dtype=torch.long), torch.tensor([1, 3, 5]),
