@@ -75,8 +75,7 @@ def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets
 
 
 def ple_conv(x, weight, cu_seqlens, state, dilation, activation, op: str = "ple_conv") -> None:
-    if op == "ple_conv":
-        _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
+    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
     _dims(x, 2, op, "x")
     _dims(weight, 2, op, "weight")
     _dims(state, 3, op, "state")
@@ -121,8 +120,8 @@ def no_overlap(op: str, outs: dict[str, torch.Tensor], inputs: dict[str, torch.T
     """Every out shares no memory with an input or another out (eager tensors only)."""
     spans = {name: _byte_span(t) for name, t in {**inputs, **outs}.items()}
     for out_name in outs:
+        a = spans[out_name]
         for name, span in spans.items():
-            a = spans[out_name]
             if name == out_name or a is None or span is None:
                 continue
             check(a[0] != span[0] or a[2] <= span[1] or span[2] <= a[1], op,

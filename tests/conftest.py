@@ -27,27 +27,29 @@ def with_changes(good: dict, changes: dict, device: str) -> dict:
     return args
 
 
-def assert_mixed_devices_rejected(op: str, args: dict, name: str) -> None:
-    """``args[name]`` moved to the meta device: the wrapper and the raw op (which dispatches to the
-    fake, which validates) both refuse the mix with a HebrusError."""
+def assert_mixed_devices_rejected(op: str, args: dict, name: str, wrapper=None) -> None:
+    """``args[name]`` moved to the meta device: the wrapper (``hebrus_torch.<op>`` unless given) and
+    the raw op (which dispatches to the fake, which validates) both refuse the mix with a HebrusError."""
     args = dict(args)
     args[name] = args[name].to("meta")
     with pytest.raises(hebrus_torch.HebrusError, match=rf"hebrus::{op}: all tensors must be on one device"):
-        getattr(hebrus_torch, op)(**args)
+        (wrapper or getattr(hebrus_torch, op))(**args)
     with pytest.raises(hebrus_torch.HebrusError, match=r"all tensors must be on one device"):
         getattr(torch.ops.hebrus, op)(*args.values())
 
 
-def assert_rejected(op: str, args: dict, pattern: str, device: str) -> None:
-    """Bad input for ``hebrus::<op>``: the wrapper raises a HebrusError naming the op and matching
-    ``pattern`` and leaves every input tensor unchanged; on CPU the C++ kernel called directly
-    raises the tagged ValueError that ``errors.translate`` maps back to HebrusError."""
+def assert_rejected(op: str, args: dict, pattern: str, device: str, wrapper=None) -> None:
+    """Bad input for ``hebrus::<op>``: the wrapper (``hebrus_torch.<op>`` unless given) raises a
+    HebrusError naming the op and matching ``pattern`` and leaves every tensor argument unchanged; on
+    CPU the C++ kernel called directly raises the tagged ValueError that ``errors.translate`` maps
+    back to HebrusError, and changes nothing either."""
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(hebrus_torch.HebrusError, match=f"hebrus::{op}: .*" + pattern):
-        getattr(hebrus_torch, op)(**args)
+        (wrapper or getattr(hebrus_torch, op))(**args)
     assert all(torch.equal(args[k], v) for k, v in before.items())
     if device == "cpu":
         with pytest.raises(ValueError, match=rf"\[HebrusError\] hebrus::{op}: .*" + pattern) as info:
             getattr(torch.ops.hebrus, op)(*args.values())
+        assert all(torch.equal(args[k], v) for k, v in before.items())
         mapped = hebrus_torch.errors.translate(info.value)
         assert type(mapped) is hebrus_torch.HebrusError and str(mapped).startswith(f"hebrus::{op}: ")

@@ -785,18 +785,9 @@ def conv_into_args(device="cpu"):
     return args
 
 
-def assert_conv_into_rejected(args: dict, pattern: str, device: str) -> None:
-    """The wrapper (out=...) raises a HebrusError naming hebrus::ple_conv_into and writes nothing;
-    on CPU the kernel called directly raises the tagged ValueError."""
-    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    inputs = {k: v for k, v in args.items() if k not in ("y", "new_state")}
-    with pytest.raises(ht.HebrusError, match="hebrus::ple_conv_into: .*" + pattern):
-        ht.ple_conv(**inputs, out=(args["y"], args["new_state"]))
-    assert all(torch.equal(args[k], v) for k, v in before.items())
-    if device == "cpu":
-        with pytest.raises(ValueError, match=r"\[HebrusError\] hebrus::ple_conv_into: .*" + pattern):
-            torch.ops.hebrus.ple_conv_into(*args.values())
-        assert all(torch.equal(args[k], v) for k, v in before.items())
+def conv_into(y, new_state, **inputs):
+    """ple_conv_into through its wrapper, ht.ple_conv(..., out=(y, new_state))."""
+    return ht.ple_conv(**inputs, out=(y, new_state))
 
 
 @pytest.mark.parametrize("case", BAD_CONV)
@@ -807,7 +798,7 @@ def test_conv_into_bad_input(device, case):
         args["y"] = torch.zeros_like(args["x"])
     if "state" in changes and changes["state"].dim() == 3:
         args["new_state"] = torch.zeros_like(args["state"])
-    assert_conv_into_rejected(args, pattern, device)
+    assert_rejected("ple_conv_into", args, pattern, device, wrapper=conv_into)
 
 
 BAD_CONV_OUTS = {
@@ -845,7 +836,7 @@ def test_conv_into_bad_outputs(device, case):
     for key in ("x", "weight", "cu_seqlens", "state", "y", "new_state"):
         if args[key].device.type != device:
             args[key] = args[key].to(device)
-    assert_conv_into_rejected(args, pattern, device)
+    assert_rejected("ple_conv_into", args, pattern, device, wrapper=conv_into)
 
 
 def test_conv_into_disjoint_views_of_one_buffer(device):
@@ -860,13 +851,7 @@ def test_conv_into_disjoint_views_of_one_buffer(device):
 
 @pytest.mark.parametrize("name", ["x", "state", "y", "new_state"])
 def test_conv_into_mismatched_devices(name):
-    args = conv_into_args()
-    args[name] = args[name].to("meta")
-    inputs = {k: v for k, v in args.items() if k not in ("y", "new_state")}
-    with pytest.raises(ht.HebrusError, match=r"hebrus::ple_conv_into: all tensors must be on one device"):
-        ht.ple_conv(**inputs, out=(args["y"], args["new_state"]))
-    with pytest.raises(ht.HebrusError, match=r"all tensors must be on one device"):
-        torch.ops.hebrus.ple_conv_into(*args.values())
+    assert_mixed_devices_rejected("ple_conv_into", conv_into_args(), name, wrapper=conv_into)
 
 
 def test_conv_into_opcheck(device):
