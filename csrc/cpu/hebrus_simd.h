@@ -76,8 +76,8 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
          HEBRUS_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// a * b + c, rounded twice (MulAdd: float or vectors of floats) or once (FusedMulAdd: float only;
-// std::fma's result, an instruction wherever the CPU has FMA, including every arm64 CPU).
+// a * b + c, rounded twice (MulAdd) or once (FusedMulAdd: std::fma's result, an instruction
+// wherever the CPU has FMA, including every arm64 CPU); floats or vectors of floats.
 struct MulAdd {
   template <typename V, typename C>
   static HEBRUS_INLINE V apply(V a, V b, C c) {
@@ -87,6 +87,18 @@ struct MulAdd {
 
 struct FusedMulAdd {
   static HEBRUS_INLINE float apply(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+  // Lane by lane; one vector instruction in every clone whose target has FMA.
+  template <typename V>
+  static HEBRUS_INLINE V apply(V a, V b, V c) {
+#if defined(__clang__)
+    return __builtin_elementwise_fma(a, b, c);
+#else
+    V r;
+    for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(float)); ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+  }
 };
 
 // Cephes' expf polynomial: exp(r) for a reduced argument |r| <= ln(2) / 2, as 1 + r + r^2 P(r),
