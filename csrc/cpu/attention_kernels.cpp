@@ -53,12 +53,6 @@ constexpr int64_t kKeyBlock = 32;
 // Query heads sharing one KV head that are processed in one pass over the keys (registers).
 constexpr int64_t kMaxHeadChunk = 8;
 
-HEBRUS_INLINE float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
 template <typename T>
 HEBRUS_INLINE float widen(T v) {
   return static_cast<float>(v);
@@ -107,8 +101,6 @@ struct Scratch {
 // kLanes floats as one GCC vector: element-wise IEEE arithmetic, the same bits in every clone
 // (an avx512f clone keeps one in a zmm register, the others in two ymm or four xmm registers).
 
-HEBRUS_INLINE Vec load(const float* p) { return load_vec(p); }
-
 HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // kLanes elements of a row widened to fp32 in registers (bf16: the bits shifted into the high
@@ -122,19 +114,12 @@ HEBRUS_INLINE Vec load_row(const T* p) {
 
 template <>
 HEBRUS_INLINE Vec load_row<float>(const float* p) {
-  return load(p);
+  return load_vec(p);
 }
 
 template <>
 HEBRUS_INLINE Vec load_row<c10::BFloat16>(const c10::BFloat16* p) {
-  typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  typedef uint32_t Vec32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  Vec16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const Vec32 b = __builtin_convertvector(h, Vec32) << 16;
-  Vec v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
+  return load_bf16_vec(reinterpret_cast<const uint16_t*>(p));
 }
 
 // One lane per query head of a chunk: the online-softmax state and its steps, which are
@@ -243,7 +228,7 @@ HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float 
     Vec kv[NK];
     for (int n = 0; n < NK; ++n) kv[n] = load_row<T>(krow[j + n] + d);
     for (int h = 0; h < HB; ++h) {
-      const Vec qv = load(q + d * HB + h * kLanes);
+      const Vec qv = load_vec(q + d * HB + h * kLanes);
       for (int n = 0; n < NK; ++n) acc[n * HB + h] = FusedMulAdd::apply(qv, kv[n], acc[n * HB + h]);
     }
   }
@@ -268,7 +253,7 @@ HEBRUS_INLINE void value_columns(const T* const* vrow, int64_t nb, int64_t dv, i
                                  const float (*p)[kMaxHeadChunk], float* acc, Prefetcher& pf) {
   Vec a[NC][HB];
   for (int c = 0; c < NC; ++c)
-    for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
+    for (int h = 0; h < HB; ++h) a[c][h] = load_vec(acc + h * dv + d0 + c * kLanes);
   for (int64_t j = 0; j < nb; ++j) {
     pf.step();
     Vec vv[NC];
@@ -318,7 +303,7 @@ HEBRUS_AVX512 HEBRUS_INLINE void dots8x2_avx512(const float* q, int64_t dh, cons
     const Vec kv0 = load_row512(k0 + d);
     const Vec kv1 = load_row512(k1 + d);
     for (int h = 0; h < HB; ++h) {
-      Vec qv = load(q + d * HB + h * kLanes);
+      Vec qv = load_vec(q + d * HB + h * kLanes);
       in_register(qv);
       acc[h] = _mm512_fmadd_ps(qv, kv0, acc[h]);
       acc[HB + h] = _mm512_fmadd_ps(qv, kv1, acc[HB + h]);
@@ -351,7 +336,7 @@ HEBRUS_AVX512 HEBRUS_INLINE void value_columns8x2_avx512(const T* const* vrow, i
   constexpr int HB = kMaxHeadChunk;
   Vec a[2][HB];
   for (int c = 0; c < 2; ++c)
-    for (int h = 0; h < HB; ++h) a[c][h] = load(acc + h * dv + d0 + c * kLanes);
+    for (int h = 0; h < HB; ++h) a[c][h] = load_vec(acc + h * dv + d0 + c * kLanes);
   for (int64_t j = 0; j < nb; ++j) {
     pf.step();
     const Vec vv0 = load_row512(vrow[j] + d0);

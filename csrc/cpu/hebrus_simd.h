@@ -50,6 +50,28 @@ HEBRUS_INLINE V load_vector(const float* p) {
 
 HEBRUS_INLINE Vec load_vec(const float* p) { return load_vector<Vec>(p); }
 
+HEBRUS_INLINE float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+HEBRUS_INLINE uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+// Sixteen bf16 values, given as their raw bits, widened to fp32 (the bits shifted into the high
+// half: exact).
+HEBRUS_INLINE Vec load_bf16_vec(const uint16_t* p) {
+  uint16_t raw[kLanes];
+  std::memcpy(raw, p, sizeof(raw));
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = bits_to_float(static_cast<uint32_t>(raw[i]) << 16);
+  return v;
+}
+
 // Lane 0 of the pairwise sum: lanes i and i + 8 first, then i and i + 4, i + 2, i + 1.
 HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   Vec a = lanes;

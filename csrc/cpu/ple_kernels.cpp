@@ -234,18 +234,6 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
   return {row_ids, new_history};
 }
 
-HEBRUS_INLINE float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-HEBRUS_INLINE uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
-
 // exp(x) for SiLU, over the whole float range: within about 1 ulp for x >= -87, 0 below (where expf
 // is under 2e-38: 1 + exp(x) is 1 either way), inf above 88.72; NaN gives a finite value (silu
 // keeps NaN through its numerator). Cephes' expf polynomial with round-to-nearest range reduction
@@ -254,9 +242,9 @@ HEBRUS_INLINE uint32_t float_to_bits(float f) {
 // half the instructions of separate ones, in the larger part of the conv's arithmetic (measured:
 // silu conv ~25% faster in cache, 2.7 -> 3.4 G outputs/s on one core). x is clamped to [-87.5, 89]
 // on its bit pattern with integer minima: a float compare-and-select there lets GCC's PRE split the
-// loop tail into branches (one arm is all constants), which blocks vectorisation. The clamp keeps n in [-126, 128]; 2^n is applied as
-// 2^(n-1) * 2, whose first factor is +0 for n = -126 and finite for n = 128, so overflow and
-// underflow need no select.
+// loop tail into branches (one arm is all constants), which blocks vectorisation. The clamp keeps n
+// in [-126, 128]; 2^n is applied as 2^(n-1) * 2, whose first factor is +0 for n = -126 and finite
+// for n = 128, so overflow and underflow need no select.
 HEBRUS_INLINE float exp_silu(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;
@@ -346,6 +334,14 @@ struct ConvArgs {
   bool silu;
 };
 
+// Requests channels [c0, c0 + nc) of x's row `token` (clamped to the last token), a few tokens before
+// the conv reads them.
+template <typename T>
+HEBRUS_INLINE void prefetch_x(const ConvArgs& a, int64_t token, int64_t c0, int64_t nc) {
+  const T* row = static_cast<const T*>(a.x) + std::min(token, a.total - 1) * a.channels + c0;
+  for (int64_t c = 0; c < nc; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + c);
+}
+
 // Channel c0 of row m of the stream u = state[row] ++ x[row], whose x part starts at token `start`
 // (m < L reads the carried state).
 template <typename T>
@@ -360,14 +356,12 @@ HEBRUS_INLINE const T* u_row(const ConvArgs& a, int64_t row, int64_t start, int6
 template <typename D, bool kSilu>
 HEBRUS_INLINE void conv_block(const ConvArgs& a, int64_t row, int64_t start, int64_t t, int64_t c0, int64_t nc) {
   using T = typename D::T;
-  const T* xp = static_cast<const T*>(a.x);
   const int64_t channels = a.channels, state_len = a.state_len, width = a.width;
   auto u_at = [&](int64_t m) { return u_row<T>(a, row, start, m, c0); };
   const int64_t i = state_len + (t - start);
   const float* w = a.w + c0;
   T* __restrict y = static_cast<T*>(a.y) + t * channels + c0;
-  const T* ahead = xp + std::min(t + kPrefetchTokens, a.total - 1) * channels + c0;
-  for (int64_t c = 0; c < nc; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(ahead + c);
+  prefetch_x<T>(a, t + kPrefetchTokens, c0, nc);
   if (width == 4) {
     // Qwen4Exp's width, one pass: the same sum ((0 + w0u0) + w1u1) + ... as the general loop.
     const T* __restrict u0 = u_at(i - 3 * a.dilation);
@@ -435,7 +429,6 @@ HEBRUS_INLINE void conv_token(const ConvArgs& a, int64_t t, int64_t& row, int64_
 template <typename D, bool kSilu>
 HEBRUS_INLINE void conv_tokens_act(const ConvArgs& a, int64_t begin, int64_t end) {
   using T = typename D::T;
-  const T* xp = static_cast<const T*>(a.x);
   T* yp = static_cast<T*>(a.y);
   const int64_t channels = a.channels, d = a.dilation, state_len = a.state_len;
   for (int64_t t0 = begin; t0 < end; t0 += kTokenTile) {
@@ -459,10 +452,7 @@ HEBRUS_INLINE void conv_tokens_act(const ConvArgs& a, int64_t begin, int64_t end
           }
           const int64_t start = a.cu[row], i = state_len + (t - start);
           auto u_at = [&](int64_t m) { return u_row<T>(a, row, start, m, c0); };
-          for (int64_t j = 0; j < 4; ++j) {
-            const T* ahead = xp + std::min(t + j * d + 1, a.total - 1) * channels + c0;
-            for (int64_t c = 0; c < nc; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(ahead + c);
-          }
+          for (int64_t j = 0; j < 4; ++j) prefetch_x<T>(a, t + j * d + 1, c0, nc);
           const float* w = a.w + c0;
           T* y = yp + t * channels + c0;
           conv4_group<D, kSilu>(u_at(i - 3 * d), u_at(i - 2 * d), u_at(i - d), u_at(i), u_at(i + d), u_at(i + 2 * d),

@@ -134,8 +134,9 @@ at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in
                         const at::Tensor& group_pos_in, const at::Tensor& norm_weight, double eps,
                         const at::Tensor& inv_freq_in) {
   const char* op = "qsa_pool";
-  check_on_device(op, at::kCPU, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
-                                {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
+  check_on_device(op, at::kCPU,
+                  {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
+                   {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight}, {"inv_freq", &inv_freq_in}});
   const QsaPoolSizes sz =
       check_qsa_pool_args(keys_in, cell_pos_in, group_cells_in, group_pos_in, norm_weight, eps, inv_freq_in);
   const int64_t cells = sz.cells, dim = sz.dim, groups = sz.groups, r = sz.r, half = sz.half;
@@ -295,18 +296,7 @@ HEBRUS_INLINE float relu(float d) { return d < 0.f ? 0.f : d; }  // keeps NaN, l
 
 // Sixteen key values from storage as fp32: fp32 as is, bf16 (raw bits) by a shift.
 HEBRUS_INLINE Vec load_key(const float* p) { return load_vec(p); }
-HEBRUS_INLINE Vec load_key(const uint16_t* p) {
-  uint16_t raw[kLanes];
-  std::memcpy(raw, p, sizeof(raw));
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    v[i] = f;
-  }
-  return v;
-}
+HEBRUS_INLINE Vec load_key(const uint16_t* p) { return load_bf16_vec(p); }
 
 // Scores of one query (hq heads of dp fp32 values, dp a multiple of 16, zero past D) against the n
 // keys krow[0..n) (dp values each, fp32 or bf16 bits, zero past D): out[g] = sum_h relu(q_h . k_g) /
