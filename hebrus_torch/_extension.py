@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate, reference
+from . import reference
 from ._schemas import SCHEMAS
 
 try:
@@ -25,13 +25,8 @@ OP_NAMES = tuple(SCHEMAS)
 def _ple_conv_into_composite(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
     """ple_conv_into where the device has no kernel of it: the device's ple_conv (its native kernel
     where one is built, as on MPS; else the reference), then a copy into the buffers."""
-    _validate.ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
-    _validate.no_overlap("ple_conv_into", {"y": y, "new_state": new_state},
-                         {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "state": state})
-    reference.check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv_into")
-    out_y, out_state = torch.ops.hebrus.ple_conv.default(x, weight, cu_seqlens, state, dilation, activation)
-    y.copy_(out_y)
-    new_state.copy_(out_state)
+    reference.ple_conv_into_via(torch.ops.hebrus.ple_conv.default, x, weight, cu_seqlens, state, dilation,
+                                activation, y, new_state)
 
 
 # CompositeExplicitAutograd covers every backend that has no kernel of its own, so a native CPU or

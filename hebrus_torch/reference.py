@@ -152,11 +152,19 @@ def ple_conv_into(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     Neither buffer may share memory with an input or with the other. Every check runs before
     anything is written.
     """
+    ple_conv_into_via(ple_conv, x, weight, cu_seqlens, state, dilation, activation, y, new_state)
+
+
+def ple_conv_into_via(conv, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
+                      dilation: int, activation: str, y: torch.Tensor, new_state: torch.Tensor) -> None:
+    """ple_conv_into computed by ``conv``, a functional ple_conv (this reference's, or a device's
+    native kernel in the composite of devices without an out-variant kernel): every check of
+    ple_conv_into first, then conv's outputs copied into the buffers."""
     _validate.ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state)
     _validate.no_overlap("ple_conv_into", {"y": y, "new_state": new_state},
                          {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "state": state})
     check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv_into")
-    out_y, out_state = ple_conv(x, weight, cu_seqlens, state, dilation, activation)
+    out_y, out_state = conv(x, weight, cu_seqlens, state, dilation, activation)
     y.copy_(out_y)
     new_state.copy_(out_state)
 
