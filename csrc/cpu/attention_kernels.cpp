@@ -161,44 +161,59 @@ HEBRUS_INLINE HeadVec max_keep_nan(HeadVec a, HeadVec b) {
   return take ? a : b;
 }
 
-// The cache lines of a list of scattered rows, requested `per` lines at a time between steps of the
+// The rows of a list of scattered cells, requested in memory order a few lines per step of the
 // arithmetic: requested all at once they would fill the miss queue, and the loads the arithmetic
-// waits for would queue behind them.
+// waits for would queue behind them; requested cell by cell in bursts, or in another order than
+// memory's, they arrive more slowly (measured). The cells' rows are walked as one stream of spans
+// (a cell's rows of all its KV heads, when they lie side by side as in a contiguous cache, else
+// one span per row), `per` bytes per step: as many as the arithmetic loads per step in the usual
+// case, so that the next block arrives as this one is used, at about one instruction per line.
 struct Prefetcher {
   const void* const* rows;  // KV head 0 of each cell
   int64_t count;            // cells
   int64_t bytes;            // per row
   int64_t heads;            // rows per cell, head_stride bytes apart
   int64_t head_stride;
-  int64_t per;  // lines per step
-  int64_t j = 0;  // next line: byte b of head g of cell j
+  int64_t span;             // bytes of one span: heads * bytes if the rows are adjacent, else bytes
+  int64_t per;              // bytes requested per step, a multiple of 64
+  int64_t j = 0;            // the current span: cell j, head g (g == 0 if spans cover all heads)
   int64_t g = 0;
-  int64_t b = 0;
+  const char* base = nullptr;
+  int64_t off = 0;          // next byte of the current span
 
-  // The lines spread over `steps` steps (all in the first one if steps == 0).
+  // The spans spread over `steps` steps (all at the first step if steps == 0).
   HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t heads_,
                            int64_t head_stride_, int64_t steps)
       : rows(rows_), count(count_), bytes(bytes_), heads(heads_), head_stride(head_stride_) {
-    const int64_t lines = count * heads * ((bytes + 63) / 64);
-    per = steps > 0 ? (lines + steps - 1) / steps : lines;
+    const bool adjacent = heads == 1 || head_stride == bytes;
+    span = adjacent ? heads * bytes : bytes;
+    const int64_t total = count * heads * bytes;
+    per = steps > 0 ? ((total + steps - 1) / steps + 63) / 64 * 64 : total + 64;
+    if (adjacent) heads = 1;  // one span per cell
+    if (count > 0 && span > 0) base = static_cast<const char*>(rows[0]);
   }
 
   HEBRUS_INLINE void step() {
-    for (int64_t i = 0; i < per && j < count; ++i) {
-      __builtin_prefetch(static_cast<const char*>(rows[j]) + g * head_stride + b, 0, 3);
-      b += 64;
-      if (b >= bytes) {
-        b = 0;
+    if (base == nullptr) return;
+    for (int64_t b = 0; b < per; b += 64) {
+      __builtin_prefetch(base + off, 0, 3);
+      off += 64;
+      if (off >= span) {
+        off = 0;
         if (++g == heads) {
           g = 0;
-          ++j;
+          if (++j == count) {
+            base = nullptr;
+            return;
+          }
         }
+        base = static_cast<const char*>(rows[j]) + g * head_stride;
       }
     }
   }
 
   HEBRUS_INLINE void finish() {
-    per = std::numeric_limits<int64_t>::max();
+    per = std::numeric_limits<int64_t>::max() / 2;
     step();
   }
 };
