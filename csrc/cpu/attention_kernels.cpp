@@ -134,25 +134,27 @@ HEBRUS_INLINE HeadVec splat(float x) { return HeadVec{} + x; }
 // exp(x) for x <= 0 (softmax arguments s - max), within about 1 ulp; NaN stays NaN; exp(0) == 1
 // exactly. Cephes' expf polynomial with round-to-nearest range reduction through the 1.5 * 2^23
 // trick (no float-to-int conversion, so it vectorises and has no undefined behaviour on NaN).
-HEBRUS_INLINE HeadVec exp_nonpositive(HeadVec x) {
-  typedef uint32_t HeadBits __attribute__((vector_size(kMaxHeadChunk * sizeof(uint32_t))));
+// V is HeadVec or Vec; every lane gets the same operations.
+template <typename V>
+HEBRUS_INLINE V exp_nonpositive(V x) {
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(V))));
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693359375f;
   const float kLn2Lo = -2.12194440e-4f;
-  const HeadVec kMagic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const HeadMask tiny = x < -87.f;
-  const HeadVec xc = tiny ? splat(-87.f) : x;
-  const HeadVec t = xc * kLog2e + kMagic;
-  const HeadVec n = t - kMagic;
-  HeadBits tb, mb;
+  const V kMagic = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const auto tiny = x < -87.f;
+  const V xc = tiny ? V{} - 87.f : x;
+  const V t = xc * kLog2e + kMagic;
+  const V n = t - kMagic;
+  Bits tb, mb;
   std::memcpy(&tb, &t, sizeof(tb));
   std::memcpy(&mb, &kMagic, sizeof(mb));
-  const HeadBits pow2 = ((tb - mb) + 127u) << 23;  // 2^n: n as a two's complement integer
-  HeadVec scale;
+  const Bits pow2 = ((tb - mb) + 127u) << 23;  // 2^n: n as a two's complement integer
+  V scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
-  const HeadVec r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  const HeadVec result = exp_reduced(r) * scale;
-  return tiny ? HeadVec{} : result;
+  const V r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  const V result = exp_reduced(r) * scale;
+  return tiny ? V{} : result;
 }
 
 // (a > b || a is NaN) ? a : b, per lane: the running maximum, which keeps a NaN once seen.
@@ -438,10 +440,25 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
   const HeadVec bm = max_keep_nan(bm1, bm0);
   const HeadVec m = load_heads(m_out);
   const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
+  // Two cells per vector of kLanes (the rows of s are adjacent); the sum still adds the cells in
+  // order, so that it is the same as one cell at a time.
+  static_assert(kLanes == 2 * kMaxHeadChunk, "two cells' heads per vector");
+  Vec m_new2;
+  std::memcpy(&m_new2, &m_new, sizeof(m_new));
+  std::memcpy(reinterpret_cast<char*>(&m_new2) + sizeof(m_new), &m_new, sizeof(m_new));
   HeadVec sum{};
-  for (j = 0; j < nb; ++j) {
+  for (j = 0; j + 2 <= nb; j += 2) {
+    const Vec p2 = exp_nonpositive(load_vec(s[j]) - m_new2);
+    std::memcpy(s[j], &p2, sizeof(p2));  // s now holds p
+    HeadVec p0, p1;
+    std::memcpy(&p0, &p2, sizeof(p0));
+    std::memcpy(&p1, reinterpret_cast<const char*>(&p2) + sizeof(p0), sizeof(p1));
+    sum += p0;
+    sum += p1;
+  }
+  if (j < nb) {
     const HeadVec pj = exp_nonpositive(load_heads(s[j]) - m_new);
-    std::memcpy(s[j], &pj, sizeof(pj));  // s now holds p
+    std::memcpy(s[j], &pj, sizeof(pj));
     sum += pj;
   }
   const HeadVec alpha = first ? splat(1.f) : exp_nonpositive(m - m_new);
