@@ -74,14 +74,16 @@ def machine(device: str = "cpu") -> str:
 
 
 def write_section(title: str, body: str) -> None:
-    """Replace (or append) the ``## title`` section of benchmarks/RESULTS.md."""
+    """Replace the ``## title`` section of benchmarks/RESULTS.md where it stands, or append it."""
     text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
     head = f"## {title}\n"
+    section = head + body.rstrip("\n") + "\n"
     start = text.find(head)
     if start >= 0:
         end = text.find("\n## ", start + len(head))
-        text = text[:start] + text[end + 1:] if end >= 0 else text[:start]
-    text = text.rstrip("\n") + "\n\n" + head + body.rstrip("\n") + "\n"
+        text = text[:start] + section + (text[end:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
     with open(RESULTS, "w") as f:
         f.write(text)
 
