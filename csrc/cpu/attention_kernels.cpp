@@ -175,25 +175,25 @@ HEBRUS_INLINE HeadVec max_keep_nan(HeadVec a, HeadVec b) {
 struct Prefetcher {
   const void* const* rows;  // KV head 0 of each cell
   int64_t count;            // cells
-  int64_t bytes;            // per row
-  int64_t heads;            // rows per cell, head_stride bytes apart
-  int64_t head_stride;
-  int64_t span;             // bytes of one span: heads * bytes if the rows are adjacent, else bytes
+  int64_t spans;            // spans per cell: 1, or its KV heads' rows when they are not adjacent
+  int64_t head_stride;      // bytes between a cell's KV heads
+  int64_t span;             // bytes of one span
   int64_t per;              // bytes requested per step, a multiple of 64
-  int64_t j = 0;            // the current span: cell j, head g (g == 0 if spans cover all heads)
+  int64_t j = 0;            // the current span: cell j, head g
   int64_t g = 0;
   const char* base = nullptr;
   int64_t off = 0;          // next byte of the current span
 
-  // The spans spread over `steps` steps (all at the first step if steps == 0).
-  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes_, int64_t heads_,
+  // `heads` rows of `bytes` per cell, head_stride bytes apart, spread over `steps` steps (all at the
+  // first step if steps == 0).
+  HEBRUS_INLINE Prefetcher(const void* const* rows_, int64_t count_, int64_t bytes, int64_t heads,
                            int64_t head_stride_, int64_t steps)
-      : rows(rows_), count(count_), bytes(bytes_), heads(heads_), head_stride(head_stride_) {
+      : rows(rows_), count(count_), head_stride(head_stride_) {
     const bool adjacent = heads == 1 || head_stride == bytes;
+    spans = adjacent ? 1 : heads;
     span = adjacent ? heads * bytes : bytes;
     const int64_t total = count * heads * bytes;
     per = steps > 0 ? ((total + steps - 1) / steps + 63) / 64 * 64 : total + 64;
-    if (adjacent) heads = 1;  // one span per cell
     if (count > 0 && span > 0) base = static_cast<const char*>(rows[0]);
   }
 
@@ -204,7 +204,7 @@ struct Prefetcher {
       off += 64;
       if (off >= span) {
         off = 0;
-        if (++g == heads) {
+        if (++g == spans) {
           g = 0;
           if (++j == count) {
             base = nullptr;

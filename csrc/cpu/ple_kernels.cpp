@@ -194,8 +194,9 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
                                              const Tensor& multipliers, const Tensor& vocab_sizes,
                                              const Tensor& offsets, int64_t eos, int64_t vocab) {
   const char* op = "ple_ngram_ids";
-  check_on_device(op, at::kCPU, {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
-                     {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
+  check_on_device(op, at::kCPU,
+                  {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history", &history},
+                   {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
   const PleNgramIdsSizes sz =
       check_ple_ngram_ids_args(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab);
   const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
