@@ -8,12 +8,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import HebrusError
+from .errors import CorruptStateError, HebrusError
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
 from .state import blob
 from .state.handles import SeqHandle, SlotTable
-from .state.transaction import Transactional, transaction
+from .state.transaction import Transactional, atomic, transaction
 
 _KIND = "hebrus_torch.ModelCache"
 
@@ -98,8 +98,11 @@ class ChunkStep:
     def qsa_select(self, layer_idx: int, q_index: torch.Tensor, top_k: int | None = None):
         """Selection plan (``QSAPlan``) for one query per packed token: q_index Tensor[T, Hq, D]."""
         qsa = self.cache._need("qsa")
-        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index,
-                        top_k if top_k is not None else self.cache.top_k)
+        top_k = top_k if top_k is not None else self.cache.top_k
+        if top_k is None:
+            raise HebrusError("ChunkStep.qsa_select: pass top_k, or build the ModelCache with top_k= "
+                              "(indexer_budget // indexer_compress_ratio)")
+        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
 
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
@@ -185,13 +188,9 @@ class ModelCache(torch.nn.Module, Transactional):
     def _qsa_layer(self, layer_idx: int) -> int:
         return self._layer_index(self.qsa, layer_idx, "indexer")
 
-    @contextlib.contextmanager
-    def _atomic(self) -> Iterator[None]:
-        if self.in_transaction:
-            yield
-        else:
-            with transaction(self, *self.holders):
-                yield
+    def _atomic(self):
+        """One lifecycle operation over both holders, atomic even inside an open transaction."""
+        return atomic(self)
 
     # ----------------------------------------------------------------------------- transactions
     @contextlib.contextmanager
@@ -200,25 +199,34 @@ class ModelCache(torch.nn.Module, Transactional):
 
         Leaving the block publishes every layer's new state at once; an exception publishes nothing.
         """
-        with transaction(self, *self.holders):
+        with transaction(self):
             if batch is not None and self.keep_snapshots and self.ple is not None:
                 for seq in batch.seqs:
                     if self.qsa is None or self.qsa.run(seq)[1]:  # an empty run rewinds by clearing
                         self._remember(seq, self.ple.snapshot(seq, self._next_position(seq)))
             yield ChunkStep(self, batch) if batch is not None else None
 
+    def _txn_members(self) -> tuple[Transactional, ...]:
+        return (self, *self.holders)
+
     def _txn_begin(self) -> None:
-        self._backup = (self.slots.generation.clone(), self.slots.live.clone(),
-                        {k: list(v) for k, v in self._snapshots.items()})
+        self._backup = self._txn_savepoint()
 
     def _txn_commit(self) -> None:
         self._backup = None
 
     def _txn_rollback(self) -> None:
-        generation, live, snapshots = self._backup
-        self.slots.load(generation, live)
-        self._snapshots = snapshots
+        self._txn_restore(self._backup)
         self._backup = None
+
+    def _txn_savepoint(self) -> tuple:
+        return (self.slots.generation.tolist(), self.slots.live.tolist(),
+                {k: list(v) for k, v in self._snapshots.items()})
+
+    def _txn_restore(self, savepoint: tuple) -> None:
+        generation, live, snapshots = savepoint
+        self.slots.load(generation, live)
+        self._snapshots = {k: list(v) for k, v in snapshots.items()}
 
     # ----------------------------------------------------------------------------- lifecycle
     def new_sequence(self) -> SeqHandle:
@@ -315,12 +323,17 @@ class ModelCache(torch.nn.Module, Transactional):
                 self.ple.clear(seq)
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
-        """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move too)."""
+        """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move with
+        the run, by as much as it actually moved: a range that misses the run moves nothing)."""
         with self._atomic():
             self.slots.check(seq)
-            self._need("qsa").shift(seq, p0, p1, delta)
-            self._snapshots[seq.slot] = [PLESnapshot(s.handle, s.position + delta, s.history, s.conv_tails)
-                                         for s in self._snapshots.get(seq.slot, [])]
+            qsa = self._need("qsa")
+            before = qsa.run(seq)[0]
+            qsa.shift(seq, p0, p1, delta)
+            moved = qsa.run(seq)[0] - before
+            if moved:
+                self._snapshots[seq.slot] = [PLESnapshot(s.handle, s.position + moved, s.history, s.conv_tails)
+                                             for s in self._snapshots.get(seq.slot, [])]
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence of both holders as bytes (no pickle; see hebrus_torch.state.blob)."""
@@ -364,14 +377,37 @@ class ModelCache(torch.nn.Module, Transactional):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Validate both holders' parts and the handle table first, then publish all; else CorruptStateError."""
+        if not isinstance(state_dict, Mapping):
+            raise CorruptStateError(f"ModelCache.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        self._load_all(dict(state_dict))
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Loaded as part of a parent module: the same validated, all-or-nothing load, then the holders'
+        # own hooks (which torch calls next, on the same entries) have nothing left to do.
+        self._load_all({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+        for holder in self.holders:
+            holder._loaded_by_owner = True
+
+    def _table_checksum(self, generation: list, live: list) -> str:
+        return blob.digest_of([("generation", generation), ("live", live)])
+
+    def _load_all(self, sd: dict[str, Any]) -> None:
         if self.in_transaction:
             raise HebrusError("ModelCache.load_state_dict cannot run inside a transaction")
-        sd = dict(state_dict)
         extra = sd.get("_extra_state")
-        ok = (isinstance(extra, dict) and isinstance(extra.get("generation"), list)
-              and isinstance(extra.get("live"), list) and len(extra["generation"]) == self.slots.capacity
-              and len(extra["live"]) == self.slots.capacity)
-        blob.expect(_KIND, ok, "state dict has no valid handle table")
+        cap = self.slots.capacity
+        blob.expect(_KIND, isinstance(extra, dict) and extra.get("format") == _KIND,
+                    "state dict lacks ModelCache metadata")
+        blob.expect(_KIND, extra.get("version") == blob.FORMAT_VERSION, f"unsupported version {extra.get('version')!r}")
+        generation, live = extra.get("generation"), extra.get("live")
+        blob.expect(_KIND, isinstance(generation, list) and isinstance(live, list) and len(generation) == cap
+                    and len(live) == cap, f"the handle table must list {cap} generations and live flags")
+        blob.expect(_KIND, all(type(g) is int and g >= 0 for g in generation) and all(type(on) is bool for on in live),
+                    "the handle table holds a generation that is not an integer >= 0 or a live flag that is not a bool")
+        blob.expect(_KIND, extra.get("checksum") == self._table_checksum(generation, live),
+                    "checksum mismatch: the handle table was modified")
         parts = {}
         for name, holder in (("ple", self.ple), ("qsa", self.qsa)):
             if holder is None:
@@ -379,21 +415,27 @@ class ModelCache(torch.nn.Module, Transactional):
             prefix = name + "."
             parts[name] = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
             holder.check_state_dict(parts[name])
-            generation, live = parts[name].get("generation"), parts[name].get("live")
-            blob.expect(_KIND, isinstance(generation, torch.Tensor) and isinstance(live, torch.Tensor),
+            h_gen, h_live = parts[name].get("generation"), parts[name].get("live")
+            blob.expect(_KIND, isinstance(h_gen, torch.Tensor) and isinstance(h_live, torch.Tensor),
                         f"{name} state lacks its handle table")
-            want = [(g, on) if on else None for g, on in zip(extra["generation"], extra["live"])]
-            want += [None] * (live.numel() - len(want))
-            got = [(g, on) if on else None for g, on in zip(generation.tolist(), live.tolist())]
-            blob.expect(_KIND, got == want, f"{name} live sequences disagree with the ModelCache handles")
+            h_gen, h_live = h_gen.tolist(), h_live.tolist()
+            for slot in range(len(h_live)):
+                mine = (generation[slot], live[slot]) if slot < cap else None
+                if mine is not None and mine[1]:
+                    ok = h_live[slot] and h_gen[slot] == mine[0]
+                else:  # free here: free there too, at a generation a new handle of this table can claim
+                    ok = not h_live[slot] and (mine is None or h_gen[slot] <= mine[0])
+                blob.expect(_KIND, ok, f"{name} slot {slot} (generation {h_gen[slot]}, live {h_live[slot]}) "
+                                       f"disagrees with the ModelCache handle table")
         for name, part in parts.items():
             getattr(self, name).publish_state_dict(part)
-        self.slots.load(extra["generation"], extra["live"])
+        self.slots.load(generation, live)
         self._snapshots = {}
-        return torch.nn.modules.module._IncompatibleKeys([], [])
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"generation": self.slots.generation.tolist(), "live": self.slots.live.tolist()}
+        generation, live = self.slots.generation.tolist(), self.slots.live.tolist()
+        return {"format": _KIND, "version": blob.FORMAT_VERSION, "generation": generation, "live": live,
+                "checksum": self._table_checksum(generation, live)}
 
     def set_extra_state(self, state: Any) -> None:
-        pass  # load_state_dict validates and applies the handle table itself
+        raise HebrusError("ModelCache: load the whole cache with load_state_dict")

@@ -232,11 +232,158 @@ def test_state_dict_roundtrip_and_validation(model):
     bad[key] = sd[key].clone() + 1
     with pytest.raises(CorruptStateError):
         other.load_state_dict(bad)
-    bad = dict(sd)
-    bad["_extra_state"] = {"generation": [0] * 4, "live": [False] * 4}
-    with pytest.raises(CorruptStateError, match="disagree"):
+    table = {"generation": [0] * 4, "live": [False] * 4}
+    bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table))
+    with pytest.raises(CorruptStateError, match="checksum"):
+        other.load_state_dict(bad)
+    bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table, checksum=mc._table_checksum(**table)))
+    with pytest.raises(CorruptStateError, match="disagrees"):
         other.load_state_dict(bad)
     assert other.digest() == before
+
+
+@pytest.mark.parametrize("table", [
+    {"generation": ["x", 0, 0, 0]},                       # not an integer
+    {"generation": [-7, 0, 0, 0]},                        # negative
+    {"generation": [True, 0, 0, 0]},                      # a bool is not a generation
+    {"live": [1, 0, 0, 0]},                               # an int is not a live flag
+    {"generation": [0, 0, 0]},                            # wrong length
+])
+def test_state_dict_handle_table_is_validated_before_anything_changes(model, table):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 8), [])
+    sd = mc.state_dict()
+    other = make_cache(model)
+    b = other.new_sequence()
+    feed(other, Tables(other), b, torch.arange(3, 6), [])
+    before = (other.digest(), other.ple.digest(), other.qsa.digest())
+    generation, live = [table.get(k, sd["_extra_state"][k]) for k in ("generation", "live")]
+    bad = dict(sd, _extra_state=dict(sd["_extra_state"], generation=generation, live=live,
+                                     checksum=mc._table_checksum(generation, live)))
+    with pytest.raises(CorruptStateError, match="handle table"):
+        other.load_state_dict(bad)
+    assert (other.digest(), other.ple.digest(), other.qsa.digest()) == before
+
+
+class _Runtime(torch.nn.Module):
+    """A user's module that holds a ModelCache, saved and loaded through torch's recursion."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+        self.cache = cache
+
+
+def test_state_dict_through_a_parent_module(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 11), [])
+    sd = _Runtime(mc).state_dict()
+    assert "cache._extra_state" in sd and "cache.qsa._extra_state" in sd and "cache.ple.history" in sd
+    target = _Runtime(make_cache(model))
+    target.load_state_dict(sd)
+    assert target.cache.digest() == mc.digest()
+    run_chunk(target.cache, Tables(target.cache), {a: torch.tensor([4, 5])})   # handles carry over
+    before = (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest())
+    for key, tamper in (("cache.ple.history", lambda t: t.clone().fill_(10**6)),
+                        ("cache.ple.live", lambda t: ~t),
+                        ("cache.qsa.keys", lambda t: t + 1)):
+        bad = dict(sd)
+        bad[key] = tamper(sd[key])
+        with pytest.raises(CorruptStateError):
+            target.load_state_dict(bad)
+        assert (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest()) == before
+
+
+def test_transaction_over_a_model_cache_covers_both_holders(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 7), [])
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    with pytest.raises(RuntimeError, match="injected"):
+        with ht.transaction(mc):
+            mc.new_sequence()
+            mc.rewind(a, 0)
+            raise RuntimeError("injected")
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    with pytest.raises(HebrusError, match="already inside a transaction"):
+        with ht.transaction(mc.qsa):
+            with ht.transaction(mc):
+                pass
+    assert mc.new_sequence() == ht.SeqHandle(1, 0)
+
+
+def test_failed_lifecycle_op_inside_a_transaction_changes_nothing(model):
+    """Each lifecycle op is atomic on its own, also inside a larger block that goes on and commits."""
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 7), [])
+    blob = mc.save(a)
+    other_config = ht.ModelCache.from_transformers(model, capacity_tokens=256, max_sequences=4, with_kv=True)
+    foreign = other_config.save(other_config.new_sequence())      # QSA part configured differently
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    with mc.transaction():
+        with pytest.raises(CorruptStateError):
+            mc.restore(foreign)            # the PLE part is fine and restores first; the QSA part refuses
+        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+        with pytest.raises(HebrusError, match="needs a PLE snapshot"):
+            mc.rewind(a, 3)
+        b = mc.restore(blob)
+    assert mc.ple.slots.live_handles() == mc.qsa.slots.live_handles() == mc.slots.live_handles() == [a, b]
+    assert mc.ple.digest(b) == mc.ple.digest(a) and mc.qsa.digest(b) == mc.qsa.digest(a)
+
+
+def test_commit_that_cannot_complete_rolls_back_every_holder(model, monkeypatch):
+    """Pooling the chunk's last groups happens at commit; if it fails there, nothing is published."""
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 6), [])
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+
+    def refuse(*args, **kwargs):
+        raise HoleError("injected refusal of the pooling kernel")
+
+    batch = ht.Batch.pack({a: torch.arange(6, 12)})
+    with pytest.raises(HoleError, match="injected"):
+        with mc.transaction(batch) as step:
+            for li in mc.ple.layer_ids:
+                step.ple_ngram_ids(li)
+                step.ple_conv(li, tables.x[batch.tokens])
+            monkeypatch.setattr(mc.qsa, "_pool", refuse)   # the groups stay pending: keys never written
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+
+
+def test_shift_that_misses_the_run_keeps_snapshot_labels(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    run_chunk(mc, tables, {a: [5, 6, 7, 8]})
+    mc.checkpoint(a)                                  # snapshot labelled 4
+    run_chunk(mc, tables, {a: [9, 10, 11, 12]})
+    mc.shift(a, 100, 200, 4)                          # [100, 200) misses the run [0, 8): nothing moves
+    assert mc.qsa.run(a) == (0, 8)
+    run_chunk(mc, tables, {a: [13, 14, 15, 16]})
+    with pytest.raises(HebrusError, match="snapshots kept at \\[4\\]"):
+        mc.rewind(a, 8)
+    mc.shift(a, 0, -1, 10)                            # the whole run moves: so does the label
+    mc.rewind(a, 14)
+    assert mc.qsa.run(a) == (10, 4)
+    assert mc.ple.snapshot(a).history[:, -2:].tolist() == [[7, 8]] * len(mc.ple.layer_ids)
+
+
+def test_qsa_select_without_a_top_k_is_refused(model):
+    mc = make_cache(model)
+    mc = ht.ModelCache(qsa=mc.qsa, ple=mc.ple)        # no top_k
+    a = mc.new_sequence()
+    tables = Tables(mc)
+    batch = ht.Batch.pack({a: torch.arange(1, 5)})
+    with pytest.raises(HebrusError, match="pass top_k"):
+        with mc.transaction(batch) as step:
+            step.qsa_write(1, tables.keys[batch.tokens])
+            step.qsa_select(1, tables.q[batch.tokens])
+    assert mc.qsa.run(a) == (0, 0)
 
 
 def test_stale_handle_in_batch_changes_nothing(model):

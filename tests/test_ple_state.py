@@ -218,6 +218,42 @@ def test_state_dict_roundtrip_and_validation(device):
     assert copy.digest() == before
 
 
+class _Runtime(torch.nn.Module):
+    def __init__(self, state):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+        self.ple = state
+
+
+def test_state_dict_through_a_parent_module(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    sd = _Runtime(state).state_dict()
+    target = _Runtime(make_state(device))
+    target.load_state_dict(sd)
+    assert target.ple.digest() == state.digest() and target.ple.snapshot(a) is not None
+    before = target.ple.digest()
+    for key, tamper in (("ple.history", lambda t: t.clone().fill_(VOCAB + 5)), ("ple.live", lambda t: ~t),
+                        ("ple.conv_state", lambda t: t + 1)):
+        with pytest.raises(CorruptStateError):
+            target.load_state_dict(dict(sd, **{key: tamper(sd[key])}))
+        assert target.ple.digest() == before
+        assert target.ple.slots.live.tolist() == target.ple.live.tolist()
+
+
+def test_conv_weight_of_the_wrong_shape_is_refused(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    before = state.digest()
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    for shape in ((CHANNELS, 2, 4), (CHANNELS,), (CHANNELS - 1, 4), (CHANNELS, 3)):
+        with pytest.raises(HebrusError, match="weight must be"):
+            state.conv(0, [a], torch.randn(3, CHANNELS, device=device), cu, torch.randn(shape, device=device))
+    assert state.digest() == before
+    state.conv(0, [a], torch.randn(3, CHANNELS, device=device), cu, torch.randn(CHANNELS, 1, 4, device=device))
+
+
 def test_bad_input_changes_nothing(device):
     state = make_state(device)
     a, b = state.new_sequence(), state.new_sequence()

@@ -461,6 +461,33 @@ def test_reserve_argument_errors(cache):
     assert cache.digest() == d
 
 
+def test_positions_never_pass_the_largest_int64(cache):
+    top = 2**63 - 1
+    a = cache.new_sequence()
+    d = cache.digest()
+    for first, n in ((top - 2, 4), (top + 5, 1), (2**64 + 1, 1)):
+        with pytest.raises(HebrusError, match="largest position"):
+            cache.append(a, [k[:n] for k in stream(n)[0]], first_position=first)
+        assert cache.digest() == d
+    with pytest.raises(HebrusError, match="integer"):
+        cache.reserve([a], [1], [1.5])
+    cache.append(a, [k[:3] for k in stream(3)[0]], first_position=top - 2)     # ends exactly at the top
+    assert cache.run(a) == (top - 2, 3)
+    with pytest.raises(HebrusError, match="largest position"):
+        cache.append(a, [k[:1] for k in stream(1)[0]])
+    with pytest.raises(HebrusError, match="largest position"):
+        cache.shift(a, 0, -1, 1)
+    blob = cache.save(a)
+    meta, tensors = blob_mod.unpack(blob, "hebrus_torch.QSACache.sequence")
+    d = cache.digest()
+    for p0 in (top - 1, 2**64 + 1):
+        bad = blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta, p0=p0),
+                            dict(tensors, positions=torch.arange(3, dtype=torch.int64)))
+        with pytest.raises(CorruptStateError, match="bad run"):
+            cache.restore(None, bad)
+    assert cache.digest() == d
+
+
 def test_remove_middle_is_a_hole(cache):
     a = cache.new_sequence()
     cache.append(a, stream(12)[0], first_position=4)
@@ -1035,6 +1062,32 @@ def test_rollback_restores_everything_across_layers_and_holders():
     assert fake.values == [1]
     assert cache.run(a) == (4, 1) and cache.run(c) == (3, 16)
     check_invariants(cache)
+
+
+def test_commit_that_cannot_complete_rolls_back_every_holder(monkeypatch):
+    """Groups completed by the chunk are pooled at commit, before any holder publishes: a kernel that
+    refuses there rolls back every holder of the block."""
+    cache = make_cache(capacity=48)
+    fake = FakeHolder()
+    a = cache.new_sequence()
+    cache.append(a, stream(5, seed=1)[0])
+    d, fd = cache.digest(), fake.digest()
+
+    def refuse(*args, **kwargs):
+        raise HoleError("injected refusal of the pooling kernel")
+
+    with pytest.raises(HoleError, match="injected"):
+        with transaction(fake, cache):
+            fake.add(1)
+            cache.reserve([a], [6])                     # keys never written: the groups pool at commit
+            monkeypatch.setattr(cache, "_pool", refuse)
+    monkeypatch.undo()
+    assert cache.digest() == d and fake.digest() == fd and not cache.in_transaction
+    check_invariants(cache)
+    with transaction(fake, cache):
+        fake.add(1)
+        cache.reserve([a], [6])
+    assert cache.run(a) == (0, 11) and fake.values == [1]
 
 
 def test_failed_operation_inside_transaction_changes_nothing_and_block_continues():

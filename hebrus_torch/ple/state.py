@@ -10,7 +10,7 @@ import torch
 from ..errors import CorruptStateError, HebrusError
 from ..state import blob
 from ..state.handles import SeqHandle, SlotTable
-from ..state.transaction import Transactional, autocommit
+from ..state.transaction import Transactional, atomic
 from . import ops
 
 _KIND = "hebrus_torch.PLEState"
@@ -28,6 +28,17 @@ class PLESnapshot:
     position: int | None
     history: torch.Tensor      # [layers, N-1] int64
     conv_tails: torch.Tensor   # [layers, L, C]
+
+
+@dataclass(frozen=True)
+class _PLESavepoint:
+    """A point inside an open transaction to return to (see ``PLEState._txn_restore``)."""
+
+    undo_len: int
+    staged_history: list[dict[int, tuple[torch.Tensor, int]]]
+    staged_tails: list[dict[int, tuple[torch.Tensor, int]]]
+    generation: list[int]
+    live: list[bool]
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,9 @@ class PLEState(torch.nn.Module, Transactional):
         # Staged rows per layer: slot -> (tensor, row) of the op output that holds the slot's new state.
         self._staged_history: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
         self._staged_tails: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
-        self._backup: dict[str, Any] | None = None
+        # Undo log of the open transaction: (slot, history rows, conv tails) before each in-place change.
+        self._undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._base: _PLESavepoint | None = None
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -144,16 +157,14 @@ class PLEState(torch.nn.Module, Transactional):
     # ----------------------------------------------------------------------------- lifecycle
     def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
         """Claim a slot (``handle`` adopts a given one) with fresh state: history all EOS, zero tails."""
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             handle = self.slots.claim(handle)
             self._clear_slot(handle.slot)
             self._sync_slot_buffers()
         return handle
 
     def free(self, seq: SeqHandle) -> None:
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             slot = self.slots.check(seq)
             self.slots.release(seq)
             self._drop_staged(slot)
@@ -161,8 +172,7 @@ class PLEState(torch.nn.Module, Transactional):
 
     def reset(self, seq: SeqHandle) -> SeqHandle:
         """Fresh state for the sequence; its slot's generation is bumped, so the new handle is returned."""
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             self.slots.check(seq)
             self.slots.release(seq)
             handle = self.slots.claim(SeqHandle(seq.slot, seq.generation + 1))
@@ -172,21 +182,18 @@ class PLEState(torch.nn.Module, Transactional):
 
     def clear(self, seq: SeqHandle) -> None:
         """Fresh state (history all EOS, zero tails) for a live sequence, keeping its handle."""
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             self._clear_slot(self.slots.check(seq))
 
     def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
         """dst's history and tails become src's (as they would be published now)."""
         snap = self.snapshot(src)
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             self._write_slot(self.slots.check(dst), snap.history, snap.conv_tails)
 
     def fork(self, src: SeqHandle) -> SeqHandle:
         snap = self.snapshot(src)
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             handle = self.slots.claim()
             self._write_slot(handle.slot, snap.history, snap.conv_tails)
             self._sync_slot_buffers()
@@ -212,8 +219,7 @@ class PLEState(torch.nn.Module, Transactional):
             self._validate_seq_state(history, tails, HebrusError)
         else:
             history, tails = self._decode(state)
-        with autocommit(self):
-            self._backup_once()
+        with atomic(self):
             self._write_slot(slot, history, tails)
 
     def save(self, seq: SeqHandle) -> bytes:
@@ -233,7 +239,7 @@ class PLEState(torch.nn.Module, Transactional):
         history = self._gather(self.history[layer], self._staged_history[layer], slots)
         row_ids, new_history = ops.ple_ngram_ids(tokens, cu_seqlens, history, p.multipliers, p.vocab_sizes,
                                                  p.offsets, self.eos_token_id, self.vocab_size)
-        with autocommit(self):
+        with atomic(self):
             self._stage(self._staged_history[layer], slots, new_history)
         return row_ids
 
@@ -249,10 +255,15 @@ class PLEState(torch.nn.Module, Transactional):
             if self._conv_weights is None:
                 raise HebrusError("PLEState.conv: no weight passed and none registered")
             weight = self._conv_weights[layer]
-        weight = weight.reshape(weight.shape[0], weight.shape[-1]).to(device=x.device, dtype=x.dtype)
+        want = (self.channels, self.conv_kernel_size)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
+                              f"[C, 1, K]), got {got}")
+        weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
         state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
         y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
-        with autocommit(self):
+        with atomic(self):
             self._stage(self._staged_tails[layer], slots, new_state.to(self.conv_state.dtype))
         return y
 
@@ -260,7 +271,8 @@ class PLEState(torch.nn.Module, Transactional):
     def _txn_begin(self) -> None:
         self._staged_history = [{} for _ in range(self.num_layers)]
         self._staged_tails = [{} for _ in range(self.num_layers)]
-        self._backup = None
+        self._undo = []
+        self._base = self._txn_savepoint()
 
     def _txn_commit(self) -> None:
         for buffer, staged_layers in ((self.history, self._staged_history), (self.conv_state, self._staged_tails)):
@@ -277,24 +289,32 @@ class PLEState(torch.nn.Module, Transactional):
                         source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
                     buffer[layer].index_copy_(0, dst, source)
         self._txn_begin()
+        self._base = None
 
     def _txn_rollback(self) -> None:
-        if self._backup is not None:
-            for slot, (history, tails) in self._backup["rows"].items():
-                self.history[:, slot] = history
-                self.conv_state[:, slot] = tails
-            self.slots.load(self._backup["generation"], self._backup["live"])
-            self._sync_slot_buffers()
+        if self._base is not None:
+            self._txn_restore(self._base)
         self._txn_begin()
+        self._base = None
 
-    def _backup_once(self, *slots: int) -> None:
-        """Lifecycle ops change published rows in place: keep what a rollback must restore
-        (the slot table, and the rows of the slots about to change)."""
-        if self._backup is None:
-            self._backup = {"generation": self.slots.generation.clone(), "live": self.slots.live.clone(), "rows": {}}
-        for slot in slots:
-            if slot not in self._backup["rows"]:
-                self._backup["rows"][slot] = (self.history[:, slot].clone(), self.conv_state[:, slot].clone())
+    def _txn_savepoint(self) -> "_PLESavepoint":
+        return _PLESavepoint(len(self._undo), [dict(s) for s in self._staged_history],
+                             [dict(s) for s in self._staged_tails], self.slots.generation.tolist(),
+                             self.slots.live.tolist())
+
+    def _txn_restore(self, sp: "_PLESavepoint") -> None:
+        for slot, history, tails in reversed(self._undo[sp.undo_len:]):
+            self.history[:, slot] = history
+            self.conv_state[:, slot] = tails
+        del self._undo[sp.undo_len:]
+        self._staged_history = [dict(s) for s in sp.staged_history]
+        self._staged_tails = [dict(s) for s in sp.staged_tails]
+        self.slots.load(sp.generation, sp.live)
+        self._sync_slot_buffers()
+
+    def _log_slot(self, slot: int) -> None:
+        """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
+        self._undo.append((slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))
 
     # ----------------------------------------------------------------------------- whole-holder state
     def digest(self, seq: SeqHandle | None = None) -> str:
@@ -317,8 +337,7 @@ class PLEState(torch.nn.Module, Transactional):
                                             ("generation", self.generation), ("live", self.live)])}
 
     def set_extra_state(self, state: Any) -> None:
-        # Validation happens in load_state_dict before anything is published; nothing left to do here.
-        pass
+        raise HebrusError("PLEState: load the whole holder with load_state_dict")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing."""
@@ -326,12 +345,22 @@ class PLEState(torch.nn.Module, Transactional):
         self.publish_state_dict(state_dict)
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Loaded as part of a parent module: the same validated, all-or-nothing load (unless a ModelCache
+        # over this holder has just loaded it, with everything else, as one step).
+        if self.__dict__.pop("_loaded_by_owner", False):
+            return
+        self.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+
     _STATE_NAMES = ("history", "conv_state", "generation", "live")
 
     def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Everything ``load_state_dict`` validates, without changing anything (CorruptStateError)."""
         if self.in_transaction:
             raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
+        if not isinstance(state_dict, Mapping):
+            raise CorruptStateError(f"PLEState.load_state_dict: expected a dict, got {type(state_dict).__name__}")
         sd = dict(state_dict)
         expect = blob.expect
         extra = sd.get("_extra_state")
@@ -358,6 +387,7 @@ class PLEState(torch.nn.Module, Transactional):
                 getattr(self, name).copy_(state_dict[name])
         self.slots.load(self.generation.cpu(), self.live.cpu())
         self._txn_begin()
+        self._base = None
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:
@@ -422,13 +452,13 @@ class PLEState(torch.nn.Module, Transactional):
             staged[s] = (rows, i)
 
     def _clear_slot(self, slot: int) -> None:
-        self._backup_once(slot)
+        self._log_slot(slot)
         self._drop_staged(slot)
         self.history[:, slot] = self.eos_token_id
         self.conv_state[:, slot] = 0
 
     def _write_slot(self, slot: int, history: torch.Tensor, tails: torch.Tensor) -> None:
-        self._backup_once(slot)
+        self._log_slot(slot)
         self._drop_staged(slot)
         self.history[:, slot] = history.to(self.history.device)
         self.conv_state[:, slot] = tails.to(self.conv_state.device, self.conv_state.dtype)

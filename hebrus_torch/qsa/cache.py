@@ -26,7 +26,7 @@ absolute positions, so they equal a rebuild bitwise).
 
 Transactions
 ------------
-Every mutating method runs inside a transaction (its own one via ``autocommit`` when none is open)
+Every mutating method runs inside a transaction (its own one via ``atomic`` when none is open)
 and inside a savepoint: all changes to bookkeeping tensors and to content that is visible to
 ``digest()`` go through an undo log, so a failing operation — even in the middle of a user's
 transaction — leaves the holder bitwise as it was (``digest()`` unchanged), and a rolled-back
@@ -34,7 +34,8 @@ transaction restores the pre-block state. Cells reserved in a transaction are *u
 until ``write`` fills them; groups that contain unwritten cells are *pending* for that layer and are
 pooled by the ``write`` that completes them. ``digest()`` treats unwritten keys and pending groups as
 zeros. At commit, any cell still unwritten for a layer is zero-filled and its pending groups pooled,
-so a committed holder never holds uninitialised data.
+so a committed holder never holds uninitialised data; this runs before any holder of the block
+publishes (``_txn_prepare``), so a kernel that refuses there rolls the whole block back.
 
 State and devices
 -----------------
@@ -48,22 +49,24 @@ live on. Positions are 1-D text positions (Qwen4Exp's multimodal 3-D positions a
 
 from __future__ import annotations
 
-import contextlib
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError
 from ..state import blob as _blob
 from ..state.handles import SeqHandle, SlotTable
-from ..state.transaction import Transactional, autocommit
+from ..state.transaction import Transactional, atomic
 from .ops import qsa_pool, qsa_select
 
 __all__ = ["QSACache", "QSAPlan", "ReservedChunk", "HoleInSavedStateError"]
 
 _SEQ_KIND = "hebrus_torch.QSACache.sequence"
+# Positions are int64: a run may reach, never pass, the largest one.
+MAX_POSITION = 2**63 - 1
 _HOLDER_FORMAT = "hebrus_torch.QSACache"
 _HOLDER_VERSION = 1
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -249,6 +252,7 @@ class _Txn:
         self.new_cells: list[torch.Tensor] = []                 # cells reserved in this transaction
         self.pending: list[list[torch.Tensor]] = []             # per layer: rows that may be pending
         self.base: _Savepoint | None = None
+        self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
 
 
 @dataclass
@@ -512,10 +516,42 @@ class QSACache(torch.nn.Module, Transactional):
         self._txn = txn
         txn.base = self._savepoint()
 
+    def _txn_prepare(self) -> None:
+        """The fallible part of a commit, undoably: zero-fill cells never written for some layer and pool
+        every pending group (a kernel may still refuse here; the block is then rolled back)."""
+        txn = self._txn
+        cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
+        if cells is not None:
+            live = cells[self.cell_ref[cells] > 0]
+            for layer in range(self.num_layers):
+                miss = live[self._unwritten[layer, live]]
+                if miss.numel():
+                    for name in ("keys", "k_cache", "v_cache"):
+                        t = getattr(self, name)
+                        if t is not None:
+                            self._set(t, (layer, miss), 0)
+        pooled: list[tuple[int, torch.Tensor]] = []
+        for layer in range(self.num_layers):
+            if txn.pending[layer]:
+                rows = torch.unique(torch.cat(txn.pending[layer]))
+                rows = rows[self._pending[layer, rows]]
+                if rows.numel():
+                    self._set(self.pooled, (layer, rows),
+                              self._pool(layer, self._pend_cells[rows], self._pend_pos[rows]))
+                    pooled.append((layer, rows))
+        txn.prepared = (cells, pooled)
+
     def _txn_commit(self) -> None:
+        """Clear the transaction's flags (cannot fail) and drop the undo log."""
         txn = self._txn
         try:
-            self._finalize()
+            cells, pooled = txn.prepared
+            if cells is not None:
+                self._unwritten[:, cells] = False
+            for layer, rows in pooled:
+                self._pending[layer, rows] = False
+            self._freed_cells.zero_()
+            self._freed_rows.zero_()
         finally:
             self._txn = None
             del txn.log[:]
@@ -528,40 +564,15 @@ class QSACache(torch.nn.Module, Transactional):
         finally:
             self._txn = None
 
-    def _finalize(self) -> None:
-        """Commit: zero-fill cells never written for some layer, pool every pending group, clear flags."""
-        txn = self._txn
-        if txn.new_cells:
-            cells = torch.unique(torch.cat(txn.new_cells))
-            live = cells[self.cell_ref[cells] > 0]
-            for layer in range(self.num_layers):
-                miss = live[self._unwritten[layer, live]]
-                if miss.numel():
-                    self.keys[layer, miss] = 0
-                    if self.has_kv:
-                        self.k_cache[layer, miss] = 0
-                        self.v_cache[layer, miss] = 0
-            self._unwritten[:, cells] = False
-        for layer in range(self.num_layers):
-            if txn.pending[layer]:
-                rows = torch.unique(torch.cat(txn.pending[layer]))
-                rows = rows[self._pending[layer, rows]]
-                if rows.numel():
-                    self.pooled[layer, rows] = self._pool(layer, self._pend_cells[rows], self._pend_pos[rows])
-                    self._pending[layer, rows] = False
-        self._freed_cells.zero_()
-        self._freed_rows.zero_()
+    def _txn_savepoint(self) -> _Savepoint:
+        return self._savepoint()
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        """One atomic operation: its own transaction when none is open, and a savepoint either way."""
-        with autocommit(self):
-            sp = self._savepoint()
-            try:
-                yield
-            except BaseException:
-                self._restore(sp)
-                raise
+    def _txn_restore(self, savepoint: _Savepoint) -> None:
+        self._restore(savepoint)
+
+    def _op(self):
+        """One atomic operation: its own transaction when none is open, else between savepoints."""
+        return atomic(self)
 
     # ------------------------------------------------------------------------------------------
     # Allocation and release of cells and group rows
@@ -836,6 +847,12 @@ class QSACache(torch.nn.Module, Transactional):
                     raise HebrusError(f"QSACache.reserve: negative count {count} for {seq}")
                 run = self._runs[slot]
                 first = None if first_positions is None else first_positions[i]
+                if first is not None:
+                    try:
+                        first = operator.index(first)
+                    except TypeError:
+                        raise HebrusError(f"QSACache.reserve: first position of {seq} must be an integer, "
+                                          f"got {first!r}") from None
                 if run.n > 0:
                     start = run.p0 + run.n
                     if first is not None and count > 0 and int(first) != start:
@@ -847,6 +864,9 @@ class QSACache(torch.nn.Module, Transactional):
                     start = run.p0 if first is None else int(first)
                     if start < 0:
                         raise HebrusError(f"QSACache.reserve: {seq} first position {start} is negative")
+                if start + count - 1 > MAX_POSITION:
+                    raise HebrusError(f"QSACache.reserve: {count} tokens of {seq} from position {start} would pass "
+                                      f"the largest position {MAX_POSITION} (int64)")
                 if self.window is not None and count > 0:
                     if count > self.window:
                         raise HebrusError(f"QSACache.reserve: {count} tokens for {seq} exceed the window of "
@@ -1053,6 +1073,9 @@ class QSACache(torch.nn.Module, Transactional):
                                 f"(only whole-run shifts keep it contiguous)")
             if s + delta < 0:
                 raise HebrusError(f"QSACache.shift: {seq} shifted by {delta} would start at position {s + delta} < 0")
+            if e - 1 + delta > MAX_POSITION:
+                raise HebrusError(f"QSACache.shift: {seq} shifted by {delta} would end at position {e - 1 + delta}, "
+                                  f"past the largest position {MAX_POSITION} (int64)")
             self._check_run(seq, run, "shift")
             cells = run.cells.tensor()
             positions = s + delta + self._arange(run.n)
@@ -1240,8 +1263,8 @@ class QSACache(torch.nn.Module, Transactional):
         _blob.expect(kind, meta.get("config") == self._seq_config(),
                      f"blob was saved by a cache configured {meta.get('config')}, this one is {self._seq_config()}")
         p0, n = meta.get("p0"), meta.get("n")
-        _blob.expect(kind, isinstance(p0, int) and isinstance(n, int) and p0 >= 0 and 0 <= n <= self.capacity,
-                     f"bad run p0={p0!r} n={n!r}")
+        _blob.expect(kind, isinstance(p0, int) and isinstance(n, int) and p0 >= 0 and 0 <= n <= self.capacity
+                     and p0 + n - 1 <= MAX_POSITION, f"bad run p0={p0!r} n={n!r}")
         want = {"positions": ((n,), torch.int64), "keys": ((self.num_layers, n, self.head_dim), self.dtype)}
         if self.has_kv:
             want["k"] = ((self.num_layers, n, self.kv_heads, self.kv_head_dim), self.dtype)
@@ -1342,6 +1365,8 @@ class QSACache(torch.nn.Module, Transactional):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.__dict__.pop("_loaded_by_owner", False):  # a ModelCache over it has just loaded it
+            return
         ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         self._load_state(ours)
 
@@ -1408,6 +1433,7 @@ class QSACache(torch.nn.Module, Transactional):
         p0s, ns = tensors["seq_p0"], tensors["seq_n"]
         expect(kind, bool((gen >= 0).all()) and bool((p0s >= 0).all()) and bool((ns >= 0).all()),
                "negative generation, p0 or n")
+        expect(kind, bool((p0s - 1 <= MAX_POSITION - ns).all()), f"a run passes the largest position {MAX_POSITION}")
         expect(kind, bool((ns[~live] == 0).all()) and bool((p0s[~live] == 0).all()), "a free slot holds a run")
         live_slots = torch.nonzero(live).flatten().tolist()
         seq_cells, seq_groups = tensors["seq_cells"], tensors["seq_groups"]

@@ -1,15 +1,17 @@
 """All-or-nothing commits across state holders.
 
-A holder takes part by implementing three hooks. ``_txn_begin`` opens a staging area (changes made
-inside the block go there, or the holder takes a snapshot before its first in-place change),
-``_txn_commit`` publishes it and must not fail, ``_txn_rollback`` drops it so that the holder is
-bitwise what it was before (``digest()`` unchanged).
+A holder takes part by implementing the hooks below. ``_txn_begin`` opens a staging area (changes
+made inside the block go there, or into an undo log), ``_txn_prepare`` does the work of the commit
+that can still fail (it may change state, undoably), ``_txn_commit`` publishes and must not fail,
+``_txn_rollback`` drops everything so that the holder is bitwise what it was before
+(``digest()`` unchanged). ``_txn_savepoint`` / ``_txn_restore`` mark and return to a point inside an
+open transaction: what makes each lifecycle operation atomic on its own inside a larger block.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import HebrusError
 
@@ -23,8 +25,15 @@ class Transactional:
     def in_transaction(self) -> bool:
         return self._txn_depth_owner is not None
 
+    def _txn_members(self) -> tuple["Transactional", ...]:
+        """Every holder a transaction over this one must include (a ModelCache: itself and its holders)."""
+        return (self,)
+
     def _txn_begin(self) -> None:
         raise NotImplementedError
+
+    def _txn_prepare(self) -> None:
+        """The fallible part of a commit; a failure here rolls every holder of the block back."""
 
     def _txn_commit(self) -> None:
         raise NotImplementedError
@@ -32,43 +41,80 @@ class Transactional:
     def _txn_rollback(self) -> None:
         raise NotImplementedError
 
+    def _txn_savepoint(self) -> Any:
+        raise NotImplementedError
+
+    def _txn_restore(self, savepoint: Any) -> None:
+        raise NotImplementedError
+
 
 @contextlib.contextmanager
 def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
     """Group every change made inside the block, across all ``holders``, into one commit.
 
-    If the block raises, every holder is rolled back to exactly its state before the block and the
-    exception propagates. Holders may not already be inside another transaction.
+    A ``ModelCache`` stands for itself and both its holders. If the block raises, or the commit
+    of any holder cannot complete, every holder is rolled back to exactly its state before the
+    block and the exception propagates. Holders may not already be inside another transaction.
     """
     unique: list[Transactional] = []
     for holder in holders:
         if not isinstance(holder, Transactional):
             raise HebrusError(f"transaction: {type(holder).__name__} is not a hebrus state holder")
-        if holder.in_transaction:
-            raise HebrusError(f"transaction: {type(holder).__name__} is already inside a transaction")
-        if all(holder is not u for u in unique):
-            unique.append(holder)
+        for member in holder._txn_members():
+            if member.in_transaction:
+                raise HebrusError(f"transaction: {type(member).__name__} is already inside a transaction")
+            if all(member is not u for u in unique):
+                unique.append(member)
     token = object()
     begun: list[Transactional] = []
+
+    def rollback() -> None:
+        for holder in reversed(begun):
+            try:
+                holder._txn_rollback()
+            finally:
+                holder._txn_depth_owner = None
+
     try:
         for holder in unique:
             holder._txn_begin()
             holder._txn_depth_owner = token
             begun.append(holder)
         yield tuple(unique)
-    except BaseException:
-        for holder in reversed(begun):
-            try:
-                holder._txn_rollback()
-            finally:
-                holder._txn_depth_owner = None
-        raise
-    else:
         for holder in begun:
-            try:
-                holder._txn_commit()
-            finally:
-                holder._txn_depth_owner = None
+            holder._txn_prepare()
+    except BaseException:
+        rollback()
+        raise
+    for holder in begun:
+        try:
+            holder._txn_commit()
+        finally:
+            holder._txn_depth_owner = None
+
+
+@contextlib.contextmanager
+def atomic(*holders: Transactional) -> Iterator[None]:
+    """Run one operation atomically: as its own transaction over ``holders`` when none is open, else
+    between savepoints of the open one (a failure undoes this operation only, and re-raises)."""
+    members: list[Transactional] = []
+    for holder in holders:
+        members += [m for m in holder._txn_members() if all(m is not u for u in members)]
+    if not any(m.in_transaction for m in members):
+        with transaction(*members):
+            yield
+        return
+    outside = [type(m).__name__ for m in members if not m.in_transaction]
+    if outside:
+        raise HebrusError(f"an operation over {', '.join(type(m).__name__ for m in members)} runs inside a "
+                          f"transaction that does not include {', '.join(outside)}")
+    savepoints = [(m, m._txn_savepoint()) for m in members]
+    try:
+        yield
+    except BaseException:
+        for m, sp in reversed(savepoints):
+            m._txn_restore(sp)
+        raise
 
 
 @contextlib.contextmanager
