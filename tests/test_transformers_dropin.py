@@ -538,3 +538,43 @@ def test_sparse_attention_option_and_output_attentions(model, device):
     assert len(got.attentions) == len(ref.attentions) == 2
     for a, b in zip(got.attentions, ref.attentions):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_sparse_attention_layer_outputs_with_grouped_kv_heads(device, attn, monkeypatch):
+    """Hq 4 over Hkv 2 and a batch of 3 with left padding: every indexed attention layer's output (not
+    only the logits, which attenuate an error) matches transformers' within fp32 rounding, and the op
+    reads the cache in place (views of it, never a copy)."""
+    model = htx.random_model(3, device=device, attn_implementation=attn, num_attention_heads=4,
+                             num_key_value_heads=2)
+    ids = tokens(3, 40, seed=22).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    outputs: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(out[0].detach().clone()))
+             for m in model.modules() if isinstance(m, M.Qwen4ExpTextAttention) and m.indexer is not None]
+    reads: list[bool] = []
+    op = htx.hebrus_torch.qsa_attention
+
+    def spy(q, k, v, token_cells, scale=None):
+        reads.append(k._is_view() and v._is_view() and k.shape[1] == v.shape[1] == 2)
+        return op(q, k, v, token_cells, scale)
+
+    monkeypatch.setattr(htx.hebrus_torch, "qsa_attention", spy)
+    try:
+        ref, got, stats, rm, gm = both(model, lambda: chunked(model, ids, [17, 9, 1, 13], attention_mask=mask))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    assert reads and all(reads), reads
+    half = len(outputs) // 2
+    assert half == 2 * 4
+    real = mask.bool()
+    for i, (a, b) in enumerate(zip(outputs[:half], outputs[half:])):
+        cols = real[:, :a.shape[1]] if a.shape[1] == real.shape[1] else real[:, -a.shape[1]:]
+        scale = float(a[cols].abs().max())         # outputs are ~1e-2: a tolerance relative to their scale
+        torch.testing.assert_close(b[cols], a[cols], atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"layer call {i}: {m}")
+    torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=ATOL)

@@ -829,7 +829,7 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     interface = record["interfaces"].get_interface(self.config._attn_implementation, record["eager"])
 
-    batch, heads, length, _ = query_states.shape
+    batch = query_states.shape[0]
     kv = key_states.shape[-2]
     if not isinstance(selection, _Selection) or selection.kv != kv:
         # The indexer fell back to transformers' own (a dense mask), or a cache whose key count differs
@@ -844,21 +844,20 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
                                               dropout=0.0 if not self.training else self.attention_dropout,
                                               scaling=self.scaling, **kwargs)
     else:
-        hkv = key_states.shape[1]
-        # qsa_attention wants cells-major K/V ([cells, Hkv, D]); the cache is [B, Hkv, K, D], so this
-        # permute+reshape copies K and V once per call.
-        k_cells = key_states.permute(0, 2, 1, 3).reshape(batch * kv, hkv, key_states.shape[-1])
-        v_cells = value_states.permute(0, 2, 1, 3).reshape(batch * kv, hkv, value_states.shape[-1])
-        q = query_states.transpose(1, 2).reshape(batch * length, heads, query_states.shape[-1])
-        idx = selection.token_idx                                                # [B, T, W]
-        row_base = (torch.arange(batch, device=idx.device, dtype=torch.int32) * kv)[:, None, None]
-        cells = torch.where(idx >= 0, idx + row_base, -1)
+        # One call per batch row: the op reads cells-major K/V ([cells, Hkv, D]) through strides, and a
+        # row of the cache ([Hkv, K, D]) transposed is such a view, so no K/V is copied (merging the
+        # batch into the cells would copy the whole cache on every call once B > 1 and Hkv > 1).
+        q = query_states.transpose(1, 2)                                         # [B, T, H, D]
+        cells = selection.token_idx                                              # [B, T, W]
         if selection.any_empty:
             # Queries that see nothing (left-padding positions): give them one cell for the op, then take
             # transformers' own result for them below (a fully masked row: eager averages, sdpa as torch does).
-            cells[..., 0] = torch.where(selection.empty, row_base[..., 0], cells[..., 0])
-        out = hebrus_torch.qsa_attention(q, k_cells, v_cells, cells.reshape(batch * length, -1), self.scaling)
-        attn_output = out.view(batch, length, heads, -1)
+            cells = cells.clone()
+            cells[..., 0] = torch.where(selection.empty, 0, cells[..., 0])
+        attn_output = torch.stack([
+            hebrus_torch.qsa_attention(q[b], key_states[b].transpose(0, 1), value_states[b].transpose(0, 1),
+                                       cells[b], self.scaling)
+            for b in range(batch)])                                              # [B, T, H, Dv]
         if selection.any_empty:
             rows = torch.nonzero(selection.empty.any(0)).flatten()              # query positions with an empty row
             if attention_mask.dtype == torch.bool:
