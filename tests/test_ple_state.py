@@ -242,6 +242,22 @@ def test_state_dict_through_a_parent_module(device):
         assert target.ple.slots.live.tolist() == target.ple.live.tolist()
 
 
+def test_keep_frees_every_other_sequence(device):
+    state = make_state(device)
+    a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()
+    feed(state, b, stream(6, 3), torch.randn(6, CHANNELS), [], device)
+    kept = state.digest(b)
+    state.keep(b)
+    assert state.slots.live_handles() == [b] and state.digest(b) == kept
+    for gone in (a, c):
+        with pytest.raises(StaleHandleError):
+            state.snapshot(gone)
+    before = state.digest()
+    with pytest.raises(StaleHandleError):
+        state.keep(a)
+    assert state.digest() == before
+
+
 def test_conv_weight_of_the_wrong_shape_is_refused(device):
     state = make_state(device)
     a = state.new_sequence()

@@ -199,6 +199,14 @@ class PLEState(torch.nn.Module, Transactional):
             self._sync_slot_buffers()
         return handle
 
+    def keep(self, seq: SeqHandle) -> None:
+        """llama.cpp ``seq_keep``: free every sequence but ``seq``."""
+        with atomic(self):
+            self.slots.check(seq)
+            for other in self.slots.live_handles():
+                if other != seq:
+                    self.free(other)
+
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
         """A cheap copy of one sequence's current state (staged changes included)."""
         slot = self.slots.check(seq)
