@@ -14,6 +14,8 @@
 //     softmax step on the SIMD-group's own running state (max m, sum l, acc[Dv]) in fp32;
 //   * the 8 partial states are merged in the fixed order s = 0..7 (M = max m_s, weights
 //     exp(m_s - M)), thread d writing out[t, h, d] = sum_s w_s acc_s[d] / sum_s w_s l_s.
+// Both steps subtract 0 instead of a max that is -inf (every score so far -inf, e.g. finite inputs
+// whose dot product overflows): such scores get weight exactly 0, as in the reference.
 // Which SIMD-group takes which entry, the order each takes them in and the merge order are fixed,
 // so the output does not depend on thread timing, on the other queries of the launch or on the
 // launch size. No atomic decides anything: atomics only record bad input in the error slots
@@ -101,8 +103,12 @@ template <typename T, int HB, int DPL>
           }
           const float s = simd_sum(part) * p.scale;
           const float m_new = (s > m[h] || s != s) ? s : m[h];  // NaN propagates, as in the reference
-          const float alpha = precise::exp(m[h] - m_new);      // 0 for the first cell (m = -inf)
-          const float w = precise::exp(s - m_new);
+          // While every score so far is -inf (finite inputs whose dot product overflows), m_new is
+          // -inf: subtract 0 then, not m_new (exp(-inf - -inf) is NaN), so that such cells get
+          // weight 0 as in the reference. A +inf score gives exp(+inf - +inf) = NaN, as there.
+          const float m_sub = m_new == -INFINITY ? 0.0f : m_new;
+          const float alpha = precise::exp(m[h] - m_sub);  // 0 for the first finite score (m = -inf)
+          const float w = precise::exp(s - m_sub);
           l[h] = l[h] * alpha + w;
           for (int i = 0; i < DPL; ++i) {
             acc[h][i] = acc[h][i] * alpha + w * vx[i];
@@ -146,9 +152,12 @@ template <typename T, int HB, int DPL>
             const float ms = part_m[s][h];
             mx = (ms > mx || ms != ms) ? ms : mx;
           }
+          // Every partial max -inf (every score -inf): weights exp(-inf - 0) = 0, so the output is
+          // 0 / 0 = NaN, what the reference's softmax over only -inf scores gives.
+          const float mx_sub = mx == -INFINITY ? 0.0f : mx;
           float sum = 0.0f, o = 0.0f;
           for (uint s = 0; s < NSG; ++s) {
-            const float w = precise::exp(part_m[s][h] - mx);  // 0 for a SIMD-group without cells
+            const float w = precise::exp(part_m[s][h] - mx_sub);  // 0 for a SIMD-group without cells
             sum = sum + part_l[s][h] * w;
             o = o + part_acc[s][lid] * w;
           }

@@ -8,11 +8,13 @@ variant (1, 2, 4, 8 heads per pass; head dims up to 64, 128, 256), grouped-query
 scattered and with any negative value, rows of one cell and rows longer than the threadgroup,
 queries whose whole history is selected (plain causal attention over the run), empty shapes, the
 same bits under every schedule and guard side, a query's output independent of the other queries
-of the launch, and bad cells / empty queries raising the reference's errors through the error slots.
+of the launch, scores of -inf / +inf (finite inputs whose dot product overflows) and NaN, and bad
+cells / empty queries raising the reference's errors through the error slots.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -156,6 +158,73 @@ def test_empty_shapes():
         hebrus_emu.qsa_attention(q, k, v[..., :0], bad, scale)
     with pytest.raises(HebrusError, match=r"query 0 selects cell"):
         hebrus_emu.qsa_attention(q, k[:0], v[:0], tc, scale)
+
+
+def overflowing_scores(kinds, tq, hq, hkv, dh, dv, dtype, gen):
+    """q, k, v, scale, all finite but k of the "x" cells, whose fp32 score on cell c is -inf for
+    kinds[c] == "-", +inf for "+", NaN for "x" (a NaN in k) and finite for "f" (as in
+    tests/test_qsa_attention.py: float32 / bfloat16 products of 2^100-sized values overflow; float16
+    cannot hold those, so there the scale 2^127 overflows every score with |q . k| > 2 and the
+    finite cells have k = 0)."""
+    mag = lambda *shape: torch.rand(shape, generator=gen) * 2.5 + 0.5  # noqa: E731
+    big, small, scale = (1.0, 0.0, 2.0 ** 127) if dtype == torch.float16 else (2.0 ** 100, 2.0 ** -100, dh ** -0.5)
+    q = big * mag(tq, hq, dh)
+    k = small * torch.randn(len(kinds), hkv, dh, generator=gen)
+    for c, kind in enumerate(kinds):
+        if kind in "-+":
+            k[c] = (big if kind == "+" else -big) * mag(hkv, dh)
+        elif kind == "x":
+            k[c, :, dh // 2] = float("nan")
+    return q.to(dtype), k.to(dtype), torch.randn(len(kinds), hkv, dv, generator=gen).to(dtype), scale
+
+
+# Cells 0..69: score -inf, 70..119: finite, 120: +inf, 121: NaN. SIMD-group s takes entries s, s + 8, ...
+INF_KINDS = "-" * 70 + "f" * 50 + "+x"
+INF_ROWS = {
+    # name: (selected cells, finite output)
+    "neg-inf-first-everywhere": (list(range(40)) + list(range(70, 80)), True),  # every SIMD-group's first 5
+    "simd-group-first-neg-inf": (list(range(70, 73)) + [5] + list(range(73, 82)) + [6] + list(range(82, 104))
+                                 + [7] + list(range(104, 110)), True),  # entry 3: SIMD-group 3's first; 13, 36
+    "finite-only-at-the-end": (list(range(68)) + [118, 119], True),  # 6 SIMD-groups end with max -inf
+    "all-finite": (list(range(70, 120)), True),
+    "pos-inf": ([0, 1, 70, 120, 71], False),  # the reference gives NaN; SIMD-groups 5-7 get no cell
+    "nan": ([70, 0, 121, 71], False),
+    "all-neg-inf": (list(range(35)), False),  # softmax of only -inf: NaN (every partial max -inf)
+}
+
+
+@pytest.mark.parametrize("pad_first", [False, True], ids=["pad-end", "pad-first"])
+@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (2, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_infinite_scores_like_the_reference(dtype, heads, pad_first):
+    # -inf scores (finite inputs whose fp32 dot product overflows) get weight exactly 0, also as the
+    # first cell of a SIMD-group and in a partial state with no finite score; +inf and NaN scores
+    # give NaN, as in the reference.
+    gen = torch.Generator().manual_seed(60 + DTYPES.index(dtype))
+    rows = [cells for cells, _ in INF_ROWS.values()]
+    width = max(len(r) for r in rows) + 5
+    tc = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for t, r in enumerate(rows):
+        start = width - len(r) if pad_first else 0
+        tc[t, start:start + len(r)] = torch.tensor(r, dtype=torch.int32)
+    q, k, v, scale = overflowing_scores(INF_KINDS, len(rows), *heads, 16, 24, dtype, gen)
+    scores = torch.einsum("thd,chd->thc", q.float(), k.float().repeat_interleave(heads[0] // heads[1], 1)) * scale
+    assert scores[..., :70].eq(-math.inf).all() and scores[..., 70:120].isfinite().all()
+    assert scores[..., 120].eq(math.inf).all() and scores[..., 121].isnan().all()
+    got = hebrus_emu.qsa_attention(q, k, v, tc, scale)
+    want = reference.qsa_attention(q.float(), k.float(), v.float(), tc, scale)
+    finite = torch.tensor([f for _, f in INF_ROWS.values()])
+    assert got[finite].isfinite().all() and got[~finite].isnan().all()
+    assert want[finite].isfinite().all() and want[~finite].isnan().all()
+    tol = ONE_ROUNDING[dtype]
+    atol = 1e-6 if dtype == torch.float32 else tol * 1e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=atol, equal_nan=True)
+    # The -inf cells count for nothing: the same as attention over the finite cells alone.
+    for t, (cells, fin) in enumerate(INF_ROWS.values()):
+        if fin:
+            only = torch.tensor([[c for c in cells if INF_KINDS[c] == "f"]], dtype=torch.int32)
+            alone = reference.qsa_attention(q[t:t + 1].float(), k.float(), v.float(), only, scale)[0]
+            torch.testing.assert_close(got[t].float(), alone, rtol=tol, atol=atol)
 
 
 @pytest.mark.parametrize("sched,guard", [("reverse", "start"), ("random", "end"), ("random", "start")])

@@ -1,11 +1,13 @@
 """hebrus::qsa_attention (issue 6): attention of every query over exactly its QSA selection.
 
 The native kernel against the reference, both against dense attention with the selection mask as
-transformers computes it, determinism and batch independence, opcheck, torch.compile and every
-kind of bad input.
+transformers computes it, -inf / +inf scores of finite inputs (overflowing dot products) and NaN
+scores, determinism and batch independence, opcheck, torch.compile and every kind of bad input.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -258,6 +260,81 @@ def test_default_scale_is_inverse_sqrt_head_dim(device):
     gen = torch.Generator().manual_seed(13)
     q, k, v, tc, scale = case(gen, 4, 4, 1, 64, 32, 30, 8, device=device)
     assert torch.equal(ht.qsa_attention(q, k, v, tc), ht.qsa_attention(q, k, v, tc, 64 ** -0.5))
+
+
+# ----------------------------------------------------------------------------------------------
+# scores that are not finite although every input is (the fp32 dot product overflows)
+
+
+def overflowing_scores(kinds: str, tq: int, hq: int, hkv: int, dh: int, dv: int, dtype, gen):
+    """q, k, v, scale, all finite but k of the "x" cells, whose fp32 score on cell c is -inf for
+    kinds[c] == "-", +inf for "+", NaN for "x" (a NaN in k) and finite for "f".
+
+    float32 / bfloat16: q = 2^100 * [0.5, 3), k = -+2^100 * [0.5, 3) (every product overflows) or
+    2^-100 * randn (ordinary scores). float16 cannot hold such values: the scale 2^127 makes every
+    score with |q . k| > 2 overflow, and the finite cells have k = 0 (score 0)."""
+    cells = len(kinds)
+    mag = lambda *shape: torch.rand(shape, generator=gen) * 2.5 + 0.5  # noqa: E731
+    big, small, scale = (1.0, 0.0, 2.0 ** 127) if dtype == torch.float16 else (2.0 ** 100, 2.0 ** -100, dh ** -0.5)
+    q = big * mag(tq, hq, dh)
+    k = small * torch.randn(cells, hkv, dh, generator=gen)
+    for c, kind in enumerate(kinds):
+        if kind in "-+":
+            k[c] = (big if kind == "+" else -big) * mag(hkv, dh)
+        elif kind == "x":
+            k[c, :, dh // 2] = float("nan")
+    v = torch.randn(cells, hkv, dv, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), scale
+
+
+# Cells 0..69: score -inf, 70..119: finite, 120: +inf, 121: NaN.
+INF_KINDS = "-" * 70 + "f" * 50 + "+x"
+INF_ROWS = {
+    # name: (selected cells, finite output)
+    "first-block-neg-inf": (list(range(40)) + list(range(70, 80)), True),   # > one block (32) at -inf
+    "neg-inf-in-the-middle": (list(range(70, 73)) + [5] + list(range(73, 82)) + [6] + list(range(82, 104)) + [7]
+                              + list(range(104, 110)), True),             # entries 3, 13 and 36 at -inf
+    "finite-only-at-the-end": (list(range(68)) + [118, 119], True),       # two whole blocks at -inf first
+    "all-finite": (list(range(70, 120)), True),
+    "pos-inf": ([0, 1, 70, 120, 71], False),                                 # the reference gives NaN
+    "nan": ([70, 0, 121, 71], False),
+    "all-neg-inf": (list(range(35)), False),                                 # softmax of only -inf: NaN
+}
+
+
+def inf_case(dtype, hq, hkv, gen, device="cpu", dh=16, dv=24):
+    rows = [cells for cells, _ in INF_ROWS.values()]
+    width = max(len(r) for r in rows) + 3
+    tc = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for t, r in enumerate(rows):
+        tc[t, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    q, k, v, scale = overflowing_scores(INF_KINDS, len(rows), hq, hkv, dh, dv, dtype, gen)
+    return q.to(device), k.to(device), v.to(device), tc.to(device), scale
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (6, 2), (2, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_infinite_scores_like_the_reference(device, dtype, heads):
+    # -inf scores (finite bf16 / fp32 inputs whose dot product overflows) get weight exactly 0, also
+    # when a whole block of them comes first or only the last cells are finite; +inf and NaN scores
+    # give NaN, as in the reference.
+    gen = torch.Generator().manual_seed(50 + FLOATS.index(dtype))
+    q, k, v, tc, scale = inf_case(dtype, *heads, gen, device)
+    scores = torch.einsum("thd,chd->thc", q.cpu().float(), k.cpu().float().repeat_interleave(heads[0] // heads[1], 1))
+    scores = scores * scale
+    assert scores[..., :70].eq(-math.inf).all() and scores[..., 70:120].isfinite().all()
+    assert scores[..., 120].eq(math.inf).all() and scores[..., 121].isnan().all()
+    got = ht.qsa_attention(q, k, v, tc, scale).cpu()
+    want = reference.qsa_attention(q, k, v, tc, scale).cpu()
+    finite = torch.tensor([f for _, f in INF_ROWS.values()])
+    assert got[finite].isfinite().all() and got[~finite].isnan().all()
+    assert want[finite].isfinite().all() and want[~finite].isnan().all()
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=RTOL[dtype], equal_nan=True)
+    # The -inf cells count for nothing: the same as attention over the finite cells alone.
+    for t, (cells, fin) in enumerate(INF_ROWS.values()):
+        if fin:
+            only = torch.tensor([[c for c in cells if INF_KINDS[c] == "f"]], dtype=torch.int32, device=device)
+            assert_close(got[t], reference.qsa_attention(q[t:t + 1], k, v, only, scale)[0], dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -425,8 +425,14 @@ HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, co
 
 // The online-softmax step of one block: s (scores of nb cells) becomes p = exp(s - m_new), m and l
 // (the running max and sum of the chunk's heads) are updated, and the factor the accumulators must
-// be scaled by is written to alpha_out. A function of its own: inlined into the item loop, its
-// running max and sum were kept in memory (a chain of store-reloads; this is 2-4% faster in cache).
+// be scaled by is written to alpha_out. While every score so far is -inf (finite inputs whose dot
+// product overflows), m_new is -inf and 0 is subtracted instead (exp(-inf - -inf) would be NaN):
+// those cells get weight exactly 0, as in the reference, and a later finite block starts from
+// l = 0, acc = 0 (alpha = exp(-inf - m_new) = 0). A NaN score still makes m_new, hence the output,
+// NaN; a +inf score gives exp(+inf - +inf) = NaN, as the reference's softmax does. With finite
+// scores nothing changes (m_new is subtracted as before). A function of its own: inlined into the
+// item loop, its running max and sum were kept in memory (a chain of store-reloads; this is 2-4%
+// faster in cache).
 HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, bool first, float* m_out,
                                         float* l_out, float* alpha_out) {
   // Two running maxima (even and odd cells) halve the dependency chain; a max is exact, so this
@@ -442,15 +448,17 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
   const HeadVec bm = max_keep_nan(bm1, bm0);
   const HeadVec m = load_heads(m_out);
   const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
+  // What the scores are shifted by: m_new, or 0 where m_new is -inf (see above).
+  const HeadVec m_sub = m_new == splat(-std::numeric_limits<float>::infinity()) ? splat(0.f) : m_new;
   // Two cells per vector of kLanes (the rows of s are adjacent); the sum still adds the cells in
   // order, so that it is the same as one cell at a time.
   static_assert(kLanes == 2 * kMaxHeadChunk, "two cells' heads per vector");
-  Vec m_new2;
-  std::memcpy(&m_new2, &m_new, sizeof(m_new));
-  std::memcpy(reinterpret_cast<char*>(&m_new2) + sizeof(m_new), &m_new, sizeof(m_new));
+  Vec m_sub2;
+  std::memcpy(&m_sub2, &m_sub, sizeof(m_sub));
+  std::memcpy(reinterpret_cast<char*>(&m_sub2) + sizeof(m_sub), &m_sub, sizeof(m_sub));
   HeadVec sum{};
   for (j = 0; j + 2 <= nb; j += 2) {
-    const Vec p2 = exp_nonpositive(load_vec(s[j]) - m_new2);
+    const Vec p2 = exp_nonpositive(load_vec(s[j]) - m_sub2);
     std::memcpy(s[j], &p2, sizeof(p2));  // s now holds p
     HeadVec p0, p1;
     std::memcpy(&p0, &p2, sizeof(p0));
@@ -459,11 +467,11 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
     sum += p1;
   }
   if (j < nb) {
-    const HeadVec pj = exp_nonpositive(load_heads(s[j]) - m_new);
+    const HeadVec pj = exp_nonpositive(load_heads(s[j]) - m_sub);
     std::memcpy(s[j], &pj, sizeof(pj));
     sum += pj;
   }
-  const HeadVec alpha = first ? splat(1.f) : exp_nonpositive(m - m_new);
+  const HeadVec alpha = first ? splat(1.f) : exp_nonpositive(m - m_sub);
   const HeadVec l = first ? sum : load_heads(l_out) * alpha + sum;
   std::memcpy(m_out, &m_new, sizeof(m_new));
   std::memcpy(l_out, &l, sizeof(l));
