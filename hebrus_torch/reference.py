@@ -1,8 +1,9 @@
 """Pure-PyTorch reference implementations of every hebrus op: the executable form of SPEC.md.
 
 They run on any device, are vectorised over tokens, queries and sequences (the only Python loops
-are over sequences or fixed-size query blocks, never over tokens), and are registered as the
-kernel of every device that has no native one. fp32 accumulation throughout.
+are over sequences or fixed-size query blocks, never over tokens; qsa_select's scores also loop
+over the 16-dim chunks of D and over the heads, to fix their summation order), and are registered
+as the kernel of every device that has no native one. fp32 accumulation throughout.
 """
 
 from __future__ import annotations
@@ -225,7 +226,71 @@ def qsa_pool(keys: torch.Tensor, cell_pos: torch.Tensor, group_cells: torch.Tens
     return torch.cat((head, normed[:, rot:]), dim=-1)
 
 
-_QUERY_BLOCK = 256
+_SCORE_LANES = 16                 # lanes of the CPU kernel's dot products (csrc/cpu/hebrus_simd.h, kLanes)
+_SELECT_BLOCK_BYTES = 64 << 20    # fp32 working set of one block of (queries x groups) scores
+
+
+def qsa_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``sum_h relu(q_h . k_g) / sqrt(D)`` in fp32, in the CPU kernel's fixed order (SPEC §3, §5.1).
+
+    Every score is a function of its own query and key only, computed with the arithmetic of
+    csrc/cpu/qsa_kernels.cpp's score_rows and hebrus_simd.h's lane reduction, so it is bitwise
+    independent of the other queries and groups (no matmul, whose blocking changes the summation
+    order with the batch) and bitwise equal to the CPU kernel's score:
+
+    * D is zero padded to a multiple of 16; lane j (0..15) sums the products ``q[d] * k[d]`` (each
+      rounded to fp32, never fused) of the dims ``d = j mod 16`` in ascending d;
+    * the 16 lanes combine pairwise: lane j + lane j+8, then + 4, + 2, + 1;
+    * the heads add in order from 0 onto 0: ``((0 + relu(dot_0)) + relu(dot_1)) + ...``;
+    * the sum is divided (a true fp32 division) by ``float(sqrt(D))``.
+
+    Args:
+        q: Tensor[n, Hq, D] any float dtype (widened to fp32).
+        keys: Tensor[G, D] any float dtype (widened to fp32).
+
+    Returns:
+        Tensor[n, G] float32, not differentiable (the inputs are detached: a selection has no
+        gradient, and the in-place and out= operations below refuse inputs that require one).
+    """
+    q, keys = q.detach(), keys.detach()
+    n, hq, dim = q.shape
+    groups = keys.shape[0]
+    lanes = _SCORE_LANES
+    chunks = max(1, -(-dim // lanes))
+    pad = chunks * lanes - dim
+    qf = torch.nn.functional.pad(q.float(), (0, pad)).view(n, hq, chunks, lanes)
+    kf = torch.nn.functional.pad(keys.float(), (0, pad)).view(groups, chunks, lanes)
+    qf = qf.permute(2, 0, 1, 3).contiguous()                             # [chunks, n, Hq, 16]
+    kf = kf.permute(1, 0, 2).contiguous()                                # [chunks, G, 16]
+    # A true division by a tensor on q's device: CUDA turns a division by a host scalar into a
+    # multiplication by its reciprocal, which is not the kernel's rounding.
+    sqrt_d = torch.full((), math.sqrt(dim), dtype=torch.float32, device=q.device)
+    out = torch.empty((n, groups), dtype=torch.float32, device=q.device)
+    # Blocks of queries and groups bound the [n, Hq, G, 16] working set; every score is computed
+    # independently of the block it falls in.
+    per_pair = 2 * max(hq, 1) * lanes * 4
+    g_block = max(1, min(groups, _SELECT_BLOCK_BYTES // per_pair))
+    q_block = max(1, min(n, _SELECT_BLOCK_BYTES // (per_pair * g_block)))
+    for q0 in range(0, n, q_block):
+        qs = qf[:, q0:q0 + q_block, :, None, :]                          # [chunks, nb, Hq, 1, 16]
+        nb = qs.shape[1]
+        for g0 in range(0, groups, g_block):
+            ks = kf[:, None, None, g0:g0 + g_block, :]                   # [chunks, 1, 1, gb, 16]
+            gb = ks.shape[3]
+            acc = torch.zeros((nb, hq, gb, lanes), dtype=torch.float32, device=q.device)
+            prod = torch.empty_like(acc)
+            for c in range(chunks):                                      # ascending d in every lane
+                torch.mul(qs[c], ks[c], out=prod)
+                acc.add_(prod)
+            half = acc[..., :8] + acc[..., 8:]                           # lanes j and j + 8
+            half = half[..., :4] + half[..., 4:]                         # then + 4
+            half = half[..., :2] + half[..., 2:]                         # then + 2
+            dots = half[..., 0] + half[..., 1]                           # then + 1: [nb, Hq, gb]
+            total = torch.zeros((nb, gb), dtype=torch.float32, device=q.device)
+            for h in range(hq):                                          # heads in order from 0
+                total.add_(torch.relu(dots[:, h]))
+            torch.div(total, sqrt_d, out=out[q0:q0 + nb, g0:g0 + gb])
+    return out
 
 
 def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, q_row: torch.Tensor,
@@ -260,10 +325,8 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
     if bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: q_groups[{t}] = {int(ng[t])} is outside [0, maxG={max_g}]")
-    sqrt_d = math.sqrt(q.shape[2])
-    qf = q.float()
-    pf = pooled.float()
-    # One pass per sequence, in blocks of queries: the pooled keys of a sequence are gathered once.
+    # One pass per sequence: the pooled keys of a sequence are gathered once. A query that sees at
+    # most top_k groups selects all of them, whatever the scores; the others rank their scores.
     for row in torch.unique(rows).tolist():
         members = torch.nonzero(rows == row).flatten()
         groups_needed = int(ng[members].max())
@@ -276,18 +339,28 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
             raise HebrusError(f"hebrus::{op}: seq_groups[{row}, {g}] = {int(group_rows[g])} is outside "
                               f"[0, rows={pooled.shape[0]}); the first {groups_needed} groups of row {row} "
                               f"are visible to its queries")
-        keys = pf[group_rows]                                               # [G, D]
-        g_idx = torch.arange(groups_needed, device=q.device)
-        k = min(top_k, groups_needed)
-        for start in range(0, members.numel(), _QUERY_BLOCK):
-            sel = members[start:start + _QUERY_BLOCK]
-            scores = torch.relu(torch.einsum("bhd,gd->bhg", qf[sel], keys)).sum(dim=1) / sqrt_d
-            n_vis = ng[sel][:, None]
-            scores = torch.where(g_idx[None, :] < n_vis, scores, torch.full_like(scores, -math.inf))
-            order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-            chosen = torch.where(order < n_vis, order, torch.full_like(order, groups_needed))
-            chosen = torch.sort(chosen, dim=1).values
-            out[sel, :k] = torch.where(chosen < groups_needed, chosen, torch.full_like(chosen, -1)).to(torch.int32)
+        light = members[ng[members] <= top_k]
+        if light.numel():
+            k_all = min(top_k, groups_needed)
+            g_idx = torch.arange(k_all, device=q.device)
+            out[light, :k_all] = torch.where(g_idx[None, :] < ng[light][:, None], g_idx[None, :],
+                                             torch.full_like(g_idx[None, :], -1)).to(torch.int32)
+        heavy = members[ng[members] > top_k]
+        if heavy.numel() == 0:
+            continue
+        need = int(ng[heavy].max())
+        keys = pooled[group_rows[:need]]                                    # [need, D]
+        g_idx = torch.arange(need, device=q.device)
+        # Blocks of queries bound the scores and the sort (fp32 values, int64 indices, copies).
+        block = max(1, _SELECT_BLOCK_BYTES // (32 * need))
+        for start in range(0, heavy.numel(), block):
+            sel = heavy[start:start + block]
+            scores = qsa_scores(q[sel], keys)                               # [n, need] fp32
+            scores = torch.where(g_idx[None, :] < ng[sel][:, None], scores, torch.full_like(scores, -math.inf))
+            # Stable descending sort: NaN first (as torch ranks it), then higher score, then lower
+            # group. Every query here sees more than top_k groups, so the first top_k are visible.
+            order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]
+            out[sel] = torch.sort(order, dim=1).values.to(torch.int32)
     return out
 
 

@@ -1,7 +1,8 @@
 """hebrus::qsa_pool and hebrus::qsa_select (SPEC §3, §5).
 
 Parity with transformers' Qwen4ExpTextQSAIndexer inside a tiny model (prefill and decode, left
-padding), the native kernel against the reference, the tie rule, query independence, holes,
+padding), the native kernel against the reference, the tie rule, query independence (of the
+kernel and of the reference itself, near ties included), the reference's score order, holes,
 opcheck, torch.compile and every kind of bad input.
 """
 
@@ -493,6 +494,135 @@ def test_select_query_independent_of_batch(device):
         assert torch.equal(ht.qsa_select(*dev(q, pooled, seq_groups, q_row, q_groups), top_k).cpu(), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def _near_tie_case(gen: torch.Generator, tq: int = 40, groups: int = 300, hq: int = 5, dim: int = 40):
+    """Three strong keys, each as 14 exact copies and 6 one-ulp neighbours scattered over the groups.
+
+    Copies must score bitwise equal (so the lower group index wins the tie) and neighbours must
+    keep their own order, whatever the other queries of the call: a matmul's blocking changes the
+    summation order with the batch and so the last bits of near-tied scores.
+    """
+    pooled = torch.randn(groups, dim, generator=gen) * 0.3
+    base = torch.randn(3, dim, generator=gen) * 3.0
+    slots = torch.randperm(groups, generator=gen)[:60].view(3, 20)
+    for b in range(3):
+        pooled[slots[b, :14]] = base[b]
+        pooled[slots[b, 14:16]] = torch.nextafter(base[b], torch.full((dim,), math.inf))   # every dim up
+        pooled[slots[b, 16:18]] = torch.nextafter(base[b], torch.full((dim,), -math.inf))  # every dim down
+        for i, d in ((18, 0), (19, dim - 1)):                                              # one dim up
+            pooled[slots[b, i]] = base[b]
+            pooled[slots[b, i], d] = torch.nextafter(base[b, d], torch.tensor(math.inf))
+    q = torch.randn(tq, hq, dim, generator=gen)
+    seq_groups = torch.randperm(groups + 7, generator=gen)[:groups].to(torch.int32)[None]
+    pooled_rows = torch.zeros(groups + 7, dim)
+    pooled_rows[seq_groups[0].long()] = pooled
+    q_row = torch.zeros(tq, dtype=torch.int32)
+    q_groups = torch.full((tq,), groups, dtype=torch.int32)
+    q_groups[::4] = torch.randint(60, groups, (len(range(0, tq, 4)),), generator=gen).to(torch.int32)
+    return q, pooled_rows, seq_groups, q_row, q_groups, slots
+
+
+def test_reference_select_query_independent_of_batch():
+    """SPEC §5.1 for the reference itself (the kernel of every device without a native one): a
+    query alone and inside a batch of 40 gets bitwise the same scores and selection, near ties
+    included, and exact copies of a key break to the lower group index."""
+    gen = torch.Generator().manual_seed(31)
+    q, pooled, seq_groups, q_row, q_groups, slots = _near_tie_case(gen)
+    tq = q.shape[0]
+    for top_k in (5, 14, 23, 47):
+        full = reference.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
+        for t in range(tq):
+            alone = reference.qsa_select(q[t:t + 1], pooled, seq_groups, q_row[t:t + 1], q_groups[t:t + 1], top_k)
+            assert torch.equal(alone[0], full[t]), (top_k, t, alone[0].tolist(), full[t].tolist())
+        for m in (2, 17):
+            part = reference.qsa_select(q[:m], pooled, seq_groups, q_row[:m], q_groups[:m], top_k)
+            assert torch.equal(part, full[:m]), top_k
+        perm = torch.randperm(tq, generator=gen)
+        assert torch.equal(reference.qsa_select(q[perm], pooled, seq_groups, q_row[perm], q_groups[perm], top_k),
+                           full[perm])
+    # The scores themselves: bitwise equal alone and in the batch; copies tie exactly.
+    keys = pooled[seq_groups[0].long()]
+    scores = reference.qsa_scores(q, keys)
+    for t in range(tq):
+        assert torch.equal(reference.qsa_scores(q[t:t + 1], keys)[0], scores[t]), t
+    assert torch.equal(reference.qsa_scores(q, keys[:77]), scores[:, :77])
+    for b in range(3):
+        assert bool((scores[:, slots[b, :14]] == scores[:, slots[b, :1]]).all())
+    # The selection is SPEC's rule on those scores: higher score first, then the lower group.
+    top_k = 14
+    full = reference.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)
+    # Inputs that require grad (a model called outside no_grad) select the same groups.
+    grad_args = (q.clone().requires_grad_(), pooled.clone().requires_grad_(), seq_groups, q_row, q_groups)
+    assert torch.equal(reference.qsa_select(*grad_args, top_k), full)
+    for t in range(tq):
+        n, s = int(q_groups[t]), scores[t].tolist()
+        assert full[t].tolist() == sorted(sorted(range(n), key=lambda g: (-s[g], g))[:top_k]), t
+
+
+def test_reference_scores_follow_the_kernel_order():
+    """qsa_scores' arithmetic written out one fp32 operation at a time (numpy float32 scalars):
+    products rounded, lane j sums dims j mod 16 ascending from 0 (D zero padded to a multiple of
+    16), lanes combine j + 8, + 4, + 2, + 1, heads add in order onto 0, then a true division by
+    float(sqrt(D)). The CPU kernel (csrc/cpu/qsa_kernels.cpp score_rows) does exactly this."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(8)
+    f32 = np.float32
+    for dim, hq in ((5, 2), (16, 1), (37, 3)):
+        q = torch.randn(2, hq, dim, generator=gen)
+        keys = torch.randn(3, dim, generator=gen)
+        got = reference.qsa_scores(q, keys)
+        pad = -(-dim // 16) * 16
+        qn = np.zeros((2, hq, pad), dtype=f32)
+        kn = np.zeros((3, pad), dtype=f32)
+        qn[..., :dim], kn[:, :dim] = q.numpy(), keys.numpy()
+        for t in range(2):
+            for g in range(3):
+                total = f32(0)
+                for h in range(hq):
+                    lanes = [f32(0)] * 16
+                    for d in range(pad):
+                        lanes[d % 16] = f32(lanes[d % 16] + f32(qn[t, h, d] * kn[g, d]))
+                    for width in (8, 4, 2, 1):
+                        lanes = [f32(lanes[j] + lanes[j + width]) for j in range(width)]
+                    total = f32(total + max(lanes[0], f32(0)))
+                want = f32(total / f32(math.sqrt(dim)))
+                assert got[t, g].item() == float(want), (dim, hq, t, g)
+
+
+@native_cpu
+def test_reference_select_equals_cpu_kernel_on_random_cases():
+    """Same score arithmetic, so the reference and the CPU kernel select the same groups bitwise on
+    random inputs: every float dtype, D not a multiple of 16, exact ties (rounded keys, copied rows,
+    all-negative queries scoring 0), one-ulp neighbours and NaN keys."""
+    gen = torch.Generator().manual_seed(2024)
+    for case in range(300):
+        dim = (1, 7, 16, 20, 33, 64)[case % 6]
+        dtype = FLOATS[case % 3]
+        hq = int(torch.randint(1, 7, (1,), generator=gen))
+        rows = int(torch.randint(1, 150, (1,), generator=gen))
+        max_g = int(torch.randint(1, 120, (1,), generator=gen))
+        tq = int(torch.randint(1, 12, (1,), generator=gen))
+        top_k = int(torch.randint(1, 30, (1,), generator=gen))
+        q = torch.randn(tq, hq, dim, generator=gen)
+        if case % 5 == 0:
+            q = -q.abs()
+        pooled = torch.randn(rows, dim, generator=gen).abs()
+        if case % 7 == 0:
+            pooled = torch.round(pooled)
+        if case % 4 == 1 and rows > 6:
+            pooled[3] = pooled[5] = pooled[0]
+            pooled[4] = torch.nextafter(pooled[0], torch.full((dim,), math.inf))
+        if case % 11 == 0 and rows > 2:
+            pooled[1] = math.nan
+        q, pooled = q.to(dtype), pooled.to(dtype)
+        seq_groups = torch.randint(0, rows, (3, max_g), generator=gen).to(torch.int32)
+        q_row = torch.randint(0, 3, (tq,), generator=gen).to(torch.int32)
+        q_groups = torch.randint(0, max_g + 1, (tq,), generator=gen).to(torch.int32)
+        args = (q, pooled, seq_groups, q_row, q_groups, top_k)
+        want = torch.ops.hebrus.qsa_select(*args)
+        got = reference.qsa_select(*args)
+        assert torch.equal(got, want), (case, (got != want).any(1).nonzero().flatten().tolist())
 
 
 # ----------------------------------------------------------------------------------------------
