@@ -48,6 +48,11 @@
 
 namespace hebrus::metal {
 
+// The layout rule of hebrus_params.h (64-bit fields first, a multiple of 8 bytes), checked on the host.
+static_assert(sizeof(PleConvParams) % 8 == 0 && sizeof(PleNgramParams) % 8 == 0, "params size");
+static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0, "params size");
+static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
+
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
   uint64_t threads = 0;
@@ -178,11 +183,14 @@ struct QsaAttentionPlan : LaunchPlan<QsaAttentionParams> {
   int64_t dim_max = 64;        // DMAX of the variant
 };
 
-// Called with Tq, Hq, Dv, cells >= 1 (the glue handles empty shapes on the host). The variant is the
-// smallest one that holds max(Dh, Dv) and min(rep, 8) query heads, so the per-lane registers
-// (HB x DMAX / 32 accumulators) are no larger than the shape needs.
+// Called with Tq, Hq, Dv, cells >= 1 (the glue handles empty shapes on the host). k_stride0/1 and
+// v_stride0/1 are the element strides of dims 0 (cell) and 1 (KV head) of k and v, whose last dim the
+// glue has made contiguous (a copy only when it was not); q, token_cells and out are contiguous.
+// The variant is the smallest one that holds max(Dh, Dv) and min(rep, 8) query heads, so the
+// per-lane registers (HB x DMAX / 32 accumulators) are no larger than the shape needs.
 inline QsaAttentionPlan plan_qsa_attention(int64_t queries, int64_t query_heads, int64_t kv_heads, int64_t head_dim,
-                                           int64_t value_dim, int64_t cells, int64_t width, double scale) {
+                                           int64_t value_dim, int64_t cells, int64_t width, int64_t k_stride0,
+                                           int64_t k_stride1, int64_t v_stride0, int64_t v_stride1, double scale) {
   static const char* const kVariants[4][3] = {{"h1_d64", "h1_d128", "h1_d256"},
                                               {"h2_d64", "h2_d128", "h2_d256"},
                                               {"h4_d64", "h4_d128", "h4_d256"},
@@ -197,6 +205,10 @@ inline QsaAttentionPlan plan_qsa_attention(int64_t queries, int64_t query_heads,
   p.value_dim = value_dim;
   p.cells = cells;
   p.width = width;
+  p.k_stride0 = k_stride0;
+  p.k_stride1 = k_stride1;
+  p.v_stride0 = v_stride0;
+  p.v_stride1 = v_stride1;
   p.scale = static_cast<float>(scale);
   int hb_index = 0;
   while (hb_index < 3 && (int64_t{1} << hb_index) < p.rep) ++hb_index;

@@ -67,6 +67,9 @@ struct QsaSelectParams {
 
 // hebrus::qsa_attention. Threads: queries x kv_heads threadgroups of HEBRUS_QSA_ATTN_TG, one per
 // (query, KV head); the kernel variant's HB query heads of the KV head share one pass over the cells.
+// q, token_cells and out are contiguous; k and v are read through element strides of their first
+// two dims (their last dim is contiguous), so a view of a cache row such as [Hkv, cells, D]
+// transposed to [cells, Hkv, D] is read in place: k[c, g, d] = k[c * k_stride0 + g * k_stride1 + d].
 struct QsaAttentionParams {
   hebrus_i64 queries;      // Tq
   hebrus_i64 query_heads;  // Hq
@@ -76,6 +79,10 @@ struct QsaAttentionParams {
   hebrus_i64 value_dim;    // Dv (v, out)
   hebrus_i64 cells;        // rows of k and v
   hebrus_i64 width;        // W, columns of token_cells
+  hebrus_i64 k_stride0;    // elements between k[c, g] and k[c + 1, g]
+  hebrus_i64 k_stride1;    // elements between k[c, g] and k[c, g + 1]
+  hebrus_i64 v_stride0;    // elements between v[c, g] and v[c + 1, g]
+  hebrus_i64 v_stride1;    // elements between v[c, g] and v[c, g + 1]
   float scale;             // softmax scale as fp32 (the reference multiplies fp32 scores by it)
   hebrus_i32 pad0;
 };

@@ -10,8 +10,10 @@
 //   * SIMD-group s walks the entries j = s, s + 8, s + 16, ... of token_cells[t] (every negative
 //     entry is padding, wherever it is); for a selected cell c the 32 lanes read k[c, g] and
 //     v[c, g] once, lane l owning dims d = l + 32 i (each load of the SIMD-group is one contiguous
-//     run of the row), and for each of the HB heads: score = simd_sum(q . k) * scale, then an online
-//     softmax step on the SIMD-group's own running state (max m, sum l, acc[Dv]) in fp32;
+//     run of the row; rows are addressed through the element strides p.k_stride0/1, p.v_stride0/1,
+//     so k and v may be views such as a cache row [Hkv, cells, D] transposed, read in place), and
+//     for each of the HB heads: score = simd_sum(q . k) * scale, then an online softmax step on
+//     the SIMD-group's own running state (max m, sum l, acc[Dv]) in fp32;
 //   * the 8 partial states are merged in the fixed order s = 0..7 (M = max m_s, weights
 //     exp(m_s - M)), thread d writing out[t, h, d] = sum_s w_s acc_s[d] / sum_s w_s l_s.
 // Both steps subtract 0 instead of a max that is -inf (every score so far -inf, e.g. finite inputs
@@ -26,8 +28,8 @@
 template <typename T, int HB, int DPL>
 [[kernel, max_total_threads_per_threadgroup(HEBRUS_QSA_ATTN_TG)]] void qsa_attention(
     device const T* q [[buffer(0)]],              // [Tq, Hq, Dh]
-    device const T* k [[buffer(1)]],              // [cells, Hkv, Dh]
-    device const T* v [[buffer(2)]],              // [cells, Hkv, Dv]
+    device const T* k [[buffer(1)]],              // [cells, Hkv, Dh], strides (k_stride0, k_stride1, 1)
+    device const T* v [[buffer(2)]],              // [cells, Hkv, Dv], strides (v_stride0, v_stride1, 1)
     device const int* token_cells [[buffer(3)]],  // [Tq, W]
     device T* out [[buffer(4)]],                  // [Tq, Hq, Dv]
     device atomic_uint* err [[buffer(5)]],        // [HEBRUS_ERR_SLOTS]
@@ -84,8 +86,8 @@ template <typename T, int HB, int DPL>
         }
         continue;
       }
-      device const T* krow = k + (long(c) * p.kv_heads + g) * dh;
-      device const T* vrow = v + (long(c) * p.kv_heads + g) * dv;
+      device const T* krow = k + (long(c) * p.k_stride0 + g * p.k_stride1);
+      device const T* vrow = v + (long(c) * p.v_stride0 + g * p.v_stride1);
       float kx[DPL], vx[DPL];
       for (int i = 0; i < DPL; ++i) {
         const long d = long(lane) + long(i) * HEBRUS_SIMD_WIDTH;

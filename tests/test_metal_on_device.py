@@ -207,6 +207,22 @@ def test_qsa_attention_storage_offset_and_strides():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qsa_attention_reads_cache_row_views(dtype):
+    # What the transformers drop-in passes: rows of a [B, Hkv, cells, D] cache transposed to
+    # [cells, Hkv, D] (strides (D, cells * D, 1), a storage offset), read in place through strides;
+    # bitwise the output of the same values passed contiguous.
+    q, k, v, tc, scale = attention_inputs(dtype, dv=64)
+    cache = torch.full((3, 2, k.shape[1], k.shape[0] + 4, k.shape[2]), float("nan"), dtype=dtype)
+    cache[1, 0, :, 4:] = k.transpose(0, 1)
+    cache[1, 1, :, 4:] = v.transpose(0, 1)
+    cache = cache.to("mps")
+    k_view, v_view = cache[1, 0, :, 4:].transpose(0, 1), cache[1, 1, :, 4:].transpose(0, 1)
+    q, k, v, tc = mps(q, k, v, tc)
+    got = hebrus_torch.qsa_attention(q, k_view, v_view, tc, scale)
+    assert torch.equal(got.cpu(), hebrus_torch.qsa_attention(q, k, v, tc, scale).cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_qsa_attention_batch_independence_on_device(dtype):
     *tensors, scale = attention_inputs(dtype, seed=3)
     q, k, v, tc = mps(*tensors)

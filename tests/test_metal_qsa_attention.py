@@ -8,14 +8,17 @@ variant (1, 2, 4, 8 heads per pass; head dims up to 64, 128, 256), grouped-query
 scattered and with any negative value, rows of one cell and rows longer than the threadgroup,
 queries whose whole history is selected (plain causal attention over the run), empty shapes, the
 same bits under every schedule and guard side, a query's output independent of the other queries
-of the launch, scores of -inf / +inf (finite inputs whose dot product overflows) and NaN, and bad
-cells / empty queries raising the reference's errors through the error slots.
+of the launch, scores of -inf / +inf (finite inputs whose dot product overflows) and NaN, bad
+cells / empty queries raising the reference's errors through the error slots, and k / v read in
+place through their strides (transposed cache rows, slices of a batched cache, a fused K/V plane, a
+broadcast head), bitwise equal to the contiguous-input output, bound without a copy.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import struct
 import sys
 
 import pytest
@@ -93,8 +96,19 @@ def test_variants():
     want = {(1, 64): "h1_d64", (2, 65): "h2_d128", (3, 128): "h4_d128", (4, 129): "h4_d256", (5, 16): "h8_d64",
             (8, 256): "h8_d256", (16, 100): "h8_d128"}
     for (rep, dim), variant in want.items():
-        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, dim, 8, 10, 4, 0.5).variant.decode() == variant
-        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, 8, dim, 10, 4, 0.5).variant.decode() == variant
+        strides = (2 * dim, dim, 16, 8)  # contiguous k [10, 2, dim], v [10, 2, 8]
+        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, dim, 8, 10, 4, *strides, 0.5).variant.decode() == variant
+        strides = (16, 8, 2 * dim, dim)
+        assert hebrus_emu.plan("qsa_attention", 3, 2 * rep, 2, 8, dim, 10, 4, *strides, 0.5).variant.decode() == variant
+
+
+def test_plan_carries_kv_strides():
+    # QsaAttentionParams (hebrus_params.h): 12 int64 (Tq, Hq, Hkv, rep, Dh, Dv, cells, W, k_stride0,
+    # k_stride1, v_stride0, v_stride1), then scale as fp32 and a pad: 104 bytes, a multiple of 8.
+    p = hebrus_emu.plan("qsa_attention", 3, 8, 2, 48, 40, 70, 30, 48, 70 * 48, 200, 7, 0.25)
+    assert p.params_size == 104
+    fields = struct.unpack("<12qfi", p.params_bytes)
+    assert fields[:12] == (3, 8, 2, 4, 48, 40, 70, 30, 48, 70 * 48, 200, 7) and fields[12] == 0.25
 
 
 def test_padding_anywhere():
@@ -288,3 +302,112 @@ def test_head_dims_beyond_the_kernel_limit_are_refused():
     q, k, v, tc, scale = make(2, 2, 1, 300, 8, 6, 3, torch.float32, seed=9)
     with pytest.raises(HebrusError, match=r"head dims up to 256"):
         hebrus_emu.qsa_attention(q, k, v, tc, scale)
+
+
+# ---- k and v read in place through their strides -------------------------------------------------------
+
+def strided_kv(k, v, layout):
+    """Views with the values of k [cells, Hkv, Dh] and v [cells, Hkv, Dv] in the given memory layout:
+    cache-row:   a transformers cache row [Hkv, cells, D] transposed (strides (D, cells * D, 1));
+    cache-slice: a row of a batched cache [B, Hkv + 1, cells + 5, D] sliced along the batch, the heads
+                 and the cells, then transposed (storage offset, row stride (cells + 5) * D); every
+                 element outside the view is NaN, so a misaddressed read shows in the output;
+    fused-kv:    k and v as the two halves of the last dim of one [cells, Hkv, Dh + Dv] plane;
+    broadcast:   KV head 0 expanded over the heads (head stride 0; k and v passed with head 0 copied);
+    last-dim:    a last dim that is not contiguous ([cells, D, Hkv] permuted): the glue copies that one.
+    Returns (k_view, v_view, k_values, v_values), the values being what the views hold."""
+    cells, hkv, dh = k.shape
+    if layout == "broadcast":
+        k, v = k[:, :1].expand(-1, hkv, -1), v[:, :1].expand(-1, hkv, -1)
+        return k, v, k.contiguous(), v.contiguous()
+    if layout == "fused-kv":
+        kv = torch.cat([k, v], 2)
+        return kv[..., :dh], kv[..., dh:], k, v
+    views = []
+    for x in (k, v):
+        if layout == "cache-row":
+            views.append(x.transpose(0, 1).contiguous().transpose(0, 1))
+        elif layout == "cache-slice":
+            cache = torch.full((3, hkv + 1, cells + 5, x.shape[2]), float("nan"), dtype=x.dtype)
+            cache[1, 1:, 2:2 + cells] = x.transpose(0, 1)
+            views.append(cache[1, 1:, 2:2 + cells].transpose(0, 1))
+        elif layout == "last-dim":
+            views.append(x.permute(0, 2, 1).contiguous().permute(0, 2, 1))
+        else:
+            raise ValueError(layout)
+    return views[0], views[1], k, v
+
+
+STRIDED_LAYOUTS = ("cache-row", "cache-slice", "fused-kv", "broadcast", "last-dim")
+STRIDED_CONFIGS = {
+    # name: (tq, hq, hkv, dh, dv, cells, width, pad)     variant
+    "gqa-8-2": (5, 8, 2, 48, 40, 70, 30, "scattered"),  # h4_d64
+    "mha-3": (3, 3, 3, 24, 72, 40, 20, "end"),           # h1_d128, Dh != Dv
+}
+
+
+@pytest.mark.parametrize("layout", STRIDED_LAYOUTS)
+@pytest.mark.parametrize("config", STRIDED_CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_kv_match_contiguous_bitwise(dtype, config, layout):
+    # The kernel only addresses k and v differently: the output is the contiguous-input output bit for
+    # bit, and matches the reference.
+    tq, hq, hkv, dh, dv, cells, width, pad = STRIDED_CONFIGS[config]
+    q, k, v, tc, scale = make(tq, hq, hkv, dh, dv, cells, width, dtype, pad, seed=20 + DTYPES.index(dtype))
+    k_view, v_view, k, v = strided_kv(k, v, layout)
+    assert torch.equal(k_view, k) and torch.equal(v_view, v)
+    assert not k_view.is_contiguous() and not v_view.is_contiguous()
+    got = hebrus_emu.qsa_attention(q, k_view, v_view, tc, scale)
+    assert torch.equal(got, hebrus_emu.qsa_attention(q, k.contiguous(), v.contiguous(), tc, scale))
+    assert_matches_reference(got, q, k, v, tc, scale)
+
+
+@pytest.mark.parametrize("sched,guard", [("reverse", "start"), ("random", "end")])
+def test_strided_kv_schedules_and_guards(sched, guard):
+    # The bound span ends at the view's last element (guard="end") and starts at its first one
+    # (guard="start"): every read stays inside the view, under every schedule.
+    q, k, v, tc, scale = make(4, 16, 2, 24, 24, 90, 30, torch.bfloat16, "scattered", seed=22)
+    for layout in ("cache-slice", "broadcast"):
+        k_view, v_view, k_values, v_values = strided_kv(k, v, layout)
+        want = hebrus_emu.qsa_attention(q, k_values.contiguous(), v_values.contiguous(), tc, scale)
+        got = hebrus_emu.qsa_attention(q, k_view, v_view, tc, scale, sched=sched, seed=3, guard=guard)
+        assert torch.equal(got, want)
+
+
+def test_strided_kv_are_bound_without_a_copy(monkeypatch):
+    # The mirror of the glue binds the views' own storage (from the first element of the view through
+    # its last) and passes their strides in the parameter block; only a last dim that is not
+    # contiguous is copied.
+    bound = []
+    launch = hebrus_emu._launch
+
+    def spy(stem, name, buffers, p, **kw):
+        bound.append((buffers, p))
+        return launch(stem, name, buffers, p, **kw)
+
+    monkeypatch.setattr(hebrus_emu, "_launch", spy)
+    q, k, v, tc, scale = make(3, 4, 2, 16, 24, 30, 10, torch.float16, seed=24)
+    for layout in STRIDED_LAYOUTS:
+        k_view, v_view, _, _ = strided_kv(k, v, layout)
+        bound.clear()
+        hebrus_emu.qsa_attention(q, k_view, v_view, tc, scale)
+        (buffers, p), = bound
+        fields = struct.unpack("<12qfi", p.params_bytes)
+        for view, buf, strides in ((k_view, buffers[1], fields[8:10]), (v_view, buffers[2], fields[10:12])):
+            if layout == "last-dim":  # the one layout the kernel cannot read: copied, contiguous strides
+                assert buf.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+                assert strides == (view.shape[1] * view.shape[2], view.shape[2])
+                continue
+            assert buf.data_ptr() == view.data_ptr()
+            assert buf.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+            assert buf.is_contiguous() and buf.dim() == 1
+            last = sum((n - 1) * s for n, s in zip(view.shape, view.stride()))
+            assert buf.numel() == last + 1  # exactly the span of the view
+            assert strides == view.stride()[:2]
+    # A transformers cache row: the view of [B, Hkv, cells, D] the drop-in passes, read in place.
+    cache = torch.randn(2, 2, 30, 16).to(torch.float16)
+    bound.clear()
+    hebrus_emu.qsa_attention(q, cache[1].transpose(0, 1), cache[1].transpose(0, 1), tc, scale)
+    (buffers, p), = bound
+    assert buffers[1].data_ptr() == cache[1].data_ptr() and buffers[1].numel() == 2 * 30 * 16
+    assert struct.unpack("<12qfi", p.params_bytes)[8:12] == (16, 30 * 16, 16, 30 * 16)

@@ -10,7 +10,9 @@
 // the library caches its pipeline states. Kernels are encoded on PyTorch's current MPS stream
 // through MetalKernelFunction::runCommandBlock / startEncoding / setArg / dispatch, exactly as
 // PyTorch's own ops do: we never create a queue, end an encoder or commit. Tensors are bound with
-// setArg(idx, tensor), which passes the buffer with the tensor's storage offset.
+// setArg(idx, tensor), which passes the buffer with the tensor's storage offset and nothing of its
+// strides: a kernel that reads a strided view takes the strides in its parameter block (qsa_attention's
+// K and V); every other input is made contiguous first.
 //
 // Values that only the kernel sees (token ids, holes, cu_seqlens) are checked in the kernel, which
 // records the first offending index in an error-slot buffer (hebrus_params.h). After the launch the

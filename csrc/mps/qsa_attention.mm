@@ -6,6 +6,10 @@
 // kernel and come back through the error slots, raised here with the reference's messages before
 // anything is returned. Shapes where no kernel thread would look at token_cells (Hq = 0, Dv = 0 or
 // no cells) are checked on a host copy instead.
+// K and V are read in place through the element strides of their first two dims (only their last dim
+// must be contiguous, as for the CPU kernel): the views of a cache row that callers pass
+// ([Hkv, cells, D] transposed to [cells, Hkv, D]) are not copied, so a call reads only the selected
+// cells. q and token_cells are small and made contiguous; out is contiguous.
 #include "hebrus_mps.h"
 #include "op_checks.h"
 
@@ -26,6 +30,10 @@ void raise_empty_query(int64_t t) {
   HEBRUS_CHECK(false, HebrusError, "hebrus::qsa_attention: query ", t, " selects no cell (every entry of token_cells[",
                t, "] is negative padding); attention over an empty selection is undefined");
 }
+
+// t itself when its last dim is contiguous (or has at most one element), else a contiguous copy: the
+// kernel reads dims 0 and 1 through strides (as csrc/cpu/attention_kernels.cpp does).
+Tensor last_dim_contiguous(const Tensor& t) { return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous(); }
 
 // The reference's value checks on a host copy: the first entry >= cells in row-major order, then
 // the first query without any entry >= 0.
@@ -57,10 +65,12 @@ Tensor qsa_attention_mps(const Tensor& q_in, const Tensor& k_in, const Tensor& v
     check_token_cells_on_host(token_cells_in, cells);
     return at::empty({tq, hq, dv}, q_in.options());
   }
-  const auto plan = hebrus::metal::plan_qsa_attention(tq, hq, hkv, dh, dv, cells, width, scale);
+  const Tensor k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);  // views stay views
+  const auto plan = hebrus::metal::plan_qsa_attention(tq, hq, hkv, dh, dv, cells, width, k.stride(0), k.stride(1),
+                                                      v.stride(0), v.stride(1), scale);
   check_plan(op, plan.error);
 
-  const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const Tensor q = q_in.contiguous();
   const Tensor token_cells = token_cells_in.contiguous();
   Tensor out = at::empty({tq, hq, dv}, q.options());
   Tensor err = error_slots(q);

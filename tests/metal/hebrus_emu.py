@@ -1,11 +1,13 @@
 """The hebrus ops run through the Metal emulator, launched the way the MPS glue launches them.
 
 Each function mirrors its ``csrc/mps/<op>.mm``: the same metadata checks (``hebrus_torch._validate``),
-contiguous inputs, kernel name from ``hebrus::metal::kernel_name``, parameter block and grid from
-the ``plan_*`` functions of ``mps_kernels/hebrus_launch.h`` (called through ``plan_abi.cpp``), the
-same buffer order, the error-slot buffer read back after the launch and raised as the glue raises
-it (``HebrusError`` / ``HoleError``), and no output returned when a slot is set. Outputs start as
-poison (NaN for floats, 0x7F7F... for integers) so an element the kernel forgets to write shows.
+contiguous inputs (except qsa_attention's k and v, bound in place as the glue binds them: only their
+last dim is made contiguous, see :func:`bound_view`), kernel name from
+``hebrus::metal::kernel_name``, parameter block and grid from the ``plan_*`` functions of
+``mps_kernels/hebrus_launch.h`` (called through ``plan_abi.cpp``), the same buffer order, the
+error-slot buffer read back after the launch and raised as the glue raises it (``HebrusError`` /
+``HoleError``), and no output returned when a slot is set. Outputs start as poison (NaN for floats,
+0x7F7F... for integers) so an element the kernel forgets to write shows.
 
 Keyword arguments select the emulator's schedule (``sched``, ``seed``), the guard-page side
 (``guard``), worker threads (``workers``) and the host compiler of the kernels (``cxx``, g++ by
@@ -83,6 +85,24 @@ def error_slots() -> torch.Tensor:
 def _launch(stem: str, name: str, buffers, p: EmuPlan, cxx: str = "g++", **emu):
     if p.threads:
         module(stem, cxx).dispatch(name, [*buffers, p.params_bytes], grid=(p.threads,), tg=(p.group,), **emu)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous (or has at most one element), else a contiguous copy:
+    what csrc/mps/qsa_attention.mm (and the CPU kernel) do to k and v before reading them through strides."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def bound_view(t: torch.Tensor) -> torch.Tensor:
+    """The buffer the glue's setArg(idx, t) binds for a strided tensor, without copying: a 1-D alias of
+    t's storage from t's first element through its last one (the GPU gets the whole MTLBuffer from the
+    storage offset on; the emulator binds only the span the view covers, so an access outside it hits
+    the guard page). The kernel addresses the elements with t's strides, which go in the parameter
+    block. For a contiguous t this is t.view(-1)."""
+    if t.numel() == 0:
+        return torch.as_strided(t, (0,), (1,))
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return torch.as_strided(t, (span,), (1,))
 
 
 def _slot(err: torch.Tensor, i: int) -> int | None:
@@ -207,10 +227,13 @@ def qsa_attention(q, k, v, token_cells, scale, **emu):
     if hq == 0 or dv == 0 or cells == 0:  # nothing to launch: the glue checks token_cells on the host
         reference.check_token_cells_values(token_cells, cells)
         return q.new_empty((tq, hq, dv))
-    p = plan(op, tq, hq, hkv, dh, dv, cells, token_cells.shape[1], float(scale))
-    q, k, v, token_cells = (t.contiguous() for t in (q, k, v, token_cells))
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)  # views stay views: read through their strides
+    p = plan(op, tq, hq, hkv, dh, dv, cells, token_cells.shape[1], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+             float(scale))
+    q, token_cells = q.contiguous(), token_cells.contiguous()
     out, err = poisoned((tq, hq, dv), q.dtype), error_slots()
-    _launch(op, kernel_name(op, p.variant.decode(), q.dtype), [q, k, v, token_cells, out, err], p, **emu)
+    _launch(op, kernel_name(op, p.variant.decode(), q.dtype), [q, bound_view(k), bound_view(v), token_cells, out, err],
+            p, **emu)
     width = token_cells.shape[1]
     if (e := _slot(err, 0)) is not None:
         t, i = divmod(e, width)

@@ -70,9 +70,11 @@ __attribute__((visibility("default"))) int hebrus_emu_plan_qsa_select(int64_t qu
 __attribute__((visibility("default"))) int hebrus_emu_plan_qsa_attention(int64_t queries, int64_t query_heads,
                                                                          int64_t kv_heads, int64_t head_dim,
                                                                          int64_t value_dim, int64_t cells,
-                                                                         int64_t width, double scale, EmuPlan* out) {
-  const auto plan =
-      hebrus::metal::plan_qsa_attention(queries, query_heads, kv_heads, head_dim, value_dim, cells, width, scale);
+                                                                         int64_t width, int64_t k_stride0,
+                                                                         int64_t k_stride1, int64_t v_stride0,
+                                                                         int64_t v_stride1, double scale, EmuPlan* out) {
+  const auto plan = hebrus::metal::plan_qsa_attention(queries, query_heads, kv_heads, head_dim, value_dim, cells,
+                                                      width, k_stride0, k_stride1, v_stride0, v_stride1, scale);
   return fill(plan, &plan.params, sizeof(plan.params), plan.variant, out);
 }
 
