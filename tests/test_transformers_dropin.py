@@ -475,7 +475,10 @@ def test_sparse_attention_left_padding_rows(device, attn):
     """Left-padding queries see nothing: their attention is transformers' own (every logit compared,
     padding positions included); the real queries attend through qsa_attention, in one-shot and decode."""
     model = htx.random_model(2, device=device, attn_implementation=attn)
-    ids = tokens(2, 40, seed=19).to(device)
+    # Token seed 19 gave a near-tie that transformers' own indexer decides differently on CPU and CUDA
+    # (its selection masks differ between the two devices at one decode query; hebrus's, the same
+    # bits on both, agree with its CPU one); no model can match both, so this test avoids it.
+    ids = tokens(2, 40, seed=24).to(device)
     mask = torch.ones_like(ids)
     ids[1, :13], mask[1, :13] = 0, 0
 
