@@ -11,6 +11,7 @@ ties in an unspecified order (hebrus: lower group index, SPEC §3); see test_exa
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 
@@ -21,7 +22,7 @@ pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip inst
 
 import hebrus_torch as ht  # noqa: E402
 from hebrus_torch.integrations import transformers as htx  # noqa: E402
-from transformers.cache_utils import DynamicCache, DynamicIndexedLayer  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, StaticCache  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -581,3 +582,120 @@ def test_sparse_attention_layer_outputs_with_grouped_kv_heads(device, attn, monk
         scale = float(a[cols].abs().max())         # outputs are ~1e-2: a tolerance relative to their scale
         torch.testing.assert_close(b[cols], a[cols], atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"layer call {i}: {m}")
     torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=ATOL)
+
+
+def test_dynamic_rope_repools_kept_groups(device):
+    """Dynamic-NTK RoPE rewrites inv_freq once decode passes max_position_embeddings: groups pooled
+    before are roped with the old frequencies and are pooled again."""
+    model = htx.random_model(0, device=device, max_position_embeddings=32,
+                             rope_parameters={"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0})
+    prompt = tokens(1, 28, seed=3).to(device)
+
+    def run():
+        out = model.generate(prompt, past_key_values=DynamicCache(config=model.config), max_new_tokens=20,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                             output_logits=True)
+        return out.sequences, torch.stack(out.logits, 1)
+
+    (ref_ids, ref), (got_ids, got), stats, rm, gm = both(model, run)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+
+
+def test_torch_compile_with_a_static_cache(device):
+    """A StaticCache has max_cache_len key columns but positions only for the tokens seen so far."""
+    model = htx.random_model(0, device=device)
+    ids = tokens(1, 30, seed=3).to(device)
+
+    def run(compile_it):
+        forward = torch.compile(model, fullgraph=True, backend="aot_eager") if compile_it else model
+        cache = StaticCache(config=model.config, max_cache_len=48)
+        out = [forward(ids[:, :28], past_key_values=cache, use_cache=True).logits]
+        for t in (28, 29):
+            out.append(forward(ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                               cache_position=torch.tensor([t], device=device)).logits)
+        return torch.cat(out, 1)
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            ref = run(False)
+            htx.apply(model)
+            got = run(True)
+    finally:
+        htx.revert(model)
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+
+
+def test_deep_copy_of_a_patched_model_reverts(model, device):
+    ids = tokens(1, 36, seed=5).to(device)
+    with torch.no_grad():
+        ref = model(ids).logits
+    htx.apply(model)
+    try:
+        twin = copy.deepcopy(model)
+    finally:
+        htx.revert(model)
+    assert htx.is_applied(twin)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, ref, atol=ATOL, rtol=ATOL)
+    htx.revert(twin)
+    assert not htx.is_applied(twin)
+    for mod in twin.modules():
+        assert "forward" not in mod.__dict__ and "_short_conv" not in mod.__dict__, type(mod).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, ref, atol=ATOL, rtol=ATOL)
+
+
+def test_backward_gets_transformers_gradients(device):
+    """The ops have no backward: with a gradient wanted, the PLE conv and the attention run transformers'
+    own code, so every parameter gets the gradient it gets unpatched (the indexer's selection has none)."""
+    model = htx.random_model(0, device=device)
+    ids = tokens(1, 36, seed=6).to(device)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    ref = grads()
+    htx.apply(model)
+    try:
+        htx.reset_stats()
+        got = grads()
+        stats = htx.stats()
+    finally:
+        htx.revert(model)
+    assert stats.get("ple_fallback:autograd", 0) > 0, stats
+    assert [n for n, g in ref.items() if g is not None] == [n for n, g in got.items() if g is not None]
+    for name, g in ref.items():
+        if g is not None:
+            torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device):
+    """Embeddings resized past the config's vocabulary: transformers hashes such ids anyway, the op refuses
+    them (SPEC §2), so that call runs transformers' n-gram forward. A float64 model: the conv likewise."""
+    model = htx.random_model(0, device=device)
+    model.resize_token_embeddings(72)
+    ids = tokens(1, 30, seed=7).to(device)
+    ids[0, 5], ids[0, 20] = 70, 66
+    ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert stats.get("ple_fallback:token_outside_vocab", 0) == 2, stats
+    # (transformers' MoE cannot run a whole float64 model on CPU: one PLE layer in float64 instead)
+    ple = next(m for m in model.modules() if isinstance(m, M.Qwen4ExpTextPLELayer)).double()
+    x = torch.randn(2, 9, ple.conv1d.weight.shape[0], dtype=torch.float64, device=device)
+    with torch.no_grad():
+        ref = ple._short_conv(x, None)
+        htx.apply(model)
+        try:
+            htx.reset_stats()
+            got = ple._short_conv(x, None)
+            assert htx.stats().get("ple_fallback:dtype", 0) == 1, htx.stats()
+        finally:
+            htx.revert(model)
+    assert got.dtype == torch.float64 and torch.equal(got, ref)

@@ -175,7 +175,24 @@ def revert(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-_MISSING = object()
+class _Missing:
+    """Marks a method that was not in the instance ``__dict__`` before :func:`apply`; one object, which a
+    deep copy or a pickle of a patched model keeps (``revert`` tests it by identity)."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 def _patch(mod: torch.nn.Module, name: str, impl, **extra) -> bool:
@@ -240,8 +257,20 @@ def _invalidating(method):
 # PLE
 
 
+_PLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tensor:
-    """Qwen4ExpTextNGramEmbedding.forward with the hash as one hebrus::ple_ngram_ids call."""
+    """Qwen4ExpTextNGramEmbedding.forward with the hash as one hebrus::ple_ngram_ids call.
+
+    Token ids outside ``[0, vocab_size)`` (embeddings resized past the config's vocabulary) are bad
+    input to the op (SPEC §2); transformers hashes them anyway, so such a call runs its forward."""
+    original = self.__dict__[_PATCH]["original_forward"]
+    if not torch.compiler.is_compiling() and input_ids.numel():
+        low, high = torch.aminmax(input_ids)
+        if int(low) < 0 or int(high) >= int(self.unigram_vocab_size):
+            _STATS["ple_fallback:token_outside_vocab"] += 1
+            return original(input_ids, past_key_values)
     input_ids = input_ids.long()
     batch, length = input_ids.shape
     ctx_len = self.context_len
@@ -277,7 +306,17 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
 
 
 def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Tensor:
-    """Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache updates itself as before."""
+    """Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache updates itself as before.
+
+    hebrus::ple_conv has no backward and takes fp32/fp16/bf16: where a gradient is wanted, or for
+    another dtype, transformers' own conv runs."""
+    original = self.__dict__[_PATCH]["original__short_conv"]
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.conv1d.weight.requires_grad):
+        _STATS["ple_fallback:autograd"] += 1
+        return original(hidden_states, past_key_values)
+    if hidden_states.dtype not in _PLE_DTYPES or self.conv1d.weight.dtype != hidden_states.dtype:
+        _STATS["ple_fallback:dtype"] += 1
+        return original(hidden_states, past_key_values)
     batch, length, channels = hidden_states.shape
     state_len = self.short_conv_state_len
     state = None
@@ -417,13 +456,20 @@ def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: st
 class _Groups:
     """Pooled groups of one indexed cache layer, kept between calls (stored on the cache layer)."""
 
-    __slots__ = ("epoch", "batch", "kv", "dtype", "device", "dim", "ratio", "slots", "have", "table", "pooled",
-                 "used")
+    __slots__ = ("epoch", "batch", "kv", "dtype", "device", "dim", "ratio", "rope", "slots", "have", "table",
+                 "pooled", "used")
 
 
-def _fresh_groups(batch, kv, keys: torch.Tensor, ratio: int) -> _Groups:
+def _rope_key(inv_freq: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Which inverse frequencies groups were roped with: the tensor and its version. transformers'
+    dynamic RoPE variants replace or rewrite ``inv_freq`` as the context grows, and groups pooled
+    before must then be pooled again (no host sync: identity and the version counter)."""
+    return inv_freq, inv_freq._version
+
+
+def _fresh_groups(batch, kv, keys: torch.Tensor, ratio: int, rope: tuple[torch.Tensor, int]) -> _Groups:
     g = _Groups()
-    g.epoch, g.batch, g.kv, g.ratio = _epoch, batch, kv, ratio
+    g.epoch, g.batch, g.kv, g.ratio, g.rope = _epoch, batch, kv, ratio, rope
     g.dtype, g.device, g.dim = keys.dtype, keys.device, keys.shape[-1]
     g.slots = {}                     # (b, f) -> slot
     g.have = []                      # per slot: groups pooled
@@ -452,10 +498,11 @@ def _grow_table(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def _reusable(state: _Groups | None, batch: int, kv: int, keys: torch.Tensor, ratio: int) -> bool:
+def _reusable(state: _Groups | None, batch: int, kv: int, keys: torch.Tensor, ratio: int,
+              rope: tuple[torch.Tensor, int]) -> bool:
     return (state is not None and state.epoch == _epoch and state.batch == batch and state.kv <= kv
             and state.dtype == keys.dtype and state.device == keys.device and state.dim == keys.shape[-1]
-            and state.ratio == ratio)
+            and state.ratio == ratio and state.rope[0] is rope[0] and state.rope[1] == rope[1])
 
 
 def _indexer_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor,
@@ -527,7 +574,9 @@ def _indexer_traceable(self, record, hidden_states, position_embeddings, attenti
     valid = starts + ratio <= f_row + n_row
     rows = torch.arange(batch, device=device)[:, None]
     start_cell = torch.where(valid, rows * kv + starts, batch * kv)              # invalid -> the zero cells
-    group_pos = torch.where(valid, positions.gather(1, starts.clamp(max=kv - 1)), 0)
+    # A static cache has kv = max_cache_len columns but positions only for the tokens seen so far; the
+    # starts of valid groups lie among those.
+    group_pos = torch.where(valid, positions.gather(1, starts.clamp(max=positions.shape[1] - 1)), 0)
     cells = start_cell[:, :, None] + members                                     # [B, G, r]
     cell_pos = torch.zeros(batch * kv + ratio, dtype=torch.int64, device=device)
     # RoPE at the group start, as transformers does: cells carry their group's start position + offset.
@@ -600,15 +649,16 @@ def _select(self, plan: _Plan, q: torch.Tensor, raw_keys: torch.Tensor, position
     if layer is not None and not _cache_class_patches:
         _install_cache_wrappers()        # e.g. a deep copy of a patched model outlived revert() of the original
     state = layer.__dict__.get(_GROUPS) if layer is not None else None
-    if not _reusable(state, batch, kv, raw_keys, ratio):
-        state = _fresh_groups(batch, kv, raw_keys, ratio)
+    rope = _rope_key(self.__dict__[_PATCH]["ctx"].rotary.inv_freq)
+    if not _reusable(state, batch, kv, raw_keys, ratio, rope):
+        state = _fresh_groups(batch, kv, raw_keys, ratio, rope)
 
     # Anchors of this call; slots of anchors no query uses any more are dropped (compaction).
     current = {(b, f): need for b, f, need in plan.anchors}
     if any(key not in current for key in state.slots):
         keep = [key for key in state.slots if key in current]
         old = state
-        state = _fresh_groups(batch, kv, raw_keys, ratio)
+        state = _fresh_groups(batch, kv, raw_keys, ratio, rope)
         if keep:
             old_slots = torch.tensor([old.slots[k] for k in keep], device=device)
             have = [old.have[old.slots[k]] for k in keep]
