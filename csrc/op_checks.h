@@ -160,9 +160,27 @@ inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& w
   return {batch, x.size(0), channels, width, state_len, silu};
 }
 
+// Whether two tensors may share memory. at::get_overlap_status answers exactly for dense tensors and
+// "too hard" for any other view (a column slice, an expanded tensor); those count as overlapping only
+// when they view one storage and the byte spans they cover intersect, as _validate.no_overlap decides.
+inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+  if (status != at::MemOverlapStatus::TooHard) return status != at::MemOverlapStatus::No;
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  const auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const int64_t start = t.storage_offset() * static_cast<int64_t>(t.element_size());
+    return std::make_pair(start, start + (last + 1) * static_cast<int64_t>(t.element_size()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 // The buffers ple_conv_into writes: y like x and new_state like state (shape and dtype), contiguous,
 // and sharing no memory with an input or with each other, since the kernel reads the inputs while it
-// writes (a possible overlap that is too costly to rule out counts as one).
+// writes (views of one storage whose byte spans intersect count as overlapping).
 inline void check_ple_conv_outs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
                                 const at::Tensor& state, const at::Tensor& y, const at::Tensor& new_state) {
   const char* op = "ple_conv_into";
@@ -181,7 +199,7 @@ inline void check_ple_conv_outs(const at::Tensor& x, const at::Tensor& weight, c
   for (const auto& [out_name, out] : outs) {
     for (const auto& [name, t] : others) {
       if (t == out) continue;
-      HEBRUS_CHECK(at::get_overlap_status(*out, *t) == at::MemOverlapStatus::No, HebrusError, "hebrus::", op, ": ",
+      HEBRUS_CHECK(!may_overlap(*out, *t), HebrusError, "hebrus::", op, ": ",
                    out_name, " shares memory with ", name, "; the outputs must not overlap the inputs or each other");
     }
   }

@@ -30,6 +30,57 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, op: str) -> No
                           f"cu_seqlens[{row}] = {int(cu[row])} > cu_seqlens[{row + 1}] = {int(cu[row + 1])}")
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """``fma(a, b, c)`` of float32 values, rounded once, as C's fmaf: the product is exact in float64,
+    the sum is rounded to odd in float64 (TwoSum gives its exact error), and rounding that to float32
+    is then the correctly rounded result (53 >= 24 + 2 bits). Elementwise IEEE operations only, so
+    every device and every vector width give the same bits."""
+    p = a.double() * b.double()
+    c64 = torch.as_tensor(c, dtype=torch.float64, device=p.device)
+    s = p + c64
+    bp = s - c64
+    err = (p - bp) + (c64 - (s - bp))
+    to_odd = (err != 0) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(err > 0, math.inf, -math.inf).to(torch.float64)
+    return torch.where(to_odd, torch.nextafter(s, toward), s).float()
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The IEEE bits of float32 values as unsigned 32-bit integers held in int64."""
+    return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _from_bits(b: torch.Tensor) -> torch.Tensor:
+    """float32 values from unsigned 32-bit patterns held in int64 (the low 32 bits are used)."""
+    b = b & 0xFFFFFFFF
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of float32 values with the CPU kernel's arithmetic (csrc/cpu/ple_kernels.cpp, exp_silu and
+    silu): ``x / (1 + exp(-x))`` with its clamped Cephes exp and fused multiply-adds, so the reference
+    gives the kernel's bits. torch's own silu takes another exp on its vector body than on the scalar
+    tail (CPU), so its bits would depend on where a token falls in the tensor: on how a batch is cut."""
+    e = -x
+    b = _bits(e)
+    neg_capped = torch.where(b < 0xC2AF0000, b, 0xC2AF0000)                 # -87.5 and below -> -87.5
+    flipped = neg_capped ^ 0x80000000
+    capped = torch.where(flipped < (0x42B20000 ^ 0x80000000), flipped, 0x42B20000 ^ 0x80000000)  # -> <= 89
+    xc = _from_bits(capped ^ 0x80000000)
+    magic = 12582912.0                                                     # 1.5 * 2^23
+    t = _fma32(xc, torch.tensor(1.44269504088896341, dtype=torch.float32), magic)
+    n = t - magic
+    ni = _bits(t) - _bits(torch.tensor(magic, dtype=torch.float32))
+    r = _fma32(n, torch.tensor(2.12194440e-4, dtype=torch.float32),
+               _fma32(n, torch.tensor(-0.693359375, dtype=torch.float32), xc))
+    y = torch.full_like(r, 1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = _fma32(y, r, torch.tensor(coef, dtype=torch.float32))
+    poly = _fma32(y, r * r, r) + 1.0
+    exp_neg = (poly * _from_bits((ni + 126) << 23)) * 2.0
+    return x / (1.0 + exp_neg)
+
+
 def _packed_with_prefix(values: torch.Tensor, prefix: torch.Tensor, cu_seqlens: torch.Tensor):
     """Interleave each row's prefix (B, P, ...) before its tokens (T, ...).
 
@@ -136,7 +187,7 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
     for k in range(width):
         acc = acc + w[:, k] * u[token_in_u - (width - 1 - k) * dilation].float()
     if activation == "silu":
-        acc = torch.nn.functional.silu(acc)
+        acc = _silu(acc)
     hist_idx = row_end[:, None] - state_len + torch.arange(state_len, device=x.device)[None, :]
     return acc.to(x.dtype), u[hist_idx]
 
@@ -422,7 +473,9 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_cells
         n = sl.stop - sl.start
         ids = idx[sl].clamp(min=0)
         kk = k[ids].float()                                                  # [n, W, Hkv, Dh]
-        vv = v[ids].float()                                                  # [n, W, Hkv, Dv]
+        # Padding reads cell 0 (clamped); its value rows are zeroed so that an inf or NaN there reaches
+        # no query that did not select it (its score is masked to -inf below).
+        vv = v[ids].float().masked_fill(~valid[sl][:, :, None, None], 0.0)   # [n, W, Hkv, Dv]
         qq = q[sl].float().reshape(n, hkv, rep, dh)
         scores = torch.einsum("bgrd,bwgd->bgrw", qq, kk) * scale
         scores = scores.masked_fill(~valid[sl][:, None, None, :], -math.inf)

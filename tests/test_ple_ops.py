@@ -15,6 +15,7 @@ import torch
 import hebrus_torch as ht
 from hebrus_torch import reference
 from hebrus_torch._extension import has_native_kernel
+from hebrus_torch.errors import HebrusError
 
 from conftest import ATOL, RTOL, assert_mixed_devices_rejected, assert_rejected, with_changes
 
@@ -329,8 +330,8 @@ def test_conv_kernel_vs_reference(device, dtype, channels, activation):
                                        dilation, activation)
             assert got_y.dtype == dtype and got_s.dtype == dtype
             assert torch.equal(got_s.cpu(), want_s)
-            if device == "cpu" and activation == "none":
-                # Same fp32 products and sums in the same order, one cast: bitwise.
+            if device == "cpu":
+                # Same fp32 products and sums in the same order, the kernel's SiLU, one cast: bitwise.
                 assert torch.equal(got_y, want_y), (width, dilation)
             else:
                 assert_close(got_y, want_y, dtype)
@@ -384,6 +385,36 @@ def test_conv_cpu_silu_accuracy_and_specials():
     assert got[0] == float("inf") and torch.isnan(got[1]) and torch.isnan(got[2])
     assert got[3] == 0 and torch.signbit(got[3]) and got[4] == 0 and torch.signbit(got[4])
     assert got[5] == 100.0 and got[6] == 0
+
+
+def test_reference_silu_conv_is_the_kernels_and_chunk_invariant():
+    """The reference is the conv of every device without a native kernel: its SiLU replays the CPU
+    kernel's arithmetic, so it gives the kernel's bits (torch's silu would take another exp on its
+    vector body than on its scalar tail, making a token's bits depend on where the batch was cut)."""
+    x = torch.cat([torch.linspace(-110, 110, 20_001), torch.randn(20_000) * 30,
+                   torch.tensor([float("inf"), float("-inf"), float("nan"), 89.0, 88.72, -87.5, -88.72, 1e-40,
+                                 -1e-40, 3e38, -3e38, 0.0, -0.0])])
+    flat = x.view(-1, 1)
+    cu = torch.tensor([0, flat.shape[0]], dtype=torch.int32)
+    args = (flat, torch.ones(1, 1), cu, torch.zeros(1, 0, 1), 1, "silu")
+    want, got = ht.ple_conv(*args)[0], reference.ple_conv(*args)[0]
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    gen = torch.Generator().manual_seed(12)
+    stream = torch.randn(1357, 7, generator=gen) * 3
+    weight = torch.randn(7, 4, generator=gen)
+    state0 = torch.randn(1, 9, 7, generator=gen)
+    one = reference.ple_conv(stream, weight, torch.tensor([0, 1357], dtype=torch.int32), state0, 3, "silu")[0]
+    assert torch.equal(one, ht.ple_conv(stream, weight, torch.tensor([0, 1357], dtype=torch.int32), state0, 3,
+                                        "silu")[0])
+    rng = random.Random(12)
+    parts, state, at = [], state0, 0
+    while at < 1357:
+        n = min(rng.choice([1, 1, 2, 5, 17, 64]), 1357 - at)
+        y, state = reference.ple_conv(stream[at:at + n], weight, torch.tensor([0, n], dtype=torch.int32), state, 3,
+                                      "silu")
+        parts.append(y)
+        at += n
+    assert torch.equal(torch.cat(parts), one)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -846,6 +877,26 @@ def test_conv_into_disjoint_views_of_one_buffer(device):
     ht.ple_conv(**args, out=(y, new_state))
     want = ht.ple_conv(**args)
     assert torch.equal(y, want[0]) and torch.equal(new_state, want[1])
+
+
+def test_conv_into_strided_inputs(device):
+    # Inputs that are views (a column slice of a fused projection, an expanded state, a strided
+    # cu_seqlens) share no memory with the outputs: accepted, as by ple_conv.
+    gen = torch.Generator().manual_seed(13)
+    fused = torch.randn(9, 2 * 6, generator=gen).to(device)
+    x = fused[:, :6]
+    weight = torch.randn(6, 4, generator=gen).to(device)
+    cu = torch.tensor([0, 0, 4, 4, 9, 9], dtype=torch.int32, device=device)[::2]
+    state = torch.randn(1, 9, 6, generator=gen).to(device).expand(2, 9, 6)
+    want = ht.ple_conv(x, weight, cu, state, 3, "silu")
+    y, new_state = torch.empty(9, 6, device=device), torch.empty(2, 9, 6, device=device)
+    ht.ple_conv(x, weight, cu, state, 3, "silu", out=(y, new_state))
+    assert torch.equal(y, want[0]) and torch.equal(new_state, want[1])
+    overlapping = fused.view(-1)[:54].view(9, 6)                   # contiguous, over x's bytes
+    before = fused.clone()
+    with pytest.raises(HebrusError, match="shares memory with x"):
+        ht.ple_conv(x, weight, cu, state, 3, "silu", out=(overlapping, new_state))
+    assert torch.equal(fused, before)
 
 
 @pytest.mark.parametrize("name", ["x", "state", "y", "new_state"])

@@ -474,3 +474,20 @@ def test_bad_input(device, name):
 @pytest.mark.parametrize("name", ["q", "k", "v", "token_cells"])
 def test_mismatched_devices(name):
     assert_mixed_devices_rejected("qsa_attention", good_args(), name)
+
+
+def test_padding_never_reads_a_cell():
+    """Padding entries select nothing: an inf or NaN in a cell no query selected (cell 0, which the
+    reference's gather of padding lands on) reaches no output, in the kernel and the reference."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(3, 4, 16, generator=gen)
+    k = torch.randn(6, 2, 16, generator=gen)
+    v = torch.randn(6, 2, 8, generator=gen)
+    k[0], v[0] = float("nan"), float("inf")
+    cells = torch.tensor([[1, -1, 2, -1], [-1, -1, 5, 3], [4, 4, -1, 1]], dtype=torch.int32)
+    want = reference.qsa_attention(q, k, v, cells, 0.25)
+    got = ht.qsa_attention(q, k, v, cells, 0.25)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    clean = reference.qsa_attention(q, k.nan_to_num(0.0), v.nan_to_num(0.0, 0.0, 0.0), cells, 0.25)
+    assert torch.equal(want, clean)
