@@ -11,7 +11,9 @@ import torch
 from .errors import CorruptStateError, HebrusError
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
+from .qsa.cache import QSAPlan
 from .state import blob
+from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable
 from .state.transaction import Transactional, atomic, transaction
 
@@ -41,7 +43,15 @@ class Batch:
              device: torch.device | str | None = None) -> "Batch":
         """Pack ``{handle: tokens}`` into one batch (insertion order = row order)."""
         seqs = list(rows)
-        token_rows = [torch.as_tensor(rows[s], dtype=torch.int64).reshape(-1) for s in seqs]
+        token_rows = []
+        for s in seqs:
+            try:
+                row = torch.as_tensor(rows[s])
+            except (TypeError, ValueError, RuntimeError):
+                raise HebrusError(f"Batch.pack: the tokens of {s} must be integers, got {rows[s]!r}") from None
+            if row.numel() and (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool):
+                raise HebrusError(f"Batch.pack: the tokens of {s} must be integers, got {row.dtype}")
+            token_rows.append(row.to(torch.int64).reshape(-1))
         if device is None:
             device = token_rows[0].device if token_rows else "cpu"
         lengths = torch.tensor([0] + [t.numel() for t in token_rows], dtype=torch.int64)
@@ -87,13 +97,15 @@ class ChunkStep:
     def ple_conv(self, layer_idx: int, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``hebrus::ple_conv`` of the conv input x: Tensor[T, C] -> Tensor[T, C]; tails staged."""
         ple = self.cache._need("ple")
-        return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, x, self.batch.cu_seqlens, weight)
+        return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.ple_conv: x", x),
+                        self.batch.cu_seqlens, weight)
 
     def qsa_write(self, layer_idx: int, index_keys: torch.Tensor, k: torch.Tensor | None = None,
                   v: torch.Tensor | None = None) -> None:
         """Write the chunk's raw indexer keys Tensor[T, D] (and K/V) for one layer; pools completed groups."""
         qsa = self.cache._need("qsa")
-        qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, index_keys, k, v)
+        qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, as_tensor("ChunkStep.qsa_write: index_keys", index_keys),
+                  k, v)
 
     def qsa_select(self, layer_idx: int, q_index: torch.Tensor, top_k: int | None = None):
         """Selection plan (``QSAPlan``) for one query per packed token: q_index Tensor[T, Hq, D]."""
@@ -102,7 +114,8 @@ class ChunkStep:
         if top_k is None:
             raise HebrusError("ChunkStep.qsa_select: pass top_k, or build the ModelCache with top_k= "
                               "(indexer_budget // indexer_compress_ratio)")
-        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
+        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, as_tensor("ChunkStep.qsa_select: q_index", q_index),
+                        as_int("ChunkStep.qsa_select: top_k", top_k))
 
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
@@ -115,7 +128,10 @@ class ChunkStep:
         if not qsa.has_kv:
             raise HebrusError("ModelCache: the QSA cache keeps no K/V planes (build it with with_kv=True)")
         layer = self.cache._qsa_layer(layer_idx)
-        return qsa_attention(q, qsa.k_cache[layer], qsa.v_cache[layer], plan.token_cells, scale)
+        if not isinstance(plan, QSAPlan):
+            raise HebrusError(f"ChunkStep.qsa_attention: plan must be the QSAPlan of qsa_select, got {type(plan).__name__}")
+        return qsa_attention(as_tensor("ChunkStep.qsa_attention: q", q), qsa.k_cache[layer], qsa.v_cache[layer],
+                             plan.token_cells, scale)
 
 
 class ModelCache(torch.nn.Module, Transactional):
@@ -175,6 +191,7 @@ class ModelCache(torch.nn.Module, Transactional):
 
     @staticmethod
     def _layer_index(holder, layer_idx: int, what: str) -> int:
+        layer_idx = as_int(f"ModelCache: the {what} layer index", layer_idx)
         ids = getattr(holder, "layer_ids", None)
         if ids is None:
             return layer_idx
@@ -199,6 +216,9 @@ class ModelCache(torch.nn.Module, Transactional):
 
         Leaving the block publishes every layer's new state at once; an exception publishes nothing.
         """
+        if batch is not None and not isinstance(batch, Batch):
+            raise HebrusError(f"ModelCache.transaction: batch must be a Batch (Batch.pack) or None, got "
+                              f"{type(batch).__name__}")
         with transaction(self):
             if batch is not None and self.keep_snapshots and self.ple is not None:
                 for seq in batch.seqs:
@@ -290,6 +310,7 @@ class ModelCache(torch.nn.Module, Transactional):
         position p (:meth:`checkpoint`, or ``keep_snapshots``).
         """
         self.slots.check(seq)
+        p = as_int("ModelCache.rewind: p", p)
         if self.qsa is None:
             raise HebrusError("ModelCache.rewind: positions live in the QSA cache; this model has none")
         p0, n = self.qsa.run(seq)
@@ -299,6 +320,7 @@ class ModelCache(torch.nn.Module, Transactional):
             if self.ple is not None:
                 if p <= p0 or n == 0:
                     self.ple.clear(seq)
+                    self._snapshots.pop(seq.slot, None)  # of the stream just dropped: none fits what comes next
                 else:
                     snap = next((s for s in self._snapshots.get(seq.slot, []) if s.position == p), None)
                     if snap is None:
@@ -312,6 +334,7 @@ class ModelCache(torch.nn.Module, Transactional):
     def remove(self, seq: SeqHandle, p0: int, p1: int) -> None:
         """seq_rm over [p0, p1) (p1 = -1: to the end): a prefix, a suffix (= rewind) or all."""
         self.slots.check(seq)
+        p0, p1 = as_int("ModelCache.remove: p0", p0), as_int("ModelCache.remove: p1", p1)
         q0, n = self._need("qsa").run(seq)
         end = q0 + n if p1 < 0 else p1
         if n and p0 > q0 and end >= q0 + n:
@@ -321,10 +344,13 @@ class ModelCache(torch.nn.Module, Transactional):
             self.qsa.remove(seq, p0, p1)
             if self.ple is not None and self.qsa.run(seq)[1] == 0:
                 self.ple.clear(seq)
+                self._snapshots.pop(seq.slot, None)
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
         """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move with
         the run, by as much as it actually moved: a range that misses the run moves nothing)."""
+        p0, p1 = as_int("ModelCache.shift: p0", p0), as_int("ModelCache.shift: p1", p1)
+        delta = as_int("ModelCache.shift: delta", delta)
         with self._atomic():
             self.slots.check(seq)
             qsa = self._need("qsa")
@@ -344,6 +370,8 @@ class ModelCache(torch.nn.Module, Transactional):
 
     def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
         """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle."""
+        if seq is not None and not isinstance(seq, SeqHandle):
+            raise HebrusError(f"ModelCache.restore: seq must be a SeqHandle or None, got {type(seq).__name__}")
         meta, parts = blob.unpack(data, _KIND)
         names = sorted(n for n, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None)
         blob.expect(_KIND, meta.get("holders") == names and sorted(parts) == names,
@@ -431,6 +459,12 @@ class ModelCache(torch.nn.Module, Transactional):
             getattr(self, name).publish_state_dict(part)
         self.slots.load(generation, live)
         self._snapshots = {}
+
+    def state_dict(self, *args, **kwargs):
+        """Both holders and the handle table (refused inside a transaction: nothing of it is published)."""
+        if self.in_transaction:
+            raise HebrusError("ModelCache.state_dict cannot run inside a transaction (its changes are not published)")
+        return super().state_dict(*args, **kwargs)
 
     def get_extra_state(self) -> dict[str, Any]:
         generation, live = self.slots.generation.tolist(), self.slots.live.tolist()

@@ -426,3 +426,83 @@ def test_step_attention_reads_only_selected_cells(model):
             torch.testing.assert_close(out, dense[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     # Sparsity happened: some query saw fewer cells than its sequence holds.
     assert bool((plan.token_cells >= 0).sum(1).lt(mc.qsa.run(a)[1]).all())
+
+
+def test_rewind_after_a_restart_uses_no_snapshot_of_the_old_stream(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    run_chunk(mc, tables, {a: [5]})
+    mc.checkpoint(a)                                   # labelled 1, in the stream [5]
+    mc.remove(a, 0, -1)                                # everything goes, PLE state too
+    run_chunk(mc, tables, {a: [7]})
+    run_chunk(mc, tables, {a: [8]})
+    before = mc.digest()
+    with pytest.raises(HebrusError, match="snapshots kept at \\[\\]"):
+        mc.rewind(a, 1)                                # position 1 of the new stream [7, 8]: no snapshot
+    assert mc.digest() == before
+    mc.checkpoint(a)
+    run_chunk(mc, tables, {a: [9]})
+    mc.rewind(a, 0)                                    # back to nothing, then a restart at position 4
+    run_chunk(mc, tables, {a: [11, 12]}, first_positions={a: 4})
+    with pytest.raises(HebrusError, match="snapshots kept at \\[\\]"):
+        mc.rewind(a, 5)
+
+
+def test_state_dict_is_a_copy_and_refused_inside_a_transaction(model):
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 7), [])
+    sd, before = mc.state_dict(), mc.digest()
+    run_chunk(mc, tables, {a: torch.tensor([7, 8, 9])})     # the kept state dict does not follow
+    mc.load_state_dict(sd)
+    assert mc.digest() == before
+    with mc.transaction(ht.Batch.pack({a: torch.tensor([4])})) as step:
+        for holder in (mc, mc.ple, mc.qsa):
+            with pytest.raises(HebrusError, match="inside a transaction"):
+                holder.state_dict()
+        for li in mc.ple.layer_ids:
+            step.ple_ngram_ids(li)
+
+
+@pytest.mark.parametrize("case", ["rewind None", "remove float", "shift None", "restore seq", "transaction",
+                                  "pack None", "pack floats", "layer str", "conv None", "write None",
+                                  "select None", "top_k str", "attention plan"])
+def test_wrong_argument_types_are_hebrus_errors(model, case):
+    mc = make_cache(model, with_kv=True)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    kv = mc.qsa.kv_heads, mc.qsa.kv_head_dim
+    with mc.transaction(ht.Batch.pack({a: [3, 4, 5, 6, 7]})) as st:
+        for li in mc.ple.layer_ids:
+            st.ple_ngram_ids(li)
+        st.qsa_write(1, tables.keys[:5], torch.randn(5, *kv), torch.randn(5, *kv))
+    blob = mc.save(a)
+    before = mc.digest()
+
+    def step(fn):
+        with mc.transaction(ht.Batch.pack({a: [1, 2]})) as st:
+            fn(st)
+
+    def write(st):
+        st.qsa_write(1, tables.keys[:2], torch.randn(2, *kv), torch.randn(2, *kv))
+
+    calls = {
+        "rewind None": lambda: mc.rewind(a, None),
+        "remove float": lambda: mc.remove(a, 0, 2.5),
+        "shift None": lambda: mc.shift(a, 0, -1, None),
+        "restore seq": lambda: mc.restore(blob, 5),
+        "transaction": lambda: mc.transaction(5).__enter__(),
+        "pack None": lambda: ht.Batch.pack({a: None}),
+        "pack floats": lambda: ht.Batch.pack({a: [1.5, 2.0]}),
+        "layer str": lambda: step(lambda st: st.ple_ngram_ids("0")),
+        "conv None": lambda: step(lambda st: st.ple_conv(0, None)),
+        "write None": lambda: step(lambda st: st.qsa_write(1, None)),
+        "select None": lambda: step(lambda st: (write(st), st.qsa_select(1, None))),
+        "top_k str": lambda: step(lambda st: (write(st), st.qsa_select(1, tables.q[:2], "2"))),
+        "attention plan": lambda: step(lambda st: st.qsa_attention(1, torch.randn(2, 4, kv[1]), None)),
+    }
+    with pytest.raises(HebrusError):
+        calls[case]()
+    assert mc.digest() == before

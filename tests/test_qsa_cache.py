@@ -473,6 +473,9 @@ def test_positions_never_pass_the_largest_int64(cache):
         cache.reserve([a], [1], [1.5])
     cache.append(a, [k[:3] for k in stream(3)[0]], first_position=top - 2)     # ends exactly at the top
     assert cache.run(a) == (top - 2, 3)
+    b = cache.new_sequence()
+    chunk = cache.reserve([a, b], [0, 2])          # a row of 0 tokens still packs with the others
+    assert chunk.positions.tolist() == [0, 1] and cache.run(a) == (top - 2, 3)
     with pytest.raises(HebrusError, match="largest position"):
         cache.append(a, [k[:1] for k in stream(1)[0]])
     with pytest.raises(HebrusError, match="largest position"):

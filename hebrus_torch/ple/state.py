@@ -339,6 +339,14 @@ class PLEState(torch.nn.Module, Transactional):
             parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
         return blob.digest_of(parts)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 (nn.Module hook)
+        # Copies, as QSACache's: a state dict kept while decoding goes on stays what it was.
+        if self.in_transaction:
+            raise HebrusError("PLEState.state_dict cannot run inside a transaction (its changes are staged)")
+        for name in self._STATE_NAMES:
+            destination[prefix + name] = getattr(self, name).detach().clone()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
     def get_extra_state(self) -> dict[str, Any]:
         return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
                 "checksum": blob.digest_of([("history", self.history), ("conv_state", self.conv_state),

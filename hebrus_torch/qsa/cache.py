@@ -50,7 +50,6 @@ live on. Positions are 1-D text positions (Qwen4Exp's multimodal 3-D positions a
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -58,6 +57,7 @@ import torch
 
 from ..errors import CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError
 from ..state import blob as _blob
+from ..state.args import as_int
 from ..state.handles import SeqHandle, SlotTable
 from ..state.transaction import Transactional, atomic
 from .ops import qsa_pool, qsa_select
@@ -848,11 +848,7 @@ class QSACache(torch.nn.Module, Transactional):
                 run = self._runs[slot]
                 first = None if first_positions is None else first_positions[i]
                 if first is not None:
-                    try:
-                        first = operator.index(first)
-                    except TypeError:
-                        raise HebrusError(f"QSACache.reserve: first position of {seq} must be an integer, "
-                                          f"got {first!r}") from None
+                    first = as_int(f"QSACache.reserve: the first position of {seq}", first)
                 if run.n > 0:
                     start = run.p0 + run.n
                     if first is not None and count > 0 and int(first) != start:
@@ -886,7 +882,9 @@ class QSACache(torch.nn.Module, Transactional):
             cu = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
             if seqs:
                 cu[1:] = torch.cumsum(counts_t, 0)
-            starts_t = torch.tensor(starts, dtype=torch.int64, device=self.device)
+            # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
+            # no position, so any start in range will do)
+            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64, device=self.device)
             offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
             positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
             if total:
@@ -1031,11 +1029,12 @@ class QSACache(torch.nn.Module, Transactional):
         end"). Only a prefix, a suffix or the whole run may go; a middle range would leave a hole and
         raises ``HoleError``. Removing a prefix moves the anchor: groups are rebuilt (kept as they are
         when the prefix length is a multiple of r)."""
+        p0, p1 = as_int("QSACache.remove: p0", p0), as_int("QSACache.remove: p1", p1)
         with self._op():
             slot = self._slot(seq)
             run = self._runs[slot]
-            a = max(int(p0), 0)
-            b = math.inf if int(p1) < 0 else int(p1)
+            a = max(p0, 0)
+            b = math.inf if p1 < 0 else p1
             s, e = run.p0, run.p0 + run.n
             if run.n == 0 or b <= a or b <= s or a >= e:
                 return
@@ -1051,19 +1050,20 @@ class QSACache(torch.nn.Module, Transactional):
 
     def rewind(self, seq: SeqHandle, p: int) -> None:
         """Drop positions >= p (``remove(seq, p, -1)``)."""
-        self.remove(seq, max(int(p), 0), -1)
+        self.remove(seq, max(as_int("QSACache.rewind: p", p), 0), -1)
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
         """llama.cpp ``seq_add``: add ``delta`` to positions in ``[p0, p1)`` (``p1 < 0``: to the end). Only a
         range covering the whole run keeps it contiguous; a partial shift raises ``HoleError``. The
         groups are re-roped, i.e. rebuilt at the new positions. Cells shared with another sequence are
         copied first (copy on write)."""
+        p0, p1 = as_int("QSACache.shift: p0", p0), as_int("QSACache.shift: p1", p1)
+        delta = as_int("QSACache.shift: delta", delta)
         with self._op():
             slot = self._slot(seq)
             run = self._runs[slot]
-            delta = int(delta)
-            a = max(int(p0), 0)
-            b = math.inf if int(p1) < 0 else int(p1)
+            a = max(p0, 0)
+            b = math.inf if p1 < 0 else p1
             s, e = run.p0, run.p0 + run.n
             if run.n == 0 or delta == 0 or b <= a or b <= s or a >= e:
                 return
@@ -1310,6 +1310,8 @@ class QSACache(torch.nn.Module, Transactional):
     # ------------------------------------------------------------------------------------------
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
+        if self._txn is not None:
+            raise HebrusError("QSACache.state_dict cannot run inside a transaction (its changes are not published)")
         self._check_clean("state_dict", list(self._runs.values()))
         live_slots = sorted(self._runs)
         seq_p0 = torch.zeros(self.max_sequences, dtype=torch.int64)
