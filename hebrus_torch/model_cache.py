@@ -104,8 +104,8 @@ class ChunkStep:
                   v: torch.Tensor | None = None) -> None:
         """Write the chunk's raw indexer keys Tensor[T, D] (and K/V) for one layer; pools completed groups."""
         qsa = self.cache._need("qsa")
-        qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, as_tensor("ChunkStep.qsa_write: index_keys", index_keys),
-                  k, v)
+        index_keys = as_tensor("ChunkStep.qsa_write: index_keys", index_keys)
+        qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, index_keys, k, v)
 
     def qsa_select(self, layer_idx: int, q_index: torch.Tensor, top_k: int | None = None):
         """Selection plan (``QSAPlan``) for one query per packed token: q_index Tensor[T, Hq, D]."""
@@ -114,8 +114,9 @@ class ChunkStep:
         if top_k is None:
             raise HebrusError("ChunkStep.qsa_select: pass top_k, or build the ModelCache with top_k= "
                               "(indexer_budget // indexer_compress_ratio)")
-        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, as_tensor("ChunkStep.qsa_select: q_index", q_index),
-                        as_int("ChunkStep.qsa_select: top_k", top_k))
+        q_index = as_tensor("ChunkStep.qsa_select: q_index", q_index)
+        top_k = as_int("ChunkStep.qsa_select: top_k", top_k)
+        return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
 
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
@@ -129,7 +130,8 @@ class ChunkStep:
             raise HebrusError("ModelCache: the QSA cache keeps no K/V planes (build it with with_kv=True)")
         layer = self.cache._qsa_layer(layer_idx)
         if not isinstance(plan, QSAPlan):
-            raise HebrusError(f"ChunkStep.qsa_attention: plan must be the QSAPlan of qsa_select, got {type(plan).__name__}")
+            raise HebrusError(f"ChunkStep.qsa_attention: plan must be the QSAPlan of qsa_select, got "
+                              f"{type(plan).__name__}")
         return qsa_attention(as_tensor("ChunkStep.qsa_attention: q", q), qsa.k_cache[layer], qsa.v_cache[layer],
                              plan.token_cells, scale)
 

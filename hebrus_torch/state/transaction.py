@@ -67,14 +67,6 @@ def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
                 unique.append(member)
     token = object()
     begun: list[Transactional] = []
-
-    def rollback() -> None:
-        for holder in reversed(begun):
-            try:
-                holder._txn_rollback()
-            finally:
-                holder._txn_depth_owner = None
-
     try:
         for holder in unique:
             holder._txn_begin()
@@ -84,7 +76,11 @@ def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
         for holder in begun:
             holder._txn_prepare()
     except BaseException:
-        rollback()
+        for holder in reversed(begun):
+            try:
+                holder._txn_rollback()
+            finally:
+                holder._txn_depth_owner = None
         raise
     for holder in begun:
         try:
@@ -115,13 +111,3 @@ def atomic(*holders: Transactional) -> Iterator[None]:
         for m, sp in reversed(savepoints):
             m._txn_restore(sp)
         raise
-
-
-@contextlib.contextmanager
-def autocommit(holder: Transactional) -> Iterator[None]:
-    """Run one operation as its own transaction unless the holder is already inside one."""
-    if holder.in_transaction:
-        yield
-    else:
-        with transaction(holder):
-            yield
