@@ -18,13 +18,18 @@
 // (4 queries, top-k <= 512) and k2048 (1 query, top-k <= 2048); the glue picks by min(top_k, maxG).
 #include "hebrus_metal_common.h"
 
-// (score desc, group asc) as one unsigned integer; 0 is "no entry" (any real key is larger).
+// (score desc, group asc) as one unsigned integer; 0 is "no entry" (any real key is larger). Every
+// NaN ranks first, whatever its sign and payload (as the CPU kernel's candidate_key and torch.sort
+// descending do), then by group.
 inline ulong hebrus_select_key(float score, uint group) {
   uint bits = as_type<uint>(score);
   if ((bits & 0x7fffffffu) == 0u) {
     bits = 0u;  // -0 ranks as +0: the two compare equal, so the lower group must win
   }
-  const uint ordered = (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
+  uint ordered = (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
+  if (score != score) {
+    ordered = 0xFFFFFFFFu;
+  }
   return (ulong(ordered) << 32) | ulong(0xFFFFFFFFu - group);
 }
 
@@ -40,7 +45,7 @@ inline float hebrus_select_score(device const T* q, device const T* k, long head
     for (long d = 0; d < dim; ++d) {
       dot = dot + static_cast<float>(q[h * dim + d]) * static_cast<float>(k[d]);
     }
-    total = total + max(dot, 0.0f);
+    total = total + (dot < 0.0f ? 0.0f : dot);  // relu that keeps NaN (Metal's max may drop it), as torch's
   }
   return total / sqrt_dim;
 }
@@ -234,6 +239,9 @@ template <typename T, int QB, int KMAX>
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
+      // SIMD-groups run on independently: without this, one could write the next tile's cand_any
+      // while another still reads this tile's (when every query skipped the merge above).
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
     // Emit: the kept groups in ascending order, then -1.

@@ -146,3 +146,40 @@ def test_top_k_beyond_the_kernel_limit_is_refused():
     q, pooled, seq_groups, q_row, q_groups = make(2, 1, 4, 1, 2100, torch.float32, seed=9)
     with pytest.raises(HebrusError, match="at most 2048 groups per query"):
         hebrus_emu.qsa_select(q, pooled, seq_groups, q_row, q_groups, 2049)
+
+
+@pytest.mark.parametrize("sched,seed", [("forward", 0), ("reverse", 0)] + [("random", s) for s in range(4)])
+@pytest.mark.parametrize("hot", [300, 512, 612, 736])
+def test_a_tile_without_candidates(sched, seed, hot):
+    # Decode with a full top-k: a tile where nothing can enter is skipped, and the next tile's scores
+    # are written while SIMD-groups that ran ahead meet those that did not (the shim lets SIMD-groups
+    # progress independently, as a GPU does; a missing barrier there shows as a race).
+    dim, groups = 4, 768
+    pooled = torch.zeros(groups, dim)
+    pooled[:, 0] = 1.0
+    pooled[0, 0], pooled[hot, 0] = 5.0, 10.0
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    args = (q, pooled, torch.arange(groups, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int32),
+            torch.full((1,), groups, dtype=torch.int32), 1)
+    assert hebrus_emu.qsa_select(*args, sched=sched, seed=seed).tolist() == reference.qsa_select(*args).tolist()
+
+
+def test_nan_scores_rank_first_like_the_reference():
+    # Every NaN ranks first (then by group), whatever its sign bit: a NaN key with the sign bit set,
+    # and inf - inf (the x86 default NaN is negative).
+    dim = 4
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    pooled = torch.ones(3, dim)
+    pooled[1].view(torch.int32)[0] = -1                  # 0xFFFFFFFF: a NaN with the sign bit set
+    q2 = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]])
+    pooled2 = torch.ones(3, dim)
+    pooled2[1, 0], pooled2[1, 1] = float("inf"), -float("inf")
+    rest = (torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32))
+    for qq, pp in ((q, pooled), (q2, pooled2)):
+        for top_k in (1, 2):
+            want = reference.qsa_select(qq, pp, *rest, top_k)
+            assert hebrus_emu.qsa_select(qq, pp, *rest, top_k).tolist() == want.tolist()
+            assert want[0, 0] == (1 if top_k == 1 else 0) and 1 in want[0].tolist()

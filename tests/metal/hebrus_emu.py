@@ -179,8 +179,9 @@ def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq,
     if (k := _slot(err, 1)) is not None:
         g, i = divmod(k, r)
         first = int(group_pos[g])
+        required = (first + i + 2**63) % 2**64 - 2**63  # int64 arithmetic, as the glue's
         raise HoleError(f"hebrus::{op}: group {g} starting at position {first} has position "
-                        f"{int(cell_pos[int(group_cells[g, i])])} in member {i} where {first + i} is required "
+                        f"{int(cell_pos[int(group_cells[g, i])])} in member {i} where {required} is required "
                         f"(a hole inside the run is not padding)")
     return pooled
 

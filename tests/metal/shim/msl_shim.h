@@ -396,6 +396,35 @@ template <class T> inline T lane_val(const Fiber& f, int lane) { T t; std::memcp
 
 inline bool same_site(const Fiber& a, const Fiber& b) { return a.line == b.line && !std::strcmp(a.file, b.file); }
 
+// SIMD-groups progress independently, as on a GPU: as soon as every lane of a SIMD-group waits at
+// the same SIMD-group function, that function is resolved and the SIMD-group runs on at once, before
+// the other SIMD-groups of the threadgroup get to run (resolving it only once every fiber of the
+// threadgroup had blocked made each SIMD-group function act as a threadgroup barrier, which hid
+// races on threadgroup memory between SIMD-groups).
+inline void run_simd_group_on(Group& g, uint s0) {
+  const uint s1 = std::min(g.nthreads, s0 + SIMD);
+  for (;;) {
+    const Fiber* site = nullptr;
+    for (uint i = s0; i < s1; i++) {
+      const Fiber& f = g.f[i];
+      if (f.st != AT_SIMD) return;
+      if (site == nullptr) site = &f;
+      else if (!same_site(f, *site)) return;
+    }
+    if (site == nullptr) return;
+    uint32_t mask = 0;
+    for (uint j = s0; j < s1; j++) mask |= 1u << (j - s0);
+    for (uint j = s0; j < s1; j++) {
+      Fiber& d = g.f[j];
+      d.view_mask = mask;
+      std::memset(d.view, 0xFF, sizeof d.view);
+      for (uint k = s0; k < s1; k++) std::memcpy(d.view[k - s0], g.f[k].slot, SLOT);
+    }
+    for (uint j = s0; j < s1; j++) g.f[j].st = READY;
+    for (uint j = s0; j < s1; j++) if (g.f[j].st == READY) to_fiber(g, j);
+  }
+}
+
 inline bool run_group(Group& g) {
   const LaunchDesc& L = *g.L; uint n = g.nthreads;
   for (uint i = 0; i < n; i++) {
@@ -408,7 +437,13 @@ inline bool run_group(Group& g) {
     if (L.sched == 1) std::reverse(order.begin(), order.end());
     else if (L.sched == 2) std::shuffle(order.begin(), order.end(), g.rng);
     bool ran = false;
-    for (int i : order) if (g.f[i].st == READY) { to_fiber(g, i); ran = true; }
+    for (int i : order) {
+      if (g.f[i].st == READY) {
+        to_fiber(g, i);
+        ran = true;
+        run_simd_group_on(g, i - i % SIMD);
+      }
+    }
     if (ran) continue;
     uint done = 0, atb = 0, ats = 0;
     for (uint i = 0; i < n; i++) { done += g.f[i].st == DONE; atb += g.f[i].st == AT_BARRIER; ats += g.f[i].st == AT_SIMD; }
