@@ -686,6 +686,11 @@ def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device)
     ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
     assert stats.get("ple_fallback:token_outside_vocab", 0) == 2, stats
+    # Chunked: the chunk after one with such an id carries it in its n-gram history, so it too runs
+    # transformers' hash; the chunks after that are back on the op.
+    ref, got, stats, rm, gm = both(model, lambda: chunked(model, ids, [4, 3, 2, 21]))
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert stats.get("ple_fallback:token_outside_vocab", 0) == 2 * 3 and stats.get("ple_ngram", 0) == 2, stats
     # (transformers' MoE cannot run a whole float64 model on CPU: one PLE layer in float64 instead)
     ple = next(m for m in model.modules() if isinstance(m, M.Qwen4ExpTextPLELayer)).double()
     x = torch.randn(2, 9, ple.conv1d.weight.shape[0], dtype=torch.float64, device=device)

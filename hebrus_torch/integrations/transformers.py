@@ -266,11 +266,7 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     Token ids outside ``[0, vocab_size)`` (embeddings resized past the config's vocabulary) are bad
     input to the op (SPEC §2); transformers hashes them anyway, so such a call runs its forward."""
     original = self.__dict__[_PATCH]["original_forward"]
-    if not torch.compiler.is_compiling() and input_ids.numel():
-        low, high = torch.aminmax(input_ids)
-        if int(low) < 0 or int(high) >= int(self.unigram_vocab_size):
-            _STATS["ple_fallback:token_outside_vocab"] += 1
-            return original(input_ids, past_key_values)
+    raw_ids = input_ids
     input_ids = input_ids.long()
     batch, length = input_ids.shape
     ctx_len = self.context_len
@@ -284,6 +280,20 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     else:
         history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
 
+    cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
+    args = (input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+            self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+    if torch.compiler.is_compiling():
+        row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
+    else:
+        try:   # the op checks the ids anyway: no extra host sync to find the rare call that falls back
+            row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
+        except HebrusError as exc:
+            if "outside [0, vocab=" not in str(exc):
+                raise
+            _STATS["ple_fallback:token_outside_vocab"] += 1
+            return original(raw_ids, past_key_values)      # the cache is untouched so far
+
     # Cache bookkeeping exactly as transformers does it.
     if past_key_values is not None:
         input_ids_to_cache = input_ids
@@ -292,10 +302,6 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
                 input_ids_to_cache, (ctx_len - length, 0), value=self.eos_token_id)
         past_key_values.update_conv_state(input_ids_to_cache, self.layer_idx, state_idx=2, conv_kernel_size=ctx_len)
 
-    cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
-    row_ids, _ = hebrus_torch.ple_ngram_ids(
-        input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
-        self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
     ngram_ids = row_ids.view(batch, length, -1)
     if not torch.compiler.is_compiling():
         _STATS["ple_ngram"] += 1
