@@ -108,7 +108,7 @@ def model_demo(device: str, prompt_len: int, new_tokens: int, seed: int) -> bool
     prompt[1, :pad], mask[1, :pad] = cfg.pad_token_id, 0        # second prompt left-padded
     prompt, mask = prompt.to(device), mask.to(device)
     print(f"  random Qwen4ExpForCausalLM ({cfg.num_hidden_layers} layers: {cfg.layer_types.count('indexed_attention')} "
-          f"indexed, PLE on {cfg.ple_layer_ids}), indexer budget {cfg.indexer_budget} = top "
+          f"indexed, PLE on 1-based layers {cfg.ple_layer_ids}), indexer budget {cfg.indexer_budget} = top "
           f"{cfg.indexer_budget // cfg.indexer_compress_ratio} groups of {cfg.indexer_compress_ratio}; prompts of "
           f"{prompt_len} and {prompt_len - pad} tokens (left-padded), {new_tokens} greedy tokens each")
 

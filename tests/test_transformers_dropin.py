@@ -2,9 +2,9 @@
 
 Every test runs the same inputs through the model unpatched and patched (apply/revert on one
 instance) and compares: logits within fp32 tolerance, indexer selection masks and generated tokens
-identical. The model (``random_model``): 4 layers (linear, indexed, linear, indexed), PLE on layers 1
-and 3 with random conv weights, indexer budget 8 / ratio 4 (top 2 groups), so prompts of 30-60
-tokens select sparsely. Its embeddings carry a shared direction that keeps indexer scores positive:
+identical. The model (``random_model``): 4 layers (linear, indexed, linear, indexed), PLE on decoder
+layers 0 and 2 (1-based ``ple_layer_ids`` [1, 3]) with random conv weights, indexer budget 8 /
+ratio 4 (top 2 groups), so prompts of 30-60 tokens select sparsely. Its embeddings carry a shared direction that keeps indexer scores positive:
 with plain random weights many scores are exactly 0 and transformers' ``torch.topk`` breaks those
 ties in an unspecified order (hebrus: lower group index, SPEC §3); see test_exact_ties_pick_the_lower_group_index.
 """
@@ -704,3 +704,18 @@ def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device)
         finally:
             htx.revert(model)
     assert got.dtype == torch.float64 and torch.equal(got, ref)
+
+
+def test_ple_conv_with_a_bias_added_after_apply_falls_back(device):
+    model = htx.random_model(0, device=device)
+    ids = tokens(1, 30, seed=9).to(device)
+    htx.apply(model)
+    try:
+        ple = next(m for m in model.modules() if isinstance(m, M.Qwen4ExpTextPLELayer))
+        conv = ple.conv1d
+        conv.bias = torch.nn.Parameter(torch.randn(conv.out_channels, device=device))
+    finally:
+        htx.revert(model)
+    ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert stats.get("ple_fallback:conv_not_plain", 0) == 1 and stats.get("ple_conv", 0) == 1, stats

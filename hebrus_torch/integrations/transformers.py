@@ -142,11 +142,7 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: b
         elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
             _patch(mod, "forward", _ngram_forward)
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
-            conv = mod.conv1d
-            plain = (conv.bias is None and conv.groups == conv.in_channels == conv.out_channels
-                     and conv.padding in ((0,), 0) and conv.stride == (1,) and conv.padding_mode == "zeros")
-            if plain:
-                _patch(mod, "_short_conv", _short_conv)
+            _patch(mod, "_short_conv", _short_conv)
     if is_applied(model):
         _applied_models.add(model)
         _install_cache_wrappers()
@@ -311,6 +307,13 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
 
 
+def _plain_depthwise(conv: torch.nn.Conv1d) -> bool:
+    """What hebrus::ple_conv computes: depthwise, no bias, no padding, stride 1 (checked at each call:
+    a bias may be added after apply)."""
+    return (conv.bias is None and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding in ((0,), 0) and conv.stride == (1,) and conv.padding_mode == "zeros")
+
+
 def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Tensor:
     """Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache updates itself as before.
 
@@ -322,6 +325,9 @@ def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Ten
         return original(hidden_states, past_key_values)
     if hidden_states.dtype not in _PLE_DTYPES or self.conv1d.weight.dtype != hidden_states.dtype:
         _STATS["ple_fallback:dtype"] += 1
+        return original(hidden_states, past_key_values)
+    if not _plain_depthwise(self.conv1d):
+        _STATS["ple_fallback:conv_not_plain"] += 1
         return original(hidden_states, past_key_values)
     batch, length, channels = hidden_states.shape
     state_len = self.short_conv_state_len
@@ -942,8 +948,9 @@ def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: to
                  embed_shift: float = 8.0, index_shift: float = 3.0, **overrides):
     """A small random-weight ``Qwen4ExpForCausalLM`` (transformers 5.23.0) in eval mode.
 
-    Defaults: 4 layers (linear, indexed, linear, indexed), PLE on layers 1 and 3, indexer budget 8 with
-    compress ratio 4 (top 2 groups), so prompts of a few dozen tokens already select sparsely. The PLE
+    Defaults: 4 layers (linear, indexed, linear, indexed), PLE on decoder layers 0 and 2 (the config's
+    1-based ``ple_layer_ids`` [1, 3]), indexer budget 8 with compress ratio 4 (top 2 groups), so
+    prompts of a few dozen tokens already select sparsely. The PLE
     conv weights, zero-initialised by transformers, are randomised.
 
     ``positive_index_scores``: with random weights many indexer scores ``sum_h relu(q_h . k)`` are
