@@ -6,7 +6,8 @@ identical. The model (``random_model``): 4 layers (linear, indexed, linear, inde
 layers 0 and 2 (1-based ``ple_layer_ids`` [1, 3]) with random conv weights, indexer budget 8 /
 ratio 4 (top 2 groups), so prompts of 30-60 tokens select sparsely. Its embeddings carry a shared
 direction that keeps indexer scores positive: with plain random weights many scores are exactly 0
-and transformers' ``torch.topk`` breaks those ties in an unspecified order (hebrus: lower group index, SPEC §3); see test_exact_ties_pick_the_lower_group_index.
+and transformers' ``torch.topk`` breaks those ties in an unspecified order (hebrus: lower group
+index, SPEC §3); see test_exact_ties_pick_the_lower_group_index.
 """
 
 from __future__ import annotations
