@@ -371,7 +371,11 @@ class ModelCache(torch.nn.Module, Transactional):
         return blob.pack(_KIND, {"holders": sorted(parts)}, parts)
 
     def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
-        """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle."""
+        """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle.
+
+        SPEC §4's argument order, ``restore(seq, data)``, is accepted too."""
+        if isinstance(data, SeqHandle) and isinstance(seq, (bytes, bytearray, memoryview)):
+            data, seq = seq, data
         if seq is not None and not isinstance(seq, SeqHandle):
             raise HebrusError(f"ModelCache.restore: seq must be a SeqHandle or None, got {type(seq).__name__}")
         meta, parts = blob.unpack(data, _KIND)

@@ -506,3 +506,17 @@ def test_wrong_argument_types_are_hebrus_errors(model, case):
     with pytest.raises(HebrusError):
         calls[case]()
     assert mc.digest() == before
+
+
+def test_restore_takes_either_argument_order(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 9), [])
+    blob = mc.save(a)
+    b = mc.new_sequence()
+    mc.free(b)
+    free = ht.SeqHandle(b.slot, b.generation + 1)
+    assert mc.restore(free, blob) == free                       # SPEC §4: restore(seq, bytes)
+    assert mc.ple.digest(free) == mc.ple.digest(a) and mc.qsa.digest(free) == mc.qsa.digest(a)
+    c = mc.restore(blob)                                        # SPEC's example: restore(blob)
+    assert mc.qsa.digest(c) == mc.qsa.digest(a)
