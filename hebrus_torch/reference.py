@@ -34,7 +34,10 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.T
     """``fma(a, b, c)`` of float32 values, rounded once, as C's fmaf: the product is exact in float64,
     the sum is rounded to odd in float64 (TwoSum gives its exact error), and rounding that to float32
     is then the correctly rounded result (53 >= 24 + 2 bits). Elementwise IEEE operations only, so
-    every device and every vector width give the same bits."""
+    every device and every vector width give the same bits (MPS has no float64: computed on the CPU)."""
+    if a.device.type == "mps":
+        c = c.cpu() if isinstance(c, torch.Tensor) else c
+        return _fma32(a.cpu(), b.cpu(), c).to(a.device)
     p = a.double() * b.double()
     c64 = torch.as_tensor(c, dtype=torch.float64, device=p.device)
     s = p + c64
