@@ -277,7 +277,8 @@ inline QsaSelectSizes check_qsa_select_args(const at::Tensor& q, const at::Tenso
   HEBRUS_CHECK(q_row.size(0) == tq && q_groups.size(0) == tq, HebrusError,
                "hebrus::qsa_select: q_row and q_groups must have Tq = ", tq, " entries, got ", q_row.size(0), " and ",
                q_groups.size(0));
-  HEBRUS_CHECK(top_k >= 1, HebrusError, "hebrus::qsa_select: top_k must be >= 1, got ", top_k);
+  HEBRUS_CHECK(top_k >= 1 && top_k <= INT32_MAX, HebrusError,
+               "hebrus::qsa_select: top_k must be in [1, 2147483647] (group indices are int32), got ", top_k);
   return {tq, hq, dim, rows, batch, max_groups};
 }
 

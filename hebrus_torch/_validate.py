@@ -170,7 +170,7 @@ def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k) -> None:
     check(q.shape[2] == pooled.shape[1], op, f"q head dim {q.shape[2]} must equal pooled dim {pooled.shape[1]}")
     check(q_row.shape[0] == q.shape[0] and q_groups.shape[0] == q.shape[0], op,
           f"q_row and q_groups must have Tq = {q.shape[0]} entries, got {q_row.shape[0]} and {q_groups.shape[0]}")
-    check(top_k >= 1, op, f"top_k must be >= 1, got {top_k}")
+    check(1 <= top_k <= 2**31 - 1, op, f"top_k must be in [1, 2147483647] (group indices are int32), got {top_k}")
 
 
 def qsa_attention(q, k, v, token_cells, scale) -> int:
