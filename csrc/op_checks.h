@@ -284,6 +284,13 @@ inline QsaSelectSizes check_qsa_select_args(const at::Tensor& q, const at::Tenso
 
 // ---- qsa_attention ----------------------------------------------------------------------------------
 
+// t itself when its last dim is contiguous (or has at most one element), else a contiguous copy:
+// both kernels read k and v (and the CPU one q) through the strides of dims 0 and 1, so the views of
+// a cache row that callers pass ([Hkv, cells, D] transposed) are read in place, never copied.
+inline at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous();
+}
+
 struct QsaAttentionSizes {
   int64_t tq;     // queries
   int64_t hq;     // query heads

@@ -11,7 +11,7 @@ import torch
 from .errors import CorruptStateError, HebrusError
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
-from .qsa.cache import QSAPlan
+from .qsa.cache import QSACache, QSAPlan
 from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable
@@ -168,8 +168,6 @@ class ModelCache(torch.nn.Module, Transactional):
     def from_transformers(cls, model: torch.nn.Module, *, capacity_tokens: int, max_sequences: int = 64,
                           with_kv: bool = False, window: int | None = None, keep_snapshots: int = 0) -> "ModelCache":
         """Both holders for a transformers Qwen4Exp model, in one call."""
-        from .qsa.cache import QSACache
-
         text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
         config = text.config
         has_indexer = "indexed_attention" in config.layer_types
@@ -321,8 +319,7 @@ class ModelCache(torch.nn.Module, Transactional):
         with self._atomic():
             if self.ple is not None:
                 if p <= p0 or n == 0:
-                    self.ple.clear(seq)
-                    self._snapshots.pop(seq.slot, None)  # of the stream just dropped: none fits what comes next
+                    self._clear_ple(seq)
                 else:
                     snap = next((s for s in self._snapshots.get(seq.slot, []) if s.position == p), None)
                     if snap is None:
@@ -345,8 +342,7 @@ class ModelCache(torch.nn.Module, Transactional):
         with self._atomic():
             self.qsa.remove(seq, p0, p1)
             if self.ple is not None and self.qsa.run(seq)[1] == 0:
-                self.ple.clear(seq)
-                self._snapshots.pop(seq.slot, None)
+                self._clear_ple(seq)
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
         """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move with
@@ -402,6 +398,12 @@ class ModelCache(torch.nn.Module, Transactional):
             return None
         p0, n = self.qsa.run(seq)
         return p0 + n
+
+    def _clear_ple(self, seq: SeqHandle) -> None:
+        """Fresh PLE state for a sequence whose whole run was dropped; its snapshots, of the stream just
+        dropped, go too (none fits what comes next)."""
+        self.ple.clear(seq)
+        self._snapshots.pop(seq.slot, None)
 
     def _remember(self, seq: SeqHandle, snap: PLESnapshot, bound: bool = True) -> None:
         kept = [s for s in self._snapshots.get(seq.slot, []) if s.position != snap.position] + [snap]

@@ -629,10 +629,6 @@ void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* 
   }
 }
 
-at::Tensor last_dim_contiguous(const at::Tensor& t) {
-  return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous();
-}
-
 at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                              const at::Tensor& token_cells_in, double scale) {
   // Metadata checks in the order of _validate.qsa_attention, with the same messages.

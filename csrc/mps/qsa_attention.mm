@@ -31,10 +31,6 @@ void raise_empty_query(int64_t t) {
                t, "] is negative padding); attention over an empty selection is undefined");
 }
 
-// t itself when its last dim is contiguous (or has at most one element), else a contiguous copy: the
-// kernel reads dims 0 and 1 through strides (as csrc/cpu/attention_kernels.cpp does).
-Tensor last_dim_contiguous(const Tensor& t) { return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous(); }
-
 // The reference's value checks on a host copy: the first entry >= cells in row-major order, then
 // the first query without any entry >= 0.
 void check_token_cells_on_host(const Tensor& token_cells, int64_t cells) {
