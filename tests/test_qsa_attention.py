@@ -374,6 +374,80 @@ def test_thread_count_invariance():
     assert torch.equal(results[0], results[1])
 
 
+# The CPU kernel's paths: the portable code (what arm64 runs), the hand-written AVX-512 kernels and
+# the AVX512-BF16 dot product must give the same bits. Each runs in a subprocess, because
+# HEBRUS_CPU_CAPABILITY is read once per process.
+_CAPABILITY_SCRIPT = """
+import sys, torch, hebrus_torch as ht
+gen = torch.Generator().manual_seed(5)
+outs = {}
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for hq, hkv, dh, dv in [(16, 2, 256, 256), (8, 1, 96, 32), (16, 2, 80, 64), (8, 1, 40, 24),
+                            (12, 4, 64, 96), (8, 8, 17, 33)]:
+        cells, tq = 300, 7
+        # Half the dims hold 8 in every query and key: large partial sums, so that a different
+        # order of the additions changes the scores by more than the output dtype hides.
+        common = torch.rand(dh, generator=gen) < 0.5
+        k = torch.where(common, 8.0, torch.randn(cells, hkv, dh, generator=gen)).to(dtype)
+        q = torch.where(common, 8.0, torch.randn(tq, hq, dh, generator=gen)).to(dtype)
+        v = (torch.randn(cells, hkv, dv, generator=gen) * 100).to(dtype)
+        tc = torch.randint(-1, cells, (tq, 70), dtype=torch.int32, generator=gen)
+        tc[:, 0] = 3
+        outs[f"{dtype} {hq} {hkv} {dh} {dv}"] = ht.qsa_attention(q, k, v, tc, 0.3)
+torch.save(outs, sys.argv[1])
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def _run_with_capability(tmp_path, capability: str | None):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("HEBRUS_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["HEBRUS_CPU_CAPABILITY"] = capability
+    out = tmp_path / f"{capability}.pt"
+    done = subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    return done, out
+
+
+@pytest.mark.skipif(not has_native_kernel("qsa_attention", "cpu"), reason="native CPU kernel not built")
+def test_cpu_capabilities_give_the_same_bits(tmp_path):
+    flags = _cpu_flags()
+    capabilities = ["default"]
+    if "avx512f" in flags:
+        capabilities.append("avx512")
+    if {"avx512f", "avx512_bf16"} <= flags:
+        capabilities.append("avx512_bf16")
+    if len(capabilities) == 1:
+        pytest.skip("this CPU has no hand-written kernels to compare with the portable code")
+    results = {}
+    for capability in capabilities:
+        done, out = _run_with_capability(tmp_path, capability)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[capability] = torch.load(out)
+    for capability in capabilities[1:]:
+        for key, want in results["default"].items():
+            assert torch.equal(results[capability][key], want), (capability, key)
+
+
+@pytest.mark.skipif(not has_native_kernel("qsa_attention", "cpu"), reason="native CPU kernel not built")
+def test_unknown_cpu_capability_is_refused(tmp_path):
+    done, _ = _run_with_capability(tmp_path, "avx9000")
+    assert done.returncode != 0
+    assert "HebrusError" in done.stderr and "HEBRUS_CPU_CAPABILITY='avx9000'" in done.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # opcheck and torch.compile
 

@@ -16,7 +16,10 @@
 // for the same bits, slowly): on Zen 5, decode with the rows in cache is 14% (bf16) and 22% (fp32)
 // faster than with a multiply and an add (from DRAM: within the noise). On AVX-512 CPUs the hot
 // loops of full 8-head chunks are hand-written kernels (below dots / value_columns) with the same
-// arithmetic in the same order.
+// arithmetic in the same order. bf16 dot products take dims in pairs, in the order of the x86
+// AVX512-BF16 dot-product instruction, which the kernels use where the CPU has it (see dots).
+// HEBRUS_CPU_CAPABILITY caps which hand-written kernels run (cpu_capability), so that the tests can
+// compare every path's bits on one machine.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -27,10 +30,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -52,6 +58,23 @@ namespace {
 constexpr int64_t kKeyBlock = 32;
 // Query heads sharing one KV head that are processed in one pass over the keys (registers).
 constexpr int64_t kMaxHeadChunk = 8;
+// Dims per step of a bf16 dot product: one pair per lane (see dots).
+constexpr int64_t kPairDims = 2 * kLanes;
+
+template <typename T>
+constexpr bool kIsBf16 = std::is_same_v<T, c10::BFloat16>;
+
+// Dims of a dot product taken in pairs: bf16 only, whole steps of kPairDims.
+template <typename T>
+HEBRUS_INLINE int64_t pair_dims(int64_t dh) {
+  return kIsBf16<T> ? dh / kPairDims * kPairDims : 0;
+}
+
+// Which hand-written x86 kernels may run. HEBRUS_CPU_CAPABILITY (like ATen's ATEN_CPU_CAPABILITY)
+// lowers it: "default" runs only the portable code (what arm64 runs), "avx512" the AVX-512F kernels,
+// "avx512_bf16" those and the bf16 dot-product instruction. All of them give the same bits, except
+// that the instruction flushes subnormal bf16 inputs and partial sums to zero (see dots).
+enum class CpuCapability { kDefault = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 
 template <typename T>
 HEBRUS_INLINE float widen(T v) {
@@ -75,6 +98,7 @@ struct Params {
   void* out;  // [Tq, Hq, Dv], contiguous
   int64_t hq, hkv, rep, dh, dv;
   float scale;
+  CpuCapability isa;
 };
 
 // Query heads sharing one KV head, processed in one pass over the keys (registers).
@@ -86,10 +110,13 @@ struct Scratch {
   std::vector<const void*> rows_k;  // selected rows of the item (KV head 0), token_cells order
   std::vector<const void*> rows_v;
   std::vector<HeadChunk> chunks;
-  // Per chunk, at its first query head: q [hb * dh] interleaved by vector, [dh / kLanes][hb][kLanes]
-  // then the last dh % kLanes dims as [hb][dh % kLanes], so one pointer walks all heads of the
-  // dot-product loop; acc [hb * dv]; the running max and sum.
+  // Per chunk, at its first query head: q [hb * dh] interleaved by vector, so one pointer walks all
+  // heads of the dot-product loop: bf16 pair steps as [pair_dims / kPairDims][hb][odd dims, even dims]
+  // (kLanes each), then [.. / kLanes][hb][kLanes], then the last dh % kLanes dims as [hb][dh % kLanes];
+  // qb: bf16 queries' bits, [pair_dims / kPairDims][hb][kPairDims] (the instruction's operand);
+  // acc [hb * dv]; the running max and sum.
   std::vector<float> q;    // [hq, dh]
+  std::vector<uint16_t> qb;  // [hq, pair_dims], bf16 only
   std::vector<float> acc;  // [hq, dv]
   std::vector<float> m;    // [chunks, kMaxHeadChunk]
   std::vector<float> l;
@@ -233,16 +260,48 @@ HEBRUS_INLINE void touch_pages(const void* const* rows_k, const void* const* row
   }
 }
 
+// kPairDims bf16 values widened to fp32: the odd dims (the low half of each 32-bit word cleared) and
+// the even dims (shifted up), kLanes each, in ascending order.
+HEBRUS_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec& odd, Vec& even) {
+  typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Words w;
+  std::memcpy(&w, p, sizeof(w));
+  const Words o = w & 0xffff0000u;
+  const Words e = w << 16;
+  std::memcpy(&odd, &o, sizeof(odd));
+  std::memcpy(&even, &e, sizeof(even));
+}
+
 // s[j + n][h] = scale * (q_h . k_{j+n}) for HB heads and NK key rows. Lane i of a dot product sums
 // the dims d = i mod kLanes in ascending d with fused multiply-adds; the lanes then combine
-// pairwise (reduce_lanes).
+// pairwise (reduce_lanes). bf16 rows first take kPairDims dims per step, lane i the pair 2i, 2i + 1
+// of the step, dim 2i + 1 first: the order of VDPBF16PS (AVX512-BF16), whose products of two bf16
+// are exact in fp32, so each pair is two fused multiply-adds (measured on Zen 5: bit-identical to
+// them on normal numbers; it flushes subnormal inputs and sums to zero, the portable code does not).
 template <typename T, int HB, int NK>
 HEBRUS_INLINE void dots(const float* q, int64_t dh, const T* const* krow, float scale,
                         float (*s)[kMaxHeadChunk], int64_t j, Prefetcher& pf) {
   const int64_t full = dh / kLanes * kLanes;
   Vec acc[NK * HB];
   for (int i = 0; i < NK * HB; ++i) acc[i] = Vec{};
-  for (int64_t d = 0; d < full; d += kLanes) {
+  int64_t d = 0;
+  if constexpr (kIsBf16<T>) {
+    for (; d + kPairDims <= dh; d += kPairDims) {
+      pf.step();
+      pf.step();
+      Vec odd[NK], even[NK];
+      for (int n = 0; n < NK; ++n) load_bf16_pairs(krow[j + n] + d, odd[n], even[n]);
+      for (int h = 0; h < HB; ++h) {
+        const Vec qo = load_vec(q + d * HB + h * kPairDims);
+        const Vec qe = load_vec(q + d * HB + h * kPairDims + kLanes);
+        for (int n = 0; n < NK; ++n) {
+          acc[n * HB + h] = FusedMulAdd::apply(qo, odd[n], acc[n * HB + h]);
+          acc[n * HB + h] = FusedMulAdd::apply(qe, even[n], acc[n * HB + h]);
+        }
+      }
+    }
+  }
+  for (; d < full; d += kLanes) {
     pf.step();
     Vec kv[NK];
     for (int n = 0; n < NK; ++n) kv[n] = load_row<T>(krow[j + n] + d);
@@ -317,7 +376,29 @@ HEBRUS_AVX512 HEBRUS_INLINE void dots8x2_avx512(const float* q, int64_t dh, cons
   for (int i = 0; i < 2 * HB; ++i) acc[i] = Vec{};
   const T* k0 = krow[j];
   const T* k1 = krow[j + 1];
-  for (int64_t d = 0; d < full; d += kLanes) {
+  int64_t d = 0;
+  if constexpr (kIsBf16<T>) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for (; d + kPairDims <= dh; d += kPairDims) {
+      pf.step();
+      pf.step();
+      const __m512i w0 = _mm512_loadu_si512(k0 + d);
+      const __m512i w1 = _mm512_loadu_si512(k1 + d);
+      const Vec odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+      const Vec even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+      const Vec odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+      const Vec even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+      for (int h = 0; h < HB; ++h) {
+        Vec qo = load_vec(q + d * HB + h * kPairDims);
+        Vec qe = load_vec(q + d * HB + h * kPairDims + kLanes);
+        in_register(qo);
+        in_register(qe);
+        acc[h] = _mm512_fmadd_ps(qe, even0, _mm512_fmadd_ps(qo, odd0, acc[h]));
+        acc[HB + h] = _mm512_fmadd_ps(qe, even1, _mm512_fmadd_ps(qo, odd1, acc[HB + h]));
+      }
+    }
+  }
+  for (; d < full; d += kLanes) {
     pf.step();
     const Vec kv0 = load_row512(k0 + d);
     const Vec kv1 = load_row512(k1 + d);
@@ -335,6 +416,47 @@ HEBRUS_AVX512 HEBRUS_INLINE void dots8x2_avx512(const float* q, int64_t dh, cons
         acc[n * HB + h][i] =
             FusedMulAdd::apply(q_tail[h * (dh - full) + i], widen<T>(krow[j + n][full + i]), acc[n * HB + h][i]);
   store(s[j], reduce_lanes16(acc) * scale);
+}
+
+// bf16 dot products of 8 heads and NK keys with VDPBF16PS (AVX512-BF16) when dh is whole pair steps:
+// the order of dots, one instruction per pair step instead of two fused multiply-adds and the
+// widening of the keys (measured on Zen 5: 22% less time for bf16 decode with every row in cache).
+#define HEBRUS_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+
+template <int NK>
+HEBRUS_AVX512_BF16 HEBRUS_INLINE void dots8_dpbf16(const uint16_t* qb, int64_t dh, const c10::BFloat16* const* krow,
+                                                  float scale, float (*s)[kMaxHeadChunk], int64_t j,
+                                                  Prefetcher& pf) {
+  constexpr int HB = kMaxHeadChunk;
+  Vec acc[NK * HB];
+  for (int i = 0; i < NK * HB; ++i) acc[i] = Vec{};
+  for (int64_t d = 0; d < dh; d += kPairDims) {
+    pf.step();
+    pf.step();
+    __m512bh kv[NK];
+    for (int n = 0; n < NK; ++n) kv[n] = (__m512bh)_mm512_loadu_si512(krow[j + n] + d);
+    for (int h = 0; h < HB; ++h) {
+      __m512i qw = _mm512_loadu_si512(qb + d * HB + h * kPairDims);
+      asm("" : "+v"(qw));  // loaded once for both keys (see in_register)
+      for (int n = 0; n < NK; ++n) acc[n * HB + h] = _mm512_dpbf16_ps(acc[n * HB + h], (__m512bh)qw, kv[n]);
+    }
+  }
+  if constexpr (NK == 2) {
+    store(s[j], reduce_lanes16(acc) * scale);
+  } else {
+    for (int h = 0; h < HB; ++h) s[j][h] = reduce_lanes(acc[h]) * scale;
+  }
+}
+
+HEBRUS_AVX512_BF16 __attribute__((noinline)) void block_scores8_dpbf16(const uint16_t* qb, int64_t dh,
+                                                                      const c10::BFloat16* const* krow, int64_t nb,
+                                                                      float scale, float (*s)[kMaxHeadChunk],
+                                                                      Prefetcher& pf_in) {
+  Prefetcher pf = pf_in;  // in registers, as in block_scores8_avx512
+  int64_t j = 0;
+  for (; j + 2 <= nb; j += 2) dots8_dpbf16<2>(qb, dh, krow, scale, s, j, pf);
+  for (; j < nb; ++j) dots8_dpbf16<1>(qb, dh, krow, scale, s, j, pf);
+  pf_in = pf;
 }
 
 template <typename T>
@@ -387,19 +509,52 @@ HEBRUS_AVX512 __attribute__((noinline)) void block_values8_avx512(const T* const
   pf_in = pf;
 }
 
-const bool kHaveAvx512 = [] {
-  __builtin_cpu_init();  // this may run before the constructor that would otherwise call it
-  return __builtin_cpu_supports("avx512f") != 0;
-}();
 #endif
 
+// What the CPU offers, lowered by HEBRUS_CPU_CAPABILITY; read once. An unknown value is refused at
+// every call rather than ignored, so that a test or benchmark never measures another path than named.
+CpuCapability cpu_capability() {
+  static const std::pair<CpuCapability, std::string> chosen = [] {
+    CpuCapability best = CpuCapability::kDefault;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) best = CpuCapability::kAvx512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) best = CpuCapability::kAvx512Bf16;
+#endif
+    const char* env = std::getenv("HEBRUS_CPU_CAPABILITY");
+    if (env == nullptr || *env == '\0') return std::make_pair(best, std::string());
+    const std::string name(env);
+    CpuCapability asked;
+    if (name == "default") {
+      asked = CpuCapability::kDefault;
+    } else if (name == "avx512") {
+      asked = CpuCapability::kAvx512;
+    } else if (name == "avx512_bf16") {
+      asked = CpuCapability::kAvx512Bf16;
+    } else {
+      return std::make_pair(best, name);
+    }
+    return std::make_pair(std::min(asked, best), std::string());
+  }();
+  HEBRUS_CHECK(chosen.second.empty(), HebrusError, "HEBRUS_CPU_CAPABILITY='", chosen.second,
+               "' is not one of default, avx512, avx512_bf16 (or unset: the best the CPU has)");
+  return chosen.first;
+}
+
 template <typename T, int HB>
-HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const T* const* krow, int64_t nb, float scale,
-                                float (*s)[kMaxHeadChunk], Prefetcher& pf) {
+HEBRUS_INLINE void block_scores(const float* q, const uint16_t* qb, int64_t dh, const T* const* krow, int64_t nb,
+                                float scale, float (*s)[kMaxHeadChunk], Prefetcher& pf, CpuCapability isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (HB == kMaxHeadChunk) {
-    if (kHaveAvx512) return block_scores8_avx512<T>(q, dh, krow, nb, scale, s, pf);
+    if constexpr (kIsBf16<T>) {
+      if (isa >= CpuCapability::kAvx512Bf16 && dh % kPairDims == 0)
+        return block_scores8_dpbf16(qb, dh, krow, nb, scale, s, pf);
+    }
+    if (isa >= CpuCapability::kAvx512) return block_scores8_avx512<T>(q, dh, krow, nb, scale, s, pf);
   }
+#else
+  (void)qb;
+  (void)isa;
 #endif
   int64_t j = 0;
   for (; j + 2 <= nb; j += 2) dots<T, HB, 2>(q, dh, krow, scale, s, j, pf);
@@ -408,11 +563,13 @@ HEBRUS_INLINE void block_scores(const float* q, int64_t dh, const T* const* krow
 
 template <typename T, int HB>
 HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, const float (*p)[kMaxHeadChunk],
-                                float* acc, Prefetcher& pf) {
+                                float* acc, Prefetcher& pf, CpuCapability isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if constexpr (HB == kMaxHeadChunk) {
-    if (kHaveAvx512) return block_values8_avx512<T>(vrow, nb, dv, p, acc, pf);
+    if (isa >= CpuCapability::kAvx512) return block_values8_avx512<T>(vrow, nb, dv, p, acc, pf);
   }
+#else
+  (void)isa;
 #endif
   int64_t d0 = 0;
   for (; d0 + 2 * kLanes <= dv; d0 += 2 * kLanes) value_columns<T, HB, 2>(vrow, nb, dv, d0, p, acc, pf);
@@ -482,10 +639,10 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
 // update of m, l and acc, then the probability-weighted values.
 template <typename T, int HB>
 HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* krow, const T* const* vrow, int64_t nb,
-                                bool first, const float* q, float* acc, float* m_out, float* l_out, Prefetcher& pf_k,
-                                Prefetcher& pf_v) {
+                                bool first, const float* q, const uint16_t* qb, float* acc, float* m_out, float* l_out,
+                                Prefetcher& pf_k, Prefetcher& pf_v) {
   const int64_t dv = p.dv;
-  block_scores<T, HB>(q, p.dh, krow, nb, p.scale, sc.s, pf_k);
+  block_scores<T, HB>(q, qb, p.dh, krow, nb, p.scale, sc.s, pf_k, p.isa);
   float alpha[kMaxHeadChunk];
   block_softmax(sc.s, nb, first, m_out, l_out, alpha);
   if (!first) {
@@ -496,7 +653,7 @@ HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* kr
       }
     }
   }
-  block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v);
+  block_values<T, HB>(vrow, nb, dv, sc.s, acc, pf_v, p.isa);
 }
 
 // Query t, KV heads [g_begin, g_end) and the query heads sharing them. The KV heads' rows of a
@@ -525,14 +682,23 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t, int64_t 
       for (; h0 + hb <= p.rep; h0 += hb) sc.chunks.push_back({g, h0, hb});
   }
   const int64_t full = dh / kLanes * kLanes;
+  const int64_t pairs = pair_dims<T>(dh);
   const T* q_in = static_cast<const T*>(p.q) + t * p.q_s0;
   for (const HeadChunk& c : sc.chunks) {
     const int64_t head = c.g * p.rep + c.h0;
     float* q = sc.q.data() + head * dh;
     for (int64_t h = 0; h < c.hb; ++h) {
       const T* qh = q_in + (head + h) * p.q_s1;
-      for (int64_t d = 0; d < full; ++d) q[(d - d % kLanes) * c.hb + h * kLanes + d % kLanes] = widen<T>(qh[d]);
+      for (int64_t d = 0; d < pairs; ++d) {
+        const int64_t i = d % kPairDims;
+        q[(d - i) * c.hb + h * kPairDims + (i % 2 == 1 ? 0 : kLanes) + i / 2] = widen<T>(qh[d]);
+      }
+      for (int64_t d = pairs; d < full; ++d) q[(d - d % kLanes) * c.hb + h * kLanes + d % kLanes] = widen<T>(qh[d]);
       for (int64_t d = full; d < dh; ++d) q[full * c.hb + h * (dh - full) + d - full] = widen<T>(qh[d]);
+      if constexpr (kIsBf16<T>) {
+        uint16_t* qb = sc.qb.data() + head * pairs;
+        for (int64_t d = 0; d < pairs; ++d) qb[(d - d % kPairDims) * c.hb + h * kPairDims + d % kPairDims] = qh[d].x;
+      }
     }
   }
   std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
@@ -574,14 +740,15 @@ HEBRUS_INLINE void attend_item(const Params& p, Scratch& sc, int64_t t, int64_t 
       }
       const int64_t head = c.g * p.rep + c.h0;
       const float* q = sc.q.data() + head * dh;
+      const uint16_t* qb = sc.qb.data() + head * pairs;
       float* acc = sc.acc.data() + head * dv;
       float* m = sc.m.data() + ci * kMaxHeadChunk;
       float* l = sc.l.data() + ci * kMaxHeadChunk;
       switch (c.hb) {
-        case 8: attend_block<T, 8>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
-        case 4: attend_block<T, 4>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
-        case 2: attend_block<T, 2>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
-        default: attend_block<T, 1>(p, sc, krow, vrow, nb, j0 == 0, q, acc, m, l, pf_k, pf_v); break;
+        case 8: attend_block<T, 8>(p, sc, krow, vrow, nb, j0 == 0, q, qb, acc, m, l, pf_k, pf_v); break;
+        case 4: attend_block<T, 4>(p, sc, krow, vrow, nb, j0 == 0, q, qb, acc, m, l, pf_k, pf_v); break;
+        case 2: attend_block<T, 2>(p, sc, krow, vrow, nb, j0 == 0, q, qb, acc, m, l, pf_k, pf_v); break;
+        default: attend_block<T, 1>(p, sc, krow, vrow, nb, j0 == 0, q, qb, acc, m, l, pf_k, pf_v); break;
       }
     }
     pf_k.finish();
@@ -607,6 +774,7 @@ void attend_worker(const Params& p, at::ScalarType dtype, std::atomic<int64_t>* 
   sc.rows_k.resize(p.width);
   sc.rows_v.resize(p.width);
   sc.q.resize(p.hq * std::max<int64_t>(p.dh, 1));
+  if (dtype == at::kBFloat16) sc.qb.resize(p.hq * std::max<int64_t>(pair_dims<c10::BFloat16>(p.dh), 1));
   sc.acc.resize(p.hq * std::max<int64_t>(p.dv, 1));
   sc.m.resize(p.hq * kMaxHeadChunk);  // at most one chunk per query head
   sc.l.resize(p.hq * kMaxHeadChunk);
@@ -690,6 +858,7 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   p.dh = dh;
   p.dv = dv;
   p.scale = static_cast<float>(scale);
+  p.isa = cpu_capability();
 
   // Items are queries (or, with few queries per thread, (query, KV head) pairs) taken dynamically
   // in small chunks, which balances rows with different selection sizes and cores shared with
