@@ -1,7 +1,14 @@
 // The one place every hebrus op schema is declared. Device files only add TORCH_LIBRARY_IMPL blocks.
 // Importing hebrus_torch._C (an empty module) runs these static registrars.
 #include <Python.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
+
+#include <vector>
+
+#include "hebrus_check.h"
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
@@ -32,4 +39,45 @@ TORCH_LIBRARY(hebrus, m) {
       "int top_k) -> Tensor");
   // QSA attention (issue 6): softmax(scale q.k) v per query over exactly its selected cells.
   m.def("qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor");
+}
+
+namespace {
+
+// ple_conv_into under autograd, as aten's out= ops: refused when grad mode is on and an argument
+// requires grad (the buffers would hold values with no gradient history) and on an inference tensor
+// outside inference mode; after the write, the buffers' version counters are bumped, so that
+// autograd notices a tensor it saved being overwritten. (torch's autogradNotImplementedFallback
+// bumps only mutated tensors an op returns; this op returns none.)
+void out_variant_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) continue;
+    const at::Tensor& t = value.toTensor();
+    HEBRUS_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), HebrusError, op.schema().name(),
+                 ": writes into out= buffers, which do not support automatic differentiation, but ",
+                 args[i].name(), " requires grad (call it under torch.no_grad())");
+    if (args[i].alias_info() == nullptr || !args[i].alias_info()->isWrite()) continue;
+    HEBRUS_CHECK(!t.is_inference(), HebrusError, op.schema().name(), ": ", args[i].name(),
+                 " is an inference tensor; writing into it outside torch.inference_mode() is not allowed");
+    written.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) t.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+// No op has a backward (they serve inference). Without an Autograd kernel, PyTorch's default
+// fallback lets outputs require grad and backward() return with no gradient at all; with these,
+// backward() through an op raises, and ple_conv_into behaves as an aten out= op.
+TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
+  for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention"})
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  m.impl("ple_conv_into", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }

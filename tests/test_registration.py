@@ -74,3 +74,81 @@ def test_errors_translate_tagged_kernel_messages():
     assert isinstance(exc, hebrus_torch.HoleError) and str(exc) == "hebrus::qsa_pool: group 2 has a hole"
     plain = ValueError("something else")
     assert hebrus_torch.errors.translate(plain) is plain
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd: the ops have no backward, and say so instead of giving no gradient
+
+
+def _needs_extension():
+    if _extension.EXTENSION_ERROR:
+        pytest.skip(f"extension not built: {_extension.EXTENSION_ERROR}")
+
+
+def _conv_inputs(requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 4, generator=gen)
+    w = torch.randn(4, 4, generator=gen).requires_grad_(requires_grad)
+    return x, w, torch.tensor([0, 3, 7], dtype=torch.int32), torch.zeros(2, 9, 4)
+
+
+def test_backward_through_an_op_raises():
+    _needs_extension()
+    import hebrus_torch as ht
+
+    x, w, cu, state = _conv_inputs(requires_grad=True)
+    y, new_state = ht.ple_conv(x, w, cu, state)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="derivative for hebrus::ple_conv is not implemented"):
+        y.sum().backward()
+
+    keys = torch.randn(8, 16, requires_grad=True)
+    pooled = ht.qsa_pool(keys, torch.arange(8), torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32),
+                         torch.tensor([0, 4]), torch.ones(16), 1e-6, torch.ones(4))
+    with pytest.raises(RuntimeError, match="derivative for hebrus::qsa_pool is not implemented"):
+        pooled.sum().backward()
+
+    q = torch.randn(2, 4, 16, requires_grad=True)
+    k, v = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    out = ht.qsa_attention(q, k, v, torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="derivative for hebrus::qsa_attention is not implemented"):
+        out.sum().backward()
+
+    with torch.no_grad():
+        assert not ht.qsa_attention(q, k, v, torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)).requires_grad
+
+
+def test_ple_conv_into_behaves_like_an_aten_out_variant():
+    _needs_extension()
+    import hebrus_torch as ht
+    from hebrus_torch.errors import HebrusError
+
+    x, w, cu, state = _conv_inputs(requires_grad=True)
+    y, new_state = torch.zeros(7, 4), torch.zeros(2, 9, 4)
+    # An argument that requires grad, with grad mode on: refused, nothing written.
+    with pytest.raises(HebrusError, match="weight requires grad"):
+        ht.ple_conv(x, w, cu, state, out=(y, new_state))
+    assert not y.any() and not new_state.any() and y._version == 0
+    with torch.no_grad():
+        ht.ple_conv(x, w, cu, state, out=(y, new_state))
+    assert y._version > 0 and new_state._version > 0
+    want, _ = ht.ple_conv(x, w.detach(), cu, state)
+    assert torch.equal(y, want)
+
+    # A buffer autograd saved and the op then overwrites: backward refuses, as after torch.mul(out=).
+    p = torch.randn(7, 4, requires_grad=True)
+    loss = (p * y).sum()
+    with torch.no_grad():
+        ht.ple_conv(x, w, cu, state, out=(y, new_state))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+    # Inference tensors: written inside inference_mode, refused outside it (nothing written).
+    with torch.inference_mode():
+        y_inf, state_inf = torch.zeros(7, 4), torch.zeros(2, 9, 4)
+        ht.ple_conv(x, w, cu, state, out=(y_inf, state_inf))
+        assert torch.equal(y_inf, want)
+        y_inf.zero_()
+    with torch.no_grad(), pytest.raises(HebrusError, match="y is an inference tensor"):
+        ht.ple_conv(x, w, cu, state, out=(y_inf, state_inf))
+    assert not y_inf.any()
