@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip install -e .[hf])")
 
 import hebrus_torch as ht  # noqa: E402
+from hebrus_torch._extension import has_native_kernel  # noqa: E402
 from hebrus_torch.integrations import transformers as htx  # noqa: E402
 from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, StaticCache  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
@@ -720,3 +721,17 @@ def test_ple_conv_with_a_bias_added_after_apply_falls_back(device):
     ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
     assert stats.get("ple_fallback:conv_not_plain", 0) == 1 and stats.get("ple_conv", 0) == 1, stats
+
+
+@pytest.mark.parametrize("sizes", [{"indexer_head_dim": 288}, {"indexer_n_heads": 72}])
+def test_indexer_beyond_the_kernel_limits_falls_back(sizes):
+    """The CPU kernels take indexer head dims up to 256 and up to 64 query heads; transformers runs larger
+    ones, so the drop-in runs transformers' indexer there instead of raising."""
+    if not has_native_kernel("qsa_select", "cpu"):
+        pytest.skip("no native CPU kernel")
+    model = htx.random_model(0, **sizes)
+    ids = tokens(1, 40, seed=5)
+    ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert stats["qsa_fallback:kernel_limits"] == 2 and "qsa_hebrus" not in stats, stats

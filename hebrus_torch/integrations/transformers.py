@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 import hebrus_torch
+from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.errors import HebrusError, HoleError
 
 __all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "selection_mask", "random_model"]
@@ -617,6 +618,9 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
     positions, reason = ctx.text_positions(full_cos)
     if positions is None:
         return _fallback(original, reason, hidden_states, position_embeddings, attention_mask, past_key_values)
+    if _indexer_beyond_kernel_limits(self, hidden_states.device):
+        return _fallback(original, "kernel_limits", hidden_states, position_embeddings, attention_mask,
+                         past_key_values)
 
     ratio, top_k = self.compress_ratio, self.block_topk
     plan_key = (ratio, top_k, record["on_hole"])
@@ -647,6 +651,27 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
                          attention_mask, _KeysReplay(raw_keys))
     _STATS["qsa_hebrus"] += 1
     return _Selection(self, plan, selected) if as_indices else _expand(plan, selected, ratio)
+
+
+# Sizes past which a device's native kernels refuse (csrc/cpu/qsa_kernels.cpp, mps_kernels/hebrus_launch.h)
+# although transformers runs them: the drop-in falls back there instead of raising. The reference
+# (devices with no native kernel) has no such limits.
+_INDEXER_LIMITS = {"cpu": {"dim": 256, "heads": 64, "top_k": 4096}, "mps": {"top_k": 2048}}
+_ATTENTION_HEAD_DIM_LIMITS = {"mps": 256}
+
+
+def _indexer_beyond_kernel_limits(indexer, device: torch.device) -> bool:
+    limits = _INDEXER_LIMITS.get(device.type)
+    if limits is None or not has_native_kernel("qsa_select", device.type):
+        return False
+    sizes = {"dim": indexer.index_head_dim, "heads": indexer.index_n_heads, "top_k": indexer.block_topk}
+    return any(sizes[name] > limit for name, limit in limits.items())
+
+
+def _attention_beyond_kernel_limits(attention, device: torch.device) -> bool:
+    limit = _ATTENTION_HEAD_DIM_LIMITS.get(device.type)
+    return (limit is not None and attention.head_dim > limit
+            and has_native_kernel("qsa_attention", device.type))
 
 
 def _fallback(original, reason, *args):
@@ -865,6 +890,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
         reason = "autograd"              # hebrus::qsa_attention has no backward
     elif _attentions_requested(kwargs):
         reason = "output_attentions"
+    elif _attention_beyond_kernel_limits(self, hidden_states.device):
+        reason = "kernel_limits"
     if reason is not None:
         _STATS[f"sparse_attention_skipped:{reason}"] += 1
         return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
