@@ -376,8 +376,8 @@ class ModelCache(torch.nn.Module, Transactional):
             raise HebrusError(f"ModelCache.restore: seq must be a SeqHandle or None, got {type(seq).__name__}")
         meta, parts = blob.unpack(data, _KIND)
         names = sorted(n for n, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None)
-        blob.expect(_KIND, meta.get("holders") == names and sorted(parts) == names,
-                    f"blob holds {meta.get('holders')!r}, this cache has {names}")
+        blob.expect(_KIND, blob.same(meta.get("holders"), names) and sorted(parts) == names,
+                    f"blob holds {blob.short(meta.get('holders'))}, this cache has {names}")
         with self._atomic():
             handle = self.slots.claim(seq)
             if self.ple is not None:
@@ -434,9 +434,10 @@ class ModelCache(torch.nn.Module, Transactional):
             raise HebrusError("ModelCache.load_state_dict cannot run inside a transaction")
         extra = sd.get("_extra_state")
         cap = self.slots.capacity
-        blob.expect(_KIND, isinstance(extra, dict) and extra.get("format") == _KIND,
+        blob.expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
                     "state dict lacks ModelCache metadata")
-        blob.expect(_KIND, extra.get("version") == blob.FORMAT_VERSION, f"unsupported version {extra.get('version')!r}")
+        blob.expect(_KIND, blob.same(extra.get("version"), blob.FORMAT_VERSION),
+                    f"unsupported version {blob.short(extra.get('version'))}")
         generation, live = extra.get("generation"), extra.get("live")
         blob.expect(_KIND, isinstance(generation, list) and isinstance(live, list) and len(generation) == cap
                     and len(live) == cap, f"the handle table must list {cap} generations and live flags")

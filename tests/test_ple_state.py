@@ -1,12 +1,16 @@
 """PLEState: chunk invariance, isolation, EOS, transactions, lifecycle, saved state (SPEC §4, §5)."""
 
+import hashlib
+import json
 import random
+import struct
 
 import pytest
 import torch
 
 import hebrus_torch as ht
 from hebrus_torch.errors import CorruptStateError, HebrusError, StaleHandleError
+from hebrus_torch.state import blob as blob_mod
 
 VOCAB, EOS, CHANNELS, LAYERS = 40, 2, 24, 2
 
@@ -191,6 +195,79 @@ def test_save_restore_and_corrupt_blobs(device):
     other = ht.PLEState(1, 8, vocab_size=VOCAB, eos_token_id=EOS)
     with pytest.raises(CorruptStateError, match="config"):
         other.restore(other.new_sequence(), data)
+
+
+_PREFIX = struct.Struct("<8sIQ")
+
+
+def split_blob(data):
+    """(header dict, tensor payload) of a saved blob."""
+    _, _, header_len = _PREFIX.unpack_from(data)
+    return json.loads(data[_PREFIX.size:_PREFIX.size + header_len]), data[_PREFIX.size + header_len:-32]
+
+
+def forge(header, payload=b""):
+    """A blob with a valid sha256 around any header: the checksum is no signature, anyone can recompute it."""
+    header = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body = _PREFIX.pack(blob_mod.MAGIC, blob_mod.FORMAT_VERSION, len(header)) + header + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def test_restore_refuses_hostile_headers_with_a_valid_checksum(device):
+    """Untrusted blobs: whatever the JSON header holds, a CorruptStateError naming it, and nothing changes."""
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    header, payload = split_blob(state.save(a))
+    assert state.restore(b, forge(header, payload)) is None          # the forger's own checksum is fine
+
+    def edited(edit):
+        h = json.loads(json.dumps(header))
+        edit(h)
+        return forge(h, payload)
+
+    deep = dict(header, x=json.loads("[" * 40 + "]" * 40))
+    bad = {
+        "nesting past the recursion limit": (forge(b"[" * 100_000 + b"]" * 100_000), "not valid JSON"),
+        "nesting under the recursion limit": (forge(deep, payload), "nests deeper"),
+        "an integer of 5000 digits": (forge(b'{"kind": "hebrus_torch.PLEState", "x": ' + b"9" * 5000 + b"}"),
+                                      "not valid JSON"),
+        "a dtype that is a list": (edited(lambda h: h["tensors"][0].update(dtype=["int64"])), "dtype"),
+        "a tensor entry that is a string": (edited(lambda h: h["tensors"].__setitem__(0, "history")), "malformed"),
+        "a shape of bools": (edited(lambda h: h["tensors"][0].update(shape=[True, True])), "shape"),
+        "an empty shape spanning 2**124 elements": (
+            edited(lambda h: h["tensors"][0].update(shape=[0, 2**62, 2**62], nbytes=0)), "shape"),
+        "an offset that is a bool": (edited(lambda h: h["tensors"][0].update(offset=False)), "bytes at"),
+        "a kind that is a list": (edited(lambda h: h.update(kind=[h["kind"]])), "expected"),
+    }
+    before = state.digest()
+    for name, (data, pattern) in bad.items():
+        with pytest.raises(CorruptStateError, match=pattern):
+            state.restore(b, data)
+        assert state.digest() == before, name
+    # JSON true is not the integer 1 of the config: a one-layer holder refuses its own blob with layers = true.
+    one = ht.PLEState(1, 8, vocab_size=VOCAB, eos_token_id=EOS)
+    s = one.new_sequence()
+    header, payload = split_blob(one.save(s))
+    assert header["meta"]["layers"] == 1
+    header["meta"]["layers"] = True
+    with pytest.raises(CorruptStateError, match="config"):
+        one.restore(s, forge(header, payload))
+
+
+def test_state_dict_metadata_is_compared_with_exact_types(device):
+    state = make_state(device)
+    state.new_sequence()
+    sd = state.state_dict()
+    target = make_state(device)
+    before = target.digest()
+    extra = sd["_extra_state"]
+    for bad in (dict(extra, version=True), dict(extra, config=dict(extra["config"], ngram_size=3.0)),
+                dict(extra, config=json.loads("[" * 500 + "]" * 500))):
+        with pytest.raises(CorruptStateError, match="version|config"):
+            target.load_state_dict(dict(sd, _extra_state=bad))
+        assert target.digest() == before
+    target.load_state_dict(sd)
 
 
 def test_state_dict_roundtrip_and_validation(device):

@@ -863,6 +863,28 @@ def test_restore_refuses_corrupt_blobs(cache):
     assert cache.digest() == d
 
 
+def test_restore_takes_json_true_false_for_no_integer(cache):
+    """bool is an int subclass in Python; in an untrusted blob false is not the position 0, nor true a count."""
+    a = cache.new_sequence()
+    cache.append(a, stream(6)[0])                                     # p0 = 0
+    cache.append(cache.new_sequence(), stream(1)[0])
+    good = cache.save(a)
+    meta, tensors = blob_mod.unpack(good, "hebrus_torch.QSACache.sequence")
+    one = cache.save(cache.sequences()[1])
+    meta1, tensors1 = blob_mod.unpack(one, "hebrus_torch.QSACache.sequence")
+    assert meta["p0"] == 0 and meta1["n"] == 1
+    d = cache.digest()
+    forged = [blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta, p0=False), tensors),
+              blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta1, n=True), tensors1),
+              blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta, config=dict(meta["config"], compress_ratio=4.0)),
+                            tensors)]
+    for bad in forged:
+        with pytest.raises(CorruptStateError, match="bad run|configured"):
+            cache.restore(None, bad)
+        assert cache.digest() == d
+    assert cache.digest(cache.restore(None, good)) == cache.digest(a)
+
+
 def test_state_dict_round_trip_and_untrusted_load(tmp_path):
     cache = make_cache(scrambled=2)
     a, b = cache.new_sequence(), cache.new_sequence()
@@ -929,6 +951,10 @@ def test_load_state_dict_refuses_bad_state():
         "swapped cells": _resum(swapped),
         "norm weight": _resum(dict(good, norm_weight=good["norm_weight"] + 1)),
         "not tensors": _resum(dict(good, seq_p0=[0] * 8)),
+        "version true": dict(good, _extra_state=dict(good["_extra_state"], version=True)),
+        "heads of bools": dict(good, _extra_state=dict(good["_extra_state"], heads=[True, False])),
+        "config of floats": dict(good, _extra_state=dict(good["_extra_state"], config={
+            k: float(v) if type(v) is int else v for k, v in good["_extra_state"]["config"].items()})),
     }
     for name, sd in bad.items():
         with pytest.raises(CorruptStateError) as err:

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import CorruptStateError, HebrusError
 from ..state import blob
+from ..state.args import as_int
 from ..state.handles import SeqHandle, SlotTable
 from ..state.transaction import Transactional, atomic
 from . import ops
@@ -82,6 +83,13 @@ class PLEState(torch.nn.Module, Transactional):
                  hash_params: Sequence[PLEHashParams] | None = None,
                  conv_weights: Sequence[torch.Tensor] | None = None, activation: str = "silu"):
         super().__init__()
+        # Plain ints: the config is saved as JSON and compared with exact types on restore.
+        num_layers, channels = as_int("PLEState: num_layers", num_layers), as_int("PLEState: channels", channels)
+        vocab_size, eos_token_id = as_int("PLEState: vocab_size", vocab_size), as_int("PLEState: eos_token_id", eos_token_id)
+        ngram_size = as_int("PLEState: ngram_size", ngram_size)
+        conv_kernel_size = as_int("PLEState: conv_kernel_size", conv_kernel_size)
+        dilation = None if dilation is None else as_int("PLEState: dilation", dilation)
+        max_sequences = as_int("PLEState: max_sequences", max_sequences)
         if num_layers < 1 or channels < 1 or ngram_size < 2 or conv_kernel_size < 1:
             raise HebrusError(f"PLEState: need num_layers, channels, conv_kernel_size >= 1 and ngram_size >= 2, got "
                               f"{num_layers}, {channels}, {conv_kernel_size}, {ngram_size}")
@@ -380,10 +388,13 @@ class PLEState(torch.nn.Module, Transactional):
         sd = dict(state_dict)
         expect = blob.expect
         extra = sd.get("_extra_state")
-        expect(_KIND, isinstance(extra, dict) and extra.get("format") == _KIND, "state dict lacks PLEState metadata")
-        expect(_KIND, extra.get("version") == blob.FORMAT_VERSION, f"unsupported version {extra.get('version')!r}")
-        expect(_KIND, extra.get("config") == self._config_meta(),
-               f"state dict was saved with config {extra.get('config')!r}, this holder has {self._config_meta()!r}")
+        expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
+               "state dict lacks PLEState metadata")
+        expect(_KIND, blob.same(extra.get("version"), blob.FORMAT_VERSION),
+               f"unsupported version {blob.short(extra.get('version'))}")
+        expect(_KIND, blob.same(extra.get("config"), self._config_meta()),
+               f"state dict was saved with config {blob.short(extra.get('config'))}, this holder has "
+               f"{self._config_meta()!r}")
         for name in self._STATE_NAMES:
             mine = getattr(self, name)
             t = sd.get(name)
@@ -414,8 +425,8 @@ class PLEState(torch.nn.Module, Transactional):
 
     def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         meta, tensors = blob.unpack(data, _KIND)
-        blob.expect(_KIND, meta == self._config_meta(),
-                    f"blob was saved with config {meta!r}, this holder has {self._config_meta()!r}")
+        blob.expect(_KIND, blob.same(meta, self._config_meta()),
+                    f"blob was saved with config {blob.short(meta)}, this holder has {self._config_meta()!r}")
         blob.expect(_KIND, set(tensors) == {"history", "conv_tails"}, f"blob holds tensors {sorted(tensors)}")
         self._validate_seq_state(tensors["history"], tensors["conv_tails"], CorruptStateError)
         return tensors["history"], tensors["conv_tails"]

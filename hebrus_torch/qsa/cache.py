@@ -338,9 +338,10 @@ class QSACache(torch.nn.Module, Transactional):
         self.max_sequences = int(max_sequences)
         self.eps = float(eps)
         self.dtype = dtype
-        self.kv_heads = kv_heads
-        self.kv_head_dim = kv_head_dim
-        self.v_head_dim = v_head_dim
+        # Plain ints or None: the config is saved as JSON and compared with exact types on restore.
+        self.kv_heads = None if kv_heads is None else as_int("QSACache: kv_heads", kv_heads)
+        self.kv_head_dim = None if kv_head_dim is None else as_int("QSACache: kv_head_dim", kv_head_dim)
+        self.v_head_dim = None if v_head_dim is None else as_int("QSACache: v_head_dim", v_head_dim)
         self.window = window
         self.layer_ids = list(range(num_layers))
         self.top_k: int | None = None       # budget // r when built from a model config
@@ -1260,11 +1261,13 @@ class QSACache(torch.nn.Module, Transactional):
         before anything changes: ``CorruptStateError`` (``HoleInSavedStateError`` for a hole)."""
         meta, tensors = _blob.unpack(blob, _SEQ_KIND)
         kind = "QSACache.restore"
-        _blob.expect(kind, meta.get("config") == self._seq_config(),
-                     f"blob was saved by a cache configured {meta.get('config')}, this one is {self._seq_config()}")
+        _blob.expect(kind, _blob.same(meta.get("config"), self._seq_config()),
+                     f"blob was saved by a cache configured {_blob.short(meta.get('config'))}, this one is "
+                     f"{self._seq_config()}")
         p0, n = meta.get("p0"), meta.get("n")
-        _blob.expect(kind, isinstance(p0, int) and isinstance(n, int) and p0 >= 0 and 0 <= n <= self.capacity
-                     and p0 + n - 1 <= MAX_POSITION, f"bad run p0={p0!r} n={n!r}")
+        _blob.expect(kind, type(p0) is int and type(n) is int and p0 >= 0 and 0 <= n <= self.capacity
+                     and p0 + n - 1 <= MAX_POSITION, f"bad run p0={_blob.short(p0)} n={_blob.short(n)} (integers, "
+                                                     f"0 <= n <= capacity, p0 >= 0, p0 + n - 1 <= {MAX_POSITION})")
         want = {"positions": ((n,), torch.int64), "keys": ((self.num_layers, n, self.head_dim), self.dtype)}
         if self.has_kv:
             want["k"] = ((self.num_layers, n, self.kv_heads, self.kv_head_dim), self.dtype)
@@ -1396,11 +1399,11 @@ class QSACache(torch.nn.Module, Transactional):
         expect = _blob.expect
         extra = sd.get("_extra_state")
         expect(kind, isinstance(extra, dict), "missing or malformed _extra_state")
-        expect(kind, extra.get("format") == _HOLDER_FORMAT and extra.get("version") == _HOLDER_VERSION,
-               f"format {extra.get('format')!r} version {extra.get('version')!r}, expected {_HOLDER_FORMAT!r} "
-               f"version {_HOLDER_VERSION}")
-        expect(kind, extra.get("config") == self._config(),
-               f"state of a cache configured {extra.get('config')}, this one is {self._config()}")
+        expect(kind, _blob.same(extra.get("format"), _HOLDER_FORMAT) and _blob.same(extra.get("version"), _HOLDER_VERSION),
+               f"format {_blob.short(extra.get('format'))} version {_blob.short(extra.get('version'))}, expected "
+               f"{_HOLDER_FORMAT!r} version {_HOLDER_VERSION}")
+        expect(kind, _blob.same(extra.get("config"), self._config()),
+               f"state of a cache configured {_blob.short(extra.get('config'))}, this one is {self._config()}")
         names = ["cell_pos", "cell_ref", "keys", "pooled", "group_ref", "generation", "live", "seq_p0",
                  "seq_n", "seq_cells", "seq_groups", "norm_weight", "inv_freq"]
         if self.has_kv:
@@ -1477,8 +1480,8 @@ class QSACache(torch.nn.Module, Transactional):
             row_def_pos[rows] = gpos
             runs[slot] = (p0, n, cells, rows)
         heads = extra.get("heads", [0, 0])
-        expect(kind, isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads),
-               "bad allocation heads")
+        expect(kind, isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads),
+               f"bad allocation heads {_blob.short(heads)} (two integers)")
         return {"tensors": tensors, "gen": gen, "live": live, "runs": runs, "row_def_cells": row_def_cells,
                 "row_def_pos": row_def_pos, "heads": heads, "gcap": gcap}
 

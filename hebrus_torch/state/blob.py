@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 import struct
 from typing import Any
 
@@ -28,6 +29,47 @@ _DTYPES = {
     "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+# An untrusted header is refused beyond these (a real one nests 4 deep and has 1-5 dimensions per tensor).
+_MAX_DEPTH = 16
+_MAX_DIMS = 16
+# Elements times element size of every tensor's shape (with 0-length dimensions counted as 1) stays below
+# this, so no size or stride computed from a shape can overflow int64.
+_MAX_SPAN = 2**62
+
+
+def short(value: Any) -> str:
+    """``repr`` of decoded, untrusted data for an error message: bounded in depth and length, never raising."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, 60, 60, 40
+    try:
+        return r.repr(value)
+    except Exception:  # noqa: BLE001 (an object whose repr fails is described by its type)
+        return f"<{type(value).__name__}>"
+
+
+def same(value: Any, expected: Any) -> bool:
+    """``value == expected`` for JSON-like data, with exact types: JSON true/false is not 1/0, 1.0 is not 1.
+
+    Recurses only as deep as ``expected`` (the holder's own, shallow metadata), so a deeply nested
+    untrusted ``value`` cannot exhaust the stack."""
+    if type(value) is not type(expected):
+        return False
+    if isinstance(expected, dict):
+        return value.keys() == expected.keys() and all(same(value[k], expected[k]) for k in expected)
+    if isinstance(expected, (list, tuple)):
+        return len(value) == len(expected) and all(same(v, e) for v, e in zip(value, expected))
+    return value == expected
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -71,11 +113,14 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob")
     try:
         header = json.loads(body[_PREFIX.size:payload_start].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptStateError(f"{kind} blob header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("kind") != kind:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, or an integer of more digits than Python converts.
+        raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
+    if _too_deep(header, _MAX_DEPTH):
+        raise CorruptStateError(f"{kind} blob header nests deeper than {_MAX_DEPTH} levels")
+    if not isinstance(header, dict) or not same(header.get("kind"), kind):
         got = header.get("kind") if isinstance(header, dict) else None
-        raise CorruptStateError(f"blob holds {got!r} state, expected {kind!r}")
+        raise CorruptStateError(f"blob holds {short(got)} state, expected {kind!r}")
     meta, entries = header.get("meta"), header.get("tensors")
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise CorruptStateError(f"{kind} blob header lacks meta or tensors")
@@ -83,23 +128,25 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     tensors: dict[str, torch.Tensor] = {}
     end = 0
     for entry in entries:
-        try:
-            name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
-            offset, nbytes = entry["offset"], entry["nbytes"]
-        except (TypeError, KeyError):
-            raise CorruptStateError(f"{kind} blob has a malformed tensor entry: {entry!r}") from None
-        if dtype_name not in _DTYPES or not isinstance(name, str) or name in tensors:
-            raise CorruptStateError(f"{kind} blob tensor {name!r} has a bad name or dtype {dtype_name!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise CorruptStateError(f"{kind} blob tensor {name!r} has a bad shape {shape!r}")
+        if not (isinstance(entry, dict) and {"name", "dtype", "shape", "offset", "nbytes"} <= entry.keys()):
+            raise CorruptStateError(f"{kind} blob has a malformed tensor entry: {short(entry)}")
+        name, dtype_name, shape = entry["name"], entry["dtype"], entry["shape"]
+        offset, nbytes = entry["offset"], entry["nbytes"]
+        if not (isinstance(name, str) and isinstance(dtype_name, str)) or dtype_name not in _DTYPES or name in tensors:
+            raise CorruptStateError(f"{kind} blob tensor {short(name)} has a bad name or dtype {short(dtype_name)}")
         dtype = _DTYPES[dtype_name]
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if not (isinstance(offset, int) and isinstance(nbytes, int)) or nbytes != expected or offset != end:
-            raise CorruptStateError(f"{kind} blob tensor {name!r}: {nbytes} bytes at {offset}, "
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(type(s) is int and s >= 0 for s in shape)
+                and math.prod(max(s, 1) for s in shape) * itemsize < _MAX_SPAN):
+            raise CorruptStateError(f"{kind} blob tensor {short(name)} has a bad shape {short(shape)} (at most "
+                                    f"{_MAX_DIMS} non-negative integer dimensions spanning under 2**62 bytes)")
+        expected = math.prod(shape) * itemsize
+        if not (type(offset) is int and type(nbytes) is int) or nbytes != expected or offset != end:
+            raise CorruptStateError(f"{kind} blob tensor {short(name)}: {short(nbytes)} bytes at {short(offset)}, "
                                     f"expected {expected} bytes at {end}")
         end = offset + nbytes
         if end > len(payload):
-            raise CorruptStateError(f"{kind} blob tensor {name!r} runs past the end of the blob")
+            raise CorruptStateError(f"{kind} blob tensor {short(name)} runs past the end of the blob")
         raw = bytearray(payload[offset:end])
         flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         tensors[name] = flat.view(dtype).reshape(shape).clone()
