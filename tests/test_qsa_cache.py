@@ -969,6 +969,27 @@ def test_load_state_dict_refuses_bad_state():
     assert target.digest() == cache.digest()
 
 
+def test_load_state_dict_refuses_a_group_row_used_twice():
+    """A consistent tamper (rows, their refcounts, the checksum) that gives two groups of one sequence one
+    pooled row: cells were checked for double use, rows were not."""
+    cache = make_cache()
+    a = cache.new_sequence()
+    cache.append(a, stream(8)[0])                                      # 2 groups
+    good = cache.state_dict()
+    rows = good["seq_groups"].clone()
+    rows[1] = rows[0]
+    bad = _resum(dict(good, seq_groups=rows,
+                      group_ref=torch.bincount(rows, minlength=good["group_ref"].numel()).to(torch.int32)))
+    target = make_cache()
+    target.new_sequence()
+    d = target.digest()
+    with pytest.raises(CorruptStateError, match="slot 0 lists a pooled group row twice"):
+        target.load_state_dict(bad)
+    assert target.digest() == d
+    target.load_state_dict(good)
+    assert target.digest() == cache.digest()
+
+
 def test_check_then_publish_state_dict():
     """The two halves ModelCache uses to validate every holder before publishing any."""
     cache = make_cache()

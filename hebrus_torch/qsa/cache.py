@@ -1464,6 +1464,9 @@ class QSACache(torch.nn.Module, Transactional):
             at_c += n
             at_g += n // r
             expect(kind, torch.unique(cells).numel() == n, f"slot {slot} lists a cell twice")
+            # Rows shared with other slots are checked against their definition below; one slot naming the
+            # same row for two of its groups would make both groups read one pooled key.
+            expect(kind, torch.unique(rows).numel() == rows.numel(), f"slot {slot} lists a pooled group row twice")
             bad = cell_pos[cells] != p0 + torch.arange(n)
             if bool(bad.any()):
                 j = int(torch.nonzero(bad)[0])
