@@ -14,7 +14,7 @@ from .qsa.attention import qsa_attention
 from .qsa.cache import QSACache, QSAPlan
 from .state import blob
 from .state.args import as_int, as_tensor
-from .state.handles import SeqHandle, SlotTable
+from .state.handles import SeqHandle, SlotTable, generation_problem
 from .state.transaction import Transactional, atomic, transaction
 
 _KIND = "hebrus_torch.ModelCache"
@@ -441,8 +441,8 @@ class ModelCache(torch.nn.Module, Transactional):
         generation, live = extra.get("generation"), extra.get("live")
         blob.expect(_KIND, isinstance(generation, list) and isinstance(live, list) and len(generation) == cap
                     and len(live) == cap, f"the handle table must list {cap} generations and live flags")
-        blob.expect(_KIND, all(type(g) is int and g >= 0 for g in generation) and all(type(on) is bool for on in live),
-                    "the handle table holds a generation that is not an integer >= 0 or a live flag that is not a bool")
+        problem = generation_problem(generation, live)
+        blob.expect(_KIND, problem is None, f"the handle table is invalid: {problem}")
         blob.expect(_KIND, extra.get("checksum") == self._table_checksum(generation, live),
                     "checksum mismatch: the handle table was modified")
         parts = {}

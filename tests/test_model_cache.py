@@ -8,6 +8,9 @@ import torch
 
 import hebrus_torch as ht
 from hebrus_torch.errors import CorruptStateError, HebrusError, HoleError, NonSuccessorError, StaleHandleError
+from hebrus_torch.qsa.cache import QSACache
+from hebrus_torch.state import blob as blob_mod
+from hebrus_torch.state.handles import MAX_GENERATION
 
 from hf_models import modeling, tiny_config  # skips without transformers
 
@@ -264,6 +267,52 @@ def test_state_dict_handle_table_is_validated_before_anything_changes(model, tab
     with pytest.raises(CorruptStateError, match="handle table"):
         other.load_state_dict(bad)
     assert (other.digest(), other.ple.digest(), other.qsa.digest()) == before
+
+
+def with_generation(mc, sd, slot, generation):
+    """``sd`` with one slot's generation set in the handle table and in both holders, every checksum
+    recomputed: a consistent tamper (the sha256s are no signatures)."""
+    sd = dict(sd)
+    for name in ("ple", "qsa"):
+        gen = sd[f"{name}.generation"].clone()
+        gen[slot] = generation
+        sd[f"{name}.generation"] = gen
+    ple = ("history", "conv_state", "generation", "live")
+    sd["ple._extra_state"] = dict(sd["ple._extra_state"],
+                                  checksum=blob_mod.digest_of([(n, sd[f"ple.{n}"]) for n in ple]))
+    qsa = {k[4:]: v for k, v in sd.items() if k.startswith("qsa.") and k != "qsa._extra_state"}
+    sd["qsa._extra_state"] = dict(sd["qsa._extra_state"], checksum=QSACache._checksum(qsa))
+    table = {"generation": list(sd["_extra_state"]["generation"]), "live": sd["_extra_state"]["live"]}
+    table["generation"][slot] = generation
+    sd["_extra_state"] = dict(sd["_extra_state"], **table, checksum=mc._table_checksum(**table))
+    return sd
+
+
+def test_generations_are_bounded_so_no_bump_overflows(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 8), [])
+    data = mc.save(a)
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    for g in (2**63 - 1, MAX_GENERATION):
+        with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+            mc.restore(data, ht.SeqHandle(1, g))
+        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    last = mc.restore(data, ht.SeqHandle(1, MAX_GENERATION - 1))
+    with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+        mc.reset(last)
+    mc.free(last)                                       # slot 1 is retired at the largest generation
+    assert mc.new_sequence() == ht.SeqHandle(2, 0)
+    sd = mc.state_dict()
+    other = make_cache(model)
+    other.load_state_dict(sd)
+    assert other.digest() == mc.digest()
+    before = (other.digest(), other.ple.digest(), other.qsa.digest())
+    for slot, g in ((0, 2**63 - 1), (1, MAX_GENERATION + 1), (2, MAX_GENERATION)):    # slots 0 and 2 are live
+        with pytest.raises(CorruptStateError, match=r"2\*\*62 - 1"):
+            other.load_state_dict(with_generation(mc, sd, slot, g))
+        assert (other.digest(), other.ple.digest(), other.qsa.digest()) == before
+    other.load_state_dict(with_generation(mc, sd, 3, 5))   # a consistent tamper within the bound loads
 
 
 class _Runtime(torch.nn.Module):

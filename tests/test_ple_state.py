@@ -11,6 +11,7 @@ import torch
 import hebrus_torch as ht
 from hebrus_torch.errors import CorruptStateError, HebrusError, StaleHandleError
 from hebrus_torch.state import blob as blob_mod
+from hebrus_torch.state.handles import MAX_GENERATION
 
 VOCAB, EOS, CHANNELS, LAYERS = 40, 2, 24, 2
 
@@ -293,6 +294,39 @@ def test_state_dict_roundtrip_and_validation(device):
     with pytest.raises(CorruptStateError, match="metadata"):
         copy.load_state_dict(bad)
     assert copy.digest() == before
+
+
+def resum(sd):
+    """A PLEState state dict with its checksum recomputed (a consistent tamper: the sha256 is no signature)."""
+    names = ("history", "conv_state", "generation", "live")
+    return dict(sd, _extra_state=dict(sd["_extra_state"], checksum=blob_mod.digest_of([(n, sd[n]) for n in names])))
+
+
+def test_generations_are_bounded_so_no_bump_overflows(device):
+    """2**63 - 1 fits the int64 buffers but its bump does not: generations stop at 2**62 - 1, where a slot retires."""
+    state = make_state(device)
+    before = state.digest()
+    for g in (2**63 - 1, MAX_GENERATION):
+        with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+            state.new_sequence(ht.SeqHandle(0, g))
+        assert state.digest() == before
+    last = state.new_sequence(ht.SeqHandle(0, MAX_GENERATION - 1))
+    with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+        state.reset(last)
+    state.free(last)                                     # slot 0 is retired at the largest generation
+    assert state.new_sequence() == ht.SeqHandle(1, 0)
+    sd = state.state_dict()
+    copy = make_state(device)
+    copy.load_state_dict(sd)
+    assert copy.digest() == state.digest() and copy.new_sequence() == ht.SeqHandle(2, 0)
+    target = make_state(device)
+    before = target.digest()
+    for slot, g in ((0, 2**63 - 1), (0, MAX_GENERATION + 1), (1, MAX_GENERATION)):   # slot 1 is live
+        gen = sd["generation"].clone()
+        gen[slot] = g
+        with pytest.raises(CorruptStateError, match=r"2\*\*62 - 1"):
+            target.load_state_dict(resum(dict(sd, generation=gen)))
+        assert target.digest() == before
 
 
 class _Runtime(torch.nn.Module):

@@ -14,7 +14,7 @@ from hebrus_torch.errors import (CapacityError, CorruptStateError, HebrusError, 
 from hebrus_torch.qsa import ops
 from hebrus_torch.qsa.cache import HoleInSavedStateError, QSACache, QSAPlan, ReservedChunk
 from hebrus_torch.state import blob as blob_mod
-from hebrus_torch.state.handles import SeqHandle
+from hebrus_torch.state.handles import MAX_GENERATION, SeqHandle
 from hebrus_torch.state.transaction import Transactional, transaction
 
 L, D, R, HQ = 2, 8, 4, 2
@@ -988,6 +988,38 @@ def test_load_state_dict_refuses_a_group_row_used_twice():
     assert target.digest() == d
     target.load_state_dict(good)
     assert target.digest() == cache.digest()
+
+
+def test_generations_are_bounded_so_no_bump_overflows(cache):
+    """A slot adopted or loaded at generation 2**63 - 1 could not be freed without overflowing int64."""
+    src = cache.new_sequence()
+    cache.append(src, stream(3)[0])
+    data = cache.save(src)
+    d = cache.digest()
+    for g in (2**63 - 1, MAX_GENERATION):
+        with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+            cache.new_sequence(SeqHandle(1, g))
+        with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
+            cache.restore(SeqHandle(1, g), data)
+        assert cache.digest() == d
+    cache.free(src)
+    last = cache.new_sequence(SeqHandle(0, MAX_GENERATION - 1))
+    cache.append(last, stream(5)[0])
+    cache.free(last)                                    # slot 0 is retired at the largest generation
+    assert cache.new_sequence() == SeqHandle(1, 0)
+    good = cache.state_dict()
+    other = make_cache()
+    other.load_state_dict(good)
+    assert other.digest() == cache.digest()
+    check_invariants(other)
+    target = make_cache()
+    d = target.digest()
+    for slot, g in ((0, 2**63 - 1), (0, MAX_GENERATION + 1), (1, MAX_GENERATION)):   # slot 1 is live
+        gen = good["generation"].clone()
+        gen[slot] = g
+        with pytest.raises(CorruptStateError, match=r"2\*\*62 - 1"):
+            target.load_state_dict(_resum(dict(good, generation=gen)))
+        assert target.digest() == d
 
 
 def test_check_then_publish_state_dict():

@@ -10,7 +10,7 @@ import torch
 from ..errors import CorruptStateError, HebrusError
 from ..state import blob
 from ..state.args import as_int
-from ..state.handles import SeqHandle, SlotTable
+from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.transaction import Transactional, atomic
 from . import ops
 
@@ -403,7 +403,8 @@ class PLEState(torch.nn.Module, Transactional):
                    f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
         checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
         expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
-        expect(_KIND, bool((sd["generation"] >= 0).all()), "negative generation")
+        problem = generation_problem(sd["generation"].tolist(), sd["live"].tolist())
+        expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
         tokens_ok = (sd["history"] >= 0) & (sd["history"] < self.vocab_size)
         expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
 

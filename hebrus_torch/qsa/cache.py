@@ -58,7 +58,7 @@ import torch
 from ..errors import CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError
 from ..state import blob as _blob
 from ..state.args import as_int
-from ..state.handles import SeqHandle, SlotTable
+from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.transaction import Transactional, atomic
 from .ops import qsa_pool, qsa_select
 
@@ -1436,8 +1436,9 @@ class QSACache(torch.nn.Module, Transactional):
                "norm_weight / inv_freq differ from this cache's (state of another model)")
         gen, live = tensors["generation"], tensors["live"]
         p0s, ns = tensors["seq_p0"], tensors["seq_n"]
-        expect(kind, bool((gen >= 0).all()) and bool((p0s >= 0).all()) and bool((ns >= 0).all()),
-               "negative generation, p0 or n")
+        problem = generation_problem(gen.tolist(), live.tolist())
+        expect(kind, problem is None, f"the slot table is invalid: {problem}")
+        expect(kind, bool((p0s >= 0).all()) and bool((ns >= 0).all()), "negative p0 or n")
         expect(kind, bool((p0s - 1 <= MAX_POSITION - ns).all()), f"a run passes the largest position {MAX_POSITION}")
         expect(kind, bool((ns[~live] == 0).all()) and bool((p0s[~live] == 0).all()), "a free slot holds a run")
         live_slots = torch.nonzero(live).flatten().tolist()

@@ -7,6 +7,27 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CapacityError, HebrusError, StaleHandleError
+from .blob import short
+
+MAX_GENERATION = 2**62 - 1
+"""The largest generation a slot may reach. A slot at it is retired (never issued again), so a live
+handle's generation is below it and freeing bumps it to at most this: no generation, nor a small sum
+of one, ever overflows int64 (the dtype of the ``generation`` buffers)."""
+_BOUND = "2**62 - 1"
+
+
+def generation_problem(generation: list, live: list) -> str | None:
+    """What is wrong with a slot table read from saved state (None if nothing): every generation an int
+    in [0, MAX_GENERATION], every live flag a bool, and a live slot's generation below MAX_GENERATION."""
+    for slot, (g, on) in enumerate(zip(generation, live)):
+        if type(g) is not int or not 0 <= g <= MAX_GENERATION:
+            return f"slot {slot} has generation {short(g)}; generations are integers in [0, {_BOUND}]"
+        if type(on) is not bool:
+            return f"slot {slot} has live flag {short(on)}, not a bool"
+        if on and g == MAX_GENERATION:
+            return (f"slot {slot} is live at generation {_BOUND}, the largest; a live sequence's generation is "
+                    f"below it (freeing bumps it)")
+    return None
 
 
 @dataclass(frozen=True, order=True)
@@ -65,8 +86,11 @@ class SlotTable:
         return slot
 
     def next_free(self, handle: SeqHandle | None = None) -> SeqHandle:
-        """The handle ``claim`` would issue, without claiming it."""
+        """The handle ``claim`` would issue, without claiming it. A slot whose generation reached
+        ``MAX_GENERATION`` is retired: it is never issued again."""
         if handle is not None:
+            if not isinstance(handle, SeqHandle):
+                raise HebrusError(f"{self.owner}: expected a SeqHandle, got {type(handle).__name__}")
             slot = handle.slot
             if not 0 <= slot < self.capacity:
                 raise CapacityError(f"{self.owner}: slot {slot} outside [0, {self.capacity})")
@@ -76,11 +100,16 @@ class SlotTable:
             if handle.generation < self._generation[slot]:
                 raise StaleHandleError(f"{self.owner}: {handle} is older than slot {slot}'s generation "
                                        f"{self._generation[slot]}")
+            if handle.generation >= MAX_GENERATION:
+                raise HebrusError(f"{self.owner}: {handle} cannot be issued: a live sequence's generation is below "
+                                  f"{_BOUND} (a slot that reaches it is retired)")
             return handle
         for slot, on in enumerate(self._live):
-            if not on:
+            if not on and self._generation[slot] < MAX_GENERATION:
                 return SeqHandle(slot, self._generation[slot])
-        raise CapacityError(f"{self.owner}: all {self.capacity} sequence slots are in use")
+        retired = sum(g >= MAX_GENERATION for g in self._generation)
+        raise CapacityError(f"{self.owner}: all {self.capacity} sequence slots are in use"
+                            + (f" ({retired} retired at generation {_BOUND})" if retired else ""))
 
     def claim(self, handle: SeqHandle | None = None) -> SeqHandle:
         """Marks a free slot live. With ``handle``, adopts exactly that slot and generation
