@@ -296,6 +296,21 @@ def test_state_dict_roundtrip_and_validation(device):
     assert copy.digest() == before
 
 
+def test_handle_fields_must_be_integers(device):
+    """SeqHandle(0, 1.5) was adopted, then stale after a state_dict round trip; str/None fields gave a bare TypeError."""
+    state = make_state(device)
+    before = state.digest()
+    for slot, generation in ((0, 1.5), (0, "0"), (1.0, 0), (0, None), (True, 0), (0, False), (0, torch.tensor(0.0))):
+        with pytest.raises(HebrusError, match=r"SeqHandle\.(slot|generation) must be an integer"):
+            state.new_sequence(ht.SeqHandle(slot, generation))
+    assert state.digest() == before
+    h = state.new_sequence(ht.SeqHandle(torch.tensor(1), torch.tensor(2)))     # integer tensors become ints
+    assert h == ht.SeqHandle(1, 2) and type(h.slot) is int and type(h.generation) is int
+    copy = make_state(device)
+    copy.load_state_dict(state.state_dict())
+    copy.free(h)
+
+
 def resum(sd):
     """A PLEState state dict with its checksum recomputed (a consistent tamper: the sha256 is no signature)."""
     names = ("history", "conv_state", "generation", "live")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CapacityError, HebrusError, StaleHandleError
+from .args import as_int
 from .blob import short
 
 MAX_GENERATION = 2**62 - 1
@@ -36,6 +37,14 @@ class SeqHandle:
 
     slot: int
     generation: int
+
+    def __post_init__(self) -> None:
+        # Plain ints only (an integer tensor or numpy integer is converted): a float, bool, str or None
+        # would be adopted by a holder and then fail to match its own int64 slot table.
+        for name in ("slot", "generation"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                object.__setattr__(self, name, as_int(f"SeqHandle.{name}", value))
 
     def __repr__(self) -> str:
         return f"SeqHandle(slot={self.slot}, generation={self.generation})"
