@@ -412,19 +412,31 @@ class ModelCache(torch.nn.Module, Transactional):
         self._snapshots[seq.slot] = kept
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Validate both holders' parts and the handle table first, then publish all; else CorruptStateError."""
+        """Validate both holders' parts and the handle table first, then publish all; else CorruptStateError.
+
+        Keys the cache does not save (``ple.``/``qsa.`` typos included) are refused with ``strict=True``;
+        ``strict=False`` leaves them out and returns them as ``unexpected_keys``."""
         if not isinstance(state_dict, Mapping):
             raise CorruptStateError(f"ModelCache.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        self._load_all(dict(state_dict))
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        sd, unexpected = blob.known_entries("ModelCache.load_state_dict", dict(state_dict), self._state_keys(),
+                                            strict)
+        self._load_all(sd)
+        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # Loaded as part of a parent module: the same validated, all-or-nothing load, then the holders'
-        # own hooks (which torch calls next, on the same entries) have nothing left to do.
-        self._load_all({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+        # own hooks (which torch calls next, on the same entries) have nothing left to do. torch passes
+        # strict=True here whatever its caller asked for: keys under our prefix are checked strictly.
+        ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.load_state_dict(ours, strict=True)
         for holder in self.holders:
             holder._loaded_by_owner = True
+
+    def _state_keys(self) -> set[str]:
+        """The keys of this cache's state dict."""
+        return {"_extra_state", *(f"{name}.{k}" for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None
+                                  for k in h._state_keys())}
 
     def _table_checksum(self, generation: list, live: list) -> str:
         return blob.digest_of([("generation", generation), ("live", live)])

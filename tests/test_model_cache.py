@@ -345,6 +345,29 @@ def test_state_dict_through_a_parent_module(model):
         assert (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest()) == before
 
 
+def test_unexpected_keys_are_refused_with_strict(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 11), [])
+    sd = mc.state_dict()
+    target = make_cache(model)
+    b = target.new_sequence()
+    feed(target, Tables(target), b, torch.arange(3, 6), [])
+    before = (target.digest(), target.ple.digest(), target.qsa.digest())
+    for extra in ({"bogus": torch.zeros(3)}, {"ple.conv_statee": torch.zeros(3)}, {"qsa.typo": torch.zeros(1)}):
+        with pytest.raises(CorruptStateError, match=rf"unexpected key\(s\) \['{next(iter(extra))}'\]"):
+            target.load_state_dict(dict(sd, **extra))
+        assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+        parent_sd = {f"cache.{k}": v for k, v in dict(sd, **extra).items()}
+        with pytest.raises(CorruptStateError, match="unexpected key"):   # torch passes strict=True to every child
+            _Runtime(target).load_state_dict(dict(_Runtime(mc).state_dict(), **parent_sd), strict=False)
+        assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+    with pytest.raises(CorruptStateError, match="version"):
+        target.load_state_dict(dict(sd, _extra_state=dict(sd["_extra_state"], version=True)))
+    result = target.load_state_dict(dict(sd, bogus=torch.zeros(3), **{"ple.typo": torch.zeros(1)}), strict=False)
+    assert result.unexpected_keys == ["bogus", "ple.typo"] and target.digest() == mc.digest()
+
+
 def test_transaction_over_a_model_cache_covers_both_holders(model):
     mc = make_cache(model)
     a = mc.new_sequence()

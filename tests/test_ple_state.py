@@ -368,6 +368,28 @@ def test_state_dict_through_a_parent_module(device):
         assert target.ple.slots.live.tolist() == target.ple.live.tolist()
 
 
+def test_unexpected_keys_are_refused_with_strict(device):
+    state = make_state(device)
+    a = state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    sd = state.state_dict()
+    target = make_state(device)
+    before = target.digest()
+    with pytest.raises(CorruptStateError, match=r"unexpected key\(s\) \['bogus'\]"):
+        target.load_state_dict(dict(sd, bogus=torch.zeros(3)))
+    assert target.digest() == before
+    parent_sd = _Runtime(state).state_dict()
+    parent = _Runtime(target)
+    with pytest.raises(CorruptStateError, match="conv_statee"):    # torch passes strict=True to every child
+        parent.load_state_dict(dict(parent_sd, **{"ple.conv_statee": torch.zeros(3)}), strict=False)
+    assert target.digest() == before
+    result = target.load_state_dict(dict(sd, bogus=torch.zeros(3)), strict=False)
+    assert result.unexpected_keys == ["bogus"] and result.missing_keys == []
+    assert target.digest() == state.digest()
+    with pytest.raises(CorruptStateError, match="lacks tensor 'live'"):     # nothing may be missing, strict or not
+        target.load_state_dict({k: v for k, v in sd.items() if k != "live"}, strict=False)
+
+
 def test_keep_frees_every_other_sequence(device):
     state = make_state(device)
     a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()

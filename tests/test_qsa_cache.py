@@ -1022,6 +1022,22 @@ def test_generations_are_bounded_so_no_bump_overflows(cache):
         assert target.digest() == d
 
 
+def test_load_state_dict_strict_false_leaves_unexpected_keys_out():
+    cache = make_cache()
+    a = cache.new_sequence()
+    cache.append(a, stream(9)[0])
+    good = cache.state_dict()
+    target = make_cache()
+    d = target.digest()
+    with pytest.raises(CorruptStateError, match=r"unexpected key\(s\) \['extra'\]"):
+        target.load_state_dict(dict(good, extra=torch.zeros(1)))
+    assert target.digest() == d
+    result = target.load_state_dict(dict(good, extra=torch.zeros(1)), strict=False)
+    assert result.unexpected_keys == ["extra"] and target.digest() == cache.digest()
+    with pytest.raises(CorruptStateError, match=r"lacks \['keys'\]"):
+        target.load_state_dict({k: v for k, v in good.items() if k != "keys"}, strict=False)
+
+
 def test_check_then_publish_state_dict():
     """The two halves ModelCache uses to validate every holder before publishing any."""
     cache = make_cache()

@@ -364,10 +364,15 @@ class PLEState(torch.nn.Module, Transactional):
         raise HebrusError("PLEState: load the whole holder with load_state_dict")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing."""
-        self.check_state_dict(state_dict)
-        self.publish_state_dict(state_dict)
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing.
+
+        Keys this holder does not save are refused with ``strict=True``; ``strict=False`` leaves them out
+        and returns them as ``unexpected_keys``. No key may be missing either way."""
+        sd = self._as_dict(state_dict)
+        sd, unexpected = blob.known_entries("PLEState.load_state_dict", sd, self._state_keys(), strict)
+        self.check_state_dict(sd)
+        self.publish_state_dict(sd)
+        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -379,13 +384,21 @@ class PLEState(torch.nn.Module, Transactional):
 
     _STATE_NAMES = ("history", "conv_state", "generation", "live")
 
-    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Everything ``load_state_dict`` validates, without changing anything (CorruptStateError)."""
+    def _state_keys(self) -> set[str]:
+        """The keys of this holder's state dict."""
+        return {*self._STATE_NAMES, "_extra_state"}
+
+    def _as_dict(self, state_dict: Any) -> dict[str, Any]:
         if self.in_transaction:
             raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
         if not isinstance(state_dict, Mapping):
             raise CorruptStateError(f"PLEState.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sd = dict(state_dict)
+        return dict(state_dict)
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Everything ``load_state_dict`` (strict) validates, without changing anything (CorruptStateError)."""
+        sd = self._as_dict(state_dict)
+        blob.known_entries("PLEState.load_state_dict", sd, self._state_keys(), strict=True)
         expect = blob.expect
         extra = sd.get("_extra_state")
         expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),

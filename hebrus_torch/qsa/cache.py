@@ -1372,8 +1372,17 @@ class QSACache(torch.nn.Module, Transactional):
                               error_msgs):
         if self.__dict__.pop("_loaded_by_owner", False):  # a ModelCache over it has just loaded it
             return
+        # torch passes strict=True here, whatever its caller asked for: keys under our prefix are checked strictly.
         ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        self._load_state(ours)
+        self.load_state_dict(ours, strict=True)
+
+    def _state_keys(self) -> set[str]:
+        """The keys of this holder's state dict."""
+        names = ["cell_pos", "cell_ref", "keys", "pooled", "group_ref", "generation", "live", "seq_p0",
+                 "seq_n", "seq_cells", "seq_groups", "norm_weight", "inv_freq"]
+        if self.has_kv:
+            names += ["k_cache", "v_cache"]
+        return {*names, "_extra_state"}
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Everything ``load_state_dict`` validates (format, version, config, checksum, shapes, dtypes,
@@ -1404,12 +1413,10 @@ class QSACache(torch.nn.Module, Transactional):
                f"{_HOLDER_FORMAT!r} version {_HOLDER_VERSION}")
         expect(kind, _blob.same(extra.get("config"), self._config()),
                f"state of a cache configured {_blob.short(extra.get('config'))}, this one is {self._config()}")
-        names = ["cell_pos", "cell_ref", "keys", "pooled", "group_ref", "generation", "live", "seq_p0",
-                 "seq_n", "seq_cells", "seq_groups", "norm_weight", "inv_freq"]
-        if self.has_kv:
-            names += ["k_cache", "v_cache"]
+        names = self._state_keys() - {"_extra_state"}
+        _blob.known_entries(kind, sd, self._state_keys(), strict=True)
         tensors = {k: v for k, v in sd.items() if k != "_extra_state"}
-        expect(kind, set(tensors) == set(names), f"entries {sorted(tensors)} != {sorted(names)}")
+        expect(kind, set(tensors) == names, f"the state dict lacks {sorted(names - set(tensors))}")
         expect(kind, all(isinstance(t, torch.Tensor) for t in tensors.values()), "entries must be tensors")
         tensors = {k: v.detach().cpu() for k, v in tensors.items()}
         expect(kind, extra.get("checksum") == self._checksum(tensors), "checksum mismatch: modified or truncated")
@@ -1521,9 +1528,14 @@ class QSACache(torch.nn.Module, Transactional):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a whole-holder state dict (validated completely before anything is published; pooled
-        groups are re-derived from the raw keys). Raises ``CorruptStateError``."""
-        self._load_state(self._as_dict(state_dict))
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        groups are re-derived from the raw keys). Raises ``CorruptStateError``.
+
+        Keys this holder does not save are refused with ``strict=True``; ``strict=False`` leaves them out
+        and returns them as ``unexpected_keys``. No key may be missing either way."""
+        sd, unexpected = _blob.known_entries("QSACache.load_state_dict", self._as_dict(state_dict),
+                                             self._state_keys(), strict)
+        self._load_state(sd)
+        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
 
     # ------------------------------------------------------------------------------------------
     # Device / dtype moves

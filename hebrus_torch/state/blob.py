@@ -155,6 +155,19 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     return meta, tensors
 
 
+def known_entries(kind: str, state_dict: dict, expected: set, strict: bool) -> tuple[dict, list]:
+    """The entries of ``state_dict`` named in ``expected``, and the names of the others: with ``strict``
+    those are refused (CorruptStateError naming them), else left out and returned, as torch reports them.
+
+    Loaded through a parent module a holder always checks strictly: torch's recursion passes
+    ``strict=True`` to every ``_load_from_state_dict`` and decides only after everything is loaded."""
+    unexpected = sorted((k for k in state_dict if k not in expected), key=str)
+    if unexpected and strict:
+        raise CorruptStateError(f"{kind}: unexpected key(s) {short(unexpected)} in the state dict (strict=True; "
+                                f"load_state_dict(..., strict=False) leaves them out)")
+    return {k: v for k, v in state_dict.items() if k in expected}, unexpected
+
+
 def expect(kind: str, cond: bool, what: str) -> None:
     """Raise CorruptStateError(what) unless cond: one line for each validation of decoded state."""
     if not cond:
