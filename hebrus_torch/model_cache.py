@@ -481,6 +481,14 @@ class ModelCache(torch.nn.Module, Transactional):
         self.slots.load(generation, live)
         self._snapshots = {}
 
+    def _apply(self, fn, recurse: bool = True):
+        # Both holders' refusals (inside a transaction, an unsupported dtype) before either moves.
+        if self.in_transaction:
+            raise HebrusError("ModelCache: cannot move or cast the cache inside a transaction")
+        for holder in self.holders:
+            holder._check_apply(fn)
+        return super()._apply(fn, recurse)
+
     def state_dict(self, *args, **kwargs):
         """Both holders and the handle table (refused inside a transaction: nothing of it is published)."""
         if self.in_transaction:

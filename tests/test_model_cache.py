@@ -368,6 +368,28 @@ def test_unexpected_keys_are_refused_with_strict(model):
     assert result.unexpected_keys == ["bogus", "ple.typo"] and target.digest() == mc.digest()
 
 
+def test_casts_are_refused_for_both_holders_before_either_moves(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 9), [])
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    for cast in (lambda: mc.double(), lambda: mc.to(torch.float64)):
+        with pytest.raises(HebrusError, match="cannot cast"):
+            cast()
+        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+        assert mc.ple.conv_state.dtype == mc.qsa.keys.dtype == torch.float32
+    with ht.transaction(mc.qsa):                  # only the QSA cache is in a transaction: PLE must not move either
+        with pytest.raises(HebrusError, match="inside a transaction"):
+            mc.half()
+        assert mc.ple.conv_state.dtype == torch.float32
+    with pytest.raises(HebrusError, match="inside a transaction"):
+        with mc.transaction():
+            mc.half()
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    mc.half()
+    assert mc.ple.conv_state.dtype == mc.qsa.keys.dtype == torch.float16
+
+
 def test_transaction_over_a_model_cache_covers_both_holders(model):
     mc = make_cache(model)
     a = mc.new_sequence()

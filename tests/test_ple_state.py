@@ -453,3 +453,29 @@ def test_to_device_moves_buffers_and_keeps_handles():
     meta = make_state("cpu").to("meta")
     assert meta.conv_state.device.type == "meta" and meta.history.device.type == "meta"
     assert state.digest(a) == before
+
+
+def test_casts_inside_a_transaction_or_to_unsupported_dtypes_are_refused():
+    """A .half() mid-block made the commit fail after the history was published (a half-committed chunk);
+    float64 was accepted, then save() failed."""
+    state = make_state("cpu")
+    a = state.new_sequence()
+    feed(state, a, stream(6, 1), torch.randn(6, CHANNELS), [], "cpu")
+    before, tails = state.digest(), state.conv_state.clone()
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    for cast in (lambda: state.half(), lambda: state.to(torch.bfloat16), lambda: state.to("cpu")):
+        with pytest.raises(HebrusError, match="inside a transaction"):
+            with ht.transaction(state):
+                for layer in range(LAYERS):
+                    state.ngram_ids(layer, [a], stream(3, 2), cu)
+                    state.conv(layer, [a], torch.randn(3, CHANNELS), cu)
+                cast()
+        assert state.digest() == before and torch.equal(state.conv_state, tails) and not state.in_transaction
+    for cast in (lambda: state.double(), lambda: state.to(torch.float64), lambda: state.type(torch.float16)):
+        with pytest.raises(HebrusError, match="cannot cast"):
+            cast()
+        assert state.digest() == before and state.conv_state.dtype == torch.float32
+        assert state.history.dtype == state.generation.dtype == torch.int64 and state.live.dtype == torch.bool
+    with pytest.raises(HebrusError, match="float32, float16 or bfloat16"):
+        make_state("cpu", dtype=torch.float64)
+    state.save(a)

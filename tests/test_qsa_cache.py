@@ -1086,6 +1086,20 @@ def test_to_dtype_rederives_pooled():
     assert fresh.digest(f) == cache.digest(a)
 
 
+def test_cast_to_an_unsupported_dtype_is_refused_before_anything_changes(cache):
+    """.double() failed half-way (in the pooling kernel) and left float64 keys a digest could not name."""
+    a = cache.new_sequence()
+    cache.append(a, stream(9)[0])
+    d, keys = cache.digest(), cache.keys.clone()
+    for cast in (lambda: cache.double(), lambda: cache.to(torch.float64), lambda: cache.type(torch.float16)):
+        with pytest.raises(HebrusError, match="cannot cast"):
+            cast()
+        assert cache.digest() == d and cache.dtype == torch.float32 and torch.equal(cache.keys, keys)
+        assert cache.cell_pos.dtype == torch.int64 and cache.cell_ref.dtype == torch.int32
+    cache.save(a)
+    check_invariants(cache)
+
+
 # ------------------------------------------------------------------------------------------------
 # Transactions
 # ------------------------------------------------------------------------------------------------

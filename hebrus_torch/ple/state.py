@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CorruptStateError, HebrusError
 from ..state import blob
-from ..state.args import as_int
+from ..state.args import FLOAT_DTYPES, as_int, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.transaction import Transactional, atomic
 from . import ops
@@ -101,6 +101,8 @@ class PLEState(torch.nn.Module, Transactional):
         self.dilation = ngram_size if dilation is None else dilation
         if self.dilation < 1:
             raise HebrusError(f"PLEState: dilation must be >= 1, got {self.dilation}")
+        if dtype not in FLOAT_DTYPES:
+            raise HebrusError(f"PLEState: dtype must be float32, float16 or bfloat16, got {dtype}")
         if activation not in ("silu", "none"):
             raise HebrusError(f"PLEState: activation must be 'silu' or 'none', got {activation!r}")
         self.state_len = (conv_kernel_size - 1) * self.dilation
@@ -331,6 +333,17 @@ class PLEState(torch.nn.Module, Transactional):
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
         self._undo.append((slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))
+
+    # ----------------------------------------------------------------------------- device / dtype moves
+    def _check_apply(self, fn) -> None:
+        """What ``_apply`` refuses before anything changes (ModelCache checks both holders first)."""
+        if self.in_transaction:
+            raise HebrusError("PLEState: cannot move or cast the state inside a transaction (its changes are staged)")
+        check_cast("PLEState", fn, self.conv_state.dtype, self.conv_state.device)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._check_apply(fn)
+        return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------------------- whole-holder state
     def digest(self, seq: SeqHandle | None = None) -> str:

@@ -57,7 +57,7 @@ import torch
 
 from ..errors import CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError
 from ..state import blob as _blob
-from ..state.args import as_int
+from ..state.args import as_int, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.transaction import Transactional, atomic
 from .ops import qsa_pool, qsa_select
@@ -1541,9 +1541,14 @@ class QSACache(torch.nn.Module, Transactional):
     # Device / dtype moves
     # ------------------------------------------------------------------------------------------
 
-    def _apply(self, fn, recurse: bool = True):
+    def _check_apply(self, fn) -> None:
+        """What ``_apply`` refuses before anything changes (ModelCache checks both holders first)."""
         if self._txn is not None:
             raise HebrusError("QSACache: cannot move or cast the cache inside a transaction")
+        check_cast("QSACache", fn, self.keys.dtype, self.keys.device)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._check_apply(fn)
         nw, inv = self.norm_weight, self.inv_freq
         old_dtype, old_device = self.keys.dtype, self.keys.device
         super()._apply(fn, recurse)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,3 +24,21 @@ def as_tensor(what: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise HebrusError(f"{what} must be a Tensor, got {type(value).__name__}")
     return value
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes a holder keeps its floating-point state in (those the kernels take)."""
+
+
+def check_cast(owner: str, fn: Callable[[torch.Tensor], torch.Tensor], float_dtype: torch.dtype,
+               device: torch.device) -> None:
+    """Refuse, before ``nn.Module._apply(fn)`` changes anything, a move or cast (``.to``, ``.half``,
+    ``.double``, ``.type``, ...) that would give the holder's floating-point state a dtype outside
+    float32/float16/bfloat16, or change the dtype of its integer and bool tensors. ``fn`` runs on empty
+    tensors of each kind (so a move to an unavailable device fails here too)."""
+    for dtype in (float_dtype, torch.int64, torch.int32, torch.bool):
+        got = fn(torch.empty(0, dtype=dtype, device=device)).dtype
+        if dtype is float_dtype and got not in FLOAT_DTYPES:
+            raise HebrusError(f"{owner}: cannot cast the state to {got}; holders keep float32, float16 or bfloat16")
+        if dtype is not float_dtype and got != dtype:
+            raise HebrusError(f"{owner}: cannot cast its {dtype} tensors (slot tables, ids, positions) to {got}")
