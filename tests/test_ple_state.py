@@ -418,6 +418,22 @@ def test_conv_weight_of_the_wrong_shape_is_refused(device):
     state.conv(0, [a], torch.randn(3, CHANNELS, device=device), cu, torch.randn(CHANNELS, 1, 4, device=device))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_conv_input_of_another_dtype_is_refused(device, dtype):
+    """fp32 x on a bf16 holder ran in fp32 and rounded the tail at each chunk boundary: chunking changed y."""
+    state = make_state(device, dtype)
+    a = state.new_sequence()
+    before = state.digest()
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    with pytest.raises(HebrusError, match=f"x is {other} but the conv state is {dtype}"):
+        state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=other), cu)
+    with pytest.raises(HebrusError, match="x must be a Tensor"):
+        state.conv(0, [a], [[0.0] * CHANNELS] * 3, cu)
+    assert state.digest() == before
+    state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=dtype), cu)
+
+
 def test_bad_input_changes_nothing(device):
     state = make_state(device)
     a, b = state.new_sequence(), state.new_sequence()

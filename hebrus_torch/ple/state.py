@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CorruptStateError, HebrusError
 from ..state import blob
-from ..state.args import FLOAT_DTYPES, as_int, check_cast
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.transaction import Transactional, atomic
 from . import ops
@@ -268,6 +268,12 @@ class PLEState(torch.nn.Module, Transactional):
         ``weight`` is ``[C, K]`` (or transformers' ``[C, 1, K]``); defaults to the layer's registered weight.
         """
         self._check_layer(layer)
+        x = as_tensor("PLEState.conv: x", x)
+        if x.dtype != self.conv_state.dtype:
+            # Run in another dtype, the carried tail would be rounded at every chunk boundary: outputs would
+            # depend on how the stream is chunked (SPEC §5.1).
+            raise HebrusError(f"PLEState.conv: x is {x.dtype} but the conv state is {self.conv_state.dtype}; pass x "
+                              f"in the state's dtype (or cast the holder with .to(dtype))")
         slots = self._slots_of(seqs, cu_seqlens)
         if weight is None:
             if self._conv_weights is None:
@@ -279,10 +285,10 @@ class PLEState(torch.nn.Module, Transactional):
             raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
                               f"[C, 1, K]), got {got}")
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
-        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
+        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots)
         y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
         with atomic(self):
-            self._stage(self._staged_tails[layer], slots, new_state.to(self.conv_state.dtype))
+            self._stage(self._staged_tails[layer], slots, new_state)
         return y
 
     # ----------------------------------------------------------------------------- transactions
