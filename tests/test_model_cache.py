@@ -219,6 +219,15 @@ def test_save_free_restore_roundtrip_and_corruption(model):
     assert out[("plan", 1)].positions.tolist() == [23]
 
 
+def test_saved_sequence_restores_into_a_cache_of_another_slot_count(model):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(3, 14), [5])
+    other = ht.ModelCache.from_transformers(model, capacity_tokens=128, max_sequences=7)
+    b = other.restore(mc.save(a))
+    assert other.ple.digest(b) == mc.ple.digest(a) and other.qsa.digest(b) == mc.qsa.digest(a)
+
+
 def test_state_dict_roundtrip_and_validation(model):
     mc = make_cache(model)
     tables = Tables(mc)

@@ -214,6 +214,26 @@ def forge(header, payload=b""):
     return body + hashlib.sha256(body).digest()
 
 
+def test_blob_restores_into_a_holder_of_another_slot_count(device):
+    """A sequence's state does not depend on the number of slots; QSACache's blob leaves it out too."""
+    small, large = make_state(device, max_sequences=2), make_state(device, max_sequences=8)
+    a = small.new_sequence()
+    feed(small, a, stream(7, 3), torch.randn(7, CHANNELS), [], device)
+    data = small.save(a)
+    b = large.new_sequence()
+    large.restore(b, data)
+    assert large.digest(b) == small.digest(a)
+    header, payload = split_blob(data)
+    assert "max_sequences" not in header["meta"]
+    header["meta"]["max_sequences"] = 2            # as earlier builds saved it: still restorable anywhere
+    c = large.new_sequence()
+    large.restore(c, forge(header, payload))
+    assert large.digest(c) == small.digest(a)
+    header["meta"]["max_sequences"] = "2"
+    with pytest.raises(CorruptStateError, match="config"):
+        large.restore(c, forge(header, payload))
+
+
 def test_restore_refuses_hostile_headers_with_a_valid_checksum(device):
     """Untrusted blobs: whatever the JSON header holds, a CorruptStateError naming it, and nothing changes."""
     state = make_state(device)

@@ -243,7 +243,7 @@ class PLEState(torch.nn.Module, Transactional):
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
         snap = self.snapshot(seq)
-        return blob.pack(_KIND, self._config_meta(), {"history": snap.history, "conv_tails": snap.conv_tails})
+        return blob.pack(_KIND, self._seq_config_meta(), {"history": snap.history, "conv_tails": snap.conv_tails})
 
     # ----------------------------------------------------------------------------- chunk execution
     def ngram_ids(self, layer: int, seqs: Sequence[SeqHandle], tokens: torch.Tensor,
@@ -456,10 +456,19 @@ class PLEState(torch.nn.Module, Transactional):
                 "eos": self.eos_token_id, "vocab": self.vocab_size, "dtype": str(self.conv_state.dtype),
                 "max_sequences": self.slots.capacity}
 
+    def _seq_config_meta(self) -> dict[str, Any]:
+        """The config a one-sequence blob records: not the slot count, which a sequence's state does not
+        depend on (as QSACache's blobs)."""
+        meta = self._config_meta()
+        del meta["max_sequences"]
+        return meta
+
     def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         meta, tensors = blob.unpack(data, _KIND)
-        blob.expect(_KIND, blob.same(meta, self._config_meta()),
-                    f"blob was saved with config {blob.short(meta)}, this holder has {self._config_meta()!r}")
+        if type(meta.get("max_sequences")) is int:   # blobs of earlier builds record it: restorable into any slot count
+            meta = {k: v for k, v in meta.items() if k != "max_sequences"}
+        blob.expect(_KIND, blob.same(meta, self._seq_config_meta()),
+                    f"blob was saved with config {blob.short(meta)}, this holder has {self._seq_config_meta()!r}")
         blob.expect(_KIND, set(tensors) == {"history", "conv_tails"}, f"blob holds tensors {sorted(tensors)}")
         self._validate_seq_state(tensors["history"], tensors["conv_tails"], CorruptStateError)
         return tensors["history"], tensors["conv_tails"]
