@@ -91,6 +91,17 @@ def test_chunk_invariance_bitwise(device, dtype):
         assert digest == base[2], name
 
 
+def test_digest_covers_free_slots_generations(device):
+    """Two holders whose next handles differ (slot 0 free at generation 0 or 1) must not digest alike."""
+    fresh, used = make_state(device), make_state(device)
+    used.free(used.new_sequence())
+    assert fresh.digest() != used.digest()
+    assert fresh.new_sequence() != used.new_sequence()
+    copy = make_state(device)
+    copy.load_state_dict(used.state_dict())
+    assert copy.digest() == used.digest()
+
+
 def test_isolation_and_untouched_slots(device):
     state = make_state(device)
     a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()

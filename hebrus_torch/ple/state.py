@@ -353,15 +353,17 @@ class PLEState(torch.nn.Module, Transactional):
 
     # ----------------------------------------------------------------------------- whole-holder state
     def digest(self, seq: SeqHandle | None = None) -> str:
-        """sha256 of the public state: config, live slots with generations, their history and tails.
+        """sha256 of the public state: config, every slot's generation and live flag (free slots' too: they
+        decide the next handles), and each live sequence's history and tails.
 
         With ``seq``, of that sequence's history and tails only (not its slot), so two sequences
-        with equal state have equal digests. Free slots' contents are not state.
+        with equal state have equal digests. Free slots' history and tails are not state.
         """
         if seq is not None:
             snap = self.snapshot(seq)
             return blob.digest_of([("history", snap.history), ("tails", snap.conv_tails)])
-        parts: list[tuple[str, Any]] = [("config", self._config_meta())]
+        parts: list[tuple[str, Any]] = [("config", self._config_meta()), ("generation", self.slots.generation),
+                                        ("live", self.slots.live)]
         for h in self.slots.live_handles():
             parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
         return blob.digest_of(parts)
