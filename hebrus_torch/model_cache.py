@@ -233,6 +233,9 @@ class ModelCache(torch.nn.Module, Transactional):
         self._backup = self._txn_savepoint()
 
     def _txn_commit(self) -> None:
+        """Nothing to publish (the handle table changed in place); the backup stays until ``_txn_finish``."""
+
+    def _txn_finish(self) -> None:
         self._backup = None
 
     def _txn_rollback(self) -> None:

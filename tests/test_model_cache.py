@@ -458,6 +458,54 @@ def test_commit_that_cannot_complete_rolls_back_every_holder(model, monkeypatch)
     assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
 
 
+def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
+    """A publish that fails anyway (a device error in PLE's copies) ended only the failing holder's
+    transaction: the QSA cache stayed inside one for good and the PLE state was half published."""
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 6), [])
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    real = torch.Tensor.index_copy_
+    conv_state = mc.ple.conv_state.untyped_storage().data_ptr()
+
+    def failing(self, *args, **kwargs):          # after the n-gram histories are published
+        if self.untyped_storage().data_ptr() == conv_state and not failing.done:
+            failing.done = True
+            raise torch.OutOfMemoryError("injected failure while PLE publishes its conv tails")
+        return real(self, *args, **kwargs)
+
+    failing.done = False
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        with mc.transaction(ht.Batch.pack({a: torch.arange(6, 12)})) as step:
+            for li in mc.ple.layer_ids:
+                step.ple_ngram_ids(li)
+                step.ple_conv(li, tables.x[step.batch.tokens])
+            for li in mc.qsa.layer_ids:
+                step.qsa_write(li, tables.keys[step.batch.tokens])
+            b = mc.new_sequence()
+            monkeypatch.setattr(torch.Tensor, "index_copy_", failing)
+    monkeypatch.undo()
+    assert not (mc.in_transaction or mc.ple.in_transaction or mc.qsa.in_transaction)
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    with pytest.raises(StaleHandleError):
+        mc.free(b)
+    # Should the QSA commit raise after PLE's has published, PLE's is undone too (commits stay undoable
+    # until every holder has committed).
+    monkeypatch.setattr(mc.qsa, "_txn_commit", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        with mc.transaction(ht.Batch.pack({a: torch.arange(6, 12)})) as step:
+            for li in mc.ple.layer_ids:
+                step.ple_ngram_ids(li)
+                step.ple_conv(li, tables.x[step.batch.tokens])
+            mc.new_sequence()
+    monkeypatch.undo()
+    assert not (mc.in_transaction or mc.ple.in_transaction or mc.qsa.in_transaction)
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    run_chunk(mc, tables, {a: torch.tensor([6, 7])})
+    assert mc.new_sequence() == ht.SeqHandle(1, 0)
+
+
 def test_shift_that_misses_the_run_keeps_snapshot_labels(model):
     mc = make_cache(model)
     tables = Tables(mc)

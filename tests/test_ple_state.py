@@ -153,6 +153,35 @@ def test_failure_after_some_layers_rolls_back_every_layer(device):
     state.snapshot(b)  # still live
 
 
+class _CommitFails(ht.state.Transactional):
+    """A holder whose commit raises (a device error where none is expected), committed after PLEState."""
+
+    def _txn_begin(self):
+        pass
+
+    def _txn_commit(self):
+        raise RuntimeError("injected failure in a later holder's commit")
+
+    def _txn_rollback(self):
+        pass
+
+
+def test_commit_failure_in_a_later_holder_undoes_the_published_chunk(device):
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(6, 1), torch.randn(6, CHANNELS), [], device)
+    before = state.digest()
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="injected"):
+        with ht.transaction(state, _CommitFails()):
+            for layer in range(LAYERS):
+                state.ngram_ids(layer, [a, b], stream(5, 2).to(device), cu)
+                state.conv(layer, [a, b], torch.randn(5, CHANNELS, device=device), cu)
+            state.free(state.new_sequence())
+    assert state.digest() == before and not state.in_transaction
+    feed(state, a, stream(3, 4), torch.randn(3, CHANNELS), [], device)
+
+
 def test_lifecycle_copy_fork_reset_free(device):
     state = make_state(device)
     a = state.new_sequence()
@@ -463,6 +492,19 @@ def test_conv_input_of_another_dtype_is_refused(device, dtype):
         state.conv(0, [a], [[0.0] * CHANNELS] * 3, cu)
     assert state.digest() == before
     state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=dtype), cu)
+
+
+def test_state_keeps_no_autograd_history(device):
+    """With weights that require grad (a model's parameters), the op's new tails do too: stored as they
+    were, the state chained every chunk's graph into the next one."""
+    state = make_state(device)
+    state._conv_weights = [w.clone().requires_grad_() for w in state._conv_weights]
+    a = state.new_sequence()
+    for n in (4, 3):
+        run_chunk(state, [a], [stream(n, n)], [torch.randn(n, CHANNELS, requires_grad=True)], device)
+        assert not state.conv_state.requires_grad and state.conv_state.grad_fn is None
+    state.restore(a, state.snapshot(a))
+    assert not state.conv_state.requires_grad
 
 
 def test_bad_input_changes_nothing(device):

@@ -361,6 +361,17 @@ def test_write_needs_the_reserving_transaction(cache):
     cache.plan(0, chunk, queries(4), 2)      # planning a committed chunk is fine
 
 
+def test_cache_keeps_no_autograd_history():
+    cache = make_cache(kv=True)
+    a = cache.new_sequence()
+    keys, k, v = stream(9, kv=True)
+    cache.append(a, [t.requires_grad_() for t in keys], k=[t.requires_grad_() for t in k],
+                 v=[t.requires_grad_() for t in v])
+    for name in ("keys", "k_cache", "v_cache", "pooled"):
+        assert not getattr(cache, name).requires_grad, name
+    check_invariants(cache)
+
+
 def test_write_and_plan_shape_errors_change_nothing(cache):
     a = cache.new_sequence()
     with transaction(cache):
@@ -1200,6 +1211,28 @@ def test_commit_that_cannot_complete_rolls_back_every_holder(monkeypatch):
         fake.add(1)
         cache.reserve([a], [6])
     assert cache.run(a) == (0, 11) and fake.values == [1]
+
+
+def test_a_holder_whose_commit_raises_leaves_no_transaction_open():
+    class BrokenCommit(FakeHolder):
+        def _txn_commit(self):
+            raise RuntimeError("injected failure in a commit")
+
+    cache = make_cache(capacity=48)
+    a = cache.new_sequence()
+    cache.append(a, stream(5, seed=1)[0])
+    broken = BrokenCommit()
+    d = cache.digest()
+    with pytest.raises(RuntimeError, match="injected"):
+        with transaction(broken, cache):
+            broken.add(1)
+            cache.append(a, stream(6, seed=2)[0])
+            cache.new_sequence()
+    assert not cache.in_transaction and not broken.in_transaction
+    assert cache.digest() == d and broken.digest() == "[]"
+    check_invariants(cache)
+    cache.append(a, stream(3, seed=3)[0])
+    assert cache.run(a) == (0, 8)
 
 
 def test_failed_operation_inside_transaction_changes_nothing_and_block_continues():

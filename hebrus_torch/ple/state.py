@@ -130,6 +130,9 @@ class PLEState(torch.nn.Module, Transactional):
         # Undo log of the open transaction: (slot, history rows, conv tails) before each in-place change.
         self._undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._base: _PLESavepoint | None = None
+        # The commit's copies, built by _txn_prepare: (buffer row view, slots, new rows, rows they replace).
+        self._prepared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._committed = False
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -288,7 +291,8 @@ class PLEState(torch.nn.Module, Transactional):
         state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots)
         y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
         with atomic(self):
-            self._stage(self._staged_tails[layer], slots, new_state)
+            # The state carries no autograd history (the op's outputs require grad when the weight does).
+            self._stage(self._staged_tails[layer], slots, new_state.detach())
         return y
 
     # ----------------------------------------------------------------------------- transactions
@@ -296,12 +300,16 @@ class PLEState(torch.nn.Module, Transactional):
         self._staged_history = [{} for _ in range(self.num_layers)]
         self._staged_tails = [{} for _ in range(self.num_layers)]
         self._undo = []
+        self._prepared = None
+        self._committed = False
         self._base = self._txn_savepoint()
 
-    def _txn_commit(self) -> None:
+    def _txn_prepare(self) -> None:
+        """Every allocation of the commit, before anything is published: per layer and op output that
+        staged rows (usually one), the destination slots, the rows to copy and the rows they replace."""
+        plan = []
         for buffer, staged_layers in ((self.history, self._staged_history), (self.conv_state, self._staged_tails)):
             for layer, staged in enumerate(staged_layers):
-                # One index_copy_ per op output that staged rows (usually one per layer).
                 by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
                 for slot, (source, row) in staged.items():
                     entry = by_source.setdefault(id(source), (source, [], []))
@@ -311,11 +319,35 @@ class PLEState(torch.nn.Module, Transactional):
                     dst = torch.tensor(slots, dtype=torch.int64, device=buffer.device)
                     if rows != list(range(source.shape[0])):
                         source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
-                    buffer[layer].index_copy_(0, dst, source)
+                    plan.append((buffer[layer], dst, source, buffer[layer].index_select(0, dst)))
+        self._prepared = plan
+
+    def _txn_commit(self) -> None:
+        """One in-place index_copy_ per prepared entry. Should one fail, the rows already written are put
+        back; until ``_txn_finish`` the replaced rows are kept, so a rollback still undoes the commit."""
+        if self._prepared is None:
+            self._txn_prepare()
+        done = 0
+        try:
+            for target, dst, source, _ in self._prepared:
+                target.index_copy_(0, dst, source)
+                done += 1
+        except BaseException:
+            self._unpublish(self._prepared[:done + 1])
+            raise
+        self._committed = True
+
+    def _txn_finish(self) -> None:
         self._txn_begin()
         self._base = None
 
+    def _unpublish(self, entries) -> None:
+        for target, dst, _, old in reversed(entries):
+            target.index_copy_(0, dst, old)
+
     def _txn_rollback(self) -> None:
+        if self._committed:
+            self._unpublish(self._prepared)
         if self._base is not None:
             self._txn_restore(self._base)
         self._txn_begin()
@@ -531,8 +563,8 @@ class PLEState(torch.nn.Module, Transactional):
     def _write_slot(self, slot: int, history: torch.Tensor, tails: torch.Tensor) -> None:
         self._log_slot(slot)
         self._drop_staged(slot)
-        self.history[:, slot] = history.to(self.history.device)
-        self.conv_state[:, slot] = tails.to(self.conv_state.device, self.conv_state.dtype)
+        self.history[:, slot] = history.detach().to(self.history.device)
+        self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
 
     def _drop_staged(self, slot: int) -> None:
         for staged in self._staged_history + self._staged_tails:

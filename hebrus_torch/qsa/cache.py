@@ -543,19 +543,20 @@ class QSACache(torch.nn.Module, Transactional):
         txn.prepared = (cells, pooled)
 
     def _txn_commit(self) -> None:
-        """Clear the transaction's flags (cannot fail) and drop the undo log."""
-        txn = self._txn
-        try:
-            cells, pooled = txn.prepared
-            if cells is not None:
-                self._unwritten[:, cells] = False
-            for layer, rows in pooled:
-                self._pending[layer, rows] = False
-            self._freed_cells.zero_()
-            self._freed_rows.zero_()
-        finally:
-            self._txn = None
-            del txn.log[:]
+        """Clear the transaction's flags. The undo log is kept until ``_txn_finish`` (every flag was set
+        through it), so a rollback still undoes the whole block."""
+        cells, pooled = self._txn.prepared
+        if cells is not None:
+            self._unwritten[:, cells] = False
+        for layer, rows in pooled:
+            self._pending[layer, rows] = False
+        self._freed_cells.zero_()
+        self._freed_rows.zero_()
+
+    def _txn_finish(self) -> None:
+        """Drop the undo log."""
+        txn, self._txn = self._txn, None
+        del txn.log[:]
 
     def _txn_rollback(self) -> None:
         txn = self._txn
@@ -979,10 +980,11 @@ class QSACache(torch.nn.Module, Transactional):
                     tt = getattr(self, name)
                     if tt is not None:
                         txn.log.append((tt, (layer, written), tt[layer, written].clone()))
-            self.keys[layer].index_copy_(0, cells, keys.to(device=self.device, dtype=self.dtype))
+            # The cache carries no autograd history: activations that require grad are stored detached.
+            self.keys[layer].index_copy_(0, cells, keys.detach().to(device=self.device, dtype=self.dtype))
             if self.has_kv:
-                self.k_cache[layer].index_copy_(0, cells, k.to(device=self.device, dtype=self.dtype))
-                self.v_cache[layer].index_copy_(0, cells, v.to(device=self.device, dtype=self.dtype))
+                self.k_cache[layer].index_copy_(0, cells, k.detach().to(device=self.device, dtype=self.dtype))
+                self.v_cache[layer].index_copy_(0, cells, v.detach().to(device=self.device, dtype=self.dtype))
             if written.numel():
                 self._repool_touching(layer, written)
             self._set(self._unwritten, (layer, cells), False)

@@ -2,10 +2,16 @@
 
 A holder takes part by implementing the hooks below. ``_txn_begin`` opens a staging area (changes
 made inside the block go there, or into an undo log), ``_txn_prepare`` does the work of the commit
-that can still fail (it may change state, undoably), ``_txn_commit`` publishes and must not fail,
-``_txn_rollback`` drops everything so that the holder is bitwise what it was before
+that can still fail (it may change state, undoably; allocations belong here), ``_txn_commit``
+publishes and should not fail, ``_txn_finish`` drops what the holder kept to undo the block and must
+not fail, ``_txn_rollback`` drops everything so that the holder is bitwise what it was before
 (``digest()`` unchanged). ``_txn_savepoint`` / ``_txn_restore`` mark and return to a point inside an
 open transaction: what makes each lifecycle operation atomic on its own inside a larger block.
+
+A holder's commit stays undoable until its ``_txn_finish``: should one holder's ``_txn_commit``
+raise all the same (a device error), leaving that holder as it was before its commit, every holder
+of the block, those already committed included, is rolled back, every transaction ends and the
+error propagates. Only when all have committed does any finish.
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ class Transactional:
     def _txn_commit(self) -> None:
         raise NotImplementedError
 
+    def _txn_finish(self) -> None:
+        """After every holder of the block committed: drop what undoes this commit (must not fail). A
+        holder that keeps nothing to undo its commit need not implement it (its commit is then final)."""
+
     def _txn_rollback(self) -> None:
+        """Back to the state before the block; also after ``_txn_commit``, until ``_txn_finish``."""
         raise NotImplementedError
 
     def _txn_savepoint(self) -> Any:
@@ -76,17 +87,35 @@ def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
         for holder in begun:
             holder._txn_prepare()
     except BaseException:
-        for holder in reversed(begun):
-            try:
-                holder._txn_rollback()
-            finally:
-                holder._txn_depth_owner = None
+        _roll_back(reversed(begun))
         raise
-    for holder in begun:
-        try:
+    try:
+        for holder in begun:
             holder._txn_commit()
+    except BaseException:
+        # Not expected (the fallible work ran in _txn_prepare): undo every holder, committed ones too.
+        _roll_back(reversed(begun))
+        raise
+    _end(begun, "_txn_finish")
+
+
+def _roll_back(holders) -> None:
+    _end(holders, "_txn_rollback")
+
+
+def _end(holders, hook: str) -> None:
+    """Run ``hook`` of every holder and end its transaction, even when one raises (the first such error
+    is re-raised after all, chained to any being handled)."""
+    error: BaseException | None = None
+    for holder in holders:
+        try:
+            getattr(holder, hook)()
+        except BaseException as exc:  # noqa: BLE001 (the others must still end their transactions)
+            error = error or exc
         finally:
             holder._txn_depth_owner = None
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager
