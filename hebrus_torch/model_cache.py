@@ -479,9 +479,13 @@ class ModelCache(torch.nn.Module, Transactional):
                     ok = not h_live[slot] and (mine is None or h_gen[slot] <= mine[0])
                 blob.expect(_KIND, ok, f"{name} slot {slot} (generation {h_gen[slot]}, live {h_live[slot]}) "
                                        f"disagrees with the ModelCache handle table")
-        for name, part in parts.items():
-            getattr(self, name).publish_state_dict(part)
-        self.slots.load(generation, live)
+        # Everything that can fail (allocations, moves to the device, re-pooling) before anything is
+        # published; publishing is reference assignments only, so it cannot stop with one holder new
+        # and the other old.
+        prepared = {name: getattr(self, name)._prepare_state_dict(part) for name, part in parts.items()}
+        for name, prep in prepared.items():
+            getattr(self, name)._swap_state_dict(prep)
+        self.slots.assign(list(generation), list(live))
         self._snapshots = {}
 
     def _apply(self, fn, recurse: bool = True):

@@ -254,6 +254,30 @@ def test_state_dict_roundtrip_and_validation(model):
     assert other.digest() == before
 
 
+def test_load_that_fails_while_re_pooling_publishes_nothing(model, monkeypatch):
+    """The QSA cache re-derives its pooled groups on load; that ran after PLE had published its part."""
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 11), [])
+    sd = mc.state_dict()
+    target = make_cache(model)
+    b, c = target.new_sequence(), target.new_sequence()
+    feed(target, Tables(target), b, torch.arange(3, 9), [])
+    before = (target.digest(), target.ple.digest(), target.qsa.digest())
+
+    def interrupted(*args, **kwargs):
+        raise RuntimeError("injected failure while re-pooling")
+
+    monkeypatch.setattr(target.qsa, "_pool", interrupted)
+    with pytest.raises(RuntimeError, match="injected"):
+        target.load_state_dict(sd)
+    monkeypatch.undo()
+    assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+    target.free(c)
+    target.load_state_dict(sd)
+    assert target.digest() == mc.digest()
+
+
 @pytest.mark.parametrize("table", [
     {"generation": ["x", 0, 0, 0]},                       # not an integer
     {"generation": [-7, 0, 0, 0]},                        # negative

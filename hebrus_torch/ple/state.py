@@ -297,12 +297,16 @@ class PLEState(torch.nn.Module, Transactional):
 
     # ----------------------------------------------------------------------------- transactions
     def _txn_begin(self) -> None:
+        self._reset_staging()
+        self._base = self._txn_savepoint()
+
+    def _reset_staging(self) -> None:
         self._staged_history = [{} for _ in range(self.num_layers)]
         self._staged_tails = [{} for _ in range(self.num_layers)]
         self._undo = []
         self._prepared = None
         self._committed = False
-        self._base = self._txn_savepoint()
+        self._base = None
 
     def _txn_prepare(self) -> None:
         """Every allocation of the commit, before anything is published: per layer and op output that
@@ -475,13 +479,25 @@ class PLEState(torch.nn.Module, Transactional):
         expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
 
     def publish_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Copy a state dict that ``check_state_dict`` accepted into the buffers."""
-        with torch.no_grad():
-            for name in self._STATE_NAMES:
-                getattr(self, name).copy_(state_dict[name])
-        self.slots.load(self.generation.cpu(), self.live.cpu())
-        self._txn_begin()
-        self._base = None
+        """Publish a state dict that ``check_state_dict`` accepted."""
+        self._swap_state_dict(self._prepare_state_dict(state_dict))
+
+    def _prepare_state_dict(self, state_dict: Mapping[str, Any]) -> tuple:
+        """The fallible part of publishing a checked state dict: fresh buffers (laid out as the current
+        ones) and the slot table, built before anything is published."""
+        buffers = {name: torch.empty_like(getattr(self, name)).copy_(state_dict[name].detach())
+                   for name in self._STATE_NAMES}
+        generation = [int(g) for g in state_dict["generation"].tolist()]
+        live = [bool(v) for v in state_dict["live"].tolist()]
+        return buffers, generation, live
+
+    def _swap_state_dict(self, prepared: tuple) -> None:
+        """Publish what ``_prepare_state_dict`` built: reference assignments only, nothing that can fail."""
+        buffers, generation, live = prepared
+        for name, tensor in buffers.items():
+            setattr(self, name, tensor)
+        self.slots.assign(generation, live)
+        self._reset_staging()
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:

@@ -678,9 +678,12 @@ class QSACache(torch.nn.Module, Transactional):
     # Pooling
     # ------------------------------------------------------------------------------------------
 
-    def _pool(self, layer: int, gcells: torch.Tensor, gpos: torch.Tensor) -> torch.Tensor:
-        return qsa_pool(self.keys[layer], self.cell_pos, gcells.to(torch.int32), gpos,
-                        self.norm_weight[layer], self.eps, self.inv_freq)
+    def _pool(self, layer: int, gcells: torch.Tensor, gpos: torch.Tensor, *, keys: torch.Tensor | None = None,
+              cell_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled keys of groups ``gcells`` [G, r] at ``gpos`` [G] for one layer (of the published keys and
+        positions, or of ``keys`` [C, D] and ``cell_pos`` [C] not published yet)."""
+        return qsa_pool(self.keys[layer] if keys is None else keys, self.cell_pos if cell_pos is None else cell_pos,
+                        gcells.to(torch.int32), gpos, self.norm_weight[layer], self.eps, self.inv_freq)
 
     def _define_groups(self, rows: torch.Tensor, gcells: torch.Tensor, gpos: torch.Tensor) -> None:
         """Give fresh rows their groups; pool at once for every layer whose cells are all written,
@@ -1499,34 +1502,56 @@ class QSACache(torch.nn.Module, Transactional):
                 "row_def_pos": row_def_pos, "heads": heads, "gcap": gcap}
 
     def _publish_state(self, cand: dict[str, Any]) -> None:
-        """Publish a validated candidate as one atomic operation, re-deriving the pooled groups."""
+        """Publish a validated candidate, re-deriving the pooled groups."""
+        self._swap_state(self._prepare_state(cand))
+
+    def _prepare_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Validate a state dict and build everything its publish needs (see ``_prepare_state``)."""
+        return self._prepare_state(self._validate_state(self._as_dict(state_dict)))
+
+    def _prepare_state(self, cand: dict[str, Any]) -> dict[str, Any]:
+        """The fallible part of publishing a validated candidate, before anything is published: every
+        tensor on this cache's device, the runs, the slot table and the pooled groups re-derived."""
         tensors, gen, live, runs = cand["tensors"], cand["gen"], cand["live"], cand["runs"]
         row_def_cells, row_def_pos, heads, gcap = cand["row_def_cells"], cand["row_def_pos"], cand["heads"], cand["gcap"]
         L, C = self.num_layers, self.capacity
         dev = self.device
-        with self._op():
-            self.cell_pos = tensors["cell_pos"].to(dev).clone()
-            self.cell_ref = tensors["cell_ref"].to(dev).clone()
-            self.keys = tensors["keys"].to(dev).clone()
-            if self.has_kv:
-                self.k_cache = tensors["k_cache"].to(dev).clone()
-                self.v_cache = tensors["v_cache"].to(dev).clone()
-            self.pooled = tensors["pooled"].to(dev).clone()
-            self.group_ref = tensors["group_ref"].to(dev).clone()
-            self._pending = torch.zeros((L, gcap), dtype=torch.bool, device=dev)
-            self._pend_cells = row_def_cells.clamp(min=0).to(dev)
-            self._pend_pos = row_def_pos.clamp(min=0).to(dev)
-            self._freed_rows = torch.zeros(gcap, dtype=torch.bool, device=dev)
-            self._unwritten = torch.zeros((L, C), dtype=torch.bool, device=dev)
-            self._freed_cells = torch.zeros(C, dtype=torch.bool, device=dev)
-            self.slots.load(gen, live)
-            self._runs = {slot: _Run(p0, n, _Vec.of(cells.to(dev)), _Vec.of(rows.to(dev)))
-                          for slot, (p0, n, cells, rows) in runs.items()}
-            self._cell_head, self._row_head = heads[0] % C, heads[1] % gcap
-            used = torch.nonzero(row_def_pos >= 0).flatten().to(dev)
-            if used.numel():
-                self.pooled[:, used] = torch.stack(
-                    [self._pool(layer, self._pend_cells[used], self._pend_pos[used]) for layer in range(L)])
+
+        def fresh(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t)
+
+        new = {name: fresh(tensors[name]) for name in ("cell_pos", "cell_ref", "keys", "pooled", "group_ref")}
+        if self.has_kv:
+            new["k_cache"], new["v_cache"] = fresh(tensors["k_cache"]), fresh(tensors["v_cache"])
+        new["_pending"] = torch.zeros((L, gcap), dtype=torch.bool, device=dev)
+        new["_pend_cells"] = row_def_cells.clamp(min=0).to(dev)
+        new["_pend_pos"] = row_def_pos.clamp(min=0).to(dev)
+        new["_freed_rows"] = torch.zeros(gcap, dtype=torch.bool, device=dev)
+        new["_unwritten"] = torch.zeros((L, C), dtype=torch.bool, device=dev)
+        new["_freed_cells"] = torch.zeros(C, dtype=torch.bool, device=dev)
+        used = torch.nonzero(row_def_pos >= 0).flatten().to(dev)
+        if used.numel():
+            new["pooled"][:, used] = torch.stack(
+                [self._pool(layer, new["_pend_cells"][used], new["_pend_pos"][used], keys=new["keys"][layer],
+                            cell_pos=new["cell_pos"]) for layer in range(L)])
+        return {"tensors": new, "generation": [int(g) for g in gen.tolist()], "live": [bool(v) for v in live.tolist()],
+                "runs": {slot: _Run(p0, n, _Vec.of(cells.to(dev)), _Vec.of(rows.to(dev)))
+                         for slot, (p0, n, cells, rows) in runs.items()},
+                "heads": (heads[0] % C, heads[1] % gcap)}
+
+    def _swap_state(self, prepared: dict[str, Any]) -> None:
+        """Publish what ``_prepare_state`` built: reference assignments only, nothing that can fail. Inside
+        an open transaction its rollback restores the previous references (its savepoints keep them)."""
+        for name, tensor in prepared["tensors"].items():
+            setattr(self, name, tensor)
+        self.slots.assign(prepared["generation"], prepared["live"])
+        self._runs = prepared["runs"]
+        self._cell_head, self._row_head = prepared["heads"]
+        if self._txn is not None:   # what the open transaction staged refers to the state just replaced
+            self._txn.new_cells = []
+            self._txn.pending = [[] for _ in range(self.num_layers)]
+
+    _swap_state_dict = _swap_state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a whole-holder state dict (validated completely before anything is published; pooled

@@ -133,6 +133,10 @@ class SlotTable:
         self._live[slot] = False
         self._generation[slot] += 1
 
+    def assign(self, generation: list[int], live: list[bool]) -> None:
+        """Take two lists ``load`` has built (or checked) as they are: the step of a publish that cannot fail."""
+        self._generation, self._live = generation, live
+
     def load(self, generation: torch.Tensor | list[int], live: torch.Tensor | list[bool]) -> None:
         generation = [int(g) for g in (generation.tolist() if isinstance(generation, torch.Tensor) else generation)]
         live = [bool(v) for v in (live.tolist() if isinstance(live, torch.Tensor) else live)]
