@@ -95,7 +95,8 @@ class ChunkStep:
                              self.batch.cu_seqlens)
 
     def ple_conv(self, layer_idx: int, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``hebrus::ple_conv`` of the conv input x: Tensor[T, C] in the PLE state's dtype -> Tensor[T, C]; tails staged."""
+        """``hebrus::ple_conv`` of the conv input x: Tensor[T, C] (in the PLE state's dtype) -> Tensor[T, C];
+        tails staged."""
         ple = self.cache._need("ple")
         return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.ple_conv: x", x),
                         self.batch.cu_seqlens, weight)

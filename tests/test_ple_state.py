@@ -357,7 +357,7 @@ def test_state_dict_roundtrip_and_validation(device):
 
 
 def test_handle_fields_must_be_integers(device):
-    """SeqHandle(0, 1.5) was adopted, then stale after a state_dict round trip; str/None fields gave a bare TypeError."""
+    """SeqHandle(0, 1.5) was adopted, then stale after a state_dict round trip; str/None gave a bare TypeError."""
     state = make_state(device)
     before = state.digest()
     for slot, generation in ((0, 1.5), (0, "0"), (1.0, 0), (0, None), (True, 0), (0, False), (0, torch.tensor(0.0))):

@@ -887,8 +887,8 @@ def test_restore_takes_json_true_false_for_no_integer(cache):
     d = cache.digest()
     forged = [blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta, p0=False), tensors),
               blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta1, n=True), tensors1),
-              blob_mod.pack("hebrus_torch.QSACache.sequence", dict(meta, config=dict(meta["config"], compress_ratio=4.0)),
-                            tensors)]
+              blob_mod.pack("hebrus_torch.QSACache.sequence",
+                            dict(meta, config=dict(meta["config"], compress_ratio=4.0)), tensors)]
     for bad in forged:
         with pytest.raises(CorruptStateError, match="bad run|configured"):
             cache.restore(None, bad)

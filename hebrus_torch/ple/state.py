@@ -85,7 +85,8 @@ class PLEState(torch.nn.Module, Transactional):
         super().__init__()
         # Plain ints: the config is saved as JSON and compared with exact types on restore.
         num_layers, channels = as_int("PLEState: num_layers", num_layers), as_int("PLEState: channels", channels)
-        vocab_size, eos_token_id = as_int("PLEState: vocab_size", vocab_size), as_int("PLEState: eos_token_id", eos_token_id)
+        vocab_size = as_int("PLEState: vocab_size", vocab_size)
+        eos_token_id = as_int("PLEState: eos_token_id", eos_token_id)
         ngram_size = as_int("PLEState: ngram_size", ngram_size)
         conv_kernel_size = as_int("PLEState: conv_kernel_size", conv_kernel_size)
         dilation = None if dilation is None else as_int("PLEState: dilation", dilation)

@@ -1413,7 +1413,8 @@ class QSACache(torch.nn.Module, Transactional):
         expect = _blob.expect
         extra = sd.get("_extra_state")
         expect(kind, isinstance(extra, dict), "missing or malformed _extra_state")
-        expect(kind, _blob.same(extra.get("format"), _HOLDER_FORMAT) and _blob.same(extra.get("version"), _HOLDER_VERSION),
+        expect(kind, _blob.same(extra.get("format"), _HOLDER_FORMAT)
+               and _blob.same(extra.get("version"), _HOLDER_VERSION),
                f"format {_blob.short(extra.get('format'))} version {_blob.short(extra.get('version'))}, expected "
                f"{_HOLDER_FORMAT!r} version {_HOLDER_VERSION}")
         expect(kind, _blob.same(extra.get("config"), self._config()),
@@ -1513,7 +1514,8 @@ class QSACache(torch.nn.Module, Transactional):
         """The fallible part of publishing a validated candidate, before anything is published: every
         tensor on this cache's device, the runs, the slot table and the pooled groups re-derived."""
         tensors, gen, live, runs = cand["tensors"], cand["gen"], cand["live"], cand["runs"]
-        row_def_cells, row_def_pos, heads, gcap = cand["row_def_cells"], cand["row_def_pos"], cand["heads"], cand["gcap"]
+        row_def_cells, row_def_pos = cand["row_def_cells"], cand["row_def_pos"]
+        heads, gcap = cand["heads"], cand["gcap"]
         L, C = self.num_layers, self.capacity
         dev = self.device
 
