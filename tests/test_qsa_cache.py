@@ -12,6 +12,7 @@ from hebrus_torch import reference
 from hebrus_torch.errors import (CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError,
                                  StaleHandleError)
 from hebrus_torch.qsa import ops
+from hebrus_torch.model_cache import ModelCache
 from hebrus_torch.qsa.cache import HoleInSavedStateError, QSACache, QSAPlan, ReservedChunk
 from hebrus_torch.state import blob as blob_mod
 from hebrus_torch.state.handles import MAX_GENERATION, SeqHandle
@@ -1330,6 +1331,26 @@ def _tiny_model(**overrides):
                 model.model.layers[i].self_attn.indexer.k_layernorm.weight.normal_(0, 0.3)
                 model.model.layers[i].self_attn.indexer.q_layernorm.weight.normal_(0, 0.3)
     return hf, model
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_from_transformers_refuses_rope_that_changes_with_the_context(rope_type):
+    """These variants rewrite inv_freq once positions pass max_position_embeddings; the cache ropes with
+    the frequencies it copied once, so its pooled keys would part from transformers'."""
+    params = {"rope_type": rope_type, "factor": 8.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        params.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=32,
+                      attention_factor=1.0)
+    _, model = _tiny_model(max_position_embeddings=32, rope_parameters=params)
+    with pytest.raises(HebrusError, match=f"rope_type '{rope_type}' rewrites inv_freq"):
+        QSACache.from_transformers(model, capacity_tokens=64, max_sequences=2)
+    with pytest.raises(HebrusError, match="rewrites inv_freq"):
+        ModelCache.from_transformers(model, capacity_tokens=64, max_sequences=2)
+    # A static scaled variant keeps its frequencies fixed: taken as they are.
+    _, linear = _tiny_model(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    cache = QSACache.from_transformers(linear, capacity_tokens=64, max_sequences=2)
+    assert torch.equal(cache.inv_freq, linear.model.rotary_emb.inv_freq.float())
 
 
 @pytest.mark.hf

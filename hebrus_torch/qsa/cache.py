@@ -404,6 +404,12 @@ class QSACache(torch.nn.Module, Transactional):
         if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
             raise HebrusError("QSACache.from_transformers: rotary attention_scaling != 1 is not supported "
                               "(qsa_pool ropes with plain cos/sin)")
+        rope_type = getattr(rotary, "rope_type", "default")
+        for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+            if "dynamic" in str(kind) or kind == "longrope":   # transformers' dynamic_rope_update rule
+                raise HebrusError(f"QSACache.from_transformers: rope_type {kind!r} rewrites inv_freq as the "
+                                  "context grows, and the cache ropes with the frequencies it copies once "
+                                  "(the transformers drop-in re-pools instead)")
         param = next(text.parameters())
         dtype = param.dtype if param.dtype in _DTYPE_NAMES else torch.float32
         kv = {}
