@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import hebrus_torch as ht
 from hebrus_torch import reference
-from common import BANDWIDTH_NOTE, copy_bandwidth, machine, table, timeit, write_section
+from common import bandwidth_note, copy_bandwidth, machine, table, timeit, write_section
 
 K, DIL, N, HEADS, VOCAB, EOS = 4, 3, 3, 16, 151_936, 151_645
 L = (K - 1) * DIL
@@ -220,7 +220,7 @@ def main() -> None:
                       args.repeat), batch * per, nbytes, base)
 
     body = (f"Machine: {machine(dev)}; device `{dev}`; measured copy bandwidth {bw / 1e9:.1f} GB/s "
-            f"({BANDWIDTH_NOTE}). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
+            f"({bandwidth_note()}). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
             f"{args.repeat} runs (decode: {args.repeat * 4}). GB/s counts the bytes each path must move "
             f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
             f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup is against the first row "

@@ -16,7 +16,7 @@ import math
 import torch
 
 import hebrus_torch as ht
-from common import BANDWIDTH_NOTE, copy_bandwidth, machine, table, timeit, write_section
+from common import bandwidth_note, copy_bandwidth, machine, table, timeit, write_section
 
 HQ, D, R, BUDGET = 4, 128, 4, 2048
 TOP_K = BUDGET // R
@@ -149,7 +149,7 @@ def main() -> None:
         del cache
 
     body = (f"Machine: {machine(dev)}; device `{dev}`; measured copy bandwidth {bw / 1e9:.1f} GB/s "
-            f"({BANDWIDTH_NOTE}). "
+            f"({bandwidth_note()}). "
             f"Prefill: fp32 keys; decode: fp32 and bf16 pooled keys and queries. Hq = {HQ}, D = {D}, r = {R}, "
             f"top_k = {TOP_K}, RoPE on 64 dims; median of {args.repeat} runs (decode: {args.repeat * 3}; the "
             f"transformers indexer: one run). Prefill times include pooling every group (ours) and "

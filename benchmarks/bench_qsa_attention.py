@@ -10,9 +10,11 @@ Cases, at 8K, 32K and 128K tokens of context:
   16 sequences share one 128K-token cache (16 forks of one prompt), because 16 separate 128K caches
   (4-8 GiB) do not fit next to the other jobs on this machine. Every path still reads per sequence.
 - prefill: one sequence, a block of new tokens ending at the context length. hebrus::qsa_attention
-  runs the whole 4096-token block; the dense and composite paths run a smaller block (see
-  --dense-block) because at 32K-128K they take seconds to minutes per 4096 tokens here; their
-  per-token time is what the speedup compares.
+  and the dense path run the whole 4096-token block, except at 128K, where dense would take minutes
+  here: it runs a smaller block (see --dense-block) at two sizes and the full block is estimated; the
+  composite runs 32 tokens (per-token times compared).
+- Decode is timed call by call from flushed caches (benchmarks/common.py timeit_cold); the dense path
+  reads transformers' cache layout [seq, Hkv, position, Dh] contiguous, the op a token-major pool.
 
 Dense masked = transformers' sdpa_attention_forward (F.scaled_dot_product_attention with the boolean
 selection mask over the whole cache; repeat_kv in prefill, pack_gqa in decode). Composite = gather
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import hebrus_torch as ht
-from common import BANDWIDTH_NOTE, copy_bandwidth, machine, table, timeit, write_section
+from common import bandwidth_note, copy_bandwidth, machine, table, timeit, timeit_cold, write_section
 
 HQ, HKV, DH, R, BUDGET = 16, 2, 256, 4, 2048
 TOP_K = BUDGET // R
@@ -112,21 +114,25 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--prefill", type=int, default=4096, help="new tokens per prefill block (hebrus op)")
-    parser.add_argument("--dense-block", default="256,128,32",
-                        help="prefill block of the dense masked path, per context")
+    parser.add_argument("--dense-block", default="4096,4096,32",
+                        help="prefill block of the dense masked path, per context (smaller than --prefill: "
+                             "the full block is estimated from two sizes)")
     parser.add_argument("--composite-block", type=int, default=32,
                         help="prefill block of the gathered-then-dense composite")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--section-suffix", default="",
                         help="appended to the RESULTS.md section title (a run on another machine)")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="the copy bandwidth in GB/s to divide by, instead of measuring it (so that two runs, "
+                             "e.g. with and without THP_MEM_ALLOC_ENABLE, share one limit)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     dense_blocks = [int(b) for b in args.dense_block.split(",")]
     dense_blocks += [dense_blocks[-1]] * (len(contexts) - len(dense_blocks))
     gen = torch.Generator().manual_seed(0)
     t_start = time.perf_counter()
-    bw = copy_bandwidth()
+    bw = args.bandwidth * 1e9 if args.bandwidth else copy_bandwidth()
     rows = []
     notes = []
     headline = {}
@@ -154,6 +160,8 @@ def main() -> None:
             k_tok = torch.randn(caches, ctx, HKV, DH, generator=gen).to(dtype)
             v_tok = torch.randn(caches, ctx, HKV, DH, generator=gen).to(dtype)
             k_pool, v_pool = k_tok.view(-1, HKV, DH), v_tok.view(-1, HKV, DH)
+            # The dense path gets the layout transformers' cache holds, [seq, Hkv, position, Dh] contiguous.
+            k_dense, v_dense = k_tok.transpose(1, 2).contiguous(), v_tok.transpose(1, 2).contiguous()
 
             # Decode: B sequences, query at position ctx - 1 of each.
             base = (torch.arange(B) % caches) * ctx
@@ -161,21 +169,24 @@ def main() -> None:
             sel_bytes = float((tc >= 0).sum(1).float().mean()) * row_bytes
             q = torch.randn(B, HQ, DH, generator=gen).to(dtype)
             mask = selection_mask(tc, ctx, base)[:, None, None, :]            # [B, 1, 1, ctx]
-            k_b = k_tok.expand(B, -1, -1, -1).transpose(1, 2) if shared else k_tok.transpose(1, 2)
-            v_b = v_tok.expand(B, -1, -1, -1).transpose(1, 2) if shared else v_tok.transpose(1, 2)
+            k_b = k_dense.expand(B, -1, -1, -1) if shared else k_dense
+            v_b = v_dense.expand(B, -1, -1, -1) if shared else v_dense
             case = f"decode {B} seq, ctx {ctx // 1024}K, {dname}"
-            t_dense = timeit(lambda: dense_masked(q[:, :, None, :], k_b, v_b, mask), repeat=args.repeat)
-            t_comp = timeit(lambda: gathered_dense(q, k_pool, v_pool, tc), repeat=args.repeat)
-            t_op = timeit_many(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), args.repeat * 3)
+            # Every decode path is timed call by call from a flushed cache (timeit_cold), as a decode
+            # step finds it after the other layers ran: repeating one call back to back would serve
+            # the selected rows from the last-level cache where they fit (the 16-core host's 300 MiB).
+            t_dense = timeit_cold(lambda: dense_masked(q[:, :, None, :], k_b, v_b, mask), repeat=args.repeat)
+            t_comp = timeit_cold(lambda: gathered_dense(q, k_pool, v_pool, tc), repeat=args.repeat)
+            t_op = timeit_cold(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), 8 * args.repeat)
             flat = tc[tc >= 0].long()
             k_sel, v_sel = k_pool.new_empty((flat.numel(), HKV, DH)), v_pool.new_empty((flat.numel(), HKV, DH))
-            t_gather = timeit_many(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
-                                            torch.index_select(v_pool, 0, flat, out=v_sel)), args.repeat * 3)
+            t_gather = timeit_cold(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
+                                            torch.index_select(v_pool, 0, flat, out=v_sel)), 8 * args.repeat)
             # Reads the same rows and writes almost nothing: the machine's rate for this access pattern.
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), (tc >= 0).sum(1).cumsum(0)[:-1]])
             k_rows, v_rows = k_pool.view(k_pool.shape[0], -1), v_pool.view(v_pool.shape[0], -1)
-            t_read = timeit_many(lambda: (F.embedding_bag(flat, k_rows, offsets, mode="sum"),
-                                          F.embedding_bag(flat, v_rows, offsets, mode="sum")), args.repeat * 3)
+            t_read = timeit_cold(lambda: (F.embedding_bag(flat, k_rows, offsets, mode="sum"),
+                                          F.embedding_bag(flat, v_rows, offsets, mode="sum")), 8 * args.repeat)
             # The same arithmetic with every selected row in cache (cells folded into the first 64):
             # the op's compute floor on this machine, which no prefetching can beat.
             tc_hot = torch.where(tc >= 0, tc % 64, -1)
@@ -207,54 +218,66 @@ def main() -> None:
             qd, tcd = q[-db:], tc[-db:]
             mask = selection_mask(tcd, ctx, torch.zeros(db, dtype=torch.int64))[None, None]  # [1, 1, db, ctx]
             dcase = f"prefill {db} tok, ctx {ctx // 1024}K, {dname}"
-            def dense_prefill(n):
-                return timeit(lambda: dense_masked(qd[-n:].transpose(0, 1)[None], k_tok[:1].transpose(1, 2),
-                                                   v_tok[:1].transpose(1, 2), mask[:, :, -n:]),
-                              repeat=1, warmup=0)
+            def dense_prefill(n, repeat):
+                return timeit(lambda: dense_masked(qd[-n:].transpose(0, 1)[None], k_dense[:1], v_dense[:1],
+                                                   mask[:, :, -n:]), repeat=repeat, warmup=0)
 
-            t_dense = dense_prefill(db)
-            # A second, smaller block separates the per-call cost (repeat_kv of the whole cache, the
-            # mask) from the per-token cost, for the estimate of a full block.
-            t_dense_small = dense_prefill(max(1, db // 4))
-            marginal = (t_dense - t_dense_small) / (db - max(1, db // 4)) if db > 1 else t_dense
-            fixed = t_dense - db * marginal
-            est = fixed + block * marginal if marginal > 0 and fixed >= 0 else t_dense / db * block
+            if db == block:
+                t_dense = est = dense_prefill(db, 1)
+            else:
+                # Too slow here for the full block: a second, smaller block (medians of 3 each) separates
+                # the per-call cost (repeat_kv of the whole cache, the mask) from the per-token cost.
+                t_dense = dense_prefill(db, 3)
+                t_dense_small = dense_prefill(max(1, db // 4), 3)
+                marginal = (t_dense - t_dense_small) / (db - max(1, db // 4)) if db > 1 else t_dense
+                fixed = t_dense - db * marginal
+                linear = marginal > 0 and fixed >= 0
+                est = fixed + block * marginal if linear else t_dense / db * block
             cb = min(args.composite_block, db)
             t_comp = timeit(lambda: gathered_dense(qd[-cb:], k_pool, v_pool, tcd[-cb:]), repeat=1)
-            t_op_small = timeit(lambda: ht.qsa_attention(qd, k_pool[:ctx], v_pool[:ctx], tcd, SCALE),
-                                repeat=args.repeat)
             d = report(dcase, "dense masked SDPA (transformers)", t_dense, db, ctx * row_bytes, sel_bytes)
             report(f"prefill {cb} tok, ctx {ctx // 1024}K, {dname}", "gathered-then-dense composite", t_comp, cb,
                    sel_bytes, sel_bytes, d)
-            report(dcase, "hebrus::qsa_attention", t_op_small, db, sel_bytes, sel_bytes, d)
+            if db < block:
+                t_op_small = timeit(lambda: ht.qsa_attention(qd, k_pool[:ctx], v_pool[:ctx], tcd, SCALE),
+                                    repeat=args.repeat)
+                report(dcase, "hebrus::qsa_attention", t_op_small, db, sel_bytes, sel_bytes, d)
             report(case, "hebrus::qsa_attention", t_op, block, sel_bytes, sel_bytes, est / block)
             headline[("prefill", ctx, dname)] = (est / t_op, None)
             if db < block:
+                how = (f"about {fixed:.2f} s per call plus {marginal * 1e3:.1f} ms per token" if linear else
+                       f"not a per-call plus per-token cost, so the estimate scales the {db}-token time")
                 notes.append(f"ctx {ctx // 1024}K {dname}: dense masked measured on the last {db} and "
-                             f"{max(1, db // 4)} of the {block} new tokens (composite: last {cb}): {t_dense:.2f} s and "
-                             f"{t_dense_small:.2f} s, so about {max(fixed, 0):.2f} s per call plus "
-                             f"{max(marginal, 0) * 1e3:.1f} ms per token; a full {block}-token dense block would take "
-                             f"about {est:.0f} s here, against {t_op:.1f} s measured for hebrus::qsa_attention "
-                             f"({est / t_op:.0f}x).")
-            del k_tok, v_tok, k_pool, v_pool, mask, q, qd, tc, tcd
+                             f"{max(1, db // 4)} of the {block} new tokens (medians of 3; composite: last {cb}): "
+                             f"{t_dense:.2f} s and {t_dense_small:.2f} s, {how}; a full {block}-token dense block "
+                             f"would take about {est:.0f} s here, against {t_op:.1f} s measured for "
+                             f"hebrus::qsa_attention ({est / t_op:.0f}x).")
+            del k_tok, v_tok, k_pool, v_pool, k_dense, v_dense, mask, q, qd, tc, tcd
             gc.collect()
             print(f"done ctx {ctx} {dname} at {time.perf_counter() - t_start:.0f} s", flush=True)
 
     total = time.perf_counter() - t_start
-    body = (f"Machine: {machine()}; measured copy bandwidth {bw / 1e9:.1f} GB/s ({BANDWIDTH_NOTE}), "
-            f"the 'bandwidth limit' below. Qwen4Exp attention sizes: Hq {HQ}, Hkv {HKV}, Dh = Dv = {DH}, "
-            f"W = {W} (512 groups of 4 + tail); scale Dh^-1/2. Decode: {args.sequences} sequences x 1 token at the "
-            f"end of the context (at 128K the sequences share one cache, see the script's docstring). Prefill: one "
-            f"sequence, a block of new tokens ending at the context length. Median of {args.repeat} runs for decode "
-            f"(op, gather and read: {3 * args.repeat} samples of 8 calls each), one run for the dense prefill and the "
-            f"{args.prefill}-token op prefill; the CPU is shared "
-            f"with other jobs, so expect +-30% noise. 'K/V MB/query': bytes of keys and values the path must "
-            f"read per query (dense: the whole cache; the others: the selected cells only). 'GB/s': those bytes "
-            f"over the time. 'x of BW limit': time per query over (selected K/V bytes / copy bandwidth), i.e. how "
-            f"far from reading just the selected bytes at copy speed. 'GFLOP/s': the multiply-adds of q.k and p.v over "
-            f"the rows the path reads (2 x 16 heads x rows x 512 x 2). Speedup: per-query time against the dense "
-            f"masked path of the same context and dtype (for the {args.prefill}-token op rows: against the dense "
-            f"estimate for the full block, see below). Whole run: {total:.0f} s.\n\n")
+    import transformers
+
+    bw_text = (f"copy bandwidth {bw / 1e9:.1f} GB/s (given with --bandwidth, as measured by the run it is compared "
+               f"with)" if args.bandwidth else f"measured copy bandwidth {bw / 1e9:.1f} GB/s ({bandwidth_note()})")
+    body = (f"Machine: {machine()}, transformers {transformers.__version__} (the dense path is its "
+            f"sdpa_attention_forward); {bw_text}, the 'bandwidth limit' below. Qwen4Exp attention sizes: Hq {HQ}, "
+            f"Hkv {HKV}, Dh = Dv = {DH}, W = {W} (512 groups of 4 + tail); scale Dh^-1/2. Decode: "
+            f"{args.sequences} sequences x 1 token at the end of the context (at 128K the sequences share one "
+            f"cache, see the script's docstring); every decode path is timed one call at a time after a 1 GiB "
+            f"read-modify-write has flushed the caches (a decode step finds its rows in DRAM after the other "
+            f"layers ran): median of {args.repeat} calls for dense and composite, {8 * args.repeat} for the others "
+            f"(the '(arithmetic only)' row alone runs warm, {3 * args.repeat} samples of 8 calls). The op reads "
+            f"a token-major cell pool [cells, Hkv, Dh]; the dense path gets transformers' cache layout [seq, Hkv, "
+            f"position, Dh], contiguous. Prefill: one sequence, a block of new tokens ending at the context "
+            f"length, one run each; the CPU is shared with other jobs, so expect +-30% noise. 'K/V MB/query': "
+            f"bytes of keys and values the path must read per query (dense: the whole cache; the others: the "
+            f"selected cells only). 'GB/s': those bytes over the time. 'x of BW limit': time per query over "
+            f"(selected K/V bytes / copy bandwidth), i.e. how far from reading just the selected bytes at copy "
+            f"speed. 'GFLOP/s': q.k and p.v over the rows the path reads, 2 flop x {HQ} heads x ({DH} + {DH}) "
+            f"multiply-adds per row. Speedup: per-query time against the dense masked path of the same context and "
+            f"dtype. Whole run: {total:.0f} s.\n\n")
     body += table(["case", "path", "ms", "us/query", "K/V MB/query", "GB/s", "GFLOP/s", "x of BW limit", "speedup"],
                   rows)
     body += ("\n\nWhat bounds decode: the limit assumes the selected bytes stream at copy speed, but they are "
@@ -262,17 +285,17 @@ def main() -> None:
              "'(gather only)' row is torch.index_select of exactly the selected rows into preallocated buffers, no "
              "arithmetic; the '(read only)' row is F.embedding_bag(mode='sum') over the same rows, which reads "
              "them in order and writes one row per query: what a plain in-order read of exactly these rows "
-             "reaches on this machine, with no arithmetic to overlap. On top of the reads the op does 2 x 16 heads x 512 "
+             "reaches on this machine, with no arithmetic to overlap. On top of the reads the op does 16 heads x 512 "
              "multiply-adds per selected row: 4 flop per fp32 byte, 8 per bf16 byte, so with half the bytes bf16 "
              f"is the case closest to compute-bound on {torch.get_num_threads()} threads. The '(arithmetic only)' "
              "row runs the op over the same number of selected rows per query, folded into the first 64 cells so "
              "that every read hits the cache: its 'x of BW limit' is how close the op could come to the limit if "
              "the memory traffic cost nothing.")
     if notes:
-        body += (f"\n\nDense masked prefill of {args.prefill} new tokens is not feasible on this CPU within the "
-                 f"benchmark's time (it is compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus "
-                 f"repeat_kv copies of the whole cache), so the dense and composite rows use a smaller block of the "
-                 f"same queries and the speedup compares per-token times:\n")
+        body += (f"\n\nWhere a dense masked prefill of {args.prefill} new tokens is too slow to run here (it is "
+                 f"compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus repeat_kv copies of "
+                 f"the whole cache), the dense and composite rows use a smaller block of the same queries and the "
+                 f"speedup of the {args.prefill}-token op row is against an estimate:\n")
         body += "\n".join(f"- {n}" for n in notes)
     dec = [(c, d, v) for (kind, c, d), v in headline.items() if kind == "decode"]
     if dec:
@@ -282,7 +305,7 @@ def main() -> None:
             for c, d, (s, x, g, r, a) in dec) + "."
     pre = [(c, d, v[0]) for (kind, c, d), v in headline.items() if kind == "prefill"]
     if pre:
-        body += f"\nPrefill summary ({args.prefill}-token block against the dense estimate): " + "; ".join(
+        body += f"\nPrefill summary ({args.prefill}-token block against dense, measured or estimated): " + "; ".join(
             f"{c // 1024}K {d}: {s:.1f}x vs dense" for c, d, s in pre) + "."
     if not args.no_write:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"

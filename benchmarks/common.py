@@ -35,9 +35,39 @@ def timeit(fn: Callable[[], object], device: str = "cpu", repeat: int = 5, warmu
     return statistics.median(times)
 
 
-BANDWIDTH_NOTE = ("best over 8 fresh pairs of 512 MiB buffers of 3 copies each, read + write counted; the "
-                  "shared 2-core development VM's figure drifts with its neighbours: 36 to 78 GB/s across our "
-                  "sessions")
+BANDWIDTH_NOTE = "best over 8 fresh pairs of 512 MiB buffers of 3 copies each, read + write counted"
+
+
+def bandwidth_note() -> str:
+    """BANDWIDTH_NOTE, plus the development VM's drift where the run is on that VM (2 cores)."""
+    if os.cpu_count() == 2:
+        return (BANDWIDTH_NOTE + "; the shared 2-core development VM's figure drifts with its neighbours: 36 to "
+                "78 GB/s across our sessions")
+    return BANDWIDTH_NOTE
+
+
+_FLUSH: torch.Tensor | None = None
+
+
+def flush_caches(megabytes: int = 1024) -> None:
+    """Reads and writes a buffer far larger than any last-level cache (the 16-core host's is 300 MiB),
+    so that the next timed call finds its data in DRAM, as a decode step does after the other layers."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.zeros(megabytes * (1 << 20) // 4)
+    _FLUSH.add_(1.0)
+
+
+def timeit_cold(fn: Callable[[], object], repeat: int = 24) -> float:
+    """Median seconds of ``repeat`` single CPU calls, each after flush_caches() (one untimed call first)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        flush_caches()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def copy_bandwidth(device: str = "cpu", megabytes: int = 512, buffers: int = 8, repeat: int = 3) -> float:
