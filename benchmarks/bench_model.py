@@ -23,6 +23,7 @@ import copy
 import time
 
 import torch
+import transformers
 
 from common import machine, sync, table, write_section
 
@@ -316,7 +317,7 @@ def main() -> None:
 
     cfg = model.config
     body = (
-        f"Machine: {machine(dev)}; device `{dev}`. Random-weight `Qwen4ExpForCausalLM` (transformers 5.23.0, "
+        f"Machine: {machine(dev)}; device `{dev}`. Random-weight `Qwen4ExpForCausalLM` (transformers {transformers.__version__}, "
         f"fp32, sdpa), {cfg.num_hidden_layers} layers ({n_indexed} indexed, {len(cfg.ple_layer_ids)} linear with "
         f"PLE), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; indexer {cfg.indexer_n_heads} heads x "
         f"{cfg.indexer_head_dim}, budget {cfg.indexer_budget}, ratio {cfg.indexer_compress_ratio} "
