@@ -94,19 +94,19 @@ def conv_prefill_rows(dev: str, T: int, C: int, repeat: int, bw: float, with_ref
         s_bcl = state.transpose(1, 2).contiguous()
         nbytes = 2 * T * C * 4 + 2 * batch * L * C * 4
         case = f"conv prefill {T} tok, {batch} seq" + (f", {allocator}" if dev == "cpu" else "")
-        t_comp = timeit(lambda: composite_conv(x_bct, s_bcl, w_c1k), dev, repeat)
+        t_comp = timeit(lambda: composite_conv(x_bct, s_bcl, w_c1k), dev, repeat, cold=True)
         rows.append(row(case, "composite (transformers conv1d)", t_comp, T, nbytes, bw))
         # The floor of any op that returns a fresh [T, C] tensor here: allocate and write it once.
-        t_floor = timeit(lambda: x.clone(), dev, repeat)
+        t_floor = timeit(lambda: x.clone(), dev, repeat, cold=True)
         rows.append(row(case, "floor: x.clone() (fresh output)", t_floor, T, nbytes, bw, t_comp))
         if with_reference:
-            t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat)
+            t_ref = timeit(lambda: reference.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat, cold=True)
             rows.append(row(case, "hebrus reference (torch)", t_ref, T, nbytes, bw, t_comp))
-        t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat)
+        t_op = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu"), dev, repeat, cold=True)
         rows.append(row(case, "hebrus::ple_conv", t_op, T, nbytes, bw, t_comp))
         # The out-variant into buffers a prefill loop keeps from call to call: no fresh output.
         outs = (torch.empty_like(x), torch.empty_like(state))
-        t_into = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu", out=outs), dev, repeat)
+        t_into = timeit(lambda: ht.ple_conv(x, weight, cu, state, DIL, "silu", out=outs), dev, repeat, cold=True)
         rows.append(row(case, "hebrus::ple_conv_into (reused output buffers)", t_into, T, nbytes, bw, t_comp))
         del outs
     return rows
@@ -188,10 +188,10 @@ def main() -> None:
 
     nbytes = 2 * B * C * 4 + 2 * B * L * C * 4
     case = f"conv decode {B} seq x 1 tok"
-    t_comp = timeit(decode_composite, dev, args.repeat * 4)
+    t_comp = timeit(decode_composite, dev, args.repeat * 4, cold=True)
     report(case, "composite (gather, cat, conv1d, scatter)", t_comp, B, nbytes)
-    report(case, "hebrus::ple_conv (gather, op, scatter)", timeit(decode_op, dev, args.repeat * 4), B, nbytes, t_comp)
-    report(case, "PLEState.conv in a transaction", timeit(decode_holder, dev, args.repeat * 4), B, nbytes, t_comp)
+    report(case, "hebrus::ple_conv (gather, op, scatter)", timeit(decode_op, dev, args.repeat * 4, cold=True), B, nbytes, t_comp)
+    report(case, "PLEState.conv in a transaction", timeit(decode_holder, dev, args.repeat * 4, cold=True), B, nbytes, t_comp)
 
     # Hash.
     emb, _ = transformers_hash(dev)
@@ -210,18 +210,19 @@ def main() -> None:
         base = None
         if emb is not None:
             ids2d = tokens.view(batch, per)
-            base = timeit(lambda: emb(ids2d, None), dev, args.repeat)
+            base = timeit(lambda: emb(ids2d, None), dev, args.repeat, cold=True)
             report(case, "transformers NGramEmbedding hash", base, batch * per, nbytes)
         report(case, "hebrus reference (torch)",
                timeit(lambda: reference.ple_ngram_ids(tokens, cu, hist, mult, sizes, offs, EOS, VOCAB), dev,
-                      args.repeat), batch * per, nbytes, base)
+                      args.repeat, cold=True), batch * per, nbytes, base)
         report(case, "hebrus::ple_ngram_ids",
                timeit(lambda: ht.ple_ngram_ids(tokens, cu, hist, mult, sizes, offs, EOS, VOCAB), dev,
-                      args.repeat), batch * per, nbytes, base)
+                      args.repeat, cold=True), batch * per, nbytes, base)
 
     body = (f"Machine: {machine(dev)}; device `{dev}`; measured copy bandwidth {bw / 1e9:.1f} GB/s "
             f"({bandwidth_note()}). fp32, C = {C}, K = {K}, dilation {DIL}, {HEADS} hash heads; median of "
-            f"{args.repeat} runs (decode: {args.repeat * 4}). GB/s counts the bytes each path must move "
+            f"{args.repeat} runs (decode: {args.repeat * 4}), each timed call after a 1 GiB read-modify-write has "
+            f"flushed the caches (in a model step the other layers run in between). GB/s counts the bytes each path must move "
             f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
             f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup is against the first row "
             f"of its case. The 'floor' row allocates and writes a fresh [T, C] tensor, which every path "

@@ -21,13 +21,16 @@ def sync(device: str) -> None:
 
 
 def timeit(fn: Callable[[], object], device: str = "cpu", repeat: int = 5, warmup: int = 1,
-           min_time: float = 0.0) -> float:
-    """Median seconds per call over ``repeat`` timed calls (after ``warmup`` untimed ones)."""
+           min_time: float = 0.0, cold: bool = False) -> float:
+    """Median seconds per call over ``repeat`` timed calls (after ``warmup`` untimed ones); with ``cold``
+    (CPU), each timed call follows flush_caches()."""
     for _ in range(warmup):
         fn()
     sync(device)
     times = []
     while len(times) < repeat or sum(times) < min_time:
+        if cold and device == "cpu":
+            flush_caches()
         t0 = time.perf_counter()
         fn()
         sync(device)
@@ -60,14 +63,7 @@ def flush_caches(megabytes: int = 1024) -> None:
 
 def timeit_cold(fn: Callable[[], object], repeat: int = 24) -> float:
     """Median seconds of ``repeat`` single CPU calls, each after flush_caches() (one untimed call first)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        flush_caches()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timeit(fn, "cpu", repeat, warmup=1, cold=True)
 
 
 def copy_bandwidth(device: str = "cpu", megabytes: int = 512, buffers: int = 8, repeat: int = 3) -> float:
