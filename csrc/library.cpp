@@ -43,15 +43,23 @@ TORCH_LIBRARY(hebrus, m) {
 
 namespace {
 
+// The tensors an op writes: its arguments annotated (a!) in the schema.
+std::vector<at::Tensor> written_tensors(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite() && stack[first + i].isTensor())
+      written.push_back(stack[first + i].toTensor());
+  return written;
+}
+
 // ple_conv_into under autograd, as aten's out= ops: refused when grad mode is on and an argument
 // requires grad (the buffers would hold values with no gradient history) and on an inference tensor
-// outside inference mode; after the write, the buffers' version counters are bumped, so that
-// autograd notices a tensor it saved being overwritten. (torch's autogradNotImplementedFallback
-// bumps only mutated tensors an op returns; this op returns none.)
+// outside inference mode.
 void out_variant_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
-  std::vector<at::Tensor> written;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& value = (*stack)[first + i];
     if (!value.isTensor()) continue;
@@ -59,16 +67,26 @@ void out_variant_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet key
     HEBRUS_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), HebrusError, op.schema().name(),
                  ": writes into out= buffers, which do not support automatic differentiation, but ",
                  args[i].name(), " requires grad (call it under torch.no_grad())");
-    if (args[i].alias_info() == nullptr || !args[i].alias_info()->isWrite()) continue;
-    HEBRUS_CHECK(!t.is_inference(), HebrusError, op.schema().name(), ": ", args[i].name(),
+    HEBRUS_CHECK(!(args[i].alias_info() && args[i].alias_info()->isWrite() && t.is_inference()), HebrusError,
+                 op.schema().name(), ": ", args[i].name(),
                  " is an inference tensor; writing into it outside torch.inference_mode() is not allowed");
-    written.push_back(t);
   }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+// After the write, the version counters of the buffers it wrote are bumped (also in inference mode,
+// for normal tensors), so that autograd notices a tensor it saved being overwritten. torch's
+// autogradNotImplementedInplaceOrViewFallback bumps only mutated tensors an op returns; this op
+// returns none.
+void out_variant_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::vector<at::Tensor> written = written_tensors(op, *stack);
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const at::Tensor& t : written) t.unsafeGetTensorImpl()->bump_version();
+  for (const at::Tensor& t : written)
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace
@@ -80,4 +98,8 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention"})
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   m.impl("ple_conv_into", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
+}
+
+TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
+  m.impl("ple_conv_into", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
 }

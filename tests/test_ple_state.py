@@ -480,18 +480,40 @@ def test_conv_weight_of_the_wrong_shape_is_refused(device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_conv_input_of_another_dtype_is_refused(device, dtype):
-    """fp32 x on a bf16 holder ran in fp32 and rounded the tail at each chunk boundary: chunking changed y."""
+    """fp32 x on a bf16 holder ran in fp32 and rounded the tail at each chunk boundary: chunking changed y.
+    x narrower than the state (bf16 x, fp32 state) is held exactly and stays chunk-invariant."""
     state = make_state(device, dtype)
     a = state.new_sequence()
     before = state.digest()
     cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
-    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
-    with pytest.raises(HebrusError, match=f"x is {other} but the conv state is {dtype}"):
-        state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=other), cu)
+    wider = {torch.float32: None, torch.float16: torch.float32, torch.bfloat16: torch.float32}[dtype]
+    refused = [t for t in (wider, torch.float16 if dtype == torch.bfloat16 else None,
+                           torch.bfloat16 if dtype == torch.float16 else None) if t is not None]
+    for other in refused:
+        with pytest.raises(HebrusError, match=f"x is {other} but the conv state is {dtype}"):
+            state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=other), cu)
     with pytest.raises(HebrusError, match="x must be a Tensor"):
         state.conv(0, [a], [[0.0] * CHANNELS] * 3, cu)
     assert state.digest() == before
     state.conv(0, [a], torch.randn(3, CHANNELS, device=device, dtype=dtype), cu)
+
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+def test_conv_input_narrower_than_the_state_is_chunk_invariant(device, narrow):
+    x = torch.randn(9, CHANNELS, generator=torch.Generator().manual_seed(4)).to(narrow).to(device)
+    outs = []
+    for cuts in ([9], [2, 3, 4], [1] * 9):
+        state = make_state(device, torch.float32)
+        a = state.new_sequence()
+        ys, start = [], 0
+        for n in cuts:
+            with ht.transaction(state):
+                ys.append(state.conv(0, [a], x[start:start + n], torch.tensor([0, n], dtype=torch.int32,
+                                                                               device=device)))
+            start += n
+        outs.append((torch.cat(ys), state.snapshot(a).conv_tails))
+    for y, tails in outs[1:]:
+        assert y.dtype == narrow and torch.equal(y, outs[0][0]) and torch.equal(tails, outs[0][1])
 
 
 def test_state_keeps_no_autograd_history(device):

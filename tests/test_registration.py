@@ -142,6 +142,12 @@ def test_ple_conv_into_behaves_like_an_aten_out_variant():
         ht.ple_conv(x, w, cu, state, out=(y, new_state))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    # The same when the overwrite happens inside inference_mode (the buffer is a normal tensor).
+    loss = (p * y).sum()
+    with torch.inference_mode():
+        ht.ple_conv(x, w, cu, state, out=(y, new_state))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
     # Inference tensors: written inside inference_mode, refused outside it (nothing written).
     with torch.inference_mode():

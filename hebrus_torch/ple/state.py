@@ -273,11 +273,13 @@ class PLEState(torch.nn.Module, Transactional):
         """
         self._check_layer(layer)
         x = as_tensor("PLEState.conv: x", x)
-        if x.dtype != self.conv_state.dtype:
-            # Run in another dtype, the carried tail would be rounded at every chunk boundary: outputs would
-            # depend on how the stream is chunked (SPEC §5.1).
-            raise HebrusError(f"PLEState.conv: x is {x.dtype} but the conv state is {self.conv_state.dtype}; pass x "
-                              f"in the state's dtype (or cast the holder with .to(dtype))")
+        if torch.promote_types(x.dtype, self.conv_state.dtype) != self.conv_state.dtype:
+            # The conv runs in x's dtype and the carried tail is stored in the state's: a state narrower than x
+            # would round the tail at every chunk boundary, so outputs would depend on how the stream is
+            # chunked (SPEC §5.1). A state at least as wide as x holds x's values exactly.
+            raise HebrusError(f"PLEState.conv: x is {x.dtype} but the conv state is {self.conv_state.dtype}, which "
+                              f"cannot hold x's values exactly; pass x in a dtype the state holds exactly (or cast "
+                              f"the holder with .to(dtype))")
         slots = self._slots_of(seqs, cu_seqlens)
         if weight is None:
             if self._conv_weights is None:
@@ -289,11 +291,11 @@ class PLEState(torch.nn.Module, Transactional):
             raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
                               f"[C, 1, K]), got {got}")
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
-        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots)
+        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
         y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
         with atomic(self):
             # The state carries no autograd history (the op's outputs require grad when the weight does).
-            self._stage(self._staged_tails[layer], slots, new_state.detach())
+            self._stage(self._staged_tails[layer], slots, new_state.detach().to(self.conv_state.dtype))
         return y
 
     # ----------------------------------------------------------------------------- transactions
