@@ -37,6 +37,20 @@ for _name in OP_NAMES:
     torch.library.impl(f"hebrus::{_name}", "CompositeExplicitAutograd")(_COMPOSITE[_name])
 
 
+def _raise_no_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"derivative for hebrus::{name} is not implemented")
+    return backward
+
+
+if _C is None:
+    # What csrc/library.cpp registers for the compiled ops: backward through an op raises instead of
+    # giving no gradient. (ple_conv_into's composite writes with copy_, which autograd tracks itself.)
+    for _name in OP_NAMES:
+        if _name != "ple_conv_into":
+            torch.library.register_autograd(f"hebrus::{_name}", _raise_no_backward(_name), lib=_fallback_library)
+
+
 def has_native_kernel(op: str, device_type: str) -> bool:
     """True when ``hebrus::<op>`` has a compiled kernel for ``device_type`` ("cpu", "mps", ...)."""
     key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}.get(device_type, device_type.upper())

@@ -62,6 +62,16 @@ def test_import_without_extension_falls_back_to_reference():
             assert "outside" in str(e)
         else:
             raise AssertionError("out-of-range token accepted")
+        # As with the compiled extension: backward through an op raises instead of giving no gradient.
+        wg = w.clone().requires_grad_()
+        try:
+            ht.ple_conv(x, wg, cu, torch.zeros(1, 9, 3))[0].sum().backward()
+        except RuntimeError as e:
+            assert "derivative for hebrus::ple_conv is not implemented" in str(e), e
+        else:
+            raise AssertionError("backward through ple_conv gave no error")
+        with torch.no_grad():
+            assert not ht.ple_conv(x, wg, cu, torch.zeros(1, 9, 3))[0].requires_grad
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
