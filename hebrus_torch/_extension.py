@@ -7,6 +7,8 @@ import torch
 from . import reference
 from ._schemas import SCHEMAS
 
+_fallback_library: torch.library.Library | None = None  # the schemas, where no compiled extension defined them
+
 try:
     from . import _C  # noqa: F401  (empty module: importing it runs the C++ registrars)
 
@@ -43,7 +45,7 @@ def _raise_no_backward(name: str):
     return backward
 
 
-if _C is None:
+if _fallback_library is not None:
     # What csrc/library.cpp registers for the compiled ops: backward through an op raises instead of
     # giving no gradient. (ple_conv_into's composite writes with copy_, which autograd tracks itself.)
     for _name in OP_NAMES:
