@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 
+#include <utility>
 #include <vector>
 
 #include "hebrus_check.h"
@@ -43,32 +44,29 @@ TORCH_LIBRARY(hebrus, m) {
 
 namespace {
 
-// The tensors an op writes: its arguments annotated (a!) in the schema.
-std::vector<at::Tensor> written_tensors(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+// The tensor arguments of a boxed call, with their schema entries.
+std::vector<std::pair<const c10::Argument*, at::Tensor>> tensor_args(const c10::OperatorHandle& op,
+                                                                     const torch::jit::Stack& stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
-  std::vector<at::Tensor> written;
+  std::vector<std::pair<const c10::Argument*, at::Tensor>> tensors;
   for (size_t i = 0; i < args.size(); ++i)
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite() && stack[first + i].isTensor())
-      written.push_back(stack[first + i].toTensor());
-  return written;
+    if (stack[first + i].isTensor()) tensors.emplace_back(&args[i], stack[first + i].toTensor());
+  return tensors;
 }
+
+// Whether the schema annotates the argument (a!): the op writes into it.
+bool is_written(const c10::Argument& arg) { return arg.alias_info() != nullptr && arg.alias_info()->isWrite(); }
 
 // ple_conv_into under autograd, as aten's out= ops: refused when grad mode is on and an argument
 // requires grad (the buffers would hold values with no gradient history) and on an inference tensor
 // outside inference mode.
 void out_variant_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t first = stack->size() - args.size();
-  for (size_t i = 0; i < args.size(); ++i) {
-    const c10::IValue& value = (*stack)[first + i];
-    if (!value.isTensor()) continue;
-    const at::Tensor& t = value.toTensor();
+  for (const auto& [arg, t] : tensor_args(op, *stack)) {
     HEBRUS_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), HebrusError, op.schema().name(),
                  ": writes into out= buffers, which do not support automatic differentiation, but ",
-                 args[i].name(), " requires grad (call it under torch.no_grad())");
-    HEBRUS_CHECK(!(args[i].alias_info() && args[i].alias_info()->isWrite() && t.is_inference()), HebrusError,
-                 op.schema().name(), ": ", args[i].name(),
+                 arg->name(), " requires grad (call it under torch.no_grad())");
+    HEBRUS_CHECK(!(is_written(*arg) && t.is_inference()), HebrusError, op.schema().name(), ": ", arg->name(),
                  " is an inference tensor; writing into it outside torch.inference_mode() is not allowed");
   }
   at::AutoDispatchBelowAutograd guard;
@@ -80,13 +78,14 @@ void out_variant_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet key
 // autogradNotImplementedInplaceOrViewFallback bumps only mutated tensors an op returns; this op
 // returns none.
 void out_variant_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const std::vector<at::Tensor> written = written_tensors(op, *stack);
+  std::vector<at::Tensor> written;
+  for (const auto& [arg, t] : tensor_args(op, *stack))
+    if (is_written(*arg) && !t.is_inference()) written.push_back(t);
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const at::Tensor& t : written)
-    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  for (const at::Tensor& t : written) t.unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace

@@ -378,16 +378,12 @@ HEBRUS_AVX512 HEBRUS_INLINE void dots8x2_avx512(const float* q, int64_t dh, cons
   const T* k1 = krow[j + 1];
   int64_t d = 0;
   if constexpr (kIsBf16<T>) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for (; d + kPairDims <= dh; d += kPairDims) {
       pf.step();
       pf.step();
-      const __m512i w0 = _mm512_loadu_si512(k0 + d);
-      const __m512i w1 = _mm512_loadu_si512(k1 + d);
-      const Vec odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-      const Vec even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-      const Vec odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
-      const Vec even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+      Vec odd0, even0, odd1, even1;
+      load_bf16_pairs(k0 + d, odd0, even0);
+      load_bf16_pairs(k1 + d, odd1, even1);
       for (int h = 0; h < HB; ++h) {
         Vec qo = load_vec(q + d * HB + h * kPairDims);
         Vec qe = load_vec(q + d * HB + h * kPairDims + kLanes);
@@ -518,8 +514,8 @@ CpuCapability cpu_capability() {
     CpuCapability best = CpuCapability::kDefault;
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) best = CpuCapability::kAvx512;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) best = CpuCapability::kAvx512Bf16;
+    if (__builtin_cpu_supports("avx512f"))
+      best = __builtin_cpu_supports("avx512bf16") ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
 #endif
     const char* env = std::getenv("HEBRUS_CPU_CAPABILITY");
     if (env == nullptr || *env == '\0') return std::make_pair(best, std::string());

@@ -52,6 +52,7 @@ import torch
 
 import hebrus_torch
 from hebrus_torch._extension import has_native_kernel
+from hebrus_torch._validate import FLOAT_DTYPES
 from hebrus_torch.errors import HebrusError, HoleError
 
 __all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "selection_mask", "random_model"]
@@ -254,9 +255,6 @@ def _invalidating(method):
 # PLE
 
 
-_PLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tensor:
     """Qwen4ExpTextNGramEmbedding.forward with the hash as one hebrus::ple_ngram_ids call.
 
@@ -324,7 +322,7 @@ def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Ten
     if torch.is_grad_enabled() and (hidden_states.requires_grad or self.conv1d.weight.requires_grad):
         _STATS["ple_fallback:autograd"] += 1
         return original(hidden_states, past_key_values)
-    if hidden_states.dtype not in _PLE_DTYPES or self.conv1d.weight.dtype != hidden_states.dtype:
+    if hidden_states.dtype not in FLOAT_DTYPES or self.conv1d.weight.dtype != hidden_states.dtype:
         _STATS["ple_fallback:dtype"] += 1
         return original(hidden_states, past_key_values)
     if not _plain_depthwise(self.conv1d):

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._validate import FLOAT_DTYPES  # the dtypes the kernels take: holders keep their state in them
 from ..errors import HebrusError
 
 
@@ -26,8 +27,6 @@ def as_tensor(what: str, value: Any) -> torch.Tensor:
     return value
 
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""The dtypes a holder keeps its floating-point state in (those the kernels take)."""
 
 
 def check_cast(owner: str, fn: Callable[[torch.Tensor], torch.Tensor], float_dtype: torch.dtype,
