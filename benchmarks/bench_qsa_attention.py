@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import os
 import gc
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import hebrus_torch as ht
-from common import bandwidth_note, copy_bandwidth, machine, table, timeit, timeit_cold, write_section
+from common import bandwidth_note, copy_bandwidth, machine, table, timeit, timeit_cold_paired, write_section
 
 HQ, HKV, DH, R, BUDGET = 16, 2, 256, 4, 2048
 TOP_K = BUDGET // R
@@ -136,16 +137,22 @@ def main() -> None:
     rows = []
     notes = []
     headline = {}
+    sampled = []                                                            # copy bandwidths next to decode calls
 
-    def report(case, path, seconds, queries, kv_bytes_per_query, selected, base=None):
-        """kv_bytes_per_query: K/V bytes this path must read per query; selected: the op's."""
+    def report(case, path, seconds, queries, kv_bytes_per_query, selected, base=None, pairs=None):
+        """kv_bytes_per_query: K/V bytes this path must read per query; selected: the op's; pairs: the
+        (seconds, copy bandwidth) of each timed call (timeit_cold_paired)."""
         per_q = seconds / queries
         bound = selected / bw
         flops = 2 * HQ * (kv_bytes_per_query / row_bytes) * 2 * DH               # q.k and p.v over those rows
+        paired = None if pairs is None else statistics.median(t * b / (queries * selected) for t, b in pairs)
+        if pairs:
+            sampled.extend(b for _, b in pairs)
         rows.append([case, path, f"{seconds * 1e3:,.1f}", f"{per_q * 1e6:,.0f}", f"{kv_bytes_per_query / 1e6:,.2f}",
                      f"{kv_bytes_per_query * queries / seconds / 1e9:.1f}", f"{flops * queries / seconds / 1e9:.1f}",
-                     f"{per_q / bound:.1f}x", "" if base is None else f"{base / per_q:.1f}x"])
-        return per_q
+                     f"{per_q / bound:.1f}x", "-" if paired is None else f"{paired:.1f}x",
+                     "" if base is None else f"{base / per_q:.1f}x"])
+        return per_q, paired
 
     for ctx, dense_block in zip(contexts, dense_blocks):
         for dname in args.dtypes.split(","):
@@ -175,35 +182,42 @@ def main() -> None:
             # Every decode path is timed call by call from a flushed cache (timeit_cold), as a decode
             # step finds it after the other layers ran: repeating one call back to back would serve
             # the selected rows from the last-level cache where they fit (the 16-core host's 300 MiB).
-            t_dense = timeit_cold(lambda: dense_masked(q[:, :, None, :], k_b, v_b, mask), repeat=args.repeat)
-            t_comp = timeit_cold(lambda: gathered_dense(q, k_pool, v_pool, tc), repeat=args.repeat)
-            t_op = timeit_cold(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), 8 * args.repeat)
+            # Each timed call is followed by a copy that samples the bandwidth at that moment (see
+            # common.copy_sample): the 'x of copy next to it' column divides by that sample.
+            t_dense, p_dense = timeit_cold_paired(lambda: dense_masked(q[:, :, None, :], k_b, v_b, mask), args.repeat)
+            t_comp, p_comp = timeit_cold_paired(lambda: gathered_dense(q, k_pool, v_pool, tc), args.repeat)
+            t_op, p_op = timeit_cold_paired(lambda: ht.qsa_attention(q, k_pool, v_pool, tc, SCALE), 8 * args.repeat)
             flat = tc[tc >= 0].long()
             k_sel, v_sel = k_pool.new_empty((flat.numel(), HKV, DH)), v_pool.new_empty((flat.numel(), HKV, DH))
-            t_gather = timeit_cold(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
-                                            torch.index_select(v_pool, 0, flat, out=v_sel)), 8 * args.repeat)
+            t_gather, p_gather = timeit_cold_paired(lambda: (torch.index_select(k_pool, 0, flat, out=k_sel),
+                                                             torch.index_select(v_pool, 0, flat, out=v_sel)),
+                                                    8 * args.repeat)
             # Reads the same rows and writes almost nothing: the machine's rate for this access pattern.
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), (tc >= 0).sum(1).cumsum(0)[:-1]])
             k_rows, v_rows = k_pool.view(k_pool.shape[0], -1), v_pool.view(v_pool.shape[0], -1)
-            t_read = timeit_cold(lambda: (F.embedding_bag(flat, k_rows, offsets, mode="sum"),
-                                          F.embedding_bag(flat, v_rows, offsets, mode="sum")), 8 * args.repeat)
+            t_read, p_read = timeit_cold_paired(lambda: (F.embedding_bag(flat, k_rows, offsets, mode="sum"),
+                                                         F.embedding_bag(flat, v_rows, offsets, mode="sum")),
+                                                8 * args.repeat)
             # The same arithmetic with every selected row in cache (cells folded into the first 64):
             # the op's compute floor on this machine, which no prefetching can beat.
             tc_hot = torch.where(tc >= 0, tc % 64, -1)
             t_hot = timeit_many(lambda: ht.qsa_attention(q, k_pool[:64], v_pool[:64], tc_hot, SCALE),
                                 args.repeat * 3)
-            d = report(case, "dense masked SDPA (transformers)", t_dense, B, ctx * row_bytes, sel_bytes)
-            report(case, "gathered-then-dense composite", t_comp, B, sel_bytes, sel_bytes, d)
-            report(case, "(gather only: index_select of the selected rows)", t_gather, B, sel_bytes, sel_bytes, d)
+            d, _ = report(case, "dense masked SDPA (transformers)", t_dense, B, ctx * row_bytes, sel_bytes,
+                          pairs=p_dense)
+            report(case, "gathered-then-dense composite", t_comp, B, sel_bytes, sel_bytes, d, p_comp)
+            report(case, "(gather only: index_select of the selected rows)", t_gather, B, sel_bytes, sel_bytes, d,
+                   p_gather)
             rows[-1][6] = "-"
-            report(case, "(read only: embedding_bag sum of the selected rows)", t_read, B, sel_bytes, sel_bytes, d)
+            _, read_paired = report(case, "(read only: embedding_bag sum of the selected rows)", t_read, B,
+                                    sel_bytes, sel_bytes, d, p_read)
             rows[-1][6] = "-"
             report(case, "(arithmetic only: hebrus::qsa_attention, every selected row in cache)", t_hot, B,
                    sel_bytes, sel_bytes, d)
             rows[-1][5] = "-"
-            report(case, "hebrus::qsa_attention", t_op, B, sel_bytes, sel_bytes, d)
-            headline[("decode", ctx, dname)] = (t_dense / t_op, t_op / B / (sel_bytes / bw), t_op / t_gather,
-                                                t_op / t_read, t_hot / B / (sel_bytes / bw))
+            _, op_paired = report(case, "hebrus::qsa_attention", t_op, B, sel_bytes, sel_bytes, d, p_op)
+            headline[("decode", ctx, dname)] = (t_dense / t_op, t_op / B / (sel_bytes / bw), op_paired,
+                                                read_paired, t_op / t_read, t_hot / B / (sel_bytes / bw))
             del mask, k_b, v_b, k_sel, v_sel
 
             # Prefill: one sequence, the block of new tokens ends at position ctx - 1.
@@ -235,7 +249,7 @@ def main() -> None:
                 est = fixed + block * marginal if linear else t_dense / db * block
             cb = min(args.composite_block, db)
             t_comp = timeit(lambda: gathered_dense(qd[-cb:], k_pool, v_pool, tcd[-cb:]), repeat=1)
-            d = report(dcase, "dense masked SDPA (transformers)", t_dense, db, ctx * row_bytes, sel_bytes)
+            d, _ = report(dcase, "dense masked SDPA (transformers)", t_dense, db, ctx * row_bytes, sel_bytes)
             report(f"prefill {cb} tok, ctx {ctx // 1024}K, {dname}", "gathered-then-dense composite", t_comp, cb,
                    sel_bytes, sel_bytes, d)
             if db < block:
@@ -275,11 +289,14 @@ def main() -> None:
             f"bytes of keys and values the path must read per query (dense: the whole cache; the others: the "
             f"selected cells only). 'GB/s': those bytes over the time. 'x of BW limit': time per query over "
             f"(selected K/V bytes / copy bandwidth), i.e. how far from reading just the selected bytes at copy "
-            f"speed. 'GFLOP/s': q.k and p.v over the rows the path reads, 2 flop x {HQ} heads x ({DH} + {DH}) "
+            f"speed. 'x of copy next to it' (decode): the same ratio for each timed call against a 256 MiB copy timed right "
+            f"after it, median over the calls; those copies measured {min(sampled, default=0) / 1e9:.0f}-"
+            f"{max(sampled, default=0) / 1e9:.0f} GB/s (median {statistics.median(sampled or [0]) / 1e9:.0f}). "
+            f"'GFLOP/s': q.k and p.v over the rows the path reads, 2 flop x {HQ} heads x ({DH} + {DH}) "
             f"multiply-adds per row. Speedup: per-query time against the dense masked path of the same context and "
             f"dtype. Whole run: {total:.0f} s.\n\n")
-    body += table(["case", "path", "ms", "us/query", "K/V MB/query", "GB/s", "GFLOP/s", "x of BW limit", "speedup"],
-                  rows)
+    body += table(["case", "path", "ms", "us/query", "K/V MB/query", "GB/s", "GFLOP/s", "x of BW limit",
+                   "x of copy next to it", "speedup"], rows)
     body += ("\n\nWhat bounds decode: the limit assumes the selected bytes stream at copy speed, but they are "
              "512 B - 1 KiB rows scattered over the cache (each a separate page walk, unless the cache sits on huge pages); the "
              "'(gather only)' row is torch.index_select of exactly the selected rows into preallocated buffers, no "
@@ -300,9 +317,10 @@ def main() -> None:
     dec = [(c, d, v) for (kind, c, d), v in headline.items() if kind == "decode"]
     if dec:
         body += "\n\nDecode summary: " + "; ".join(
-            f"{c // 1024}K {d}: {s:.1f}x vs dense, {x:.1f}x of the bandwidth limit (the arithmetic alone: "
-            f"{a:.1f}x), {g:.1f}x the time of the bare gather, {r:.1f}x the time of the read-only floor"
-            for c, d, (s, x, g, r, a) in dec) + "."
+            f"{c // 1024}K {d}: {s:.1f}x vs dense, {x:.1f}x of the bandwidth limit, {xp:.1f}x of the copy next "
+            f"to each call (the read-only floor: {rp:.1f}x; the arithmetic alone: {a:.1f}x of the limit), "
+            f"{r:.1f}x the time of the read-only floor"
+            for c, d, (s, x, xp, rp, r, a) in dec) + "."
     pre = [(c, d, v[0]) for (kind, c, d), v in headline.items() if kind == "prefill"]
     if pre:
         body += f"\nPrefill summary ({args.prefill}-token block against dense, measured or estimated): " + "; ".join(

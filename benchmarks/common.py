@@ -66,6 +66,38 @@ def timeit_cold(fn: Callable[[], object], repeat: int = 24) -> float:
     return timeit(fn, "cpu", repeat, warmup=1, cold=True)
 
 
+_PROBE: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def copy_sample() -> float:
+    """The copy bandwidth at this moment, in bytes/s: one timed copy of 256 MiB into a buffer allocated once
+    (read + write counted). The shared 2-core development VM's bandwidth switches between two levels (about
+    40 and 75 GB/s) that each last seconds to minutes, so a limit measured once may belong to another level
+    than the call it divides; a sample taken next to each call does not."""
+    global _PROBE
+    if _PROBE is None:
+        src = torch.ones(64 << 20)
+        _PROBE = (src, src.clone())
+    src, dst = _PROBE
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return 2 * src.numel() * 4 / (time.perf_counter() - t0)
+
+
+def timeit_cold_paired(fn: Callable[[], object], repeat: int = 24) -> tuple[float, list[tuple[float, float]]]:
+    """timeit_cold, with a copy_sample() right after each timed call: (median seconds, [(seconds, bytes/s)]
+    of every timed call and the copy bandwidth measured next to it)."""
+    fn()
+    pairs = []
+    for _ in range(repeat):
+        flush_caches()
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        pairs.append((seconds, copy_sample()))
+    return statistics.median(t for t, _ in pairs), pairs
+
+
 def copy_bandwidth(device: str = "cpu", megabytes: int = 512, buffers: int = 8, repeat: int = 3) -> float:
     """Measured device copy bandwidth in bytes/s: read + write of a large buffer into a preallocated
     one, the best copy over ``buffers`` freshly allocated pairs (memory placement changes the figure
