@@ -13,7 +13,8 @@ Cases, at 8K, 32K and 128K tokens of context:
   and the dense path run the whole 4096-token block, except at 128K, where dense would take minutes
   here: it runs a smaller block (see --dense-block) at two sizes and the full block is estimated; the
   composite runs 32 tokens (per-token times compared).
-- Decode is timed call by call from flushed caches (benchmarks/common.py timeit_cold); the dense path
+- Decode is timed call by call from flushed caches, each call followed by a copy that samples the
+  bandwidth of that moment (benchmarks/common.py timeit_cold_paired); the dense path
   reads transformers' cache layout [seq, Hkv, position, Dh] contiguous, the op a token-major pool.
 
 Dense masked = transformers' sdpa_attention_forward (F.scaled_dot_product_attention with the boolean
@@ -179,7 +180,7 @@ def main() -> None:
             k_b = k_dense.expand(B, -1, -1, -1) if shared else k_dense
             v_b = v_dense.expand(B, -1, -1, -1) if shared else v_dense
             case = f"decode {B} seq, ctx {ctx // 1024}K, {dname}"
-            # Every decode path is timed call by call from a flushed cache (timeit_cold), as a decode
+            # Every decode path is timed call by call from a flushed cache (timeit_cold_paired), as a decode
             # step finds it after the other layers ran: repeating one call back to back would serve
             # the selected rows from the last-level cache where they fit (the 16-core host's 300 MiB).
             # Each timed call is followed by a copy that samples the bandwidth at that moment (see
@@ -289,8 +290,8 @@ def main() -> None:
             f"bytes of keys and values the path must read per query (dense: the whole cache; the others: the "
             f"selected cells only). 'GB/s': those bytes over the time. 'x of BW limit': time per query over "
             f"(selected K/V bytes / copy bandwidth), i.e. how far from reading just the selected bytes at copy "
-            f"speed. 'x of copy next to it' (decode): the same ratio for each timed call against a 256 MiB copy timed right "
-            f"after it, median over the calls; those copies measured {min(sampled, default=0) / 1e9:.0f}-"
+            f"speed. 'x of copy next to it' (decode): the same ratio for each timed call against a 256 MiB copy "
+            f"timed right after it, median over the calls; those copies measured {min(sampled, default=0) / 1e9:.0f}-"
             f"{max(sampled, default=0) / 1e9:.0f} GB/s (median {statistics.median(sampled or [0]) / 1e9:.0f}). "
             f"'GFLOP/s': q.k and p.v over the rows the path reads, 2 flop x {HQ} heads x ({DH} + {DH}) "
             f"multiply-adds per row. Speedup: per-query time against the dense masked path of the same context and "
@@ -307,7 +308,8 @@ def main() -> None:
              f"is the case closest to compute-bound on {torch.get_num_threads()} threads. The '(arithmetic only)' "
              "row runs the op over the same number of selected rows per query, folded into the first 64 cells so "
              "that every read hits the cache: its 'x of BW limit' is how close the op could come to the limit if "
-             "the memory traffic cost nothing.")
+             "the memory traffic cost nothing. benchmarks/gather_floor.c measures the same reads without PyTorch, "
+             "bare and with the op's multiply-adds (section 'Decode against the bandwidth limit (issue 6)').")
     if notes:
         body += (f"\n\nWhere a dense masked prefill of {args.prefill} new tokens is too slow to run here (it is "
                  f"compute-bound: {args.prefill} x ctx x 16 heads x 512 multiply-adds, plus repeat_kv copies of "

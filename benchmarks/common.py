@@ -61,11 +61,6 @@ def flush_caches(megabytes: int = 1024) -> None:
     _FLUSH.add_(1.0)
 
 
-def timeit_cold(fn: Callable[[], object], repeat: int = 24) -> float:
-    """Median seconds of ``repeat`` single CPU calls, each after flush_caches() (one untimed call first)."""
-    return timeit(fn, "cpu", repeat, warmup=1, cold=True)
-
-
 _PROBE: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -85,8 +80,9 @@ def copy_sample() -> float:
 
 
 def timeit_cold_paired(fn: Callable[[], object], repeat: int = 24) -> tuple[float, list[tuple[float, float]]]:
-    """timeit_cold, with a copy_sample() right after each timed call: (median seconds, [(seconds, bytes/s)]
-    of every timed call and the copy bandwidth measured next to it)."""
+    """Times ``repeat`` single CPU calls, each after flush_caches() and followed by a copy_sample() (one
+    untimed call first): (median seconds, [(seconds, bytes/s)] of every timed call and the copy bandwidth
+    measured right after it)."""
     fn()
     pairs = []
     for _ in range(repeat):
