@@ -44,8 +44,8 @@ BANDWIDTH_NOTE = "best over 8 fresh pairs of 512 MiB buffers of 3 copies each, r
 def bandwidth_note() -> str:
     """BANDWIDTH_NOTE, plus the development VM's drift where the run is on that VM (2 cores)."""
     if os.cpu_count() == 2:
-        return (BANDWIDTH_NOTE + "; the shared 2-core development VM's figure drifts with its neighbours: 36 to "
-                "78 GB/s across our sessions")
+        return (BANDWIDTH_NOTE + "; the shared 2-core development VM's bandwidth switches between two levels, "
+                "about 40 and 75 GB/s, each lasting seconds to minutes")
     return BANDWIDTH_NOTE
 
 
