@@ -7,6 +7,14 @@
 
 using namespace metal;
 
+// Safe floating-point math whatever the compile options say. The kernels' NaN and -inf handling
+// (x != x, a max that stays -inf) is part of their contract, and PYTORCH_MPS_FAST_MATH=1 makes
+// PyTorch compile every library in fast mode, where the compiler may assume neither occurs. The
+// pragma exists from MSL 3.2 (macOS 15); on macOS 14 that setting still applies (see README.md).
+#if __METAL_VERSION__ >= 320
+#pragma METAL fp math_mode(safe)
+#endif
+
 // Kernel names: "<op>_<type>" and "<op>_<variant>_<type>", instantiated MLX-style from decltype so
 // the signature is never retyped. hebrus::metal::kernel_name() (hebrus_launch.h) builds the same
 // strings on the host. The type names are MSL's: float, half, bfloat.

@@ -76,7 +76,7 @@ inline MetalShaderLibrary& library(const char* stem) {
 }
 
 // A kernel of that library; the pipeline state is cached by the library. Checks that the pipeline
-// can run the threadgroup size the launch plan asks for.
+// can run the threadgroup size the launch plan asks for, in SIMD-groups of the width the kernels assume.
 inline std::shared_ptr<MetalKernelFunction> kernel(const char* op, const char* stem, const std::string& name,
                                                    uint64_t group) {
   MetalShaderLibrary& lib = library(stem);
@@ -85,6 +85,10 @@ inline std::shared_ptr<MetalKernelFunction> kernel(const char* op, const char* s
     std::lock_guard<std::mutex> lock(library_mutex());
     fn = lib.getKernelFunction(name);  // compiles the library at first use; pipeline states are cached
   }
+  // The kernels' SIMD-group reductions and lane-to-dim layouts assume 32 lanes, as on every Apple GPU.
+  HEBRUS_CHECK(fn->getThreadExecutionWidth() == HEBRUS_SIMD_WIDTH, HebrusError, "hebrus::", op,
+               ": the Metal kernels assume SIMD-groups of ", HEBRUS_SIMD_WIDTH, " threads; this GPU runs ",
+               name, " with ", fn->getThreadExecutionWidth());
   HEBRUS_CHECK(fn->getMaxThreadsPerThreadgroup() >= group, HebrusError, "hebrus::", op, ": the Metal kernel ", name,
                " runs at most ", fn->getMaxThreadsPerThreadgroup(), " threads per threadgroup on this GPU, the ",
                "launch needs ", group);
