@@ -1354,6 +1354,19 @@ def test_from_transformers_refuses_rope_that_changes_with_the_context(rope_type)
 
 
 @pytest.mark.hf
+def test_from_transformers_refuses_rope_attention_scaling():
+    """qsa_pool ropes with plain cos/sin; a rotary embedding that scales them (yarn's attention factor)
+    would give pooled keys other than transformers'."""
+    _, model = _tiny_model(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 32})
+    assert model.model.rotary_emb.attention_scaling != 1.0
+    with pytest.raises(HebrusError, match="attention_scaling != 1 is not supported"):
+        QSACache.from_transformers(model, capacity_tokens=64, max_sequences=2)
+    with pytest.raises(HebrusError, match="attention_scaling != 1 is not supported"):
+        ModelCache.from_transformers(model, capacity_tokens=64, max_sequences=2)
+
+
+@pytest.mark.hf
 @pytest.mark.parametrize("pad,n", [(0, 9), (0, 37), (3, 30)])
 def test_from_transformers_plan_mask_matches_indexer(pad, n):
     hf, model = _tiny_model()

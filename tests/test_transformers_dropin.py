@@ -278,6 +278,30 @@ def test_every_indexed_layer_lifecycle_method_drops_groups(model, device, method
         htx.revert(model)
 
 
+def test_rope_attention_scaling_falls_back(model, device):
+    """qsa_pool ropes with plain cos/sin: with scaled cos/sin (yarn's attention factor) the indexer runs
+    transformers' own forward, and the logits are transformers'."""
+    ids = tokens(1, 24, seed=12).to(device)
+    rotary = model.model.rotary_emb
+    saved = rotary.attention_scaling
+    rotary.attention_scaling = 0.5
+    try:
+        with torch.no_grad():
+            ref = model(ids).logits
+        htx.apply(model)
+        try:
+            htx.reset_stats()
+            with torch.no_grad():
+                got = model(ids).logits
+            indexed = sum(t == "indexed_attention" for t in model.config.layer_types)
+            assert htx.stats().get("qsa_fallback:attention_scaling") == indexed, htx.stats()
+        finally:
+            htx.revert(model)
+    finally:
+        rotary.attention_scaling = saved
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+
+
 def test_hole_raises_or_falls_back(model, device):
     ids = tokens(1, 40, seed=10).to(device)
     length = ids.shape[1]
