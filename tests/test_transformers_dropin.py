@@ -302,6 +302,12 @@ def test_rope_attention_scaling_falls_back(model, device):
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
 
 
+def test_apply_refuses_an_unknown_on_hole(model):
+    with pytest.raises(ht.HebrusError, match="on_hole must be 'raise' or 'fallback', got 'ignore'"):
+        htx.apply(model, on_hole="ignore")
+    assert not any(htx._PATCH in mod.__dict__ for mod in model.modules())
+
+
 def test_hole_raises_or_falls_back(model, device):
     ids = tokens(1, 40, seed=10).to(device)
     length = ids.shape[1]

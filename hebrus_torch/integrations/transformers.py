@@ -113,7 +113,8 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: b
         ``model`` itself. Idempotent: applying twice patches once (``on_hole``, ``sparse_attention`` updated).
     """
     if on_hole not in ("raise", "fallback"):
-        raise ValueError(f"on_hole must be 'raise' or 'fallback', got {on_hole!r}")
+        raise HebrusError(f"hebrus_torch.integrations.transformers.apply: on_hole must be 'raise' or 'fallback', "
+                          f"got {on_hole!r}")
     m = _modeling()
     text_models = [mod for mod in model.modules() if isinstance(mod, m.Qwen4ExpTextModel)]
     owner: dict[int, Any] = {}
