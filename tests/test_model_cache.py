@@ -1,7 +1,10 @@
 """ModelCache: handles shared by both holders, atomic lifecycle (PLE first), chunk steps in one
 transaction, rewind via PLE snapshots, saved state (SPEC §4, §5)."""
 
+import hashlib
 import random
+import re
+import struct
 
 import pytest
 import torch
@@ -107,6 +110,64 @@ def test_chunk_invariance_across_holders(model):
             assert torch.equal(ys[li], base[2][li]), name
 
 
+def hf_ple_outputs(model, layer_idx, tokens, x):
+    """Row ids and conv output of one decoder layer's transformers PLE modules over a whole fresh sequence."""
+    ple = model.model.layers[layer_idx].ple
+    captured = []
+    hook = ple.ple_embedding.ngram_embedding.register_forward_pre_hook(lambda mod, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            ple.ple_embedding(tokens[None], None)
+            y = ple._short_conv(x[None], None)[0]
+    finally:
+        hook.remove()
+    return captured[0][0], y
+
+
+def test_chunked_ple_outputs_match_transformers_and_the_unchunked_ops(model):
+    """SPEC §2, §5.1, §5.5: every layer's row ids and conv outputs of a packed, chunked prefill through the
+    ModelCache equal transformers' modules over each whole sequence (ids exact, fp32 within 1e-5) and, bitwise,
+    the ops over the unchunked batch from the fresh state (history all EOS, zero tails)."""
+    mc = make_cache(model)
+    tables = Tables(mc)
+    eos = model.config.eos_token_id
+    g = torch.Generator().manual_seed(5)
+    streams = {mc.new_sequence(): torch.randint(0, 50, (23,), generator=g),
+               mc.new_sequence(): torch.randint(0, 50, (17,), generator=g)}
+    a, b = streams
+    streams[a][[0, 6, 7, 15]] = eos
+    streams[b][[4, 16]] = eos
+    got = {(s, li, kind): [] for s in streams for li in mc.ple.layer_ids for kind in ("ids", "y")}
+    done = dict.fromkeys(streams, 0)
+    for lens in ({a: 1, b: 4}, {a: 3, b: 0}, {a: 4, b: 2}, {a: 15, b: 11}):
+        out = run_chunk(mc, tables, {s: streams[s][done[s]:done[s] + n] for s, n in lens.items()})
+        for (kind, li), value in out.items():
+            if kind in ("ids", "y"):
+                for s, part in zip(lens, value.split(list(lens.values()))):
+                    got[(s, li, kind)].append(part)
+        done = {s: done[s] + n for s, n in lens.items()}
+    tokens = torch.cat(list(streams.values()))
+    cu = torch.tensor([0, 23, 40], dtype=torch.int32)
+    fresh_history = torch.full((2, mc.ple.ngram_size - 1), eos)
+    zero_tails = torch.zeros(2, mc.ple.state_len, mc.ple.channels)
+    for k, li in enumerate(mc.ple.layer_ids):
+        emb, conv = model.model.layers[li].ple.ple_embedding, model.model.layers[li].ple.conv1d
+        want_ids, history = ht.ple_ngram_ids(tokens, cu, fresh_history, emb.layer_multipliers,
+                                             emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets, eos,
+                                             mc.ple.vocab_size)
+        want_y, tails = ht.ple_conv(tables.x[tokens], conv.weight.detach().squeeze(1), cu, zero_tails,
+                                    conv.dilation[0], "silu")
+        for row, s in enumerate(streams):
+            ids, y = torch.cat(got[(s, li, "ids")]), torch.cat(got[(s, li, "y")])
+            hf_ids, hf_y = hf_ple_outputs(model, li, streams[s], tables.x[streams[s]])
+            assert torch.equal(ids, hf_ids), (s, li)
+            torch.testing.assert_close(y, hf_y, atol=1e-5, rtol=1e-5)
+            assert torch.equal(ids, want_ids[cu[row]:cu[row + 1]]), (s, li)
+            assert torch.equal(y, want_y[cu[row]:cu[row + 1]]), (s, li)
+            snap = mc.ple.snapshot(s)
+            assert torch.equal(snap.history[k], history[row]) and torch.equal(snap.conv_tails[k], tails[row]), (s, li)
+
+
 def test_failure_in_a_late_layer_publishes_nothing(model):
     mc = make_cache(model)
     tables = Tables(mc)
@@ -168,6 +229,63 @@ def test_keep_snapshots_allows_rewind_to_last_chunk(model):
     assert mc.digest() == at_10
 
 
+@pytest.mark.parametrize("p1", [-1, 20, 1000], ids=["to the end", "to the frontier", "past the frontier"])
+def test_removing_a_suffix_needs_a_snapshot_and_then_equals_a_prefill_to_p(model, p1):
+    """SPEC §4: remove(seq, p, end) is a partial rewind; without a PLE snapshot at p it refuses and changes nothing."""
+    tokens = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(6))
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens[:8], [3])
+    mc.checkpoint(a)
+    feed(mc, tables, a, tokens[8:], [13])
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    with pytest.raises(HebrusError, match=r"to position 5 needs a PLE snapshot at 5 .*snapshots kept at \[8\]"):
+        mc.remove(a, 5, p1)
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert mc.qsa.run(a) == (0, 20)
+    assert mc.ple.slots.live_handles() == mc.qsa.slots.live_handles() == mc.slots.live_handles() == [a]
+    mc.remove(a, 8, p1)
+    assert mc.qsa.run(a) == (0, 8)
+    prefilled = make_cache(model)
+    s = prefilled.new_sequence()
+    feed(prefilled, Tables(prefilled), s, tokens[:8], [])
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == (
+        prefilled.digest(), prefilled.ple.digest(), prefilled.qsa.digest())
+
+
+@pytest.mark.parametrize("inside", ["rewind to 0", "remove all", "shift", "a chunk that evicts it"])
+def test_rolled_back_transaction_restores_the_ple_snapshots(model, inside):
+    """The snapshots are no part of digest(): after a rollback, rewinding to the checkpoint must still work."""
+    mc = make_cache(model, keep_snapshots=1)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, torch.arange(1, 9), [])
+    mc.checkpoint(a)
+    at_8 = mc.digest()
+    feed(mc, tables, a, torch.arange(9, 13), [])
+    before = mc.digest()
+
+    def failing(change):
+        def run():
+            with mc.transaction():
+                change()
+                raise RuntimeError("injected failure after the snapshot was dropped or moved")
+        return run
+
+    actions = {
+        "rewind to 0": failing(lambda: mc.rewind(a, 0)),
+        "remove all": failing(lambda: mc.remove(a, 0, -1)),
+        "shift": failing(lambda: mc.shift(a, 0, -1, 5)),
+        "a chunk that evicts it": lambda: run_chunk(mc, tables, {a: [13, 14]}, fail_after_layer=0),
+    }
+    with pytest.raises(RuntimeError, match="injected"):
+        actions[inside]()
+    assert mc.digest() == before
+    mc.rewind(a, 8)
+    assert mc.digest() == at_8
+
+
 def test_lifecycle_forwarded_atomically(model):
     mc = make_cache(model)
     tables = Tables(mc)
@@ -209,14 +327,67 @@ def test_save_free_restore_roundtrip_and_corruption(model):
     data = mc.save(b)
     mc.free(b)
     before = mc.digest()
-    for bad in (data[:-1], data[:40], data[:20] + bytes([data[20] ^ 1]) + data[21:]):
-        with pytest.raises(CorruptStateError):
+    for bad, reason in ((data[:-1], "checksum mismatch"), (data[:40], "truncated: 40 bytes"),
+                        (data[:20] + bytes([data[20] ^ 1]) + data[21:], "checksum mismatch")):
+        with pytest.raises(CorruptStateError, match=reason):
             mc.restore(bad)
         assert mc.digest() == before
     b2 = mc.restore(data)
     assert mc.ple.digest(b2) == ple_d and mc.qsa.digest(b2) == qsa_d
     out = run_chunk(mc, tables, {b2: torch.tensor([30])})
     assert out[("plan", 1)].positions.tolist() == [23]
+
+
+def with_format_version(data, version):
+    """A blob re-stamped with another format version and its sha256 recomputed: consistent, of another version."""
+    body = bytearray(data[:-32])
+    struct.pack_into("<I", body, len(blob_mod.MAGIC), version)
+    return bytes(body) + hashlib.sha256(body).digest()
+
+
+@pytest.mark.parametrize("part", ["ModelCache", "ple", "qsa"])
+@pytest.mark.parametrize("version", [blob_mod.FORMAT_VERSION + 1, 0])
+def test_restore_refuses_another_format_version_with_a_valid_checksum(model, part, version):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(3, 12), [])
+    data = mc.save(a)
+    if part == "ModelCache":
+        bad = with_format_version(data, version)
+    else:
+        meta, parts = blob_mod.unpack(data, "hebrus_torch.ModelCache")
+        stamped = with_format_version(parts[part].numpy().tobytes(), version)
+        parts[part] = torch.frombuffer(bytearray(stamped), dtype=torch.uint8)
+        bad = blob_mod.pack("hebrus_torch.ModelCache", meta, parts)
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles())
+    with pytest.raises(CorruptStateError,
+                       match=rf"blob has format version {version}; this build reads {blob_mod.FORMAT_VERSION}"):
+        mc.restore(bad)
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles()) == before
+    assert mc.ple.digest(mc.restore(data)) == mc.ple.digest(a)
+
+
+@pytest.mark.parametrize("slot_now", [
+    "free",
+    pytest.param("live again", marks=pytest.mark.xfail(strict=True, reason=(
+        "SlotTable.next_free (hebrus_torch/state/handles.py:106) checks that the slot is free before the "
+        "handle's generation: a stale handle into a reused slot raises a plain HebrusError ('already in use'), "
+        "not StaleHandleError"))),
+])
+def test_restore_into_a_stale_handle_is_refused_and_changes_nothing(model, slot_now):
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(3, 12), [])
+    data = mc.save(a)
+    stale = mc.new_sequence()
+    mc.free(stale)
+    if slot_now == "live again":
+        assert mc.new_sequence() == ht.SeqHandle(stale.slot, stale.generation + 1)
+    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles())
+    with pytest.raises(StaleHandleError, match=re.escape(f"{stale} is older")):
+        mc.restore(data, stale)
+    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles()) == before
+    assert mc.ple.slots.live_handles() == mc.qsa.slots.live_handles() == mc.slots.live_handles()
 
 
 def test_saved_sequence_restores_into_a_cache_of_another_slot_count(model):
@@ -242,7 +413,7 @@ def test_state_dict_roundtrip_and_validation(model):
     bad = dict(sd)
     key = next(k for k in sd if k.startswith("ple.conv_state"))
     bad[key] = sd[key].clone() + 1
-    with pytest.raises(CorruptStateError):
+    with pytest.raises(CorruptStateError, match="PLEState: checksum mismatch"):
         other.load_state_dict(bad)
     table = {"generation": [0] * 4, "live": [False] * 4}
     bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table))
@@ -368,12 +539,12 @@ def test_state_dict_through_a_parent_module(model):
     assert target.cache.digest() == mc.digest()
     run_chunk(target.cache, Tables(target.cache), {a: torch.tensor([4, 5])})   # handles carry over
     before = (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest())
-    for key, tamper in (("cache.ple.history", lambda t: t.clone().fill_(10**6)),
-                        ("cache.ple.live", lambda t: ~t),
-                        ("cache.qsa.keys", lambda t: t + 1)):
+    for key, tamper, reason in (("cache.ple.history", lambda t: t.clone().fill_(10**6), "PLEState: checksum"),
+                                ("cache.ple.live", lambda t: ~t, "PLEState: checksum"),
+                                ("cache.qsa.keys", lambda t: t + 1, "QSACache.load_state_dict: checksum")):
         bad = dict(sd)
         bad[key] = tamper(sd[key])
-        with pytest.raises(CorruptStateError):
+        with pytest.raises(CorruptStateError, match=reason):
             target.load_state_dict(bad)
         assert (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest()) == before
 
@@ -451,7 +622,7 @@ def test_failed_lifecycle_op_inside_a_transaction_changes_nothing(model):
     foreign = other_config.save(other_config.new_sequence())      # QSA part configured differently
     before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
     with mc.transaction():
-        with pytest.raises(CorruptStateError):
+        with pytest.raises(CorruptStateError, match="QSACache.restore: blob was saved by a cache configured"):
             mc.restore(foreign)            # the PLE part is fine and restores first; the QSA part refuses
         assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
         with pytest.raises(HebrusError, match="needs a PLE snapshot"):
