@@ -89,7 +89,6 @@ def run_conv_chunked(streams, chunk_lens, weight, state, dilation, activation):
 
 def chunk_schedules(lengths: list[int], rng: random.Random) -> dict[str, list[list[int]]]:
     """One shot, 1/2/1-token chunks and random (per-row different, sometimes empty) partitions."""
-    steps = max(lengths)
     one_two_one = []
     pattern = [1, 2, 1]
     done = [0] * len(lengths)
@@ -102,8 +101,11 @@ def chunk_schedules(lengths: list[int], rng: random.Random) -> dict[str, list[li
     parts = [random_partition(n, rng) for n in lengths]
     depth = max(len(p) for p in parts)
     randomised = [[p[j] if j < len(p) else 0 for p in parts] for j in range(depth)]
-    assert steps >= 0
-    return {"one_shot": [list(lengths)], "1/2/1": one_two_one, "random": randomised}
+    schedules = {"one_shot": [list(lengths)], "1/2/1": one_two_one, "random": randomised}
+    for name, steps in schedules.items():    # every schedule feeds each row's whole stream, in order
+        assert all(len(step) == len(lengths) and min(step, default=0) >= 0 for step in steps), name
+        assert [sum(step[row] for step in steps) for row in range(len(lengths))] == list(lengths), name
+    return schedules
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -567,9 +569,11 @@ def test_eos_rule(device, n):
     assert not torch.equal(ids_no[-suffix.shape[0]:], ids_fresh)
 
 
-def test_conv_state_carries_across_eos(device):
-    # The conv never sees token ids: its tail after a chunk ending in EOS is the raw last inputs, and the
-    # next chunk's outputs equal the one-shot outputs, not those of a zero state.
+def test_conv_new_state_is_the_last_inputs_and_carries_on(device):
+    # The conv never sees token ids, so it cannot reset at an EOS (SPEC §5.3's "the conv tail carries
+    # across EOS" is the holders' to keep: tests/test_ple_state.py checks PLEState's tail after an EOS).
+    # What the op owes: its new state is exactly the last L inputs, oldest first, zero-filled while the
+    # row has seen fewer than L; fed back, it continues the one-shot outputs, which a zero state does not.
     gen = torch.Generator().manual_seed(2)
     channels, width, dilation = 16, 4, 3
     x = torch.randn(20, channels, generator=gen).to(device)
@@ -577,13 +581,14 @@ def test_conv_state_carries_across_eos(device):
     zero = torch.zeros(1, (width - 1) * dilation, channels, device=device)
     cu = lambda m: torch.tensor([0, m], dtype=torch.int32, device=device)  # noqa: E731
     y_all, _ = ht.ple_conv(x, weight, cu(20), zero, dilation, "silu")
-    eos_at = 10  # the token at index 10 is an EOS; nothing resets
-    _, st = ht.ple_conv(x[: eos_at + 1], weight, cu(eos_at + 1), zero, dilation, "silu")
-    assert torch.equal(st[0], x[eos_at + 1 - 9: eos_at + 1])
-    y_rest, _ = ht.ple_conv(x[eos_at + 1:], weight, cu(19 - eos_at), st, dilation, "silu")
-    y_reset, _ = ht.ple_conv(x[eos_at + 1:], weight, cu(19 - eos_at), zero, dilation, "silu")
-    assert torch.equal(y_rest, y_all[eos_at + 1:])
-    assert not torch.equal(y_reset, y_all[eos_at + 1:])
+    _, short = ht.ple_conv(x[:5], weight, cu(5), zero, dilation, "silu")
+    assert torch.equal(short[0], torch.cat([zero[0, :4], x[:5]]))
+    _, st = ht.ple_conv(x[5:11], weight, cu(6), short, dilation, "silu")
+    assert torch.equal(st[0], x[2:11])
+    y_rest, _ = ht.ple_conv(x[11:], weight, cu(9), st, dilation, "silu")
+    y_reset, _ = ht.ple_conv(x[11:], weight, cu(9), zero, dilation, "silu")
+    assert torch.equal(y_rest, y_all[11:])
+    assert not torch.equal(y_reset, y_all[11:])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def feed(state, seq, tokens, x, cuts, device):
     return [torch.cat(i) for i in ids], [torch.cat(y) for y in ys]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_chunk_invariance_bitwise(device, dtype):
     n = 23
     tokens = stream(n, 1)
@@ -89,6 +89,65 @@ def test_chunk_invariance_bitwise(device, dtype):
             assert torch.equal(ys[layer], base[1][layer]), name
         assert torch.equal(snap.history, base[3].history) and torch.equal(snap.conv_tails, base[3].conv_tails), name
         assert digest == base[2], name
+
+
+def split_packed(t, cu):
+    cu = cu.tolist()
+    return [t[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_random_prefill_matches_the_ops_on_each_whole_sequence(device, dtype):
+    """The holder's row ids, conv outputs, history and tails against the functional ops run once on each
+    whole sequence from SPEC §4's fresh state (history [E]*(N-1), zero tails): several sequences prefill
+    in random packed chunks (random subsets in random row order, 0-token rows included), so a carried
+    history or tail that is dropped, reset, misordered or read from another slot, a wrong activation or
+    a flipped kernel changes some token's bits."""
+    lengths = [29, 11, 1, 20]
+    tokens = [stream(n, 30 + i, eos_every=5 + i) for i, n in enumerate(lengths)]
+    gen = torch.Generator().manual_seed(31)
+    xs = [(torch.randn(n, CHANNELS, generator=gen) * 2).to(dtype) for n in lengths]
+    state = make_state(device, dtype, max_sequences=6)
+    state.new_sequence()                                  # slot 0 stays live and untouched
+    seqs = [state.new_sequence() for _ in lengths]
+    got_ids = [[[] for _ in lengths] for _ in range(LAYERS)]
+    got_y = [[[] for _ in lengths] for _ in range(LAYERS)]
+    rng, pos, chunks = random.Random(32), [0] * len(lengths), 0
+    while any(p < n for p, n in zip(pos, lengths)):
+        rows = [i for i in range(len(lengths)) if pos[i] < lengths[i] or rng.random() < 0.2]
+        rng.shuffle(rows)
+        rows = rows[:rng.randint(1, len(rows))]
+        take = [min(rng.choice([0, 1, 1, 2, 3, 4, 7, 10]), lengths[i] - pos[i]) for i in rows]
+        outs = run_chunk(state, [seqs[i] for i in rows], [tokens[i][pos[i]:pos[i] + m] for i, m in zip(rows, take)],
+                         [xs[i][pos[i]:pos[i] + m] for i, m in zip(rows, take)], device)
+        cu = torch.tensor([0] + take).cumsum(0)
+        for layer, (ids, y) in enumerate(outs):
+            for i, part_ids, part_y in zip(rows, split_packed(ids, cu), split_packed(y, cu)):
+                got_ids[layer][i].append(part_ids)
+                got_y[layer][i].append(part_y)
+        pos = [p + m for p, m in zip(pos, [dict(zip(rows, take)).get(i, 0) for i in range(len(lengths))])]
+        chunks += 1
+    assert chunks >= 8                                    # many boundaries, not one shot
+    for i, n in enumerate(lengths):
+        snap = state.snapshot(seqs[i])
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        for layer in range(LAYERS):
+            p = state.hash_params(layer)
+            want_ids, want_history = ht.ple_ngram_ids(tokens[i].to(device), cu,
+                                                      torch.full((1, 2), EOS, device=device), p.multipliers,
+                                                      p.vocab_sizes, p.offsets, EOS, VOCAB)
+            want_y, want_tails = ht.ple_conv(xs[i].to(device) * (layer + 1), state._conv_weights[layer], cu,
+                                             torch.zeros(1, 9, CHANNELS, dtype=dtype, device=device), 3, "silu")
+            assert torch.equal(torch.cat(got_ids[layer][i]), want_ids), (i, layer)
+            assert torch.equal(torch.cat(got_y[layer][i]), want_y), (i, layer)
+            assert torch.equal(snap.history[layer], want_history[0]), (i, layer)
+            assert torch.equal(snap.conv_tails[layer], want_tails[0]), (i, layer)
+            # The state SPEC §2 defines: the last N-1 raw tokens and the last L conv inputs (zeros before the first).
+            assert snap.history[layer].tolist() == ([EOS, EOS] + tokens[i].tolist())[-2:]
+            padded = torch.cat([torch.zeros(9, CHANNELS, dtype=dtype), xs[i] * (layer + 1)])
+            assert torch.equal(snap.conv_tails[layer].cpu(), padded[-9:])
+    fresh = make_state(device, dtype)
+    assert state.digest(ht.SeqHandle(0, 0)) == fresh.digest(fresh.new_sequence())
 
 
 def test_digest_covers_free_slots_generations(device):
@@ -125,15 +184,20 @@ def test_eos_resets_history_not_conv_tail(device):
     tail = torch.tensor([7, 8, 9, 10, 11])
     prefix = torch.tensor([5, 6, 12, EOS])
     a = state.new_sequence()
-    ids_a, _ = feed(state, a, torch.cat([prefix, tail]), torch.randn(9, CHANNELS), [2], device)
+    x = torch.randn(11, CHANNELS, generator=torch.Generator().manual_seed(8))
+    ids_a, _ = feed(state, a, torch.cat([prefix, tail, torch.tensor([13, 14])]), x, [2, 6], device)
     fresh = make_state(device)
     b = fresh.new_sequence()
-    ids_b, _ = feed(fresh, b, tail, torch.randn(5, CHANNELS), [], device)
+    ids_b, _ = feed(fresh, b, torch.cat([tail, torch.tensor([13, 14])]), torch.randn(7, CHANNELS), [], device)
     for layer in range(LAYERS):
         assert torch.equal(ids_a[layer][4:], ids_b[layer])
-    # The conv tail carries across EOS: it holds the inputs before the EOS, not zeros.
+    # The conv tail carries across EOS: it is exactly the last L = 9 conv inputs of the sequence, oldest
+    # first (layer l's input is x * (l + 1) in run_chunk): x[2:11], whose first two are the inputs of the
+    # token before the EOS and of the EOS itself (fed in the middle chunk, which runs on past the EOS).
     snap = state.snapshot(a)
-    assert bool((snap.conv_tails[:, :4] != 0).any())
+    for layer in range(LAYERS):
+        assert torch.equal(snap.conv_tails[layer].cpu(), x[-9:] * (layer + 1)), layer
+        assert snap.history[layer].tolist() == [13, 14]          # the last N-1 raw tokens
 
 
 def test_failure_after_some_layers_rolls_back_every_layer(device):
@@ -198,7 +262,7 @@ def test_lifecycle_copy_fork_reset_free(device):
     fresh = make_state(device)
     assert state.digest(r) == fresh.digest(fresh.new_sequence())
     state.free(b)
-    with pytest.raises(StaleHandleError):
+    with pytest.raises(StaleHandleError, match="is stale"):
         state.free(b)
     with pytest.raises(ht.CapacityError):
         for _ in range(5):
@@ -247,10 +311,10 @@ def split_blob(data):
     return json.loads(data[_PREFIX.size:_PREFIX.size + header_len]), data[_PREFIX.size + header_len:-32]
 
 
-def forge(header, payload=b""):
+def forge(header, payload=b"", version=blob_mod.FORMAT_VERSION):
     """A blob with a valid sha256 around any header: the checksum is no signature, anyone can recompute it."""
     header = header if isinstance(header, bytes) else json.dumps(header).encode()
-    body = _PREFIX.pack(blob_mod.MAGIC, blob_mod.FORMAT_VERSION, len(header)) + header + payload
+    body = _PREFIX.pack(blob_mod.MAGIC, version, len(header)) + header + payload
     return body + hashlib.sha256(body).digest()
 
 
@@ -314,6 +378,67 @@ def test_restore_refuses_hostile_headers_with_a_valid_checksum(device):
     header["meta"]["layers"] = True
     with pytest.raises(CorruptStateError, match="config"):
         one.restore(s, forge(header, payload))
+
+
+def test_restore_refuses_history_ids_out_of_range_and_other_format_versions(device):
+    """Checks behind the checksum: a forged blob (valid sha256) with history ids outside [0, vocab) or of
+    another format version raises CorruptStateError naming that, and nothing changes."""
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    feed(state, b, stream(5, 7), torch.randn(5, CHANNELS), [], device)
+    header, payload = split_blob(state.save(a))
+    entry = next(e for e in header["tensors"] if e["name"] == "history")
+    assert entry["dtype"] == "int64" and entry["shape"] == [LAYERS, 2]
+
+    def with_history(values):
+        raw = bytearray(payload)
+        raw[entry["offset"]:entry["offset"] + entry["nbytes"]] = struct.pack(f"<{len(values)}q", *values)
+        return forge(header, bytes(raw))
+
+    before, b_before = state.digest(), state.digest(b)
+    for values in ([VOCAB, 3, 4, 5], [3, 4, 5, -1], [3, 2**62, 4, 5]):
+        with pytest.raises(CorruptStateError, match=r"history ids .* outside \[0, 40\)"):
+            state.restore(b, with_history(values))
+        assert state.digest() == before
+    for version in (blob_mod.FORMAT_VERSION + 1, 0):
+        with pytest.raises(CorruptStateError, match=f"format version {version}; this build reads "
+                                                    f"{blob_mod.FORMAT_VERSION}"):
+            state.restore(b, forge(header, payload, version=version))
+        assert state.digest() == before
+    # A snapshot with an id out of range is refused the same way (a HebrusError: it is no saved state).
+    snap = state.snapshot(a)
+    bad = ht.PLESnapshot(snap.handle, None, snap.history.clone().fill_(VOCAB), snap.conv_tails)
+    with pytest.raises(HebrusError, match=r"history ids .* outside \[0, 40\)"):
+        state.restore(b, bad)
+    assert state.digest() == before and state.digest(b) == b_before
+    # The bounds themselves are valid ids: EOS and vocab - 1 restore, bitwise.
+    state.restore(b, with_history([EOS, VOCAB - 1, 0, VOCAB - 1]))
+    assert state.snapshot(b).history.tolist() == [[EOS, VOCAB - 1], [0, VOCAB - 1]]
+
+
+def test_restore_into_a_stale_handle_changes_nothing(device):
+    state = make_state(device)
+    a, b = state.new_sequence(), state.new_sequence()
+    feed(state, a, stream(8, 2), torch.randn(8, CHANNELS), [], device)
+    data, snap = state.save(a), state.snapshot(a)
+    state.free(b)
+    freed = state.digest()
+    for source in (data, snap):
+        with pytest.raises(StaleHandleError, match="stale"):
+            state.restore(b, source)               # b's slot is free
+        assert state.digest() == freed
+    b2 = state.new_sequence()                      # b's slot again, one generation on
+    assert b2.slot == b.slot and b2.generation == b.generation + 1
+    feed(state, b2, stream(3, 5), torch.randn(3, CHANNELS), [], device)
+    before, b2_before = state.digest(), state.digest(b2)
+    for source in (data, snap):
+        with pytest.raises(StaleHandleError, match="stale"):
+            state.restore(b, source)               # the slot's new owner keeps its state
+        assert state.digest() == before and state.digest(b2) == b2_before
+    with pytest.raises(StaleHandleError, match="outside"):
+        state.restore(ht.SeqHandle(7, 0), data)
+    assert state.digest() == before
 
 
 def test_state_dict_metadata_is_compared_with_exact_types(device):
@@ -422,10 +547,19 @@ def test_state_dict_through_a_parent_module(device):
     before = target.ple.digest()
     for key, tamper in (("ple.history", lambda t: t.clone().fill_(VOCAB + 5)), ("ple.live", lambda t: ~t),
                         ("ple.conv_state", lambda t: t + 1)):
-        with pytest.raises(CorruptStateError):
+        with pytest.raises(CorruptStateError, match="checksum mismatch"):
             target.load_state_dict(dict(sd, **{key: tamper(sd[key])}))
         assert target.ple.digest() == before
         assert target.ple.slots.live.tolist() == target.ple.live.tolist()
+    # A consistent tamper (checksum recomputed) gets past the checksum to the checks behind it.
+    ple_sd = {k[len("ple."):]: v for k, v in sd.items() if k.startswith("ple.")}
+    for tampered, pattern in ((dict(ple_sd, history=ple_sd["history"].clone().fill_(VOCAB + 5)),
+                               r"history ids outside \[0, 40\)"),
+                              (dict(ple_sd, history=ple_sd["history"].clone().fill_(-1)), r"history ids outside"),
+                              (dict(ple_sd, generation=ple_sd["generation"] - 1), "slot table is invalid")):
+        with pytest.raises(CorruptStateError, match=pattern):
+            target.load_state_dict(dict(sd, **{"ple." + k: v for k, v in resum(tampered).items()}))
+        assert target.ple.digest() == before
 
 
 def test_unexpected_keys_are_refused_with_strict(device):
@@ -458,10 +592,10 @@ def test_keep_frees_every_other_sequence(device):
     state.keep(b)
     assert state.slots.live_handles() == [b] and state.digest(b) == kept
     for gone in (a, c):
-        with pytest.raises(StaleHandleError):
+        with pytest.raises(StaleHandleError, match="is stale"):
             state.snapshot(gone)
     before = state.digest()
-    with pytest.raises(StaleHandleError):
+    with pytest.raises(StaleHandleError, match="is stale"):
         state.keep(a)
     assert state.digest() == before
 

@@ -108,6 +108,39 @@ def test_pool_tiny_hand_checked():
     torch.testing.assert_close(out, torch.tensor([[2.0, 4.0]]) / math.sqrt(10.0), atol=1e-6, rtol=0)
 
 
+def test_pool_hand_checked_norm_weight_and_rope(device):
+    # r = 4, D = 6, rotary part R = 4. Both groups' raw keys average (in fp32) to m = [1, 2, 2, 4, 2, 1]:
+    # rms(m) = sqrt(30 / 6) = sqrt(5) over all D dims. (1 + w) = [1.5, 0.5, 2, 1, 3, 0], so the normed
+    # key is s * [1.5, 1, 4, 4, 6, 0] with s = 1 / sqrt(5 + eps); eps = 3 is large so that the mean is seen
+    # (RMSNorm of the sum 4m would give m / sqrt(5 + eps / 16)). RoPE (rotate-half: dim i pairs with
+    # i + 2 on the first 4 dims, angle pos * inv_freq[i % 2]) at the group's FIRST position, 6 for group 0:
+    # angles (pi/2, pi/4), so [a0, a1, a2, a3] -> [-a2, (a1 - a3)/sqrt2, a0, (a3 + a1)/sqrt2]; dims 4, 5 pass.
+    m = torch.tensor([1.0, 2, 2, 4, 2, 1])
+    d = torch.tensor([[1.0, -1, 0.5, 2, 0, -3], [-1.0, 1, -0.5, 0, 4, 1], [2.0, 0, 1, -2, -4, 1],
+                      [-2.0, 0, -1, 0, 0, 1]])                     # each column sums to 0
+    cell_pos = torch.tensor([9, 14, 6, 11, 8, 10, 13, 7, 12])
+    keys = torch.full((9, 6), 99.0)                               # cell 1 (position 14) is in no group
+    for cell, pos in enumerate(cell_pos.tolist()):
+        if pos < 14:
+            keys[cell] = m + (d[pos - 6] if pos < 10 else d[13 - pos])
+    group_cells = torch.tensor([[2, 7, 4, 0], [5, 3, 8, 6]], dtype=torch.int32)   # positions 6..9, 10..13
+    w = torch.tensor([0.5, -0.5, 1.0, 0.0, 2.0, -1.0])
+    eps = 3.0
+    inv_freq = torch.tensor([math.pi / 12, math.pi / 24])
+    args = [t.to(device) for t in (keys, cell_pos, group_cells, torch.tensor([6, 10]), w)] + [eps, inv_freq.to(device)]
+    s, r2 = 1.0 / math.sqrt(5.0 + eps), math.sqrt(2.0)
+    a = [1.5 * s, 1.0 * s, 4.0 * s, 4.0 * s]
+    group0 = [-a[2], (a[1] - a[3]) / r2, a[0], (a[3] + a[1]) / r2, 6 * s, 0.0]
+    t0, t1 = 10 * math.pi / 12, 10 * math.pi / 24                 # group 1 starts at position 10
+    group1 = [a[0] * math.cos(t0) - a[2] * math.sin(t0), a[1] * math.cos(t1) - a[3] * math.sin(t1),
+              a[2] * math.cos(t0) + a[0] * math.sin(t0), a[3] * math.cos(t1) + a[1] * math.sin(t1), 6 * s, 0.0]
+    want = torch.tensor([group0, group1])
+    for pool in (ht.qsa_pool, reference.qsa_pool):
+        got = pool(*args)
+        assert got.dtype == torch.float32 and got.shape == (2, 6)
+        torch.testing.assert_close(got.cpu(), want, atol=2e-6, rtol=0)
+
+
 def test_select_tiny_hand_checked():
     # D = 4, sqrt(D) = 2; one head. Scores of the 5 groups: relu(q.k)/2 = [1, 0, 3, 3, 2].
     q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
