@@ -367,13 +367,7 @@ def test_restore_refuses_another_format_version_with_a_valid_checksum(model, par
     assert mc.ple.digest(mc.restore(data)) == mc.ple.digest(a)
 
 
-@pytest.mark.parametrize("slot_now", [
-    "free",
-    pytest.param("live again", marks=pytest.mark.xfail(strict=True, reason=(
-        "SlotTable.next_free (hebrus_torch/state/handles.py:106) checks that the slot is free before the "
-        "handle's generation: a stale handle into a reused slot raises a plain HebrusError ('already in use'), "
-        "not StaleHandleError"))),
-])
+@pytest.mark.parametrize("slot_now", ["free", "live again"])
 def test_restore_into_a_stale_handle_is_refused_and_changes_nothing(model, slot_now):
     mc = make_cache(model)
     a = mc.new_sequence()

@@ -103,12 +103,12 @@ class SlotTable:
             slot = handle.slot
             if not 0 <= slot < self.capacity:
                 raise CapacityError(f"{self.owner}: slot {slot} outside [0, {self.capacity})")
+            if handle.generation < self._generation[slot]:   # stale, whether the slot is free or reused
+                raise StaleHandleError(f"{self.owner}: {handle} is older than slot {slot}'s generation "
+                                       f"{self._generation[slot]}")
             if self._live[slot]:
                 raise HebrusError(f"{self.owner}: slot {slot} is already in use by "
                                   f"{SeqHandle(slot, self._generation[slot])}")
-            if handle.generation < self._generation[slot]:
-                raise StaleHandleError(f"{self.owner}: {handle} is older than slot {slot}'s generation "
-                                       f"{self._generation[slot]}")
             if handle.generation >= MAX_GENERATION:
                 raise HebrusError(f"{self.owner}: {handle} cannot be issued: a live sequence's generation is below "
                                   f"{_BOUND} (a slot that reaches it is retired)")
