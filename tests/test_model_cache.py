@@ -1,6 +1,8 @@
 """ModelCache: handles shared by both holders, atomic lifecycle (PLE first), chunk steps in one
 transaction, rewind via PLE snapshots, saved state (SPEC §4, §5)."""
 
+import collections
+import copy
 import hashlib
 import random
 import re
@@ -108,6 +110,65 @@ def test_chunk_invariance_across_holders(model):
             assert torch.equal(sel[li], base[1][li]), name
         for li in ys:
             assert torch.equal(ys[li], base[2][li]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_random_packed_chunks_give_each_sequence_its_solo_results(model, dtype):
+    """SPEC §5.1 for the whole cache, in every dtype: three sequences prefilled in random packed chunks (random
+    subsets, random lengths, empty rows) get, token for token, the ids, conv outputs and selections of each
+    sequence alone in one shot, bitwise, and the same per-sequence state digests."""
+    cast = copy.deepcopy(model).to(dtype)
+    lengths = (26, 13, 31)
+    g = torch.Generator().manual_seed(7)
+    streams = [torch.randint(0, 50, (n,), generator=g) for n in lengths]
+    streams[0][[0, 11]] = cast.config.eos_token_id
+    streams[2][[5, 6, 30]] = cast.config.eos_token_id
+
+    def tables_for(mc):
+        t = Tables(mc)
+        t.x, t.keys, t.q = t.x.to(dtype), t.keys.to(dtype), t.q.to(dtype)
+        return t
+
+    def collect(out, batch_rows, into):
+        for (kind, li), value in out.items():
+            if kind == "plan":
+                for row, seq in enumerate(batch_rows):
+                    own = value.q_rows == row
+                    into[(seq, li, "groups")].append(value.selected_groups[own])
+                    into[(seq, li, "positions")].append(value.token_positions[own])
+            else:
+                for seq, part in zip(batch_rows, value.split([n for n in batch_rows.values()])):
+                    into[(seq, li, kind)].append(part)
+
+    solo = {}
+    for i, tokens in enumerate(streams):
+        mc = make_cache(cast)
+        seq = mc.new_sequence()
+        got = collections.defaultdict(list)
+        collect(run_chunk(mc, tables_for(mc), {seq: tokens}), {seq: len(tokens)}, got)
+        solo[i] = ({k[1:]: torch.cat(v) for k, v in got.items()}, mc.ple.digest(seq), mc.qsa.digest(seq))
+
+    mc = make_cache(cast)
+    tables = tables_for(mc)
+    seqs = [mc.new_sequence() for _ in streams]
+    done = [0] * len(streams)
+    got = collections.defaultdict(list)
+    rng = random.Random(8)
+    while any(d < len(t) for d, t in zip(done, streams)):
+        rows = {}
+        for i in rng.sample(range(len(streams)), rng.randint(1, len(streams))):
+            n = rng.randint(0, min(7, len(streams[i]) - done[i]))
+            rows[seqs[i]] = streams[i][done[i]:done[i] + n]
+            done[i] += n
+        if sum(len(r) for r in rows.values()) == 0:
+            continue
+        collect(run_chunk(mc, tables, rows), {s: len(r) for s, r in rows.items()}, got)
+    for i, seq in enumerate(seqs):
+        want, ple_digest, qsa_digest = solo[i]
+        assert sorted({kind for _, kind in want}) == ["groups", "ids", "positions", "y"]
+        for key, value in want.items():
+            assert torch.equal(torch.cat(got[(seq, *key)]), value), (i, key)
+        assert mc.ple.digest(seq) == ple_digest and mc.qsa.digest(seq) == qsa_digest, i
 
 
 def hf_ple_outputs(model, layer_idx, tokens, x):
