@@ -345,8 +345,7 @@ class PLEState(torch.nn.Module, Transactional):
         self._committed = True
 
     def _txn_finish(self) -> None:
-        self._txn_begin()
-        self._base = None
+        self._reset_staging()
 
     def _unpublish(self, entries) -> None:
         for target, dst, _, old in reversed(entries):
@@ -357,8 +356,7 @@ class PLEState(torch.nn.Module, Transactional):
             self._unpublish(self._prepared)
         if self._base is not None:
             self._txn_restore(self._base)
-        self._txn_begin()
-        self._base = None
+        self._reset_staging()
 
     def _txn_savepoint(self) -> "_PLESavepoint":
         return _PLESavepoint(len(self._undo), [dict(s) for s in self._staged_history],

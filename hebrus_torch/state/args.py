@@ -27,8 +27,6 @@ def as_tensor(what: str, value: Any) -> torch.Tensor:
     return value
 
 
-
-
 def check_cast(owner: str, fn: Callable[[torch.Tensor], torch.Tensor], float_dtype: torch.dtype,
                device: torch.device) -> None:
     """Refuse, before ``nn.Module._apply(fn)`` changes anything, a move or cast (``.to``, ``.half``,
