@@ -68,6 +68,11 @@ def run_chunk(mc, tables, rows, fail_after_layer=None, first_positions=None):
     return out
 
 
+def digests(mc):
+    """The cache's digest and both holders': equal before and after a refused call."""
+    return mc.digest(), mc.ple.digest(), mc.qsa.digest()
+
+
 def feed(mc, tables, seq, tokens, cuts):
     outs, start = [], 0
     for stop in list(cuts) + [len(tokens)]:
@@ -300,10 +305,10 @@ def test_removing_a_suffix_needs_a_snapshot_and_then_equals_a_prefill_to_p(model
     feed(mc, tables, a, tokens[:8], [3])
     mc.checkpoint(a)
     feed(mc, tables, a, tokens[8:], [13])
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     with pytest.raises(HebrusError, match=r"to position 5 needs a PLE snapshot at 5 .*snapshots kept at \[8\]"):
         mc.remove(a, 5, p1)
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
     assert mc.qsa.run(a) == (0, 20)
     assert mc.ple.slots.live_handles() == mc.qsa.slots.live_handles() == mc.slots.live_handles() == [a]
     mc.remove(a, 8, p1)
@@ -311,8 +316,7 @@ def test_removing_a_suffix_needs_a_snapshot_and_then_equals_a_prefill_to_p(model
     prefilled = make_cache(model)
     s = prefilled.new_sequence()
     feed(prefilled, Tables(prefilled), s, tokens[:8], [])
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == (
-        prefilled.digest(), prefilled.ple.digest(), prefilled.qsa.digest())
+    assert digests(mc) == digests(prefilled)
 
 
 @pytest.mark.parametrize("inside", ["rewind to 0", "remove all", "shift", "a chunk that evicts it"])
@@ -420,11 +424,11 @@ def test_restore_refuses_another_format_version_with_a_valid_checksum(model, par
         stamped = with_format_version(parts[part].numpy().tobytes(), version)
         parts[part] = torch.frombuffer(bytearray(stamped), dtype=torch.uint8)
         bad = blob_mod.pack("hebrus_torch.ModelCache", meta, parts)
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles())
+    before = (*digests(mc), mc.slots.live_handles())
     with pytest.raises(CorruptStateError,
                        match=rf"blob has format version {version}; this build reads {blob_mod.FORMAT_VERSION}"):
         mc.restore(bad)
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles()) == before
+    assert (*digests(mc), mc.slots.live_handles()) == before
     assert mc.ple.digest(mc.restore(data)) == mc.ple.digest(a)
 
 
@@ -438,10 +442,10 @@ def test_restore_into_a_stale_handle_is_refused_and_changes_nothing(model, slot_
     mc.free(stale)
     if slot_now == "live again":
         assert mc.new_sequence() == ht.SeqHandle(stale.slot, stale.generation + 1)
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles())
+    before = (*digests(mc), mc.slots.live_handles())
     with pytest.raises(StaleHandleError, match=re.escape(f"{stale} is older")):
         mc.restore(data, stale)
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest(), mc.slots.live_handles()) == before
+    assert (*digests(mc), mc.slots.live_handles()) == before
     assert mc.ple.slots.live_handles() == mc.qsa.slots.live_handles() == mc.slots.live_handles()
 
 
@@ -489,7 +493,7 @@ def test_load_that_fails_while_re_pooling_publishes_nothing(model, monkeypatch):
     target = make_cache(model)
     b, c = target.new_sequence(), target.new_sequence()
     feed(target, Tables(target), b, torch.arange(3, 9), [])
-    before = (target.digest(), target.ple.digest(), target.qsa.digest())
+    before = digests(target)
 
     def interrupted(*args, **kwargs):
         raise RuntimeError("injected failure while re-pooling")
@@ -498,7 +502,7 @@ def test_load_that_fails_while_re_pooling_publishes_nothing(model, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         target.load_state_dict(sd)
     monkeypatch.undo()
-    assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+    assert digests(target) == before
     target.free(c)
     target.load_state_dict(sd)
     assert target.digest() == mc.digest()
@@ -519,13 +523,13 @@ def test_state_dict_handle_table_is_validated_before_anything_changes(model, tab
     other = make_cache(model)
     b = other.new_sequence()
     feed(other, Tables(other), b, torch.arange(3, 6), [])
-    before = (other.digest(), other.ple.digest(), other.qsa.digest())
+    before = digests(other)
     generation, live = [table.get(k, sd["_extra_state"][k]) for k in ("generation", "live")]
     bad = dict(sd, _extra_state=dict(sd["_extra_state"], generation=generation, live=live,
                                      checksum=mc._table_checksum(generation, live)))
     with pytest.raises(CorruptStateError, match="handle table"):
         other.load_state_dict(bad)
-    assert (other.digest(), other.ple.digest(), other.qsa.digest()) == before
+    assert digests(other) == before
 
 
 def with_generation(mc, sd, slot, generation):
@@ -552,11 +556,11 @@ def test_generations_are_bounded_so_no_bump_overflows(model):
     a = mc.new_sequence()
     feed(mc, Tables(mc), a, torch.arange(1, 8), [])
     data = mc.save(a)
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     for g in (2**63 - 1, MAX_GENERATION):
         with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
             mc.restore(data, ht.SeqHandle(1, g))
-        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+        assert digests(mc) == before
     last = mc.restore(data, ht.SeqHandle(1, MAX_GENERATION - 1))
     with pytest.raises(HebrusError, match=r"2\*\*62 - 1"):
         mc.reset(last)
@@ -566,11 +570,11 @@ def test_generations_are_bounded_so_no_bump_overflows(model):
     other = make_cache(model)
     other.load_state_dict(sd)
     assert other.digest() == mc.digest()
-    before = (other.digest(), other.ple.digest(), other.qsa.digest())
+    before = digests(other)
     for slot, g in ((0, 2**63 - 1), (1, MAX_GENERATION + 1), (2, MAX_GENERATION)):    # slots 0 and 2 are live
         with pytest.raises(CorruptStateError, match=r"2\*\*62 - 1"):
             other.load_state_dict(with_generation(mc, sd, slot, g))
-        assert (other.digest(), other.ple.digest(), other.qsa.digest()) == before
+        assert digests(other) == before
     other.load_state_dict(with_generation(mc, sd, 3, 5))   # a consistent tamper within the bound loads
 
 
@@ -593,7 +597,7 @@ def test_state_dict_through_a_parent_module(model):
     target.load_state_dict(sd)
     assert target.cache.digest() == mc.digest()
     run_chunk(target.cache, Tables(target.cache), {a: torch.tensor([4, 5])})   # handles carry over
-    before = (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest())
+    before = digests(target.cache)
     for key, tamper, reason in (("cache.ple.history", lambda t: t.clone().fill_(10**6), "PLEState: checksum"),
                                 ("cache.ple.live", lambda t: ~t, "PLEState: checksum"),
                                 ("cache.qsa.keys", lambda t: t + 1, "QSACache.load_state_dict: checksum")):
@@ -601,7 +605,7 @@ def test_state_dict_through_a_parent_module(model):
         bad[key] = tamper(sd[key])
         with pytest.raises(CorruptStateError, match=reason):
             target.load_state_dict(bad)
-        assert (target.cache.digest(), target.cache.ple.digest(), target.cache.qsa.digest()) == before
+        assert digests(target.cache) == before
 
 
 def test_unexpected_keys_are_refused_with_strict(model):
@@ -612,15 +616,15 @@ def test_unexpected_keys_are_refused_with_strict(model):
     target = make_cache(model)
     b = target.new_sequence()
     feed(target, Tables(target), b, torch.arange(3, 6), [])
-    before = (target.digest(), target.ple.digest(), target.qsa.digest())
+    before = digests(target)
     for extra in ({"bogus": torch.zeros(3)}, {"ple.conv_statee": torch.zeros(3)}, {"qsa.typo": torch.zeros(1)}):
         with pytest.raises(CorruptStateError, match=rf"unexpected key\(s\) \['{next(iter(extra))}'\]"):
             target.load_state_dict(dict(sd, **extra))
-        assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+        assert digests(target) == before
         parent_sd = {f"cache.{k}": v for k, v in dict(sd, **extra).items()}
         with pytest.raises(CorruptStateError, match="unexpected key"):   # torch passes strict=True to every child
             _Runtime(target).load_state_dict(dict(_Runtime(mc).state_dict(), **parent_sd), strict=False)
-        assert (target.digest(), target.ple.digest(), target.qsa.digest()) == before
+        assert digests(target) == before
     with pytest.raises(CorruptStateError, match="version"):
         target.load_state_dict(dict(sd, _extra_state=dict(sd["_extra_state"], version=True)))
     result = target.load_state_dict(dict(sd, bogus=torch.zeros(3), **{"ple.typo": torch.zeros(1)}), strict=False)
@@ -631,11 +635,11 @@ def test_casts_are_refused_for_both_holders_before_either_moves(model):
     mc = make_cache(model)
     a = mc.new_sequence()
     feed(mc, Tables(mc), a, torch.arange(1, 9), [])
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     for cast in (lambda: mc.double(), lambda: mc.to(torch.float64)):
         with pytest.raises(HebrusError, match="cannot cast"):
             cast()
-        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+        assert digests(mc) == before
         assert mc.ple.conv_state.dtype == mc.qsa.keys.dtype == torch.float32
     with ht.transaction(mc.qsa):                  # only the QSA cache is in a transaction: PLE must not move either
         with pytest.raises(HebrusError, match="inside a transaction"):
@@ -644,7 +648,7 @@ def test_casts_are_refused_for_both_holders_before_either_moves(model):
     with pytest.raises(HebrusError, match="inside a transaction"):
         with mc.transaction():
             mc.half()
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
     mc.half()
     assert mc.ple.conv_state.dtype == mc.qsa.keys.dtype == torch.float16
 
@@ -653,13 +657,13 @@ def test_transaction_over_a_model_cache_covers_both_holders(model):
     mc = make_cache(model)
     a = mc.new_sequence()
     feed(mc, Tables(mc), a, torch.arange(1, 7), [])
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     with pytest.raises(RuntimeError, match="injected"):
         with ht.transaction(mc):
             mc.new_sequence()
             mc.rewind(a, 0)
             raise RuntimeError("injected")
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
     with pytest.raises(HebrusError, match="already inside a transaction"):
         with ht.transaction(mc.qsa):
             with ht.transaction(mc):
@@ -675,11 +679,11 @@ def test_failed_lifecycle_op_inside_a_transaction_changes_nothing(model):
     blob = mc.save(a)
     other_config = ht.ModelCache.from_transformers(model, capacity_tokens=256, max_sequences=4, with_kv=True)
     foreign = other_config.save(other_config.new_sequence())      # QSA part configured differently
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     with mc.transaction():
         with pytest.raises(CorruptStateError, match="QSACache.restore: blob was saved by a cache configured"):
             mc.restore(foreign)            # the PLE part is fine and restores first; the QSA part refuses
-        assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+        assert digests(mc) == before
         with pytest.raises(HebrusError, match="needs a PLE snapshot"):
             mc.rewind(a, 3)
         b = mc.restore(blob)
@@ -693,7 +697,7 @@ def test_commit_that_cannot_complete_rolls_back_every_holder(model, monkeypatch)
     tables = Tables(mc)
     a = mc.new_sequence()
     feed(mc, tables, a, torch.arange(1, 6), [])
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
 
     def refuse(*args, **kwargs):
         raise HoleError("injected refusal of the pooling kernel")
@@ -705,7 +709,7 @@ def test_commit_that_cannot_complete_rolls_back_every_holder(model, monkeypatch)
                 step.ple_ngram_ids(li)
                 step.ple_conv(li, tables.x[batch.tokens])
             monkeypatch.setattr(mc.qsa, "_pool", refuse)   # the groups stay pending: keys never written
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
 
 
 def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
@@ -715,7 +719,7 @@ def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
     tables = Tables(mc)
     a = mc.new_sequence()
     feed(mc, tables, a, torch.arange(1, 6), [])
-    before = (mc.digest(), mc.ple.digest(), mc.qsa.digest())
+    before = digests(mc)
     real = torch.Tensor.index_copy_
     conv_state = mc.ple.conv_state.untyped_storage().data_ptr()
 
@@ -737,7 +741,7 @@ def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
             monkeypatch.setattr(torch.Tensor, "index_copy_", failing)
     monkeypatch.undo()
     assert not (mc.in_transaction or mc.ple.in_transaction or mc.qsa.in_transaction)
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
     with pytest.raises(StaleHandleError):
         mc.free(b)
     # Should the QSA commit raise after PLE's has published, PLE's is undone too (commits stay undoable
@@ -751,7 +755,7 @@ def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
             mc.new_sequence()
     monkeypatch.undo()
     assert not (mc.in_transaction or mc.ple.in_transaction or mc.qsa.in_transaction)
-    assert (mc.digest(), mc.ple.digest(), mc.qsa.digest()) == before
+    assert digests(mc) == before
     run_chunk(mc, tables, {a: torch.tensor([6, 7])})
     assert mc.new_sequence() == ht.SeqHandle(1, 0)
 
