@@ -540,9 +540,8 @@ def with_generation(mc, sd, slot, generation):
         gen = sd[f"{name}.generation"].clone()
         gen[slot] = generation
         sd[f"{name}.generation"] = gen
-    ple = ("history", "conv_state", "generation", "live")
-    sd["ple._extra_state"] = dict(sd["ple._extra_state"],
-                                  checksum=blob_mod.digest_of([(n, sd[f"ple.{n}"]) for n in ple]))
+    sd["ple._extra_state"] = dict(sd["ple._extra_state"], checksum=blob_mod.digest_of(
+        [(n, sd[f"ple.{n}"]) for n in ht.PLEState._STATE_NAMES]))
     qsa = {k[4:]: v for k, v in sd.items() if k.startswith("qsa.") and k != "qsa._extra_state"}
     sd["qsa._extra_state"] = dict(sd["qsa._extra_state"], checksum=QSACache._checksum(qsa))
     table = {"generation": list(sd["_extra_state"]["generation"]), "live": sd["_extra_state"]["live"]}

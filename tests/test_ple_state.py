@@ -498,7 +498,7 @@ def test_handle_fields_must_be_integers(device):
 
 def resum(sd):
     """A PLEState state dict with its checksum recomputed (a consistent tamper: the sha256 is no signature)."""
-    names = ("history", "conv_state", "generation", "live")
+    names = ht.PLEState._STATE_NAMES
     return dict(sd, _extra_state=dict(sd["_extra_state"], checksum=blob_mod.digest_of([(n, sd[n]) for n in names])))
 
 
