@@ -1,0 +1,389 @@
+"""The transformers-facing manager: what ``init_continuous_batching`` / ``generate_batch`` / ``transformers serve``
+call, running the hebrus engine on one background thread.
+
+``install(model)`` (run by ``hebrus_torch.integrations.transformers.apply``) sets
+``model.init_continuous_batching`` on the instance, so transformers' own ``generate_batch``,
+``continuous_batching_context_manager`` and ``transformers serve --continuous-batching`` get a
+:class:`HebrusBatchingManager`. It has the public surface of transformers 5.23's
+``ContinuousBatchingManager`` (``start``, ``stop``, ``join``, ``destroy``, ``is_running``,
+``warmup``/``warmed_up``, ``add_request(s)``, ``cancel_request``, ``get_result``, ``__iter__``,
+``request_id_iter``, ``register_result_handler``, ``background_thread_status``,
+``batch_processor.scheduler``) and delivers transformers' ``GenerationOutput`` objects. Only the
+manager's thread runs steps; other threads talk to it through queues.
+
+A request the engine refuses (empty prompt, ids outside the vocabulary, a prompt longer than the
+cache, bad sampling values) is answered at once with a FAILED ``GenerationOutput`` whose ``error``
+names the problem; the others are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import HebrusError
+from .engine import Engine, EngineConfig, StepOutput
+from .requests import Request, RequestStatus
+from .sampling import BadRequestError, SamplingParams
+
+__all__ = ["HebrusBatchingManager", "install", "uninstall", "engine_config_from"]
+
+logger = logging.getLogger(__name__)
+_INSTALLED = "_hebrus_cb_installed"
+
+
+def _tf():
+    from transformers.generation.continuous_batching import continuous_api, requests as tf_requests
+    return continuous_api, tf_requests
+
+
+def engine_config_from(model: torch.nn.Module, cb_config: Any = None, workload_hints: Any = None,
+                       **overrides: Any) -> EngineConfig:
+    """An EngineConfig from transformers' ``ContinuousBatchingConfig`` (and ``WorkloadHints``).
+
+    ``max_batch_tokens``, ``max_requests_per_batch`` and ``allow_block_sharing`` are taken as they are;
+    ``page_size`` is the prefix-sharing block; the cache holds ``num_blocks * page_size`` positions when
+    ``num_blocks`` is set, else enough for the hinted workload (at least 4096 and at most 65536).
+    """
+    get = (lambda name, default=None: getattr(cb_config, name, default) if cb_config is not None else default)
+    page = int(get("page_size", 256) or 256)
+    hinted = 0
+    max_seqs = get("max_requests_per_batch") or 32
+    if workload_hints is not None:
+        n = getattr(workload_hints, "num_requests", None) or 0
+        per = (getattr(workload_hints, "max_prompt_length", 0) or 0) + (
+            getattr(workload_hints, "max_generated_length", 0) or 0)
+        hinted = n * (per + 1)
+        if n and not get("max_requests_per_batch"):
+            max_seqs = min(64, max(1, n))
+    capacity = get("num_blocks") * page if get("num_blocks") else min(65536, max(4096, hinted))
+    kwargs = dict(capacity_tokens=int(capacity), max_sequences=int(max_seqs),
+                  max_batch_tokens=get("max_batch_tokens") or 512,
+                  max_requests_per_batch=get("max_requests_per_batch"),
+                  allow_block_sharing=bool(get("allow_block_sharing", True)), block_size=page)
+    kwargs.update(overrides)
+    return EngineConfig(**kwargs)
+
+
+class _BatchProcessor:
+    """What transformers serve reads off ``manager.batch_processor``: the scheduler (and the engine)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.cache = engine.cache
+
+
+class HebrusBatchingManager:
+    """Continuous batching on the hebrus engine behind transformers' manager API.
+
+    Args:
+        model: the (patched) Qwen4Exp model.
+        generation_config: defaults for every request (``max_new_tokens``, ``eos_token_id``, sampling,
+            ``num_return_sequences``).
+        continuous_batching_config: transformers' ``ContinuousBatchingConfig`` (see :func:`engine_config_from`).
+        workload_hints: transformers' ``WorkloadHints`` (sizes the cache when ``num_blocks`` is unset).
+        engine_config: an explicit ``EngineConfig`` (overrides the two above).
+        tokenizer: for stop strings.
+    """
+
+    def __init__(self, model: torch.nn.Module, generation_config: Any = None, continuous_batching_config: Any = None,
+                 workload_hints: Any = None, *, engine_config: EngineConfig | None = None, tokenizer: Any = None):
+        continuous_api, _ = _tf()
+        self.model = model.eval()
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self.continuous_batching_config = continuous_batching_config
+        self.engine_config = engine_config or engine_config_from(model, continuous_batching_config, workload_hints)
+        self.tokenizer = tokenizer
+        n = getattr(self.generation_config, "num_return_sequences", None)
+        self.num_return_sequences = n if n is not None else 1
+        self.background_thread_status = continuous_api.BackgroundThreadStatus()
+        self.output_router = continuous_api.OutputRouter()
+        self.input_queue: queue.Queue[Request] = queue.Queue()
+        self.cancel_queue: queue.Queue[str] = queue.Queue()
+        self.warmed_up = False
+        self.batch_processor: _BatchProcessor | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._stop_mode: str | None = None
+        self.engine: Engine | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _ensure_engine(self) -> Engine:
+        if self.engine is None:
+            self.engine = Engine(self.model, self.engine_config, generation_config=self.generation_config,
+                                 tokenizer=self.tokenizer)
+            self.batch_processor = _BatchProcessor(self.engine)
+        return self.engine
+
+    def warmup(self) -> None:
+        """Build the engine (its cache) ahead of the first request."""
+        self._ensure_engine()
+        self.warmed_up = True
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.is_running():
+            logger.warning("hebrus manager: the thread is already running")
+            return
+        self._ensure_engine()
+        self.background_thread_status.clear()
+        self._stop_mode = None
+        self._thread = threading.Thread(target=self._loop, name="hebrus-continuous-batching", daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Stop the thread after the queued requests finish (``hard_stop``: at once, failing them)."""
+        if self._thread is None:
+            logger.warning("hebrus manager: not started")
+            return
+        self._stop_mode = "hard" if hard_stop else "flush"
+        self._wake.set()
+        if block:
+            self.join(timeout)
+        if keep_for_next_session:
+            self.model._cached_continuous_batching_manager = self
+        elif not self.is_running():
+            self.batch_processor = None
+            self.engine = None
+
+    def join(self, timeout: float | None = None, *args: Any) -> None:
+        if args:  # transformers' join(stop_trigger_time, timeout)
+            timeout = args[0]
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            if not self._thread.is_alive():
+                self._thread = None
+
+    def destroy(self) -> None:
+        if self.is_running():
+            self.stop(block=True)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False,
+                    eos_token_id: int | list[int] | None = None, **logit_processor_kwargs: Any) -> str | None:
+        """Queue one request (plus its ``num_return_sequences - 1`` children); returns its id.
+
+        Sampling values in ``logit_processor_kwargs`` (temperature, top_k, top_p, repetition_penalty,
+        do_sample, seed) override the generation config for this request.
+        """
+        denial = self.background_thread_status.can_accept_new_requests()
+        if denial is not None:
+            logger.warning(f"{denial}; request dropped")
+            return None
+        if request_id is None:
+            with self._lock:
+                request_id = f"req_{self._counter}"
+                self._counter += 1
+        engine = self._ensure_engine()
+        ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
+        for rid in ids:
+            try:
+                sampling = self._sampling(logit_processor_kwargs)
+                req = engine.make_request(input_ids, request_id=rid, max_new_tokens=max_new_tokens,
+                                          sampling=sampling, eos_token_id=eos_token_id, streaming=streaming,
+                                          record_timestamps=record_timestamps)
+            except HebrusError as err:
+                self.output_router.deliver(self._failed_output(rid, input_ids, str(err)))
+                continue
+            self.input_queue.put(req)
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str]:
+        with self._lock:
+            ids = [f"req_{i}" for i in range(self._counter, self._counter + len(inputs))]
+            self._counter += len(inputs)
+        gen = self.generation_config
+        eos = getattr(gen, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        for rid, prompt in zip(ids, inputs):
+            self.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, streaming=streaming,
+                             record_timestamps=record_timestamps, eos_token_id=eos, **logit_processor_kwargs)
+        return ids
+
+    def cancel_request(self, request_id: str) -> None:
+        self.cancel_queue.put(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None):
+        q = self.output_router.output_queue
+        if q.empty() and (self._thread is None or self.background_thread_status.fatal_error is not None):
+            return None
+        try:
+            result = q.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            q.put(result)
+            return None
+        return result
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.is_running() or not self.output_router.output_queue.empty():
+            result = self.get_result(timeout=0.1)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str) -> Iterator[Any]:
+        while self.is_running() or not self.output_router.output_queue.empty():
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+
+    def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        router = self.output_router
+
+        def auto_cleanup(result: Any) -> None:
+            callback(result)
+            if result.is_finished():
+                with router._lock:
+                    router.result_handlers.pop(request_id, None)
+
+        with router._lock:
+            router.result_handlers[request_id] = (auto_cleanup, loop)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            with torch.inference_mode():
+                while True:
+                    self._drain_inputs(engine)
+                    if self._stop_mode == "hard":
+                        self._fail_remaining(engine, "the manager was stopped")
+                        break
+                    if engine.has_unfinished():
+                        self._deliver(engine.step())
+                        continue
+                    if self._stop_mode == "flush" and self.input_queue.empty():
+                        break
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+        except Exception as err:  # noqa: BLE001 - a dead engine fails everything and says why
+            logger.error("hebrus manager: the engine thread died", exc_info=True)
+            self.background_thread_status.record_fatal_error(err)
+            self._fail_remaining(engine, f"engine error: {type(err).__name__}: {err}")
+        finally:
+            self.background_thread_status.mark_as_stopped()
+
+    def _drain_inputs(self, engine: Engine) -> None:
+        while True:
+            try:
+                req = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                engine.submit(req)
+            except HebrusError as err:
+                self.output_router.deliver(self._failed_output(req.request_id, req.prompt, str(err)))
+        while True:
+            try:
+                engine.cancel(self.cancel_queue.get_nowait())
+            except queue.Empty:
+                break
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        ready = [self.to_generation_output(o.request) for o in outputs
+                 if o.finished or o.request.streaming]
+        if ready:
+            self.output_router.deliver_batch(ready)
+
+    def _fail_remaining(self, engine: Engine | None, message: str) -> None:
+        pending = []
+        while True:
+            try:
+                pending.append(self.input_queue.get_nowait())
+            except queue.Empty:
+                break
+        if engine is not None:
+            pending += list(engine.scheduler.requests())
+            for req in list(engine.scheduler.requests()):
+                try:
+                    engine._finish(req, RequestStatus.FAILED, message)
+                except Exception:  # noqa: BLE001 - the engine may be what failed
+                    req.status, req.error = RequestStatus.FAILED, message
+        for req in pending:
+            req.status, req.error = RequestStatus.FAILED, message
+            self.output_router.deliver(self.to_generation_output(req))
+
+    # ------------------------------------------------------------------ conversions
+    def _sampling(self, kwargs: dict[str, Any]) -> SamplingParams:
+        known = {k: kwargs[k] for k in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+                 if k in kwargs}
+        try:
+            return SamplingParams.from_generation_config(self.generation_config, **known)
+        except (TypeError, ValueError) as err:
+            raise BadRequestError(f"bad sampling parameters: {err}") from None
+
+    @staticmethod
+    def to_generation_output(req: Request):
+        _, tf_requests = _tf()
+        status = {RequestStatus.WAITING: tf_requests.RequestStatus.PENDING,
+                  RequestStatus.PREFILLING: tf_requests.RequestStatus.PREFILLING,
+                  RequestStatus.DECODING: tf_requests.RequestStatus.DECODING,
+                  RequestStatus.FINISHED: tf_requests.RequestStatus.FINISHED,
+                  RequestStatus.FAILED: tf_requests.RequestStatus.FAILED,
+                  RequestStatus.CANCELLED: tf_requests.RequestStatus.FAILED}[req.status]
+        return tf_requests.GenerationOutput(
+            request_id=req.request_id, prompt_ids=list(req.prompt), generated_tokens=list(req.generated),
+            logprobs=list(req.logprobs), error=req.error, status=status, created_time=req.created_time,
+            lifespan=(req.first_scheduled_time, req.finished_time),
+            timestamps=list(req.timestamps) if req.record_timestamps else None)
+
+    def _failed_output(self, request_id: str, prompt: Any, message: str):
+        _, tf_requests = _tf()
+        try:
+            prompt_ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            prompt_ids = []
+        return tf_requests.GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, error=message,
+                                            status=tf_requests.RequestStatus.FAILED)
+
+
+def _init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,
+                              workload_hints: Any = None) -> HebrusBatchingManager:
+    cached = getattr(self, "_cached_continuous_batching_manager", None)
+    if isinstance(cached, HebrusBatchingManager):
+        return cached
+    gen = generation_config if generation_config is not None else self.generation_config
+    if continuous_batching_config is None:
+        continuous_batching_config = getattr(gen, "continuous_batching_config", None)
+    return HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints)
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make transformers' continuous-batching entry points of this model instance use the hebrus engine."""
+    if getattr(model, _INSTALLED, False):
+        return
+    model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+    setattr(model, _INSTALLED, True)
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    if getattr(model, _INSTALLED, False):
+        model.__dict__.pop("init_continuous_batching", None)
+        model.__dict__.pop(_INSTALLED, None)
+        cached = model.__dict__.pop("_cached_continuous_batching_manager", None)
+        if isinstance(cached, HebrusBatchingManager):
+            cached.destroy()

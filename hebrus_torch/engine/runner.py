@@ -1,0 +1,173 @@
+"""Executes one packed step on a transformers Qwen4Exp model's own modules, inside one ModelCache transaction.
+
+The runner never decides who runs (that is the scheduler's); it takes rows of tokens, one per
+sequence, and returns the logits of the rows that asked for them. Every module call is the model's
+own ``nn.Module`` (projections, norms, MoE, hyper-connections, embeddings, ``lm_head``): no weight is
+copied, so a user's quantized or LoRA-wrapped modules still run. What carries state goes through
+the cache's step: PLE (``ple_ngram_ids``, ``ple_conv``), the gated-delta-net layers (their conv tail
+and recurrent state, ``hebrus_torch.gdn``) and indexed attention (``qsa_write``, ``qsa_select``,
+``qsa_attention`` over the cells the indexer selected; a query whose history is within the budget
+attends to all of it). Token-wise modules run on the packed ``[T, ...]`` activations as they are.
+
+Leaving the transaction publishes every layer's new state at once; an exception publishes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..errors import HebrusError
+from ..model_cache import Batch, ChunkStep, ModelCache
+from ..state.handles import SeqHandle
+
+__all__ = ["ModelRunner", "find_text_model"]
+
+
+def find_text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Qwen4Exp text model (embed_tokens, layers, rotary_emb) inside a causal-LM or multimodal model."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "layers") and hasattr(m, "rotary_emb") and hasattr(m, "embed_tokens"):
+            return m
+        for attr in ("model", "language_model", "text_model"):
+            if isinstance(getattr(m, attr, None), torch.nn.Module):
+                m = getattr(m, attr)
+                break
+        else:
+            break
+    raise HebrusError(f"engine: cannot find a Qwen4Exp text model in {type(model).__name__}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on x [T, H, D] with cos/sin [T, R] (R <= D, rotate-half layout)."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rope, x_pass = x[..., :r], x[..., r:]
+    return torch.cat(((x_rope * cos) + (_rotate_half(x_rope) * sin), x_pass), dim=-1)
+
+
+class ModelRunner:
+    """Runs packed steps of a transformers Qwen4Exp model over one ``ModelCache``.
+
+    Args:
+        model: ``Qwen4ExpForCausalLM`` (or a model holding one text model and an ``lm_head``).
+        cache: the ``ModelCache`` holding every sequence's state (built with ``with_kv=True`` when the
+            model has indexed-attention layers, and with a GDN holder when it has linear-attention ones).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: ModelCache):
+        self.model = model
+        self.text = find_text_model(model)
+        self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+        if self.lm_head is None:
+            raise HebrusError(f"engine: {type(model).__name__} has no lm_head")
+        self.config = self.text.config
+        self.cache = cache
+        types = list(self.config.layer_types)
+        if "indexed_attention" in types and (cache.qsa is None or not cache.qsa.has_kv):
+            raise HebrusError("engine: the model has indexed-attention layers; its ModelCache needs a QSA cache "
+                              "with K/V planes (with_kv=True)")
+        if "linear_attention" in types and getattr(cache, "gdn", None) is None:
+            raise HebrusError("engine: the model has linear-attention layers; its ModelCache needs a GDN holder")
+        unknown = sorted(set(types) - {"indexed_attention", "linear_attention"})
+        if unknown:
+            raise HebrusError(f"engine: unsupported layer types {unknown}")
+        self.hc_count = int(self.config.hc_count)
+
+    @property
+    def device(self) -> torch.device:
+        return self.text.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool],
+                positions: Sequence[int]) -> torch.Tensor:
+        """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``.
+
+        Returns:
+            Tensor[n, vocab] float32: the logits at the last token of every row whose ``logit_rows`` is
+            True, in row order.
+        """
+        device = self.device
+        batch = Batch.pack({s: torch.tensor(list(r), dtype=torch.int64) for s, r in zip(seqs, rows)},
+                           first_positions={s: p for s, p in zip(seqs, positions)}, device=device)
+        counts = [len(r) for r in rows]
+        ends = torch.tensor([sum(counts[:i + 1]) - 1 for i, want in enumerate(logit_rows) if want],
+                            dtype=torch.int64, device=device)
+        with self.cache.transaction(batch) as step:
+            pos = step.positions
+            if pos is None:
+                pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(positions, counts)]
+                                ).to(device) if counts else torch.empty(0, dtype=torch.int64, device=device)
+            hidden = self._forward(step, batch, pos)
+            logits = self.lm_head(hidden.index_select(0, ends)).float()
+        return logits
+
+    # ------------------------------------------------------------------ the model, packed
+    def _forward(self, step: ChunkStep, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+        text = self.text
+        embeds = text.embed_tokens(batch.tokens)                                      # [T, hidden]
+        cos, sin = text.rotary_emb(embeds[None], positions.view(1, 1, -1).expand(3, 1, -1))
+        cos, sin = cos[0], sin[0]                                                     # [T, R]
+        h = embeds.repeat(1, self.hc_count)                                           # [T, hc * hidden]
+        for idx, layer in enumerate(text.layers[: self.config.num_hidden_layers]):
+            if layer.ple is not None:
+                h = h + self._ple(step, idx, layer.ple, h)
+            x, hyper, inject = layer.attn_hyper_connection(h)
+            if layer.layer_type == "linear_attention":
+                out = self._linear_attention(step, idx, layer.linear_attn, x)
+            else:
+                out = self._indexed_attention(step, idx, layer.self_attn, x, cos, sin)
+            h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+            x, hyper, inject = layer.mlp_hyper_connection(h)
+            out = layer.mlp(x[None])[0]
+            h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        return text.hyper_connection_mixer(h)
+
+    def _ple(self, step: ChunkStep, idx: int, ple: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Qwen4ExpTextPLELayer.forward on packed rows, its n-gram ids and dilated conv through the cache."""
+        hidden_size = ple.hidden_size
+        ids = step.ple_ngram_ids(idx)                                                 # [T, (N-1)H]
+        emb = ple.ple_embedding.ngram_embedding(ids).flatten(-2)
+        key = ple.norm_key(ple.key_proj(emb)).unflatten(-1, (self.hc_count, hidden_size))
+        value = ple.value_proj(emb)
+        query = ple.norm_query(h).unflatten(-1, (self.hc_count, hidden_size))
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden_size)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = torch.sigmoid(gate) * value.unsqueeze(-2)
+        gated_normed = ple.norm_conv(gated.flatten(-2))
+        return gated.flatten(-2) + step.ple_conv(idx, gated_normed, ple.conv1d.weight)
+
+    def _linear_attention(self, step: ChunkStep, idx: int, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from ..gdn import gdn_forward
+
+        gdn = self.cache.gdn
+        return gdn_forward(module, gdn, gdn.layer_index(idx), step.batch.seqs, x, step.batch.cu_seqlens)
+
+    def _indexed_attention(self, step: ChunkStep, idx: int, attn: torch.nn.Module, x: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Qwen4ExpTextAttention.forward with its indexer, on packed rows, over the QSA cache."""
+        t = x.shape[0]
+        indexer = attn.indexer
+        d_index = indexer.index_head_dim
+        q_index, raw_keys = torch.split(indexer.index_qk_proj(x), [indexer.index_n_heads * d_index,
+                                                                    indexer.index_kv_heads * d_index], dim=-1)
+        q_index = _rope(indexer.q_layernorm(q_index.reshape(t, -1, d_index)), cos, sin)
+        hd = attn.head_dim
+        q, gate = torch.chunk(attn.q_proj(x).view(t, -1, hd * 2), 2, dim=-1)
+        gate = gate.reshape(t, -1)
+        q = _rope(attn.q_norm(q), cos, sin)
+        k = _rope(attn.k_norm(attn.k_proj(x).view(t, -1, hd)), cos, sin)
+        v = attn.v_proj(x).view(t, -1, hd)
+        step.qsa_write(idx, raw_keys.reshape(t, d_index), k, v)
+        plan = step.qsa_select(idx, q_index)
+        out = step.qsa_attention(idx, q, plan, attn.scaling)
+        out = out.reshape(t, -1) * torch.sigmoid(gate)
+        return attn.o_proj(out)

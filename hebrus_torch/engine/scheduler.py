@@ -1,0 +1,179 @@
+"""Which requests run in the next step, and how many tokens each: a ``StepPlan``. No tensors here.
+
+Policy (vLLM v1 and transformers' own continuous-batching scheduler order work the same way):
+
+1. every decoding request gets its one token, oldest first;
+2. requests part-way through their prompt continue, oldest first, each with as many tokens as the
+   budget (``max_batch_tokens``) has left;
+3. waiting requests are admitted in arrival order while a sequence slot, the request cap
+   (``max_requests_per_batch``), the token budget and the cache's free cells allow.
+
+When the decodes alone need more cells than are free, the newest running requests are preempted
+(their state is freed; they go back to the front of the queue and are recomputed later from prompt
+plus output). With ``block_size``, a prefill chunk that crosses a block boundary is cut at the last
+boundary it crosses, so the state at that boundary exists and can be shared (prefix sharing).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .requests import Request, RequestStatus
+
+__all__ = ["Scheduler", "StepPlan", "ScheduledChunk"]
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` from its ``num_computed``-th on."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed
+
+    @property
+    def needs_logits(self) -> bool:
+        """True when the chunk reaches the end of the request's stream: a token is sampled after it."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.pending_tokens(self.num_tokens)
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Admission, chunking and preemption over plain request objects.
+
+    Args:
+        max_batch_tokens: tokens per step (None: unlimited).
+        max_requests_per_batch: requests per step (None: as many as there are slots).
+        max_sequences: sequence slots of the cache (running requests at once).
+        block_size: prefill chunks end on multiples of it when they cross one (None: no alignment).
+    """
+
+    def __init__(self, *, max_batch_tokens: int | None, max_requests_per_batch: int | None,
+                 max_sequences: int, block_size: int | None = None):
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.max_sequences = max_sequences
+        self.block_size = block_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request from the queues (finished, failed or cancelled)."""
+        if request in self.running:
+            self.running.remove(request)
+        try:
+            self.waiting.remove(request)
+        except ValueError:
+            pass
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
+
+    def preempt(self, request: Request) -> None:
+        """Back to the front of the queue; the engine frees its state, it recomputes from scratch."""
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed = 0
+        request.seq = None
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, free_cells: int, admit: Callable[[Request], bool | None] | None = None) -> StepPlan:
+        """Plan the next step given ``free_cells`` free cache cells (positions the cache can still take).
+
+        ``admit(request)`` runs for each request taken off the queue before its chunk is cut: the
+        engine gives it a sequence there (and may start it from a shared prefix by raising
+        ``num_computed``). False leaves it queued and stops admission; None skips it this step
+        (it stays queued in its place) and goes on with the next.
+        """
+        plan = StepPlan()
+        budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
+        cap = self.max_requests_per_batch if self.max_requests_per_batch is not None else self.max_sequences
+
+        decoding = [r for r in self.running if r.remaining == 1]
+        # Preempt the newest running requests while the decodes alone do not fit in the free cells.
+        while decoding and len(decoding) > free_cells:
+            victim = max(self.running, key=lambda r: r.arrival)
+            if victim in decoding:
+                decoding.remove(victim)
+            free_cells += victim.num_computed
+            self.preempt(victim)
+            plan.preempted.append(victim)
+
+        for req in decoding:
+            if budget < 1 or len(plan.chunks) >= cap:
+                break
+            plan.chunks.append(ScheduledChunk(req, 1))
+            budget -= 1
+            free_cells -= 1
+
+        for req in self.running:
+            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or free_cells < 1:
+                continue
+            n = self._chunk(req, min(budget, free_cells))
+            plan.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+            free_cells -= n
+
+        for req in list(self.waiting):
+            if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap
+                    and budget >= 1 and free_cells >= 1):
+                break
+            verdict = True if admit is None else admit(req)
+            if verdict is None:       # deferred (e.g. waiting for a request that prefills its prefix)
+                continue
+            if not verdict:
+                break
+            self.waiting.remove(req)
+            req.arrival = self._arrivals
+            self._arrivals += 1
+            req.status = RequestStatus.PREFILLING
+            self.running.append(req)
+            plan.admitted.append(req)
+            n = self._chunk(req, min(budget, free_cells))
+            if n > 0:
+                plan.chunks.append(ScheduledChunk(req, n))
+                budget -= n
+                free_cells -= n
+        return plan
+
+    def _chunk(self, req: Request, limit: float) -> int:
+        n = int(min(req.remaining, limit))
+        if self.block_size and n < req.remaining:
+            start, end = req.num_computed, req.num_computed + n
+            aligned = end - end % self.block_size
+            if aligned > start:
+                n = aligned - start
+        return n
