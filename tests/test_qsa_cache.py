@@ -796,6 +796,85 @@ def test_window_chunks_and_limits():
     check_invariants(cache)
 
 
+def _window_views(sizes, *, window=12, n=40, top_k=2, first_position=None, capacity=64):
+    """Per query (position order): its position, q_groups, selected groups and attended positions, fed in
+    chunks of ``sizes`` into a windowed cache; and the final digest of the sequence."""
+    cache = make_cache(capacity=capacity, window=window)
+    a = cache.new_sequence()
+    keys, _, _ = stream(n)
+    q = queries(n)
+    plans, at = [], 0
+    for i, size in enumerate(sizes):
+        sl = slice(at, at + size)
+        with transaction(cache):          # plan where a runtime plans: in the chunk's own transaction
+            chunk = cache.append(a, [k[sl] for k in keys], first_position=first_position if i == 0 else None)
+            plans.append(cache.plan(0, chunk, q[sl], top_k))
+        at += size
+    views = []
+    for plan in plans:
+        for i in range(plan.positions.shape[0]):
+            pos = plan.token_positions[i]
+            views.append((int(plan.positions[i]), int(plan.q_groups[i]), plan.selected_groups[i].tolist(),
+                          sorted(pos[pos >= 0].tolist())))
+    check_invariants(cache)
+    return views, cache.digest(a), cache.run(a)
+
+
+@pytest.mark.parametrize("first_position", [None, 3])
+def test_window_queries_see_their_own_run_however_the_stream_is_cut(first_position):
+    # SPEC §3: with a window, what a query at p sees is a function of p alone (the run after the tokens up
+    # to p, whole groups evicted from the front so at most W remain); eviction takes effect after the
+    # chunk's queries are planned.
+    sizes = [3, 5, 7, 1, 2, 6, 5, 3, 8]
+    one, d_one, run_one = _window_views([1] * 40, first_position=first_position)
+    cut, d_cut, run_cut = _window_views(sizes, first_position=first_position)
+    assert [v[0] for v in one] == [v[0] for v in cut]
+    differ = [a[0] for a, b in zip(one, cut) if a != b]
+    assert differ == [], f"queries at positions {differ} see other tokens when the stream is cut in {sizes}"
+    assert run_cut == run_one and d_cut == d_one
+    start = first_position or 0
+    for p, q_groups, _, seen in one:               # and that view is the window of p: at most 12, aligned
+        w0 = start + R * max(0, -(-(p - start + 1 - 12) // R))
+        assert q_groups == (p - w0 + 1) // R and w0 <= seen[0] and seen[-1] <= p, (p, w0, seen)
+    rng = random.Random(5)
+    for _ in range(3):
+        sizes = []
+        while sum(sizes) < 40:
+            sizes.append(min(rng.randint(1, 12), 40 - sum(sizes)))
+        views, d, run = _window_views(sizes, first_position=first_position)
+        assert views == one and d == d_one and run == run_one, sizes
+
+
+def test_window_chunk_keeps_cells_its_earlier_queries_need_until_planned():
+    # Run [0, 10), one chunk of 12 tokens: its first query (position 10) still sees [0, 10]; once
+    # planned, the run is [12, 22) (whole groups evicted, anchor aligned), as token by token.
+    views, _, run = _window_views([10, 12], n=22)
+    one, _, run_one = _window_views([1] * 22, n=22)
+    assert views == one and run == run_one == (12, 10)
+    assert views[10][3] == list(range(0, 11))
+
+
+def test_window_chunk_planned_after_its_eviction_is_refused():
+    cache = make_cache(window=12)
+    a = cache.new_sequence()
+    keys, _, _ = stream(22)
+    cache.append(a, [k[:10] for k in keys])
+    chunk = cache.append(a, [k[10:] for k in keys])       # committed: [0, 12) evicted
+    assert cache.run(a) == (12, 10)
+    d = cache.digest()
+    with pytest.raises(HoleError):
+        cache.plan(0, chunk, queries(12), 2)
+    assert cache.digest() == d
+    b = cache.new_sequence()
+    cache.append(b, [k[:10] for k in keys])
+    chunk = cache.append(b, [k[10:14] for k in keys])     # its tokens are kept, its queries' window start is not
+    assert cache.run(b) == (4, 10)
+    d = cache.digest()
+    with pytest.raises(HoleError, match="evicted or moved since reserve"):
+        cache.plan(0, chunk, queries(4), 2)
+    assert cache.digest() == d
+
+
 def test_window_eviction_rolls_back():
     cache = make_cache(capacity=8, window=8)
     a = cache.new_sequence()

@@ -37,6 +37,12 @@ class _Seq:
         return len(self.ids)
 
 
+def window_start(p0: int, p: int, window: int) -> int:
+    """The first position a query at p sees over a run anchored at p0 (SPEC §3)."""
+    over = p - p0 + 1 - window
+    return p0 if over <= 0 else p0 + R * -(-over // R)
+
+
 class QSAMachine(RuleBasedStateMachine):
     CAPACITY = 40
     MAX_SEQUENCES = 4
@@ -98,19 +104,29 @@ class QSAMachine(RuleBasedStateMachine):
             if self.WINDOW is not None and k > self.WINDOW:
                 return HebrusError
             t = s.copy()
-            if self.WINDOW is not None and k and s.n + k > self.WINDOW:
-                evict = min(s.n, -(-(s.n + k - self.WINDOW) // R) * R)
-                t.p0, t.ids, t.cells = t.p0 + evict, t.ids[evict:], t.cells[evict:]
+            target = None
+            if self.WINDOW is not None and k:
+                # SPEC §3: each query sees the window of its own position; what no query of the chunk sees
+                # goes before the allocation, the rest once the chunk is planned (at commit).
+                base = s.p0 if s.n else start
+                first_p0, target = window_start(base, start, self.WINDOW), window_start(base, start + k - 1,
+                                                                                        self.WINDOW)
+                if s.n:
+                    evict = first_p0 - s.p0
+                    t.p0, t.ids, t.cells = t.p0 + evict, t.ids[evict:], t.cells[evict:]
             model[h] = t
-            starts.append(start)
+            starts.append((start, target))
         if self.free_cells(model) < sum(len(ids) for _, ids, _ in rows):
             return CapacityError
-        for (h, ids, _), start in zip(rows, starts):
+        for (h, ids, _), (start, target) in zip(rows, starts):
             t = model[h]
             if not t.ids:
                 t.p0 = start
             t.ids = t.ids + ids
             t.cells = t.cells + self.fresh_cells(len(ids))
+            if target is not None:
+                evict = target - t.p0
+                t.p0, t.ids, t.cells = target, t.ids[evict:], t.cells[evict:]
         return None
 
     # ---- rules ---------------------------------------------------------------------------------

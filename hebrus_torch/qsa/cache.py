@@ -171,6 +171,7 @@ class ReservedChunk:
     _owner: int = field(default=0, repr=False, compare=False)
     _txn: object = field(default=None, repr=False, compare=False)
     _starts: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    _anchors: tuple[int, ...] | None = field(default=None, repr=False, compare=False)   # row p0 at reserve
 
     @property
     def num_tokens(self) -> int:
@@ -251,6 +252,7 @@ class _Txn:
         self.log: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
         self.new_cells: list[torch.Tensor] = []                 # cells reserved in this transaction
         self.pending: list[list[torch.Tensor]] = []             # per layer: rows that may be pending
+        self.evict: dict[int, int] = {}                         # window: slot -> p0 once its chunk is planned
         self.base: _Savepoint | None = None
         self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
 
@@ -265,6 +267,7 @@ class _Savepoint:
     tensors: dict[str, torch.Tensor | None]
     new_cells: list[torch.Tensor]
     pending: list[list[torch.Tensor]]
+    evict: dict[int, int]
     dtype: torch.dtype
 
 
@@ -290,12 +293,14 @@ class QSACache(torch.nn.Module, Transactional):
         kv_heads, kv_head_dim, v_head_dim: when ``kv_heads`` is given, the holder also keeps main
             attention planes K [capacity, Hkv, Dh] and V [capacity, Hkv, Dv] per layer that follow
             the same cells (``v_head_dim`` defaults to ``kv_head_dim``).
-        window: when set, after every ``reserve`` a sequence keeps at most ``window`` positions: its
-            oldest positions are evicted (a prefix removal) before new cells are taken, so the cells
-            they free can hold the new tokens. Eviction is rounded up to a multiple of r (so the run
-            keeps between ``window - r + 1`` and ``window`` positions once full) which keeps the anchor
-            aligned: the surviving groups are kept as they are (equal to a rebuild at the new p0).
-            A single chunk longer than ``window`` for one sequence is refused.
+        window: when set, a query at position p sees the run as it stands after the tokens up to p,
+            with whole groups (multiples of r, so the anchor stays aligned and the surviving groups
+            are kept as they are) evicted from the front until at most ``window`` positions remain
+            (SPEC §3): the same for every cut of the stream. ``reserve`` evicts at once what no query
+            of its chunk sees (those cells can hold the new tokens) and the rest once the chunk's
+            queries are planned (at commit, or at the sequence's next lifecycle operation), so the
+            run keeps between ``window - r + 1`` and ``window`` positions once full. A single chunk
+            longer than ``window`` for one sequence is refused.
     """
 
     layer_ids: list[int]
@@ -500,7 +505,8 @@ class QSACache(torch.nn.Module, Transactional):
             log_len=len(txn.log), runs=dict(self._runs), generation=self.slots.generation.tolist(),
             live=self.slots.live.tolist(), heads=(self._cell_head, self._row_head),
             tensors={name: getattr(self, name) for name in _STATE_TENSORS},
-            new_cells=list(txn.new_cells), pending=[list(p) for p in txn.pending], dtype=self.dtype)
+            new_cells=list(txn.new_cells), pending=[list(p) for p in txn.pending], evict=dict(txn.evict),
+            dtype=self.dtype)
 
     def _restore(self, sp: _Savepoint) -> None:
         txn = self._txn
@@ -516,6 +522,7 @@ class QSACache(torch.nn.Module, Transactional):
         self.dtype = sp.dtype
         txn.new_cells = list(sp.new_cells)
         txn.pending = [list(p) for p in sp.pending]
+        txn.evict = dict(sp.evict)
 
     def _txn_begin(self) -> None:
         txn = _Txn()
@@ -527,6 +534,8 @@ class QSACache(torch.nn.Module, Transactional):
         """The fallible part of a commit, undoably: zero-fill cells never written for some layer and pool
         every pending group (a kernel may still refuse here; the block is then rolled back)."""
         txn = self._txn
+        for slot in sorted(txn.evict):
+            self._settle(slot)
         cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
         if cells is not None:
             live = cells[self.cell_ref[cells] > 0]
@@ -771,6 +780,34 @@ class QSACache(torch.nn.Module, Transactional):
         self._release_cells(run.cells.tensor()[keep:])
         return _Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g))
 
+    def _window_start(self, p0: int, p: int) -> int:
+        """The first visible position of a query at ``p`` over a run anchored at ``p0`` (SPEC §3): with a
+        window, whole groups are evicted from the front until at most ``window`` positions remain."""
+        if self.window is None:
+            return p0
+        over = p - p0 + 1 - self.window
+        r = self.compress_ratio
+        return p0 if over <= 0 else p0 + r * -(-over // r)
+
+    def _settle(self, slot: int) -> None:
+        """Apply the window eviction a planned chunk left for this slot (see ``reserve``)."""
+        txn = self._txn
+        if txn is None or slot not in txn.evict:
+            return
+        target = txn.evict.pop(slot)
+        run = self._runs[slot]
+        self._runs[slot] = self._drop_prefix(run, target - run.p0)
+
+    def _view(self, slot: int) -> _Run:
+        """The slot's run as the cache holds it after its chunks: a pending window eviction applied to the
+        view only (the cells stay held for the chunk's queries until the eviction is settled)."""
+        run = self._runs[slot]
+        txn = self._txn
+        if txn is None or slot not in txn.evict:
+            return run
+        k = txn.evict[slot] - run.p0
+        return _Run(run.p0 + k, run.n - k, run.cells.drop_front(k), run.groups.drop_front(k // self.compress_ratio))
+
     # ------------------------------------------------------------------------------------------
     # Lifecycle
     # ------------------------------------------------------------------------------------------
@@ -787,6 +824,7 @@ class QSACache(torch.nn.Module, Transactional):
         """Release the sequence's cells and groups and its slot; ``seq`` is stale afterwards."""
         with self._op():
             slot = self._slot(seq)
+            self._settle(slot)
             self._release_run(self._runs.pop(slot))
             self.slots.release(seq)
 
@@ -794,6 +832,7 @@ class QSACache(torch.nn.Module, Transactional):
         """Empty the sequence and bump its generation; returns the new handle (the old one is stale)."""
         with self._op():
             slot = self._slot(seq)
+            self._settle(slot)
             self._release_run(self._runs[slot])
             self.slots.release(seq)
             handle = self.slots.claim(SeqHandle(slot, int(self.slots.generation[slot])))
@@ -803,24 +842,24 @@ class QSACache(torch.nn.Module, Transactional):
     def run(self, seq: SeqHandle) -> tuple[int, int]:
         """``(p0, n)``: the sequence holds positions ``[p0, p0 + n)``. For an empty sequence p0 is the
         default first position of its next append."""
-        r = self._runs[self._slot(seq)]
+        r = self._view(self._slot(seq))
         return r.p0, r.n
 
     def cells_of(self, seq: SeqHandle) -> torch.Tensor:
         """Tensor[n] int64: the physical cell of each position of the run, in position order."""
-        return self._runs[self._slot(seq)].cells.tensor().clone()
+        return self._view(self._slot(seq)).cells.tensor().clone()
 
     def groups_of(self, seq: SeqHandle) -> torch.Tensor:
         """Tensor[n // r] int64: the pooled row (in ``pooled[layer]``) of each complete group, in order."""
-        return self._runs[self._slot(seq)].groups.tensor().clone()
+        return self._view(self._slot(seq)).groups.tensor().clone()
 
     def pooled_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
         """Tensor[n // r, D]: the pooled keys of the sequence's complete groups for ``layer``."""
-        return self.pooled[self._layer(layer)][self._runs[self._slot(seq)].groups.tensor()].clone()
+        return self.pooled[self._layer(layer)][self._view(self._slot(seq)).groups.tensor()].clone()
 
     def keys_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
         """Tensor[n, D]: the raw keys of the run for ``layer`` in position order."""
-        return self.keys[self._layer(layer)][self._runs[self._slot(seq)].cells.tensor()].clone()
+        return self.keys[self._layer(layer)][self._view(self._slot(seq)).cells.tensor()].clone()
 
     def sequences(self) -> list[SeqHandle]:
         """Live handles, in slot order."""
@@ -833,7 +872,10 @@ class QSACache(torch.nn.Module, Transactional):
         Row i's positions are ``frontier + 1, ...`` of its sequence; for an empty sequence they start at
         ``first_positions[i]`` when given (any position >= 0: left padding, an evicted prefix) else at
         its run's p0. A first position given for a non-empty sequence must be ``frontier + 1``
-        (``NonSuccessorError``). With a ``window``, old positions are evicted first. ``CapacityError``
+        (``NonSuccessorError``). With a ``window``, each query of the chunk sees the window of its own
+        position (SPEC §3): positions no query of the chunk sees are evicted first (their cells can hold
+        the new tokens); the rest of the eviction takes effect once the chunk's queries are planned (at
+        commit, or at the next lifecycle operation on the sequence). ``CapacityError``
         when the pool has too few free cells. Keys are written per layer with :meth:`write` inside the
         same transaction (cells never written are zero at commit).
 
@@ -850,8 +892,12 @@ class QSACache(torch.nn.Module, Transactional):
             slots = [self._slot(s) for s in seqs]
             if len(set(slots)) != len(slots):
                 raise HebrusError(f"QSACache.reserve: a sequence appears twice in one chunk: {seqs}")
+            for slot in slots:
+                self._settle(slot)
             r = self.compress_ratio
+            evict: dict[int, int] = {}
             starts: list[int] = []
+            anchors: list[int] = []
             runs: list[_Run] = []
             for i, (seq, slot, count) in enumerate(zip(seqs, slots, counts)):
                 if count < 0:
@@ -878,15 +924,19 @@ class QSACache(torch.nn.Module, Transactional):
                     if count > self.window:
                         raise HebrusError(f"QSACache.reserve: {count} tokens for {seq} exceed the window of "
                                           f"{self.window} positions")
-                    over = run.n + count - self.window
-                    if over > 0:
-                        evict = min(run.n, -(-over // r) * r)
-                        run = self._drop_prefix(run, evict)
+                    base = run.p0 if run.n else start
+                    first_p0 = self._window_start(base, start)
+                    last_p0 = self._window_start(base, start + count - 1)
+                    if run.n and first_p0 > run.p0:        # no query of the chunk sees these
+                        run = self._drop_prefix(run, first_p0 - run.p0)
                         self._runs[slot] = run
+                    if last_p0 > first_p0:
+                        evict[slot] = last_p0
                 if run.n == 0 and count > 0:
                     run = _Run(start, 0, run.cells, run.groups)
                 starts.append(start)
                 runs.append(run)
+                anchors.append(run.p0)
             total = sum(counts)
             cells = self._alloc_cells(total)
             counts_t = torch.tensor(counts, dtype=torch.int64, device=self.device)
@@ -921,8 +971,9 @@ class QSACache(torch.nn.Module, Transactional):
                 at += n_groups[i]
             if rows.numel():
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
+            self._txn.evict.update(evict)
             return ReservedChunk(tuple(seqs), cu.to(torch.int32), cells, positions, id(self), self._txn.token,
-                                 tuple(starts))
+                                 tuple(starts), tuple(anchors))
 
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
         """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
@@ -1044,6 +1095,7 @@ class QSACache(torch.nn.Module, Transactional):
         p0, p1 = as_int("QSACache.remove: p0", p0), as_int("QSACache.remove: p1", p1)
         with self._op():
             slot = self._slot(seq)
+            self._settle(slot)
             run = self._runs[slot]
             a = max(p0, 0)
             b = math.inf if p1 < 0 else p1
@@ -1073,6 +1125,7 @@ class QSACache(torch.nn.Module, Transactional):
         delta = as_int("QSACache.shift: delta", delta)
         with self._op():
             slot = self._slot(seq)
+            self._settle(slot)
             run = self._runs[slot]
             a = max(p0, 0)
             b = math.inf if p1 < 0 else p1
@@ -1114,6 +1167,8 @@ class QSACache(torch.nn.Module, Transactional):
             s_slot, d_slot = self._slot(src), self._slot(dst)
             if s_slot == d_slot:
                 return
+            self._settle(s_slot)
+            self._settle(d_slot)
             self._release_run(self._runs[d_slot])
             run = self._runs[s_slot]
             self._share_run(run)
@@ -1142,6 +1197,9 @@ class QSACache(torch.nn.Module, Transactional):
     def plan(self, layer: int, chunk: ReservedChunk, q: torch.Tensor, top_k: int) -> QSAPlan:
         """Select, for each chunk token as a query at its position p, the top-k groups of the visible run
         ``[p0, p]`` and return them with the tail as physical cells (one ``qsa_select`` call).
+
+        With a window, each query's visible run starts at its own position's window start (SPEC §3),
+        and its groups (``q_groups``, ``selected_groups``) are anchored there.
 
         Args:
             layer: cache layer index (its keys for this chunk must have been written).
@@ -1201,9 +1259,27 @@ class QSACache(torch.nn.Module, Transactional):
                             f"(a hole inside the run is not padding)")
         counts_t = torch.tensor(counts, dtype=torch.int64, device=dev)
         q_rows = torch.repeat_interleave(torch.arange(b, device=dev), counts_t, output_size=t)
-        q_base, q_p0 = base[q_rows], p0s[q_rows]
-        if bool((vis_cells[q_base + chunk.positions - q_p0] != chunk.cells).any()):
+        q_base, row_p0 = base[q_rows], p0s[q_rows]
+        if bool((vis_cells[q_base + chunk.positions - row_p0] != chunk.cells).any()):
             raise HoleError("QSACache.plan: the chunk's cells no longer match its sequences' runs")
+        # Each query's own visible run [q_p0, p] (SPEC §3): with a window, whole groups past the row's
+        # anchor are evicted until at most `window` positions remain.
+        if self.window is None:
+            q_p0 = row_p0
+        else:
+            anchors = list(chunk._anchors) if chunk._anchors is not None else p0_list
+            anchor = torch.tensor(anchors, dtype=torch.int64, device=dev)[q_rows]
+            over = chunk.positions - anchor + 1 - self.window
+            q_p0 = anchor + r * torch.clamp(-torch.div(-over, r, rounding_mode="floor"), min=0)
+            lost = (q_p0 < row_p0) | ((q_p0 - row_p0) % r != 0)
+            if bool(lost.any()):
+                j = int(torch.nonzero(lost)[0])
+                i = int(q_rows[j])
+                raise HoleError(f"QSACache.plan: the query of {chunk.handles[i]} at position "
+                                f"{int(chunk.positions[j])} sees [{int(q_p0[j])}, {int(chunk.positions[j])}] but the "
+                                f"run now starts at {p0_list[i]} (evicted or moved since reserve: plan a windowed "
+                                f"chunk in the transaction that reserved it)")
+        q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
         # Pooled rows of each row's visible groups, -1 past the end.
         gcounts = [g.numel() for g in grp]
         flat = torch.cat(grp)
@@ -1218,11 +1294,17 @@ class QSACache(torch.nn.Module, Transactional):
             g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
                                                                           output_size=flat.numel())
             seq_groups[g_rows, g_cols] = flat
+        # One selection row per (row, anchor) pair: the row's groups from the query's anchor on.
+        key = q_rows * (max_g + 1) + q_skip
+        pairs, sel_row = torch.unique(key, return_inverse=True)
+        cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
+        sel_groups = torch.where(cols < max_g, seq_groups[(pairs // (max_g + 1))[:, None], cols.clamp(max=max_g - 1)],
+                                 -1)
         nvis_q = chunk.positions - q_p0 + 1
         q_groups = (nvis_q // r).to(torch.int32)
-        selected = qsa_select(q, self.pooled[layer], seq_groups.to(torch.int32), q_rows.to(torch.int32), q_groups,
+        selected = qsa_select(q, self.pooled[layer], sel_groups.to(torch.int32), sel_row.to(torch.int32), q_groups,
                               int(top_k))
-        # Token offsets within the run: selected groups' tokens, then the tail, then -1 padding.
+        # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
         sel = selected.to(torch.int64)
         g_offs = (r * sel[:, :, None] + torch.arange(r, device=dev)).reshape(t, -1)
         g_offs = torch.where(sel.repeat_interleave(r, dim=1) >= 0, g_offs, -1)
@@ -1232,7 +1314,8 @@ class QSACache(torch.nn.Module, Transactional):
         order = torch.sort((offs < 0).to(torch.int8), dim=1, stable=True).indices
         offs = offs.gather(1, order)
         valid = offs >= 0
-        token_cells = torch.where(valid, vis_cells[q_base[:, None] + offs.clamp(min=0)], -1)
+        at = (q_base + q_p0 - row_p0)[:, None] + offs.clamp(min=0)
+        token_cells = torch.where(valid, vis_cells[at], -1)
         token_positions = torch.where(valid, offs + q_p0[:, None], -1)
         return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=token_cells.to(torch.int32),
                        token_positions=token_positions, positions=chunk.positions.clone(), q_rows=q_rows,
@@ -1254,7 +1337,7 @@ class QSACache(torch.nn.Module, Transactional):
     def save(self, seq: SeqHandle) -> bytes:
         """The sequence's run, raw keys and K/V as a checksummed blob (no pickle). Pooled groups are
         derived state: ``restore`` rebuilds them."""
-        run = self._runs[self._slot(seq)]
+        run = self._view(self._slot(seq))
         self._check_clean("save", [run])
         self._check_run(seq, run, "save")
         cells = run.cells.tensor()
@@ -1302,6 +1385,7 @@ class QSACache(torch.nn.Module, Transactional):
                     raise HebrusError(f"QSACache.restore: expected a SeqHandle or None, got {type(seq).__name__}")
                 if 0 <= seq.slot < self.max_sequences and bool(self.slots.live[seq.slot]):
                     self._slot(seq)
+                    self._settle(seq.slot)
                     run = self._runs[seq.slot]
                     self._release_run(run)
                     self._runs[seq.slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
@@ -1558,6 +1642,7 @@ class QSACache(torch.nn.Module, Transactional):
         if self._txn is not None:   # what the open transaction staged refers to the state just replaced
             self._txn.new_cells = []
             self._txn.pending = [[] for _ in range(self.num_layers)]
+            self._txn.evict = {}
 
     _swap_state_dict = _swap_state
 
@@ -1637,11 +1722,11 @@ class QSACache(torch.nn.Module, Transactional):
         its slot, so a restored copy digests like the original. Physical cell and row indices and free
         cells' contents are excluded."""
         if seq is not None:
-            return _blob.digest_of(self._run_parts("seq", self._runs[self._slot(seq)]))
+            return _blob.digest_of(self._run_parts("seq", self._view(self._slot(seq))))
         parts: list[tuple[str, Any]] = [("config", self._config()), ("generation", self.slots.generation),
                                         ("live", self.slots.live)]
         for slot in sorted(self._runs):
-            parts += self._run_parts(f"slot{slot}", self._runs[slot])
+            parts += self._run_parts(f"slot{slot}", self._view(slot))
         return _blob.digest_of(parts)
 
     def extra_repr(self) -> str:
