@@ -1,0 +1,139 @@
+"""The gated delta rule over packed variable-length rows, in the recurrent (token-by-token) form.
+
+transformers' chunked form (``torch_chunk_gated_delta_rule``: chunks of 64, zero padding, a triangular
+solve per chunk) gives results that depend on where a stream was cut into steps. This form updates
+each row's state one token at a time with elementwise products and sums over ``Dk`` only, vectorised
+over the rows of a step: the arithmetic of a row is the same whatever other rows share the step and
+however its tokens were cut (SPEC §5.1), so the state and outputs are bitwise chunk-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import HebrusError
+
+_OP = "hebrus_torch.gdn.gated_delta_rule"
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x*x) + eps)`` over the last dim (transformers' / FLA's l2norm), in x's dtype."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise HebrusError(f"{_OP}: {what}")
+
+
+def check_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          cu_seqlens: torch.Tensor, state: torch.Tensor) -> list[int]:
+    """Metadata and cu_seqlens checks (host side, before any work); returns cu_seqlens as a list."""
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "state": state}
+    for name, t in tensors.items():
+        _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}")
+    devices = {name: t.device for name, t in tensors.items()}
+    _check(len(set(devices.values())) == 1, f"all tensors must be on one device, got "
+                                            f"{ {n: str(d) for n, d in devices.items()} }")
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+           f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    T, hk, dk = q.shape
+    _, hv, dv = v.shape
+    _check(tuple(k.shape) == (T, hk, dk), f"k must have q's shape {[T, hk, dk]}, got {list(k.shape)}")
+    _check(v.shape[0] == T, f"v has {v.shape[0]} tokens, q has {T}")
+    _check(hk >= 1 and dk >= 1 and hv >= 1 and dv >= 1 and hv % hk == 0,
+           f"value heads ({hv}) must be a positive multiple of key heads ({hk})")
+    for name, t in (("g", g), ("beta", beta)):
+        _check(tuple(t.shape) == (T, hv), f"{name} must be [T, Hv] = {[T, hv]}, got {list(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check(t.dtype in (torch.float32, torch.float16, torch.bfloat16),
+               f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    _check(q.dtype == k.dtype, f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    _check(cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] >= 1,
+           f"cu_seqlens must be a 1-D int32 tensor of B+1 >= 1 entries, got {list(cu_seqlens.shape)} "
+           f"{cu_seqlens.dtype}")
+    batch = cu_seqlens.shape[0] - 1
+    _check(tuple(state.shape) == (batch, hv, dk, dv) and state.dtype == torch.float32,
+           f"state must be [B, Hv, Dk, Dv] = {[batch, hv, dk, dv]} float32, got {list(state.shape)} {state.dtype}")
+    cu = cu_seqlens.tolist()
+    _check(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu[:-1], cu[1:])),
+           f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu}")
+    return cu
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor, state: torch.Tensor, *, use_qk_l2norm: bool = True,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule of packed rows from each row's recurrent state (a pure function).
+
+    Per row and token t, in fp32 (q, k l2-normalised when ``use_qk_l2norm``, q scaled by ``scale``,
+    default ``Dk ** -0.5``; q and k heads repeated ``Hv // Hk`` times, as transformers does)::
+
+        S = S * exp(g_t)
+        delta = (v_t - sum_dk(S * k_t)) * beta_t
+        S = S + k_t (outer) delta
+        out_t = sum_dk(S * q_t)
+
+    Args:
+        q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g, beta: Tensor[T, Hv] (g <= 0, log decay).
+        cu_seqlens: Tensor[B+1] int32, row boundaries.
+        state: Tensor[B, Hv, Dk, Dv] float32, each row's state before its tokens.
+
+    Returns:
+        out: Tensor[T, Hv, Dv] in v's dtype; new_state: Tensor[B, Hv, Dk, Dv] float32 (a row of 0 tokens
+        passes its state through).
+    """
+    cu = check_delta_rule_args(q, k, v, g, beta, cu_seqlens, state)
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    scale = dk ** -0.5 if scale is None else float(scale)
+    new_state = state.detach().clone()
+    out = torch.zeros((T, hv, dv), dtype=torch.float32, device=v.device)
+    # Rows with tokens, longest first: at token i the rows still running are a prefix of this order.
+    rows = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
+    if not rows:
+        return out.to(v.dtype), new_state
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = qf * scale
+    if hv != hk:
+        qf = qf.repeat_interleave(hv // hk, dim=1)
+        kf = kf.repeat_interleave(hv // hk, dim=1)
+    decay = g.float().exp()
+    betaf = beta.float()
+    vf = v.float()
+
+    lens = [lengths[b] for b in rows]
+    steps = lens[0]
+    dev = q.device
+    starts = torch.tensor([cu[b] for b in rows], dtype=torch.int64, device=dev)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+    pos = torch.arange(steps, dtype=torch.int64, device=dev)[:, None]
+    valid = pos < lens_t[None, :]                               # [steps, R]
+    index = torch.where(valid, starts[None, :] + pos, 0)        # packed token of (step, row)
+    qp, kp, vp = qf[index], kf[index], vf[index]                # [steps, R, Hv, D]
+    dp, bp = decay[index], betaf[index]                         # [steps, R, Hv]
+    outp = torch.empty((steps, len(rows), hv, dv), dtype=torch.float32, device=dev)
+    # active[i]: how many rows (a prefix) still have a token at step i.
+    active, n = [], len(rows)
+    for i in range(steps):
+        while lens[n - 1] <= i:
+            n -= 1
+        active.append(n)
+
+    row_index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    s_all = new_state.index_select(0, row_index)                # [R, Hv, Dk, Dv]
+    for i in range(steps):
+        n = active[i]
+        s = s_all[:n]
+        s.mul_(dp[i, :n, :, None, None])
+        k_t = kp[i, :n, :, :, None]                             # [n, Hv, Dk, 1]
+        kv_mem = (s * k_t).sum(dim=-2)                          # [n, Hv, Dv]
+        delta = (vp[i, :n] - kv_mem) * bp[i, :n, :, None]
+        s.add_(k_t * delta[:, :, None, :])
+        outp[i, :n] = (s * qp[i, :n, :, :, None]).sum(dim=-2)
+    new_state.index_copy_(0, row_index, s_all)
+    out[index[valid]] = outp[valid]
+    return out.to(v.dtype), new_state

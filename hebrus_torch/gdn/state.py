@@ -1,0 +1,604 @@
+"""GDNState: per-sequence conv tails and recurrent states of a model's gated-delta-net layers (SPEC §4, §8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..errors import CorruptStateError, HebrusError
+from ..ple import ops as ple_ops
+from ..state import blob
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
+from ..state.handles import SeqHandle, SlotTable, generation_problem
+from ..state.transaction import Transactional, atomic
+from .delta_rule import gated_delta_rule
+
+_KIND = "hebrus_torch.GDNState"
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none", None: "none"}
+
+
+@dataclass(frozen=True)
+class GDNSnapshot:
+    """An in-memory copy of one sequence's GDN state (neither part can be recomputed backwards).
+
+    ``position`` is the caller's label for the next position the sequence would consume; GDNState
+    does not interpret it.
+    """
+
+    handle: SeqHandle
+    position: int | None
+    conv_tails: torch.Tensor   # [layers, K-1, conv_dim], the state's dtype
+    recurrent: torch.Tensor    # [layers, Hv, Dk, Dv] float32
+
+
+@dataclass(frozen=True)
+class _GDNSavepoint:
+    """A point inside an open transaction to return to (see ``GDNState._txn_restore``)."""
+
+    undo_len: int
+    staged: dict[str, list[dict[int, tuple[torch.Tensor, int]]]]
+    generation: list[int]
+    live: list[bool]
+
+
+class GDNState(torch.nn.Module, Transactional):
+    """Owns, per sequence slot and GDN layer, the conv tail ``[K-1, conv_dim]`` and the recurrent state
+    ``[Hv, Dk, Dv]`` of Qwen4Exp's ``linear_attention`` layers (transformers' ``Qwen4ExpTextGatedDeltaNet``).
+
+    Buffers (``state_dict``): ``conv_state`` [layers, S, K-1, conv_dim] of ``dtype`` (the last K-1 conv
+    inputs, oldest first; zero for a fresh sequence), ``recurrent_state`` [layers, S, Hv, Dk, Dv] float32
+    (zero for a fresh sequence; it stays float32 under ``.to(dtype)``), ``generation`` [S] int64 and
+    ``live`` [S] bool. Sequences are addressed by ``SeqHandle``; a step runs through :meth:`conv` and
+    :meth:`delta_rule` once per layer (or :func:`hebrus_torch.gdn.gdn_forward`), which read each
+    sequence's state by slot and stage the new state; it is published on commit of the enclosing
+    :func:`hebrus_torch.transaction`, or at once when there is none.
+
+    Args:
+        num_layers: number of GDN layers.
+        num_key_heads, num_value_heads: Hk and Hv (Hv a multiple of Hk).
+        key_head_dim, value_head_dim: Dk and Dv.
+        conv_kernel_size: K (``linear_conv_kernel_dim``).
+        max_sequences: number of slots S.
+        dtype: dtype of the conv tails (the model's activation dtype).
+        conv_weights: optional per-layer conv weights ``[conv_dim, K]`` used by :meth:`conv` when none is passed.
+        activation: the conv's activation, ``"silu"`` (Qwen4Exp) or ``"none"``.
+    """
+
+    _STATE_NAMES = ("conv_state", "recurrent_state", "generation", "live")
+    _SLOT_NAMES = ("conv_state", "recurrent_state")   # per layer and slot; staged inside transactions
+
+    def __init__(self, num_layers: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                 value_head_dim: int, conv_kernel_size: int = 4, max_sequences: int = 64,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 conv_weights: Sequence[torch.Tensor] | None = None, activation: str | None = "silu"):
+        super().__init__()
+        num_layers = as_int("GDNState: num_layers", num_layers)
+        hk, hv = as_int("GDNState: num_key_heads", num_key_heads), as_int("GDNState: num_value_heads", num_value_heads)
+        dk, dv = as_int("GDNState: key_head_dim", key_head_dim), as_int("GDNState: value_head_dim", value_head_dim)
+        conv_kernel_size = as_int("GDNState: conv_kernel_size", conv_kernel_size)
+        max_sequences = as_int("GDNState: max_sequences", max_sequences)
+        if min(num_layers, hk, hv, dk, dv) < 1 or conv_kernel_size < 2:
+            raise HebrusError(f"GDNState: need num_layers, heads and head dims >= 1 and conv_kernel_size >= 2, got "
+                              f"layers={num_layers}, Hk={hk}, Hv={hv}, Dk={dk}, Dv={dv}, K={conv_kernel_size}")
+        if hv % hk:
+            raise HebrusError(f"GDNState: num_value_heads ({hv}) must be a multiple of num_key_heads ({hk})")
+        if dtype not in FLOAT_DTYPES:
+            raise HebrusError(f"GDNState: dtype must be float32, float16 or bfloat16, got {dtype}")
+        if activation not in _ACTIVATIONS:
+            raise HebrusError(f"GDNState: activation must be 'silu' or 'none', got {activation!r}")
+        self.num_layers = num_layers
+        self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim = hk, hv, dk, dv
+        self.conv_kernel_size = conv_kernel_size
+        self.conv_dim = 2 * hk * dk + hv * dv
+        self.state_len = conv_kernel_size - 1
+        self.activation = _ACTIVATIONS[activation]
+        self.slots = SlotTable(max_sequences, "GDNState")
+        self.register_buffer("conv_state", torch.zeros((num_layers, max_sequences, self.state_len, self.conv_dim),
+                                                       dtype=dtype, device=device))
+        self.register_buffer("recurrent_state", torch.zeros((num_layers, max_sequences, hv, dk, dv),
+                                                            dtype=torch.float32, device=device))
+        self.register_buffer("generation", self.slots.generation.to(device))
+        self.register_buffer("live", self.slots.live.to(device))
+        if conv_weights is not None and len(conv_weights) != num_layers:
+            raise HebrusError(f"GDNState: conv_weights has {len(conv_weights)} entries for {num_layers} layers")
+        self._conv_weights = list(conv_weights) if conv_weights is not None else None
+        self.layer_ids: list[int] | None = None
+        # Staged rows per buffer and layer: slot -> (tensor, row) of the op output holding the slot's new state.
+        self._staged: dict[str, list[dict[int, tuple[torch.Tensor, int]]]] = self._empty_staging()
+        # Undo log of the open transaction: (slot, {buffer: rows}) before each in-place change.
+        self._undo: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._base: _GDNSavepoint | None = None
+        self._prepared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._committed = False
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def from_transformers(cls, model: torch.nn.Module, *, max_sequences: int = 64) -> "GDNState":
+        """Build from a transformers Qwen4Exp model (``Qwen4ExpForCausalLM`` or its text model).
+
+        Conv weights are referenced (they follow the model's parameters). ``layer_ids`` maps GDN index ->
+        decoder layer index; :meth:`layer_index` maps back.
+        """
+        text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        if not hasattr(text, "layers"):
+            raise HebrusError(f"GDNState.from_transformers: {type(model).__name__} has no decoder layers")
+        config = text.config
+        types = list(getattr(config, "layer_types", None) or [])
+        ids = [i for i, t in enumerate(types) if t == "linear_attention"]
+        if not ids:
+            raise HebrusError("GDNState.from_transformers: the model has no linear_attention layers "
+                              f"(layer_types = {types})")
+        attn = [text.layers[i].linear_attn for i in ids]
+        w = attn[0].conv1d.weight
+        state = cls(len(ids), num_key_heads=config.linear_num_key_heads, num_value_heads=config.linear_num_value_heads,
+                    key_head_dim=config.linear_key_head_dim, value_head_dim=config.linear_value_head_dim,
+                    conv_kernel_size=config.linear_conv_kernel_dim, max_sequences=max_sequences, dtype=w.dtype,
+                    device=w.device, conv_weights=[a.conv1d.weight for a in attn],
+                    activation=getattr(attn[0], "activation", config.hidden_act))
+        state.layer_ids = ids
+        return state
+
+    def layer_index(self, model_layer: int) -> int:
+        """The GDN layer index of decoder layer ``model_layer`` (HebrusError for a layer without a GDN).
+
+        Without ``layer_ids`` (a holder not built by :meth:`from_transformers`) indices are GDN indices."""
+        model_layer = as_int("GDNState.layer_index: model_layer", model_layer)
+        if self.layer_ids is None:
+            self._check_layer(model_layer)
+            return model_layer
+        if model_layer not in self.layer_ids:
+            raise HebrusError(f"GDNState: decoder layer {model_layer} is not a linear_attention (GDN) layer "
+                              f"(GDN layers: {self.layer_ids})")
+        return self.layer_ids.index(model_layer)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
+        """Claim a slot (``handle`` adopts a given one) with fresh state: zero tails and recurrent states."""
+        with atomic(self):
+            handle = self.slots.claim(handle)
+            self._clear_slot(handle.slot)
+            self._sync_slot_buffers()
+        return handle
+
+    def free(self, seq: SeqHandle) -> None:
+        with atomic(self):
+            slot = self.slots.check(seq)
+            self.slots.release(seq)
+            self._drop_staged(slot)
+            self._sync_slot_buffers()
+
+    def reset(self, seq: SeqHandle) -> SeqHandle:
+        """Fresh state for the sequence; its slot's generation is bumped, so the new handle is returned."""
+        with atomic(self):
+            self.slots.check(seq)
+            self.slots.release(seq)
+            handle = self.slots.claim(SeqHandle(seq.slot, seq.generation + 1))
+            self._clear_slot(handle.slot)
+            self._sync_slot_buffers()
+        return handle
+
+    def clear(self, seq: SeqHandle) -> None:
+        """Fresh state (zero tails and recurrent states) for a live sequence, keeping its handle."""
+        with atomic(self):
+            self._clear_slot(self.slots.check(seq))
+
+    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
+        """dst's state becomes src's (as it would be published now)."""
+        snap = self.snapshot(src)
+        with atomic(self):
+            self._write_slot(self.slots.check(dst), snap.conv_tails, snap.recurrent)
+
+    def fork(self, src: SeqHandle) -> SeqHandle:
+        """A new sequence with a copy of src's state."""
+        snap = self.snapshot(src)
+        with atomic(self):
+            handle = self.slots.claim()
+            self._write_slot(handle.slot, snap.conv_tails, snap.recurrent)
+            self._sync_slot_buffers()
+        return handle
+
+    def keep(self, seq: SeqHandle) -> None:
+        """llama.cpp ``seq_keep``: free every sequence but ``seq``."""
+        with atomic(self):
+            self.slots.check(seq)
+            for other in self.slots.live_handles():
+                if other != seq:
+                    self.free(other)
+
+    def snapshot(self, seq: SeqHandle, position: int | None = None) -> GDNSnapshot:
+        """A cheap copy of one sequence's current state (staged changes included)."""
+        slot = self.slots.check(seq)
+        tails, rec = (torch.stack([self._staged_row(getattr(self, name)[i], self._staged[name][i], slot)
+                                   for i in range(self.num_layers)]).clone() for name in self._SLOT_NAMES)
+        return GDNSnapshot(seq, position, tails, rec)
+
+    def restore(self, seq: SeqHandle, state: GDNSnapshot | bytes) -> None:
+        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
+
+        Everything is validated first; a bad snapshot (HebrusError) or blob (CorruptStateError) changes nothing.
+        """
+        slot = self.slots.check(seq)
+        if isinstance(state, GDNSnapshot):
+            tails, rec = state.conv_tails, state.recurrent
+            self._validate_seq_state(tails, rec, HebrusError)
+        elif isinstance(state, (bytes, bytearray, memoryview)):
+            tails, rec = self._decode(state)
+        else:
+            raise HebrusError(f"GDNState.restore: expected a GDNSnapshot or the bytes of save, got "
+                              f"{type(state).__name__}")
+        with atomic(self):
+            self._write_slot(slot, tails, rec)
+
+    def save(self, seq: SeqHandle) -> bytes:
+        """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
+        snap = self.snapshot(seq)
+        return blob.pack(_KIND, self._seq_config_meta(), {"conv_tails": snap.conv_tails, "recurrent": snap.recurrent})
+
+    # ----------------------------------------------------------------------------- step execution
+    def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
+             weight: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+        """The GDN's causal depthwise conv (dilation 1) of a packed step: ``[T, conv_dim]`` -> ``[T, conv_dim]``,
+        through ``hebrus::ple_conv``; stages the new tails.
+
+        Args:
+            layer: GDN layer index (see :meth:`layer_index`).
+            seqs: one handle per packed row; x: Tensor[T, conv_dim]; cu_seqlens: Tensor[B+1] int32.
+            weight: ``[conv_dim, K]`` (or transformers' ``[conv_dim, 1, K]``); defaults to the registered one.
+            activation: ``"silu"`` or ``"none"``; defaults to the holder's.
+        """
+        self._check_layer(layer)
+        x = as_tensor("GDNState.conv: x", x)
+        act = self.activation if activation is None else activation
+        if act not in _ACTIVATIONS:
+            raise HebrusError(f"GDNState.conv: activation must be 'silu' or 'none', got {act!r}")
+        act = _ACTIVATIONS[act]
+        if x.dim() != 2 or x.shape[1] != self.conv_dim:
+            raise HebrusError(f"GDNState.conv: x must be [T, conv_dim] = [T, {self.conv_dim}], got {list(x.shape)}")
+        if torch.promote_types(x.dtype, self.conv_state.dtype) != self.conv_state.dtype:
+            # The tail is stored in the state's dtype: one narrower than x would round it at every step
+            # boundary, so outputs would depend on how the stream was cut (SPEC §5.1).
+            raise HebrusError(f"GDNState.conv: x is {x.dtype} but the conv state is {self.conv_state.dtype}, which "
+                              f"cannot hold x's values exactly; pass x in the state's dtype (or cast the holder)")
+        if x.device != self.conv_state.device:
+            raise HebrusError(f"GDNState.conv: x is on {x.device}, the state on {self.conv_state.device}")
+        slots = self._slots_of(seqs, cu_seqlens, x.shape[0], "conv")
+        if weight is None:
+            if self._conv_weights is None:
+                raise HebrusError("GDNState.conv: no weight passed and none registered")
+            weight = self._conv_weights[layer]
+        want = (self.conv_dim, self.conv_kernel_size)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
+            got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise HebrusError(f"GDNState.conv: layer {layer} weight must be [conv_dim, K] = {list(want)} (or "
+                              f"transformers' [conv_dim, 1, K]), got {got}")
+        weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
+        state = self._gather(self.conv_state[layer], self._staged["conv_state"][layer], slots).to(x.dtype)
+        y, new_state = ple_ops.ple_conv(x, weight, cu_seqlens, state, 1, act)
+        with atomic(self):
+            self._stage(self._staged["conv_state"][layer], slots, new_state.detach().to(self.conv_state.dtype))
+        return y
+
+    def delta_rule(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule (qk l2-norm, q scaled by Dk**-0.5) of a packed step from each sequence's
+        recurrent state; stages the new states. Bitwise chunk-invariant (see ``gated_delta_rule``).
+
+        Args:
+            layer: GDN layer index; seqs: one handle per packed row; cu_seqlens: Tensor[B+1] int32.
+            q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g (log decay), beta: Tensor[T, Hv].
+
+        Returns:
+            Tensor[T, Hv, Dv] in v's dtype.
+        """
+        self._check_layer(layer)
+        tensors = {"q": as_tensor("GDNState.delta_rule: q", q), "k": as_tensor("GDNState.delta_rule: k", k),
+                   "v": as_tensor("GDNState.delta_rule: v", v), "g": as_tensor("GDNState.delta_rule: g", g),
+                   "beta": as_tensor("GDNState.delta_rule: beta", beta)}
+        hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
+        T = q.shape[0] if q.dim() else -1
+        wants = {"q": (T, hk, dk), "k": (T, hk, dk), "v": (T, hv, dv), "g": (T, hv), "beta": (T, hv)}
+        for name, t in tensors.items():
+            if tuple(t.shape) != wants[name]:
+                raise HebrusError(f"GDNState.delta_rule: {name} must be {list(wants[name])} (T, heads, head dim of "
+                                  f"this holder), got {list(t.shape)}")
+            if t.device != self.recurrent_state.device:
+                raise HebrusError(f"GDNState.delta_rule: {name} is on {t.device}, the state on "
+                                  f"{self.recurrent_state.device}")
+        slots = self._slots_of(seqs, cu_seqlens, T, "delta_rule")
+        state = self._gather(self.recurrent_state[layer], self._staged["recurrent_state"][layer], slots)
+        out, new_state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, state)
+        with atomic(self):
+            self._stage(self._staged["recurrent_state"][layer], slots, new_state.detach())
+        return out
+
+    # ----------------------------------------------------------------------------- transactions
+    def _empty_staging(self) -> dict[str, list[dict[int, tuple[torch.Tensor, int]]]]:
+        return {name: [{} for _ in range(self.num_layers)] for name in self._SLOT_NAMES}
+
+    def _txn_begin(self) -> None:
+        self._reset_staging()
+        self._base = self._txn_savepoint()
+
+    def _reset_staging(self) -> None:
+        self._staged = self._empty_staging()
+        self._undo = []
+        self._prepared = None
+        self._committed = False
+        self._base = None
+
+    def _txn_prepare(self) -> None:
+        """Every allocation of the commit before anything is published: per layer and op output that staged
+        rows, the destination slots, the rows to copy and the rows they replace."""
+        plan = []
+        for name in self._SLOT_NAMES:
+            buffer = getattr(self, name)
+            for layer, staged in enumerate(self._staged[name]):
+                by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+                for slot, (source, row) in staged.items():
+                    entry = by_source.setdefault(id(source), (source, [], []))
+                    entry[1].append(slot)
+                    entry[2].append(row)
+                for source, slots, rows in by_source.values():
+                    dst = torch.tensor(slots, dtype=torch.int64, device=buffer.device)
+                    if rows != list(range(source.shape[0])):
+                        source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
+                    plan.append((buffer[layer], dst, source, buffer[layer].index_select(0, dst)))
+        self._prepared = plan
+
+    def _txn_commit(self) -> None:
+        """One in-place index_copy_ per prepared entry; should one fail, the rows already written are put back."""
+        if self._prepared is None:
+            self._txn_prepare()
+        done = 0
+        try:
+            for target, dst, source, _ in self._prepared:
+                target.index_copy_(0, dst, source)
+                done += 1
+        except BaseException:
+            self._unpublish(self._prepared[:done + 1])
+            raise
+        self._committed = True
+
+    def _txn_finish(self) -> None:
+        self._reset_staging()
+
+    def _unpublish(self, entries) -> None:
+        for target, dst, _, old in reversed(entries):
+            target.index_copy_(0, dst, old)
+
+    def _txn_rollback(self) -> None:
+        if self._committed:
+            self._unpublish(self._prepared)
+        if self._base is not None:
+            self._txn_restore(self._base)
+        self._reset_staging()
+
+    def _txn_savepoint(self) -> _GDNSavepoint:
+        return _GDNSavepoint(len(self._undo), {n: [dict(s) for s in layers] for n, layers in self._staged.items()},
+                             self.slots.generation.tolist(), self.slots.live.tolist())
+
+    def _txn_restore(self, sp: _GDNSavepoint) -> None:
+        for slot, rows in reversed(self._undo[sp.undo_len:]):
+            for name, value in rows.items():
+                getattr(self, name)[:, slot] = value
+        del self._undo[sp.undo_len:]
+        self._staged = {n: [dict(s) for s in layers] for n, layers in sp.staged.items()}
+        self.slots.load(sp.generation, sp.live)
+        self._sync_slot_buffers()
+
+    def _log_slot(self, slot: int) -> None:
+        """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
+        self._undo.append((slot, {name: getattr(self, name)[:, slot].clone() for name in self._SLOT_NAMES}))
+
+    # ----------------------------------------------------------------------------- device / dtype moves
+    def _check_apply(self, fn) -> None:
+        """What ``_apply`` refuses before anything changes (a ModelCache checks every holder first)."""
+        if self.in_transaction:
+            raise HebrusError("GDNState: cannot move or cast the state inside a transaction (its changes are staged)")
+        check_cast("GDNState", fn, self.conv_state.dtype, self.conv_state.device)
+
+    def _apply(self, fn, recurse: bool = True):
+        # The recurrent state stays float32 (what the delta rule accumulates in): it only follows moves.
+        self._check_apply(fn)
+        rec = self._buffers.pop("recurrent_state")
+        try:
+            device = fn(torch.empty(0, device=rec.device)).device
+            moved = rec if rec.device == device else rec.to(device)
+            result = super()._apply(fn, recurse)
+        except BaseException:
+            self._buffers["recurrent_state"] = rec
+            raise
+        self._buffers["recurrent_state"] = moved
+        return result
+
+    # ----------------------------------------------------------------------------- whole-holder state
+    def digest(self, seq: SeqHandle | None = None) -> str:
+        """sha256 of the public state: config, every slot's generation and live flag, and each live sequence's
+        tails and recurrent states (staged changes included).
+
+        With ``seq``, of that sequence's tails and recurrent states only (not its slot), so two sequences
+        with equal state have equal digests. Free slots' rows are not state.
+        """
+        if seq is not None:
+            snap = self.snapshot(seq)
+            return blob.digest_of([("conv_tails", snap.conv_tails), ("recurrent", snap.recurrent)])
+        parts: list[tuple[str, Any]] = [("config", self._config_meta()), ("generation", self.slots.generation),
+                                        ("live", self.slots.live)]
+        for h in self.slots.live_handles():
+            parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
+        return blob.digest_of(parts)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 (nn.Module hook)
+        if self.in_transaction:
+            raise HebrusError("GDNState.state_dict cannot run inside a transaction (its changes are staged)")
+        for name in self._STATE_NAMES:
+            destination[prefix + name] = getattr(self, name).detach().clone()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
+                "checksum": blob.digest_of([(n, getattr(self, n)) for n in self._STATE_NAMES])}
+
+    def set_extra_state(self, state: Any) -> None:
+        raise HebrusError("GDNState: load the whole holder with load_state_dict")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Validate format, config, shapes, dtypes, slot table and checksum first; CorruptStateError and
+        nothing changed otherwise. ``strict=False`` leaves unknown keys out and returns them."""
+        sd = self._as_dict(state_dict)
+        sd, unexpected = blob.known_entries("GDNState.load_state_dict", sd, self._state_keys(), strict)
+        self.check_state_dict(sd)
+        self.publish_state_dict(sd)
+        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.__dict__.pop("_loaded_by_owner", False):
+            return
+        self.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+
+    def _state_keys(self) -> set[str]:
+        return {*self._STATE_NAMES, "_extra_state"}
+
+    def _as_dict(self, state_dict: Any) -> dict[str, Any]:
+        if self.in_transaction:
+            raise HebrusError("GDNState.load_state_dict cannot run inside a transaction")
+        if not isinstance(state_dict, Mapping):
+            raise CorruptStateError(f"GDNState.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        return dict(state_dict)
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Everything ``load_state_dict`` (strict) validates, without changing anything (CorruptStateError)."""
+        sd = self._as_dict(state_dict)
+        blob.known_entries("GDNState.load_state_dict", sd, self._state_keys(), strict=True)
+        expect = blob.expect
+        extra = sd.get("_extra_state")
+        expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
+               "state dict lacks GDNState metadata")
+        expect(_KIND, blob.same(extra.get("version"), blob.FORMAT_VERSION),
+               f"unsupported version {blob.short(extra.get('version'))}")
+        expect(_KIND, blob.same(extra.get("config"), self._config_meta()),
+               f"state dict was saved with config {blob.short(extra.get('config'))}, this holder has "
+               f"{self._config_meta()!r}")
+        for name in self._STATE_NAMES:
+            mine = getattr(self, name)
+            t = sd.get(name)
+            expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
+            expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
+                   f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
+        checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
+        expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
+        problem = generation_problem(sd["generation"].tolist(), sd["live"].tolist())
+        expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
+
+    def publish_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Publish a state dict that ``check_state_dict`` accepted."""
+        self._swap_state_dict(self._prepare_state_dict(state_dict))
+
+    def _prepare_state_dict(self, state_dict: Mapping[str, Any]) -> tuple:
+        buffers = {name: torch.empty_like(getattr(self, name)).copy_(state_dict[name].detach())
+                   for name in self._STATE_NAMES}
+        generation = [int(g) for g in state_dict["generation"].tolist()]
+        live = [bool(v) for v in state_dict["live"].tolist()]
+        return buffers, generation, live
+
+    def _swap_state_dict(self, prepared: tuple) -> None:
+        buffers, generation, live = prepared
+        for name, tensor in buffers.items():
+            setattr(self, name, tensor)
+        self.slots.assign(generation, live)
+        self._reset_staging()
+
+    # ----------------------------------------------------------------------------- internals
+    def _config_meta(self) -> dict[str, Any]:
+        return {"layers": self.num_layers, "key_heads": self.num_key_heads, "value_heads": self.num_value_heads,
+                "key_head_dim": self.key_head_dim, "value_head_dim": self.value_head_dim,
+                "kernel": self.conv_kernel_size, "conv_dim": self.conv_dim, "dtype": str(self.conv_state.dtype),
+                "max_sequences": self.slots.capacity}
+
+    def _seq_config_meta(self) -> dict[str, Any]:
+        meta = self._config_meta()
+        del meta["max_sequences"]
+        return meta
+
+    def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        meta, tensors = blob.unpack(data, _KIND)
+        blob.expect(_KIND, blob.same(meta, self._seq_config_meta()),
+                    f"blob was saved with config {blob.short(meta)}, this holder has {self._seq_config_meta()!r}")
+        blob.expect(_KIND, set(tensors) == {"conv_tails", "recurrent"}, f"blob holds tensors {sorted(tensors)}")
+        self._validate_seq_state(tensors["conv_tails"], tensors["recurrent"], CorruptStateError)
+        return tensors["conv_tails"], tensors["recurrent"]
+
+    def _validate_seq_state(self, tails: torch.Tensor, rec: torch.Tensor, error: type) -> None:
+        want_tails = (self.num_layers, self.state_len, self.conv_dim)
+        want_rec = (self.num_layers, self.num_value_heads, self.key_head_dim, self.value_head_dim)
+        if not isinstance(tails, torch.Tensor) or tuple(tails.shape) != want_tails \
+                or tails.dtype != self.conv_state.dtype:
+            got = f"{list(tails.shape)} {tails.dtype}" if isinstance(tails, torch.Tensor) else type(tails).__name__
+            raise error(f"GDNState: conv tails must be {list(want_tails)} {self.conv_state.dtype}, got {got}")
+        if not isinstance(rec, torch.Tensor) or tuple(rec.shape) != want_rec or rec.dtype != torch.float32:
+            got = f"{list(rec.shape)} {rec.dtype}" if isinstance(rec, torch.Tensor) else type(rec).__name__
+            raise error(f"GDNState: recurrent states must be {list(want_rec)} float32, got {got}")
+
+    def _check_layer(self, layer: int) -> None:
+        layer = as_int("GDNState: layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise HebrusError(f"GDNState: layer {layer} outside [0, {self.num_layers})")
+
+    def _slots_of(self, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, tokens: int, op: str) -> list[int]:
+        slots = [self.slots.check(s) for s in seqs]
+        if len(set(slots)) != len(slots):
+            raise HebrusError(f"GDNState.{op}: a sequence appears twice in one packed step: {list(seqs)}")
+        cu_seqlens = as_tensor(f"GDNState.{op}: cu_seqlens", cu_seqlens)
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != len(slots) + 1:
+            raise HebrusError(f"GDNState.{op}: cu_seqlens must be int32 with {len(slots) + 1} entries for "
+                              f"{len(slots)} sequences, got shape {list(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != tokens or any(a > b for a, b in zip(cu[:-1], cu[1:])):
+            raise HebrusError(f"GDNState.{op}: cu_seqlens must rise from 0 to T = {tokens} without decreasing, "
+                              f"got {cu}")
+        return slots
+
+    @staticmethod
+    def _staged_row(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slot: int) -> torch.Tensor:
+        if slot in staged:
+            source, row = staged[slot]
+            return source[row]
+        return published[slot]
+
+    @staticmethod
+    def _gather(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slots: list[int]) -> torch.Tensor:
+        out = published.index_select(0, torch.tensor(slots, dtype=torch.int64, device=published.device))
+        for i, s in enumerate(slots):
+            if s in staged:
+                source, row = staged[s]
+                out[i] = source[row]
+        return out
+
+    @staticmethod
+    def _stage(staged: dict[int, tuple[torch.Tensor, int]], slots: list[int], rows: torch.Tensor) -> None:
+        for i, s in enumerate(slots):
+            staged[s] = (rows, i)
+
+    def _clear_slot(self, slot: int) -> None:
+        self._log_slot(slot)
+        self._drop_staged(slot)
+        self.conv_state[:, slot] = 0
+        self.recurrent_state[:, slot] = 0
+
+    def _write_slot(self, slot: int, tails: torch.Tensor, rec: torch.Tensor) -> None:
+        self._log_slot(slot)
+        self._drop_staged(slot)
+        self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
+        self.recurrent_state[:, slot] = rec.detach().to(self.recurrent_state.device, torch.float32)
+
+    def _drop_staged(self, slot: int) -> None:
+        for layers in self._staged.values():
+            for staged in layers:
+                staged.pop(slot, None)
+
+    def _sync_slot_buffers(self) -> None:
+        self.generation.copy_(self.slots.generation)
+        self.live.copy_(self.slots.live)
