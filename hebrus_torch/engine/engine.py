@@ -123,6 +123,9 @@ class Engine:
         self._cancelled: list[str] = []
         self._failed_early: list[Request] = []
         self._fault_hook: Callable[[StepPlan], None] | None = None   # tests: raise inside a step
+        self.on_prompt_done: Callable[[Request], None] | None = None
+        """Called after the step in which a request's prompt entered the cache (its state is then the
+        state after its prompt: what the chunk-invariance tests digest)."""
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
@@ -314,8 +317,10 @@ class Engine:
             else:
                 self.counters.decode_tokens += chunk.num_tokens
             req.prefilled_tokens += chunk.num_tokens
-            req.num_computed = end
+            before, req.num_computed = req.num_computed, end
             self._record_prefix(req)
+            if self.on_prompt_done is not None and before < len(req.prompt) <= end:
+                self.on_prompt_done(req)
             if not needs_logits:
                 continue
             token, logprob = sample_next(logits[row], req.sampling, req.tokens, req.generator)

@@ -1,0 +1,337 @@
+"""Continuous batching on the state holders (SPEC §8): the engine against per-prompt ``generate``.
+
+Model-level invariants run on random tiny Qwen4Exp configs of several shapes, fp32:
+- greedy tokens equal ``model.generate`` on each prompt alone (unpatched and patched), for prompts
+  shorter and longer than the indexer budget and with EOS inside prompts; logits within fp32 tolerance;
+- with row-invariant dense layers (SPEC §8's BLAS caveat), the same requests under every token budget,
+  request cap, arrival order and with prefix sharing on and off give the same tokens and, after each
+  prompt, bitwise the same hebrus-owned state (``digest(seq)`` of every holder);
+- a fault injected at any step rolls it back bitwise and the engine then completes every request with
+  the tokens it would have produced; bad requests fail alone; cancelling frees capacity exactly.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_models import modeling, tiny_indexer_config  # noqa: E402  (skips without transformers)
+
+import hebrus_torch as ht
+from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
+
+EOS = 3
+BUDGET = 8          # indexer_budget of the tiny configs: prompts over 8 + r - 1 = 11 tokens really select
+
+SHAPES = {
+    "lin-idx": dict(),
+    "idx-lin-idx-lin": dict(layer_types=["indexed_attention", "linear_attention", "indexed_attention",
+                                         "linear_attention"], num_hidden_layers=4, ple_layer_ids=[2, 4],
+                            hc_count=3, num_attention_heads=4, num_key_value_heads=2),
+    "lin-lin-idx": dict(layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+                        num_hidden_layers=3, ple_layer_ids=[1, 2], linear_num_key_heads=1,
+                        linear_num_value_heads=2, partial_rotary_factor=0.5),
+}
+
+
+def make_model(shape: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    overrides = dict(SHAPES[shape])
+    if "partial_rotary_factor" in overrides:
+        overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": overrides.pop("partial_rotary_factor")}
+    model = modeling.Qwen4ExpForCausalLM(tiny_indexer_config(**overrides)).eval()
+    with torch.no_grad():  # transformers zero-initialises norms and the PLE conv: give every path a say
+        for name, p in model.named_parameters():
+            if "conv1d" in name or "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def prompts_for(seed: int, lengths=(3, 9, 17, 30, 1, 12)) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        p = [rng.randrange(4, 50) for _ in range(n)]
+        if n > 6:
+            p[n // 2] = EOS       # an EOS inside the prompt
+        out.append(p)
+    return out
+
+
+def reference_tokens(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=0)
+    gen = out[0, len(prompt):].tolist()
+    if EOS in gen:
+        gen = gen[:gen.index(EOS) + 1]
+    return gen
+
+
+def run_engine(model, prompts, max_new_tokens=6, order=None, **config) -> tuple[dict, dict]:
+    cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
+    cfg.update(config)
+    engine = Engine(model, EngineConfig(**cfg))
+    states = {}
+    engine.on_prompt_done = lambda req: states.__setitem__(
+        req.request_id, tuple(h.digest(req.seq) for h in engine.cache.holders))
+    order = order if order is not None else range(len(prompts))
+    for i in order:
+        engine.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS)
+    engine.run()
+    tokens = {rid: req.generated for rid, req in engine.requests.items()}
+    assert all(req.status is RequestStatus.FINISHED for req in engine.requests.values())
+    return tokens, states
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def row_invariant(monkeypatch):
+    """Every dense layer computes each row on its own, so no output row depends on how many rows
+    share the call (SPEC §8: BLAS picks its kernel by the row count)."""
+    linear = torch.nn.functional.linear
+
+    def rowwise(x, weight, bias=None):
+        if x.dim() == 0 or x.numel() == 0:
+            return linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        rows = [linear(flat[i:i + 1], weight, bias) for i in range(flat.shape[0])]
+        return torch.cat(rows).reshape(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", rowwise)
+
+
+# ------------------------------------------------------------------------------------------ parity
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_tokens_equal_generate_on_each_prompt_alone(shape):
+    model = make_model(shape)
+    prompts = prompts_for(1)
+    tokens, _ = run_engine(model, prompts)
+    for i, p in enumerate(prompts):
+        assert tokens[f"r{i}"] == reference_tokens(model, p, 6), (shape, i, len(p))
+
+
+def test_greedy_tokens_equal_patched_generate():
+    model = make_model("lin-idx", seed=2)
+    prompts = prompts_for(2)
+    from hebrus_torch.integrations import transformers as htx
+    htx.apply(model)
+    try:
+        tokens, _ = run_engine(model, prompts, max_batch_tokens=7)
+        for i, p in enumerate(prompts):
+            assert tokens[f"r{i}"] == reference_tokens(model, p, 6)
+    finally:
+        htx.revert(model)
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_packed_step_logits_match_the_models_forward(shape):
+    """One packed step mixing a prefill chunk, a first chunk and decodes vs each sequence's own forward."""
+    from transformers import DynamicCache
+
+    model = make_model(shape, seed=3)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=None))
+    prompts = prompts_for(3, lengths=(20, 5, 13))
+    seqs = [engine.cache.new_sequence() for _ in prompts]
+    # Step 1: the first 9 / 5 / 13 tokens; step 2: 11 more of the first, one more of the other two.
+    first = [p[:9] if len(p) > 9 else p for p in prompts]
+    engine.runner.execute(seqs, first, [False] * 3, [0, 0, 0])
+    nxt = [prompts[0][9:], [7], [11]]
+    logits = engine.runner.execute(seqs, nxt, [True] * 3, [9, 5, 13])
+    for i, (a, b) in enumerate(zip(first, nxt)):
+        ref = model(torch.tensor([a + b]), past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+        torch.testing.assert_close(logits[i], ref.float(), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ invariance
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_tokens_and_state_after_prompt_do_not_depend_on_cut_cap_order_or_sharing(shape, row_invariant):
+    model = make_model(shape, seed=4)
+    base = prompts_for(4, lengths=(14, 6, 21, 2))
+    shared = base[2][:12]
+    prompts = base + [shared + [9, 8, 7], shared + [9, 8, 7, 6, 5]]   # two that share 12 tokens (3 blocks)
+    ref_tokens, ref_states = run_engine(model, prompts, max_batch_tokens=None, allow_block_sharing=False)
+    settings = [dict(max_batch_tokens=1), dict(max_batch_tokens=7), dict(max_batch_tokens=16),
+                dict(max_batch_tokens=64), dict(max_batch_tokens=7, max_requests_per_batch=2),
+                dict(max_batch_tokens=16, order=[5, 3, 1, 0, 4, 2]), dict(max_batch_tokens=7, allow_block_sharing=True)]
+    for s in settings:
+        tokens, states = run_engine(model, prompts, **s)
+        assert tokens == ref_tokens, s
+        assert states == ref_states, s
+
+
+def test_prefix_sharing_prefills_the_shared_part_once(row_invariant):
+    model = make_model("lin-idx", seed=5)
+    shared = prompts_for(5, lengths=(16,))[0]
+    prompts = [shared + [10 + i, 20 + i, 30] for i in range(4)]
+    on = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=8, max_batch_tokens=64, block_size=4))
+    off = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=8, max_batch_tokens=64, block_size=4,
+                                     allow_block_sharing=False))
+    for engine in (on, off):
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=4, eos_token_id=-1)
+        engine.run()
+    assert {r: q.generated for r, q in on.requests.items()} == {r: q.generated for r, q in off.requests.items()}
+    assert off.counters.prefill_tokens == sum(len(p) for p in prompts)
+    assert on.counters.prefix_hit_tokens == 3 * 16
+    assert on.counters.prefill_tokens == 16 + sum(len(p) - 16 for p in prompts)
+
+
+def test_a_one_token_difference_is_never_shared():
+    model = make_model("lin-idx", seed=6)
+    a = prompts_for(6, lengths=(16,))[0]
+    b = list(a)
+    b[13] = (b[13] + 1) % 46 + 4
+    engine = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=4, max_batch_tokens=64, block_size=4))
+    engine.add_request(a, request_id="a", max_new_tokens=2, eos_token_id=-1)
+    engine.run()
+    engine.add_request(a + [5], request_id="a2", max_new_tokens=2, eos_token_id=-1)  # a is freed: nothing kept
+    engine.add_request(b + [5], request_id="b", max_new_tokens=2, eos_token_id=-1)
+    engine.run()
+    assert engine.requests["b"].prefix_hit_tokens <= 12
+    assert engine.requests["b"].generated == reference_tokens(model, b + [5], 2)[:2]
+
+
+# ------------------------------------------------------------------------------------------ faults
+@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
+def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
+    model = make_model("lin-idx", seed=7)
+    prompts = prompts_for(7, lengths=(10, 4, 15))
+    clean, _ = run_engine(model, prompts, max_batch_tokens=7)
+    for k in range(1, 12, 3):
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+        calls = {"n": 0}
+        digests = []
+
+        def fault(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == k:
+                raise RuntimeError(f"injected fault at call {k}")
+
+        if target == "hook":
+            engine._fault_hook = lambda plan: (digests.append(engine.cache.digest()), fault())
+        else:
+            holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa,
+                      "delta_rule": engine.cache.gdn}[target]
+            name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]
+            original = getattr(holder, name)
+
+            def faulty(*args, _orig=original, **kwargs):
+                fault()
+                return _orig(*args, **kwargs)
+            monkeypatch.setattr(holder, name, faulty)
+            execute = engine.runner.execute
+
+            def checked(*args, _exec=execute):
+                before = engine.cache.digest()
+                try:
+                    return _exec(*args)
+                except RuntimeError:
+                    assert engine.cache.digest() == before      # rolled back bitwise
+                    raise
+            engine.runner.execute = checked
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)
+        engine.run()
+        assert calls["n"] >= k
+        assert engine.counters.retried_steps == 1
+        assert {r: q.generated for r, q in engine.requests.items()} == clean, (target, k)
+
+
+def test_a_step_that_keeps_failing_fails_its_requests_and_the_engine_goes_on():
+    model = make_model("lin-idx", seed=8)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64))
+    engine.add_request([5, 6, 7], request_id="doomed", max_new_tokens=3, eos_token_id=-1)
+    engine._fault_hook = lambda plan: (_ for _ in ()).throw(RuntimeError("persistent"))
+    engine.step()
+    assert engine.requests["doomed"].status is RequestStatus.FAILED
+    assert "persistent" in engine.requests["doomed"].error
+    engine._fault_hook = None
+    engine.add_request([5, 6, 7], request_id="next", max_new_tokens=3, eos_token_id=-1)
+    engine.run()
+    assert engine.requests["next"].generated == reference_tokens(model, [5, 6, 7], 3)[:3]
+    assert engine.cache.slots.live_handles() == []
+
+
+# ------------------------------------------------------------------------------------------ requests
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[1, 50]), "outside the vocabulary"),
+    (dict(prompt=[1, -1]), "outside the vocabulary"),
+    (dict(prompt=list(range(4, 40)) * 10), "does not fit"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_requests_are_refused_with_a_clear_error(bad, match):
+    model = make_model("lin-idx")
+    engine = Engine(model, EngineConfig(capacity_tokens=64, max_sequences=2))
+    args = dict(prompt=[5, 6], max_new_tokens=2)
+    args.update(bad)
+    with pytest.raises(BadRequestError, match=match):
+        engine.add_request(args.pop("prompt"), **args)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(temperature=0.0, do_sample=True), "temperature"),
+                                           (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                                           (dict(repetition_penalty=0.0), "repetition_penalty")])
+def test_bad_sampling_values_are_refused(kwargs, match):
+    with pytest.raises(BadRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_cancel_frees_capacity_exactly_and_changes_no_other_tokens():
+    model = make_model("lin-idx", seed=9)
+    prompts = prompts_for(9, lengths=(10, 14, 5))
+    clean, _ = run_engine(model, prompts[:1] + prompts[2:], max_batch_tokens=7)
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+    free0, slots0 = engine._free_cells(), len(engine.cache.slots.live_handles())
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)
+    engine.step()
+    engine.step()                              # r1 is part-way through its prompt
+    assert 0 < engine.requests["r1"].num_computed < len(prompts[1])
+    engine.cancel("r1")
+    engine.run()
+    assert engine.requests["r1"].status is RequestStatus.CANCELLED
+    assert engine._free_cells() == free0 and len(engine.cache.slots.live_handles()) == slots0
+    assert engine.requests["r0"].generated == clean["r0"] and engine.requests["r2"].generated == clean["r2"]
+
+
+def test_a_full_cache_preempts_the_newest_and_recomputes_it():
+    model = make_model("lin-idx", seed=10)
+    prompts = prompts_for(10, lengths=(12, 12, 12))
+    engine = Engine(model, EngineConfig(capacity_tokens=40, max_sequences=4, max_batch_tokens=64))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=-1)
+    engine.run()
+    assert engine.counters.preemptions >= 1
+    for i, p in enumerate(prompts):
+        out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert engine.requests[f"r{i}"].generated == out[0, len(p):].tolist()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(row_invariant):
+    model = make_model("lin-idx", seed=11)
+    prompts = prompts_for(11, lengths=(5, 9, 13))
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=7,
+                            logprobs=True)
+
+    def run(order, budget):
+        engine = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=4, max_batch_tokens=budget))
+        for i in order:
+            engine.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=8, sampling=params, eos_token_id=-1)
+        engine.run()
+        return {r: (q.generated, len(q.logprobs)) for r, q in engine.requests.items()}
+
+    a, b = run([0, 1, 2], 64), run([2, 0, 1], 5)
+    assert a == b
+    assert all(n == 8 for _, n in a.values())
