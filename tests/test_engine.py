@@ -259,6 +259,7 @@ def test_a_step_that_keeps_failing_fails_its_requests_and_the_engine_goes_on():
     engine.add_request([5, 6, 7], request_id="next", max_new_tokens=3, eos_token_id=-1)
     engine.run()
     assert engine.requests["next"].generated == reference_tokens(model, [5, 6, 7], 3)[:3]
+    engine.clear_prefix_cache()
     assert engine.cache.slots.live_handles() == []
 
 
@@ -292,7 +293,8 @@ def test_cancel_frees_capacity_exactly_and_changes_no_other_tokens():
     model = make_model("lin-idx", seed=9)
     prompts = prompts_for(9, lengths=(10, 14, 5))
     clean, _ = run_engine(model, prompts[:1] + prompts[2:], max_batch_tokens=7)
-    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4,
+                                        prefix_cache_tokens=0))
     free0, slots0 = engine._free_cells(), len(engine.cache.slots.live_handles())
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)

@@ -13,6 +13,7 @@ transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class EngineConfig:
             end of the shared part (prefix sharing).
         block_size: the prefix-sharing block (prefill chunks that cross a boundary end on one).
         step_retries: how often a failed step is retried before its requests fail.
+        prefix_cache_tokens: with block sharing, finished requests' state is kept for later
+            requests that extend their tokens (a second chat turn), least recently used first out,
+            while the kept sequences hold at most this many cache cells (None: half the capacity;
+            0: keep nothing). Kept state yields to running requests: it is evicted before any
+            request is preempted.
     """
 
     capacity_tokens: int = 16384
@@ -54,6 +60,7 @@ class EngineConfig:
     allow_block_sharing: bool = True
     block_size: int = 64
     step_retries: int = 1
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -84,6 +91,7 @@ class EngineCounters:
     prefill_tokens: int = 0        # prompt (and recomputed) tokens run through the model
     decode_tokens: int = 0
     prefix_hit_tokens: int = 0     # prompt tokens taken from a shared prefix instead
+    prefix_evictions: int = 0      # kept sequences evicted from the prefix cache
     step_seconds: float = 0.0
     model_seconds: float = 0.0
 
@@ -118,6 +126,9 @@ class Engine:
                                    block_size=cfg.block_size if cfg.allow_block_sharing else None)
         self.prefix = PrefixIndex(cfg.block_size) if cfg.allow_block_sharing else None
         self.requests: dict[str, Request] = {}
+        self._kept: collections.OrderedDict[SeqHandle, int] = collections.OrderedDict()   # LRU: seq -> cells
+        budget = cfg.prefix_cache_tokens
+        self.prefix_cache_tokens = (cfg.capacity_tokens // 2 if budget is None else budget) if self.prefix else 0
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self._cancelled: list[str] = []
@@ -210,6 +221,7 @@ class Engine:
         """Run one step; returns what changed for each request touched (tokens gained, finished)."""
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
+        self._make_room()
         plan = self.scheduler.schedule(self._free_cells(), admit=self._admit)
         for victim in plan.preempted:
             self._release_state(victim)
@@ -241,12 +253,15 @@ class Engine:
             hit = self.prefix.lookup(req.tokens, req.num_tokens - 1)
         try:
             if hit is not None:
+                if hit.seq in self._kept:
+                    self._kept.move_to_end(hit.seq)
                 seq = self.cache.fork(hit.seq)
-                try:
-                    self.cache.rewind(seq, hit.tokens)
-                except HebrusError:
-                    self.cache.free(seq)
-                    raise
+                if self.prefix.frontier(hit.seq) != hit.tokens:
+                    try:
+                        self.cache.rewind(seq, hit.tokens)
+                    except HebrusError:
+                        self.cache.free(seq)
+                        raise
             else:
                 seq = self.cache.new_sequence()
         except CapacityError:
@@ -288,7 +303,10 @@ class Engine:
                 self.counters.model_seconds += time.perf_counter() - t0
                 break
             except CapacityError as err:
-                # Out of cells: free the newest request (recomputed later) and run the rest.
+                # Out of cells: drop kept prefixes first, else free the newest request (recomputed later).
+                if self._kept:
+                    self._evict_kept()
+                    continue
                 if len(self.scheduler.running) <= 1:
                     return self._fail([c.request for c in chunks], f"the cache is full: {err}")
                 victim = max(self.scheduler.running, key=lambda r: r.arrival)
@@ -370,7 +388,49 @@ class Engine:
         req.error = error
         req.finished_time = time.perf_counter()
         self.scheduler.remove(req)
+        if status is RequestStatus.FINISHED and req.seq is not None and self._keep(req):
+            return
         self._release_state(req)
+
+    # ------------------------------------------------------------------ the prefix cache
+    def _keep(self, req: Request) -> bool:
+        """Keep a finished request's state for requests that extend its tokens; False if it does not fit."""
+        if self.prefix_cache_tokens <= 0 or req.num_computed > self.prefix_cache_tokens:
+            return False
+        seq, req.seq = req.seq, None
+        self.prefix.record_frontier(seq, req.tokens[:req.num_computed])
+        self._kept[seq] = req.num_computed
+        while sum(self._kept.values()) > self.prefix_cache_tokens:
+            self._evict_kept()
+        return True
+
+    def _evict_kept(self) -> None:
+        seq, _ = self._kept.popitem(last=False)
+        self.prefix.drop(seq)
+        self.cache.free(seq)
+        self.counters.prefix_evictions += 1
+
+    def kept_sequences(self) -> list[SeqHandle]:
+        """Sequences held by the prefix cache, least recently used first."""
+        return list(self._kept)
+
+    def clear_prefix_cache(self) -> None:
+        while self._kept:
+            self._evict_kept()
+
+    def _make_room(self) -> None:
+        """Evict kept prefixes while running requests or the next waiting one would lack cells or a slot."""
+        if not self._kept:
+            return
+        sched = self.scheduler
+        need = sum(1 for r in sched.running if r.remaining == 1)
+        if sched.waiting:
+            head = sched.waiting[0]
+            need += min(head.remaining, self.config.max_batch_tokens or head.remaining)
+            while self._kept and len(sched.running) + len(self._kept) >= self.config.max_sequences:
+                self._evict_kept()
+        while self._kept and self._free_cells() < need:
+            self._evict_kept()
 
     def _release_state(self, req: Request) -> None:
         if req.seq is None:

@@ -39,6 +39,7 @@ class PrefixIndex:
         self.block_size = block_size
         self._entries: dict[int, list[tuple[SeqHandle, tuple[int, ...]]]] = collections.defaultdict(list)
         self._by_seq: dict[SeqHandle, list[int]] = collections.defaultdict(list)
+        self._frontiers: dict[SeqHandle, tuple[int, ...]] = {}
 
     def _keys(self, tokens: Sequence[int], upto: int) -> list[int]:
         keys, key, b = [], 0, self.block_size
@@ -58,19 +59,40 @@ class PrefixIndex:
             bucket.append((seq, prefix))
             self._by_seq[seq].append(key)
 
+    def record_frontier(self, seq: SeqHandle, tokens: Sequence[int]) -> None:
+        """``seq`` (kept, no longer growing) holds the state right after ``tokens``, any length."""
+        if tokens:
+            self._frontiers[seq] = tuple(tokens)
+
     def lookup(self, prompt: Sequence[int], max_tokens: int) -> PrefixHit | None:
-        """The longest recorded prefix of ``prompt`` of at most ``max_tokens`` tokens, or None."""
+        """The longest recorded prefix of ``prompt`` of at most ``max_tokens`` tokens, or None.
+
+        A hit at a kept sequence's frontier needs no rewind (``PrefixHit.tokens`` is then that
+        sequence's whole length); a block-boundary hit needs a rewind to the boundary.
+        """
+        best: PrefixHit | None = None
+        for seq, tokens in self._frontiers.items():
+            n = len(tokens)
+            if n <= max_tokens and (best is None or n > best.tokens) and tuple(prompt[:n]) == tokens:
+                best = PrefixHit(seq, n)
         keys = self._keys(prompt, min(max_tokens, len(prompt)))
         for i in range(len(keys) - 1, -1, -1):
             length = (i + 1) * self.block_size
+            if best is not None and best.tokens >= length:
+                break
             want = tuple(prompt[:length])
             for seq, tokens in self._entries.get(keys[i], ()):
                 if tokens == want:
                     return PrefixHit(seq, length)
-        return None
+        return best
+
+    def frontier(self, seq: SeqHandle) -> int | None:
+        tokens = self._frontiers.get(seq)
+        return None if tokens is None else len(tokens)
 
     def drop(self, seq: SeqHandle) -> None:
         """Forget every entry of ``seq`` (it is being freed or rewound)."""
+        self._frontiers.pop(seq, None)
         for key in self._by_seq.pop(seq, []):
             bucket = [(s, t) for s, t in self._entries.get(key, []) if s != seq]
             if bucket:
