@@ -14,8 +14,11 @@ Leaving the transaction publishes every layer's new state at once; an exception 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
-from typing import Sequence
+import time
+from typing import Iterator, Sequence
 
 import torch
 
@@ -81,6 +84,20 @@ class ModelRunner:
         if unknown:
             raise HebrusError(f"engine: unsupported layer types {unknown}")
         self.hc_count = int(self.config.hc_count)
+        self.timings: collections.Counter | None = None
+        """Set to a Counter to accumulate seconds per part of the step (ple, gdn, attention, moe, other):
+        host wall time, so only meaningful where the ops run synchronously (CPU)."""
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        if self.timings is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[part] += time.perf_counter() - t0
 
     @property
     def device(self) -> torch.device:
@@ -119,16 +136,23 @@ class ModelRunner:
         h = embeds.repeat(1, self.hc_count)                                           # [T, hc * hidden]
         for idx, layer in enumerate(text.layers[: self.config.num_hidden_layers]):
             if layer.ple is not None:
-                h = h + self._ple(step, idx, layer.ple, h)
-            x, hyper, inject = layer.attn_hyper_connection(h)
+                with self._timed("ple"):
+                    h = h + self._ple(step, idx, layer.ple, h)
+            with self._timed("hyper-connections"):
+                x, hyper, inject = layer.attn_hyper_connection(h)
             if layer.layer_type == "linear_attention":
-                out = self._linear_attention(step, idx, layer.linear_attn, x)
+                with self._timed("gdn"):
+                    out = self._linear_attention(step, idx, layer.linear_attn, x)
             else:
-                out = self._indexed_attention(step, idx, layer.self_attn, x, cos, sin)
-            h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
-            x, hyper, inject = layer.mlp_hyper_connection(h)
-            out = layer.mlp(x[None])[0]
-            h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+                with self._timed("attention"):
+                    out = self._indexed_attention(step, idx, layer.self_attn, x, cos, sin)
+            with self._timed("hyper-connections"):
+                h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+                x, hyper, inject = layer.mlp_hyper_connection(h)
+            with self._timed("moe"):
+                out = layer.mlp(x[None])[0]
+            with self._timed("hyper-connections"):
+                h = hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
         return text.hyper_connection_mixer(h)
 
     def _ple(self, step: ChunkStep, idx: int, ple: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
