@@ -11,7 +11,7 @@ import torch
 from .errors import CorruptStateError, HebrusError
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
-from .qsa.cache import QSACache, QSAPlan
+from .qsa.cache import MAX_POSITION, QSACache, QSAPlan
 from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable, generation_problem
@@ -82,6 +82,11 @@ class ChunkStep:
         self.chunk = None
         if cache.qsa is not None:
             self.chunk = cache.qsa.reserve(batch.seqs, batch.counts, batch.first_positions or None)
+            # A sequence whose PLE state is fresh gets its origin from its first token (SPEC §4).
+            starts = self.chunk.cu_seqlens[:-1].tolist()
+            for seq, start, count in zip(batch.seqs, starts, batch.counts):
+                if count and cache._origin.get(seq.slot) is None:
+                    cache._origin[seq.slot] = int(self.chunk.positions[start])
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -143,6 +148,12 @@ class ModelCache(torch.nn.Module, Transactional):
     PLE goes first in each operation because it can refuse (a partial rewind needs a PLE snapshot
     at that position). Either holder may be None for a model without that path.
 
+    The **PLE origin** of a sequence (SPEC §4) is the position at which its PLE state was fresh: its
+    first token, or where a reset, a full removal or a rewind to the origin left it fresh (then unset
+    until the next token). ``rewind(seq, p)`` with ``p <=`` the origin clears the PLE state; any other
+    rewind needs a snapshot taken at p. Removing or evicting a prefix moves p0, never the origin.
+    ``save``/``restore``, ``state_dict`` and ``digest`` carry it.
+
     Args:
         qsa: a ``QSACache`` or None.
         ple: a ``PLEState`` or None.
@@ -163,6 +174,7 @@ class ModelCache(torch.nn.Module, Transactional):
         self.top_k = top_k
         self.keep_snapshots = keep_snapshots
         self._snapshots: dict[int, list[PLESnapshot]] = {}
+        self._origin: dict[int, int | None] = {}       # slot -> PLE origin; None/absent: fresh, no token yet
         self._backup: tuple | None = None
 
     @classmethod
@@ -223,8 +235,9 @@ class ModelCache(torch.nn.Module, Transactional):
         with transaction(self):
             if batch is not None and self.keep_snapshots and self.ple is not None:
                 for seq in batch.seqs:
-                    if self.qsa is None or self.qsa.run(seq)[1]:  # an empty run rewinds by clearing
-                        self._remember(seq, self.ple.snapshot(seq, self._next_position(seq)))
+                    position = self._snapshot_position(seq)
+                    if position is not None:           # a fresh state rewinds by clearing
+                        self._remember(seq, self.ple.snapshot(seq, position))
             yield ChunkStep(self, batch) if batch is not None else None
 
     def _txn_members(self) -> tuple[Transactional, ...]:
@@ -245,12 +258,13 @@ class ModelCache(torch.nn.Module, Transactional):
 
     def _txn_savepoint(self) -> tuple:
         return (self.slots.generation.tolist(), self.slots.live.tolist(),
-                {k: list(v) for k, v in self._snapshots.items()})
+                {k: list(v) for k, v in self._snapshots.items()}, dict(self._origin))
 
     def _txn_restore(self, savepoint: tuple) -> None:
-        generation, live, snapshots = savepoint
+        generation, live, snapshots, origin = savepoint
         self.slots.load(generation, live)
         self._snapshots = {k: list(v) for k, v in snapshots.items()}
+        self._origin = dict(origin)
 
     # ----------------------------------------------------------------------------- lifecycle
     def new_sequence(self) -> SeqHandle:
@@ -267,6 +281,7 @@ class ModelCache(torch.nn.Module, Transactional):
                 holder.free(seq)
             self.slots.release(seq)
             self._snapshots.pop(seq.slot, None)
+            self._origin.pop(seq.slot, None)
 
     def reset(self, seq: SeqHandle) -> SeqHandle:
         """Empty the sequence; returns its new handle (the slot's generation is bumped)."""
@@ -285,6 +300,7 @@ class ModelCache(torch.nn.Module, Transactional):
                 holder.copy(src, dst)
             self._snapshots[dst.slot] = [PLESnapshot(dst, s.position, s.history, s.conv_tails)
                                          for s in self._snapshots.get(src.slot, [])]
+            self._origin[dst.slot] = self._origin.get(src.slot)
 
     def fork(self, src: SeqHandle) -> SeqHandle:
         with self._atomic():
@@ -302,16 +318,22 @@ class ModelCache(torch.nn.Module, Transactional):
                     self.free(other)
 
     def checkpoint(self, seq: SeqHandle) -> PLESnapshot:
-        """Keep a PLE snapshot at the sequence's current frontier, so that ``rewind`` can return here."""
-        snap = self._need("ple").snapshot(seq, self._next_position(seq))
-        self._remember(seq, snap, bound=False)
+        """Keep a PLE snapshot at the sequence's current frontier, so that ``rewind`` can return here.
+
+        A sequence whose PLE state is fresh (no token since a reset or a full removal) is at no position
+        yet: its snapshot is labelled None and not kept (a rewind to the origin clears the state anyway)."""
+        position = self._snapshot_position(seq)
+        snap = self._need("ple").snapshot(seq, position)
+        if position is not None:
+            self._remember(seq, snap, bound=False)
         return snap
 
     def rewind(self, seq: SeqHandle, p: int) -> None:
         """Drop positions >= p in both holders, or refuse and change nothing.
 
-        Dropping everything clears the PLE state; a partial rewind needs a PLE snapshot taken at
-        position p (:meth:`checkpoint`, or ``keep_snapshots``).
+        A rewind to the sequence's PLE origin (or before it) clears the PLE state; any other needs a
+        PLE snapshot taken at position p (:meth:`checkpoint`, or ``keep_snapshots``), also at a p0 that
+        a prefix removal or a window eviction moved (the state there is not fresh).
         """
         self.slots.check(seq)
         p = as_int("ModelCache.rewind: p", p)
@@ -321,17 +343,24 @@ class ModelCache(torch.nn.Module, Transactional):
         if p >= p0 + n:
             return
         with self._atomic():
+            restored = False
             if self.ple is not None:
-                if p <= p0 or n == 0:
+                origin = self._origin.get(seq.slot)
+                if origin is None or p <= origin:
                     self._clear_ple(seq)
                 else:
                     snap = next((s for s in self._snapshots.get(seq.slot, []) if s.position == p), None)
                     if snap is None:
                         kept = [s.position for s in self._snapshots.get(seq.slot, [])]
                         raise HebrusError(f"ModelCache.rewind: {seq} to position {p} needs a PLE snapshot at {p} "
-                                          f"(a conv tail cannot be recomputed backwards); snapshots kept at {kept}")
+                                          f"(a conv tail cannot be recomputed backwards; the PLE state is fresh "
+                                          f"only at its origin {origin}); snapshots kept at {kept}")
                     self.ple.restore(seq, snap)
+                    restored = True
             self.qsa.rewind(seq, p)
+            if restored and self.qsa.run(seq)[1] == 0:
+                # p lay before the run (its prefix was removed): the next token is at p, where PLE now is.
+                self.qsa._start_empty_run_at(seq, p)
             self._snapshots[seq.slot] = [s for s in self._snapshots.get(seq.slot, []) if s.position <= p]
 
     def remove(self, seq: SeqHandle, p0: int, p1: int) -> None:
@@ -362,13 +391,15 @@ class ModelCache(torch.nn.Module, Transactional):
             if moved:
                 self._snapshots[seq.slot] = [PLESnapshot(s.handle, s.position + moved, s.history, s.conv_tails)
                                              for s in self._snapshots.get(seq.slot, [])]
+                if self._origin.get(seq.slot) is not None:   # (no position is below 0)
+                    self._origin[seq.slot] = max(self._origin[seq.slot] + moved, 0)
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence of both holders as bytes (no pickle; see hebrus_torch.state.blob)."""
         self.slots.check(seq)
         parts = {name: torch.frombuffer(bytearray(h.save(seq)), dtype=torch.uint8)
                  for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None}
-        return blob.pack(_KIND, {"holders": sorted(parts)}, parts)
+        return blob.pack(_KIND, {"holders": sorted(parts), "origin": self._origin.get(seq.slot)}, parts)
 
     def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
         """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle.
@@ -382,19 +413,40 @@ class ModelCache(torch.nn.Module, Transactional):
         names = sorted(n for n, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None)
         blob.expect(_KIND, blob.same(meta.get("holders"), names) and sorted(parts) == names,
                     f"blob holds {blob.short(meta.get('holders'))}, this cache has {names}")
+        # Everything in the blob is validated before a slot is claimed (a bad blob is CorruptStateError
+        # whatever the cache holds).
+        ple_state = self.ple._decode(parts["ple"].numpy().tobytes()) if self.ple is not None else None
+        qsa_state = self.qsa._decode_seq(parts["qsa"].numpy().tobytes()) if self.qsa is not None else None
+        if "origin" in meta:
+            origin = meta["origin"]
+            blob.expect(_KIND, origin is None or (type(origin) is int and 0 <= origin <= MAX_POSITION),
+                        f"bad PLE origin {blob.short(origin)} (None or a position)")
+        else:   # blobs of earlier builds: the run's p0 (what those builds took for the origin)
+            origin = qsa_state[0] if qsa_state is not None and qsa_state[1] else None
+        if origin is not None and qsa_state is not None:
+            blob.expect(_KIND, origin <= qsa_state[0], f"PLE origin {origin} lies inside the saved run "
+                                                       f"[{qsa_state[0]}, {qsa_state[0] + qsa_state[1] - 1}]")
         with self._atomic():
             handle = self.slots.claim(seq)
             if self.ple is not None:
                 self.ple.new_sequence(handle)
-                self.ple.restore(handle, parts["ple"].numpy().tobytes())
+                self.ple.restore(handle, PLESnapshot(handle, None, *ple_state))
             if self.qsa is not None:
-                self.qsa.restore(handle, parts["qsa"].numpy().tobytes())
+                self.qsa._restore_decoded(handle, qsa_state)
+            self._origin[handle.slot] = origin
         return handle
 
     def digest(self) -> str:
-        """sha256 over both holders' digests and the handle table."""
-        return blob.digest_of([("slots", [[h.slot, h.generation] for h in self.slots.live_handles()])] +
+        """sha256 over both holders' digests, the handle table (free slots' generations too: they decide
+        the next handles) and each live sequence's PLE origin."""
+        generation, live = self.slots.generation.tolist(), self.slots.live.tolist()
+        return blob.digest_of([("generation", generation), ("live", live), ("origin", self._origins())] +
                               [(type(h).__name__, h.digest()) for h in self.holders])
+
+    def _origins(self) -> list[int | None]:
+        """Per slot, the PLE origin (None for a free slot or a fresh state with no token yet)."""
+        live = self.slots.live.tolist()
+        return [self._origin.get(slot) if on else None for slot, on in enumerate(live)]
 
     # ----------------------------------------------------------------------------- internals
     def _next_position(self, seq: SeqHandle) -> int | None:
@@ -403,11 +455,20 @@ class ModelCache(torch.nn.Module, Transactional):
         p0, n = self.qsa.run(seq)
         return p0 + n
 
+    def _snapshot_position(self, seq: SeqHandle) -> int | None:
+        """The position a PLE snapshot of the sequence is at now: its next position, or None while its PLE
+        state is fresh with no token yet (its origin is where its next token lands)."""
+        position = self._next_position(seq)
+        if position is None or (self.qsa.run(seq)[1] == 0 and self._origin.get(seq.slot) is None):
+            return None
+        return position
+
     def _clear_ple(self, seq: SeqHandle) -> None:
         """Fresh PLE state for a sequence whose whole run was dropped; its snapshots, of the stream just
-        dropped, go too (none fits what comes next)."""
+        dropped, go too (none fits what comes next), and its origin is where its next token lands."""
         self.ple.clear(seq)
         self._snapshots.pop(seq.slot, None)
+        self._origin.pop(seq.slot, None)
 
     def _remember(self, seq: SeqHandle, snap: PLESnapshot, bound: bool = True) -> None:
         kept = [s for s in self._snapshots.get(seq.slot, []) if s.position != snap.position] + [snap]
@@ -442,8 +503,14 @@ class ModelCache(torch.nn.Module, Transactional):
         return {"_extra_state", *(f"{name}.{k}" for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None
                                   for k in h._state_keys())}
 
-    def _table_checksum(self, generation: list, live: list) -> str:
-        return blob.digest_of([("generation", generation), ("live", live)])
+    _NO_ORIGIN = object()
+
+    def _table_checksum(self, generation: list, live: list, origin: Any = _NO_ORIGIN) -> str:
+        """sha256 of the handle table and, when given, the PLE origins (state dicts of earlier builds have none)."""
+        parts: list[tuple[str, Any]] = [("generation", generation), ("live", live)]
+        if origin is not self._NO_ORIGIN:
+            parts.append(("origin", origin))
+        return blob.digest_of(parts)
 
     def _load_all(self, sd: dict[str, Any]) -> None:
         if self.in_transaction:
@@ -459,8 +526,10 @@ class ModelCache(torch.nn.Module, Transactional):
                     and len(live) == cap, f"the handle table must list {cap} generations and live flags")
         problem = generation_problem(generation, live)
         blob.expect(_KIND, problem is None, f"the handle table is invalid: {problem}")
-        blob.expect(_KIND, extra.get("checksum") == self._table_checksum(generation, live),
+        origin = extra.get("origin", self._NO_ORIGIN)
+        blob.expect(_KIND, extra.get("checksum") == self._table_checksum(generation, live, origin),
                     "checksum mismatch: the handle table was modified")
+
         parts = {}
         for name, holder in (("ple", self.ple), ("qsa", self.qsa)):
             if holder is None:
@@ -483,11 +552,28 @@ class ModelCache(torch.nn.Module, Transactional):
         # Everything that can fail (allocations, moves to the device, re-pooling) before anything is
         # published; publishing is reference assignments only, so it cannot stop with one holder new
         # and the other old.
+        if origin is not self._NO_ORIGIN:
+            blob.expect(_KIND, isinstance(origin, list) and len(origin) == cap,
+                        f"the PLE origins must list {cap} entries")
+            for slot, (o, on) in enumerate(zip(origin, live)):
+                blob.expect(_KIND, o is None or (on and type(o) is int and 0 <= o <= MAX_POSITION),
+                            f"slot {slot} has PLE origin {blob.short(o)} (None, or a position of a live slot)")
+        runs = None
+        if "qsa" in parts:
+            runs = (parts["qsa"]["seq_p0"].tolist(), parts["qsa"]["seq_n"].tolist())
+        if origin is self._NO_ORIGIN:   # earlier builds: the run's p0 (what they took for the origin)
+            origin = [runs[0][slot] if runs is not None and on and runs[1][slot] else None
+                      for slot, on in enumerate(live)]
+        elif runs is not None:
+            for slot, o in enumerate(origin):
+                blob.expect(_KIND, o is None or o <= runs[0][slot],
+                            f"slot {slot} has PLE origin {o} inside its run (which starts at {runs[0][slot]})")
         prepared = {name: getattr(self, name)._prepare_state_dict(part) for name, part in parts.items()}
         for name, prep in prepared.items():
             getattr(self, name)._swap_state_dict(prep)
         self.slots.assign(list(generation), list(live))
         self._snapshots = {}
+        self._origin = {slot: o for slot, o in enumerate(origin) if o is not None}
 
     def _apply(self, fn, recurse: bool = True):
         # Both holders' refusals (inside a transaction, an unsupported dtype) before either moves.
@@ -504,9 +590,9 @@ class ModelCache(torch.nn.Module, Transactional):
         return super().state_dict(*args, **kwargs)
 
     def get_extra_state(self) -> dict[str, Any]:
-        generation, live = self.slots.generation.tolist(), self.slots.live.tolist()
+        generation, live, origin = self.slots.generation.tolist(), self.slots.live.tolist(), self._origins()
         return {"format": _KIND, "version": blob.FORMAT_VERSION, "generation": generation, "live": live,
-                "checksum": self._table_checksum(generation, live)}
+                "origin": origin, "checksum": self._table_checksum(generation, live, origin)}
 
     def set_extra_state(self, state: Any) -> None:
         raise HebrusError("ModelCache: load the whole cache with load_state_dict")

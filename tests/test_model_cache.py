@@ -478,7 +478,8 @@ def test_state_dict_roundtrip_and_validation(model):
     bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table))
     with pytest.raises(CorruptStateError, match="checksum"):
         other.load_state_dict(bad)
-    bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table, checksum=mc._table_checksum(**table)))
+    bad = dict(sd, _extra_state=dict(sd["_extra_state"], **table, checksum=mc._table_checksum(
+        **table, origin=sd["_extra_state"]["origin"])))
     with pytest.raises(CorruptStateError, match="disagrees"):
         other.load_state_dict(bad)
     assert other.digest() == before
@@ -526,7 +527,7 @@ def test_state_dict_handle_table_is_validated_before_anything_changes(model, tab
     before = digests(other)
     generation, live = [table.get(k, sd["_extra_state"][k]) for k in ("generation", "live")]
     bad = dict(sd, _extra_state=dict(sd["_extra_state"], generation=generation, live=live,
-                                     checksum=mc._table_checksum(generation, live)))
+                                     checksum=mc._table_checksum(generation, live, sd["_extra_state"]["origin"])))
     with pytest.raises(CorruptStateError, match="handle table"):
         other.load_state_dict(bad)
     assert digests(other) == before
@@ -546,7 +547,8 @@ def with_generation(mc, sd, slot, generation):
     sd["qsa._extra_state"] = dict(sd["qsa._extra_state"], checksum=QSACache._checksum(qsa))
     table = {"generation": list(sd["_extra_state"]["generation"]), "live": sd["_extra_state"]["live"]}
     table["generation"][slot] = generation
-    sd["_extra_state"] = dict(sd["_extra_state"], **table, checksum=mc._table_checksum(**table))
+    sd["_extra_state"] = dict(sd["_extra_state"], **table,
+                              checksum=mc._table_checksum(**table, origin=sd["_extra_state"]["origin"]))
     return sd
 
 
@@ -924,3 +926,150 @@ def test_restore_takes_either_argument_order(model):
     assert mc.ple.digest(free) == mc.ple.digest(a) and mc.qsa.digest(free) == mc.qsa.digest(a)
     c = mc.restore(blob)                                        # SPEC's example: restore(blob)
     assert mc.qsa.digest(c) == mc.qsa.digest(a)
+
+
+# ------------------------------------------------------------------------------------------------
+# PLE origin (SPEC §4): where a sequence's PLE state was fresh
+# ------------------------------------------------------------------------------------------------
+
+def ple_outputs(out):
+    return {k: v for k, v in out.items() if k[0] in ("ids", "y")}
+
+
+def assert_same_outputs(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("how", ["remove a prefix", "window eviction"])
+def test_rewind_to_a_moved_p0_keeps_the_ple_state(model, how):
+    """After a prefix removal or a window eviction p0 > 0, but the PLE state at p0 is not fresh: a rewind there
+    restores the snapshot taken there (or is refused without one); replaying then gives the same outputs."""
+    tokens = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(11))
+    mc = make_cache(model, window=12) if how == "window eviction" else make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens[:8], [3])
+    mc.checkpoint(a)                                   # at 8
+    first = run_chunk(mc, tables, {a: tokens[8:16]})
+    if how == "remove a prefix":
+        mc.remove(a, 0, 8)
+    p0 = mc.qsa.run(a)[0]
+    assert mc.qsa.run(a) == ((8, 8) if how == "remove a prefix" else (4, 12))
+    if p0 != 8:
+        before = digests(mc)
+        with pytest.raises(HebrusError, match=f"needs a PLE snapshot at {p0}"):
+            mc.rewind(a, p0)
+        assert digests(mc) == before
+    mc.rewind(a, 8)
+    again = run_chunk(mc, tables, {a: tokens[8:16]})
+    assert_same_outputs(ple_outputs(again), ple_outputs(first))
+
+
+def test_rewind_to_p0_after_a_prefix_removal_is_refused_without_a_snapshot(model):
+    tokens = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(12))
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens, [])
+    mc.remove(a, 0, 8)
+    before = digests(mc)
+    with pytest.raises(HebrusError, match="needs a PLE snapshot at 8"):
+        mc.rewind(a, 8)                                # not the origin (0): the PLE state at 8 is not fresh
+    assert digests(mc) == before and mc.qsa.run(a) == (8, 8)
+    mc.rewind(a, 0)                                    # the origin: everything goes, PLE fresh again
+    fresh = make_cache(model)
+    f = fresh.new_sequence()
+    assert mc.ple.digest(a) == fresh.ple.digest(f) and mc.qsa.run(a)[1] == 0
+
+
+def test_rewind_after_a_window_eviction_replays_the_same_outputs(model):
+    tokens = torch.randint(0, 50, (24,), generator=torch.Generator().manual_seed(13))
+    mc = make_cache(model, window=12)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens[:12], [5])
+    run_chunk(mc, tables, {a: tokens[12:16]})           # evicts [0, 4)
+    assert mc.qsa.run(a) == (4, 12)
+    before = digests(mc)
+    with pytest.raises(HebrusError, match="needs a PLE snapshot at 4"):
+        mc.rewind(a, 4)
+    assert digests(mc) == before
+    mc.checkpoint(a)                                   # at 16
+    first = run_chunk(mc, tables, {a: tokens[16:20]})
+    mc.rewind(a, 16)
+    again = run_chunk(mc, tables, {a: tokens[16:20]})
+    assert_same_outputs(ple_outputs(first), ple_outputs(again))
+
+
+def test_a_checkpoint_of_an_empty_sequence_is_not_a_snapshot_of_a_later_position(model):
+    """remove(a, -1, -1); checkpoint(a); a chunk starting at 7; rewind(a, 10): the checkpoint was taken on a fresh
+    sequence, not at position 10, so the rewind needs a real snapshot at 10."""
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    run_chunk(mc, tables, {a: [5, 6, 7, 8]}, first_positions={a: 10})
+    mc.remove(a, -1, -1)
+    mc.checkpoint(a)
+    run_chunk(mc, tables, {a: [1, 2, 3, 4, 5, 6]}, first_positions={a: 7})
+    assert mc.qsa.run(a) == (7, 6)
+    before = digests(mc)
+    with pytest.raises(HebrusError, match="needs a PLE snapshot at 10"):
+        mc.rewind(a, 10)
+    assert digests(mc) == before
+    mc.rewind(a, 7)                                    # the origin of this stream
+    assert mc.qsa.run(a)[1] == 0
+
+
+def test_the_ple_origin_is_saved_restored_loaded_and_digested(model):
+    tokens = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(14))
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens, [])
+    mc.remove(a, 0, 8)
+    # save / restore: the restored sequence's PLE state is still not fresh at 8
+    other = make_cache(model)
+    b = other.restore(mc.save(a))
+    with pytest.raises(HebrusError, match="needs a PLE snapshot at 8"):
+        other.rewind(b, 8)
+    # state_dict / load_state_dict
+    sd = mc.state_dict()
+    loaded = make_cache(model)
+    loaded.load_state_dict(sd)
+    assert loaded.digest() == mc.digest()
+    with pytest.raises(HebrusError, match="needs a PLE snapshot at 8"):
+        loaded.rewind(a, 8)
+    # digest covers it: the same state with another origin digests differently
+    extra = sd["_extra_state"]
+    origin = list(extra["origin"])
+    assert origin[a.slot] == 0
+    origin[a.slot] = 8
+    tampered = dict(sd, _extra_state=dict(extra, origin=origin, checksum=mc._table_checksum(
+        extra["generation"], extra["live"], origin)))
+    moved = make_cache(model)
+    moved.load_state_dict(tampered)
+    assert moved.digest() != mc.digest()
+    moved.rewind(a, 8)                                 # there, 8 is the origin: the rewind clears
+    assert moved.qsa.run(a)[1] == 0
+    # a tampered origin without a recomputed checksum is refused
+    with pytest.raises(CorruptStateError, match="checksum"):
+        make_cache(model).load_state_dict(dict(sd, _extra_state=dict(extra, origin=origin)))
+
+
+def test_rewind_into_a_removed_prefix_restores_the_snapshot_and_continues_there(model):
+    tokens = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(15))
+    mc = make_cache(model)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    feed(mc, tables, a, tokens[:4], [])
+    mc.checkpoint(a)                                   # at 4
+    first = run_chunk(mc, tables, {a: tokens[4:12]})
+    mc.remove(a, 0, 8)
+    assert mc.qsa.run(a) == (8, 4)
+    mc.rewind(a, 4)                                    # before the run: everything goes, PLE back at 4
+    assert mc.qsa.run(a) == (4, 0)
+    again = run_chunk(mc, tables, {a: tokens[4:12]})  # lands at 4 again
+    assert again[("plan", 1)].positions.tolist() == list(range(4, 12))
+    assert_same_outputs(ple_outputs(again), ple_outputs(first))

@@ -780,6 +780,17 @@ class QSACache(torch.nn.Module, Transactional):
         self._release_cells(run.cells.tensor()[keep:])
         return _Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g))
 
+    def _start_empty_run_at(self, seq: SeqHandle, p: int) -> None:
+        """Make ``p`` the default first position of an empty sequence (ModelCache: after a rewind to a
+        PLE snapshot before the run's first position)."""
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            run = self._runs[slot]
+            if run.n:
+                raise HebrusError(f"QSACache: {seq} is not empty (holds [{run.p0}, {run.p0 + run.n - 1}])")
+            self._runs[slot] = _Run(as_int("QSACache: p", p), 0, run.cells, run.groups)
+
     def _window_start(self, p0: int, p: int) -> int:
         """The first visible position of a query at ``p`` over a run anchored at ``p0`` (SPEC §3): with a
         window, whole groups are evicted from the front until at most ``window`` positions remain."""
@@ -1353,6 +1364,10 @@ class QSACache(torch.nn.Module, Transactional):
         (e.g. one a ModelCache issued) is claimed via ``new_sequence(handle)``; a live handle has its run
         replaced. Everything (format, checksum, config, shapes, dtypes, contiguity) is validated
         before anything changes: ``CorruptStateError`` (``HoleInSavedStateError`` for a hole)."""
+        return self._restore_decoded(seq, self._decode_seq(blob))
+
+    def _decode_seq(self, blob: bytes) -> tuple[int, int, dict[str, torch.Tensor]]:
+        """``(p0, n, tensors)`` of a blob of :meth:`save`, completely validated (CorruptStateError)."""
         meta, tensors = _blob.unpack(blob, _SEQ_KIND)
         kind = "QSACache.restore"
         _blob.expect(kind, _blob.same(meta.get("config"), self._seq_config()),
@@ -1377,6 +1392,12 @@ class QSACache(torch.nn.Module, Transactional):
             j = int(torch.nonzero(bad)[0])
             raise HoleInSavedStateError(f"{kind}: saved run [{p0}, {p0 + n - 1}] holds position "
                                         f"{int(tensors['positions'][j])} where {p0 + j} is required (a hole)")
+        return p0, n, tensors
+
+    def _restore_decoded(self, seq: SeqHandle | None, decoded: tuple[int, int, dict[str, torch.Tensor]]) -> SeqHandle:
+        """Publish what :meth:`_decode_seq` validated (see :meth:`restore`)."""
+        p0, n, tensors = decoded
+        expected = p0 + torch.arange(n, dtype=torch.int64)
         with self._op():
             if seq is None:
                 seq = self.new_sequence()
