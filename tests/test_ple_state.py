@@ -724,3 +724,27 @@ def test_casts_inside_a_transaction_or_to_unsupported_dtypes_are_refused():
     with pytest.raises(HebrusError, match="float32, float16 or bfloat16"):
         make_state("cpu", dtype=torch.float64)
     state.save(a)
+
+
+@pytest.mark.parametrize("hook", ["_txn_savepoint", "_reset_staging"])
+def test_a_transaction_that_cannot_begin_leaves_the_state_usable(hook):
+    state = make_state()
+    a = state.new_sequence()
+    d = state.digest()
+    real = getattr(state, hook)
+    armed = {"on": True}
+
+    def failing(*args, **kwargs):
+        if armed["on"]:
+            armed["on"] = False
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    setattr(state, hook, failing)
+    with pytest.raises(MemoryError):
+        with ht.transaction(state):
+            pass
+    assert not state.in_transaction and state.digest() == d
+    state.load_state_dict(state.state_dict())
+    state.to(torch.float16).to(torch.float32)
+    assert state.reset(a) == ht.SeqHandle(a.slot, a.generation + 1)

@@ -1502,3 +1502,56 @@ def test_from_transformers_plan_mask_matches_indexer(pad, n):
 def _lowest_index_topk(scores: torch.Tensor, k: int) -> list[int]:
     order = sorted(range(scores.numel()), key=lambda g: (-float(scores[g]), g))[:k]
     return sorted(order)
+
+
+# ------------------------------------------------------------------------------------------------
+# A transaction that cannot begin
+# ------------------------------------------------------------------------------------------------
+
+def _fail_once(obj, name, exc=MemoryError):
+    real = getattr(obj, name)
+    state = {"armed": True}
+
+    def hook(*args, **kwargs):
+        if state["armed"]:
+            state["armed"] = False
+            raise exc("injected")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, hook)
+
+
+def test_a_savepoint_that_fails_at_begin_leaves_no_transaction_open():
+    cache = make_cache()
+    a = cache.new_sequence()
+    keys, _, _ = stream(6)
+    cache.append(a, keys)
+    d = cache.digest()
+    _fail_once(cache, "_savepoint")
+    with pytest.raises(MemoryError):
+        with transaction(cache):
+            pass
+    assert not cache.in_transaction and cache.digest() == d
+    sd = cache.state_dict()                              # not refused as "inside a transaction"
+    cache.to(torch.float16).to(torch.float32)
+    cache.load_state_dict(sd)
+    cache.append(a, [k[:1] for k in keys])               # and the next transaction works
+    assert cache.run(a) == (0, 7)
+
+
+def test_a_model_cache_whose_qsa_savepoint_fails_at_begin_stays_usable():
+    from hf_models import modeling, tiny_config      # skips without transformers
+    torch.manual_seed(0)
+    cfg = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"], ple_layer_ids=[1])
+    model = modeling.Qwen4ExpForCausalLM(cfg).eval()
+    mc = ModelCache.from_transformers(model, capacity_tokens=64, max_sequences=2)
+    a = mc.new_sequence()
+    d = mc.digest()
+    _fail_once(mc.qsa, "_savepoint")
+    with pytest.raises(MemoryError):
+        mc.new_sequence()
+    assert mc.digest() == d
+    assert not any(h.in_transaction for h in (mc, mc.qsa, mc.ple))
+    mc.state_dict()
+    mc.to(torch.float32)
+    assert mc.new_sequence() != a

@@ -528,7 +528,11 @@ class QSACache(torch.nn.Module, Transactional):
         txn = _Txn()
         txn.pending = [[] for _ in range(self.num_layers)]
         self._txn = txn
-        txn.base = self._savepoint()
+        try:
+            txn.base = self._savepoint()
+        except BaseException:
+            self._txn = None      # no transaction began: nothing may refuse work as "inside" one
+            raise
 
     def _txn_prepare(self) -> None:
         """The fallible part of a commit, undoably: zero-fill cells never written for some layer and pool
