@@ -652,3 +652,40 @@ def test_to_keeps_the_recurrent_state_float32_and_refuses_bad_casts():
     with ht.transaction(state):
         with pytest.raises(HebrusError, match="inside a transaction"):
             state.to(torch.float32)
+
+
+def test_steps_leave_other_slots_bitwise_unchanged():
+    state = make_state()
+    a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()
+    advance(state, c, 4, 9)
+    before_c = state.snapshot(c)
+    run_step(state, [b, a], [seq_inputs(5, 1), seq_inputs(2, 2)])
+    after_c = state.snapshot(c)
+    assert torch.equal(after_c.conv_tails, before_c.conv_tails) and torch.equal(after_c.recurrent, before_c.recurrent)
+    assert state.digest(a) != state.digest(b)
+
+
+@pytest.mark.hf
+def test_gdn_forward_outside_a_transaction_is_atomic(monkeypatch):
+    """A delta rule that raises after the conv staged its tails publishes neither."""
+    hf = _hf()
+    config, module = _tiny_gdn_module(hf)
+    state = GDNState(1, num_key_heads=module.num_k_heads, num_value_heads=module.num_v_heads,
+                     key_head_dim=module.head_k_dim, value_head_dim=module.head_v_dim, max_sequences=2)
+    a = state.new_sequence()
+    x = torch.randn(3, config.hidden_size)
+    with torch.no_grad():
+        gdn_forward(module, state, 0, [a], x, cu_of([3]))
+    before = state.digest()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(gdn_state_mod, "gated_delta_rule", boom)
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        gdn_forward(module, state, 0, [a], x, cu_of([3]))
+    assert state.digest() == before
+    other = hf.modeling.Qwen4ExpTextGatedDeltaNet(hf.tiny_indexer_config(linear_num_value_heads=4), 0)
+    with pytest.raises(HebrusError, match="num_v_heads"):
+        gdn_forward(other, state, 0, [a], x, cu_of([3]))
+    assert state.digest() == before

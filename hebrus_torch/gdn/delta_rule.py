@@ -63,8 +63,8 @@ def check_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      cu_seqlens: torch.Tensor, state: torch.Tensor, *, use_qk_l2norm: bool = True,
-                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule of packed rows from each row's recurrent state (a pure function).
+                     scale: float | None = None, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule of packed rows from each row's recurrent state.
 
     Per row and token t, in fp32 (q, k l2-normalised when ``use_qk_l2norm``, q scaled by ``scale``,
     default ``Dk ** -0.5``; q and k heads repeated ``Hv // Hk`` times, as transformers does)::
@@ -78,22 +78,34 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g, beta: Tensor[T, Hv] (g <= 0, log decay).
         cu_seqlens: Tensor[B+1] int32, row boundaries.
         state: Tensor[B, Hv, Dk, Dv] float32, each row's state before its tokens.
+        inplace: update ``state`` in place and return it as new_state (else ``state`` is not touched).
 
     Returns:
         out: Tensor[T, Hv, Dv] in v's dtype; new_state: Tensor[B, Hv, Dk, Dv] float32 (a row of 0 tokens
         passes its state through).
+
+    Inference only (no autograd through the state updates).
     """
     cu = check_delta_rule_args(q, k, v, g, beta, cu_seqlens, state)
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     T, hk, dk = q.shape
     hv, dv = v.shape[1:]
     scale = dk ** -0.5 if scale is None else float(scale)
-    new_state = state.detach().clone()
+    new_state = state if inplace else state.detach().clone()
     out = torch.zeros((T, hv, dv), dtype=torch.float32, device=v.device)
-    # Rows with tokens, longest first: at token i the rows still running are a prefix of this order.
+    # Rows with tokens, longest first (stable): at token i the rows still running are a prefix of this order.
     rows = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
     if not rows:
         return out.to(v.dtype), new_state
+    with torch.no_grad():
+        _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale)
+    return out.to(v.dtype), new_state
+
+
+def _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale) -> None:
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    dev = q.device
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
@@ -102,38 +114,51 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         qf = qf.repeat_interleave(hv // hk, dim=1)
         kf = kf.repeat_interleave(hv // hk, dim=1)
     decay = g.float().exp()
-    betaf = beta.float()
-    vf = v.float()
 
+    R = len(rows)
     lens = [lengths[b] for b in rows]
     steps = lens[0]
-    dev = q.device
     starts = torch.tensor([cu[b] for b in rows], dtype=torch.int64, device=dev)
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
     pos = torch.arange(steps, dtype=torch.int64, device=dev)[:, None]
-    valid = pos < lens_t[None, :]                               # [steps, R]
-    index = torch.where(valid, starts[None, :] + pos, 0)        # packed token of (step, row)
-    qp, kp, vp = qf[index], kf[index], vf[index]                # [steps, R, Hv, D]
-    dp, bp = decay[index], betaf[index]                         # [steps, R, Hv]
-    outp = torch.empty((steps, len(rows), hv, dv), dtype=torch.float32, device=dev)
+    valid = pos < torch.tensor(lens, dtype=torch.int64, device=dev)[None, :]     # [steps, R]
+    index = torch.where(valid, starts[None, :] + pos, 0)                          # packed token of (step, row)
+    # Per step, laid out for the updates below (no per-step reshapes): [steps, R, Hv, Dk or 1, 1 or Dv].
+    qs = qf[index][..., None].unbind(0)
+    ks = kf[index][..., None].unbind(0)
+    vs = v.float()[index][:, :, :, None, :].unbind(0)
+    ds = decay[index][..., None, None].unbind(0)
+    bs = beta.float()[index][..., None, None].unbind(0)
+    outp = torch.empty((steps, R, hv, 1, dv), dtype=torch.float32, device=dev)
+    os_ = outp.unbind(0)
     # active[i]: how many rows (a prefix) still have a token at step i.
-    active, n = [], len(rows)
+    active, n = [], R
     for i in range(steps):
         while lens[n - 1] <= i:
             n -= 1
         active.append(n)
 
-    row_index = torch.tensor(rows, dtype=torch.int64, device=dev)
-    s_all = new_state.index_select(0, row_index)                # [R, Hv, Dk, Dv]
+    in_order = rows == list(range(R))
+    s_all = new_state[:R] if in_order else new_state.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+    buf = torch.empty_like(s_all)                      # [R, Hv, Dk, Dv]
+    kv_all = torch.empty((R, hv, 1, dv), dtype=torch.float32, device=dev)
+    # Elementwise products and sums over Dk only, each an op on whole tensors: a row's bits do not depend
+    # on how many rows are active (the sums over dim -2 reduce each output in one fixed order).
     for i in range(steps):
         n = active[i]
-        s = s_all[:n]
-        s.mul_(dp[i, :n, :, None, None])
-        k_t = kp[i, :n, :, :, None]                             # [n, Hv, Dk, 1]
-        kv_mem = (s * k_t).sum(dim=-2)                          # [n, Hv, Dv]
-        delta = (vp[i, :n] - kv_mem) * bp[i, :n, :, None]
-        s.add_(k_t * delta[:, :, None, :])
-        outp[i, :n] = (s * qp[i, :n, :, :, None]).sum(dim=-2)
-    new_state.index_copy_(0, row_index, s_all)
-    out[index[valid]] = outp[valid]
-    return out.to(v.dtype), new_state
+        if n == R:
+            s, b_, kv, q_t, k_t, v_t, d_t, beta_t, o_t = s_all, buf, kv_all, qs[i], ks[i], vs[i], ds[i], bs[i], os_[i]
+        else:
+            s, b_, kv = s_all[:n], buf[:n], kv_all[:n]
+            q_t, k_t, v_t, d_t, beta_t, o_t = qs[i][:n], ks[i][:n], vs[i][:n], ds[i][:n], bs[i][:n], os_[i][:n]
+        s.mul_(d_t)
+        torch.mul(s, k_t, out=b_)
+        torch.sum(b_, dim=-2, keepdim=True, out=kv)
+        torch.sub(v_t, kv, out=kv)
+        kv.mul_(beta_t)                                # delta
+        torch.mul(k_t, kv, out=b_)
+        s.add_(b_)
+        torch.mul(s, q_t, out=b_)
+        torch.sum(b_, dim=-2, keepdim=True, out=o_t)
+    if not in_order:
+        new_state.index_copy_(0, torch.tensor(rows, dtype=torch.int64, device=dev), s_all)
+    out[index[valid]] = outp.squeeze(3)[valid]

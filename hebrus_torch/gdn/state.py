@@ -308,7 +308,7 @@ class GDNState(torch.nn.Module, Transactional):
                                   f"{self.recurrent_state.device}")
         slots = self._slots_of(seqs, cu_seqlens, T, "delta_rule")
         state = self._gather(self.recurrent_state[layer], self._staged["recurrent_state"][layer], slots)
-        out, new_state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, state)
+        out, new_state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, inplace=True)  # state: a private gather
         with atomic(self):
             self._stage(self._staged["recurrent_state"][layer], slots, new_state.detach())
         return out
