@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import types
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 import torch
@@ -108,6 +109,8 @@ class HebrusBatchingManager:
         self.output_router = continuous_api.OutputRouter()
         self.input_queue: queue.Queue[Request] = queue.Queue()
         self.cancel_queue: queue.Queue[str] = queue.Queue()
+        self.control_queue: queue.Queue[tuple[Callable[[Engine], Any], Future]] = queue.Queue()
+        self.cancelled_requests = 0     # requests cancelled while queued or running (serving: disconnects)
         self.warmed_up = False
         self.batch_processor: _BatchProcessor | None = None
         self._thread: threading.Thread | None = None
@@ -174,11 +177,13 @@ class HebrusBatchingManager:
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,
-                    eos_token_id: int | list[int] | None = None, **logit_processor_kwargs: Any) -> str | None:
+                    eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
+                    **logit_processor_kwargs: Any) -> str | None:
         """Queue one request (plus its ``num_return_sequences - 1`` children); returns its id.
 
         Sampling values in ``logit_processor_kwargs`` (temperature, top_k, top_p, repetition_penalty,
-        do_sample, seed) override the generation config for this request.
+        do_sample, seed) override the generation config for this request; ``stop_strings`` need the
+        manager's tokenizer.
         """
         denial = self.background_thread_status.can_accept_new_requests()
         if denial is not None:
@@ -194,8 +199,8 @@ class HebrusBatchingManager:
             try:
                 sampling = self._sampling(logit_processor_kwargs)
                 req = engine.make_request(input_ids, request_id=rid, max_new_tokens=max_new_tokens,
-                                          sampling=sampling, eos_token_id=eos_token_id, streaming=streaming,
-                                          record_timestamps=record_timestamps)
+                                          sampling=sampling, eos_token_id=eos_token_id, stop_strings=stop_strings,
+                                          streaming=streaming, record_timestamps=record_timestamps)
             except HebrusError as err:
                 self.output_router.deliver(self._failed_output(rid, input_ids, str(err)))
                 continue
@@ -216,6 +221,42 @@ class HebrusBatchingManager:
             self.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, streaming=streaming,
                              record_timestamps=record_timestamps, eos_token_id=eos, **logit_processor_kwargs)
         return ids
+
+    def check_request(self, input_ids: list[int], max_new_tokens: int | None = None,
+                      eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
+                      **logit_processor_kwargs: Any) -> None:
+        """Validate a request as :meth:`add_request` would, without queueing it.
+
+        Raises:
+            BadRequestError: what the engine would refuse (empty prompt, ids outside the vocabulary, a prompt
+                longer than the cache, ``max_new_tokens`` < 1, bad sampling values, stop strings without a
+                tokenizer). Servers answer it with a 4xx before they register anything.
+        """
+        engine = self._ensure_engine()
+        engine.make_request(input_ids, request_id="__check__", max_new_tokens=max_new_tokens,
+                            sampling=self._sampling(logit_processor_kwargs), eos_token_id=eos_token_id,
+                            stop_strings=stop_strings)
+
+    def call_in_engine_thread(self, fn: Callable[[Engine], Any], timeout: float | None = 10.0) -> Any:
+        """Run ``fn(engine)`` on the manager's thread between two steps and return its result (or raise its
+        error); called directly when the thread is not running. The engine is never touched by two threads."""
+        engine = self._ensure_engine()
+        if not self.is_running():
+            return fn(engine)
+        fut: Future = Future()
+        self.control_queue.put((fn, fut))
+        self._wake.set()
+        return fut.result(timeout=timeout)
+
+    def stats(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """Capacity and counters of the engine, read on its thread (a consistent snapshot)."""
+        if self.engine is None:
+            return {"engine": None, "running": self.is_running(), "cancelled_requests": self.cancelled_requests,
+                    "fatal_error": _describe(self.background_thread_status.fatal_error)}
+        snap = self.call_in_engine_thread(engine_stats, timeout=timeout)
+        snap.update(running=self.is_running(), cancelled_requests=self.cancelled_requests,
+                    fatal_error=_describe(self.background_thread_status.fatal_error))
+        return snap
 
     def cancel_request(self, request_id: str) -> None:
         self.cancel_queue.put(request_id)
@@ -286,6 +327,13 @@ class HebrusBatchingManager:
             self._fail_remaining(engine, f"engine error: {type(err).__name__}: {err}")
         finally:
             self.background_thread_status.mark_as_stopped()
+            while True:  # nobody will run these any more
+                try:
+                    _, fut = self.control_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(HebrusError("hebrus manager: the engine thread has stopped"))
 
     def _drain_inputs(self, engine: Engine) -> None:
         while True:
@@ -302,10 +350,27 @@ class HebrusBatchingManager:
                 engine.cancel(self.cancel_queue.get_nowait())
             except queue.Empty:
                 break
+        while True:
+            try:
+                fn, fut = self.control_queue.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(engine))
+                except Exception as err:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(err)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         ready = [self.to_generation_output(o.request) for o in outputs
                  if o.finished or o.request.streaming]
+        for o in outputs:
+            if o.finished:
+                if o.request.status is RequestStatus.CANCELLED:
+                    self.cancelled_requests += 1
+                # a long-running manager must not keep every finished request (the engine indexes them by id)
+                if self.engine is not None and self.engine.requests.get(o.request.request_id) is o.request:
+                    del self.engine.requests[o.request.request_id]
         if ready:
             self.output_router.deliver_batch(ready)
 
@@ -359,6 +424,32 @@ class HebrusBatchingManager:
             prompt_ids = []
         return tf_requests.GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, error=message,
                                             status=tf_requests.RequestStatus.FAILED)
+
+
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    """Capacity, occupancy and counters of an engine (call it on the engine's own thread)."""
+    import dataclasses
+
+    sched = engine.scheduler
+    return {
+        "engine": type(engine).__name__,
+        "capacity_tokens": engine.config.capacity_tokens,
+        "free_cells": engine._free_cells(),
+        "max_sequences": engine.config.max_sequences,
+        "live_sequences": int(engine.cache.slots.live.sum()),
+        "block_size": engine.config.block_size,
+        "max_batch_tokens": engine.config.max_batch_tokens,
+        "running_requests": len(sched.running),
+        "waiting_requests": len(sched.waiting),
+        "kept_sequences": len(engine.kept_sequences()),
+        "kept_tokens": sum(engine._kept.values()),
+        "prefix_cache_tokens": engine.prefix_cache_tokens,
+        "counters": dataclasses.asdict(engine.counters),
+    }
+
+
+def _describe(err: BaseException | None) -> str | None:
+    return None if err is None else f"{type(err).__name__}: {err}"
 
 
 def _init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,

@@ -1,0 +1,508 @@
+"""``python -m hebrus_torch.serve MODEL_DIR [transformers serve options] [--hebrus-* options]``.
+
+Serves a local Qwen4Exp checkpoint through transformers' own OpenAI-compatible server (``transformers
+serve``: its FastAPI app, its OpenAI schemas, its streaming, its CLI options), with the model patched by
+``hebrus_torch.integrations.transformers.apply`` and continuous batching on the hebrus engine.
+
+Nothing here is a server: :func:`patch_transformers_serve` replaces four names that transformers'
+``Serve.__init__`` imports when it runs, each by a subclass or wrapper of transformers' own:
+
+- ``serving.model_manager.ModelManager`` -> :class:`HebrusModelManager`: a Qwen4Exp checkpoint is loaded as
+  the text-only ``Qwen4ExpForCausalLM`` with its tokenizer (transformers would load the multimodal class
+  with its processor, class it MULTIMODAL and refuse continuous batching), then ``apply``-ed, and its
+  ``init_continuous_batching`` returns a :class:`~hebrus_torch.engine.manager.HebrusBatchingManager`;
+  ``/v1/models`` lists the served model.
+- ``serving.utils.GenerationState`` -> :class:`HebrusGenerationState`, whose continuous-batching manager is a
+  :class:`HebrusCBGenerateManager`: requests the engine would refuse get a 400 before anything is queued,
+  each request's own sampling values, ``eos_token_id`` and ``stop`` reach the engine (transformers passes
+  only ``max_new_tokens`` and EOS and samples every request with the first request's settings), the result
+  handler is registered before the request is queued, and a non-streaming request whose client went away is
+  cancelled.
+- ``serving.chat_completion.ChatCompletionHandler`` and ``serving.completion.CompletionHandler``: the body
+  is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``) before the
+  model is touched, so a bad request is a 400 rather than a 500.
+- ``serving.server.build_server``: transformers' app, plus ``GET /hebrus/stats`` (capacity, occupancy and
+  engine counters), ``POST /hebrus/prefix_cache/clear`` and, with ``--hebrus-debug``, ``POST
+  /hebrus/debug/kill_engine`` (the engine thread dies at its next step: ``/health`` then answers 503).
+
+Continuous batching is on unless ``--no-continuous-batching`` is given (transformers' one-request-at-a-time
+``generate`` path on the patched model, kept for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HebrusServeSettings", "patch_transformers_serve", "main"]
+
+QWEN4_MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
+
+
+@dataclass
+class HebrusServeSettings:
+    """What the hebrus options set (``None``: derived from transformers' ``--cb-*`` options).
+
+    Attributes:
+        capacity_tokens: cache cells shared by every request (prompt + output positions).
+        max_sequences: requests in flight at once.
+        prefix_cache_tokens: cells kept for finished requests (second chat turns); 0 disables the prefix cache.
+        debug: mount ``POST /hebrus/debug/kill_engine``.
+    """
+
+    capacity_tokens: int | None = None
+    max_sequences: int | None = None
+    prefix_cache_tokens: int | None = None
+    debug: bool = False
+
+
+_SETTINGS = HebrusServeSettings()
+_ORIGINALS: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def _modules():
+    from transformers.cli.serving import chat_completion, completion, model_manager, server, utils
+
+    return chat_completion, completion, model_manager, server, utils
+
+
+def prepare_model(model: Any, tokenizer: Any = None) -> Any:
+    """``apply`` the drop-in and make ``model.init_continuous_batching`` build a hebrus manager sized by the
+    serve settings (idempotent)."""
+    import types
+
+    import hebrus_torch.integrations.transformers as hx
+    from hebrus_torch.engine import manager as mgr
+
+    if not hx.is_applied(model):
+        hx.apply(model)
+    mgr.install(model)   # apply() does it too once it is wired there; install is idempotent
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 workload_hints=None):
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, mgr.HebrusBatchingManager):
+            return cached
+        gen = generation_config if generation_config is not None else self.generation_config
+        overrides = {k: v for k, v in dict(capacity_tokens=_SETTINGS.capacity_tokens,
+                                           max_sequences=_SETTINGS.max_sequences,
+                                           prefix_cache_tokens=_SETTINGS.prefix_cache_tokens).items()
+                     if v is not None}
+        engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
+        return mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
+                                         engine_config=engine_config, tokenizer=tokenizer)
+
+    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    return model
+
+
+def _model_type(model_id: str, revision: str, trust_remote_code: bool) -> str | None:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code).model_type
+    except Exception:  # noqa: BLE001 - let transformers' own loader report it
+        return None
+
+
+def _model_manager_class():
+    _, _, model_manager, _, utils = _modules()
+    base = _ORIGINALS.get("ModelManager", model_manager.ModelManager)
+
+    class HebrusModelManager(base):
+        """transformers' ModelManager; a Qwen4Exp checkpoint is served as a patched text-only LLM."""
+
+        def _is_qwen4(self, model_id_and_revision: str, gguf_file: str | None) -> bool:
+            if gguf_file is not None:
+                return False
+            model_id, revision = model_id_and_revision.split("@", 1)
+            return _model_type(model_id, revision, self.trust_remote_code) in QWEN4_MODEL_TYPES
+
+        def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
+            if not self._is_qwen4(model_id_and_revision, gguf_file):
+                return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+            from transformers import AutoTokenizer
+
+            model_id, revision = model_id_and_revision.split("@", 1)
+            return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+
+        def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None,
+                        gguf_file: str | None = None):
+            if not self._is_qwen4(model_id_and_revision, gguf_file):
+                return super()._load_model(model_id_and_revision, tqdm_class=tqdm_class,
+                                           progress_callback=progress_callback, gguf_file=gguf_file)
+            from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
+
+            model_id, revision = model_id_and_revision.split("@", 1)
+            kwargs = {"revision": revision, "attn_implementation": self.attn_implementation, "dtype": self.dtype,
+                      "device_map": self.device, "trust_remote_code": self.trust_remote_code,
+                      "tqdm_class": tqdm_class}
+            quantization_config = self.get_quantization_config()
+            if quantization_config is not None:
+                kwargs["quantization_config"] = quantization_config
+            if progress_callback is not None:
+                progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "config"})
+            return Qwen4ExpForCausalLM.from_pretrained(model_id, **kwargs)
+
+        def load_model_and_processor(self, model_id_and_revision: str, progress_callback=None, tqdm_class=None,
+                                     gguf_file: str | None = None):
+            model, processor = super().load_model_and_processor(
+                model_id_and_revision, progress_callback=progress_callback, tqdm_class=tqdm_class,
+                gguf_file=gguf_file)
+            if type(model).__name__ == "Qwen4ExpForCausalLM" and not getattr(model, "_hebrus_served", False):
+                prepare_model(model, tokenizer=getattr(processor, "tokenizer", processor))
+                model._hebrus_served = True
+            return model, processor
+
+        @staticmethod
+        def get_model_modality(model, processor=None):
+            if type(model).__name__ == "Qwen4ExpForCausalLM":
+                return utils.Modality.LLM
+            return base.get_model_modality(model, processor=processor)
+
+        def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
+            try:
+                listed = list(base.get_gen_models(cache_dir))
+            except Exception:  # noqa: BLE001 - no hub cache here: list the served model alone
+                listed = []
+            if self.force_model is not None and not any(m.get("id") == self.force_model for m in listed):
+                listed.insert(0, {"id": self.force_model, "object": "model", "created": 0, "owned_by": "local"})
+            return listed
+
+    return HebrusModelManager
+
+
+# -------------------------------------------------------------------------------------------- generation
+def _http_error(status: int, message: str):
+    from fastapi import HTTPException
+
+    return HTTPException(status_code=status, detail=message)
+
+
+def _request_kwargs(gen_config: Any) -> dict[str, Any]:
+    """What one request's GenerationConfig asks of the engine (sampling values only when sampling)."""
+    kwargs: dict[str, Any] = {"max_new_tokens": gen_config.max_new_tokens, "eos_token_id": gen_config.eos_token_id,
+                              "do_sample": bool(gen_config.do_sample)}
+    if gen_config.do_sample:
+        kwargs.update(temperature=gen_config.temperature, top_k=gen_config.top_k, top_p=gen_config.top_p)
+    if gen_config.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = gen_config.repetition_penalty
+    stops = getattr(gen_config, "stop_strings", None)
+    if stops:
+        kwargs["stop_strings"] = [stops] if isinstance(stops, str) else list(stops)
+    return kwargs
+
+
+def _cb_manager_class():
+    _, _, _, _, utils = _modules()
+
+    class HebrusCBGenerateManager(utils.CBGenerateManager):
+        """transformers' CB bridge, talking to a hebrus manager with per-request settings."""
+
+        def init_cb(self, model, gen_config) -> None:
+            if self._cb is not None:
+                return
+            # The engine's defaults are the model's own; each request brings its own values (add_request).
+            cb = model.init_continuous_batching(generation_config=copy.deepcopy(model.generation_config),
+                                                continuous_batching_config=self._cb_config)
+            try:
+                cb.start()
+            except Exception as err:   # no engine: this request fails with a 503, the next one tries again
+                raise utils.CBWorkerDeadError(f"the hebrus engine could not start: {type(err).__name__}: {err}") \
+                    from err
+            self._cb = cb
+
+        def _checked(self, input_ids: list[int], gen_config: Any, request_id: str) -> dict[str, Any]:
+            from hebrus_torch.errors import HebrusError
+
+            self._check_alive(request_id)
+            kwargs = _request_kwargs(gen_config)
+            checker = getattr(self._cb, "check_request", None)
+            if checker is not None:
+                try:
+                    checker(input_ids, **kwargs)
+                except HebrusError as err:
+                    raise _http_error(400, str(err).replace("__check__", request_id)) from None
+            return kwargs
+
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            cb = self._cb
+            if cb is None:
+                raise RuntimeError("CB manager not initialized. Call `init_cb()` first.")
+            input_ids = inputs["input_ids"]
+            kwargs = self._checked(input_ids, gen_config, request_id)
+            loop = asyncio.get_running_loop()
+            text_queue: asyncio.Queue = asyncio.Queue()
+            rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
+            streamer = utils.CBStreamer(cb, request_id, rust_tokenizer, loop, text_queue,
+                                        response_parser=response_parser)
+
+            def _on_output(output):
+                try:
+                    streamer.put(output)
+                    if output.error is not None:
+                        text_queue.put_nowait(utils._StreamError(output.error))
+                        streamer.end()
+                    elif output.is_finished():
+                        streamer.end()
+                except Exception as e:  # noqa: BLE001 - as transformers does
+                    text_queue.put_nowait(utils._StreamError(str(e)))
+
+            cb.register_result_handler(request_id, _on_output)   # before the request can produce anything
+            cb.add_request(input_ids, request_id=request_id, streaming=True, **kwargs)
+            return text_queue, streamer
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            cb = self._cb
+            if cb is None:
+                raise RuntimeError("CB manager not initialized. Call `init_cb()` first.")
+            input_ids = inputs["input_ids"]
+            kwargs = self._checked(input_ids, gen_config, request_id)
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+
+            def _on_result(result):
+                if not future.done():
+                    future.set_result(result)
+
+            cb.register_result_handler(request_id, _on_result)
+            cb.add_request(input_ids, request_id=request_id, streaming=False, **kwargs)
+            try:
+                result = await future
+            except asyncio.CancelledError:   # the client went away: free the request's state
+                cb.cancel_request(request_id)
+                raise
+            if result.error is not None:
+                if cb.background_thread_status.fatal_error is not None:
+                    raise utils.CBWorkerDeadError(f"CB worker died during request {request_id}: {result.error}")
+                raise RuntimeError(f"CB generation failed for {request_id}: {result.error}")
+            generated_ids = result.generated_tokens
+            text = processor.decode(generated_ids, skip_special_tokens=True)
+            return text, len(input_ids), generated_ids
+
+    return HebrusCBGenerateManager
+
+
+def _generation_state_class():
+    _, _, _, _, utils = _modules()
+    base = _ORIGINALS.get("GenerationState", utils.GenerationState)
+    cb_class = _cb_manager_class()
+
+    class HebrusGenerationState(base):
+        """transformers' GenerationState whose continuous-batching bridge is :class:`HebrusCBGenerateManager`."""
+
+        def get_manager(self, model_id: str, use_cb: bool = False):
+            if use_cb and (self._cb_manager is None or self._cb_model_id != model_id):
+                if self._cb_manager is not None:
+                    self._cb_manager.stop()
+                self._cb_manager = cb_class(cb_config=self._cb_config)
+                self._cb_model_id = model_id
+            return super().get_manager(model_id, use_cb=use_cb)
+
+        def hebrus_manager(self):
+            """The running HebrusBatchingManager, or None before the first request."""
+            return None if self._cb_manager is None else self._cb_manager._cb
+
+    return HebrusGenerationState
+
+
+# -------------------------------------------------------------------------------------------- validation
+def _check_body(body: Any, kind: str) -> None:
+    """A 400 naming the problem for a body transformers would answer with a 500 (or accept silently)."""
+    if not isinstance(body, dict):
+        raise _http_error(400, "the request body must be a JSON object")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _http_error(400, "`messages` must be a non-empty list of messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _http_error(400, f"`messages[{i}]` must be an object with a string `role`")
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise _http_error(400, f"`messages[{i}].content` must be a string or a list of content parts")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise _http_error(400, "`prompt` must be a non-empty string")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise _http_error(400, f"`{name}` must be an integer >= 1, got {value!r}")
+    temperature = body.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                    or not 0 <= temperature <= 100):
+        raise _http_error(400, f"`temperature` must be a number >= 0, got {temperature!r}")
+    top_p = body.get("top_p")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise _http_error(400, f"`top_p` must be a number in (0, 1], got {top_p!r}")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                            and all(isinstance(s, str) for s in stop))):
+        raise _http_error(400, "`stop` must be a string or a list of strings")
+
+
+def _checked_handler(base, kind: str):
+    class Checked(base):
+        async def handle_request(self, body: dict, request_id: str):
+            _check_body(body, kind)
+            return await super().handle_request(body, request_id)
+
+    Checked.__name__ = Checked.__qualname__ = f"Hebrus{base.__name__}"
+    return Checked
+
+
+# ----------------------------------------------------------------------------------------------- the app
+def _build_server_wrapper():
+    _, _, _, server, _ = _modules()
+    original = _ORIGINALS.get("build_server", server.build_server)
+
+    def build_server(model_manager, chat_handler, *args, **kwargs):
+        from fastapi.responses import JSONResponse
+
+        app = original(model_manager, chat_handler, *args, **kwargs)
+        state = kwargs.get("generation_state", chat_handler.generation_state)
+
+        def manager():
+            getter = getattr(state, "hebrus_manager", None)
+            return getter() if getter is not None else None
+
+        @app.get("/hebrus/stats")
+        def hebrus_stats():
+            m = manager()
+            if m is None:
+                return JSONResponse({"engine": None, "continuous_batching": state._continuous_batching})
+            try:
+                return JSONResponse(m.stats(timeout=10.0))
+            except Exception as err:  # noqa: BLE001 - a dead or stuck engine says so
+                return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=503)
+
+        @app.post("/hebrus/prefix_cache/clear")
+        def hebrus_clear_prefix_cache():
+            m = manager()
+            if m is None:
+                return JSONResponse({"status": "ok", "evicted": 0})
+            try:
+                evicted = m.call_in_engine_thread(_clear_prefix_cache, timeout=10.0)
+            except Exception as err:  # noqa: BLE001
+                return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=503)
+            return JSONResponse({"status": "ok", "evicted": evicted})
+
+        if _SETTINGS.debug:
+            @app.post("/hebrus/debug/kill_engine")
+            def hebrus_kill_engine():
+                m = manager()
+                if m is None or m.engine is None:
+                    return JSONResponse({"error": "no engine yet"}, status_code=409)
+
+                def dead_step(*_a, **_k):
+                    raise RuntimeError("engine killed through /hebrus/debug/kill_engine")
+
+                m.engine.step = dead_step    # the manager's thread dies at its next step
+                return JSONResponse({"status": "ok"})
+
+        return app
+
+    build_server.__wrapped__ = original
+    return build_server
+
+
+def _clear_prefix_cache(engine) -> int:
+    n = len(engine.kept_sequences())
+    engine.clear_prefix_cache()
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ patching
+def patch_transformers_serve(settings: HebrusServeSettings | None = None) -> None:
+    """Make transformers serve (in this process) serve Qwen4Exp on the hebrus engine; see the module doc."""
+    global _SETTINGS
+    if settings is not None:
+        _SETTINGS = settings
+    chat_completion, completion, model_manager, server, utils = _modules()
+    if not _ORIGINALS:
+        _ORIGINALS.update(ModelManager=model_manager.ModelManager, GenerationState=utils.GenerationState,
+                          build_server=server.build_server,
+                          ChatCompletionHandler=chat_completion.ChatCompletionHandler,
+                          CompletionHandler=completion.CompletionHandler)
+    model_manager.ModelManager = _model_manager_class()
+    utils.GenerationState = _generation_state_class()
+    server.build_server = _build_server_wrapper()
+    chat_completion.ChatCompletionHandler = _checked_handler(_ORIGINALS["ChatCompletionHandler"], "chat")
+    completion.CompletionHandler = _checked_handler(_ORIGINALS["CompletionHandler"], "completion")
+
+
+def unpatch_transformers_serve() -> None:
+    if not _ORIGINALS:
+        return
+    chat_completion, completion, model_manager, server, utils = _modules()
+    model_manager.ModelManager = _ORIGINALS["ModelManager"]
+    utils.GenerationState = _ORIGINALS["GenerationState"]
+    server.build_server = _ORIGINALS["build_server"]
+    chat_completion.ChatCompletionHandler = _ORIGINALS["ChatCompletionHandler"]
+    completion.CompletionHandler = _ORIGINALS["CompletionHandler"]
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def _hebrus_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hebrus_torch.serve", add_help=False)
+    p.add_argument("--hebrus-capacity-tokens", type=int, default=None,
+                   help="cache cells shared by all requests (default: --cb-num-blocks x --cb-block-size, else 4096)")
+    p.add_argument("--hebrus-max-sequences", type=int, default=None,
+                   help="requests in flight at once (default 32)")
+    p.add_argument("--hebrus-prefix-cache-tokens", type=int, default=None,
+                   help="cells kept for finished requests' prefixes (default: half the capacity; 0: off)")
+    p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
+    return p
+
+
+USAGE = """usage: python -m hebrus_torch.serve MODEL_DIR [transformers serve options] [hebrus options]
+
+Serves MODEL_DIR (a local Qwen4Exp checkpoint) through `transformers serve` with continuous batching on the
+hebrus engine. Clients name the model exactly as MODEL_DIR was given (or leave `model` out).
+
+hebrus options:
+  --hebrus-capacity-tokens N      cache cells shared by all requests (default: num_blocks x block size, else 4096)
+  --hebrus-max-sequences N        requests in flight at once (default: 32)
+  --hebrus-prefix-cache-tokens N  cells kept for finished requests (default: half the capacity; 0: off)
+  --hebrus-debug                  mount POST /hebrus/debug/kill_engine
+
+transformers serve options (passed through; `--continuous-batching` is added unless
+`--no-continuous-batching` is given):
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns, rest = _hebrus_parser().parse_known_args(argv)
+    if not rest or rest[0].startswith("-"):
+        print(USAGE, file=sys.stderr)
+        if any(a in ("-h", "--help") for a in rest):
+            _run_serve(["--help"])
+            return
+        raise SystemExit(2)
+    patch_transformers_serve(HebrusServeSettings(capacity_tokens=ns.hebrus_capacity_tokens,
+                                                 max_sequences=ns.hebrus_max_sequences,
+                                                 prefix_cache_tokens=ns.hebrus_prefix_cache_tokens,
+                                                 debug=ns.hebrus_debug))
+    if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):
+        rest.append("--continuous-batching")
+    _run_serve(rest)
+
+
+def _run_serve(args: list[str]) -> None:
+    import typer
+    from transformers.cli.serve import Serve
+
+    app = typer.Typer(add_completion=False)
+    app.command()(Serve)
+    app(args=args, prog_name="python -m hebrus_torch.serve")
+
+
+if __name__ == "__main__":
+    main()
