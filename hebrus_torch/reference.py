@@ -117,8 +117,9 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
         multipliers: Tensor[N] int64, ``layer_multipliers``.
         vocab_sizes: Tensor[(N-1)*H] int64, ``ngram_heads_vocab_sizes``.
         offsets: Tensor[(N-1)*H] int64, ``ngram_heads_offsets``.
-        eos: end-of-sequence token id.
-        vocab: unigram vocabulary size; every token and history id must lie in ``[0, vocab)``.
+        eos: end-of-sequence token id, any int64 (inside the vocabulary or not: it is only compared with ids).
+        vocab: unigram vocabulary size; every token id must lie in ``[0, vocab)``, every history id there
+            or equal ``eos``.
 
     Returns:
         row_ids: Tensor[T, (N-1)*H] int64, bigram heads first, then trigram heads, ...
@@ -129,9 +130,13 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
     check_cu_seqlens_values(cu_seqlens, tokens.shape[0], op)
     for name, t in (("tokens", tokens), ("history", history)):
         bad = (t < 0) | (t >= vocab)
+        if name == "history":            # a fresh history is [eos]*(N-1), and eos may lie outside the vocabulary
+            bad &= t != eos
         if bool(bad.any()):
             where = tuple(int(i) for i in torch.nonzero(bad)[0])
-            raise HebrusError(f"hebrus::{op}: {name}{list(where)} = {int(t[where])} is outside [0, vocab={vocab})")
+            tail = " and is not eos" if name == "history" else ""
+            raise HebrusError(f"hebrus::{op}: {name}{list(where)} = {int(t[where])} is outside [0, vocab={vocab})"
+                              f"{tail}")
     if bool((vocab_sizes <= 0).any()):
         head = int(torch.nonzero(vocab_sizes <= 0)[0])
         raise HebrusError(f"hebrus::{op}: vocab_sizes[{head}] must be positive, got {int(vocab_sizes[head])}")

@@ -8,7 +8,8 @@
 // 64-bit two's complement (unsigned arithmetic, so no signed overflow), and head j of order n gets
 // floor_mod(mix_n, P[h]) + offset[h], h = (n-2)*H + j, exactly torch.remainder's result for P > 0.
 // A row thread checks its cu_seqlens and history entries and writes new_history: the last N-1 raw
-// entries of z. Ids outside [0, vocab) and non-positive vocab sizes are reported through the error
+// entries of z. Token ids outside [0, vocab), history ids outside it other than EOS (which may be any
+// int64), and non-positive vocab sizes are reported through the error
 // slots; the glue raises and returns nothing.
 #include "hebrus_metal_common.h"
 
@@ -82,7 +83,7 @@ template <typename I>  // token id type: long (int64), the only one the op takes
   }
   for (long j = 0; j < ctx; ++j) {
     const long v = history[b * ctx + j];
-    if (v < 0 || v >= p.vocab) {
+    if ((v < 0 || v >= p.vocab) && v != p.eos) {  // eos is any int64 (SPEC section 2), the fresh history
       hebrus_report(err, HEBRUS_ERR_NGRAM_HISTORY, uint(b * ctx + j));
     }
   }

@@ -67,6 +67,23 @@ def test_fresh_history_and_eos_rule():
     assert torch.equal(ids[4:], tail)
 
 
+@pytest.mark.parametrize("eos", [VOCAB + 100000, -1, -(1 << 63)])
+def test_eos_outside_the_vocabulary(eos):
+    """SPEC §2: EOS is any int64, only compared with token ids (transformers' generation tests use vocab +
+    100000). The kernel takes a fresh history [E]*(N-1) and matches the reference; a history id outside the
+    vocabulary that is not E is still refused."""
+    mult, sizes, offsets = config(3, 4, seed=3, negative=True)
+    tokens, cu, _ = stream([0, 6, 1, 17], 3, seed=4, eos_rate=0.0)
+    history = torch.full((4, 2), eos)
+    history[3, 1] = 9
+    got = hebrus_emu.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, VOCAB)
+    want = reference.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, VOCAB)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    history[2, 0] = VOCAB + 1 if eos != VOCAB + 1 else VOCAB + 2
+    with pytest.raises(HebrusError, match=r"history\[2, 0\] = \d+ is outside \[0, vocab=50\) and is not eos"):
+        hebrus_emu.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, VOCAB)
+
+
 def run_chunks(rows, history, mult, sizes, offsets, cuts):
     ids, bounds = [[] for _ in rows], [0, *cuts, max(len(r) for r in rows)]
     for a, b in zip(bounds[:-1], bounds[1:]):

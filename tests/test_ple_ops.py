@@ -569,6 +569,81 @@ def test_eos_rule(device, n):
     assert not torch.equal(ids_no[-suffix.shape[0]:], ids_fresh)
 
 
+EOS_OUTSIDE = {"vocab+100000": lambda vocab: vocab + 100000, "negative": lambda vocab: -1,
+               "int64-min": lambda vocab: -(1 << 63), "int64-max": lambda vocab: (1 << 63) - 1}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("kind", EOS_OUTSIDE)
+def test_eos_outside_vocabulary(device, n, kind):
+    """SPEC §2: eos is any int64 (transformers' generation tests set eos = vocab + 100000), only compared
+    with token ids: a fresh history [eos]*(N-1) is accepted, kernel == reference, and the ids equal those of
+    a hand-built z = history ++ tokens hash (no token equals eos, so only the fresh history reads it)."""
+    gen = torch.Generator().manual_seed(n)
+    vocab = 20
+    eos = EOS_OUTSIDE[kind](vocab)
+    mult, sizes, offsets = hash_params(n, 2, gen, huge=True)
+    params = [p.to(device) for p in (mult, sizes, offsets)]
+    tokens, cu = pack([torch.randint(0, vocab, (m,), generator=gen) for m in (7, 0, 1, 5)])
+    history = torch.full((4, n - 1), eos)
+    history[3, -1] = 4                                           # a carried history: eos then a token
+    want = reference.ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, vocab)
+    got = ht.ple_ngram_ids(tokens.to(device), cu.to(device), history.to(device), *params, eos, vocab)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    # By hand: z = history ++ tokens per row; shift k reads z[i-k] unless an eos is among z[i-k .. i-1].
+    rows = []
+    for b in range(4):
+        z = history[b].tolist() + tokens[int(cu[b]):int(cu[b + 1])].tolist()
+        for i in range(n - 1, len(z)):
+            h = sizes.shape[0] // (n - 1)
+            row = []
+            mixed = _wrap64(z[i] * int(mult[0]))
+            for k in range(1, n):
+                s_k = eos if any(v == eos for v in z[i - k:i]) else z[i - k]
+                mixed = _wrap64(mixed ^ _wrap64(s_k * int(mult[k])))
+                row += [mixed % int(sizes[j]) + int(offsets[j]) for j in range((k - 1) * h, k * h)]
+            rows.append(row)
+    assert torch.equal(got[0].cpu(), torch.tensor(rows, dtype=torch.int64).reshape(-1, sizes.shape[0]))
+
+
+def _wrap64(v: int) -> int:
+    """Python int -> int64 two's complement (torch's int64 mul/xor wrap)."""
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("kind", ["vocab+100000", "negative"])
+def test_eos_outside_vocabulary_matches_transformers(hf, device, kind):
+    """transformers' NGramEmbedding with an eos outside the vocabulary (its generation tests' setting):
+    row ids exact, fresh and chunked through its cache."""
+    from transformers.cache_utils import DynamicCache
+
+    gen = torch.Generator().manual_seed(5)
+    config = hf.tiny_config(vocab_size=40, ngram_size=3, heads_per_ngram=2, ple_embed_dim=8)
+    config.eos_token_id = EOS_OUTSIDE[kind](config.vocab_size)
+    layer, captured = hf_ple_layer(hf, config, 0, gen)
+    emb = layer.ple_embedding
+    assert int(emb.eos_token_id) == config.eos_token_id
+    tok = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
+    params = ids_params(emb, device)
+    eos, vocab = config.eos_token_id, config.vocab_size
+    fresh = torch.full((2, 2), eos, device=device)
+    emb(tok, None)
+    want = captured.pop()
+    got, _ = ht.ple_ngram_ids(tok.reshape(-1).to(device), pack(list(tok))[1].to(device), fresh, *params, eos, vocab)
+    assert torch.equal(got.cpu(), want.reshape(-1, want.shape[-1]))
+    cache, history = DynamicCache(config=config), fresh
+    for start, end in ((0, 1), (1, 4), (4, 9)):
+        emb(tok[:, start:end], cache)
+        want = captured.pop()
+        chunk = tok[:, start:end]
+        got, history = ht.ple_ngram_ids(chunk.reshape(-1).to(device), pack(list(chunk))[1].to(device), history,
+                                        *params, eos, vocab)
+        assert torch.equal(got.cpu(), want.reshape(-1, want.shape[-1])), (start, end)
+    assert torch.equal(history.cpu(), cache.layers[emb.layer_idx].conv_states[2])
+
+
 def test_conv_new_state_is_the_last_inputs_and_carries_on(device):
     # The conv never sees token ids, so it cannot reset at an EOS (SPEC §5.3's "the conv tail carries
     # across EOS" is the holders' to keep: tests/test_ple_state.py checks PLEState's tail after an EOS).
@@ -711,8 +786,12 @@ BAD_IDS = {
     "token-vocab": (dict(tokens=torch.tensor([1, 2, 3, 4, 10])), r"tokens\[4\] = 10 is outside"),
     "history-negative": (dict(history=torch.tensor([[0, 0], [6, -3]])), r"history\[1, 1\] = -3 is outside"),
     "history-vocab": (dict(history=torch.tensor([[10, 0], [6, 7]])), r"history\[0, 0\] = 10 is outside"),
-    "eos-negative": (dict(eos=-1), r"eos -1 must lie in \[0, vocab=10\)"),
-    "eos-vocab": (dict(eos=10), r"eos 10 must lie in"),
+    # eos may lie outside the vocabulary (SPEC §2), but a token equal to it is still outside, and a history
+    # id outside the vocabulary must be that eos.
+    "token-is-outside-eos": (dict(eos=10, tokens=torch.tensor([1, 2, 10, 4, 5])),
+                             r"tokens\[2\] = 10 is outside \[0, vocab=10\)"),
+    "history-outside-not-eos": (dict(eos=10, history=torch.tensor([[10, 10], [6, 11]])),
+                                r"history\[1, 1\] = 11 is outside \[0, vocab=10\) and is not eos"),
     "vocab-zero": (dict(vocab=0), r"vocab must be positive"),
     "head-size-zero": (dict(vocab_sizes=torch.tensor([11, 0, 17, 19])), r"vocab_sizes\[1\] must be positive, got 0"),
 }

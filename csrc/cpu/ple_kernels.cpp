@@ -36,15 +36,18 @@ using at::Tensor;
 #define HEBRUS_VECTOR_CLONES_16
 #endif
 
-void check_ids_in_range(const char* op, const Tensor& ids, int64_t vocab, const char* name) {
+// Every id in [0, vocab); where eos_allowed, an id equal to eos too (the history of a fresh sequence is
+// [eos]*(N-1), and eos may lie outside the vocabulary: SPEC §2).
+void check_ids_in_range(const char* op, const Tensor& ids, int64_t vocab, const char* name, bool eos_allowed,
+                        int64_t eos) {
   const int64_t* p = ids.data_ptr<int64_t>();
   const int64_t cols = ids.dim() == 2 ? ids.size(1) : 1;
   for (const auto i : c10::irange(ids.numel())) {
-    if (p[i] < 0 || p[i] >= vocab) {
+    if ((p[i] < 0 || p[i] >= vocab) && !(eos_allowed && p[i] == eos)) {
       const std::string where = ids.dim() == 2 ? std::to_string(i / cols) + ", " + std::to_string(i % cols)
                                                : std::to_string(i);
       HEBRUS_CHECK(false, HebrusError, "hebrus::", op, ": ", name, "[", where, "] = ", p[i],
-                   " is outside [0, vocab=", vocab, ")");
+                   " is outside [0, vocab=", vocab, ")", eos_allowed ? " and is not eos" : "");
     }
   }
 }
@@ -203,8 +206,8 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
   const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
   const Tensor tok_t = tokens.contiguous(), hist_t = history.contiguous(), mult_t = multipliers.contiguous();
   const Tensor sizes_t = vocab_sizes.contiguous(), off_t = offsets.contiguous();
-  check_ids_in_range(op, tok_t, vocab, "tokens");
-  check_ids_in_range(op, hist_t, vocab, "history");
+  check_ids_in_range(op, tok_t, vocab, "tokens", false, eos);
+  check_ids_in_range(op, hist_t, vocab, "history", true, eos);
   const int64_t* sizes = sizes_t.data_ptr<int64_t>();
   for (const auto h : c10::irange(heads)) {
     HEBRUS_CHECK(sizes[h] > 0, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ", sizes[h]);

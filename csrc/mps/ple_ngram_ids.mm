@@ -50,7 +50,7 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_mps(const Tensor& tokens_in, const Tens
     }
     if (const int64_t i = e.index[HEBRUS_ERR_NGRAM_HISTORY]; i >= 0) {
       HEBRUS_CHECK(false, HebrusError, "hebrus::", op, ": history[", i / ctx, ", ", i % ctx, "] = ",
-                   history[i / ctx][i % ctx].item<int64_t>(), " is outside [0, vocab=", vocab, ")");
+                   history[i / ctx][i % ctx].item<int64_t>(), " is outside [0, vocab=", vocab, ") and is not eos");
     }
     const int64_t h = e.index[HEBRUS_ERR_NGRAM_VOCAB_SIZE];
     HEBRUS_CHECK(false, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ",

@@ -151,7 +151,8 @@ def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets
         raise HebrusError(f"hebrus::{op}: tokens[{t}] = {int(tokens[t])} is outside [0, vocab={vocab})")
     if (i := _slot(err, 2)) is not None:
         b, j = divmod(i, n - 1)
-        raise HebrusError(f"hebrus::{op}: history[{b}, {j}] = {int(history[b, j])} is outside [0, vocab={vocab})")
+        raise HebrusError(f"hebrus::{op}: history[{b}, {j}] = {int(history[b, j])} is outside [0, vocab={vocab}) "
+                          f"and is not eos")
     if (h := _slot(err, 3)) is not None:
         raise HebrusError(f"hebrus::{op}: vocab_sizes[{h}] must be positive, got {int(vocab_sizes[h])}")
     return row_ids, new_history
