@@ -218,21 +218,25 @@ def _tiny_gdn_module(hf, **overrides):
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("overrides", [{}, {"linear_num_key_heads": 1, "linear_num_value_heads": 2}])
-def test_gdn_forward_matches_the_module_with_a_dynamic_cache(overrides):
+@pytest.mark.parametrize("overrides,dtype", [({}, torch.float32),
+                                             ({"linear_num_key_heads": 1, "linear_num_value_heads": 2}, torch.float32),
+                                             ({}, torch.bfloat16)])
+def test_gdn_forward_matches_the_module_with_a_dynamic_cache(overrides, dtype):
     """Three sequences, packed together (prefill chunks of different lengths, then decode steps), against
     each sequence run alone through the module's own forward with a DynamicCache."""
     hf = _hf()
     from transformers.cache_utils import DynamicCache
     config, module = _tiny_gdn_module(hf, **overrides)
+    module.to(dtype)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
     state = GDNState(1, num_key_heads=module.num_k_heads, num_value_heads=module.num_v_heads,
                      key_head_dim=module.head_k_dim, value_head_dim=module.head_v_dim,
-                     conv_kernel_size=module.conv_kernel_size, max_sequences=4)
+                     conv_kernel_size=module.conv_kernel_size, max_sequences=4, dtype=dtype)
     seqs = [state.new_sequence() for _ in range(3)]
     plan = [[7, 2, 12], [5, 1, 3], [1, 1, 1], [1, 0, 1], [1, 1, 1]]   # tokens per sequence per step
     total = [sum(p[i] for p in plan) for i in range(3)]
     gen = torch.Generator().manual_seed(4)
-    hidden = [torch.randn(n, config.hidden_size, generator=gen) for n in total]
+    hidden = [torch.randn(n, config.hidden_size, generator=gen).to(dtype) for n in total]
     got, pos = [[] for _ in range(3)], [0, 0, 0]
     with torch.no_grad():
         for step in plan:
@@ -250,13 +254,14 @@ def test_gdn_forward_matches_the_module_with_a_dynamic_cache(overrides):
                 if step[i]:
                     want.append(module(hidden[i][None, p:p + step[i]], cache_params=cache)[0])
                     p += step[i]
-            torch.testing.assert_close(torch.cat(got[i]), torch.cat(want), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.cat(got[i]), torch.cat(want), atol=tol, rtol=tol)
             snap = state.snapshot(seqs[i])
-            torch.testing.assert_close(snap.recurrent[0], cache.layers[0].recurrent_states[0][0], atol=1e-5,
-                                       rtol=1e-5)
+            assert snap.conv_tails.dtype == dtype and snap.recurrent.dtype == torch.float32
+            torch.testing.assert_close(snap.recurrent[0], cache.layers[0].recurrent_states[0][0].float(), atol=tol,
+                                       rtol=tol)
             # (in_proj_qkv's rows differ in the last bits between the packed and the solo call: BLAS)
             torch.testing.assert_close(snap.conv_tails[0], cache.layers[0].conv_states[0][0, :, 1:].T,
-                                       atol=1e-5, rtol=1e-5)
+                                       atol=tol, rtol=tol)
 
 
 @pytest.mark.hf
