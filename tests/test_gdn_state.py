@@ -130,23 +130,25 @@ def test_chunk_invariance_bitwise_under_cuts_and_batching(dtype, shape):
         assert digest == base[3], key
 
 
-def test_delta_rule_rows_do_not_depend_on_the_batch():
-    """The functional rule: one row alone, and the same row among 63 others of other lengths, gives the
+@pytest.mark.parametrize("hk,hv,dk,dv", [(HK, HV, DK, DV), (4, 16, 64, 32)])
+def test_delta_rule_rows_do_not_depend_on_the_batch(hk, hv, dk, dv):
+    """The functional rule: a row alone, and the same row among 63 others of other lengths, gives the
     same bits (the per-row arithmetic does not depend on how many rows are active)."""
     gen = torch.Generator().manual_seed(7)
     lengths = [random.Random(i).randint(0, 9) for i in range(64)]
-    lengths[17] = 6
+    lengths[17], lengths[40] = 6, 9
     T = sum(lengths)
-    q, k = torch.randn(T, HK, DK, generator=gen), torch.randn(T, HK, DK, generator=gen)
-    v = torch.randn(T, HV, DV, generator=gen)
-    g, beta = -torch.rand(T, HV, generator=gen), torch.rand(T, HV, generator=gen)
-    state = torch.randn(64, HV, DK, DV, generator=gen)
+    q, k = torch.randn(T, hk, dk, generator=gen), torch.randn(T, hk, dk, generator=gen)
+    v = torch.randn(T, hv, dv, generator=gen)
+    g, beta = -torch.rand(T, hv, generator=gen), torch.rand(T, hv, generator=gen)
+    state = torch.randn(64, hv, dk, dv, generator=gen)
     cu = cu_of(lengths)
     out, new = gated_delta_rule(q, k, v, g, beta, cu, state)
-    s, e = int(cu[17]), int(cu[18])
-    one = torch.tensor([0, e - s], dtype=torch.int32)
-    out1, new1 = gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], one, state[17:18])
-    assert torch.equal(out1, out[s:e]) and torch.equal(new1[0], new[17])
+    for row in (17, 40, 0):
+        s, e = int(cu[row]), int(cu[row + 1])
+        one = torch.tensor([0, e - s], dtype=torch.int32)
+        out1, new1 = gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], one, state[row:row + 1])
+        assert torch.equal(out1, out[s:e]) and torch.equal(new1[0], new[row]), row
     zero = [i for i, n in enumerate(lengths) if n == 0]
     assert zero and all(torch.equal(new[i], state[i]) for i in zero)
 
