@@ -1538,9 +1538,7 @@ class QSACache(torch.nn.Module, Transactional):
         _blob.known_entries(kind, sd, self._state_keys(), strict=True)
         tensors = {k: v for k, v in sd.items() if k != "_extra_state"}
         expect(kind, set(tensors) == names, f"the state dict lacks {sorted(names - set(tensors))}")
-        expect(kind, all(isinstance(t, torch.Tensor) for t in tensors.values()), "entries must be tensors")
-        tensors = {k: v.detach().cpu() for k, v in tensors.items()}
-        expect(kind, extra.get("checksum") == self._checksum(tensors), "checksum mismatch: modified or truncated")
+        _blob.check_tensors(kind, tensors)
         C, L, D, S, r = self.capacity, self.num_layers, self.head_dim, self.max_sequences, self.compress_ratio
         gcap = tensors["group_ref"].shape[0] if tensors["group_ref"].dim() == 1 else -1
         want = {"cell_pos": ((C,), torch.int64), "cell_ref": ((C,), torch.int32), "keys": ((L, C, D), self.dtype),
@@ -1559,6 +1557,9 @@ class QSACache(torch.nn.Module, Transactional):
         expect(kind, gcap >= 1, "group_ref must have at least one row")
         for name in ("seq_cells", "seq_groups"):
             expect(kind, tensors[name].dim() == 1 and tensors[name].dtype == torch.int64, f"{name} must be int64 [N]")
+        # Shapes, dtypes and devices are known good: now the bytes can be read.
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}
+        expect(kind, extra.get("checksum") == self._checksum(tensors), "checksum mismatch: modified or truncated")
         expect(kind, torch.equal(tensors["norm_weight"], self.norm_weight.cpu())
                and torch.equal(tensors["inv_freq"], self.inv_freq.cpu()),
                "norm_weight / inv_freq differ from this cache's (state of another model)")

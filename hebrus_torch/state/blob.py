@@ -168,6 +168,17 @@ def known_entries(kind: str, state_dict: dict, expected: set, strict: bool) -> t
     return {k: v for k, v in state_dict.items() if k in expected}, unexpected
 
 
+def check_tensors(kind: str, entries: dict[str, Any]) -> None:
+    """CorruptStateError unless every entry of an untrusted state dict is a dense tensor holding data, of a
+    dtype saved state uses: run it before anything reads an entry's bytes (a checksum), shape or values,
+    so a non-tensor, a meta or sparse tensor, or an exotic dtype is refused, never crashes a read."""
+    for name, t in sorted(entries.items(), key=lambda kv: str(kv[0])):
+        expect(kind, isinstance(t, torch.Tensor), f"entry {short(name)} must be a tensor, got {type(t).__name__}")
+        expect(kind, t.layout == torch.strided and not t.is_meta and t.device.type != "meta",
+               f"entry {short(name)} must be a dense tensor holding data, got a {t.layout} tensor on {t.device}")
+        expect(kind, t.dtype in _NAMES, f"entry {short(name)} has dtype {t.dtype}, which saved state never uses")
+
+
 def expect(kind: str, cond: bool, what: str) -> None:
     """Raise CorruptStateError(what) unless cond: one line for each validation of decoded state."""
     if not cond:
