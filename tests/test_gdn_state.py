@@ -281,6 +281,7 @@ def test_from_transformers_maps_layers_and_reads_the_config():
     assert state.recurrent_state.shape == (2, 3, config.linear_num_value_heads, config.linear_key_head_dim,
                                            config.linear_value_head_dim)
     assert state._conv_weights[1] is model.model.layers[2].linear_attn.conv1d.weight
+    assert GDNState.from_transformers(model.model).layer_ids == [0, 2]
     with pytest.raises(HebrusError, match="no linear_attention"):
         GDNState.from_transformers(hf.modeling.Qwen4ExpForCausalLM(
             hf.tiny_indexer_config(layer_types=["indexed_attention", "indexed_attention"], ple_layer_ids=[])))
@@ -696,3 +697,18 @@ def test_gdn_forward_outside_a_transaction_is_atomic(monkeypatch):
     with pytest.raises(HebrusError, match="num_v_heads"):
         gdn_forward(other, state, 0, [a], x, cu_of([3]))
     assert state.digest() == before
+
+
+def test_one_transaction_over_a_ple_state_and_a_gdn_state_rolls_both_back():
+    ple = ht.PLEState(1, 8, vocab_size=20, eos_token_id=2, max_sequences=2,
+                      conv_weights=[torch.randn(8, 4)])
+    gdn = make_state(max_sequences=2)
+    h = gdn.new_sequence()
+    ple.new_sequence(h)
+    before = (ple.digest(), gdn.digest())
+    with pytest.raises(HebrusError):
+        with ht.transaction(ple, gdn):
+            run_step(gdn, [h], [seq_inputs(3, 1)], txn=False)
+            ple.conv(0, [h], torch.randn(3, 8), cu_of([3]))
+            ple.conv(0, [h], torch.randn(3, 9), cu_of([3]))        # refused: wrong channel count
+    assert (ple.digest(), gdn.digest()) == before

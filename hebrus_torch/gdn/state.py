@@ -116,12 +116,18 @@ class GDNState(torch.nn.Module, Transactional):
     # ----------------------------------------------------------------------------- construction
     @classmethod
     def from_transformers(cls, model: torch.nn.Module, *, max_sequences: int = 64) -> "GDNState":
-        """Build from a transformers Qwen4Exp model (``Qwen4ExpForCausalLM`` or its text model).
+        """Build from a transformers Qwen4Exp model (``Qwen4ExpForCausalLM``, its text model, or the
+        multimodal ``Qwen4ExpForConditionalGeneration`` / ``Qwen4ExpModel``, whose language model is used).
 
         Conv weights are referenced (they follow the model's parameters). ``layer_ids`` maps GDN index ->
         decoder layer index; :meth:`layer_index` maps back.
         """
-        text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+        text = model
+        for _ in range(2):   # ForCausalLM -> model; ForConditionalGeneration -> model -> language_model
+            if not hasattr(text, "layers"):
+                inner = getattr(text, "language_model", None)
+                inner = getattr(text, "model", None) if inner is None else inner
+                text = text if inner is None else inner
         if not hasattr(text, "layers"):
             raise HebrusError(f"GDNState.from_transformers: {type(model).__name__} has no decoder layers")
         config = text.config
