@@ -411,7 +411,7 @@ def test_lifecycle_inside_a_failing_transaction_rolls_back():
     before = state.digest()
     with pytest.raises(RuntimeError):
         with ht.transaction(state):
-            x, ga, gb = seq_inputs(3, 4)
+            x, _, _ = seq_inputs(3, 4)
             state.conv(0, [a], x, cu_of([3]))
             c = state.new_sequence()
             state.copy(a, c)
@@ -427,7 +427,7 @@ def test_staged_state_is_read_inside_the_transaction_and_published_at_commit():
     state = make_state()
     a = state.new_sequence()
     fresh = state.recurrent_state.clone()
-    x, ga, gb = seq_inputs(4, 1)
+    x, _, _ = seq_inputs(4, 1)
     with ht.transaction(state):
         y1 = state.conv(0, [a], x[:2], cu_of([2]))
         y2 = state.conv(0, [a], x[2:], cu_of([2]))          # reads the staged tail
@@ -453,7 +453,7 @@ def test_a_later_holders_commit_failure_undoes_the_published_step(monkeypatch):
     with pytest.raises(RuntimeError, match="commit failed"):
         with ht.transaction(s1, s2):
             for s, h in ((s1, a1), (s2, a2)):
-                x, ga, gb = seq_inputs(3, 1)
+                x, _, _ = seq_inputs(3, 1)
                 s.conv(0, [h], x, cu_of([3]))
                 s.delta_rule(1, [h], cu_of([3]), *[torch.randn(3, HK, DK)] * 2, torch.randn(3, HV, DV),
                              -torch.rand(3, HV), torch.rand(3, HV))
@@ -579,7 +579,7 @@ def test_save_includes_staged_state_and_blob_round_trips_inside_a_transaction():
     state = make_state()
     a, b = state.new_sequence(), state.new_sequence()
     with ht.transaction(state):
-        x, ga, gb = seq_inputs(3, 1)
+        x, _, _ = seq_inputs(3, 1)
         state.conv(0, [a], x, cu_of([3]))
         data = state.save(a)
         state.restore(b, data)
