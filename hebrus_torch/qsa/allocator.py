@@ -1,0 +1,115 @@
+"""QSACache cell and group-row allocation with refcounts.
+
+Cells: ``cell_pos`` Tensor[C] int64 (-1 when free), ``cell_ref`` Tensor[C] int32 (sequences referencing
+the cell; shared after copy/fork). Group rows: ``group_ref`` Tensor[G] int32, the pooled row pool grows
+on demand (derived state, never a reason for a CapacityError). Allocation prefers cells and rows whose
+content no rollback may need back (``_freed_cells`` / ``_freed_rows`` Tensor bool), and records in the
+undo log whatever it overwrites.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CapacityError
+from .runs import _Run
+
+
+class _Allocator:
+    """Cells and group rows of :class:`QSACache`: allocate, share, release (all through the undo log)."""
+
+    def _pick(self, free: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor:
+        idx = torch.nonzero(free).flatten()
+        if self._alloc_generator is not None:
+            perm = torch.randperm(idx.numel(), generator=self._alloc_generator).to(idx.device)
+            idx = idx[perm]
+        else:
+            idx = torch.cat((idx[idx >= head], idx[idx < head]))
+        p = precious[idx]
+        if bool(p.any()):  # prefer cells whose content nobody may need back on rollback
+            idx = torch.cat((idx[~p], idx[p]))
+        return idx[:count]
+
+    def _alloc_cells(self, count: int) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        free = self.cell_ref == 0
+        nfree = int(free.sum())
+        if nfree < count:
+            raise CapacityError(f"QSACache: {count} cells needed but only {nfree} of {self.capacity} are free "
+                                f"(cell capacity exhausted)")
+        chosen = self._pick(free, count, self._cell_head, self._freed_cells)
+        self._log_content(chosen[self._freed_cells[chosen]])
+        self._cell_head = (int(chosen[-1]) + 1) % self.capacity
+        self._set(self.cell_ref, chosen, 1)
+        if bool(self._unwritten[:, chosen].any()):
+            self._set(self._unwritten, (slice(None), chosen), False)
+        return chosen
+
+    def _grow_rows(self, needed: int) -> None:
+        old = self.group_capacity
+        new = max(2 * old, old + needed)
+
+        def grown(t: torch.Tensor, dim: int, fill: Any) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = new - old
+            pad = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+            return torch.cat((t, pad), dim=dim)
+
+        self.pooled = grown(self.pooled, 1, 0)
+        self.group_ref = grown(self.group_ref, 0, 0)
+        self._pending = grown(self._pending, 1, False)
+        self._pend_cells = grown(self._pend_cells, 0, 0)
+        self._pend_pos = grown(self._pend_pos, 0, 0)
+        self._freed_rows = grown(self._freed_rows, 0, False)
+
+    def _alloc_rows(self, count: int) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        free = self.group_ref == 0
+        nfree = int(free.sum())
+        if nfree < count:
+            self._grow_rows(count - nfree)
+            free = self.group_ref == 0
+        chosen = self._pick(free, count, self._row_head, self._freed_rows)
+        pre = chosen[self._freed_rows[chosen]]
+        if pre.numel():
+            txn = self._txn
+            for name in ("pooled", "_pending"):
+                t = getattr(self, name)
+                txn.log.append((t, (slice(None), pre), t[:, pre].clone()))
+        self._row_head = (int(chosen[-1]) + 1) % self.group_capacity
+        self._set(self.group_ref, chosen, 1)
+        return chosen
+
+    def _release_cells(self, cells: torch.Tensor) -> None:
+        if cells.numel() == 0:
+            return
+        self._set(self.cell_ref, cells, self.cell_ref[cells] - 1)
+        dead = cells[self.cell_ref[cells] == 0]
+        if dead.numel():
+            self._set(self.cell_pos, dead, -1)
+            self._set(self._freed_cells, dead, True)
+            self._set(self._unwritten, (slice(None), dead), False)
+
+    def _release_rows(self, rows: torch.Tensor) -> None:
+        if rows.numel() == 0:
+            return
+        self._set(self.group_ref, rows, self.group_ref[rows] - 1)
+        dead = rows[self.group_ref[rows] == 0]
+        if dead.numel():
+            self._set(self._freed_rows, dead, True)
+            self._set(self._pending, (slice(None), dead), False)
+
+    def _release_run(self, run: _Run) -> None:
+        self._release_rows(run.groups.tensor())
+        self._release_cells(run.cells.tensor())
+
+    def _share_run(self, run: _Run) -> None:
+        cells, rows = run.cells.tensor(), run.groups.tensor()
+        if cells.numel():
+            self._set(self.cell_ref, cells, self.cell_ref[cells] + 1)
+        if rows.numel():
+            self._set(self.group_ref, rows, self.group_ref[rows] + 1)

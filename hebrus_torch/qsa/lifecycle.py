@@ -1,0 +1,443 @@
+"""QSACache runs and lifecycle: reserve/write (appends under the successor rule), window eviction,
+remove/rewind/shift/copy/fork/keep, and the read accessors of one sequence's run.
+
+A run is positions ``[p0, p0 + n)`` over cells (Tensor[n] int64, position order) with ``n // r`` group
+rows (Tensor[n // r] int64) anchored at p0 (:class:`hebrus_torch.qsa.runs._Run`). Every operation builds
+the new run first and publishes it only when it is one contiguous run (SPEC §3, §4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..errors import HebrusError, HoleError, NonSuccessorError
+from ..state.args import as_int
+from ..state.handles import SeqHandle
+from .planning import ReservedChunk
+from .runs import MAX_POSITION, _Run, _Vec, first_hole, window_start
+
+
+class _Lifecycle:
+    """Per-sequence runs of :class:`QSACache` and the operations on them."""
+
+    def _drop_prefix(self, run: _Run, k: int) -> _Run:
+        """Remove the first k positions; keep the surviving groups when k is a multiple of r."""
+        if k <= 0:
+            return run
+        r = self.compress_ratio
+        if k >= run.n:
+            self._release_run(run)
+            return _Run(run.p0 + run.n, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+        self._release_cells(run.cells.tensor()[:k])
+        cells = run.cells.drop_front(k)
+        if k % r == 0:
+            self._release_rows(run.groups.tensor()[:k // r])
+            return _Run(run.p0 + k, run.n - k, cells, run.groups.drop_front(k // r))
+        moved = _Run(run.p0 + k, run.n - k, cells, run.groups)
+        return self._rebuild(moved)
+
+    def _drop_suffix(self, run: _Run, keep: int) -> _Run:
+        """Keep the first ``keep`` positions (the anchor does not move: no rebuild)."""
+        if keep >= run.n:
+            return run
+        if keep <= 0:
+            self._release_run(run)
+            return _Run(run.p0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+        g = keep // self.compress_ratio
+        self._release_rows(run.groups.tensor()[g:])
+        self._release_cells(run.cells.tensor()[keep:])
+        return _Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g))
+
+    def _start_empty_run_at(self, seq: SeqHandle, p: int) -> None:
+        """Make ``p`` the default first position of an empty sequence (ModelCache: after a rewind to a
+        PLE snapshot before the run's first position)."""
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            run = self._runs[slot]
+            if run.n:
+                raise HebrusError(f"QSACache: {seq} is not empty (holds [{run.p0}, {run.p0 + run.n - 1}])")
+            self._runs[slot] = _Run(as_int("QSACache: p", p), 0, run.cells, run.groups)
+
+    def _window_start(self, p0: int, p: int) -> int:
+        """The first visible position of a query at ``p`` over a run anchored at ``p0`` (SPEC §3): with a
+        window, whole groups are evicted from the front until at most ``window`` positions remain."""
+        return window_start(p0, p, self.window, self.compress_ratio)
+
+    def _settle(self, slot: int) -> None:
+        """Apply the window eviction a planned chunk left for this slot (see ``reserve``)."""
+        txn = self._txn
+        if txn is None or slot not in txn.evict:
+            return
+        target = txn.evict.pop(slot)
+        run = self._runs[slot]
+        self._runs[slot] = self._drop_prefix(run, target - run.p0)
+
+    def _view(self, slot: int) -> _Run:
+        """The slot's run as the cache holds it after its chunks: a pending window eviction applied to the
+        view only (the cells stay held for the chunk's queries until the eviction is settled)."""
+        run = self._runs[slot]
+        txn = self._txn
+        if txn is None or slot not in txn.evict:
+            return run
+        k = txn.evict[slot] - run.p0
+        return _Run(run.p0 + k, run.n - k, run.cells.drop_front(k), run.groups.drop_front(k // self.compress_ratio))
+
+    def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
+        """Claim a slot for an empty sequence (run ``(0, 0)``). With ``handle``, adopt exactly that slot
+        and generation (how a ModelCache makes its holders share handles)."""
+        with self._op():
+            handle = self.slots.claim(handle)
+            self._runs[handle.slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            return handle
+
+    def free(self, seq: SeqHandle) -> None:
+        """Release the sequence's cells and groups and its slot; ``seq`` is stale afterwards."""
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            self._release_run(self._runs.pop(slot))
+            self.slots.release(seq)
+
+    def reset(self, seq: SeqHandle) -> SeqHandle:
+        """Empty the sequence and bump its generation; returns the new handle (the old one is stale)."""
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            self._release_run(self._runs[slot])
+            self.slots.release(seq)
+            handle = self.slots.claim(SeqHandle(slot, int(self.slots.generation[slot])))
+            self._runs[slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            return handle
+
+    def run(self, seq: SeqHandle) -> tuple[int, int]:
+        """``(p0, n)``: the sequence holds positions ``[p0, p0 + n)``. For an empty sequence p0 is the
+        default first position of its next append."""
+        r = self._view(self._slot(seq))
+        return r.p0, r.n
+
+    def cells_of(self, seq: SeqHandle) -> torch.Tensor:
+        """Tensor[n] int64: the physical cell of each position of the run, in position order."""
+        return self._view(self._slot(seq)).cells.tensor().clone()
+
+    def groups_of(self, seq: SeqHandle) -> torch.Tensor:
+        """Tensor[n // r] int64: the pooled row (in ``pooled[layer]``) of each complete group, in order."""
+        return self._view(self._slot(seq)).groups.tensor().clone()
+
+    def pooled_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
+        """Tensor[n // r, D]: the pooled keys of the sequence's complete groups for ``layer``."""
+        return self.pooled[self._layer(layer)][self._view(self._slot(seq)).groups.tensor()].clone()
+
+    def keys_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
+        """Tensor[n, D]: the raw keys of the run for ``layer`` in position order."""
+        return self.keys[self._layer(layer)][self._view(self._slot(seq)).cells.tensor()].clone()
+
+    def sequences(self) -> list[SeqHandle]:
+        """Live handles, in slot order."""
+        return self.slots.live_handles()
+
+    def reserve(self, seqs: Sequence[SeqHandle], counts: Sequence[int],
+                first_positions: Sequence[int | None] | None = None) -> ReservedChunk:
+        """Take cells for a packed chunk: row i holds ``counts[i]`` new tokens of ``seqs[i]``.
+
+        Row i's positions are ``frontier + 1, ...`` of its sequence; for an empty sequence they start at
+        ``first_positions[i]`` when given (any position >= 0: left padding, an evicted prefix) else at
+        its run's p0. A first position given for a non-empty sequence must be ``frontier + 1``
+        (``NonSuccessorError``). With a ``window``, each query of the chunk sees the window of its own
+        position (SPEC §3): positions no query of the chunk sees are evicted first (their cells can hold
+        the new tokens); the rest of the eviction takes effect once the chunk's queries are planned (at
+        commit, or at the next lifecycle operation on the sequence). ``CapacityError``
+        when the pool has too few free cells. Keys are written per layer with :meth:`write` inside the
+        same transaction (cells never written are zero at commit).
+
+        Returns:
+            ReservedChunk with cu_seqlens [B+1] int32, cells [T] int64 and positions [T] int64.
+        """
+        seqs = list(seqs)
+        counts = [int(c) for c in counts]
+        if len(counts) != len(seqs):
+            raise HebrusError(f"QSACache.reserve: {len(seqs)} sequences but {len(counts)} counts")
+        if first_positions is not None and len(first_positions) != len(seqs):
+            raise HebrusError(f"QSACache.reserve: {len(seqs)} sequences but {len(first_positions)} first positions")
+        with self._op():
+            slots = [self._slot(s) for s in seqs]
+            if len(set(slots)) != len(slots):
+                raise HebrusError(f"QSACache.reserve: a sequence appears twice in one chunk: {seqs}")
+            for slot in slots:
+                self._settle(slot)
+            r = self.compress_ratio
+            evict: dict[int, int] = {}
+            starts: list[int] = []
+            anchors: list[int] = []
+            runs: list[_Run] = []
+            for i, (seq, slot, count) in enumerate(zip(seqs, slots, counts)):
+                if count < 0:
+                    raise HebrusError(f"QSACache.reserve: negative count {count} for {seq}")
+                run = self._runs[slot]
+                first = None if first_positions is None else first_positions[i]
+                if first is not None:
+                    first = as_int(f"QSACache.reserve: the first position of {seq}", first)
+                if run.n > 0:
+                    start = run.p0 + run.n
+                    if first is not None and count > 0 and int(first) != start:
+                        raise NonSuccessorError(
+                            f"QSACache.reserve: {seq} holds positions [{run.p0}, {start - 1}]; its next token must "
+                            f"be at position {start} (frontier + 1), got positions [{int(first)}, "
+                            f"{int(first) + count - 1}] (successor rule)")
+                else:
+                    start = run.p0 if first is None else int(first)
+                    if start < 0:
+                        raise HebrusError(f"QSACache.reserve: {seq} first position {start} is negative")
+                if start + count - 1 > MAX_POSITION:
+                    raise HebrusError(f"QSACache.reserve: {count} tokens of {seq} from position {start} would pass "
+                                      f"the largest position {MAX_POSITION} (int64)")
+                if self.window is not None and count > 0:
+                    if count > self.window:
+                        raise HebrusError(f"QSACache.reserve: {count} tokens for {seq} exceed the window of "
+                                          f"{self.window} positions")
+                    base = run.p0 if run.n else start
+                    first_p0 = self._window_start(base, start)
+                    last_p0 = self._window_start(base, start + count - 1)
+                    if run.n and first_p0 > run.p0:        # no query of the chunk sees these
+                        run = self._drop_prefix(run, first_p0 - run.p0)
+                        self._runs[slot] = run
+                    if last_p0 > first_p0:
+                        evict[slot] = last_p0
+                if run.n == 0 and count > 0:
+                    run = _Run(start, 0, run.cells, run.groups)
+                starts.append(start)
+                runs.append(run)
+                anchors.append(run.p0)
+            total = sum(counts)
+            cells = self._alloc_cells(total)
+            counts_t = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
+            if seqs:
+                cu[1:] = torch.cumsum(counts_t, 0)
+            # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
+            # no position, so any start in range will do)
+            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64, device=self.device)
+            offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
+            positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
+            if total:
+                self._set(self.cell_pos, cells, positions)
+                self._set(self._unwritten, (slice(None), cells), True)
+                self._txn.new_cells.append(cells)
+            # New complete groups of every row, allocated and defined in one go.
+            new_runs: list[_Run] = []
+            n_groups: list[int] = []
+            bounds = cu.tolist()
+            for i, (slot, run) in enumerate(zip(slots, runs)):
+                grown = _Run(run.p0, run.n + counts[i], run.cells.extend(cells[bounds[i]:bounds[i + 1]]), run.groups)
+                new_runs.append(grown)
+                n_groups.append(grown.n // r - run.n // r)
+            rows = self._alloc_rows(sum(n_groups))
+            gcells, gpos, at = [], [], 0
+            for i, (slot, run) in enumerate(zip(slots, new_runs)):
+                g0 = run.n // r - n_groups[i]
+                c, p = self._groups_for(run, g0, g0 + n_groups[i])
+                gcells.append(c)
+                gpos.append(p)
+                self._runs[slot] = _Run(run.p0, run.n, run.cells, run.groups.extend(rows[at:at + n_groups[i]]))
+                at += n_groups[i]
+            if rows.numel():
+                self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
+            self._txn.evict.update(evict)
+            return ReservedChunk(tuple(seqs), cu.to(torch.int32), cells, positions, id(self), self._txn.token,
+                                 tuple(starts), tuple(anchors))
+
+    def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
+        """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
+        cells = run.cells.tensor()
+        got = self.cell_pos[cells]
+        j = first_hole(got, run.p0)
+        if j is not None:
+            raise HoleError(f"QSACache.{what}: {seq} run [{run.p0}, {run.p0 + run.n - 1}] has cell {int(cells[j])} at "
+                            f"position {int(got[j])} where {run.p0 + j} is required (a hole inside the run is not "
+                            f"padding)")
+
+    def _check_chunk(self, chunk: ReservedChunk, what: str) -> list[int]:
+        if not isinstance(chunk, ReservedChunk) or chunk._owner != id(self):
+            raise HebrusError(f"QSACache.{what}: the chunk was not reserved by this cache")
+        slots = [self._slot(h) for h in chunk.handles]
+        if chunk.num_tokens:
+            pos_now = self.cell_pos[chunk.cells]
+            bad = (pos_now != chunk.positions) | (self.cell_ref[chunk.cells] <= 0)
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0])
+                raise HoleError(f"QSACache.{what}: chunk token {i} (position {int(chunk.positions[i])}) is no longer "
+                                f"held by cell {int(chunk.cells[i])} (cell holds {int(pos_now[i])}): the run changed "
+                                f"since reserve")
+        return slots
+
+    def write(self, layer: int, chunk: ReservedChunk, keys: torch.Tensor, k: torch.Tensor | None = None,
+              v: torch.Tensor | None = None) -> None:
+        """Write one layer's raw indexer keys (and K/V when configured) into the chunk's cells and pool
+        the groups this chunk completes for that layer (O(new groups) pooled work).
+
+        Args:
+            layer: cache layer index.
+            chunk: a chunk reserved in the current transaction.
+            keys: Tensor[T, D] raw indexer keys (projection output: no norm, no RoPE), packed like the chunk.
+            k: Tensor[T, Hkv, Dh] main attention keys (required iff the cache keeps K/V).
+            v: Tensor[T, Hkv, Dv] main attention values (required iff the cache keeps K/V).
+        """
+        layer = self._layer(layer)
+        with self._op():
+            if self._txn.token is not chunk._txn:
+                raise HebrusError("QSACache.write: the chunk was reserved in another transaction (already "
+                                  "committed or rolled back); reserve and write inside one transaction, or use append")
+            self._check_chunk(chunk, "write")
+            t = chunk.num_tokens
+            if keys.shape != (t, self.head_dim):
+                raise HebrusError(f"QSACache.write: keys must be [T={t}, D={self.head_dim}], got {list(keys.shape)}")
+            if self.has_kv:
+                if k is None or v is None:
+                    raise HebrusError("QSACache.write: this cache keeps K/V planes; pass k and v")
+                if k.shape != (t, self.kv_heads, self.kv_head_dim) or v.shape != (t, self.kv_heads, self.v_head_dim):
+                    raise HebrusError(f"QSACache.write: k must be [{t}, {self.kv_heads}, {self.kv_head_dim}] and v "
+                                      f"[{t}, {self.kv_heads}, {self.v_head_dim}], got {list(k.shape)} and "
+                                      f"{list(v.shape)}")
+            elif k is not None or v is not None:
+                raise HebrusError("QSACache.write: this cache keeps no K/V planes (construct it with kv_heads)")
+            if t == 0:
+                return
+            cells = chunk.cells
+            written = cells[~self._unwritten[layer, cells]]   # a rewrite: keep the old content for undo
+            if written.numel():
+                txn = self._txn
+                for name in ("keys", "k_cache", "v_cache"):
+                    tt = getattr(self, name)
+                    if tt is not None:
+                        txn.log.append((tt, (layer, written), tt[layer, written].clone()))
+            # The cache carries no autograd history: activations that require grad are stored detached.
+            self.keys[layer].index_copy_(0, cells, keys.detach().to(device=self.device, dtype=self.dtype))
+            if self.has_kv:
+                self.k_cache[layer].index_copy_(0, cells, k.detach().to(device=self.device, dtype=self.dtype))
+                self.v_cache[layer].index_copy_(0, cells, v.detach().to(device=self.device, dtype=self.dtype))
+            if written.numel():
+                self._repool_touching(layer, written)
+            self._set(self._unwritten, (layer, cells), False)
+            self._resolve_pending(layer)
+
+    def append(self, seq: SeqHandle, keys_per_layer: Sequence[torch.Tensor], first_position: int | None = None,
+               k: Sequence[torch.Tensor] | None = None, v: Sequence[torch.Tensor] | None = None) -> ReservedChunk:
+        """Reserve ``n`` positions for one sequence and write every layer: ``keys_per_layer[l]`` is
+        Tensor[n, D]; ``k[l]`` / ``v[l]`` Tensor[n, Hkv, Dh] / [n, Hkv, Dv] when K/V are kept."""
+        if len(keys_per_layer) != self.num_layers:
+            raise HebrusError(f"QSACache.append: {len(keys_per_layer)} key tensors for {self.num_layers} layers")
+        if self.has_kv and (k is None or v is None or len(k) != self.num_layers or len(v) != self.num_layers):
+            raise HebrusError("QSACache.append: this cache keeps K/V planes; pass k and v for every layer")
+        n = int(keys_per_layer[0].shape[0])
+        with self._op():
+            chunk = self.reserve([seq], [n], [first_position])
+            for layer in range(self.num_layers):
+                self.write(layer, chunk, keys_per_layer[layer], None if k is None else k[layer],
+                           None if v is None else v[layer])
+            return chunk
+
+    def remove(self, seq: SeqHandle, p0: int, p1: int) -> None:
+        """llama.cpp ``seq_rm``: drop positions ``[p0, p1)`` (``p0 < 0`` means 0, ``p1 < 0`` means "to the
+        end"). Only a prefix, a suffix or the whole run may go; a middle range would leave a hole and
+        raises ``HoleError``. Removing a prefix moves the anchor: groups are rebuilt (kept as they are
+        when the prefix length is a multiple of r)."""
+        p0, p1 = as_int("QSACache.remove: p0", p0), as_int("QSACache.remove: p1", p1)
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            run = self._runs[slot]
+            a = max(p0, 0)
+            b = math.inf if p1 < 0 else p1
+            s, e = run.p0, run.p0 + run.n
+            if run.n == 0 or b <= a or b <= s or a >= e:
+                return
+            if a <= s and b >= e:
+                self._runs[slot] = self._drop_suffix(run, 0)
+            elif a <= s:
+                self._runs[slot] = self._drop_prefix(run, int(b) - s)
+            elif b >= e:
+                self._runs[slot] = self._drop_suffix(run, a - s)
+            else:
+                raise HoleError(f"QSACache.remove: {seq} holds positions [{s}, {e - 1}]; removing [{a}, {int(b) - 1}] "
+                                f"would leave a hole inside the run (only a prefix, a suffix or all may be removed)")
+
+    def rewind(self, seq: SeqHandle, p: int) -> None:
+        """Drop positions >= p (``remove(seq, p, -1)``)."""
+        self.remove(seq, max(as_int("QSACache.rewind: p", p), 0), -1)
+
+    def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
+        """llama.cpp ``seq_add``: add ``delta`` to positions in ``[p0, p1)`` (``p1 < 0``: to the end). Only a
+        range covering the whole run keeps it contiguous; a partial shift raises ``HoleError``. The
+        groups are re-roped, i.e. rebuilt at the new positions. Cells shared with another sequence are
+        copied first (copy on write)."""
+        p0, p1 = as_int("QSACache.shift: p0", p0), as_int("QSACache.shift: p1", p1)
+        delta = as_int("QSACache.shift: delta", delta)
+        with self._op():
+            slot = self._slot(seq)
+            self._settle(slot)
+            run = self._runs[slot]
+            a = max(p0, 0)
+            b = math.inf if p1 < 0 else p1
+            s, e = run.p0, run.p0 + run.n
+            if run.n == 0 or delta == 0 or b <= a or b <= s or a >= e:
+                return
+            if not (a <= s and b >= e):
+                raise HoleError(f"QSACache.shift: {seq} holds positions [{s}, {e - 1}]; shifting only [{max(a, s)}, "
+                                f"{min(int(b) if b != math.inf else e, e) - 1}] by {delta} would break the run "
+                                f"(only whole-run shifts keep it contiguous)")
+            if s + delta < 0:
+                raise HebrusError(f"QSACache.shift: {seq} shifted by {delta} would start at position {s + delta} < 0")
+            if e - 1 + delta > MAX_POSITION:
+                raise HebrusError(f"QSACache.shift: {seq} shifted by {delta} would end at position {e - 1 + delta}, "
+                                  f"past the largest position {MAX_POSITION} (int64)")
+            self._check_run(seq, run, "shift")
+            cells = run.cells.tensor()
+            positions = s + delta + self._arange(run.n)
+            if bool((self.cell_ref[cells] > 1).any()):
+                fresh = self._alloc_cells(run.n)
+                for name in ("keys", "k_cache", "v_cache"):
+                    t = getattr(self, name)
+                    if t is not None:
+                        t[:, fresh] = t[:, cells]       # fresh cells: invisible until published below
+                self._set(self._unwritten, (slice(None), fresh), self._unwritten[:, cells])
+                self._txn.new_cells.append(fresh)
+                self._release_cells(cells)
+                cells_vec = _Vec.of(fresh)
+                cells = fresh
+            else:
+                cells_vec = run.cells
+            self._set(self.cell_pos, cells, positions)
+            self._runs[slot] = self._rebuild(_Run(s + delta, run.n, cells_vec, run.groups))
+
+    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
+        """llama.cpp ``seq_cp``: ``dst``'s run becomes ``src``'s, sharing its cells and groups (each side
+        gets fresh cells for what it appends later)."""
+        with self._op():
+            s_slot, d_slot = self._slot(src), self._slot(dst)
+            if s_slot == d_slot:
+                return
+            self._settle(s_slot)
+            self._settle(d_slot)
+            self._release_run(self._runs[d_slot])
+            run = self._runs[s_slot]
+            self._share_run(run)
+            self._runs[d_slot] = run
+
+    def fork(self, src: SeqHandle) -> SeqHandle:
+        """A new sequence sharing ``src``'s run."""
+        with self._op():
+            self._slot(src)
+            handle = self.new_sequence()
+            self.copy(src, handle)
+            return handle
+
+    def keep(self, seq: SeqHandle) -> None:
+        """llama.cpp ``seq_keep``: free every other sequence."""
+        with self._op():
+            slot = self._slot(seq)
+            for h in self.slots.live_handles():
+                if h.slot != slot:
+                    self.free(h)

@@ -1,0 +1,222 @@
+"""QSACache planning: the selection of one chunk's queries (``hebrus::qsa_select``) as cells to attend.
+
+:class:`ReservedChunk` is what ``reserve`` returns (cells Tensor[T] int64, positions Tensor[T] int64,
+cu_seqlens Tensor[B+1] int32); :class:`QSAPlan` is what ``plan`` returns (selected groups Tensor[T, top_k]
+int32, token cells Tensor[T, top_k*r + r - 1] int32 and their positions int64, -1 padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import HebrusError, HoleError
+from ..state.handles import SeqHandle
+from .ops import qsa_select
+from .runs import first_hole, group_and_tail_offsets, window_starts
+
+
+@dataclass(frozen=True, eq=False)
+class ReservedChunk:
+    """Cells reserved for one packed chunk (rows = sequences, in the order given to ``reserve``).
+
+    Attributes:
+        handles: the sequence of each row.
+        cu_seqlens: Tensor[B+1] int32, row boundaries in the packed token order.
+        cells: Tensor[T] int64, physical cell of each packed token.
+        positions: Tensor[T] int64, logical position of each packed token.
+    """
+
+    handles: tuple[SeqHandle, ...]
+    cu_seqlens: torch.Tensor
+    cells: torch.Tensor
+    positions: torch.Tensor
+    _owner: int = field(default=0, repr=False, compare=False)
+    _txn: object = field(default=None, repr=False, compare=False)
+    _starts: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    _anchors: tuple[int, ...] | None = field(default=None, repr=False, compare=False)   # row p0 at reserve
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cells.shape[0])
+
+    @property
+    def counts(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+
+@dataclass(frozen=True, eq=False)
+class QSAPlan:
+    """The selection of one chunk's queries for one layer (SPEC §3).
+
+    Attributes:
+        selected_groups: Tensor[T, top_k] int32, selected group indices within each query's sequence,
+            ascending, -1 padded.
+        q_groups: Tensor[T] int32, complete groups visible to each query.
+        token_cells: Tensor[T, W] int32, W = top_k*r + r - 1: physical cells of the selected groups'
+            tokens in ascending group (position) order, then the raw tail, then -1 padding.
+        token_positions: Tensor[T, W] int64, the logical position of each entry of token_cells (-1 pad).
+        positions: Tensor[T] int64, the position of each query.
+        q_rows: Tensor[T] int64, the chunk row (sequence) of each query.
+    """
+
+    selected_groups: torch.Tensor
+    q_groups: torch.Tensor
+    token_cells: torch.Tensor
+    token_positions: torch.Tensor
+    positions: torch.Tensor
+    q_rows: torch.Tensor
+    compress_ratio: int
+    top_k: int
+
+    @property
+    def cells(self) -> torch.Tensor:
+        """Alias of ``token_cells``."""
+        return self.token_cells
+
+    def mask(self, key_cells: torch.Tensor, key_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The selection as a boolean mask over a key layout.
+
+        Args:
+            key_cells: Tensor[Tk] int64, the physical cell held by each key column (-1 for a column
+                that holds no cell, e.g. padding).
+            key_rows: optional Tensor[Tk] int, the chunk row each key column belongs to. Give it when
+                the layout packs several sequences that share cells (fork/copy): a query then matches
+                only columns of its own row.
+
+        Returns:
+            Tensor[T, Tk] bool: ``mask[t, j]`` is True when query t attends to key column j.
+        """
+        key_cells = key_cells.to(device=self.token_cells.device, dtype=torch.int64)
+        t, tk = self.token_cells.shape[0], key_cells.shape[0]
+        if t == 0 or tk == 0:
+            return torch.zeros((t, tk), dtype=torch.bool, device=key_cells.device)
+        table = torch.sort(self.token_cells.to(torch.int64), dim=1).values.contiguous()       # [T, W]
+        values = key_cells[None, :].expand(t, tk).contiguous()
+        idx = torch.searchsorted(table, values).clamp(max=table.shape[1] - 1)
+        hit = (table.gather(1, idx) == values) & (values >= 0)
+        if key_rows is not None:
+            key_rows = key_rows.to(device=hit.device, dtype=torch.int64)
+            hit &= key_rows[None, :] == self.q_rows[:, None]
+        return hit
+
+
+class _Planning:
+    """``plan`` of :class:`QSACache`."""
+
+    def plan(self, layer: int, chunk: ReservedChunk, q: torch.Tensor, top_k: int) -> QSAPlan:
+        """Select, for each chunk token as a query at its position p, the top-k groups of the visible run
+        ``[p0, p]`` and return them with the tail as physical cells (one ``qsa_select`` call).
+
+        With a window, each query's visible run starts at its own position's window start (SPEC §3),
+        and its groups (``q_groups``, ``selected_groups``) are anchored there.
+
+        Args:
+            layer: cache layer index (its keys for this chunk must have been written).
+            chunk: the chunk whose tokens are the queries (reserved in this or an earlier transaction;
+                the runs must still hold its tokens).
+            q: Tensor[T, Hq, D] indexer queries, normed and roped by the model.
+            top_k: groups to keep per query (budget / r).
+
+        Raises:
+            HoleError when a visible run is not contiguous (checked over every cell before selecting).
+        """
+        layer = self._layer(layer)
+        if top_k < 1:
+            raise HebrusError(f"QSACache.plan: top_k must be >= 1, got {top_k}")
+        slots = self._check_chunk(chunk, "plan")
+        t = chunk.num_tokens
+        if q.dim() != 3 or q.shape[0] != t or q.shape[2] != self.head_dim:
+            raise HebrusError(f"QSACache.plan: q must be [T={t}, Hq, D={self.head_dim}], got {list(q.shape)}")
+        r = self.compress_ratio
+        dev = self.device
+        if bool(self._unwritten[layer, chunk.cells].any()):
+            raise HebrusError(f"QSACache.plan: layer {layer} keys of this chunk are not written yet; call write first")
+        counts = chunk.counts
+        b = len(slots)
+        starts = list(chunk._starts) if chunk._starts is not None else \
+            [int(chunk.positions[o]) if c else 0 for o, c in zip(chunk.cu_seqlens[:-1].tolist(), counts)]
+        p0_list, nvis_list, vis, grp = [], [], [], []
+        for i, slot in enumerate(slots):
+            run = self._runs[slot]
+            nvis = starts[i] + counts[i] - run.p0 if counts[i] else 0
+            if counts[i] and (starts[i] < run.p0 or nvis > run.n):
+                raise HoleError(f"QSACache.plan: {chunk.handles[i]} holds [{run.p0}, {run.p0 + run.n - 1}] but the "
+                                f"chunk queries positions [{starts[i]}, {starts[i] + counts[i] - 1}]")
+            p0_list.append(run.p0)
+            nvis_list.append(nvis)
+            vis.append(run.cells.tensor()[:nvis])
+            grp.append(run.groups.tensor()[:nvis // r])
+        if t == 0:
+            empty = torch.empty((0, top_k * r + r - 1), dtype=torch.int64, device=dev)
+            return QSAPlan(torch.empty((0, top_k), dtype=torch.int32, device=dev),
+                           torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty,
+                           chunk.positions.clone(), torch.empty(0, dtype=torch.int64, device=dev), r, int(top_k))
+        # Contiguity of every visible run, all rows at once.
+        vis_cells = torch.cat(vis)
+        nv = torch.tensor(nvis_list, dtype=torch.int64, device=dev)
+        p0s = torch.tensor(p0_list, dtype=torch.int64, device=dev)
+        base = torch.cumsum(nv, 0) - nv
+        got = self.cell_pos[vis_cells]
+        j = first_hole(got, p0s, nv)
+        if j is not None:
+            i = int(torch.searchsorted(base, torch.tensor([j], device=dev), right=True)[0]) - 1
+            raise HoleError(f"QSACache.plan: {chunk.handles[i]} run starting at {p0_list[i]} has cell "
+                            f"{int(vis_cells[j])} at position {int(got[j])} where {p0_list[i] + j - int(base[i])} is "
+                            f"required (a hole inside the run is not padding)")
+        counts_t = torch.tensor(counts, dtype=torch.int64, device=dev)
+        q_rows = torch.repeat_interleave(torch.arange(b, device=dev), counts_t, output_size=t)
+        q_base, row_p0 = base[q_rows], p0s[q_rows]
+        if bool((vis_cells[q_base + chunk.positions - row_p0] != chunk.cells).any()):
+            raise HoleError("QSACache.plan: the chunk's cells no longer match its sequences' runs")
+        # Each query's own visible run [q_p0, p] (SPEC §3): with a window, whole groups past the row's
+        # anchor are evicted until at most `window` positions remain.
+        if self.window is None:
+            q_p0 = row_p0
+        else:
+            anchors = list(chunk._anchors) if chunk._anchors is not None else p0_list
+            anchor = torch.tensor(anchors, dtype=torch.int64, device=dev)[q_rows]
+            q_p0 = window_starts(anchor, chunk.positions, self.window, r)
+            lost = (q_p0 < row_p0) | ((q_p0 - row_p0) % r != 0)
+            if bool(lost.any()):
+                j = int(torch.nonzero(lost)[0])
+                i = int(q_rows[j])
+                raise HoleError(f"QSACache.plan: the query of {chunk.handles[i]} at position "
+                                f"{int(chunk.positions[j])} sees [{int(q_p0[j])}, {int(chunk.positions[j])}] but the "
+                                f"run now starts at {p0_list[i]} (evicted or moved since reserve: plan a windowed "
+                                f"chunk in the transaction that reserved it)")
+        q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
+        # Pooled rows of each row's visible groups, -1 past the end.
+        gcounts = [g.numel() for g in grp]
+        flat = torch.cat(grp)
+        max_g = max(gcounts + [1])
+        seq_groups = torch.full((b, max_g), -1, dtype=torch.int64, device=dev)
+        if flat.numel():
+            if bool(self._pending[layer, flat].any()):
+                raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
+                                  f"earlier chunk not written for this layer)")
+            gc = torch.tensor(gcounts, dtype=torch.int64, device=dev)
+            g_rows = torch.repeat_interleave(torch.arange(b, device=dev), gc, output_size=flat.numel())
+            g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
+                                                                          output_size=flat.numel())
+            seq_groups[g_rows, g_cols] = flat
+        # One selection row per (row, anchor) pair: the row's groups from the query's anchor on.
+        key = q_rows * (max_g + 1) + q_skip
+        pairs, sel_row = torch.unique(key, return_inverse=True)
+        cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
+        sel_groups = torch.where(cols < max_g, seq_groups[(pairs // (max_g + 1))[:, None], cols.clamp(max=max_g - 1)],
+                                 -1)
+        nvis_q = chunk.positions - q_p0 + 1
+        q_groups = (nvis_q // r).to(torch.int32)
+        selected = qsa_select(q, self.pooled[layer], sel_groups.to(torch.int32), sel_row.to(torch.int32), q_groups,
+                              int(top_k))
+        # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
+        offs = group_and_tail_offsets(selected.to(torch.int64), q_groups, nvis_q, r)
+        valid = offs >= 0
+        at = (q_base + q_p0 - row_p0)[:, None] + offs.clamp(min=0)
+        token_cells = torch.where(valid, vis_cells[at], -1)
+        token_positions = torch.where(valid, offs + q_p0[:, None], -1)
+        return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=token_cells.to(torch.int32),
+                       token_positions=token_positions, positions=chunk.positions.clone(), q_rows=q_rows,
+                       compress_ratio=r, top_k=int(top_k))

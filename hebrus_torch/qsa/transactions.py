@@ -1,0 +1,163 @@
+"""QSACache transactions: the undo log of every published change, savepoints, and the commit hooks.
+
+Every mutation of a bookkeeping tensor or of content visible to ``digest()`` goes through ``_set`` /
+``_log_content``, which record the old values, so a savepoint (``_Savepoint``: the log length, the runs,
+the slot table and the tensor references) can be returned to bitwise. ``_txn_prepare`` does the fallible
+part of a commit: settle pending window evictions, zero-fill cells never written for a layer (keys
+Tensor[L, C, D], K/V Tensor[L, C, Hkv, Dh|Dv]) and pool every pending group (pooled Tensor[L, G, D]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..state.transaction import atomic
+from .runs import _Run
+
+_STATE_TENSORS = ("cell_pos", "cell_ref", "keys", "k_cache", "v_cache", "pooled", "group_ref",
+                  "_unwritten", "_pending", "_pend_cells", "_pend_pos", "_freed_cells", "_freed_rows")
+
+
+class _Txn:
+    def __init__(self) -> None:
+        self.token = object()
+        self.log: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+        self.new_cells: list[torch.Tensor] = []                 # cells reserved in this transaction
+        self.pending: list[list[torch.Tensor]] = []             # per layer: rows that may be pending
+        self.evict: dict[int, int] = {}                         # window: slot -> p0 once its chunk is planned
+        self.base: _Savepoint | None = None
+        self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
+
+
+@dataclass
+class _Savepoint:
+    log_len: int
+    runs: dict[int, _Run]
+    generation: list[int]
+    live: list[bool]
+    heads: tuple[int, int]
+    tensors: dict[str, torch.Tensor | None]
+    new_cells: list[torch.Tensor]
+    pending: list[list[torch.Tensor]]
+    evict: dict[int, int]
+    dtype: torch.dtype
+
+
+class _Transactions:
+    """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
+
+    def _set(self, tensor: torch.Tensor, idx: Any, value: Any) -> None:
+        """``tensor[idx] = value`` with the old values recorded in the undo log."""
+        txn = self._txn
+        assert txn is not None, "QSACache mutation outside a transaction"
+        txn.log.append((tensor, idx, tensor[idx].clone()))
+        tensor[idx] = value
+
+    def _log_content(self, cells: torch.Tensor) -> None:
+        """Record every layer's content of ``cells`` (keys, K, V, unwritten flags) in the undo log."""
+        if cells.numel() == 0:
+            return
+        txn = self._txn
+        for name in ("keys", "k_cache", "v_cache", "_unwritten"):
+            t = getattr(self, name)
+            if t is not None:
+                txn.log.append((t, (slice(None), cells), t[:, cells].clone()))
+
+    def _savepoint(self) -> _Savepoint:
+        txn = self._txn
+        return _Savepoint(
+            log_len=len(txn.log), runs=dict(self._runs), generation=self.slots.generation.tolist(),
+            live=self.slots.live.tolist(), heads=(self._cell_head, self._row_head),
+            tensors={name: getattr(self, name) for name in _STATE_TENSORS},
+            new_cells=list(txn.new_cells), pending=[list(p) for p in txn.pending], evict=dict(txn.evict),
+            dtype=self.dtype)
+
+    def _restore(self, sp: _Savepoint) -> None:
+        txn = self._txn
+        for tensor, idx, old in reversed(txn.log[sp.log_len:]):
+            tensor[idx] = old
+        del txn.log[sp.log_len:]
+        self._runs = dict(sp.runs)
+        self.slots.load(sp.generation, sp.live)
+        self._cell_head, self._row_head = sp.heads
+        for name, t in sp.tensors.items():
+            if getattr(self, name) is not t:
+                setattr(self, name, t)
+        self.dtype = sp.dtype
+        txn.new_cells = list(sp.new_cells)
+        txn.pending = [list(p) for p in sp.pending]
+        txn.evict = dict(sp.evict)
+
+    def _txn_begin(self) -> None:
+        txn = _Txn()
+        txn.pending = [[] for _ in range(self.num_layers)]
+        self._txn = txn
+        try:
+            txn.base = self._savepoint()
+        except BaseException:
+            self._txn = None      # no transaction began: nothing may refuse work as "inside" one
+            raise
+
+    def _txn_prepare(self) -> None:
+        """The fallible part of a commit, undoably: zero-fill cells never written for some layer and pool
+        every pending group (a kernel may still refuse here; the block is then rolled back)."""
+        txn = self._txn
+        for slot in sorted(txn.evict):
+            self._settle(slot)
+        cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
+        if cells is not None:
+            live = cells[self.cell_ref[cells] > 0]
+            for layer in range(self.num_layers):
+                miss = live[self._unwritten[layer, live]]
+                if miss.numel():
+                    for name in ("keys", "k_cache", "v_cache"):
+                        t = getattr(self, name)
+                        if t is not None:
+                            self._set(t, (layer, miss), 0)
+        pooled: list[tuple[int, torch.Tensor]] = []
+        for layer in range(self.num_layers):
+            if txn.pending[layer]:
+                rows = torch.unique(torch.cat(txn.pending[layer]))
+                rows = rows[self._pending[layer, rows]]
+                if rows.numel():
+                    self._set(self.pooled, (layer, rows),
+                              self._pool(layer, self._pend_cells[rows], self._pend_pos[rows]))
+                    pooled.append((layer, rows))
+        txn.prepared = (cells, pooled)
+
+    def _txn_commit(self) -> None:
+        """Clear the transaction's flags. The undo log is kept until ``_txn_finish`` (every flag was set
+        through it), so a rollback still undoes the whole block."""
+        cells, pooled = self._txn.prepared
+        if cells is not None:
+            self._unwritten[:, cells] = False
+        for layer, rows in pooled:
+            self._pending[layer, rows] = False
+        self._freed_cells.zero_()
+        self._freed_rows.zero_()
+
+    def _txn_finish(self) -> None:
+        """Drop the undo log."""
+        txn, self._txn = self._txn, None
+        del txn.log[:]
+
+    def _txn_rollback(self) -> None:
+        txn = self._txn
+        try:
+            if txn is not None and txn.base is not None:
+                self._restore(txn.base)
+        finally:
+            self._txn = None
+
+    def _txn_savepoint(self) -> _Savepoint:
+        return self._savepoint()
+
+    def _txn_restore(self, savepoint: _Savepoint) -> None:
+        self._restore(savepoint)
+
+    def _op(self):
+        """One atomic operation: its own transaction when none is open, else between savepoints."""
+        return atomic(self)
