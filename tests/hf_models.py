@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip install -e .[hf])")
 from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling  # noqa: E402
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+
+# The tests' and the benchmarks' one tiny random Qwen4ExpForCausalLM (benchmarks/tiny_qwen4exp.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from tiny_qwen4exp import random_model  # noqa: E402,F401
 
 
 def tiny_config(**overrides) -> "Qwen4ExpTextConfig":

@@ -2,8 +2,8 @@
 
 Every test runs the same inputs through the model unpatched and patched (apply/revert on one
 instance) and compares: logits within fp32 tolerance, indexer selection masks and generated tokens
-identical. The model (``random_model``): 4 layers (linear, indexed, linear, indexed), PLE on decoder
-layers 0 and 2 (1-based ``ple_layer_ids`` [1, 3]) with random conv weights, indexer budget 8 /
+identical. The model (``random_model`` of benchmarks/tiny_qwen4exp.py, through tests/hf_models.py):
+4 layers (linear, indexed, linear, indexed), PLE on decoder layers 0 and 2 (1-based ``ple_layer_ids`` [1, 3]) with random conv weights, indexer budget 8 /
 ratio 4 (top 2 groups), so prompts of 30-60 tokens select sparsely. Its embeddings carry a shared
 direction that keeps indexer scores positive: with plain random weights many scores are exactly 0
 and transformers' ``torch.topk`` breaks those ties in an unspecified order (hebrus: lower group
@@ -26,6 +26,8 @@ from hebrus_torch._extension import has_native_kernel  # noqa: E402
 from hebrus_torch.integrations import transformers as htx  # noqa: E402
 from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, StaticCache  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
+
+from hf_models import random_model  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -131,7 +133,7 @@ def one_thread():
 
 @pytest.fixture
 def model(device):
-    return htx.random_model(0, device=device)
+    return random_model(0, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def model(device):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_one_shot_prefill(device, attn):
-    model = htx.random_model(1, device=device, attn_implementation=attn)
+    model = random_model(1, device=device, attn_implementation=attn)
     ids = tokens(2, 56, seed=1, eos_at=[(0, 17), (1, 30), (1, 31)]).to(device)
     ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
@@ -308,26 +310,143 @@ def test_apply_refuses_an_unknown_on_hole(model):
     assert not any(htx._PATCH in mod.__dict__ for mod in model.modules())
 
 
-def test_hole_raises_or_falls_back(model, device):
+def test_hole_falls_back_by_default_or_raises(model, device):
+    """SPEC §7: a hole where a selection is made runs transformers' indexer by default (counted, warned once
+    per cause); apply(model, on_hole="raise") fails closed instead."""
     ids = tokens(1, 40, seed=10).to(device)
     length = ids.shape[1]
     mask = torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
     mask[20:, 9] = False                                                   # position 9 missing for queries >= 20
     mask4 = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[None, None]   # eager attention: float mask
+    masks = {"indexed_attention": mask4, "linear_attention": None}
     htx.apply(model)
     try:
-        with torch.no_grad(), pytest.raises(ht.HoleError, match=r"batch row 0, query 20: .*\[9\]"):
-            model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None})
-        htx.apply(model, on_hole="fallback")
         htx.reset_stats()
-        with torch.no_grad():
-            got = model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None}).logits
-        assert htx.stats().get("qsa_fallback:hole") == 2
+        with torch.no_grad(), pytest.warns(htx.HebrusFallbackWarning, match="hole") as caught:
+            got = model(ids, attention_mask=masks).logits
+            model(ids, attention_mask=masks)
+        assert sum(issubclass(w.category, htx.HebrusFallbackWarning) for w in caught) == 1   # once per cause
+        assert htx.stats().get("qsa_fallback:hole") == 4
+        htx.apply(model, on_hole="raise")
+        with torch.no_grad(), pytest.raises(ht.HoleError, match=r"batch row 0, query 20: .*\[9\]"):
+            model(ids, attention_mask=masks)
     finally:
         htx.revert(model)
     with torch.no_grad():
-        ref = model(ids, attention_mask={"indexed_attention": mask4, "linear_attention": None}).logits
+        ref = model(ids, attention_mask=masks).logits
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("on_hole", ["raise", "fallback"])
+def test_holes_where_every_visible_token_is_selected_never_fail(device, on_hole):
+    """transformers' model tester right-pads with torch.tril(ones(B, T)): decoding after the padding gives
+    queries a hole between the prompt and the new tokens. Where such a query sees at most budget + r - 1
+    tokens its selection is every visible token (grouping cannot change it): never an error, never a
+    fallback, whatever on_hole says; the full row beside it (no hole) still selects sparsely."""
+    model = random_model(0, device=device)
+    ids = tokens(2, 20, seed=21).to(device)
+    mask = torch.ones(2, 20, dtype=torch.long, device=device)
+    mask[0, 5:] = 0                                                        # row 0: 5 tokens, right-padded
+
+    def run():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+
+    rec = Indexers(model)
+    try:
+        with torch.no_grad():
+            ref = run()
+        ref_masks = rec.take()
+        htx.apply(model, on_hole=on_hole)
+        htx.reset_stats()
+        with torch.no_grad():
+            got = run()
+        stats = htx.stats()
+        got_masks = rec.take()
+    finally:
+        htx.revert(model)
+        rec.remove()
+    assert torch.equal(got, ref)
+    assert_same(ref_masks, got_masks)
+    assert not any(k.startswith("qsa_fallback") for k in stats), stats
+    assert stats.get("qsa_queries_selected", 0) > 0, stats                # row 1 selects
+    # the decode masks do have a hole in row 0 (the test is not vacuous)
+    last = ref_masks[-1][0, 0, -1]                                         # the last query of row 0: 24 keys
+    assert last.shape[0] == 24 and last[:5].all() and not last[5:20].any() and last[20:].all()
+
+
+def test_eos_outside_the_vocabulary(device):
+    """transformers' generation tests set eos_token_id = vocab + 100000 (no token equals it): the n-gram
+    hash takes it (SPEC §2) and the model runs the hebrus path, tokens identical, eager and compiled ops."""
+    model = random_model(0, device=device, eos_token_id=64 + 100000)
+    assert int(next(m for m in model.modules() if isinstance(m, M.Qwen4ExpTextNGramEmbedding)).eos_token_id) \
+        == 64 + 100000
+    ids = tokens(2, 30, seed=22).to(device)
+    ref, got, stats, rm, gm = both(model, lambda: model.generate(ids, max_new_tokens=6, do_sample=False,
+                                                                 eos_token_id=None, pad_token_id=0))
+    assert torch.equal(got, ref)
+    assert_same(rm, gm)
+    assert_hebrus_path(stats)
+    assert not any(k.startswith("ple_fallback") for k in stats), stats
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(device, reentrant):
+    """With gradient checkpointing the decoder layers run again in backward on the same position embeddings
+    (the rotary module does not): the recomputation must take the path the forward took, or the saved
+    tensors differ (non-reentrant: CheckpointError). Gradients equal transformers'."""
+    model = random_model(0, device=device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = tokens(2, 36, seed=23).to(device)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads()
+    htx.apply(model)
+    try:
+        htx.reset_stats()
+        got = grads()
+        stats = htx.stats()
+    finally:
+        htx.revert(model)
+    assert stats.get("qsa_hebrus", 0) >= 4 and stats.get("qsa_queries_selected", 0) > 0, stats   # forward + recompute
+    assert not any(k.startswith("qsa_fallback") for k in stats), stats
+    assert ref.keys() == got.keys() and ref
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_refused_model_is_left_untouched(device):
+    """apply validates everything before it changes anything (SPEC §7): a model it refuses keeps no hook,
+    no patch and its exact state, and runs as before."""
+    model = random_model(0, device=device)
+    indexers = [m for m in model.modules() if isinstance(m, M.Qwen4ExpTextQSAIndexer)]
+    indexers[-1].index_head_dim = 8                                        # the last one: rotary dims 16 > 8
+    ids = tokens(1, 30, seed=24).to(device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    indexers[-1].index_head_dim = 32
+    with torch.no_grad():
+        ref = model(ids).logits
+    indexers[-1].index_head_dim = 8
+
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    n_hooks = hooks()
+    with pytest.raises(ht.HebrusError, match=r"rotary dims 16 exceed the indexer head dim 8"):
+        htx.apply(model)
+    assert hooks() == n_hooks
+    assert not any(htx._PATCH in m.__dict__ or htx._CTX in m.__dict__ for m in model.modules())
+    assert not htx.is_applied(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    indexers[-1].index_head_dim = 32                                       # what transformers' forward needs
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
 
 
 def test_multimodal_positions_fall_back(model, device):
@@ -372,7 +491,7 @@ def test_exact_ties_pick_the_lower_group_index(device):
     """With every indexer score exactly 0 (zero query projection), transformers' torch.topk picks tied
     groups in an unspecified order; hebrus picks the lowest group indices (SPEC §3). Only then can the
     two differ: both select the same number of tokens, hebrus the first top_k groups + the tail."""
-    model = htx.random_model(0, device=device)
+    model = random_model(0, device=device)
     indexer = model.model.layers[1].self_attn.indexer
     with torch.no_grad():
         indexer.index_qk_proj.weight[:indexer.index_n_heads * indexer.index_head_dim].zero_()
@@ -441,7 +560,36 @@ def test_main_job_model_demo(capsys):
 
     assert main(["--device", "cpu", "--tokens", "64", "--prompt", "48", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "generated tokens identical (8 tokens)" in out and "prefill 2 x 48 tokens" in out
+    assert "generated tokens identical" in out and "prefill 2 x 48 tokens" in out and "NOT at a score tie" not in out
+
+
+def test_main_job_model_check_fails_on_one_wrong_selection(monkeypatch, capsys):
+    """The model check of `python -m hebrus_torch` accepts a differing selection only at an exact or near tie
+    of transformers' scores: one query given another group (far fewer than 1% of the rows) fails it."""
+    from hebrus_torch.__main__ import main
+    from hebrus_torch.integrations import transformers as integration
+
+    real = ht.qsa_select
+    calls = [0]
+
+    def one_wrong(q, pooled, seq_groups, q_row, q_groups, top_k):
+        out = real(q, pooled, seq_groups, q_row, q_groups, top_k)
+        if out.shape[0] > 20:                    # the first prefill call (not the 16-token warm-up): its last query
+            calls[0] += 1
+        if calls[0] == 1 and out.shape[0] > 20:
+            groups = int(q_groups[-1])
+            chosen = set(out[-1].tolist())
+            other = next(g for g in range(groups) if g not in chosen)
+            out = out.clone()
+            out[-1, 0] = other
+            out[-1] = out[-1].sort().values
+        return out
+
+    monkeypatch.setattr(ht, "qsa_select", one_wrong)
+    assert integration.hebrus_torch is ht
+    assert main(["--device", "cpu", "--tokens", "64", "--prompt", "48", "--new-tokens", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "1 of them NOT at a score tie" in out
 
 
 def test_main_job_without_transformers(monkeypatch, capsys):
@@ -507,7 +655,7 @@ def test_non_consecutive_positions_fall_back(model, device):
 def test_sparse_attention_left_padding_rows(device, attn):
     """Left-padding queries see nothing: their attention is transformers' own (every logit compared,
     padding positions included); the real queries attend through qsa_attention, in one-shot and decode."""
-    model = htx.random_model(2, device=device, attn_implementation=attn)
+    model = random_model(2, device=device, attn_implementation=attn)
     # Token seed 19 gave a near-tie that transformers' own indexer decides differently on CPU and CUDA
     # (its selection masks differ between the two devices at one decode query; hebrus's, the same
     # bits on both, agree with its CPU one); no model can match both, so this test avoids it.
@@ -532,7 +680,7 @@ def test_sparse_attention_left_padding_rows(device, attn):
 
 def test_sparse_attention_skipped_when_budget_covers_the_cache(device):
     """A budget of 64 (W = 67 tokens per query) covers a 40-token cache: transformers' attention runs."""
-    model = htx.random_model(0, device=device, indexer_budget=64)
+    model = random_model(0, device=device, indexer_budget=64)
     ids = tokens(2, 40, seed=20).to(device)
     ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
@@ -581,7 +729,7 @@ def test_sparse_attention_layer_outputs_with_grouped_kv_heads(device, attn, monk
     """Hq 4 over Hkv 2 and a batch of 3 with left padding: every indexed attention layer's output (not
     only the logits, which attenuate an error) matches transformers' within fp32 rounding, and the op
     reads the cache in place (views of it, never a copy)."""
-    model = htx.random_model(3, device=device, attn_implementation=attn, num_attention_heads=4,
+    model = random_model(3, device=device, attn_implementation=attn, num_attention_heads=4,
                              num_key_value_heads=2)
     ids = tokens(3, 40, seed=22).to(device)
     mask = torch.ones_like(ids)
@@ -619,7 +767,7 @@ def test_sparse_attention_layer_outputs_with_grouped_kv_heads(device, attn, monk
 def test_dynamic_rope_repools_kept_groups(device):
     """Dynamic-NTK RoPE rewrites inv_freq once decode passes max_position_embeddings: groups pooled
     before are roped with the old frequencies and are pooled again."""
-    model = htx.random_model(0, device=device, max_position_embeddings=32,
+    model = random_model(0, device=device, max_position_embeddings=32,
                              rope_parameters={"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0})
     prompt = tokens(1, 28, seed=3).to(device)
 
@@ -638,7 +786,7 @@ def test_dynamic_rope_repools_kept_groups(device):
 
 def test_torch_compile_with_a_static_cache(device):
     """A StaticCache has max_cache_len key columns but positions only for the tokens seen so far."""
-    model = htx.random_model(0, device=device)
+    model = random_model(0, device=device)
     ids = tokens(1, 30, seed=3).to(device)
 
     def run(compile_it):
@@ -685,7 +833,7 @@ def test_deep_copy_of_a_patched_model_reverts(model, device):
 def test_backward_gets_transformers_gradients(device):
     """The ops have no backward: with a gradient wanted, the PLE conv and the attention run transformers'
     own code, so every parameter gets the gradient it gets unpatched (the indexer's selection has none)."""
-    model = htx.random_model(0, device=device)
+    model = random_model(0, device=device)
     ids = tokens(1, 36, seed=6).to(device)
 
     def grads():
@@ -711,7 +859,7 @@ def test_backward_gets_transformers_gradients(device):
 def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device):
     """Embeddings resized past the config's vocabulary: transformers hashes such ids anyway, the op refuses
     them (SPEC §2), so that call runs transformers' n-gram forward. A float64 model: the conv likewise."""
-    model = htx.random_model(0, device=device)
+    model = random_model(0, device=device)
     model.resize_token_embeddings(72)
     ids = tokens(1, 30, seed=7).to(device)
     ids[0, 5], ids[0, 20] = 70, 66
@@ -739,7 +887,7 @@ def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device)
 
 
 def test_ple_conv_with_a_bias_added_after_apply_falls_back(device):
-    model = htx.random_model(0, device=device)
+    model = random_model(0, device=device)
     ids = tokens(1, 30, seed=9).to(device)
     htx.apply(model)
     try:
@@ -759,7 +907,7 @@ def test_indexer_beyond_the_kernel_limits_falls_back(sizes):
     ones, so the drop-in runs transformers' indexer there instead of raising."""
     if not has_native_kernel("qsa_select", "cpu"):
         pytest.skip("no native CPU kernel")
-    model = htx.random_model(0, **sizes)
+    model = random_model(0, **sizes)
     ids = tokens(1, 40, seed=5)
     ref, got, stats, rm, gm = both(model, lambda: model(ids).logits)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)

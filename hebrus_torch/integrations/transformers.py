@@ -28,8 +28,10 @@ rope pooled keys (``group_pos``). Where the hebrus path cannot reproduce transfo
 (multimodal 3-D positions that differ across the 3 rows, ``attention_scaling != 1``, an indexer
 called outside its text model, positions that are not consecutive inside a group), that call runs
 the original forward; ``stats()`` counts both paths. A hole inside a query's visible run (a masked
-position between visible ones) raises :class:`hebrus_torch.HoleError` (SPEC §3: a hole is not
-padding); ``apply(model, on_hole="fallback")`` runs the original forward for such calls instead.
+position between visible ones) of a query that must select (it sees more than ``budget + r - 1``
+tokens) runs the original forward, counted and warned once (SPEC §7); ``apply(model, on_hole="raise")``
+raises :class:`hebrus_torch.HoleError` instead. A query that sees at most ``budget + r - 1`` tokens
+selects all of them, holes or not: it never fails and never falls back.
 
 While any model is applied, the lifecycle methods of transformers' indexed cache layers (``reset``,
 ``crop``, ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) are wrapped to
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -54,6 +57,10 @@ import hebrus_torch
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch._validate import FLOAT_DTYPES
 from hebrus_torch.errors import HebrusError, HoleError
+
+
+class HebrusFallbackWarning(UserWarning):
+    """A patched call ran transformers' own code because the hebrus ops cannot reproduce it (SPEC §7)."""
 
 __all__ = ["apply", "revert", "is_applied", "stats", "reset_stats", "selection_mask", "random_model"]
 
@@ -76,7 +83,29 @@ def stats() -> dict[str, int]:
 
 
 def reset_stats() -> None:
+    """Clear the counters of :func:`stats` (and re-arm the once-per-cause fallback warnings)."""
     _STATS.clear()
+    _WARNED.clear()
+
+
+_WARNED: set[str] = set()
+_FALLBACK_WHY = {
+    "qsa_fallback:hole": "a masked position inside the visible run of a query that selects (a hole in a 4-D mask)",
+    "qsa_fallback:multimodal_positions": "the 3 rows of the position ids differ (multimodal positions)",
+    "qsa_fallback:kernel_limits": "the indexer's sizes exceed the native kernels' limits",
+    "qsa_fallback:attention_scaling": "the rotary embedding has attention_scaling != 1",
+    "qsa_fallback:positions_not_consecutive": "positions inside a group are not consecutive",
+    "ple_fallback:token_outside_vocab": "token ids outside the PLE vocabulary",
+}
+
+
+def _warn_once(cause: str) -> None:
+    """SPEC §7: a call the ops cannot reproduce runs transformers' own code, counted and warned once per cause."""
+    if cause in _WARNED or cause not in _FALLBACK_WHY:
+        return
+    _WARNED.add(cause)
+    warnings.warn(f"hebrus_torch.integrations.transformers: {_FALLBACK_WHY[cause]}: such calls run transformers' "
+                  f"own code (counted in stats()[{cause!r}])", HebrusFallbackWarning, stacklevel=3)
 
 
 def _modeling():
@@ -96,14 +125,16 @@ def is_applied(model: torch.nn.Module) -> bool:
 # apply / revert
 
 
-def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: bool = True) -> torch.nn.Module:
+def apply(model: torch.nn.Module, *, on_hole: str = "fallback", sparse_attention: bool = True) -> torch.nn.Module:
     """Route a transformers Qwen4Exp model's QSA indexer and PLE through hebrus ops, in place.
 
     Args:
         model: any module containing transformers 5.23.0 Qwen4Exp text modules (``Qwen4ExpForCausalLM``,
             ``Qwen4ExpTextModel``, the multimodal model, or a single layer).
-        on_hole: ``"raise"`` (default): a masked position inside a query's visible run raises
-            :class:`hebrus_torch.HoleError`; ``"fallback"``: that call runs transformers' own forward.
+        on_hole: what a hole does (a masked position inside the visible run of a query that must select,
+            i.e. sees more than ``budget + r - 1`` tokens; a query that sees fewer selects every visible
+            token and never fails): ``"fallback"`` (default): that call runs transformers' own indexer,
+            counted in :func:`stats` and warned once; ``"raise"``: :class:`hebrus_torch.HoleError`.
         sparse_attention: ``True`` (default): the indexed-attention layers attend with one
             ``hebrus::qsa_attention`` call over the selected tokens where the selection (at most
             ``budget + r - 1`` tokens per query) is narrower than the cache; ``False``: transformers'
@@ -117,6 +148,13 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: b
                           f"got {on_hole!r}")
     m = _modeling()
     text_models = [mod for mod in model.modules() if isinstance(mod, m.Qwen4ExpTextModel)]
+    # Validate everything before changing anything (SPEC §7): a refused model keeps no hook and no patch.
+    for text_model in text_models:
+        rot = 2 * text_model.rotary_emb.inv_freq.shape[0]
+        for mod in text_model.modules():
+            if isinstance(mod, m.Qwen4ExpTextQSAIndexer) and rot > mod.index_head_dim:
+                raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
+                                  f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
     owner: dict[int, Any] = {}
     for text_model in text_models:
         ctx = text_model.__dict__.get(_CTX)
@@ -127,13 +165,6 @@ def apply(model: torch.nn.Module, *, on_hole: str = "raise", sparse_attention: b
             text_model.__dict__[_CTX] = ctx
         for mod in text_model.modules():
             owner[id(mod)] = ctx
-
-    for mod in model.modules():                          # validate everything before patching anything
-        if isinstance(mod, m.Qwen4ExpTextQSAIndexer) and owner.get(id(mod)) is not None:
-            rot = 2 * owner[id(mod)].rotary.inv_freq.shape[0]
-            if rot > mod.index_head_dim:
-                raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
-                                  f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
     for mod in model.modules():
         if isinstance(mod, m.Qwen4ExpTextQSAIndexer):
             # rope is resolved here: importing transformers' lazy modules inside traced code breaks dynamo
@@ -288,6 +319,7 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
             if "outside [0, vocab=" not in str(exc):
                 raise
             _STATS["ple_fallback:token_outside_vocab"] += 1
+            _warn_once("ple_fallback:token_outside_vocab")
             return original(raw_ids, past_key_values)      # the cache is untouched so far
 
     # Cache bookkeeping exactly as transformers does it.
@@ -381,11 +413,16 @@ class _Context:
         self.cos = output[0] if isinstance(output, (tuple, list)) else None
 
     def end_of_forward(self, module, args, output) -> None:
-        self.clear()
+        # Only the mask plan goes (it may be large). The captured rotary output and positions stay: gradient
+        # checkpointing recomputes the decoder layers in backward with the same position embeddings (the
+        # rotary module does not run again), and must take the same path to save the same tensors. They are
+        # matched by identity, so a later forward (a new rotary call) never reads stale ones.
+        self.plan_key = None
+        self.plan = None
 
     def text_positions(self, full_cos: torch.Tensor) -> tuple[torch.Tensor | None, str]:
         """[B, K] positions behind ``full_cos``, or (None, reason) where the hebrus path does not apply."""
-        if self.cos is None or full_cos is not self.cos:
+        if self.cos is None or not _same_tensor(full_cos, self.cos):
             return None, "positions_unknown"
         if float(getattr(self.rotary, "attention_scaling", 1.0)) != 1.0:
             return None, "attention_scaling"
@@ -398,6 +435,15 @@ class _Context:
             else:
                 self.positions = pos[0].to(torch.int64)
         return self.positions, self.positions_reason
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a view of the same memory with the same layout (reentrant checkpointing hands the
+    recomputation detached copies of its inputs: other objects, the same data)."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device.type != "meta" and a.data_ptr() == b.data_ptr())
 
 
 class _KeysReplay:
@@ -413,8 +459,8 @@ class _KeysReplay:
 class _Plan:
     """Per-mask analysis shared by every indexed layer of one forward (the mask object is shared)."""
 
-    __slots__ = ("visible", "first", "n", "any_empty", "trivial", "sel_idx", "f_q", "n_q", "ng_q", "q_anchor",
-                 "anchors")
+    __slots__ = ("visible", "first", "n", "any_empty", "gaps", "trivial", "sel_idx", "f_q", "n_q", "ng_q",
+                 "q_anchor", "anchors")
 
 
 def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: str) -> _Plan | None:
@@ -425,10 +471,11 @@ def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: st
     n = vis8.sum(-1, dtype=torch.int64)                                         # [B, T]
     first = vis8.argmax(-1)                                                     # first visible (0 if none)
     last = (kv - 1) - vis8.flip(-1).argmax(-1)
-    hole = (n > 0) & (last - first + 1 != n)
     ng = torch.div(n, ratio, rounding_mode="floor")
     need = ng > top_k
-    flags = torch.stack([hole.any(), need.any(), (n == 0).any()]).tolist()      # one host sync
+    gap = (n > 0) & (last - first + 1 != n)             # a masked position inside the visible run
+    hole = gap & need           # where it matters: a query that sees every visible token cannot fail
+    flags = torch.stack([hole.any(), need.any(), (n == 0).any(), gap.any()]).tolist()      # one host sync
     if flags[0]:
         if on_hole == "fallback":
             return None
@@ -439,11 +486,12 @@ def _mask_plan(attention_mask: torch.Tensor, ratio: int, top_k: int, on_hole: st
         raise HoleError(
             f"hebrus_torch.integrations.transformers: batch row {b}, query {q}: visible key positions run from "
             f"{f} to {l_} but {missing.tolist()} inside that run are masked (a hole inside the visible run is not "
-            f"padding; QSA groups need one contiguous run). Pass apply(model, on_hole='fallback') to run "
-            f"transformers' own indexer for such masks.")
+            f"padding; QSA groups need one contiguous run). Pass apply(model, on_hole='fallback') (the default) "
+            f"to run transformers' own indexer for such masks.")
     plan = _Plan()
     plan.visible = visible
     plan.first, plan.n, plan.any_empty = first, n, bool(flags[2])
+    plan.gaps = bool(flags[3])           # queries that select everything they see, through a gap
     plan.trivial = not flags[1]
     if plan.trivial:
         return plan
@@ -571,12 +619,14 @@ def _indexer_traceable(self, record, hidden_states, position_embeddings, attenti
     n = vis8.sum(-1, dtype=torch.int64)                                          # [B, T]
     first = vis8.argmax(-1)
     last = (kv - 1) - vis8.flip(-1).argmax(-1)
-    torch._assert_async(((n == 0) | (last - first + 1 == n)).all(),
+    ng = torch.div(n, ratio, rounding_mode="floor")
+    need = ng > top_k                    # queries that see at most budget + r - 1 tokens keep them all
+    torch._assert_async(((n == 0) | (last - first + 1 == n) | ~need).all(),
                         "hebrus qsa: a masked position inside a query's visible run (a hole is not padding)")
     widest = n.argmax(-1, keepdim=True)
     f_row = first.gather(1, widest)                                              # [B, 1]
     n_row = n.gather(1, widest)
-    torch._assert_async(((n == 0) | (first == f_row)).all(),
+    torch._assert_async(((n == 0) | (first == f_row) | ~need).all(),
                         "hebrus qsa: queries of one batch row start their visible runs at different positions; "
                         "run this call without torch.compile")
     groups = kv // ratio
@@ -599,11 +649,12 @@ def _indexer_traceable(self, record, hidden_states, position_embeddings, attenti
                                    ctx.rotary.inv_freq.to(torch.float32))
     seq_groups = torch.arange(batch * groups, device=device, dtype=torch.int32).view(batch, groups)
     q_row = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(length)
-    ng = torch.div(n, ratio, rounding_mode="floor").reshape(-1)
+    ng = ng.reshape(-1)
     selected = hebrus_torch.qsa_select(q.reshape(batch * length, q.shape[-2], q.shape[-1]), pooled, seq_groups,
                                        q_row, ng.to(torch.int32), top_k)
     f_q = f_row.expand(batch, length).reshape(-1)
-    return _expand_rows(selected, f_q, n.reshape(-1), ng, ratio, kv).view(batch, 1, length, kv)
+    rows = _expand_rows(selected, f_q, n.reshape(-1), ng, ratio, kv).view(batch, length, kv)
+    return torch.where(need[..., None], rows, visible).unsqueeze(1)
 
 
 def _indexer_impl(self, record, original, hidden_states, position_embeddings, attention_mask, past_key_values):
@@ -637,7 +688,9 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
         layers = getattr(past_key_values, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
 
-    as_indices = bool(record.get("as_indices"))
+    # The index form lists [first, first + n) for queries that keep their whole run: with a gap there,
+    # hand the attention the mask instead (it attends over it densely, as transformers does).
+    as_indices = bool(record.get("as_indices")) and not plan.gaps
     if plan.trivial:                     # every query sees at most budget + r - 1 tokens: all are selected
         _STATS["qsa_hebrus"] += 1
         return _Selection(self, plan, None) if as_indices else plan.visible.unsqueeze(1)
@@ -675,6 +728,7 @@ def _attention_beyond_kernel_limits(attention, device: torch.device) -> bool:
 
 def _fallback(original, reason, *args):
     _STATS[f"qsa_fallback:{reason}"] += 1
+    _warn_once(f"qsa_fallback:{reason}")
     return original(*args)
 
 
