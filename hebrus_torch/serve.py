@@ -16,8 +16,8 @@ Nothing here is a server: :func:`patch_transformers_serve` replaces four names t
   :class:`HebrusCBGenerateManager`: requests the engine would refuse get a 400 before anything is queued,
   each request's own sampling values, ``eos_token_id`` and ``stop`` reach the engine (transformers passes
   only ``max_new_tokens`` and EOS and samples every request with the first request's settings), the result
-  handler is registered before the request is queued, and a non-streaming request whose client went away is
-  cancelled.
+  handler is registered before the request is queued, a sampled request's ``seed`` seeds its own generator,
+  and a non-streaming request whose client went away is cancelled.
 - ``serving.chat_completion.ChatCompletionHandler`` and ``serving.completion.CompletionHandler``: the body
   is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``) before the
   model is touched, so a bad request is a 400 rather than a 500.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import copy
 import sys
 from dataclasses import dataclass
@@ -51,17 +52,20 @@ class HebrusServeSettings:
         capacity_tokens: cache cells shared by every request (prompt + output positions).
         max_sequences: requests in flight at once.
         prefix_cache_tokens: cells kept for finished requests (second chat turns); 0 disables the prefix cache.
+        block_sharing: False turns prefix sharing off altogether (no shared blocks, no prefix cache).
         debug: mount ``POST /hebrus/debug/kill_engine``.
     """
 
     capacity_tokens: int | None = None
     max_sequences: int | None = None
     prefix_cache_tokens: int | None = None
+    block_sharing: bool = True
     debug: bool = False
 
 
 _SETTINGS = HebrusServeSettings()
 _ORIGINALS: dict[str, Any] = {}
+_REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -93,6 +97,8 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
                                            max_sequences=_SETTINGS.max_sequences,
                                            prefix_cache_tokens=_SETTINGS.prefix_cache_tokens).items()
                      if v is not None}
+        if not _SETTINGS.block_sharing:
+            overrides["allow_block_sharing"] = False
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
         return mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
                                          engine_config=engine_config, tokenizer=tokenizer)
@@ -195,6 +201,9 @@ def _request_kwargs(gen_config: Any) -> dict[str, Any]:
     stops = getattr(gen_config, "stop_strings", None)
     if stops:
         kwargs["stop_strings"] = [stops] if isinstance(stops, str) else list(stops)
+    seed = _REQUEST_SEED.get()
+    if seed is not None and gen_config.do_sample:
+        kwargs["seed"] = seed     # the request's own generator (transformers only reseeds torch globally)
     return kwargs
 
 
@@ -341,6 +350,9 @@ def _check_body(body: Any, kind: str) -> None:
     top_p = body.get("top_p")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise _http_error(400, f"`top_p` must be a number in (0, 1], got {top_p!r}")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _http_error(400, f"`seed` must be an integer, got {seed!r}")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                             and all(isinstance(s, str) for s in stop))):
@@ -351,7 +363,11 @@ def _checked_handler(base, kind: str):
     class Checked(base):
         async def handle_request(self, body: dict, request_id: str):
             _check_body(body, kind)
-            return await super().handle_request(body, request_id)
+            token = _REQUEST_SEED.set(body.get("seed"))
+            try:
+                return await super().handle_request(body, request_id)
+            finally:
+                _REQUEST_SEED.reset(token)
 
     Checked.__name__ = Checked.__qualname__ = f"Hebrus{base.__name__}"
     return Checked
@@ -457,6 +473,8 @@ def _hebrus_parser() -> argparse.ArgumentParser:
                    help="requests in flight at once (default 32)")
     p.add_argument("--hebrus-prefix-cache-tokens", type=int, default=None,
                    help="cells kept for finished requests' prefixes (default: half the capacity; 0: off)")
+    p.add_argument("--hebrus-no-prefix-sharing", action="store_true",
+                   help="no shared prefixes between requests and no prefix cache")
     p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
     return p
 
@@ -470,6 +488,7 @@ hebrus options:
   --hebrus-capacity-tokens N      cache cells shared by all requests (default: num_blocks x block size, else 4096)
   --hebrus-max-sequences N        requests in flight at once (default: 32)
   --hebrus-prefix-cache-tokens N  cells kept for finished requests (default: half the capacity; 0: off)
+  --hebrus-no-prefix-sharing      no shared prefixes between requests and no prefix cache
   --hebrus-debug                  mount POST /hebrus/debug/kill_engine
 
 transformers serve options (passed through; `--continuous-batching` is added unless
@@ -489,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     patch_transformers_serve(HebrusServeSettings(capacity_tokens=ns.hebrus_capacity_tokens,
                                                  max_sequences=ns.hebrus_max_sequences,
                                                  prefix_cache_tokens=ns.hebrus_prefix_cache_tokens,
+                                                 block_sharing=not ns.hebrus_no_prefix_sharing,
                                                  debug=ns.hebrus_debug))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):
         rest.append("--continuous-batching")
