@@ -8,13 +8,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import CorruptStateError, HebrusError
+from .errors import HebrusError
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
 from .qsa.cache import MAX_POSITION, QSACache, QSAPlan
 from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable, generation_problem
+from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
 
 _KIND = "hebrus_torch.ModelCache"
@@ -142,7 +143,7 @@ class ChunkStep:
                              plan.token_cells, scale)
 
 
-class ModelCache(torch.nn.Module, Transactional):
+class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
     """Issues the handles both holders use and forwards every lifecycle operation to both, atomically.
 
     PLE goes first in each operation because it can refuse (a partial rewind needs a PLE snapshot
@@ -162,6 +163,8 @@ class ModelCache(torch.nn.Module, Transactional):
             transaction (what ``rewind`` into the last chunks needs); 0 keeps only explicit
             :meth:`checkpoint` snapshots. Each costs ``layers * L * C`` elements.
     """
+
+    _STATE_OWNER = "ModelCache"
 
     def __init__(self, qsa=None, ple: PLEState | None = None, *, top_k: int | None = None,
                  keep_snapshots: int = 0):
@@ -476,25 +479,13 @@ class ModelCache(torch.nn.Module, Transactional):
             kept = kept[-self.keep_snapshots:]
         self._snapshots[seq.slot] = kept
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Validate both holders' parts and the handle table first, then publish all; else CorruptStateError.
-
-        Keys the cache does not save (``ple.``/``qsa.`` typos included) are refused with ``strict=True``;
-        ``strict=False`` leaves them out and returns them as ``unexpected_keys``."""
-        if not isinstance(state_dict, Mapping):
-            raise CorruptStateError(f"ModelCache.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sd, unexpected = blob.known_entries("ModelCache.load_state_dict", dict(state_dict), self._state_keys(),
-                                            strict)
-        self._load_all(sd)
-        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
-
+    # ----------------------------------------------------------------------------- state dict (StateDictProtocol)
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # Loaded as part of a parent module: the same validated, all-or-nothing load, then the holders'
-        # own hooks (which torch calls next, on the same entries) have nothing left to do. torch passes
-        # strict=True here whatever its caller asked for: keys under our prefix are checked strictly.
-        ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        self.load_state_dict(ours, strict=True)
+        # own hooks (which torch calls next, on the same entries) have nothing left to do.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         for holder in self.holders:
             holder._loaded_by_owner = True
 
@@ -512,7 +503,9 @@ class ModelCache(torch.nn.Module, Transactional):
             parts.append(("origin", origin))
         return blob.digest_of(parts)
 
-    def _load_all(self, sd: dict[str, Any]) -> None:
+    def _validate_state_dict(self, sd: dict[str, Any]) -> tuple:
+        """The handle table, the PLE origins and both holders' parts (each checked by its holder), all
+        validated against each other (CorruptStateError)."""
         if self.in_transaction:
             raise HebrusError("ModelCache.load_state_dict cannot run inside a transaction")
         extra = sd.get("_extra_state")
@@ -549,9 +542,6 @@ class ModelCache(torch.nn.Module, Transactional):
                     ok = not h_live[slot] and (mine is None or h_gen[slot] <= mine[0])
                 blob.expect(_KIND, ok, f"{name} slot {slot} (generation {h_gen[slot]}, live {h_live[slot]}) "
                                        f"disagrees with the ModelCache handle table")
-        # Everything that can fail (allocations, moves to the device, re-pooling) before anything is
-        # published; publishing is reference assignments only, so it cannot stop with one holder new
-        # and the other old.
         if origin is not self._NO_ORIGIN:
             blob.expect(_KIND, isinstance(origin, list) and len(origin) == cap,
                         f"the PLE origins must list {cap} entries")
@@ -568,10 +558,21 @@ class ModelCache(torch.nn.Module, Transactional):
             for slot, o in enumerate(origin):
                 blob.expect(_KIND, o is None or o <= runs[0][slot],
                             f"slot {slot} has PLE origin {o} inside its run (which starts at {runs[0][slot]})")
+        return parts, list(generation), list(live), origin
+
+    def _prepare_candidate(self, candidate: tuple) -> tuple:
+        """Everything that can fail (allocations, moves to the device, re-pooling) before anything is
+        published: publishing is reference assignments only, so it cannot stop with one holder new and
+        the other old."""
+        parts, generation, live, origin = candidate
         prepared = {name: getattr(self, name)._prepare_state_dict(part) for name, part in parts.items()}
+        return prepared, generation, live, origin
+
+    def _swap_state_dict(self, prepared_all: tuple) -> None:
+        prepared, generation, live, origin = prepared_all
         for name, prep in prepared.items():
             getattr(self, name)._swap_state_dict(prep)
-        self.slots.assign(list(generation), list(live))
+        self.slots.assign(generation, live)
         self._snapshots = {}
         self._origin = {slot: o for slot, o in enumerate(origin) if o is not None}
 
@@ -589,7 +590,10 @@ class ModelCache(torch.nn.Module, Transactional):
             raise HebrusError("ModelCache.state_dict cannot run inside a transaction (its changes are not published)")
         return super().state_dict(*args, **kwargs)
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}     # the holders' tensors are saved by their own modules (children of this one)
+
+    def _extra_state_for(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         generation, live, origin = self.slots.generation.tolist(), self.slots.live.tolist(), self._origins()
         return {"format": _KIND, "version": blob.FORMAT_VERSION, "generation": generation, "live": live,
                 "origin": origin, "checksum": self._table_checksum(generation, live, origin)}

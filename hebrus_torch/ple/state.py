@@ -11,6 +11,7 @@ from ..errors import CorruptStateError, HebrusError
 from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
+from ..state.protocol import StateDictProtocol
 from ..state.transaction import Transactional, atomic
 from . import ops
 
@@ -51,7 +52,7 @@ class PLEHashParams:
     offsets: torch.Tensor      # [(N-1)*H] int64, ngram_heads_offsets
 
 
-class PLEState(torch.nn.Module, Transactional):
+class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
     """Owns, per sequence slot and PLE layer, the n-gram history ``[N-1]`` and the conv tail ``[L, C]``.
 
     Buffers (``state_dict``): ``history`` [layers, S, N-1] int64 (each layer carries its own, as
@@ -75,6 +76,8 @@ class PLEState(torch.nn.Module, Transactional):
         conv_weights: optional per-layer conv weights ``[C, K]`` used by :meth:`conv` when none is passed.
         activation: ``"silu"`` (Qwen4Exp) or ``"none"``.
     """
+
+    _STATE_OWNER = "PLEState"
 
     def __init__(self, num_layers: int, channels: int, *, vocab_size: int, eos_token_id: int,
                  ngram_size: int = 3, conv_kernel_size: int = 4, dilation: int | None = None,
@@ -405,40 +408,15 @@ class PLEState(torch.nn.Module, Transactional):
             parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
         return blob.digest_of(parts)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 (nn.Module hook)
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
         # Copies, as QSACache's: a state dict kept while decoding goes on stays what it was.
         if self.in_transaction:
             raise HebrusError("PLEState.state_dict cannot run inside a transaction (its changes are staged)")
-        for name in self._STATE_NAMES:
-            destination[prefix + name] = getattr(self, name).detach().clone()
-        destination[prefix + "_extra_state"] = self.get_extra_state()
+        return {name: getattr(self, name).detach().clone() for name in self._STATE_NAMES}
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def _extra_state_for(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
-                "checksum": blob.digest_of([("history", self.history), ("conv_state", self.conv_state),
-                                            ("generation", self.generation), ("live", self.live)])}
-
-    def set_extra_state(self, state: Any) -> None:
-        raise HebrusError("PLEState: load the whole holder with load_state_dict")
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Validate format, config, shapes, dtypes and checksum first; raise CorruptStateError and change nothing.
-
-        Keys this holder does not save are refused with ``strict=True``; ``strict=False`` leaves them out
-        and returns them as ``unexpected_keys``. No key may be missing either way."""
-        sd = self._as_dict(state_dict)
-        sd, unexpected = blob.known_entries("PLEState.load_state_dict", sd, self._state_keys(), strict)
-        self.check_state_dict(sd)
-        self.publish_state_dict(sd)
-        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # Loaded as part of a parent module: the same validated, all-or-nothing load (unless a ModelCache
-        # over this holder has just loaded it, with everything else, as one step).
-        if self.__dict__.pop("_loaded_by_owner", False):
-            return
-        self.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+                "checksum": blob.digest_of([(n, tensors[n]) for n in self._STATE_NAMES])}
 
     _STATE_NAMES = ("history", "conv_state", "generation", "live")
 
@@ -449,13 +427,11 @@ class PLEState(torch.nn.Module, Transactional):
     def _as_dict(self, state_dict: Any) -> dict[str, Any]:
         if self.in_transaction:
             raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
-        if not isinstance(state_dict, Mapping):
-            raise CorruptStateError(f"PLEState.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        return dict(state_dict)
+        return super()._as_dict(state_dict)
 
-    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Everything ``load_state_dict`` (strict) validates, without changing anything (CorruptStateError)."""
-        sd = self._as_dict(state_dict)
+    def _validate_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """Format, config, entry types, shapes, dtypes, checksum, slot table and ids (CorruptStateError);
+        the candidate is the state dict itself."""
         blob.known_entries("PLEState.load_state_dict", sd, self._state_keys(), strict=True)
         expect = blob.expect
         extra = sd.get("_extra_state")
@@ -479,12 +455,9 @@ class PLEState(torch.nn.Module, Transactional):
         expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
         tokens_ok = (sd["history"] >= 0) & (sd["history"] < self.vocab_size)
         expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
+        return sd
 
-    def publish_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Publish a state dict that ``check_state_dict`` accepted."""
-        self._swap_state_dict(self._prepare_state_dict(state_dict))
-
-    def _prepare_state_dict(self, state_dict: Mapping[str, Any]) -> tuple:
+    def _prepare_candidate(self, state_dict: Mapping[str, Any]) -> tuple:
         """The fallible part of publishing a checked state dict: fresh buffers (laid out as the current
         ones) and the slot table, built before anything is published."""
         buffers = {name: torch.empty_like(getattr(self, name)).copy_(state_dict[name].detach())
@@ -494,7 +467,7 @@ class PLEState(torch.nn.Module, Transactional):
         return buffers, generation, live
 
     def _swap_state_dict(self, prepared: tuple) -> None:
-        """Publish what ``_prepare_state_dict`` built: reference assignments only, nothing that can fail."""
+        """Publish what ``_prepare_candidate`` built: reference assignments only, nothing that can fail."""
         buffers, generation, live = prepared
         for name, tensor in buffers.items():
             setattr(self, name, tensor)

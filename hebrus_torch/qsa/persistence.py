@@ -14,9 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import CorruptStateError, HebrusError
+from ..errors import HebrusError
 from ..state import blob as _blob
 from ..state.handles import SeqHandle, generation_problem
+from ..state.protocol import StateDictProtocol
 from .runs import MAX_POSITION, HoleInSavedStateError, _Run, _Vec, first_hole
 
 _SEQ_KIND = "hebrus_torch.QSACache.sequence"
@@ -24,8 +25,11 @@ _HOLDER_FORMAT = "hebrus_torch.QSACache"
 _HOLDER_VERSION = 1
 
 
-class _Persistence:
-    """save/restore, state_dict/load_state_dict and digest of :class:`QSACache`."""
+class _Persistence(StateDictProtocol):
+    """save/restore, state_dict/load_state_dict (the shared :class:`StateDictProtocol`) and digest of
+    :class:`QSACache`."""
+
+    _STATE_OWNER = "QSACache"
 
     def _check_clean(self, what: str, runs: Sequence[_Run]) -> None:
         if self._txn is None:
@@ -151,31 +155,9 @@ class _Persistence:
     def _checksum(tensors: dict[str, torch.Tensor]) -> str:
         return _blob.digest_of(sorted(tensors.items()))
 
-    def get_extra_state(self) -> dict[str, Any]:
-        """JSON-like metadata saved under ``_extra_state``: format, version, config and a sha256 of all
-        the holder's state tensors."""
-        return self._extra_state_for(self._state_tensors())
-
     def _extra_state_for(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {"format": _HOLDER_FORMAT, "version": _HOLDER_VERSION, "config": self._config(),
                 "heads": [self._cell_head, self._row_head], "checksum": self._checksum(tensors)}
-
-    def set_extra_state(self, state: Any) -> None:
-        raise HebrusError("QSACache: load the whole holder with load_state_dict")
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 (nn.Module hook)
-        tensors = self._state_tensors()
-        for name, t in tensors.items():
-            destination[prefix + name] = t
-        destination[prefix + "_extra_state"] = self._extra_state_for(tensors)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if self.__dict__.pop("_loaded_by_owner", False):  # a ModelCache over it has just loaded it
-            return
-        # torch passes strict=True here, whatever its caller asked for: keys under our prefix are checked strictly.
-        ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        self.load_state_dict(ours, strict=True)
 
     def _state_keys(self) -> set[str]:
         """The keys of this holder's state dict."""
@@ -185,25 +167,7 @@ class _Persistence:
             names += ["k_cache", "v_cache"]
         return {*names, "_extra_state"}
 
-    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Everything ``load_state_dict`` validates (format, version, config, checksum, shapes, dtypes,
-        refcounts, contiguity, handle table), without changing anything. Raises ``CorruptStateError``."""
-        self._validate_state(self._as_dict(state_dict))
-
-    def publish_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Publish a state dict that :meth:`check_state_dict` accepted (validated again; atomic)."""
-        self._publish_state(self._validate_state(self._as_dict(state_dict)))
-
-    @staticmethod
-    def _as_dict(state_dict: Any) -> dict[str, Any]:
-        if not isinstance(state_dict, dict):
-            raise CorruptStateError(f"QSACache.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        return dict(state_dict)
-
-    def _load_state(self, sd: dict[str, Any]) -> None:
-        self._publish_state(self._validate_state(sd))
-
-    def _validate_state(self, sd: dict[str, Any]) -> dict[str, Any]:
+    def _validate_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """The candidate of a state dict, completely validated (CorruptStateError otherwise)."""
         kind = "QSACache.load_state_dict"
         expect = _blob.expect
@@ -298,15 +262,7 @@ class _Persistence:
         return {"tensors": tensors, "gen": gen, "live": live, "runs": runs, "row_def_cells": row_def_cells,
                 "row_def_pos": row_def_pos, "heads": heads, "gcap": gcap}
 
-    def _publish_state(self, cand: dict[str, Any]) -> None:
-        """Publish a validated candidate, re-deriving the pooled groups."""
-        self._swap_state(self._prepare_state(cand))
-
-    def _prepare_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Validate a state dict and build everything its publish needs (see ``_prepare_state``)."""
-        return self._prepare_state(self._validate_state(self._as_dict(state_dict)))
-
-    def _prepare_state(self, cand: dict[str, Any]) -> dict[str, Any]:
+    def _prepare_candidate(self, cand: dict[str, Any]) -> dict[str, Any]:
         """The fallible part of publishing a validated candidate, before anything is published: every
         tensor on this cache's device, the runs, the slot table and the pooled groups re-derived."""
         tensors, gen, live, runs = cand["tensors"], cand["gen"], cand["live"], cand["runs"]
@@ -337,8 +293,8 @@ class _Persistence:
                          for slot, (p0, n, cells, rows) in runs.items()},
                 "heads": (heads[0] % C, heads[1] % gcap)}
 
-    def _swap_state(self, prepared: dict[str, Any]) -> None:
-        """Publish what ``_prepare_state`` built: reference assignments only, nothing that can fail. Inside
+    def _swap_state_dict(self, prepared: dict[str, Any]) -> None:
+        """Publish what ``_prepare_candidate`` built: reference assignments only, nothing that can fail. Inside
         an open transaction its rollback restores the previous references (its savepoints keep them)."""
         for name, tensor in prepared["tensors"].items():
             setattr(self, name, tensor)
@@ -349,19 +305,6 @@ class _Persistence:
             self._txn.new_cells = []
             self._txn.pending = [[] for _ in range(self.num_layers)]
             self._txn.evict = {}
-
-    _swap_state_dict = _swap_state
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a whole-holder state dict (validated completely before anything is published; pooled
-        groups are re-derived from the raw keys). Raises ``CorruptStateError``.
-
-        Keys this holder does not save are refused with ``strict=True``; ``strict=False`` leaves them out
-        and returns them as ``unexpected_keys``. No key may be missing either way."""
-        sd, unexpected = _blob.known_entries("QSACache.load_state_dict", self._as_dict(state_dict),
-                                             self._state_keys(), strict)
-        self._load_state(sd)
-        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
 
     def _run_parts(self, tag: str, run: _Run) -> list[tuple[str, Any]]:
         cells, rows = run.cells.tensor(), run.groups.tensor()
