@@ -69,7 +69,7 @@ from ..state.handles import SeqHandle, SlotTable
 from ..state.transaction import Transactional
 from .allocator import _Allocator
 from .lifecycle import _Lifecycle
-from .ops import qsa_pool, qsa_select  # noqa: F401  (qsa_select: re-exported for code that patched it here)
+from .ops import qsa_pool, qsa_select  # noqa: F401  (qsa_pool is called here; qsa_select stays importable)
 from .persistence import _HOLDER_FORMAT, _HOLDER_VERSION, _SEQ_KIND, _Persistence  # noqa: F401
 from .planning import QSAPlan, ReservedChunk, _Planning
 from .pooling import _Pooling
@@ -80,6 +80,7 @@ __all__ = ["QSACache", "QSAPlan", "ReservedChunk", "HoleInSavedStateError", "MAX
 
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
+
 
 class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Transactions, torch.nn.Module,
                Transactional):
