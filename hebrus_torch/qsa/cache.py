@@ -107,8 +107,10 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
             (SPEC §3): the same for every cut of the stream. ``reserve`` evicts at once what no query
             of its chunk sees (those cells can hold the new tokens) and the rest once the chunk's
             queries are planned (at commit, or at the sequence's next lifecycle operation), so the
-            run keeps between ``window - r + 1`` and ``window`` positions once full. A single chunk
-            longer than ``window`` for one sequence is refused.
+            run keeps between ``window - r + 1`` and ``window`` positions once full; until its chunk
+            is planned a sequence may hold up to ``window`` positions plus that chunk, so size
+            ``capacity`` for the window plus the largest chunk. A single chunk longer than ``window``
+            for one sequence is refused.
     """
 
     layer_ids: list[int]
