@@ -26,13 +26,14 @@ import torch
 import transformers
 
 from common import machine, sync, table, write_section
+from tiny_qwen4exp import random_model
 
 from hebrus_torch.integrations import transformers as htx
 
 
 def build(device: str, layers: int):
     layer_types = ["linear_attention", "indexed_attention"] * (layers // 2)
-    return htx.random_model(
+    return random_model(
         0, device=device, attn_implementation="sdpa", embed_shift=2.0, index_shift=1.0,
         vocab_size=32000, hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
         num_hidden_layers=len(layer_types), layer_types=layer_types,

@@ -96,9 +96,9 @@ def model_demo(device: str, prompt_len: int, new_tokens: int, seed: int) -> bool
     """The same left-padded prompts through a tiny random Qwen4Exp, unpatched and patched: greedy decode."""
     from transformers.cache_utils import DynamicCache
 
-    from hebrus_torch.integrations import transformers as htx
+    from hebrus_torch._demo import demo_model
 
-    model = htx.random_model(seed, device=device)
+    model = demo_model(seed, device)
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(4, cfg.vocab_size, (2, prompt_len), generator=gen)

@@ -30,7 +30,7 @@
 #define HEBRUS_QSA_SELECT_K512_QB 4
 #define HEBRUS_QSA_SELECT_K512_KMAX 512
 #define HEBRUS_QSA_SELECT_K2048_QB 1
-#define HEBRUS_QSA_SELECT_K2048_KMAX 2048
+#define HEBRUS_QSA_SELECT_K2048_KMAX HEBRUS_MPS_MAX_KEEP
 // qsa_attention: one threadgroup of 8 SIMD-groups per (query, KV head); SIMD-group s takes the
 // entries s, s + 8, s + 16, ... of the query's token_cells row, lanes split the head dims
 // (d = lane + 32 i). Variants "h<HB>_d<DMAX>": HB query heads of the KV head per pass over the cells
@@ -39,7 +39,7 @@
 // memory at h8_d256: q 8 x 256 x 4 B + partial accumulators 8 x 256 x 4 B + 8 x 8 x 8 B = 16.5 KiB.
 #define HEBRUS_QSA_ATTN_TG 256
 #define HEBRUS_QSA_ATTN_MAX_HB 8
-#define HEBRUS_QSA_ATTN_MAX_DIM 256
+#define HEBRUS_QSA_ATTN_MAX_DIM HEBRUS_MPS_ATTN_MAX_DIM
 
 #ifndef __METAL_VERSION__
 #include <cmath>

@@ -6,6 +6,16 @@
 // struct is a multiple of 8 bytes, 64-bit fields first). Keep the file ASCII: the glue embeds it in
 // the Metal source string, which PyTorch hands to Metal as an ASCII NSString.
 
+// Size limits of the native kernels: the one place they are written for C++ and Metal (the CPU
+// kernels size per-thread scratch by them, the Metal kernels their threadgroup memory and variants).
+// hebrus_torch/_limits.py states them for Python (the drop-in falls back past them); a test reads
+// this file and checks the two agree.
+#define HEBRUS_CPU_MAX_HEAD_DIM 256      // qsa_pool, qsa_select: D
+#define HEBRUS_CPU_MAX_QUERY_HEADS 64    // qsa_select: Hq
+#define HEBRUS_CPU_MAX_TOP_K 4096        // qsa_select: top_k
+#define HEBRUS_MPS_MAX_KEEP 2048         // qsa_select: min(top_k, maxG), the k2048 variant's capacity
+#define HEBRUS_MPS_ATTN_MAX_DIM 256      // qsa_attention: max(Dh, Dv), the d256 variants
+
 #ifdef __METAL_VERSION__
 typedef long hebrus_i64;
 typedef int hebrus_i32;

@@ -59,15 +59,16 @@ class Indexers:
             h.remove()
 
 
-def both(model, fn):
-    """fn() unpatched, then patched: (reference, patched, patched stats, reference masks, patched masks)."""
+def both(model, fn, **options):
+    """fn() unpatched, then patched with apply(model, **options): (reference, patched, patched stats,
+    reference masks, patched masks)."""
     rec = Indexers(model)
     try:
         htx.revert(model)
         with torch.no_grad():
             ref = fn()
         ref_masks = rec.take()
-        htx.apply(model)
+        htx.apply(model, **options)
         htx.reset_stats()
         with torch.no_grad():
             got = fn()
@@ -91,6 +92,31 @@ def assert_hebrus_path(stats, sparse=True):
     if sparse:
         assert stats.get("qsa_queries_selected", 0) > 0, stats          # the budget was actually exceeded
         assert stats.get("sparse_attention_calls", 0) > 0, stats        # attention ran as hebrus::qsa_attention
+
+
+def gradients_both(model, ids):
+    """The parameters' gradients of one language-model loss, unpatched then patched: (reference, patched,
+    patched stats); parameters without a gradient are left out."""
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads()
+    htx.apply(model)
+    try:
+        htx.reset_stats()
+        got = grads()
+        stats = htx.stats()
+    finally:
+        htx.revert(model)
+    return ref, got, stats
+
+
+def assert_same_gradients(ref, got):
+    assert ref and ref.keys() == got.keys()
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def chunked(model, ids, sizes, attention_mask=None):
@@ -352,20 +378,7 @@ def test_holes_where_every_visible_token_is_selected_never_fail(device, on_hole)
         return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
 
-    rec = Indexers(model)
-    try:
-        with torch.no_grad():
-            ref = run()
-        ref_masks = rec.take()
-        htx.apply(model, on_hole=on_hole)
-        htx.reset_stats()
-        with torch.no_grad():
-            got = run()
-        stats = htx.stats()
-        got_masks = rec.take()
-    finally:
-        htx.revert(model)
-        rec.remove()
+    ref, got, stats, ref_masks, got_masks = both(model, run, on_hole=on_hole)
     assert torch.equal(got, ref)
     assert_same(ref_masks, got_masks)
     assert not any(k.startswith("qsa_fallback") for k in stats), stats
@@ -398,26 +411,10 @@ def test_gradient_checkpointing(device, reentrant):
     model = random_model(0, device=device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
-    ids = tokens(2, 36, seed=23).to(device)
-
-    def grads():
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref = grads()
-    htx.apply(model)
-    try:
-        htx.reset_stats()
-        got = grads()
-        stats = htx.stats()
-    finally:
-        htx.revert(model)
+    ref, got, stats = gradients_both(model, tokens(2, 36, seed=23).to(device))
     assert stats.get("qsa_hebrus", 0) >= 4 and stats.get("qsa_queries_selected", 0) > 0, stats   # forward + recompute
     assert not any(k.startswith("qsa_fallback") for k in stats), stats
-    assert ref.keys() == got.keys() and ref
-    for name, g in ref.items():
-        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_same_gradients(ref, got)
 
 
 def test_refused_model_is_left_untouched(device):
@@ -567,7 +564,6 @@ def test_main_job_model_check_fails_on_one_wrong_selection(monkeypatch, capsys):
     """The model check of `python -m hebrus_torch` accepts a differing selection only at an exact or near tie
     of transformers' scores: one query given another group (far fewer than 1% of the rows) fails it."""
     from hebrus_torch.__main__ import main
-    from hebrus_torch.integrations import transformers as integration
 
     real = ht.qsa_select
     calls = [0]
@@ -585,8 +581,7 @@ def test_main_job_model_check_fails_on_one_wrong_selection(monkeypatch, capsys):
             out[-1] = out[-1].sort().values
         return out
 
-    monkeypatch.setattr(ht, "qsa_select", one_wrong)
-    assert integration.hebrus_torch is ht
+    monkeypatch.setattr(ht, "qsa_select", one_wrong)        # the drop-in calls hebrus_torch.qsa_select
     assert main(["--device", "cpu", "--tokens", "64", "--prompt", "48", "--new-tokens", "4"]) == 1
     out = capsys.readouterr().out
     assert "1 of them NOT at a score tie" in out
@@ -739,13 +734,13 @@ def test_sparse_attention_layer_outputs_with_grouped_kv_heads(device, attn, monk
     hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(out[0].detach().clone()))
              for m in model.modules() if isinstance(m, M.Qwen4ExpTextAttention) and m.indexer is not None]
     reads: list[bool] = []
-    op = htx.hebrus_torch.qsa_attention
+    op = ht.qsa_attention
 
     def spy(q, k, v, token_cells, scale=None):
         reads.append(k._is_view() and v._is_view() and k.shape[1] == v.shape[1] == 2)
         return op(q, k, v, token_cells, scale)
 
-    monkeypatch.setattr(htx.hebrus_torch, "qsa_attention", spy)
+    monkeypatch.setattr(ht, "qsa_attention", spy)
     try:
         ref, got, stats, rm, gm = both(model, lambda: chunked(model, ids, [17, 9, 1, 13], attention_mask=mask))
     finally:
@@ -834,26 +829,9 @@ def test_backward_gets_transformers_gradients(device):
     """The ops have no backward: with a gradient wanted, the PLE conv and the attention run transformers'
     own code, so every parameter gets the gradient it gets unpatched (the indexer's selection has none)."""
     model = random_model(0, device=device)
-    ids = tokens(1, 36, seed=6).to(device)
-
-    def grads():
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-    ref = grads()
-    htx.apply(model)
-    try:
-        htx.reset_stats()
-        got = grads()
-        stats = htx.stats()
-    finally:
-        htx.revert(model)
+    ref, got, stats = gradients_both(model, tokens(1, 36, seed=6).to(device))
     assert stats.get("ple_fallback:autograd", 0) > 0, stats
-    assert [n for n, g in ref.items() if g is not None] == [n for n, g in got.items() if g is not None]
-    for name, g in ref.items():
-        if g is not None:
-            torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_same_gradients(ref, got)
 
 
 def test_token_ids_past_the_ple_vocab_and_float64_take_transformers_path(device):

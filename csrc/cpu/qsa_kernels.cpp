@@ -20,16 +20,18 @@
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
+#include "hebrus_params.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
 namespace hebrus {
 namespace {
 
-// Limits of the CPU kernels (checked with clear errors): per-thread scratch is sized by them.
-constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kMaxQueryHeads = 64;
-constexpr int64_t kMaxTopK = 4096;
+// Limits of the CPU kernels (checked with clear errors): per-thread scratch is sized by them
+// (written once, in mps_kernels/hebrus_params.h).
+constexpr int64_t kMaxHeadDim = HEBRUS_CPU_MAX_HEAD_DIM;
+constexpr int64_t kMaxQueryHeads = HEBRUS_CPU_MAX_QUERY_HEADS;
+constexpr int64_t kMaxTopK = HEBRUS_CPU_MAX_TOP_K;
 constexpr int64_t kGroupTile = 64;         // pooled keys per tile, reused across a block of queries
 constexpr int64_t kQueryBlockBytes = 64 * 1024;
 constexpr int64_t kMaxQueryBlock = 32;

@@ -1,0 +1,183 @@
+"""Qwen4ExpTextQSAIndexer.forward on hebrus ops: eager (kept groups, one pool + one select per call) and a
+static-shape path for torch.compile; every call the ops cannot reproduce runs transformers' own forward."""
+
+from __future__ import annotations
+
+import torch
+
+import hebrus_torch
+from hebrus_torch import _limits
+from hebrus_torch._extension import has_native_kernel
+from hebrus_torch.errors import HoleError
+
+from .common import _PATCH
+from .context import _Context
+from .groups import _select
+from .plan import _mask_plan
+from .selection import _expand, _expand_rows, _Selection
+from .stats import _STATS, _warn_once
+
+class _KeysReplay:
+    """Stands in for the cache when the original forward runs after our update_indexer already did."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+
+    def update_indexer(self, indexer_key_states, layer_idx):
+        return self.keys
+
+
+def _indexer_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor,
+                     past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextQSAIndexer.forward with one qsa_pool (new groups only) and one qsa_select per call."""
+    record = self.__dict__[_PATCH]
+    if torch.compiler.is_compiling():
+        return _indexer_traceable(self, record, hidden_states, position_embeddings, attention_mask, past_key_values)
+    return _indexer_impl(self, record, record["original_forward"], hidden_states, position_embeddings,
+                         attention_mask, past_key_values)
+
+
+def _queries_and_keys(self, hidden_states, position_embeddings, past_key_values):
+    """q [B, T, Hq, D] (normed, roped) and the full raw keys [B, K, D]: the same calls as transformers."""
+    full_cos, full_sin = position_embeddings
+    batch_size, seq_length, _ = hidden_states.shape
+    hidden_shape = (batch_size, seq_length, -1, self.index_head_dim)
+    current_cos, current_sin = full_cos[:, -seq_length:, :], full_sin[:, -seq_length:, :]
+    qk = self.index_qk_proj(hidden_states)
+    q, token_k = torch.split(
+        qk, [self.index_n_heads * self.index_head_dim, self.index_kv_heads * self.index_head_dim], dim=-1)
+    q, raw_keys = q.reshape(*hidden_shape), token_k.reshape(*hidden_shape).squeeze(2)
+    q = self.q_layernorm(q)
+    q = self.__dict__[_PATCH]["rope"](q, cos=current_cos, sin=current_sin, unsqueeze_dim=2)
+    if past_key_values is not None:
+        raw_keys = past_key_values.update_indexer(raw_keys, self.layer_idx)
+    return q, raw_keys
+
+
+def _indexer_traceable(self, record, hidden_states, position_embeddings, attention_mask, past_key_values):
+    """The same selection with static shapes, for torch.compile (fullgraph): no host syncs, no kept groups.
+
+    Every row is anchored at the first visible position of its widest query and all ``K // r`` candidate
+    groups of a row are pooled (those past the run point at r zero cells); the checks that eager mode
+    raises as errors (holes, several anchors in one row, multimodal positions) are device-side asserts.
+    """
+    ctx: _Context | None = record.get("ctx")
+    full_cos = position_embeddings[0]
+    pos3 = ctx.position_ids if ctx is not None else None
+    if (pos3 is None or attention_mask is None or attention_mask.dim() != 4 or pos3.dim() != 3
+            or pos3.shape[0] != 3 or pos3.shape[1:] != full_cos.shape[:2]
+            or float(getattr(ctx.rotary, "attention_scaling", 1.0)) != 1.0):
+        return record["original_forward"](hidden_states, position_embeddings, attention_mask, past_key_values)
+    torch._assert_async((pos3 == pos3[:1]).all(), "hebrus qsa: the 3 rows of the text position ids differ "
+                        "(multimodal positions): run this call without torch.compile")
+    positions = pos3[0].to(torch.int64)
+    ratio, top_k = self.compress_ratio, self.block_topk
+    q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
+    batch, kv, dim = raw_keys.shape
+    length = q.shape[1]
+    device = raw_keys.device
+    visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    vis8 = visible.to(torch.uint8)
+    n = vis8.sum(-1, dtype=torch.int64)                                          # [B, T]
+    first = vis8.argmax(-1)
+    last = (kv - 1) - vis8.flip(-1).argmax(-1)
+    ng = torch.div(n, ratio, rounding_mode="floor")
+    need = ng > top_k                    # queries that see at most budget + r - 1 tokens keep them all
+    torch._assert_async(((n == 0) | (last - first + 1 == n) | ~need).all(),
+                        "hebrus qsa: a masked position inside a query's visible run (a hole is not padding)")
+    widest = n.argmax(-1, keepdim=True)
+    f_row = first.gather(1, widest)                                              # [B, 1]
+    n_row = n.gather(1, widest)
+    torch._assert_async(((n == 0) | (first == f_row) | ~need).all(),
+                        "hebrus qsa: queries of one batch row start their visible runs at different positions; "
+                        "run this call without torch.compile")
+    groups = kv // ratio
+    members = torch.arange(ratio, device=device)
+    g_idx = torch.arange(groups, device=device)
+    starts = f_row + ratio * g_idx                                               # [B, G] kv index
+    valid = starts + ratio <= f_row + n_row
+    rows = torch.arange(batch, device=device)[:, None]
+    start_cell = torch.where(valid, rows * kv + starts, batch * kv)              # invalid -> the zero cells
+    # A static cache has kv = max_cache_len columns but positions only for the tokens seen so far; the
+    # starts of valid groups lie among those.
+    group_pos = torch.where(valid, positions.gather(1, starts.clamp(max=positions.shape[1] - 1)), 0)
+    cells = start_cell[:, :, None] + members                                     # [B, G, r]
+    cell_pos = torch.zeros(batch * kv + ratio, dtype=torch.int64, device=device)
+    # RoPE at the group start, as transformers does: cells carry their group's start position + offset.
+    cell_pos = cell_pos.scatter(0, cells.reshape(-1), (group_pos[:, :, None] + members).reshape(-1))
+    keys = torch.cat([raw_keys.reshape(batch * kv, dim), raw_keys.new_zeros((ratio, dim))])
+    pooled = hebrus_torch.qsa_pool(keys, cell_pos, cells.reshape(-1, ratio).to(torch.int32), group_pos.reshape(-1),
+                                   self.k_layernorm.weight, float(self.k_layernorm.eps),
+                                   ctx.rotary.inv_freq.to(torch.float32))
+    seq_groups = torch.arange(batch * groups, device=device, dtype=torch.int32).view(batch, groups)
+    q_row = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(length)
+    ng = ng.reshape(-1)
+    selected = hebrus_torch.qsa_select(q.reshape(batch * length, q.shape[-2], q.shape[-1]), pooled, seq_groups,
+                                       q_row, ng.to(torch.int32), top_k)
+    f_q = f_row.expand(batch, length).reshape(-1)
+    rows = _expand_rows(selected, f_q, n.reshape(-1), ng, ratio, kv).view(batch, length, kv)
+    return torch.where(need[..., None], rows, visible).unsqueeze(1)
+
+
+def _indexer_impl(self, record, original, hidden_states, position_embeddings, attention_mask, past_key_values):
+    ctx: _Context | None = record.get("ctx")
+    full_cos, full_sin = position_embeddings
+    if ctx is None:
+        return _fallback(original, "no_text_model", hidden_states, position_embeddings, attention_mask,
+                         past_key_values)
+    if attention_mask is None or attention_mask.dim() != 4:
+        return _fallback(original, "mask_shape", hidden_states, position_embeddings, attention_mask, past_key_values)
+    positions, reason = ctx.text_positions(full_cos)
+    if positions is None:
+        return _fallback(original, reason, hidden_states, position_embeddings, attention_mask, past_key_values)
+    if _indexer_beyond_kernel_limits(self, hidden_states.device):
+        return _fallback(original, "kernel_limits", hidden_states, position_embeddings, attention_mask,
+                         past_key_values)
+
+    ratio, top_k = self.compress_ratio, self.block_topk
+    plan_key = (ratio, top_k, record["on_hole"])
+    if ctx.plan_key is not None and ctx.plan_key[0] is attention_mask and ctx.plan_key[1:] == plan_key:
+        plan = ctx.plan
+    else:
+        plan = _mask_plan(attention_mask, ratio, top_k, record["on_hole"])
+        ctx.plan_key, ctx.plan = (attention_mask, *plan_key), plan
+    if plan is None:
+        return _fallback(original, "hole", hidden_states, position_embeddings, attention_mask, past_key_values)
+
+    q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
+    layer = None
+    if past_key_values is not None:
+        layers = getattr(past_key_values, "layers", None)
+        layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
+
+    # The index form lists [first, first + n) for queries that keep their whole run: with a gap there,
+    # hand the attention the mask instead (it attends over it densely, as transformers does).
+    as_indices = bool(record.get("as_indices")) and not plan.gaps
+    if plan.trivial:                     # every query sees at most budget + r - 1 tokens: all are selected
+        _STATS["qsa_hebrus"] += 1
+        return _Selection(self, plan, None) if as_indices else plan.visible.unsqueeze(1)
+    try:
+        selected = _select(self, plan, q, raw_keys, positions, layer)
+    except HoleError:
+        # RoPE positions not consecutive inside a group (qsa_pool checks): transformers ropes at the group
+        # start regardless, so run its forward on the keys already in the cache.
+        return _fallback(original, "positions_not_consecutive", hidden_states, position_embeddings,
+                         attention_mask, _KeysReplay(raw_keys))
+    _STATS["qsa_hebrus"] += 1
+    return _Selection(self, plan, selected) if as_indices else _expand(plan, selected, ratio)
+
+
+def _indexer_beyond_kernel_limits(indexer, device: torch.device) -> bool:
+    """Sizes past which the device's native qsa_select refuses although transformers runs them
+    (hebrus_torch._limits): the drop-in falls back there instead of raising. The reference has no limits."""
+    limits = _limits.INDEXER_LIMITS.get(device.type)
+    if limits is None or not has_native_kernel("qsa_select", device.type):
+        return False
+    sizes = {"dim": indexer.index_head_dim, "heads": indexer.index_n_heads, "top_k": indexer.block_topk}
+    return any(sizes[name] > limit for name, limit in limits.items())
+
+
+def _fallback(original, reason, *args):
+    _STATS[f"qsa_fallback:{reason}"] += 1
+    _warn_once(f"qsa_fallback:{reason}")
+    return original(*args)

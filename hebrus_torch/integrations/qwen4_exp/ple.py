@@ -1,0 +1,113 @@
+"""PLE forwards: Qwen4ExpTextNGramEmbedding.forward as one hebrus::ple_ngram_ids call and
+Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache bookkeeping is transformers' own."""
+
+from __future__ import annotations
+
+import torch
+
+import hebrus_torch
+from hebrus_torch._validate import FLOAT_DTYPES
+from hebrus_torch.errors import HebrusError
+
+from .common import _PATCH
+from .stats import _STATS, _warn_once
+
+def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextNGramEmbedding.forward with the hash as one hebrus::ple_ngram_ids call.
+
+    Token ids outside ``[0, vocab_size)`` (embeddings resized past the config's vocabulary) are bad
+    input to the op (SPEC §2); transformers hashes them anyway, so such a call runs its forward."""
+    original = self.__dict__[_PATCH]["original_forward"]
+    raw_ids = input_ids
+    input_ids = input_ids.long()
+    batch, length = input_ids.shape
+    ctx_len = self.context_len
+    cached_ctx = past_key_values.get_conv_state(self.layer_idx, state_idx=2) if past_key_values is not None else None
+    if cached_ctx is not None:
+        # The shift rule reads at most N-1 tokens back (record_past may keep more columns; a shorter
+        # history reads as EOS, as transformers' shift does past the start).
+        history = cached_ctx[:, -ctx_len:].clone()
+        if history.shape[1] < ctx_len:
+            history = torch.nn.functional.pad(history, (ctx_len - history.shape[1], 0), value=self.eos_token_id)
+    else:
+        history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
+
+    cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
+    args = (input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+            self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+    if torch.compiler.is_compiling():
+        row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
+    else:
+        try:   # the op checks the ids anyway: no extra host sync to find the rare call that falls back
+            row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
+        except HebrusError as exc:
+            if "outside [0, vocab=" not in str(exc):
+                raise
+            _STATS["ple_fallback:token_outside_vocab"] += 1
+            _warn_once("ple_fallback:token_outside_vocab")
+            return original(raw_ids, past_key_values)      # the cache is untouched so far
+
+    # Cache bookkeeping exactly as transformers does it.
+    if past_key_values is not None:
+        input_ids_to_cache = input_ids
+        if cached_ctx is None and length < ctx_len:
+            input_ids_to_cache = torch.nn.functional.pad(
+                input_ids_to_cache, (ctx_len - length, 0), value=self.eos_token_id)
+        past_key_values.update_conv_state(input_ids_to_cache, self.layer_idx, state_idx=2, conv_kernel_size=ctx_len)
+
+    ngram_ids = row_ids.view(batch, length, -1)
+    if not torch.compiler.is_compiling():
+        _STATS["ple_ngram"] += 1
+    execution_device = (
+        self.ngram_embedding.weight.device if self.ngram_embedding.weight.device.type != "meta" else None
+    )
+    return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
+
+
+def _plain_depthwise(conv: torch.nn.Conv1d) -> bool:
+    """What hebrus::ple_conv computes: depthwise, no bias, no padding, stride 1 (checked at each call:
+    a bias may be added after apply)."""
+    return (conv.bias is None and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding in ((0,), 0) and conv.stride == (1,) and conv.padding_mode == "zeros")
+
+
+def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Tensor:
+    """Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache updates itself as before.
+
+    hebrus::ple_conv has no backward and takes fp32/fp16/bf16: where a gradient is wanted, or for
+    another dtype, transformers' own conv runs."""
+    original = self.__dict__[_PATCH]["original__short_conv"]
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.conv1d.weight.requires_grad):
+        _STATS["ple_fallback:autograd"] += 1
+        return original(hidden_states, past_key_values)
+    if hidden_states.dtype not in FLOAT_DTYPES or self.conv1d.weight.dtype != hidden_states.dtype:
+        _STATS["ple_fallback:dtype"] += 1
+        _warn_once("ple_fallback:dtype")
+        return original(hidden_states, past_key_values)
+    if not _plain_depthwise(self.conv1d):
+        _STATS["ple_fallback:conv_not_plain"] += 1
+        _warn_once("ple_fallback:conv_not_plain")
+        return original(hidden_states, past_key_values)
+    batch, length, channels = hidden_states.shape
+    state_len = self.short_conv_state_len
+    state = None
+    if past_key_values is not None:
+        previous = past_key_values.get_conv_state(self.layer_idx, state_idx=1)
+        if previous is not None:
+            # [B, C, L'] -> the last L inputs as [B, L, C]; a copy, since the cache overwrites in place.
+            # (record_past keeps L' > L columns, or fewer after a short prefill: zeros, as F.pad does.)
+            previous = previous[..., -state_len:]
+            if previous.shape[-1] < state_len:
+                previous = torch.nn.functional.pad(previous, (state_len - previous.shape[-1], 0))
+            state = previous.transpose(1, 2).contiguous().clone()
+        past_key_values.update_conv_state(hidden_states.transpose(1, 2), self.layer_idx, state_idx=1,
+                                          conv_kernel_size=state_len)
+    if state is None:
+        state = hidden_states.new_zeros((batch, state_len, channels))
+    weight = self.conv1d.weight[:, 0, :].contiguous()
+    cu_seqlens = torch.arange(batch + 1, device=hidden_states.device, dtype=torch.int32) * length
+    y, _ = hebrus_torch.ple_conv(hidden_states.reshape(batch * length, channels), weight, cu_seqlens, state,
+                                 int(self.conv1d.dilation[0]), "silu")
+    if not torch.compiler.is_compiling():
+        _STATS["ple_conv"] += 1
+    return y.view(batch, length, channels)
