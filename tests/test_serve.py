@@ -278,6 +278,7 @@ def test_streamed_chunks_concatenate_to_the_non_streamed_text(server, checkpoint
     chunks = [c.choices[0].delta.content or "" for c in server.chat(messages, stream=True) if c.choices]
     assert len([c for c in chunks if c]) > 1
     assert "".join(chunks) == plain == text
+    assert server.model_dir in [m.id for m in server.client().models.list()]
 
 
 def test_each_request_samples_with_its_own_settings(server, checkpoint):

@@ -128,7 +128,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._kept: collections.OrderedDict[SeqHandle, int] = collections.OrderedDict()   # LRU: seq -> cells
         budget = cfg.prefix_cache_tokens
-        self.prefix_cache_tokens = (cfg.capacity_tokens // 2 if budget is None else budget) if self.prefix else 0
+        # `is not None`: an empty PrefixIndex is falsy (len 0), which turned the prefix cache off
+        self.prefix_cache_tokens = ((cfg.capacity_tokens // 2 if budget is None else budget)
+                                    if self.prefix is not None else 0)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self._cancelled: list[str] = []
