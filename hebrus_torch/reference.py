@@ -14,6 +14,7 @@ import torch
 
 from . import _validate
 from .errors import HebrusError, HoleError
+from .qsa.runs import first_hole
 
 __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "qsa_pool", "qsa_select", "qsa_attention", "check_cu_seqlens_values"]
 
@@ -243,11 +244,12 @@ def check_groups_contiguous(cell_pos: torch.Tensor, group_cells: torch.Tensor, g
         g, i = (int(v) for v in torch.nonzero(out_of_range)[0])
         raise HebrusError(f"hebrus::{op}: group {g} cell {i} = {int(group_cells[g, i])} is outside [0, {cells})")
     r = group_cells.shape[1]
-    expected = group_pos[:, None] + torch.arange(r, device=group_pos.device)[None, :]
     got = cell_pos[group_cells.long()]
-    bad = got != expected
-    if bool(bad.any()):
-        g, i = (int(v) for v in torch.nonzero(bad)[0])
+    # Each group is a run of r positions from group_pos (the run rule: hebrus_torch.qsa.runs).
+    hole = first_hole(got.reshape(-1), group_pos, torch.full_like(group_pos, r)) if r else None
+    if hole is not None:
+        g, i = divmod(hole, r)
+        expected = group_pos[:, None] + torch.arange(r, device=group_pos.device)[None, :]
         raise HoleError(f"hebrus::{op}: group {g} starting at position {int(group_pos[g])} has position "
                         f"{int(got[g, i])} in member {i} where {int(expected[g, i])} is required "
                         f"(a hole inside the run is not padding)")

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import torch
 
+from hebrus_torch.qsa import runs
+
 from .plan import _Plan
+
+
+def _selected_tokens(selected, f_q, n_q, ng_q, ratio: int) -> torch.Tensor:
+    """[Tq, top_k * r + r - 1] int64: the kv indices each choosing query attends (its selected groups' tokens in
+    ascending order, then its raw tail; -1 padded), its run starting at kv index ``f_q`` (SPEC §3's "groups +
+    raw tail", written once in :func:`hebrus_torch.qsa.runs.group_and_tail_offsets`)."""
+    offsets = runs.group_and_tail_offsets(selected.long(), ng_q, n_q, ratio)
+    return torch.where(offsets >= 0, f_q[:, None] + offsets, -1)
+
 
 def _expand_rows(selected, f_q, n_q, ng_q, ratio: int, kv: int) -> torch.Tensor:
     """[Tq, K] bool: tokens of the selected groups plus the raw tail, per query."""
-    device = selected.device
-    groups = selected.long()                                                     # [Tq, k]
-    members = torch.arange(ratio, device=device)
-    tokens = f_q[:, None, None] + ratio * groups[:, :, None] + members           # [Tq, k, r]
-    tokens = torch.where(groups[:, :, None] >= 0, tokens, kv).flatten(1)
-    tail_len = n_q - ratio * ng_q
-    tail_idx = torch.arange(ratio - 1, device=device)
-    tail = f_q[:, None] + ratio * ng_q[:, None] + tail_idx
-    tail = torch.where(tail_idx < tail_len[:, None], tail, kv)
-    index = torch.cat([tokens, tail], dim=1)
-    rows = torch.zeros((index.shape[0], kv + 1), dtype=torch.bool, device=device)
-    return rows.scatter(1, index, True)[:, :kv]
+    tokens = _selected_tokens(selected, f_q, n_q, ng_q, ratio)
+    rows = torch.zeros((tokens.shape[0], kv + 1), dtype=torch.bool, device=tokens.device)
+    return rows.scatter(1, torch.where(tokens >= 0, tokens, kv), True)[:, :kv]
 
 
 def _expand(plan: _Plan, selected: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -55,15 +57,7 @@ class _Selection:
         # Queries that do not choose see at most top_k * r + r - 1 <= W positions: their whole run.
         idx = torch.where(offs < n[..., None], first[..., None] + offs, -1)
         if selected is not None:
-            groups = selected.long()                                             # [Q, k]
-            members = torch.arange(ratio, device=device)
-            f_q, ng_q = plan.f_q, plan.ng_q
-            tokens = torch.where(groups[:, :, None] >= 0, f_q[:, None, None] + ratio * groups[:, :, None] + members,
-                                 -1).flatten(1)
-            tail_idx = torch.arange(ratio - 1, device=device)
-            tail = torch.where(tail_idx < (plan.n_q - ratio * ng_q)[:, None],
-                               f_q[:, None] + ratio * ng_q[:, None] + tail_idx, -1)
-            rows = torch.cat([tokens, tail], dim=1)
+            rows = _selected_tokens(selected, plan.f_q, plan.n_q, plan.ng_q, ratio)
             if rows.shape[1] < width:
                 rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
             idx.view(batch * length, width)[plan.sel_idx] = rows
