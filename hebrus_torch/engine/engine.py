@@ -224,10 +224,8 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
         self._make_room()
-        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit)
-        for victim in plan.preempted:
-            self._release_state(victim)
-            self.counters.preemptions += 1
+        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state)
+        self.counters.preemptions += len(plan.preempted)
         if plan:
             outputs += self._run_plan(plan)
         self.counters.step_seconds += time.perf_counter() - t0
@@ -312,8 +310,8 @@ class Engine:
                 if len(self.scheduler.running) <= 1:
                     return self._fail([c.request for c in chunks], f"the cache is full: {err}")
                 victim = max(self.scheduler.running, key=lambda r: r.arrival)
-                self.scheduler.preempt(victim)
                 self._release_state(victim)
+                self.scheduler.preempt(victim)
                 self.counters.preemptions += 1
                 plan = StepPlan([c for c in chunks if c.request is not victim])
                 if not plan.chunks:

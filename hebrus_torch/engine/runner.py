@@ -78,12 +78,13 @@ class ModelRunner:
         if "indexed_attention" in types and (cache.qsa is None or not cache.qsa.has_kv):
             raise HebrusError("engine: the model has indexed-attention layers; its ModelCache needs a QSA cache "
                               "with K/V planes (with_kv=True)")
-        if "linear_attention" in types and getattr(cache, "gdn", None) is None:
+        if "linear_attention" in types and cache.gdn is None:
             raise HebrusError("engine: the model has linear-attention layers; its ModelCache needs a GDN holder")
         unknown = sorted(set(types) - {"indexed_attention", "linear_attention"})
         if unknown:
             raise HebrusError(f"engine: unsupported layer types {unknown}")
         self.hc_count = int(self.config.hc_count)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None     # cos/sin tables, ROPE_BLOCK rows at a time
         self.timings: collections.Counter | None = None
         """Set to a Counter to accumulate seconds per part of the step (ple, gdn, attention, moe, other):
         host wall time, so only meaningful where the ops run synchronously (CPU)."""
@@ -123,16 +124,36 @@ class ModelRunner:
             if pos is None:
                 pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(positions, counts)]
                                 ).to(device) if counts else torch.empty(0, dtype=torch.int64, device=device)
-            hidden = self._forward(step, batch, pos)
+            last = max((p + n - 1 for p, n in zip(positions, counts) if n), default=0)
+            hidden = self._forward(step, batch, pos, last)
             logits = self.lm_head(hidden.index_select(0, ends)).float()
         return logits
 
     # ------------------------------------------------------------------ the model, packed
-    def _forward(self, step: ChunkStep, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+    ROPE_BLOCK = 4096
+
+    def _rope_rows(self, positions: torch.Tensor, last: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, R] of the model's own rotary embedding at ``positions`` (largest ``last``).
+
+        They are read from tables that the rotary module fills ROPE_BLOCK positions per call, always the
+        same block per call, so a position's cos/sin never depend on which other positions share the
+        step (CPU transcendental kernels give an element other bits by where it sits in a vector)."""
+        blocks = 0 if self._rope is None else self._rope[0].shape[0] // self.ROPE_BLOCK
+        need = last // self.ROPE_BLOCK + 1
+        if self._rope is None or self._rope[0].dtype != like.dtype or need > blocks:
+            done = [] if self._rope is None or self._rope[0].dtype != like.dtype else [self._rope]
+            start = sum(t[0].shape[0] for t in done)
+            for b0 in range(start, need * self.ROPE_BLOCK, self.ROPE_BLOCK):
+                pos = torch.arange(b0, b0 + self.ROPE_BLOCK, dtype=torch.int64, device=like.device)
+                cos, sin = self.text.rotary_emb(like[None, :1], pos.view(1, 1, -1).expand(3, 1, -1))
+                done.append((cos[0], sin[0]))
+            self._rope = (torch.cat([c for c, _ in done]), torch.cat([s for _, s in done]))
+        return self._rope[0].index_select(0, positions), self._rope[1].index_select(0, positions)
+
+    def _forward(self, step: ChunkStep, batch: Batch, positions: torch.Tensor, last: int) -> torch.Tensor:
         text = self.text
         embeds = text.embed_tokens(batch.tokens)                                      # [T, hidden]
-        cos, sin = text.rotary_emb(embeds[None], positions.view(1, 1, -1).expand(3, 1, -1))
-        cos, sin = cos[0], sin[0]                                                     # [T, R]
+        cos, sin = self._rope_rows(positions, last, embeds)                           # [T, R]
         h = embeds.repeat(1, self.hc_count)                                           # [T, hc * hidden]
         for idx, layer in enumerate(text.layers[: self.config.num_hidden_layers]):
             if layer.ple is not None:
@@ -142,7 +163,7 @@ class ModelRunner:
                 x, hyper, inject = layer.attn_hyper_connection(h)
             if layer.layer_type == "linear_attention":
                 with self._timed("gdn"):
-                    out = self._linear_attention(step, idx, layer.linear_attn, x)
+                    out = step.linear_attention(idx, layer.linear_attn, x)
             else:
                 with self._timed("attention"):
                     out = self._indexed_attention(step, idx, layer.self_attn, x, cos, sin)
@@ -168,12 +189,6 @@ class ModelRunner:
         gated = torch.sigmoid(gate) * value.unsqueeze(-2)
         gated_normed = ple.norm_conv(gated.flatten(-2))
         return gated.flatten(-2) + step.ple_conv(idx, gated_normed, ple.conv1d.weight)
-
-    def _linear_attention(self, step: ChunkStep, idx: int, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from ..gdn import gdn_forward
-
-        gdn = self.cache.gdn
-        return gdn_forward(module, gdn, gdn.layer_index(idx), step.batch.seqs, x, step.batch.cu_seqlens)
 
     def _indexed_attention(self, step: ChunkStep, idx: int, attn: torch.nn.Module, x: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -102,21 +102,22 @@ class Scheduler:
         yield from self.waiting
 
     def preempt(self, request: Request) -> None:
-        """Back to the front of the queue; the engine frees its state, it recomputes from scratch."""
+        """Back to the front of the queue, to recompute from scratch (its state must be freed first)."""
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
-        request.seq = None
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, free_cells: int, admit: Callable[[Request], bool | None] | None = None) -> StepPlan:
+    def schedule(self, free_cells: int, admit: Callable[[Request], bool | None] | None = None,
+                 release: Callable[[Request], None] | None = None) -> StepPlan:
         """Plan the next step given ``free_cells`` free cache cells (positions the cache can still take).
 
         ``admit(request)`` runs for each request taken off the queue before its chunk is cut: the
         engine gives it a sequence there (and may start it from a shared prefix by raising
         ``num_computed``). False leaves it queued and stops admission; None skips it this step
-        (it stays queued in its place) and goes on with the next.
+        (it stays queued in its place) and goes on with the next. ``release(request)`` frees the state
+        of a request about to be preempted.
         """
         plan = StepPlan()
         budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
@@ -129,6 +130,8 @@ class Scheduler:
             if victim in decoding:
                 decoding.remove(victim)
             free_cells += victim.num_computed
+            if release is not None:
+                release(victim)
             self.preempt(victim)
             plan.preempted.append(victim)
 
@@ -147,9 +150,13 @@ class Scheduler:
             budget -= n
             free_cells -= n
 
-        for req in list(self.waiting):
-            if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap
-                    and budget >= 1 and free_cells >= 1):
+        # A request is admitted when its whole pending stream fits beside one free cell per running request
+        # (its next decode step), or when nothing runs; none is in a step that had to preempt (the freed
+        # cells go to the requests already running).
+        for req in list(self.waiting if not plan.preempted else ()):
+            room = free_cells - len(self.running)
+            if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1
+                    and room >= 1 and (room >= req.remaining or not self.running)):
                 break
             verdict = True if admit is None else admit(req)
             if verdict is None:       # deferred (e.g. waiting for a request that prefills its prefix)
@@ -170,10 +177,12 @@ class Scheduler:
         return plan
 
     def _chunk(self, req: Request, limit: float) -> int:
+        """A prefill chunk of at most ``limit`` tokens; with a block size, one that crosses a block boundary
+        inside the prompt ends on the last one it crosses (the state there can then be shared)."""
         n = int(min(req.remaining, limit))
-        if self.block_size and n < req.remaining:
-            start, end = req.num_computed, req.num_computed + n
+        if self.block_size:
+            start, end = req.num_computed, min(req.num_computed + n, len(req.prompt))
             aligned = end - end % self.block_size
-            if aligned > start:
+            if start < aligned < start + n:
                 n = aligned - start
         return n

@@ -492,6 +492,7 @@ class GDNState(torch.nn.Module, Transactional):
             mine = getattr(self, name)
             t = sd.get(name)
             expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
+            blob.check_tensors(_KIND, {name: t})
             expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
                    f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
         checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
