@@ -360,3 +360,66 @@ def test_seeded_sampling_does_not_depend_on_the_batch(row_invariant):
     a, b = run([0, 1, 2], 64), run([2, 0, 1], 5)
     assert a == b
     assert all(n == 8 for _, n in a.values())
+
+
+# ------------------------------------------------------------------------------------------ transformers' API
+def test_generate_batch_after_apply_runs_on_the_engine_and_bad_requests_fail_alone():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus as TfStatus
+
+    from hebrus_torch.engine.manager import HebrusBatchingManager
+    from hebrus_torch.integrations import transformers as htx
+
+    model = make_model("lin-idx", seed=12)
+    prompts = prompts_for(12, lengths=(5, 13, 30))
+    bad = [[], [1, 50]]
+    htx.apply(model)
+    try:
+        assert isinstance(model.init_continuous_batching(), HebrusBatchingManager)
+        gc = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+        out = model.generate_batch(prompts[:2] + bad + prompts[2:], gc,
+                                   continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=16,
+                                                                                       page_size=4))
+        assert list(out) == [f"req_{i}" for i in range(5)]                   # input order
+        assert all(isinstance(o, GenerationOutput) for o in out.values())
+        good = [out["req_0"], out["req_1"], out["req_4"]]
+        for o, p in zip(good, prompts):
+            assert o.status == TfStatus.FINISHED and o.error is None
+            assert o.prompt_ids == p and o.generated_tokens == reference_tokens(model, p, 5)
+        assert out["req_2"].status == TfStatus.FAILED and "empty" in out["req_2"].error
+        assert out["req_3"].status == TfStatus.FAILED and "vocabulary" in out["req_3"].error
+    finally:
+        htx.revert(model)
+    assert "init_continuous_batching" not in model.__dict__
+
+
+def test_manager_streams_cancels_and_stops():
+    from transformers import GenerationConfig
+
+    from hebrus_torch.engine.manager import HebrusBatchingManager
+
+    model = make_model("lin-idx", seed=13)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = HebrusBatchingManager(model, gc, engine_config=EngineConfig(capacity_tokens=256, max_sequences=4,
+                                                                            max_batch_tokens=8))
+    manager.start()
+    try:
+        assert manager.is_running()
+        rid = manager.add_request([5, 6, 7, 8], streaming=True)
+        seen = [o.generated_tokens for o in manager.request_id_iter(rid)]
+        assert [len(s) for s in seen] == list(range(1, 7))
+        full = [5, 6, 7, 8]
+        assert seen[-1] == model.generate(torch.tensor([full]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
+        long = manager.add_request(list(range(4, 44)), max_new_tokens=50)
+        manager.cancel_request(long)
+        result = None
+        for _ in range(100):
+            result = manager.get_result(request_id=long, timeout=0.2)
+            if result is not None:
+                break
+        assert result is not None and result.error == "cancelled"
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert not manager.is_running()

@@ -80,6 +80,12 @@ def apply(model: torch.nn.Module, *, on_hole: str = "fallback", sparse_attention
     if is_applied(model):
         _applied_models.add(model)
         cache_layers._install_cache_wrappers()
+        if text_models and hasattr(model, "init_continuous_batching") and hasattr(model, "lm_head"):
+            # transformers' generate_batch / init_continuous_batching / serve --continuous-batching run
+            # on the hebrus engine (transformers' own paged cache refuses Qwen4Exp's layer types).
+            from ...engine import manager as cb_manager
+
+            cb_manager.install(model)
     return model
 
 
@@ -98,6 +104,10 @@ def revert(model: torch.nn.Module) -> torch.nn.Module:
             for handle in ctx.handles:
                 handle.remove()
             ctx.clear()
+    if "_hebrus_cb_installed" in model.__dict__:
+        from ...engine import manager as cb_manager
+
+        cb_manager.uninstall(model)
     if model in _applied_models:
         _applied_models.discard(model)
     if not any(is_applied(m) for m in list(_applied_models)):
