@@ -1,6 +1,9 @@
 """``python -m hebrus_torch``: which ops run natively where, a chunked-prefill PLE demo on the best device,
 then (with transformers installed, ``pip install -e .[hf]``) a tiny random Qwen4Exp run through
-transformers as is and through ``hebrus_torch.integrations.transformers.apply``: parity and speed."""
+transformers as is and through ``hebrus_torch.integrations.transformers.apply`` (parity and speed), and
+a batch of prompts of mixed lengths through continuous batching (``hebrus_torch.engine``), checked
+against per-prompt ``generate`` and timed against sequential and padded-batch ``generate``.
+``--model DIR`` runs the continuous-batching part on a local Qwen4Exp checkpoint."""
 
 from __future__ import annotations
 
@@ -280,8 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", type=int, default=512, help="model demo: prompt length")
     parser.add_argument("--new-tokens", type=int, default=48, help="model demo: greedy tokens to generate")
-    parser.add_argument("--no-model", action="store_true", help="skip the transformers model demo")
+    parser.add_argument("--no-model", action="store_true", help="skip the transformers model demos")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="continuous batching on this local Qwen4Exp checkpoint (only that part runs)")
+    parser.add_argument("--requests", type=int, default=16, help="continuous batching: concurrent requests")
+    parser.add_argument("--cb-new-tokens", type=int, default=24, help="continuous batching: tokens per request")
+    parser.add_argument("--max-batch-tokens", type=int, default=64, help="continuous batching: tokens per step")
     args = parser.parse_args(argv)
+    if args.model is not None:
+        return cb_demo(args, checkpoint=args.model)
     print(f"hebrus_torch {ht.__version__}, torch {torch.__version__}")
     if _extension.EXTENSION_ERROR:
         print(f"compiled extension not loaded ({_extension.EXTENSION_ERROR}); every op runs its reference")
@@ -301,7 +311,39 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     print(f"\nModel demo on {device}: transformers' Qwen4Exp as is vs hebrus_torch.integrations.transformers.apply")
     ok = model_demo(device, args.prompt, args.new_tokens, args.seed) and ok
+    ok = cb_demo(args, device=device) == 0 and ok
     return 0 if ok else 1
+
+
+def cb_demo(args: argparse.Namespace, checkpoint: str | None = None, device: str | None = None) -> int:
+    """Continuous batching of mixed-length prompts vs generate, on the demo model or a local checkpoint."""
+    from hebrus_torch.engine import EngineConfig, demo
+
+    device = device or args.device or available_devices()[-1]
+    if checkpoint is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint).to(device).eval()
+        what = f"{checkpoint} ({type(model).__name__})"
+    else:
+        model = demo.demo_model(args.seed, device)
+        what = "a small random Qwen4Exp (6 layers, indexer budget 32)"
+    vocab = model.config.get_text_config().vocab_size
+    eos = model.config.get_text_config().eos_token_id
+    prompts = demo.mixed_prompts(args.requests, vocab, 8, 256, args.seed,
+                                 avoid=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ())
+    config = EngineConfig(capacity_tokens=sum(len(p) + args.cb_new_tokens for p in prompts) + 64,
+                          max_sequences=args.requests, max_batch_tokens=args.max_batch_tokens, block_size=16)
+    print(f"\nContinuous batching on {device}: {args.requests} prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens through hebrus_torch.engine on {what}, {args.cb_new_tokens} greedy "
+          f"tokens each")
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)        # (a tiny model: see model_demo)
+    try:
+        return 0 if demo.run(model, prompts, args.cb_new_tokens, config) else 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":
