@@ -17,7 +17,7 @@ Nothing here is a server: :func:`patch_transformers_serve` replaces four names t
   each request's own sampling values, ``eos_token_id`` and ``stop`` reach the engine (transformers passes
   only ``max_new_tokens`` and EOS and samples every request with the first request's settings), the result
   handler is registered before the request is queued, a sampled request's ``seed`` seeds its own generator,
-  and a non-streaming request whose client went away is cancelled.
+  and a non-streaming request whose task is cancelled cancels its engine request.
 - ``serving.chat_completion.ChatCompletionHandler`` and ``serving.completion.CompletionHandler``: the body
   is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``) before the
   model is touched, so a bad request is a 400 rather than a 500.
@@ -283,7 +283,7 @@ def _cb_manager_class():
             cb.add_request(input_ids, request_id=request_id, streaming=False, **kwargs)
             try:
                 result = await future
-            except asyncio.CancelledError:   # the client went away: free the request's state
+            except asyncio.CancelledError:   # the task was cancelled (shutdown): free the request's state
                 cb.cancel_request(request_id)
                 raise
             if result.error is not None:
