@@ -100,8 +100,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer and shorter runs")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--first-words", type=int, default=None, help="words of the first user message (400)")
+    ap.add_argument("--ttft-only", action="store_true", help="only the time-to-first-token table")
     args = ap.parse_args()
     first_words, second_words, reply = (200, 16, 8) if args.quick else (400, 20, 16)
+    first_words = args.first_words or first_words
     conversations = 2 if args.quick else 3
     levels = (1, 8) if args.quick else (1, 8, 32)
     tp_tokens, tp_words = (16, 16) if args.quick else (64, 32)
@@ -127,7 +130,7 @@ def main() -> None:
             hits = [r[2] for r in runs]
             frac = (f"{statistics.median(h / r[3] for h, r in zip(hits, runs)):.0%}" if hebrus else "n/a")
             rows_ttft.append((name, t1, t2, frac))
-            tps = {c: throughput(srv, c, tp_tokens, tp_words, seed=200 + c) for c in levels}
+            tps = {} if args.ttft_only else {c: throughput(srv, c, tp_tokens, tp_words, seed=200 + c) for c in levels}
             rows_tp.append((name, tps))
             print(name, f"ttft {t1 * 1e3:.0f} / {t2 * 1e3:.0f} ms reused {frac}",
                   {c: f"{v:.1f}" for c, v in tps.items()}, flush=True)
@@ -135,7 +138,7 @@ def main() -> None:
             srv.stop()
 
     rerender = []
-    for block in (16, 64, 256):
+    for block in () if args.ttft_only else (16, 64, 256):
         srv = start(rerender_dir, ts.make_tokenizer(RERENDER_TEMPLATE), tmp / f"rr{block}.log",
                     "--hebrus-capacity-tokens", "8192", "--cb-block-size", str(block))
         try:
@@ -148,8 +151,9 @@ def main() -> None:
 
     cfg = model.config
     lines = [
-        "", "## Serving through transformers serve (issue 18)",
-        f"`python benchmarks/bench_serve.py{' --quick' if args.quick else ''}`, {time.strftime('%Y-%m-%d')}: "
+        "", "## Serving through transformers serve (issue 18)" + (", long first turn" if args.ttft_only else ""),
+        "`python benchmarks/bench_serve.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--no-write")
+        + f"`, {time.strftime('%Y-%m-%d')}: "
         f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores shared with other work "
         f"(load average at the end {os.getloadavg()[0]:.1f}), torch {torch.__version__}, each server a subprocess "
         f"with OMP_NUM_THREADS={threads}, `--device cpu`, fp32; clients are `openai` streaming chat completions over "
@@ -166,6 +170,14 @@ def main() -> None:
         "", "| server | turn 1 TTFT | turn 2 TTFT | turn 2 reused |", "|---|---|---|---|",
     ]
     lines += [f"| {n} | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | {f} |" for n, a, b, f in rows_ttft]
+    if args.ttft_only:
+        lines = lines + [""]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if not args.no_write:
+            with open(RESULTS, "a") as f:
+                f.write(text)
+        return
     lines += ["", f"Streaming throughput, generated tokens per second over all clients ({tp_words}-word prompts, "
               f"up to {tp_tokens} tokens each, EOS may end a reply earlier; 1 client: 4 requests in a row):", "",
               "| server | " + " | ".join(f"{c} client{'s' if c > 1 else ''}" for c in levels) + " |",
