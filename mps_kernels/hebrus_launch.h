@@ -2,8 +2,9 @@
 // Launch geometry of the hebrus Metal kernels: the one place that fixes how many threads run, how
 // they are grouped and which kernel variant runs. The kernels read the compile-time sizes (macros
 // below); on the host, the plan_* functions turn tensor sizes into the parameter block and the
-// dispatch. Both the .mm glue (csrc/mps) and the Linux emulator (tests/metal/plan_abi.cpp) call
-// these same functions, so the emulator runs exactly the grid the GPU runs.
+// dispatch. The glue (csrc/mps/hebrus_glue.h, called by the .mm files and, on Linux, by the
+// emulator through tests/metal/glue_abi.cpp) calls these functions, so the emulator runs exactly
+// the grid the GPU runs.
 //
 // Every dispatch is MetalKernelFunction::dispatch(threads, group), i.e. dispatchThreads with
 // threadgroups of `group` threads; a partial last threadgroup is allowed only for kernels without
@@ -12,6 +13,8 @@
 #include "hebrus_params.h"
 
 #define HEBRUS_SIMD_WIDTH 32
+// Threadgroup memory of every Apple GPU family the kernels target (the emulator refuses more).
+#define HEBRUS_MAX_THREADGROUP_MEMORY 32768
 
 // ple_conv: one thread per (token, channel vector) plus one per (row, channel vector).
 #define HEBRUS_PLE_CONV_TG 256
@@ -52,6 +55,7 @@ namespace hebrus::metal {
 static_assert(sizeof(PleConvParams) % 8 == 0 && sizeof(PleNgramParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
+static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -227,6 +231,21 @@ inline QsaAttentionPlan plan_qsa_attention(int64_t queries, int64_t query_heads,
     plan.error = "more than 2^32-2 token_cells entries (Tq * W)";
   }
   plan.dispatch = {groups * HEBRUS_QSA_ATTN_TG, HEBRUS_QSA_ATTN_TG};
+  return plan;
+}
+
+using CheckPlan = LaunchPlan<HebrusCheckParams>;
+
+// The check kernels (<op>_check_cu, qsa_attention_check_cells): one thread per row / query, at least one.
+#define HEBRUS_CHECK_TG 256
+inline CheckPlan plan_check(int64_t tokens, int64_t rows, int64_t width) {
+  CheckPlan plan;
+  plan.params.tokens = tokens;
+  plan.params.rows = rows;
+  plan.params.width = width;
+  const uint64_t threads = rows > 0 ? static_cast<uint64_t>(rows) : 1;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (one per row)";
+  plan.dispatch = {threads, HEBRUS_CHECK_TG};
   return plan;
 }
 

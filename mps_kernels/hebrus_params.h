@@ -97,28 +97,34 @@ struct QsaAttentionParams {
   hebrus_i32 pad0;
 };
 
-// Error slots: every kernel takes `device atomic_uint* err [[buffer(...)]]` with HEBRUS_ERR_SLOTS
-// entries that the glue fills with HEBRUS_ERR_NONE; a thread that finds bad input stores the
-// smallest offending index of its kind with atomic_fetch_min (the result does not depend on the
-// order threads run in). The glue reads the slots back after the command buffer completes and
-// raises; it publishes no output when any slot is set.
-#define HEBRUS_ERR_SLOTS 4
-#define HEBRUS_ERR_NONE 0xFFFFFFFFu
+// Value errors found by a kernel go to PyTorch's MPS error buffer (the stream's
+// c10::metal::ErrorMessages, bound with MetalKernelFunction::setErrorBufferIndex): the kernel writes
+// a message naming the op, the offending index and its value (hebrus_report_error in
+// hebrus_metal_common.h, what c10/metal/error.h's TORCH_REPORT_ERROR does) and writes nothing for the
+// faulty work; the stream raises the first message (torch.AcceleratorError) at its next
+// synchronization. No op reads anything back. HebrusErrorMessages is that buffer's layout (the glue
+// static_asserts it equals c10::metal::ErrorMessages).
+#define HEBRUS_ERROR_MESSAGE_COUNT 30
+#ifdef __METAL_VERSION__
+typedef metal::atomic_uint hebrus_error_count;
+#else
+typedef uint32_t hebrus_error_count;
+#endif
+struct HebrusErrorMessage {
+  char file[128];
+  char func[128];
+  char message[250];
+  unsigned int line;
+};
+struct HebrusErrorMessages {
+  hebrus_error_count count;
+  HebrusErrorMessage msg[HEBRUS_ERROR_MESSAGE_COUNT];
+};
 
-// ple_conv
-#define HEBRUS_ERR_CONV_CU_ROW 0        // first row b whose cu_seqlens entries are invalid
-// ple_ngram_ids
-#define HEBRUS_ERR_NGRAM_CU_ROW 0       // first row b whose cu_seqlens entries are invalid
-#define HEBRUS_ERR_NGRAM_TOKEN 1        // first token index t with tokens[t] outside [0, vocab)
-#define HEBRUS_ERR_NGRAM_HISTORY 2      // first flat index b * (N-1) + j with history outside [0, vocab)
-#define HEBRUS_ERR_NGRAM_VOCAB_SIZE 3   // first head h with vocab_sizes[h] <= 0
-// qsa_pool
-#define HEBRUS_ERR_POOL_CELL 0          // first flat index g * r + i with group_cells outside [0, cells)
-#define HEBRUS_ERR_POOL_HOLE 1          // first flat index g * r + i whose position breaks the run
-// qsa_select
-#define HEBRUS_ERR_SELECT_ROW 0         // first query with q_row outside [0, B)
-#define HEBRUS_ERR_SELECT_GROUPS 1      // first query with q_groups outside [0, maxG]
-#define HEBRUS_ERR_SELECT_SEQ_GROUPS 2  // first row b with a visible seq_groups entry outside [0, rows)
-// qsa_attention
-#define HEBRUS_ERR_ATTN_CELL 0          // first flat index t * W + i with token_cells[t, i] >= cells
-#define HEBRUS_ERR_ATTN_EMPTY 1         // first query t with no entry >= 0 in token_cells[t]
+// The value checks that run where the op itself launches no thread that would look (B == 0, C == 0
+// for ple_conv; Hq == 0, Dv == 0 or no cells for qsa_attention): one thread per row / query.
+struct HebrusCheckParams {
+  hebrus_i64 tokens;  // T (cu_seqlens checks) / cells (token_cells checks)
+  hebrus_i64 rows;    // B (cu_seqlens has B + 1 entries) / Tq
+  hebrus_i64 width;   // W (token_cells); 0 for cu_seqlens
+};

@@ -17,7 +17,7 @@ template <typename T>
                          device const T* state [[buffer(3)]],        // [B, L, C]
                          device T* y [[buffer(4)]],                  // [T, C]
                          device T* new_state [[buffer(5)]],          // [B, L, C]
-                         device atomic_uint* err [[buffer(6)]],      // [HEBRUS_ERR_SLOTS]
+                         device HebrusErrorMessages* err [[buffer(6)]], // the stream's error buffer
                          constant PleConvParams& p [[buffer(7)]],
                          uint tid [[thread_position_in_grid]]) {
   const long item = long(tid) / p.channel_vecs;
@@ -54,10 +54,8 @@ template <typename T>
 
   // Row item: check cu_seqlens, then new_state = last L entries of state[b] ++ x[start:end].
   const long b = item - p.tokens;
-  if (!hebrus_row_valid(cu_seqlens, p.batch, p.tokens, b)) {
-    if (c0 == 0) {
-      hebrus_report(err, HEBRUS_ERR_CONV_CU_ROW, uint(b));
-    }
+  if (c0 == 0 ? !hebrus_cu_row_ok(err, "ple_conv", cu_seqlens, p.batch, p.tokens, b)
+              : !hebrus_row_valid(cu_seqlens, p.batch, p.tokens, b)) {
     return;
   }
   const long start = cu_seqlens[b];
@@ -69,6 +67,14 @@ template <typename T>
           src >= 0 ? x[(start + src) * channels + c] : state[(b * L + n + l) * channels + c];
     }
   }
+}
+
+// cu_seqlens checked where ple_conv launches no thread (B == 0 or C == 0).
+[[kernel]] void ple_conv_check_cu(device const int* cu_seqlens [[buffer(0)]],
+                                  device HebrusErrorMessages* err [[buffer(1)]],
+                                  constant HebrusCheckParams& p [[buffer(2)]],
+                                  uint tid [[thread_position_in_grid]]) {
+  hebrus_check_cu(cu_seqlens, err, p, "ple_conv", long(tid));
 }
 
 HEBRUS_INSTANTIATE(ple_conv, float, float)

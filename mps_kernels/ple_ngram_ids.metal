@@ -22,7 +22,7 @@ template <typename I>  // token id type: long (int64), the only one the op takes
                               device const long* offsets [[buffer(5)]],       // [(N-1) * H]
                               device long* row_ids [[buffer(6)]],             // [T, (N-1) * H]
                               device I* new_history [[buffer(7)]],            // [B, N-1]
-                              device atomic_uint* err [[buffer(8)]],          // [HEBRUS_ERR_SLOTS]
+                              device HebrusErrorMessages* err [[buffer(8)]],  // the stream's error buffer
                               constant PleNgramParams& p [[buffer(9)]],
                               uint tid [[thread_position_in_grid]]) {
   const long item = long(tid);
@@ -35,7 +35,8 @@ template <typename I>  // token id type: long (int64), the only one the op takes
     const long t = item;
     const long token = tokens[t];
     if (token < 0 || token >= p.vocab) {
-      hebrus_report(err, HEBRUS_ERR_NGRAM_TOKEN, uint(t));
+      HEBRUS_REPORT_ERROR(err, "ple_ngram_ids", "hebrus::ple_ngram_ids: tokens[", t, "] = ", token,
+                          " is outside [0, vocab=", p.vocab, ")");
       return;
     }
     const long b = hebrus_row_of(cu_seqlens, p.batch, t);
@@ -56,8 +57,7 @@ template <typename I>  // token id type: long (int64), the only one the op takes
         const long h = (k - 1) * p.heads_per_order + j;
         const long size = vocab_sizes[h];
         if (size <= 0) {
-          hebrus_report(err, HEBRUS_ERR_NGRAM_VOCAB_SIZE, uint(h));
-          continue;
+          continue;  // the row thread of row 0 reports it
         }
         long rem = long(mix) % size;
         if (rem < 0) {
@@ -70,21 +70,22 @@ template <typename I>  // token id type: long (int64), the only one the op takes
   }
 
   const long b = item - p.tokens;
-  if (!hebrus_row_valid(cu_seqlens, p.batch, p.tokens, b)) {
-    hebrus_report(err, HEBRUS_ERR_NGRAM_CU_ROW, uint(b));
+  if (!hebrus_cu_row_ok(err, "ple_ngram_ids", cu_seqlens, p.batch, p.tokens, b)) {
     return;
   }
   if (b == 0) {
     for (long h = 0; h < p.heads; ++h) {
       if (vocab_sizes[h] <= 0) {
-        hebrus_report(err, HEBRUS_ERR_NGRAM_VOCAB_SIZE, uint(h));
+        HEBRUS_REPORT_ERROR(err, "ple_ngram_ids", "hebrus::ple_ngram_ids: vocab_sizes[", h,
+                            "] must be positive, got ", vocab_sizes[h]);
       }
     }
   }
   for (long j = 0; j < ctx; ++j) {
     const long v = history[b * ctx + j];
     if ((v < 0 || v >= p.vocab) && v != p.eos) {  // eos is any int64 (SPEC section 2), the fresh history
-      hebrus_report(err, HEBRUS_ERR_NGRAM_HISTORY, uint(b * ctx + j));
+      HEBRUS_REPORT_ERROR(err, "ple_ngram_ids", "hebrus::ple_ngram_ids: history[", b, ", ", j, "] = ", v,
+                          " is outside [0, vocab=", p.vocab, ") and is not eos");
     }
   }
   const long start = cu_seqlens[b];
@@ -93,6 +94,14 @@ template <typename I>  // token id type: long (int64), the only one the op takes
     const long idx = n + j;  // index in z of the j-th entry of the new history
     new_history[b * ctx + j] = idx < ctx ? history[b * ctx + idx] : tokens[start + idx - ctx];
   }
+}
+
+// cu_seqlens checked where ple_ngram_ids launches no row thread (B == 0).
+[[kernel]] void ple_ngram_ids_check_cu(device const int* cu_seqlens [[buffer(0)]],
+                                       device HebrusErrorMessages* err [[buffer(1)]],
+                                       constant HebrusCheckParams& p [[buffer(2)]],
+                                       uint tid [[thread_position_in_grid]]) {
+  hebrus_check_cu(cu_seqlens, err, p, "ple_ngram_ids", long(tid));
 }
 
 HEBRUS_INSTANTIATE(ple_ngram_ids, long, long)

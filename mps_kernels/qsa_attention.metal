@@ -25,6 +25,17 @@
 // messages. Variants h<HB>_d<DMAX>: HB in {1, 2, 4, 8} heads per pass, DMAX in {64, 128, 256}.
 #include "hebrus_metal_common.h"
 
+inline void hebrus_attention_bad_cell(device HebrusErrorMessages* err, long t, long j, long c, long cells) {
+  HEBRUS_REPORT_ERROR(err, "qsa_attention", "hebrus::qsa_attention: query ", t, " selects cell ", c, " (token_cells[", t,
+                      ", ", j, "]), outside [0, cells=", cells, "); negative entries are padding");
+}
+
+inline void hebrus_attention_empty(device HebrusErrorMessages* err, long t) {
+  HEBRUS_REPORT_ERROR(err, "qsa_attention", "hebrus::qsa_attention: query ", t,
+                      " selects no cell (every entry of token_cells[", t,
+                      "] is negative padding); attention over an empty selection is undefined");
+}
+
 template <typename T, int HB, int DPL>
 [[kernel, max_total_threads_per_threadgroup(HEBRUS_QSA_ATTN_TG)]] void qsa_attention(
     device const T* q [[buffer(0)]],              // [Tq, Hq, Dh]
@@ -32,7 +43,7 @@ template <typename T, int HB, int DPL>
     device const T* v [[buffer(2)]],              // [cells, Hkv, Dv], strides (v_stride0, v_stride1, 1)
     device const int* token_cells [[buffer(3)]],  // [Tq, W]
     device T* out [[buffer(4)]],                  // [Tq, Hq, Dv]
-    device atomic_uint* err [[buffer(5)]],        // [HEBRUS_ERR_SLOTS]
+    device HebrusErrorMessages* err [[buffer(5)]], // the stream's error buffer
     constant QsaAttentionParams& p [[buffer(6)]],
     uint item [[threadgroup_position_in_grid]],
     uint lid [[thread_position_in_threadgroup]],
@@ -82,7 +93,7 @@ template <typename T, int HB, int DPL>
       ++met;
       if (long(c) >= p.cells) {
         if (lane == 0 && g == 0) {
-          hebrus_report(err, HEBRUS_ERR_ATTN_CELL, uint(t * width + j));
+          hebrus_attention_bad_cell(err, t, j, long(c), p.cells);
         }
         continue;
       }
@@ -144,7 +155,7 @@ template <typename T, int HB, int DPL>
         }
         if (total == 0u) {  // the same in every thread: the whole threadgroup leaves together
           if (lid == 0 && g == 0) {
-            hebrus_report(err, HEBRUS_ERR_ATTN_EMPTY, uint(t));
+            hebrus_attention_empty(err, t);
           }
           return;
         }
@@ -168,6 +179,30 @@ template <typename T, int HB, int DPL>
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
     }
+  }
+}
+
+// token_cells checked where qsa_attention launches no threadgroup that reads it (Hq = 0, Dv = 0 or no
+// cells): one thread per query, the first entry >= cells of the row, else the row without any cell.
+[[kernel]] void qsa_attention_check_cells(device const int* token_cells [[buffer(0)]],
+                                          device HebrusErrorMessages* err [[buffer(1)]],
+                                          constant HebrusCheckParams& p [[buffer(2)]],
+                                          uint tid [[thread_position_in_grid]]) {
+  const long t = long(tid);
+  if (t >= p.rows) {
+    return;
+  }
+  bool any = false;
+  for (long j = 0; j < p.width; ++j) {
+    const int c = token_cells[t * p.width + j];
+    if (long(c) >= p.tokens) {
+      hebrus_attention_bad_cell(err, t, j, long(c), p.tokens);
+      return;
+    }
+    any = any || c >= 0;
+  }
+  if (!any) {
+    hebrus_attention_empty(err, t);
   }
 }
 

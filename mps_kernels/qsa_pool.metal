@@ -51,7 +51,7 @@ template <typename T>
     device const float* norm_weight [[buffer(4)]], // [D], as fp32
     device const float* inv_freq [[buffer(5)]],  // [R / 2]
     device T* pooled [[buffer(6)]],              // [G, D]
-    device atomic_uint* err [[buffer(7)]],       // [HEBRUS_ERR_SLOTS]
+    device HebrusErrorMessages* err [[buffer(7)]], // the stream's error buffer
     constant QsaPoolParams& p [[buffer(8)]],
     uint tid [[thread_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -67,10 +67,13 @@ template <typename T>
   for (long i = long(lane); i < r; i += HEBRUS_SIMD_WIDTH) {
     const long c = cells[i];
     if (c < 0 || c >= p.cells) {
-      hebrus_report(err, HEBRUS_ERR_POOL_CELL, uint(g * r + i));
+      HEBRUS_REPORT_ERROR(err, "qsa_pool", "hebrus::qsa_pool: group ", g, " cell ", i, " = ", c, " is outside [0, ",
+                          p.cells, ")");
       broken = true;
     } else if (cell_pos[c] != long(ulong(first) + ulong(i))) {  // wraps like the reference's int64 add
-      hebrus_report(err, HEBRUS_ERR_POOL_HOLE, uint(g * r + i));
+      HEBRUS_REPORT_ERROR(err, "qsa_pool", "hebrus::qsa_pool: group ", g, " starting at position ", first,
+                          " has position ", cell_pos[c], " in member ", i, " where ", long(ulong(first) + ulong(i)),
+                          " is required (a hole inside the run is not padding)");
       broken = true;
     }
   }

@@ -101,7 +101,7 @@ template <typename T, int QB, int KMAX>
     device const int* q_row [[buffer(3)]],       // [Tq]
     device const int* q_groups [[buffer(4)]],    // [Tq]
     device int* selected [[buffer(5)]],          // [Tq, top_k]
-    device atomic_uint* err [[buffer(6)]],       // [HEBRUS_ERR_SLOTS]
+    device HebrusErrorMessages* err [[buffer(6)]], // the stream's error buffer
     constant QsaSelectParams& p [[buffer(7)]],
     uint block_id [[threadgroup_position_in_grid]],
     uint lid [[thread_position_in_threadgroup]],
@@ -128,10 +128,12 @@ template <typename T, int QB, int KMAX>
       seq = q_row[t];
       vis = q_groups[t];
       if (seq < 0 || long(seq) >= p.batch) {
-        hebrus_report(err, HEBRUS_ERR_SELECT_ROW, uint(t));
+        HEBRUS_REPORT_ERROR(err, "qsa_select", "hebrus::qsa_select: q_row[", t, "] = ", long(seq),
+                            " is outside [0, B=", p.batch, ")");
         seq = -1;
       } else if (vis < 0 || long(vis) > p.max_groups) {
-        hebrus_report(err, HEBRUS_ERR_SELECT_GROUPS, uint(t));
+        HEBRUS_REPORT_ERROR(err, "qsa_select", "hebrus::qsa_select: q_groups[", t, "] = ", long(vis),
+                            " is outside [0, maxG=", p.max_groups, "]");
         seq = -1;
       }
     }
@@ -167,7 +169,9 @@ template <typename T, int QB, int KMAX>
       if (g < need) {
         const int v = seq_groups[long(seq) * p.max_groups + g];
         if (v < 0 || long(v) >= p.rows) {
-          hebrus_report(err, HEBRUS_ERR_SELECT_SEQ_GROUPS, uint(seq));
+          HEBRUS_REPORT_ERROR(err, "qsa_select", "hebrus::qsa_select: seq_groups[", long(seq), ", ", g, "] = ", long(v),
+                              " is outside [0, rows=", p.rows, "); the first ", need, " groups of row ", long(seq),
+                              " are visible to its queries");
         } else {
           key_row = v;
         }

@@ -24,12 +24,14 @@ pytestmark = [pytest.mark.metal,
 METAL_FILES = sorted(glob.glob(os.path.join(msl_emu.KERNEL_DIR, "*.metal")))
 TYPES = ("float", "half", "bfloat")
 EXPECTED = {
-    "ple_conv": {f"ple_conv_{t}" for t in TYPES},
-    "ple_ngram_ids": {"ple_ngram_ids_long"},
+    "ple_conv": {f"ple_conv_{t}" for t in TYPES} | {"ple_conv_check_cu"},
+    "ple_ngram_ids": {"ple_ngram_ids_long", "ple_ngram_ids_check_cu"},
     "qsa_pool": {f"qsa_pool_{t}" for t in TYPES},
     "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
-    "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES},
+    "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES}
+    | {"qsa_attention_check_cells"},
 }
+CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "qsa_attention_check_cells"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
@@ -51,7 +53,7 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     variants = VARIANTS.get(stem(path), ("",))
     dtypes = [hebrus_emu.torch.int64] if stem(path) == "ple_ngram_ids" else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
-    assert host == names  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
+    assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
 
 @pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")
@@ -109,31 +111,43 @@ def test_mm_glue_typechecks_as_cpp():
     open(stamp, "w").write("\n".join(name for name, _, _ in results) + "\n")
 
 
-def _kernel_buffers(metal_path: str) -> list[str]:
-    """Names of the [[buffer(i)]] parameters of the file's kernel, in index order."""
+def _kernel_buffers(metal_path: str) -> dict[str, list[str]]:
+    """For each kernel function of the file, the names of its [[buffer(i)]] parameters in index order."""
     import re
 
     text = open(metal_path).read()
-    found = {int(i): name for name, i in re.findall(r"(\w+)\s*\[\[\s*buffer\((\d+)\)\s*\]\]", text)}
-    assert sorted(found) == list(range(len(found)))
-    return [found[i] for i in range(len(found))]
+    out = {}
+    for m in re.finditer(r"\bvoid\s+(\w+)\s*\(([^{]*?)\)\s*\{", text):
+        found = {int(i): name for name, i in re.findall(r"(\w+)\s*\[\[\s*buffer\((\d+)\)\s*\]\]", m.group(2))}
+        if found:
+            assert sorted(found) == list(range(len(found)))
+            out[m.group(1)] = [found[i] for i in range(len(found))]
+    return out
 
 
-def _glue_buffers(mm_path: str) -> list[str]:
-    """Names of the tensors the .mm binds, in order, from its launch(fn, {&a, &b, ...}, params, ...)."""
+def _glue_buffers(op: str) -> list[list[str]]:
+    """The tensor lists of hebrus::glue::<op>'s make_launch calls (csrc/mps/hebrus_glue.h), in order."""
     import re
 
-    m = re.search(r"launch\(fn,\s*\{([^}]*)\}", open(mm_path).read())
-    return [n.strip().lstrip("&") for n in m.group(1).split(",")]
+    text = open(os.path.join(msl_emu.REPO, "csrc", "mps", "hebrus_glue.h")).read()
+    body = text[text.index(f"inline Call {op}("):]
+    body = body[: body.index("\n}\n")]
+    return [[n.strip() for n in m.group(1).split(",")] for m in re.finditer(r"make_launch\([^{]*\{([^}]*)\}", body)]
 
 
 @pytest.mark.parametrize("path", METAL_FILES, ids=stem)
 def test_glue_binds_buffers_in_kernel_order(path):
-    kernel = _kernel_buffers(path)
-    glue = _glue_buffers(os.path.join(msl_emu.REPO, "csrc", "mps", stem(path) + ".mm"))
-    assert len(glue) + 1 == len(kernel) and kernel[-1] == "p"  # tensors, then the parameter block
-    for g, k in zip(glue, kernel):
-        assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {kernel}"
+    # Each launch of the glue binds its tensors as [[buffer(0..n-1)]], then the stream's error buffer
+    # (buffer(n), `err`), then the parameter block (buffer(n + 1), `p`), in the kernel's order.
+    kernels = _kernel_buffers(path)
+    main = kernels[stem(path)]
+    (glue,) = [g for g in _glue_buffers(stem(path)) if len(g) > 1]
+    assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
+    for g, k in zip(glue, main):
+        assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
+    for name, params in kernels.items():
+        if name != stem(path):  # the check kernels: one input, the error buffer, the parameter block
+            assert len(params) == 3 and params[1:] == ["err", "p"], (name, params)
 
 
 @pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")

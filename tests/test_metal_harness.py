@@ -173,3 +173,37 @@ def test_gxx_check_rejects_non_msl():
     finally:
         os.unlink(f.name)
     assert not ok and "double" in out
+
+
+# ---- memory visibility, reduction order (shim: barrier_visibility, tree_reduce) ---------------------------
+
+def test_barrier_without_mem_threadgroup_publishes_nothing(mod):
+    data = torch.arange(128, dtype=torch.float32)
+    mod.dispatch("tg_reverse_no_mem_flag", [data], grid=(2,), tg=(64,), threads=False)
+    assert torch.isnan(data).all()  # every store before the barrier stayed unpublished (poison)
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_device_stores_are_published_only_by_mem_device(mod, flag):
+    data = torch.zeros(2)
+    mod.dispatch("device_publish", [data, u32(flag)], grid=(1,), tg=(2,), threads=False, device_visibility=True)
+    if flag:
+        assert data.tolist() == [42.0, 42.0]
+    else:
+        assert torch.isnan(data).all()
+    data = torch.zeros(2)  # without the opt-in (the default) device stores are visible at any barrier
+    mod.dispatch("device_publish", [data, u32(flag)], grid=(1,), tg=(2,), threads=False)
+    assert data.tolist() == [42.0, 42.0]
+
+
+def test_simd_sum_order_is_a_random_tree(mod):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, generator=g) * torch.logspace(-6, 6, 32)).float()
+    same = torch.zeros(1, dtype=torch.int32)
+    mod.dispatch("simd_order_assumed", [x, same], grid=(32,), tg=(32,), simd_seed=0)
+    assert int(same) == 1  # lane order: bitwise the sequential sum
+    seen = set()
+    for seed in range(1, 9):
+        mod.dispatch("simd_order_assumed", [x, same], grid=(32,), tg=(32,), simd_seed=seed)
+        seen.add(int(same))
+    assert 0 in seen  # a kernel that assumes lane order is caught

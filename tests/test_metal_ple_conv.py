@@ -111,7 +111,7 @@ def test_empty_rows_pass_state_through():
 def test_bad_cu_seqlens_raise(bad):
     x, w, _, state = make([2, 2, 2], 4, 4, 3, torch.float32)
     cu = torch.tensor(bad, dtype=torch.int32)
-    with pytest.raises(HebrusError) as emu_err:
+    with pytest.raises(hebrus_emu.ASYNC_ERROR) as emu_err:  # from the stream's error buffer, at synchronization
         hebrus_emu.ple_conv(x, w, cu, state, 3, "silu")
     with pytest.raises(HebrusError) as ref_err:
         reference.ple_conv(x, w, cu, state, 3, "silu")
@@ -119,6 +119,7 @@ def test_bad_cu_seqlens_raise(bad):
 
 
 def test_kernels_present():
-    assert set(hebrus_emu.module("ple_conv").kernels) == {"ple_conv_float", "ple_conv_half", "ple_conv_bfloat"}
+    assert set(hebrus_emu.module("ple_conv").kernels) == {"ple_conv_float", "ple_conv_half", "ple_conv_bfloat",
+                                                          "ple_conv_check_cu"}
     no_bf16 = msl_emu.translate(os.path.join(msl_emu.KERNEL_DIR, "ple_conv.metal"), defines={})[1]
-    assert set(no_bf16) == {"ple_conv_float", "ple_conv_half"}  # HEBRUS_METAL_BFLOAT=0 builds
+    assert set(no_bf16) == {"ple_conv_float", "ple_conv_half", "ple_conv_check_cu"}  # HEBRUS_METAL_BFLOAT=0 builds

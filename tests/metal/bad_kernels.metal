@@ -133,3 +133,38 @@ kernel void address_spaces(device float* out [[buffer(0)]], constant float* c [[
   (void)wrong;
 #endif
 }
+
+// tg_reverse with a barrier that orders execution but publishes no threadgroup memory: Metal makes
+// threadgroup stores visible to other threads only at a barrier whose flags include mem_threadgroup.
+kernel void tg_reverse_no_mem_flag(device float* data [[buffer(0)]], uint lid [[thread_position_in_threadgroup]],
+                                   uint gid [[threadgroup_position_in_grid]]) {
+  threadgroup float tmp[64];
+  tmp[lid] = data[gid * 64 + lid];
+  threadgroup_barrier(mem_flags::mem_none);
+  data[gid * 64 + lid] = tmp[63 - lid];
+}
+
+// Thread 0 writes device memory that thread 1 reads after a barrier; only mem_device publishes it.
+kernel void device_publish(device float* data [[buffer(0)]], constant uint& with_device_flag [[buffer(1)]],
+                           uint lid [[thread_position_in_threadgroup]]) {
+  if (lid == 0) data[0] = 42.0f;
+  if (with_device_flag != 0u) {
+    threadgroup_barrier(mem_flags::mem_device);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (lid == 1) data[1] = data[0];
+}
+
+// A SIMD-group sum compared bitwise with the sum in lane order: true only on a GPU that happens to
+// add in lane order; the emulator's reduction tree is random (simd_seed).
+kernel void simd_order_assumed(device const float* in [[buffer(0)]], device uint* same [[buffer(1)]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  const float v = in[lane];
+  const float s = simd_sum(v);
+  float seq = 0.0f;
+  for (ushort l = 0; l < 32; ++l) {
+    seq += simd_shuffle(v, l);
+  }
+  if (lane == 0) same[0] = s == seq ? 1u : 0u;
+}

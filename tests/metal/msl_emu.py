@@ -65,6 +65,9 @@ _INSTANTIATION = re.compile(r"template\s*\[\[\s*host_name\s*\(\s*(?P<name>(?:\"[
                             r"\[\[\s*kernel\s*\]\]\s*decltype\s*\(\s*(?P<fn>[^;]+?)\s*\)\s*(?P=fn)\s*;")
 
 
+_PRAGMA_CONTRACT_OFF = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+METAL[ \t]+fp[ \t]+contract[ \t]*\([ \t]*off[ \t]*\)[ \t]*$", re.M)
+_HOST_CONTRACT_OFF = "MSL_FP_CONTRACT_OFF"  # shim/msl_shim.h: the host compiler's pragma, on one line
+_PRAGMA_MATH_MODE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+METAL[ \t]+fp[ \t]+math_mode[ \t]*\([^)]*\)[ \t]*$", re.M)
 _HOST_NAME_ATTRS = re.compile(r"template(\s*)\[\[\s*host_name\s*\([^\]]*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]")
 
 
@@ -74,6 +77,10 @@ def rewrite(src: str) -> str:
     the kernel names were collected from them before)."""
     src = _HOST_NAME_ATTRS.sub(r"template\1", src)
     src = re.sub(r"\[\[\s*threadgroup\s*\(", "[[msl_threadgroup_arg(", src)
+    # Metal's fp pragmas, as the host compiler's: contraction off is honoured whatever -ffp-contract
+    # says (so building with =fast shows what the pragma pins); math_mode(safe) is the host's default.
+    src = _PRAGMA_CONTRACT_OFF.sub(_HOST_CONTRACT_OFF, src)
+    src = _PRAGMA_MATH_MODE.sub("", src)
     counter = iter(range(1, 1 << 30))
 
     def local(m: re.Match) -> str:
@@ -93,7 +100,7 @@ def _prelude(defines: dict[str, str]) -> str:
 
 def scan_kernels(text: str, defines: dict[str, str], cxx: str = "g++") -> list[tuple[str, str]]:
     """[(kernel name, call expression)] after macro expansion of the (inlined) source."""
-    pre = "#define __METAL_VERSION__ 310\n#define MSL_EMULATOR 1\n" + _prelude(defines)
+    pre = "#define __METAL_VERSION__ 320\n#define MSL_EMULATOR 1\n" + _prelude(defines)
     r = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-std=c++20", "-I", SCAN_DIR, "-"], input=pre + text,
                        capture_output=True, text=True)
     if r.returncode:
@@ -106,6 +113,26 @@ def scan_kernels(text: str, defines: dict[str, str], cxx: str = "g++") -> list[t
         name = "".join(re.findall(r"\"([^\"]*)\"", m.group("name")))
         found[name] = re.sub(r"\s+", " ", m.group("fn"))
     return list(found.items())
+
+
+_MAX_TOTAL = re.compile(r"\[\[\s*kernel\s*,\s*max_total_threads_per_threadgroup\s*\(\s*(\d+)\s*\)\s*\]\]\s*"
+                        r"void\s+([A-Za-z_]\w*)\s*\(")
+
+
+def kernel_limits(text: str, defines: dict[str, str], cxx: str = "g++") -> dict[str, int]:
+    """{kernel name: max_total_threads_per_threadgroup} for kernels that declare one (after macro expansion)."""
+    pre = "#define __METAL_VERSION__ 320\n#define MSL_EMULATOR 1\n" + _prelude(defines)
+    r = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-std=c++20", "-I", SCAN_DIR, "-"], input=pre + text,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise MSLError("preprocessing failed:\n" + r.stderr)
+    by_fn = {m.group(2): int(m.group(1)) for m in _MAX_TOTAL.finditer(r.stdout)}
+    out = {}
+    for name, call in scan_kernels(text, defines, cxx):
+        base = call.split("<")[0].strip()
+        if base in by_fn:
+            out[name] = by_fn[base]
+    return out
 
 
 def translate(path: str, defines: dict[str, str] | None = None, cxx: str = "g++") -> tuple[str, list[str]]:
@@ -158,7 +185,13 @@ class LaunchDesc(ctypes.Structure):
                 ("nbuf", ctypes.c_int32), ("tg_len", ctypes.POINTER(ctypes.c_uint64)), ("ntg", ctypes.c_int32),
                 ("workers", ctypes.c_int32), ("sched", ctypes.c_int32), ("seed", ctypes.c_uint32),
                 ("strict", ctypes.c_int32), ("stack_kb", ctypes.c_uint64), ("guard", ctypes.c_int32),
-                ("err", ctypes.c_void_p), ("errlen", ctypes.c_int32)]
+                ("err", ctypes.c_void_p), ("errlen", ctypes.c_int32), ("simd_seed", ctypes.c_uint32),
+                ("device_vis", ctypes.c_int32)]
+
+# The SIMD-group reduction order of the emulated GPU (shim: tree_reduce): a random binary tree drawn
+# from this seed; 0 is plain lane order. Fixed per session, as a GPU's order is fixed by its hardware;
+# tests vary it to show no kernel depends on it beyond rounding.
+SIMD_SEED = int(os.environ.get("HEBRUS_EMU_SIMD_SEED", "1"))
 
 
 SCHEDULES = ("forward", "reverse", "random")
@@ -182,13 +215,15 @@ def _as_buffer(b):
 
 
 class Module:
-    def __init__(self, so_path: str, names: list[str]):
+    def __init__(self, so_path: str, names: list[str], limits: dict[str, int] | None = None):
         self.path = so_path
         self.lib = ctypes.CDLL(so_path)
         self.kernels = names
+        self.limits = limits or {}  # kernel -> max_total_threads_per_threadgroup
 
     def dispatch(self, name: str, buffers, grid, tg, *, threads: bool = True, tg_mem=(), sched: str = "forward",
-                 seed: int = 0, workers: int = 1, strict: bool = True, guard: str = "end", stack_kb: int = 256):
+                 seed: int = 0, workers: int = 1, strict: bool = True, guard: str = "end", stack_kb: int = 256,
+                 simd_seed: int | None = None, device_visibility: bool = False):
         """Run kernel `name`. With threads=True (the default, MetalKernelFunction::dispatch) `grid` is
         threads per grid and the last threadgroup may be partial; with threads=False `grid` is
         threadgroups per grid. buffers[i] is bound to [[buffer(i)]] and written back in place.
@@ -196,6 +231,13 @@ class Module:
         if name not in self.kernels:
             raise MSLError(f"no kernel {name!r} in {os.path.basename(self.path)} (has {self.kernels})")
         fn = getattr(self.lib, "msl_launch__" + name)
+        tg_threads = 1
+        for v in tuple(tg):
+            tg_threads *= int(v)
+        limit = self.limits.get(name)
+        if limit is not None and tg_threads > limit:  # Metal refuses the dispatch (the pipeline's maximum)
+            raise MSLError(f"{name}: threadgroups of {tg_threads} threads exceed the kernel's "
+                           f"max_total_threads_per_threadgroup({limit})")
         bufs = [_as_buffer(b) for b in buffers]
         n = max(1, len(bufs))
         ptrs = (ctypes.c_void_p * n)(*[b[0] for b in bufs])
@@ -206,7 +248,8 @@ class Module:
         d = LaunchDesc((ctypes.c_uint32 * 3)(*pad(grid)), (ctypes.c_uint32 * 3)(*pad(tg)), int(threads),
                        ptrs, lens, len(bufs), tgl, len(tg_mem), workers, SCHEDULES.index(sched), seed & 0xFFFFFFFF,
                        int(strict), stack_kb, {"end": 0, "start": 1}[guard], ctypes.cast(err, ctypes.c_void_p),
-                       len(err))
+                       len(err), (SIMD_SEED if simd_seed is None else simd_seed) & 0xFFFFFFFF,
+                       int(device_visibility))
         if fn(ctypes.byref(d)):
             raise MSLError(self._symbolize(err.value.decode(errors="replace")))
 
@@ -227,10 +270,12 @@ class Module:
 def build(path: str, cxx: str = "g++", opt: str = "-O1", defines: dict[str, str] | None = None,
           extra: tuple[str, ...] = ()) -> Module:
     """Translate and compile a .metal file (cached); returns the loaded Module."""
-    text, names = translate(path, defines, cxx if cxx in ("g++", "gcc") else "g++")
+    scan_cxx = cxx if cxx in ("g++", "gcc") else "g++"
+    text, names = translate(path, defines, scan_cxx)
     cmd = [cxx, *CXXFLAGS, opt, "-g", "-fPIC", "-shared", *extra]
     so = _compile_cached(text, os.path.basename(path), cmd, os.path.basename(cxx))
-    return Module(so, names)
+    inlined = embed_metal.inline_source(path, (KERNEL_DIR,), line_names="abspath")
+    return Module(so, names, kernel_limits(inlined, dict(DEFAULT_DEFINES if defines is None else defines), scan_cxx))
 
 
 def check(path: str, cxx: str = "g++", defines: dict[str, str] | None = None) -> tuple[bool, str]:

@@ -1,6 +1,6 @@
-// C ABI over mps_kernels/hebrus_launch.h for the emulator (tests/metal/hebrus_emu.py): the same
-// plan functions the MPS glue calls, so the emulator launches the GPU's grid with the GPU's
-// parameter block. Built and loaded by hebrus_emu.plan_library().
+// C ABI over mps_kernels/hebrus_launch.h for tests of the launch plans alone (hebrus_emu.plan /
+// kernel_name). The ops themselves run through the glue (csrc/mps/hebrus_glue.h, glue_abi.cpp),
+// which calls these same plan functions. Built and loaded by hebrus_emu.plan_library().
 #include <cstring>
 
 #include "hebrus_launch.h"
@@ -78,5 +78,4 @@ __attribute__((visibility("default"))) int hebrus_emu_plan_qsa_attention(int64_t
   return fill(plan, &plan.params, sizeof(plan.params), plan.variant, out);
 }
 
-__attribute__((visibility("default"))) int hebrus_emu_error_slots() { return HEBRUS_ERR_SLOTS; }
 }

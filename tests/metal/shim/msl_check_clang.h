@@ -10,6 +10,8 @@
 #define kernel
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2))) const
+// Metal puts string literals in the constant address space; clang does not (hebrus_metal_common.h).
+#define HEBRUS_CSTR const char*
 #define threadgroup __attribute__((address_space(3)))
 #define thread
 #define max_total_threads_per_threadgroup(x)

@@ -240,7 +240,23 @@ inline half operator""h(long double v) { return half(float(v)); }   // MSL half 
 inline half operator""h(unsigned long long v) { return half(float(v)); }
 #pragma GCC diagnostic pop
 namespace precise { using namespace metal; }
-namespace fast { using namespace metal; }
+// fast:: math is refused: on the GPU it runs at reduced accuracy, so a precise:: -> fast:: change would
+// make results differ from the reference by more than any test allows; the emulator does not guess how
+// much, it stops the build.
+namespace fast {
+template <class... A> inline constexpr bool msl_fast_refused = false;
+#define MSL_FAST_REFUSED(name)                                                                              \
+  template <class... A> inline float name(A...) {                                                           \
+    static_assert(msl_fast_refused<A...>, "fast::" #name " is refused by the emulator: fast math runs at "   \
+                  "reduced accuracy on the GPU; use precise:: (or metal:: under math_mode(safe))");         \
+    return 0.0f;                                                                                            \
+  }
+MSL_FAST_REFUSED(exp) MSL_FAST_REFUSED(exp2) MSL_FAST_REFUSED(exp10) MSL_FAST_REFUSED(log) MSL_FAST_REFUSED(log2)
+MSL_FAST_REFUSED(log10) MSL_FAST_REFUSED(sin) MSL_FAST_REFUSED(cos) MSL_FAST_REFUSED(tan) MSL_FAST_REFUSED(rsqrt)
+MSL_FAST_REFUSED(sqrt) MSL_FAST_REFUSED(pow) MSL_FAST_REFUSED(powr) MSL_FAST_REFUSED(tanh) MSL_FAST_REFUSED(divide)
+MSL_FAST_REFUSED(sincos) MSL_FAST_REFUSED(atan) MSL_FAST_REFUSED(atan2) MSL_FAST_REFUSED(sinh) MSL_FAST_REFUSED(cosh)
+#undef MSL_FAST_REFUSED
+}  // namespace fast
 
 // ---- atomics ----
 enum memory_order { memory_order_relaxed = 0, memory_order_seq_cst = 5 };
@@ -279,6 +295,8 @@ struct Fiber {
   uint lin; uint3 lid;
   alignas(16) unsigned char slot[SLOT];
   alignas(16) unsigned char view[SIMD][SLOT]; uint32_t view_mask;  // snapshot of the SIMD-group exchange
+  int bflags = 0;        // mem_flags of the threadgroup_barrier the fiber waits at
+  uint simd_calls = 0;   // SIMD-group functions called so far (the same count in every lane of a SIMD-group)
 };
 struct LaunchDesc {  // C ABI, mirrored in msl_emu.py
   uint32_t grid[3], tg[3]; int32_t mode;  // mode 0: grid = threadgroups per grid; 1: grid = threads per grid (dispatchThreads)
@@ -286,11 +304,17 @@ struct LaunchDesc {  // C ABI, mirrored in msl_emu.py
   int32_t workers, sched; uint32_t seed; int32_t strict; uint64_t stack_kb;
   int32_t guard;  // 0: each buffer ends at a guard page; 1: each buffer starts right after one
   char* err; int32_t errlen;
+  uint32_t simd_seed;   // 0: SIMD-group reductions in lane order; else in a random tree order drawn from it
+  int32_t device_vis;   // 1: device stores become visible to other threads only at a mem_device barrier
 };
+constexpr uint64_t TG_MEMORY_LIMIT = 32768;  // threadgroup memory of every Apple GPU family
 struct Group {
   const LaunchDesc* L; void (*kernel)(); std::vector<Fiber> f; std::vector<char*> stacks; size_t stack_sz = 0;
   void* sched_sp = nullptr; ucontext_t sched_uc; int cur = -1; uint3 tgid, tgsz, dispatch_tg, ngroups; uint nthreads = 0;
   std::vector<std::vector<unsigned char>> tg_args; std::unordered_map<int, std::vector<unsigned char>> tg_locals;
+  std::unordered_map<int, std::vector<unsigned char>> tg_snap;  // threadgroup memory at the last mem_threadgroup barrier
+  std::vector<std::vector<unsigned char>> dev_snap;              // device buffers at the last mem_device barrier
+  uint64_t tg_bytes = 0;                                         // threadgroup memory in use
   void** bufs = nullptr;  // guarded copies of the launch buffers
   std::string err; std::mt19937 rng; sigjmp_buf escape; bool escape_set = false;
 };
@@ -389,6 +413,7 @@ inline void init_fiber(Group& g, uint i) {
 template <class T> inline Fiber& exchange(const T& v, const char* file, int line) {
   static_assert(sizeof(T) <= SLOT, "value too large for simd exchange");
   std::memcpy(me().slot, (const void*)&v, sizeof(T));
+  me().simd_calls++;
   block(AT_SIMD, file, line);
   return me();
 }
@@ -425,10 +450,35 @@ inline void run_simd_group_on(Group& g, uint s0) {
   }
 }
 
+// Memory visibility at a threadgroup barrier, as Metal defines it: stores to threadgroup memory become
+// visible to the other threads only at a barrier whose flags include mem_threadgroup (device memory:
+// mem_device, when the launch asks for it). At a barrier without the flag, every byte stored since the
+// last barrier with it is poisoned (0xFF), for its writer too: stricter than a GPU, never looser.
+constexpr int MEM_DEVICE = 1, MEM_THREADGROUP = 2;
+inline void poison_unpublished(std::vector<unsigned char>& mem, std::vector<unsigned char>& snap, bool publish) {
+  if (publish) { snap = mem; return; }
+  if (snap.size() != mem.size()) snap.assign(mem.size(), 0xFF);  // nothing published yet: threadgroup memory starts as poison
+  for (size_t i = 0; i < mem.size(); i++) if (mem[i] != snap[i]) mem[i] = 0xFF;
+}
+inline void barrier_visibility(Group& g, int flags) {
+  const bool tg = flags & MEM_THREADGROUP;
+  for (auto& kv : g.tg_locals) poison_unpublished(kv.second, g.tg_snap[kv.first], tg);
+  for (size_t i = 0; i < g.tg_args.size(); i++) poison_unpublished(g.tg_args[i], g.tg_snap[-1 - int(i)], tg);
+  if (g.L->device_vis) {
+    for (int i = 0; i < g.L->nbuf; i++) {
+      const size_t len = g.L->buf_len ? g.L->buf_len[i] : 0;
+      unsigned char* d = (unsigned char*)g.bufs[i];
+      auto& snap = g.dev_snap[i];
+      if (flags & MEM_DEVICE) { snap.assign(d, d + len); continue; }
+      for (size_t k = 0; k < len; k++) if (d[k] != snap[k]) d[k] = 0xFF;
+    }
+  }
+}
+
 inline bool run_group(Group& g) {
   const LaunchDesc& L = *g.L; uint n = g.nthreads;
   for (uint i = 0; i < n; i++) {
-    Fiber& f = g.f[i]; f.st = READY; f.lin = i; f.file = "?"; f.line = 0;
+    Fiber& f = g.f[i]; f.st = READY; f.lin = i; f.file = "?"; f.line = 0; f.bflags = 0; f.simd_calls = 0;
     f.lid = uint3(i % g.tgsz.x, (i / g.tgsz.x) % g.tgsz.y, i / (g.tgsz.x * g.tgsz.y));
     init_fiber(g, i);
   }
@@ -491,6 +541,7 @@ inline bool run_group(Group& g) {
       g.err = fmt("threadgroup %u,%u,%u: threadgroup_barrier at %s:%d reached by %u of %u threads; the others already returned "
                   "(undefined behaviour in Metal)", g.tgid.x, g.tgid.y, g.tgid.z, first->file, first->line, atb, n);
       return false; }
+    barrier_visibility(g, first->bflags);
     for (uint i = 0; i < n; i++) if (g.f[i].st == AT_BARRIER) g.f[i].st = READY;
   }
 }
@@ -604,7 +655,12 @@ inline int launch(const LaunchDesc* L, void (*kernel)()) {
       g.tgsz = L->mode == 0 ? tg : min(tg, gridthreads - g.tgid * tg);  // partial edge groups with dispatchThreads
       g.nthreads = g.tgsz.x * g.tgsz.y * g.tgsz.z;
       g.tg_args.assign(L->ntg, {}); for (int i = 0; i < L->ntg; i++) g.tg_args[i].assign(L->tg_len[i], 0xFF);  // poison
-      g.tg_locals.clear(); g.cur = -1; g.err.clear();
+      g.tg_locals.clear(); g.tg_snap.clear(); g.cur = -1; g.err.clear();
+      g.tg_bytes = 0; for (int i = 0; i < L->ntg; i++) g.tg_bytes += L->tg_len[i];
+      if (L->device_vis) {  // this threadgroup's stores are tracked from its start
+        g.dev_snap.assign(L->nbuf, {});
+        for (int i = 0; i < L->nbuf; i++) { unsigned char* d = (unsigned char*)gbufs[i]; g.dev_snap[i].assign(d, d + (L->buf_len ? L->buf_len[i] : 0)); }
+      }
       bool ok;
       if (sigsetjmp(g.escape, 1) == 0) { g.escape_set = true; ok = run_group(g); }
       else ok = false;  // escaped from a fiber: fault or failed check; g.err says which
@@ -684,7 +740,15 @@ inline BufTable tg_arg(int i) {
   return BufTable{G->tg_args[i].data(), G->tg_args[i].size()};
 }
 template <class T> inline T& tg_local(int id) {  // threadgroup variables declared in the kernel body: one poisoned copy per threadgroup
-  auto& v = G->tg_locals[id]; if (v.empty()) v.assign(sizeof(T), 0xFF); return *reinterpret_cast<T*>(v.data()); }
+  auto& v = G->tg_locals[id];
+  if (v.empty()) {
+    G->tg_bytes += sizeof(T);
+    if (G->tg_bytes > TG_MEMORY_LIMIT)
+      fail(fmt("threadgroup memory of %llu bytes exceeds the %llu bytes of an Apple GPU", (unsigned long long)G->tg_bytes,
+               (unsigned long long)TG_MEMORY_LIMIT));
+    v.assign(sizeof(T), 0xFF);
+  }
+  return *reinterpret_cast<T*>(v.data()); }
 enum BI { tpig, tpitg, tgpig, tptg, tgpg, tpg, tiitg, tiisg, siitg, tpsg, sgptg, dtptg };
 struct BuiltinVal {
   uint3 v;
@@ -714,7 +778,7 @@ struct Builtin { BI b; BuiltinVal operator[](int) const {
 
 // ---- barriers and SIMD-group functions ----
 namespace metal {
-inline void threadgroup_barrier(mem_flags, const char* file, int line) { msl_rt::block(msl_rt::AT_BARRIER, file, line); }
+inline void threadgroup_barrier(mem_flags flags, const char* file, int line) { msl_rt::me().bflags = int(flags); msl_rt::block(msl_rt::AT_BARRIER, file, line); }
 inline void simdgroup_barrier(mem_flags, const char* file, int line) { msl_rt::exchange(0, file, line); }
 #define MSL_SIMD_ARGS const char* file = __builtin_FILE(), int line = __builtin_LINE()
 #define MSL_SIMD_REDUCE(name, init, op)                                                                \
@@ -722,14 +786,42 @@ inline void simdgroup_barrier(mem_flags, const char* file, int line) { msl_rt::e
     auto& f = msl_rt::exchange(v, file, line); T acc = init;                                           \
     for (int l = 0; l < msl_rt::SIMD; l++) if (f.view_mask >> l & 1) { T x = msl_rt::lane_val<T>(f, l); acc = op; } \
     return acc; }
-MSL_SIMD_REDUCE(simd_sum, T(0), acc + x) MSL_SIMD_REDUCE(simd_product, T(1), acc * x)
+}  // namespace metal
+namespace msl_rt {
+// Sum / product of lanes [0, upto] of the exchange in a random binary tree (adjacent partial results
+// merged in an order drawn from the launch's simd_seed, the call site, the active lanes and `salt`),
+// as a GPU's reduction tree may combine them; lane order when simd_seed is 0. Like a GPU, the same
+// function at the same site over the same lanes combines them the same way in every SIMD-group.
+template <class T, class Op> inline T tree_reduce(const Fiber& f, uint upto, uint salt, Op op) {
+  T vals[SIMD]; int n = 0;
+  for (uint l = 0; l <= upto && l < (uint)SIMD; l++) if (f.view_mask >> l & 1) vals[n++] = lane_val<T>(f, l);
+  if (n == 0) return T(0);
+  if (G->L->simd_seed == 0) { T acc = vals[0]; for (int i = 1; i < n; i++) acc = op(acc, vals[i]); return acc; }
+  uint64_t h = G->L->simd_seed * 0x9E3779B97F4A7C15ull ^ uint64_t(f.line) * 0xC2B2AE3D27D4EB4Full;
+  for (const char* c = f.file; c && *c; ++c) h = h * 1099511628211ull ^ uint64_t((unsigned char)*c);
+  h ^= uint64_t(f.view_mask) * 0x165667B19E3779F9ull ^ salt;
+  std::mt19937_64 r(h);
+  while (n > 1) {
+    const int i = int(r() % uint64_t(n - 1));
+    vals[i] = op(vals[i], vals[i + 1]);
+    for (int k = i + 1; k + 1 < n; k++) vals[k] = vals[k + 1];
+    n--;
+  }
+  return vals[0];
+}
+}  // namespace msl_rt
+namespace metal {
+template <class T> inline T simd_sum(T v, MSL_SIMD_ARGS) {
+  auto& f = msl_rt::exchange(v, file, line); return msl_rt::tree_reduce<T>(f, msl_rt::SIMD - 1, 0, [](T a, T b) { return T(a + b); }); }
+template <class T> inline T simd_product(T v, MSL_SIMD_ARGS) {
+  auto& f = msl_rt::exchange(v, file, line); return msl_rt::tree_reduce<T>(f, msl_rt::SIMD - 1, 0, [](T a, T b) { return T(a * b); }); }
 MSL_SIMD_REDUCE(simd_max, (msl_rt::lane_val<T>(f, __builtin_ctz(f.view_mask))), max(acc, x))
 MSL_SIMD_REDUCE(simd_min, (msl_rt::lane_val<T>(f, __builtin_ctz(f.view_mask))), min(acc, x))
 MSL_SIMD_REDUCE(simd_and, T(~T(0)), acc & x) MSL_SIMD_REDUCE(simd_or, T(0), acc | x) MSL_SIMD_REDUCE(simd_xor, T(0), acc ^ x)
-template <class T> inline T simd_prefix_inclusive_sum(T v, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); T acc = 0; uint me = msl_rt::me().lin % msl_rt::SIMD;
-  for (uint l = 0; l <= me; l++) if (f.view_mask >> l & 1) acc = acc + msl_rt::lane_val<T>(f, l); return acc; }
-template <class T> inline T simd_prefix_exclusive_sum(T v, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); T acc = 0; uint me = msl_rt::me().lin % msl_rt::SIMD;
-  for (uint l = 0; l < me; l++) if (f.view_mask >> l & 1) acc = acc + msl_rt::lane_val<T>(f, l); return acc; }
+template <class T> inline T simd_prefix_inclusive_sum(T v, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); uint me = msl_rt::me().lin % msl_rt::SIMD;
+  return msl_rt::tree_reduce<T>(f, me, me + 1, [](T a, T b) { return T(a + b); }); }
+template <class T> inline T simd_prefix_exclusive_sum(T v, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); uint me = msl_rt::me().lin % msl_rt::SIMD;
+  return me == 0 ? T(0) : msl_rt::tree_reduce<T>(f, me - 1, me + 1, [](T a, T b) { return T(a + b); }); }
 template <class T> inline T simd_shuffle(T v, ushort lane, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); return msl_rt::lane_val<T>(f, lane % msl_rt::SIMD); }  // inactive source lane -> poison (0xFF bytes)
 template <class T> inline T simd_broadcast(T v, ushort lane, MSL_SIMD_ARGS) { return simd_shuffle(v, lane, file, line); }
 template <class T> inline T simd_shuffle_xor(T v, ushort m, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(v, file, line); return msl_rt::lane_val<T>(f, (msl_rt::me().lin % msl_rt::SIMD) ^ m); }
@@ -746,12 +838,20 @@ inline bool simd_is_first(MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(0, file, l
 // the launch (buffer table, builtins), so the runtime calls each kernel as `name()`.
 //   uint3 gid [[thread_position_in_grid]]  ->  uint3 gid [[ ]] = ::msl_rt::Builtin{tpig}[::msl_rt::zero_idx[0]]
 // =====================================================================================================
-#define __METAL_VERSION__ 310
+// `#pragma METAL fp contract(off)` (rewritten to this by msl_emu.py): contraction off for the rest of
+// the file whatever -ffp-contract says.
+#if defined(__clang__)
+#define MSL_FP_CONTRACT_OFF _Pragma("clang fp contract(off)")
+#else
+#define MSL_FP_CONTRACT_OFF _Pragma("GCC optimize(\"fp-contract=off\")")
+#endif
+#define __METAL_VERSION__ 320  /* MSL 3.2 (macOS 15): the kernels' fp pragmas are modelled, see msl_emu.rewrite */
 #define MSL_EMULATOR 1
 #define kernel
 #define device
 #define thread
 #define constant const
+#define HEBRUS_CSTR const char*  /* hebrus_metal_common.h: `constant const char*` on Metal */
 #define threadgroup                                  /* references; locals and pointers are rewritten by msl_emu.py */
 #define MSL_BI(x) ]] = ::msl_rt::Builtin{::msl_rt::x}[::msl_rt::zero_idx[0
 #define thread_position_in_grid MSL_BI(tpig)

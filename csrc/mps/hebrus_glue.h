@@ -1,0 +1,277 @@
+#pragma once
+// Everything the MPS glue decides, in plain C++ (ATen only, no Metal API): for each op, the host
+// checks (all metadata, before any launch), the early results of empty shapes, which kernels run
+// (library, kernel name, variant), the tensors bound to [[buffer(0..n-1)]] in order (inputs made
+// contiguous or bound as views, outputs allocated), where the stream's error buffer and the
+// parameter block go, the parameter block's bytes and the dispatch. csrc/mps/<op>.mm calls these
+// functions with DeviceType::MPS and only encodes the result (hebrus_mps.h: encode()); the Linux
+// test binary (tests/metal/glue_abi.cpp) calls the same functions with DeviceType::CPU and the
+// emulator runs exactly those launches (tests/metal/hebrus_emu.py). Values that only the kernel sees
+// are checked in the kernel and reported through PyTorch's MPS error buffer (hebrus_params.h); no
+// function here reads a tensor's values (tests/test_mps_glue.py checks the sources for host reads).
+//
+// Conventions every op's glue follows (a new op copies them):
+//   * check_on_device(op, device, ...) first, then the op's metadata checks (csrc/op_checks.h);
+//   * shapes where no kernel thread would look at a value-checked input still launch a check
+//     kernel (<op>_check_cu, qsa_attention_check_cells) instead of reading it on the host;
+//   * buffers: the tensors in the kernel's [[buffer(i)]] order, then the error buffer
+//     (error_index = number of tensors), then the parameter block (params_index = error_index + 1);
+//   * `written` marks the buffers the kernel writes (the emulator poisons them before a launch);
+//   * plan errors (launch limits) raise HebrusError "hebrus::<op> on MPS: ..." before any launch.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+#include <c10/metal/error.h>
+#include <c10/util/string_view.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hebrus_check.h"
+#include "hebrus_launch.h"
+#include "op_checks.h"
+
+namespace hebrus::glue {
+
+using at::Tensor;
+
+// The kernels write PyTorch's MPS error buffer through HebrusErrorMessages: the same layout as
+// c10::metal::ErrorMessages, which MPSStream::checkLastError reads.
+static_assert(sizeof(HebrusErrorMessages) == sizeof(c10::metal::ErrorMessages), "error buffer layout");
+static_assert(HEBRUS_ERROR_MESSAGE_COUNT == c10::metal::error_message_count, "error buffer layout");
+static_assert(offsetof(HebrusErrorMessages, msg) == offsetof(c10::metal::ErrorMessages, msg), "error buffer layout");
+static_assert(offsetof(HebrusErrorMessage, message) == offsetof(c10::metal::ErrorMessage, message), "layout");
+static_assert(offsetof(HebrusErrorMessage, line) == offsetof(c10::metal::ErrorMessage, line), "layout");
+static_assert(sizeof(HebrusErrorMessage) == sizeof(c10::metal::ErrorMessage), "error buffer layout");
+
+#if defined(HEBRUS_METAL_BFLOAT) && HEBRUS_METAL_BFLOAT
+constexpr bool kHasBFloat = true;
+#else
+constexpr bool kHasBFloat = false;
+#endif
+
+// One kernel launch, as the glue encodes it.
+struct Launch {
+  std::string stem;                // mps_kernels/<stem>.metal: the library
+  std::string kernel;              // host_name of the kernel
+  std::vector<Tensor> tensors;     // [[buffer(i)]], bound with their storage offset (setArg)
+  std::vector<bool> written;       // the kernel writes tensors[i]
+  unsigned error_index = 0;        // [[buffer(error_index)]]: the stream's error buffer
+  unsigned params_index = 0;       // [[buffer(params_index)]]: the parameter block (setBytes)
+  std::vector<uint8_t> params;
+  uint64_t threads = 0;            // dispatchThreads(threads) in threadgroups of `group`
+  uint64_t group = 1;
+};
+
+// An op call: its launches, in order, and the tensors it returns.
+struct Call {
+  std::vector<Launch> launches;
+  std::vector<Tensor> outputs;
+};
+
+template <typename Params>
+inline Launch make_launch(const char* stem, std::string kernel, std::vector<Tensor> tensors,
+                          std::vector<bool> written, const Params& params, const hebrus::metal::Dispatch& d) {
+  Launch l;
+  l.stem = stem;
+  l.kernel = std::move(kernel);
+  l.tensors = std::move(tensors);
+  l.written = std::move(written);
+  l.error_index = static_cast<unsigned>(l.tensors.size());
+  l.params_index = l.error_index + 1;
+  l.params.resize(sizeof(Params));
+  std::memcpy(l.params.data(), &params, sizeof(Params));
+  l.threads = d.threads;
+  l.group = d.group;
+  return l;
+}
+
+// MSL type name of a floating dtype, as the kernels' host_name suffixes spell it.
+inline const char* metal_type(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "float";
+    case at::kHalf:
+      return "half";
+    case at::kBFloat16:
+      HEBRUS_CHECK(kHasBFloat, HebrusError, "hebrus::", op, ": this build has no bfloat16 Metal kernels ",
+                   "(built with HEBRUS_METAL_BFLOAT=0); rebuild with HEBRUS_METAL_BFLOAT=1 on macOS 14 or newer, ",
+                   "or use float16 / float32");
+      return "bfloat";
+    default:
+      HEBRUS_CHECK(false, HebrusError, "hebrus::", op, ": no Metal kernel for dtype ", t);
+  }
+  return "";
+}
+
+inline void check_plan(const char* op, const char* error) {
+  HEBRUS_CHECK(error == nullptr, HebrusError, "hebrus::", op, " on MPS: ", error ? error : "");
+}
+
+// <stem>_check_cu over cu_seqlens (B + 1 entries, T tokens).
+inline Launch check_cu_launch(const char* op, const Tensor& cu, int64_t total) {
+  const auto plan = hebrus::metal::plan_check(total, cu.size(0) - 1, 0);
+  check_plan(op, plan.error);
+  return make_launch(op, std::string(op) + "_check_cu", {cu.contiguous()}, {false}, plan.params, plan.dispatch);
+}
+
+// ---- ple_conv ---------------------------------------------------------------------------------------
+
+inline Call ple_conv(const Tensor& x_in, const Tensor& weight_in, const Tensor& cu_in, const Tensor& state_in,
+                     int64_t dilation, c10::string_view activation, c10::DeviceType device) {
+  const char* op = "ple_conv";
+  check_on_device(op, device, {{"x", &x_in}, {"weight", &weight_in}, {"cu_seqlens", &cu_in}, {"state", &state_in}});
+  const PleConvSizes sz = check_ple_conv_args(x_in, weight_in, cu_in, state_in, dilation, activation);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.batch == 0 || sz.channels == 0) {  // no conv thread would look at cu_seqlens: the check kernel does
+    call.launches.push_back(check_cu_launch(op, cu_in, sz.total));
+    call.outputs = {at::empty_like(x_in, at::MemoryFormat::Contiguous), state_in.clone(at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_ple_conv(sz.total, sz.channels, sz.width, sz.batch, dilation, sz.silu);
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), cu = cu_in.contiguous();
+  const Tensor state = state_in.contiguous();
+  Tensor y = at::empty_like(x), new_state = at::empty_like(state);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x, weight, cu, state, y, new_state},
+                                      {false, false, false, false, true, true}, plan.params, plan.dispatch));
+  call.outputs = {y, new_state};
+  return call;
+}
+
+// ---- ple_ngram_ids ----------------------------------------------------------------------------------
+
+inline Call ple_ngram_ids(const Tensor& tokens_in, const Tensor& cu_in, const Tensor& history_in,
+                          const Tensor& multipliers_in, const Tensor& vocab_sizes_in, const Tensor& offsets_in,
+                          int64_t eos, int64_t vocab, c10::DeviceType device) {
+  const char* op = "ple_ngram_ids";
+  check_on_device(op, device, {{"tokens", &tokens_in}, {"cu_seqlens", &cu_in}, {"history", &history_in},
+                               {"multipliers", &multipliers_in}, {"vocab_sizes", &vocab_sizes_in},
+                               {"offsets", &offsets_in}});
+  const PleNgramIdsSizes sz =
+      check_ple_ngram_ids_args(tokens_in, cu_in, history_in, multipliers_in, vocab_sizes_in, offsets_in, eos, vocab);
+  Call call;
+  if (sz.batch == 0) {  // no row threads: the check kernel looks at cu_seqlens (T must be 0)
+    call.launches.push_back(check_cu_launch(op, cu_in, sz.total));
+    call.outputs = {at::empty({0, sz.heads}, tokens_in.options()), history_in.clone(at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_ple_ngram_ids(sz.total, sz.batch, sz.n, sz.heads, eos, vocab);
+  check_plan(op, plan.error);
+  const Tensor tokens = tokens_in.contiguous(), cu = cu_in.contiguous(), history = history_in.contiguous();
+  const Tensor multipliers = multipliers_in.contiguous(), vocab_sizes = vocab_sizes_in.contiguous();
+  const Tensor offsets = offsets_in.contiguous();
+  Tensor row_ids = at::empty({sz.total, sz.heads}, tokens.options());
+  Tensor new_history = at::empty_like(history);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", "long"),
+                                      {tokens, cu, history, multipliers, vocab_sizes, offsets, row_ids, new_history},
+                                      {false, false, false, false, false, false, true, true}, plan.params,
+                                      plan.dispatch));
+  call.outputs = {row_ids, new_history};
+  return call;
+}
+
+// ---- qsa_pool ---------------------------------------------------------------------------------------
+
+inline Call qsa_pool(const Tensor& keys_in, const Tensor& cell_pos_in, const Tensor& group_cells_in,
+                     const Tensor& group_pos_in, const Tensor& norm_weight_in, double eps, const Tensor& inv_freq_in,
+                     c10::DeviceType device) {
+  const char* op = "qsa_pool";
+  check_on_device(op, device, {{"keys", &keys_in}, {"cell_pos", &cell_pos_in}, {"group_cells", &group_cells_in},
+                               {"group_pos", &group_pos_in}, {"norm_weight", &norm_weight_in},
+                               {"inv_freq", &inv_freq_in}});
+  const QsaPoolSizes sz =
+      check_qsa_pool_args(keys_in, cell_pos_in, group_cells_in, group_pos_in, norm_weight_in, eps, inv_freq_in);
+  const char* type = metal_type(op, keys_in.scalar_type());
+  Call call;
+  if (sz.groups == 0) {
+    call.outputs = {at::empty({0, sz.dim}, keys_in.options())};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_qsa_pool(sz.cells, sz.dim, sz.groups, sz.r, sz.half, eps);
+  check_plan(op, plan.error);
+  const Tensor keys = keys_in.contiguous(), cell_pos = cell_pos_in.contiguous();
+  const Tensor group_cells = group_cells_in.contiguous(), group_pos = group_pos_in.contiguous();
+  const Tensor weight = norm_weight_in.to(at::kFloat).contiguous();  // exact; the kernel reads fp32 (1 + w)
+  const Tensor inv_freq = inv_freq_in.contiguous();
+  Tensor pooled = at::empty({sz.groups, sz.dim}, keys.options());
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type),
+                                      {keys, cell_pos, group_cells, group_pos, weight, inv_freq, pooled},
+                                      {false, false, false, false, false, false, true}, plan.params, plan.dispatch));
+  call.outputs = {pooled};
+  return call;
+}
+
+// ---- qsa_select -------------------------------------------------------------------------------------
+
+inline Call qsa_select(const Tensor& q_in, const Tensor& pooled_in, const Tensor& seq_groups_in, const Tensor& q_row_in,
+                       const Tensor& q_groups_in, int64_t top_k, c10::DeviceType device) {
+  const char* op = "qsa_select";
+  check_on_device(op, device, {{"q", &q_in}, {"pooled", &pooled_in}, {"seq_groups", &seq_groups_in},
+                               {"q_row", &q_row_in}, {"q_groups", &q_groups_in}});
+  const QsaSelectSizes sz = check_qsa_select_args(q_in, pooled_in, seq_groups_in, q_row_in, q_groups_in, top_k);
+  Call call;
+  if (sz.tq == 0) {
+    call.outputs = {at::full({0, top_k}, -1, q_in.options().dtype(at::kInt))};
+    return call;
+  }
+  const bool same = q_in.scalar_type() == pooled_in.scalar_type();  // else both widened to fp32: exact
+  const Tensor q = same ? q_in.contiguous() : q_in.to(at::kFloat).contiguous();
+  const Tensor pooled = same ? pooled_in.contiguous() : pooled_in.to(at::kFloat).contiguous();
+  const char* type = metal_type(op, q.scalar_type());
+  const auto plan = hebrus::metal::plan_qsa_select(sz.tq, sz.hq, sz.dim, sz.rows, sz.batch, sz.max_groups, top_k);
+  check_plan(op, plan.error);
+  const Tensor seq_groups = seq_groups_in.contiguous(), q_row = q_row_in.contiguous();
+  const Tensor q_groups = q_groups_in.contiguous();
+  Tensor selected = at::empty({sz.tq, top_k}, q.options().dtype(at::kInt));
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, plan.variant, type),
+                                      {q, pooled, seq_groups, q_row, q_groups, selected},
+                                      {false, false, false, false, false, true}, plan.params, plan.dispatch));
+  call.outputs = {selected};
+  return call;
+}
+
+// ---- qsa_attention ----------------------------------------------------------------------------------
+
+inline Call qsa_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& token_cells_in,
+                          double scale, c10::DeviceType device) {
+  const char* op = "qsa_attention";
+  check_on_device(op, device, {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"token_cells", &token_cells_in}});
+  const QsaAttentionSizes sz = check_qsa_attention_args(q_in, k_in, v_in, token_cells_in, scale);
+  const char* type = metal_type(op, q_in.scalar_type());
+  Call call;
+  if (sz.tq == 0) {
+    call.outputs = {at::empty({0, sz.hq, sz.dv}, q_in.options())};
+    return call;
+  }
+  if (sz.hq == 0 || sz.dv == 0 || sz.cells == 0) {  // no attention thread would read token_cells
+    const auto plan = hebrus::metal::plan_check(sz.cells, sz.tq, sz.width);
+    check_plan(op, plan.error);
+    call.launches.push_back(make_launch(op, "qsa_attention_check_cells", {token_cells_in.contiguous()}, {false},
+                                        plan.params, plan.dispatch));
+    call.outputs = {at::empty({sz.tq, sz.hq, sz.dv}, q_in.options())};
+    return call;
+  }
+  // K and V are read in place through the strides of their first two dims: views stay views.
+  const Tensor k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  const auto plan = hebrus::metal::plan_qsa_attention(sz.tq, sz.hq, sz.hkv, sz.dh, sz.dv, sz.cells, sz.width,
+                                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale);
+  check_plan(op, plan.error);
+  const Tensor q = q_in.contiguous(), token_cells = token_cells_in.contiguous();
+  Tensor out = at::empty({sz.tq, sz.hq, sz.dv}, q.options());
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, plan.variant, type),
+                                      {q, k, v, token_cells, out}, {false, false, false, false, true}, plan.params,
+                                      plan.dispatch));
+  call.outputs = {out};
+  return call;
+}
+
+}  // namespace hebrus::glue

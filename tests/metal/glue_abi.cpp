@@ -1,0 +1,54 @@
+// The MPS glue's decisions on Linux: csrc/mps/hebrus_glue.h, the header every csrc/mps/<op>.mm
+// calls, built as a torch extension and called with DeviceType::CPU. Each op returns its launches
+// (library, kernel, bound tensors, written flags, error and parameter buffer indices, parameter
+// bytes, dispatch) and its outputs; tests/metal/hebrus_emu.py runs those launches in the emulator.
+#include <torch/extension.h>
+
+#include "hebrus_glue.h"
+
+namespace {
+
+py::tuple to_py(const hebrus::glue::Call& call) {
+  py::list launches;
+  for (const auto& l : call.launches) {
+    py::dict d;
+    d["stem"] = l.stem;
+    d["kernel"] = l.kernel;
+    d["tensors"] = l.tensors;
+    d["written"] = l.written;
+    d["error_index"] = l.error_index;
+    d["params_index"] = l.params_index;
+    d["params"] = py::bytes(reinterpret_cast<const char*>(l.params.data()), l.params.size());
+    d["threads"] = l.threads;
+    d["group"] = l.group;
+    launches.append(d);
+  }
+  return py::make_tuple(launches, call.outputs);
+}
+
+constexpr auto kCpu = c10::DeviceType::CPU;
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("ple_conv", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& cu, const at::Tensor& state,
+                       int64_t dilation, const std::string& act) {
+    return to_py(hebrus::glue::ple_conv(x, w, cu, state, dilation, act, kCpu));
+  });
+  m.def("ple_ngram_ids", [](const at::Tensor& tokens, const at::Tensor& cu, const at::Tensor& history,
+                            const at::Tensor& mult, const at::Tensor& sizes, const at::Tensor& offsets, int64_t eos,
+                            int64_t vocab) {
+    return to_py(hebrus::glue::ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, vocab, kCpu));
+  });
+  m.def("qsa_pool", [](const at::Tensor& keys, const at::Tensor& cell_pos, const at::Tensor& group_cells,
+                       const at::Tensor& group_pos, const at::Tensor& w, double eps, const at::Tensor& inv_freq) {
+    return to_py(hebrus::glue::qsa_pool(keys, cell_pos, group_cells, group_pos, w, eps, inv_freq, kCpu));
+  });
+  m.def("qsa_select", [](const at::Tensor& q, const at::Tensor& pooled, const at::Tensor& seq_groups,
+                         const at::Tensor& q_row, const at::Tensor& q_groups, int64_t top_k) {
+    return to_py(hebrus::glue::qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k, kCpu));
+  });
+  m.def("qsa_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tc,
+                            double scale) { return to_py(hebrus::glue::qsa_attention(q, k, v, tc, scale, kCpu)); });
+  m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
+}

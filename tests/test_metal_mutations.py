@@ -1,0 +1,157 @@
+"""The emulator sees what it must: each mutation of today's kernels below, applied to a copy of
+mps_kernels/, makes the checks of `pytest -m metal` fail (and the unmutated kernels pass the same
+checks). The mutations are the ones a GPU would punish but a lenient emulator would not:
+
+* a threadgroup_barrier without mem_threadgroup (stores not made visible: shim barrier_visibility);
+* precise:: -> fast:: (reduced accuracy on the GPU: the shim refuses fast::);
+* threadgroup memory over 32 KiB (shim: tg_local refuses it);
+* a threadgroup larger than the kernel's max_total_threads_per_threadgroup (msl_emu refuses it);
+* `#pragma METAL fp contract(off)` removed (a build with -ffp-contract=fast then gives other bits).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal"))
+import hebrus_emu  # noqa: E402
+import msl_emu  # noqa: E402
+
+from hebrus_torch import reference  # noqa: E402
+
+pytestmark = [pytest.mark.metal,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
+
+
+def mutated(tmp_path, stem: str, file: str, old: str, new: str, **build) -> msl_emu.Module:
+    """mps_kernels/ copied to tmp_path with `old` replaced by `new` (exactly once) in `file`, and
+    <stem>.metal of the copy built by the emulator."""
+    src = tmp_path / "mps_kernels"
+    shutil.copytree(msl_emu.KERNEL_DIR, src, ignore=shutil.ignore_patterns("__pycache__"))
+    path = src / file
+    text = path.read_text()
+    assert text.count(old) == 1, f"mutation target not unique in {file}: {old!r}"
+    path.write_text(text.replace(old, new))
+    return msl_emu.build(str(src / f"{stem}.metal"), **build)
+
+
+@pytest.fixture
+def use(monkeypatch):
+    def install(stem, module):
+        monkeypatch.setitem(hebrus_emu.OVERRIDE, stem, module)
+    return install
+
+
+# ---- the checks the mutations must fail (each is what a test of the op asserts) ---------------------------
+
+def attention_check():
+    from test_metal_qsa_attention import make
+
+    args = make(3, 8, 2, 40, 24, 20, 9, torch.float32, "scattered")
+    got = hebrus_emu.qsa_attention(*args)
+    torch.testing.assert_close(got, reference.qsa_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+def select_check():
+    from test_metal_qsa_select import make
+
+    args = make(9, 2, 16, 2, 300, torch.float32, seed=3)
+    assert torch.equal(hebrus_emu.qsa_select(*args, 10), reference.qsa_select(*args, 10))
+
+
+def conv_check(**emu):
+    from test_metal_ple_conv import make
+
+    x = make([5, 0, 9], 12, 4, 3, torch.float32)
+    y, state = hebrus_emu.ple_conv(*x, 3, "silu", **emu)
+    want = reference.ple_conv(*x, 3, "silu")
+    torch.testing.assert_close(y, want[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(state, want[1])
+    return y
+
+
+def test_unmutated_kernels_pass_the_checks():
+    attention_check()
+    select_check()
+    conv_check()
+
+
+# ---- barriers without mem_threadgroup ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem,old,check", [
+    ("qsa_attention", "        q_tile[h][d] = static_cast<float>(q[(head0 + h) * dh + d]);\n      }\n    }\n"
+                      "    threadgroup_barrier(mem_flags::mem_threadgroup);",
+     attention_check),
+    ("qsa_select", "    q_have[lid] = 0;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);", select_check),
+])
+def test_barrier_without_mem_threadgroup_is_caught(tmp_path, use, stem, old, check):
+    new = old.replace("mem_flags::mem_threadgroup", "mem_flags::mem_none")
+    use(stem, mutated(tmp_path, stem, f"{stem}.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        check()
+
+
+def test_barrier_with_device_flag_only_is_caught(tmp_path, use):
+    old = "    q_have[lid] = 0;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);"
+    use("qsa_select", mutated(tmp_path, "qsa_select", "qsa_select.metal", old,
+                              old.replace("mem_flags::mem_threadgroup", "mem_flags::mem_device")))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        select_check()
+
+
+# ---- fast math ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem,old", [
+    ("ple_conv", "precise::exp(-acc)"),
+    ("qsa_pool", "precise::cos(angle)"),
+    ("qsa_pool", "precise::rsqrt("),
+    ("qsa_attention", "precise::exp(s - m_sub)"),
+])
+def test_fast_math_is_refused(tmp_path, stem, old):
+    with pytest.raises(msl_emu.MSLError, match=r"fast::\w+ is refused by the emulator"):
+        mutated(tmp_path, stem, f"{stem}.metal", old, old.replace("precise::", "fast::"))
+
+
+# ---- threadgroup memory and threadgroup size limits --------------------------------------------------------
+
+def test_threadgroup_memory_over_32k_is_refused(tmp_path, use):
+    # cand[QB][TILE] doubled: 16 KiB of top-k plus 16 KiB of candidates plus the small arrays > 32 KiB.
+    use("qsa_select", mutated(tmp_path, "qsa_select", "qsa_select.metal", "threadgroup ulong cand[QB][TILE];",
+                              "threadgroup ulong cand[QB][TILE * 2];"))
+    with pytest.raises(msl_emu.MSLError, match=r"threadgroup memory of \d+ bytes exceeds the 32768 bytes"):
+        select_check()
+
+
+def test_threadgroup_over_max_total_threads_is_refused(tmp_path, use):
+    use("qsa_attention", mutated(tmp_path, "qsa_attention", "qsa_attention.metal",
+                                 "max_total_threads_per_threadgroup(HEBRUS_QSA_ATTN_TG)",
+                                 "max_total_threads_per_threadgroup(128)"))
+    with pytest.raises(msl_emu.MSLError, match=r"threadgroups of 256 threads exceed the kernel's "
+                                               r"max_total_threads_per_threadgroup\(128\)"):
+        attention_check()
+
+
+def test_kernels_declare_their_limits():
+    assert hebrus_emu.module("qsa_attention").limits["qsa_attention_h8_d256_float"] == 256
+    assert hebrus_emu.module("qsa_select").limits["qsa_select_k512_half"] == 256
+    assert hebrus_emu.module("qsa_pool").limits["qsa_pool_float"] == 256
+
+
+# ---- FMA contraction ------------------------------------------------------------------------------------------
+
+def test_contraction_pragma_is_what_pins_the_bits(tmp_path, use):
+    # With the pragma, -ffp-contract=fast (-O2 -mfma) gives the bits of =off (tests/test_mps_glue.py);
+    # without it the same build fuses acc + w * u and the conv output changes.
+    if os.uname().machine != "x86_64":
+        pytest.skip("the -mfma build is set up for x86-64")
+    base = conv_check()
+    old = "#pragma METAL fp contract(off)\n"
+    use("ple_conv", mutated(tmp_path, "ple_conv", "hebrus_metal_common.h", old, "",
+                            opt="-O2", extra=("-ffp-contract=fast", "-mfma")))
+    y = conv_check()  # still within the tolerance of the reference ...
+    assert not torch.equal(y, base)  # ... but other bits: the GPU's would depend on the compiler
