@@ -1,0 +1,79 @@
+"""Create every pipeline state of the hebrus Metal kernels on a Mac and check it (macOS workflow).
+
+For each mps_kernels/<op>.metal the embedded source (mps_kernels/embed_metal.py, with and without
+bfloat kernels, as csrc/mps/hebrus_mps.h hands it to Metal) is compiled with torch.mps.compile_shader,
+every kernel the glue can launch is fetched from the library (which creates its pipeline state), and
+each pipeline is checked: thread execution width 32 (the kernels' SIMD-group layouts assume it), at
+least as many threads per threadgroup as the launch plan dispatches (mps_kernels/hebrus_launch.h)
+and at most 32 KiB of static threadgroup memory. Exits non-zero on any failure, including no MPS
+device: this is a required check, not an advisory one.
+
+Run: python tests/metal/check_pipelines.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "mps_kernels")
+sys.path.insert(0, KERNEL_DIR)
+
+import embed_metal  # noqa: E402
+
+TYPES = ("float", "half", "bfloat")
+ATTN = tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256))
+# kernel -> threads per threadgroup the glue dispatches (hebrus_launch.h: HEBRUS_*_TG, HEBRUS_CHECK_TG)
+KERNELS = {
+    "ple_conv": {**{f"ple_conv_{t}": 256 for t in TYPES}, "ple_conv_check_cu": 256},
+    "ple_ngram_ids": {"ple_ngram_ids_long": 256, "ple_ngram_ids_check_cu": 256},
+    "qsa_pool": {f"qsa_pool_{t}": 256 for t in TYPES},
+    "qsa_select": {f"qsa_select_{v}_{t}": 256 for v in ("k512", "k2048") for t in TYPES},
+    "qsa_attention": {**{f"qsa_attention_{v}_{t}": 256 for v in ATTN for t in TYPES},
+                      "qsa_attention_check_cells": 256},
+}
+SIMD_WIDTH = 32
+MAX_TG_MEMORY = 32768
+
+
+def main() -> int:
+    import torch
+
+    if not torch.backends.mps.is_available():
+        print("FAIL: no MPS device (torch.backends.mps.is_available() is False)")
+        return 1
+    sources = embed_metal.metal_sources(KERNEL_DIR)
+    assert set(sources) == set(KERNELS), (sorted(sources), sorted(KERNELS))
+    failures = 0
+    for bfloat in (True, False):
+        for stem, kernels in KERNELS.items():
+            src = ("#define HEBRUS_METAL_BFLOAT 1\n" if bfloat else "") + sources[stem]
+            try:
+                lib = torch.mps.compile_shader(src)
+            except Exception as e:  # noqa: BLE001
+                print(f"FAIL {stem} (bfloat={bfloat}): compile: {e}")
+                failures += 1
+                continue
+            for name, group in kernels.items():
+                if not bfloat and name.endswith("_bfloat"):
+                    continue
+                try:
+                    fn = getattr(lib, name)  # creates the pipeline state
+                    width = fn.thread_execution_width
+                    max_threads = fn.max_threads_per_threadgroup
+                    tg_mem = fn.static_thread_group_memory_length
+                except Exception as e:  # noqa: BLE001
+                    print(f"FAIL {name} (bfloat={bfloat}): pipeline: {e}")
+                    failures += 1
+                    continue
+                ok = width == SIMD_WIDTH and max_threads >= group and tg_mem <= MAX_TG_MEMORY
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {name} (bfloat={bfloat}): width {width}, max threads {max_threads} "
+                      f"(launch {group}), static threadgroup memory {tg_mem} B")
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
