@@ -296,7 +296,6 @@ struct Fiber {
   alignas(16) unsigned char slot[SLOT];
   alignas(16) unsigned char view[SIMD][SLOT]; uint32_t view_mask;  // snapshot of the SIMD-group exchange
   int bflags = 0;        // mem_flags of the threadgroup_barrier the fiber waits at
-  uint simd_calls = 0;   // SIMD-group functions called so far (the same count in every lane of a SIMD-group)
 };
 struct LaunchDesc {  // C ABI, mirrored in msl_emu.py
   uint32_t grid[3], tg[3]; int32_t mode;  // mode 0: grid = threadgroups per grid; 1: grid = threads per grid (dispatchThreads)
@@ -413,7 +412,6 @@ inline void init_fiber(Group& g, uint i) {
 template <class T> inline Fiber& exchange(const T& v, const char* file, int line) {
   static_assert(sizeof(T) <= SLOT, "value too large for simd exchange");
   std::memcpy(me().slot, (const void*)&v, sizeof(T));
-  me().simd_calls++;
   block(AT_SIMD, file, line);
   return me();
 }
@@ -478,7 +476,7 @@ inline void barrier_visibility(Group& g, int flags) {
 inline bool run_group(Group& g) {
   const LaunchDesc& L = *g.L; uint n = g.nthreads;
   for (uint i = 0; i < n; i++) {
-    Fiber& f = g.f[i]; f.st = READY; f.lin = i; f.file = "?"; f.line = 0; f.bflags = 0; f.simd_calls = 0;
+    Fiber& f = g.f[i]; f.st = READY; f.lin = i; f.file = "?"; f.line = 0; f.bflags = 0;
     f.lid = uint3(i % g.tgsz.x, (i / g.tgsz.x) % g.tgsz.y, i / (g.tgsz.x * g.tgsz.y));
     init_fiber(g, i);
   }
