@@ -30,6 +30,14 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "ple_conv_into(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
       "str activation, Tensor(a!) y, Tensor(b!) new_state) -> ()");
+  // Slot-indexed forms of the PLE ops (issue 19): row r's history / conv tail is read from and
+  // written back to pool[slots[r]] in place (as causal-conv1d's conv_state_indices); distinct slots.
+  m.def(
+      "ple_ngram_ids_slots(Tensor tokens, Tensor cu_seqlens, Tensor(a!) history_pool, Tensor slots, "
+      "Tensor multipliers, Tensor vocab_sizes, Tensor offsets, int eos, int vocab) -> Tensor");
+  m.def(
+      "ple_conv_slots(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor(a!) state_pool, Tensor slots, "
+      "int dilation, str activation) -> Tensor");
   // QSA (SPEC §3): pooled, normed, roped key per 4-token group; fails on a hole.
   m.def(
       "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "
@@ -96,9 +104,16 @@ void out_variant_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKey
 TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention"})
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
-  m.impl("ple_conv_into", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
+  // The slot ops write their pool in place as ple_conv_into writes its buffers (refused under grad
+  // mode with an input that requires grad; autogradNotImplementedFallback would skip the
+  // ADInplaceOrView kernel below, which bumps the pool's version).
+  for (const char* op : {"ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 
 TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
   m.impl("ple_conv_into", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  // The slot ops write their pool in place (and return only fresh outputs): its version is bumped.
+  m.impl("ple_ngram_ids_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  m.impl("ple_conv_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
 }

@@ -12,6 +12,11 @@ SCHEMAS = {
                 "str activation) -> (Tensor, Tensor)",
     "ple_conv_into": "ple_conv_into(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
                      "str activation, Tensor(a!) y, Tensor(b!) new_state) -> ()",
+    "ple_ngram_ids_slots": "ple_ngram_ids_slots(Tensor tokens, Tensor cu_seqlens, Tensor(a!) history_pool, "
+                           "Tensor slots, Tensor multipliers, Tensor vocab_sizes, Tensor offsets, int eos, "
+                           "int vocab) -> Tensor",
+    "ple_conv_slots": "ple_conv_slots(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor(a!) state_pool, "
+                      "Tensor slots, int dilation, str activation) -> Tensor",
     "qsa_pool": "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "
                 "Tensor norm_weight, float eps, Tensor inv_freq) -> Tensor",
     "qsa_select": "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "

@@ -130,6 +130,86 @@ def no_overlap(op: str, outs: dict[str, torch.Tensor], inputs: dict[str, torch.T
                   f"{out_name} shares memory with {name}; the outputs must not overlap the inputs or each other")
 
 
+def _no_storage(t: torch.Tensor) -> bool:
+    """A fake, meta or functional tensor (under torch.compile): no memory to compare."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor) or t.device.type == "meta" or torch._is_functional_tensor(t)
+
+
+def _slots(slots, batch: int, op: str) -> None:
+    _dims(slots, 1, op, "slots")
+    _dtype(slots, torch.int32, op, "slots")
+    check(slots.shape[0] == batch, op, f"slots must have one entry per row (B = {batch}), got {slots.shape[0]}")
+
+
+def _pool_writable(op: str, pool, pool_name: str, inputs: dict) -> None:
+    check(pool.is_contiguous(), op, f"{pool_name} must be contiguous (it is updated in place)")
+    if _no_storage(pool):
+        return
+    for name, t in inputs.items():
+        span, other = _byte_span(pool), _byte_span(t)
+        check(span is None or other is None or span[0] != other[0] or span[2] <= other[1] or other[2] <= span[1], op,
+              f"{pool_name} shares memory with {name}; the pool is written in place and must not overlap the inputs")
+
+
+def ple_conv_slots(x, weight, cu_seqlens, state_pool, slots, dilation, activation) -> int:
+    """Metadata of hebrus::ple_conv_slots; returns S (the pool's slot count)."""
+    op = "ple_conv_slots"
+    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state_pool=state_pool, slots=slots)
+    _dims(x, 2, op, "x")
+    _dims(weight, 2, op, "weight")
+    _dims(state_pool, 3, op, "state_pool")
+    _dtype(x, FLOAT_DTYPES, op, "x")
+    check(weight.dtype == x.dtype, op, f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    check(state_pool.dtype == x.dtype, op, f"state_pool dtype {state_pool.dtype} must match x dtype {x.dtype}")
+    batch = check_cu_seqlens(cu_seqlens, op)
+    _slots(slots, batch, op)
+    check(dilation >= 1, op, f"dilation must be >= 1, got {dilation}")
+    check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    channels = x.shape[1]
+    width = weight.shape[1]
+    check(weight.shape[0] == channels and width >= 1, op,
+          f"weight must have shape (C, K) with C = {channels} and K >= 1, got {tuple(weight.shape)}")
+    state_len = (width - 1) * dilation
+    check(state_pool.shape[1] == state_len and state_pool.shape[2] == channels, op,
+          f"state_pool must have shape (S, (K-1)*dilation, C) = (S, {state_len}, {channels}), "
+          f"got {tuple(state_pool.shape)}")
+    _pool_writable(op, state_pool, "state_pool", {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "slots": slots})
+    return state_pool.shape[0]
+
+
+def ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes, offsets, eos,
+                        vocab) -> tuple[int, int]:
+    """Metadata of hebrus::ple_ngram_ids_slots; returns (N, number of hash heads)."""
+    op = "ple_ngram_ids_slots"
+    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history_pool=history_pool, slots=slots,
+                 multipliers=multipliers, vocab_sizes=vocab_sizes, offsets=offsets)
+    for name, t in (("tokens", tokens), ("history_pool", history_pool), ("multipliers", multipliers),
+                    ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
+        _dtype(t, torch.int64, op, name)
+    _dims(tokens, 1, op, "tokens")
+    _dims(multipliers, 1, op, "multipliers")
+    _dims(vocab_sizes, 1, op, "vocab_sizes")
+    _dims(offsets, 1, op, "offsets")
+    _dims(history_pool, 2, op, "history_pool")
+    batch = check_cu_seqlens(cu_seqlens, op)
+    _slots(slots, batch, op)
+    n = multipliers.shape[0]
+    check(n >= 2, op, f"multipliers must have N >= 2 entries (ngram_size), got {n}")
+    heads = vocab_sizes.shape[0]
+    check(heads >= n - 1 and heads % (n - 1) == 0, op,
+          f"vocab_sizes must have (N-1)*H entries for N={n}, got {heads}")
+    check(offsets.shape[0] == heads, op, f"offsets must have {heads} entries like vocab_sizes, got {offsets.shape[0]}")
+    check(history_pool.shape[1] == n - 1, op,
+          f"history_pool must have shape (S, N-1) = (S, {n - 1}), got {tuple(history_pool.shape)}")
+    check(vocab > 0, op, f"vocab must be positive, got {vocab}")
+    check(-(1 << 63) <= eos < (1 << 63), op, f"eos {eos} must be an int64")
+    _pool_writable(op, history_pool, "history_pool",
+                   {"tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "multipliers": multipliers,
+                    "vocab_sizes": vocab_sizes, "offsets": offsets})
+    return n, heads
+
+
 def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq) -> None:
     op = "qsa_pool"
     _same_device(op, keys=keys, cell_pos=cell_pos, group_cells=group_cells, group_pos=group_pos,

@@ -714,23 +714,19 @@ def test_commit_that_cannot_complete_rolls_back_every_holder(model, monkeypatch)
 
 
 def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
-    """A publish that fails anyway (a device error in PLE's copies) ended only the failing holder's
-    transaction: the QSA cache stayed inside one for good and the PLE state was half published."""
+    """A publish that fails anyway (a device error in a holder's commit) ended only the failing holder's
+    transaction: the QSA cache stayed inside one for good and the PLE state was half published. (PLE's
+    ops now update its pool in place, so its commit has no copies left to fail: the failure is
+    injected into the commit itself.)"""
     mc = make_cache(model)
     tables = Tables(mc)
     a = mc.new_sequence()
     feed(mc, tables, a, torch.arange(1, 6), [])
     before = digests(mc)
-    real = torch.Tensor.index_copy_
-    conv_state = mc.ple.conv_state.untyped_storage().data_ptr()
 
-    def failing(self, *args, **kwargs):          # after the n-gram histories are published
-        if self.untyped_storage().data_ptr() == conv_state and not failing.done:
-            failing.done = True
-            raise torch.OutOfMemoryError("injected failure while PLE publishes its conv tails")
-        return real(self, *args, **kwargs)
+    def failing():
+        raise torch.OutOfMemoryError("injected failure while PLE publishes")
 
-    failing.done = False
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         with mc.transaction(ht.Batch.pack({a: torch.arange(6, 12)})) as step:
             for li in mc.ple.layer_ids:
@@ -739,7 +735,7 @@ def test_a_commit_that_raises_ends_every_transaction(model, monkeypatch):
             for li in mc.qsa.layer_ids:
                 step.qsa_write(li, tables.keys[step.batch.tokens])
             b = mc.new_sequence()
-            monkeypatch.setattr(torch.Tensor, "index_copy_", failing)
+            monkeypatch.setattr(mc.ple, "_txn_commit", failing)
     monkeypatch.undo()
     assert not (mc.in_transaction or mc.ple.in_transaction or mc.qsa.in_transaction)
     assert digests(mc) == before

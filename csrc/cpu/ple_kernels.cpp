@@ -19,6 +19,7 @@
 #include "cpu/hebrus_simd.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
+#include "ple_slots_checks.h"
 
 // Vector values only live inside always_inline helpers of one clone; no ABI crosses them.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -131,6 +132,7 @@ struct NgramArgs {
   const HeadLanes* lanes;  // null: some divisor is >= kFastModLimit
   int64_t batch, n, ctx, heads, eos;
   int64_t* out;
+  const int32_t* slots = nullptr;  // ple_ngram_ids_slots: row r's history is hist[slots[r]] (else hist[r])
 };
 
 // out[l] = floor_mod(a, p[l]) + offs[l] for the kHeadLanes heads of g, a given by its limbs.
@@ -174,7 +176,7 @@ void ngram_rows(const NgramArgs& a, int64_t begin, int64_t end) {
     // z = history[row] ++ tokens[row]; token t sits at z index i = ctx + (t - start).
     const int64_t start = a.cu[row];
     const int64_t i = ctx + (t - start);
-    const int64_t* h = a.hist + row * ctx;
+    const int64_t* h = a.hist + (a.slots != nullptr ? a.slots[row] : row) * ctx;
     int64_t mixed = wrap_mul(a.tok[t], a.mult[0]);
     bool valid = true;  // no EOS in z[i-k .. i-1]
     int64_t* o = a.out + t * a.heads;
@@ -336,6 +338,7 @@ struct ConvArgs {
   void* y;
   int64_t total, batch, channels, width, state_len, dilation;
   bool silu;
+  const int32_t* slots = nullptr;  // ple_conv_slots: row r's state is state[slots[r]] (else state[r])
 };
 
 // Requests channels [c0, c0 + nc) of x's row `token` (clamped to the last token), a few tokens before
@@ -352,7 +355,8 @@ template <typename T>
 HEBRUS_INLINE const T* u_row(const ConvArgs& a, int64_t row, int64_t start, int64_t m, int64_t c0) {
   const int64_t channels = a.channels, state_len = a.state_len;
   return (m >= state_len ? static_cast<const T*>(a.x) + (start + m - state_len) * channels
-                         : static_cast<const T*>(a.state) + (row * state_len + m) * channels) +
+                         : static_cast<const T*>(a.state) +
+                               ((a.slots != nullptr ? a.slots[row] : row) * state_len + m) * channels) +
          c0;
 }
 
@@ -546,6 +550,113 @@ void ple_conv_into_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_s
   run_ple_conv(x, weight, cu_t, state, sz, dilation, y, new_state);
 }
 
+// ---- slot-indexed forms: the state pool read and written in place by slot id -------------------------
+// The same arithmetic as ple_ngram_ids / ple_conv (the same row loops, reading row r's state at its
+// slot), so the bits equal the gather -> op -> scatter path. Every check runs before anything is
+// written; the slots are distinct, so the rows' in-place updates never touch one another.
+
+Tensor ple_ngram_ids_slots_cpu(const Tensor& tokens, const Tensor& cu_seqlens, Tensor& history_pool,
+                               const Tensor& slots, const Tensor& multipliers, const Tensor& vocab_sizes,
+                               const Tensor& offsets, int64_t eos, int64_t vocab) {
+  const char* op = "ple_ngram_ids_slots";
+  check_on_device(op, at::kCPU,
+                  {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history_pool", &history_pool},
+                   {"slots", &slots}, {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes},
+                   {"offsets", &offsets}});
+  const PleNgramIdsSlotsSizes sz = check_ple_ngram_ids_slots_args(tokens, cu_seqlens, history_pool, slots,
+                                                                  multipliers, vocab_sizes, offsets, vocab);
+  const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
+  const Tensor slot_t = check_slot_values(op, slots, sz.pool);
+  const Tensor tok_t = tokens.contiguous(), mult_t = multipliers.contiguous();
+  const Tensor sizes_t = vocab_sizes.contiguous(), off_t = offsets.contiguous();
+  check_ids_in_range(op, tok_t, vocab, "tokens", false, eos);
+  const int32_t* sl = slot_t.data_ptr<int32_t>();
+  int64_t* hist = history_pool.data_ptr<int64_t>();
+  for (const auto row : c10::irange(batch)) {
+    for (const auto j : c10::irange(ctx)) {
+      const int64_t v = hist[sl[row] * ctx + j];
+      HEBRUS_CHECK((v >= 0 && v < vocab) || v == eos, HebrusError, "hebrus::", op, ": history_pool[", sl[row], ", ",
+                   j, "] = ", v, " (slot of row ", row, ") is outside [0, vocab=", vocab, ") and is not eos");
+    }
+  }
+  const int64_t* sizes = sizes_t.data_ptr<int64_t>();
+  for (const auto h : c10::irange(heads)) {
+    HEBRUS_CHECK(sizes[h] > 0, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ", sizes[h]);
+  }
+  Tensor row_ids = at::empty({total, heads}, tokens.options());
+  const int32_t* cu = cu_t.data_ptr<int32_t>();
+  const int64_t* tok = tok_t.data_ptr<int64_t>();
+  bool fast = true;
+  for (const auto h : c10::irange(heads)) fast = fast && sizes[h] < kFastModLimit;
+  const int64_t* offs = off_t.data_ptr<int64_t>();
+  const std::vector<HeadLanes> lanes = fast ? head_lanes(sizes, offs, ctx, heads / ctx) : std::vector<HeadLanes>{};
+  NgramArgs args{cu, tok, hist, mult_t.data_ptr<int64_t>(), sizes, offs, fast ? lanes.data() : nullptr,
+                 batch, n, ctx, heads, eos, row_ids.data_ptr<int64_t>()};
+  args.slots = sl;
+  at::parallel_for(0, total, 2048, [&](int64_t begin, int64_t end) { ngram_rows(args, begin, end); });
+  // Every row id is written: now the histories, in place (the last ctx entries of history ++ tokens).
+  std::vector<int64_t> row_hist(static_cast<size_t>(ctx));
+  for (const auto row : c10::irange(batch)) {
+    const int64_t start = cu[row], len = cu[row + 1] - cu[row];
+    if (len == 0) continue;
+    int64_t* h = hist + sl[row] * ctx;
+    for (const auto j : c10::irange(ctx)) {
+      const int64_t m = len + j;
+      row_hist[static_cast<size_t>(j)] = m >= ctx ? tok[start + (m - ctx)] : h[m];
+    }
+    std::copy(row_hist.begin(), row_hist.end(), h);
+  }
+  return row_ids;
+}
+
+Tensor ple_conv_slots_cpu(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, Tensor& state_pool,
+                          const Tensor& slots, int64_t dilation, c10::string_view activation) {
+  const char* op = "ple_conv_slots";
+  check_on_device(op, at::kCPU,
+                  {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state_pool", &state_pool},
+                   {"slots", &slots}});
+  const PleConvSlotsSizes sz =
+      check_ple_conv_slots_args(x, weight, cu_seqlens, state_pool, slots, dilation, activation);
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
+  const Tensor slot_t = check_slot_values(op, slots, sz.pool);
+  const int64_t batch = sz.batch, channels = sz.channels, state_len = sz.state_len;
+  Tensor y = at::empty(x.sizes(), x.options());
+  const Tensor xc = x.contiguous();
+  const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
+  const int32_t* cu = cu_t.data_ptr<int32_t>();
+  const int32_t* sl = slot_t.data_ptr<int32_t>();
+  ConvArgs args{xc.data_ptr(), state_pool.data_ptr(), w_kc.data_ptr<float>(), cu, y.data_ptr(),
+                sz.total, batch, channels, sz.width, state_len, dilation, sz.silu};
+  args.slots = sl;
+  const auto dtype = x.scalar_type();
+  void (*conv_tokens_fn)(const ConvArgs&, int64_t, int64_t) =
+      dtype == at::kFloat ? conv_tokens_f32 : dtype == at::kHalf ? conv_tokens_f16 : conv_tokens_bf16;
+  at::parallel_for(0, sz.total, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, channels)),
+                   [&](int64_t begin, int64_t end) { conv_tokens_fn(args, begin, end); });
+  // Every y is written (it read the old tails): now each row's tail, in place: the last L entries of
+  // tail ++ x, i.e. the tail shifted by len rows and x's last rows after it.
+  const auto elem = static_cast<int64_t>(xc.element_size());
+  const int64_t row_bytes = channels * elem;
+  const char* xb = static_cast<const char*>(xc.data_ptr());
+  char* pb = static_cast<char*>(state_pool.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, state_len * row_bytes));
+  at::parallel_for(0, row_bytes > 0 && state_len > 0 ? batch : 0, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t len = cu[row + 1] - cu[row];
+      if (len == 0) continue;
+      char* tail = pb + static_cast<int64_t>(sl[row]) * state_len * row_bytes;
+      if (len >= state_len) {
+        std::memcpy(tail, xb + (cu[row + 1] - state_len) * row_bytes, static_cast<size_t>(state_len * row_bytes));
+      } else {
+        std::memmove(tail, tail + len * row_bytes, static_cast<size_t>((state_len - len) * row_bytes));
+        std::memcpy(tail + (state_len - len) * row_bytes, xb + cu[row] * row_bytes, static_cast<size_t>(len * row_bytes));
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -553,4 +664,6 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("ple_ngram_ids", &hebrus::ple_ngram_ids_cpu);
   m.impl("ple_conv", &hebrus::ple_conv_cpu);
   m.impl("ple_conv_into", &hebrus::ple_conv_into_cpu);
+  m.impl("ple_ngram_ids_slots", &hebrus::ple_ngram_ids_slots_cpu);
+  m.impl("ple_conv_slots", &hebrus::ple_conv_slots_cpu);
 }

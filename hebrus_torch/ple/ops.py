@@ -41,6 +41,43 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
         return y, new_state
 
 
+def ple_ngram_ids_slots(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history_pool: torch.Tensor,
+                        slots: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,
+                        offsets: torch.Tensor, eos: int, vocab: int) -> torch.Tensor:
+    """:func:`ple_ngram_ids` with row r's history read from and written back to ``history_pool[slots[r]]``
+    in place; see :func:`hebrus_torch.reference.ple_ngram_ids_slots`.
+
+    Shapes: history_pool [S, N-1] i64 (contiguous, mutated), slots [B] i32 (distinct) -> row_ids [T, (N-1)*H].
+    """
+    with translated():
+        return torch.ops.hebrus.ple_ngram_ids_slots.default(tokens, cu_seqlens, history_pool, slots, multipliers,
+                                                            vocab_sizes, offsets, eos, vocab)
+
+
+def ple_conv_slots(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
+                   slots: torch.Tensor, dilation: int = 3, activation: str = "silu") -> torch.Tensor:
+    """:func:`ple_conv` with row r's conv tail read from and written back to ``state_pool[slots[r]]`` in
+    place; see :func:`hebrus_torch.reference.ple_conv_slots`.
+
+    Shapes: state_pool [S, (K-1)*dilation, C] like x (contiguous, mutated), slots [B] i32 (distinct) -> y [T, C].
+    """
+    with translated():
+        return torch.ops.hebrus.ple_conv_slots.default(x, weight, cu_seqlens, state_pool, slots, dilation, activation)
+
+
+@torch.library.register_fake("hebrus::ple_ngram_ids_slots")
+def _ple_ngram_ids_slots_fake(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes, offsets, eos, vocab):
+    _, heads = _validate.ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes,
+                                             offsets, eos, vocab)
+    return tokens.new_empty((tokens.shape[0], heads))
+
+
+@torch.library.register_fake("hebrus::ple_conv_slots")
+def _ple_conv_slots_fake(x, weight, cu_seqlens, state_pool, slots, dilation, activation):
+    _validate.ple_conv_slots(x, weight, cu_seqlens, state_pool, slots, dilation, activation)
+    return x.new_empty(x.shape)
+
+
 @torch.library.register_fake("hebrus::ple_ngram_ids")
 def _ple_ngram_ids_fake(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab):
     _, heads = _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)

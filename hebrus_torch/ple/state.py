@@ -37,10 +37,38 @@ class _PLESavepoint:
     """A point inside an open transaction to return to (see ``PLEState._txn_restore``)."""
 
     undo_len: int
-    staged_history: list[dict[int, tuple[torch.Tensor, int]]]
-    staged_tails: list[dict[int, tuple[torch.Tensor, int]]]
     generation: list[int]
     live: list[bool]
+
+
+@dataclass(frozen=True)
+class _SlotUndo:
+    """A lifecycle op's undo: every layer's history and tails of one slot, as they were."""
+
+    slot: int
+    history: torch.Tensor      # [layers, N-1]
+    tails: torch.Tensor        # [layers, L, C]
+
+
+@dataclass(frozen=True)
+class _HistoryUndo:
+    """ngram_ids' undo: the histories of the rows' slots before the in-place update."""
+
+    layer: int
+    slots: torch.Tensor        # [B] int64
+    rows: torch.Tensor         # [B, N-1]
+
+
+@dataclass(frozen=True)
+class _TailUndo:
+    """conv's undo, only what the in-place update dropped: a row that consumed n tokens lost the first
+    min(n, L) entries of its tail (the rest moved n places left), so ``rows[b, :n]`` ++ the current
+    ``tail[:L - n]`` is the old tail. ``kept`` [B] int64 is min(n, L)."""
+
+    layer: int
+    slots: torch.Tensor        # [B] int64
+    kept: torch.Tensor         # [B] int64, min(n, L) per row
+    rows: torch.Tensor         # [B, max kept, C]
 
 
 @dataclass(frozen=True)
@@ -59,8 +87,9 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
     transformers' cache does, so a layer never depends on whether another ran this chunk), ``conv_state`` [layers, S, L, C] of ``dtype``,
     ``generation`` [S] int64 and ``live`` [S] bool. L = (K-1) * dilation. Sequences are addressed by
     ``SeqHandle``; a chunk runs through :meth:`ngram_ids` (once per chunk) and :meth:`conv` (once per
-    layer), which read each sequence's state by slot and stage the new state; it is published on
-    commit of the enclosing :func:`hebrus_torch.transaction`, or at once when there is none.
+    layer), which update each sequence's state in place by slot (``hebrus::ple_ngram_ids_slots`` /
+    ``hebrus::ple_conv_slots``) and log what they overwrite: a rollback of the enclosing
+    :func:`hebrus_torch.transaction` restores it bitwise; its commit has nothing left to publish.
 
     Args:
         num_layers: number of PLE layers.
@@ -128,15 +157,10 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
             self.register_buffer(f"offsets_{i}", p.offsets.clone().to(device), persistent=False)
         self._has_hash = hash_params is not None
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
-        # Staged rows per layer: slot -> (tensor, row) of the op output that holds the slot's new state.
-        self._staged_history: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
-        self._staged_tails: list[dict[int, tuple[torch.Tensor, int]]] = [{} for _ in range(num_layers)]
-        # Undo log of the open transaction: (slot, history rows, conv tails) before each in-place change.
-        self._undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # Every change is made in place (the slot ops update the pool rows by slot id; lifecycle ops write
+        # slots); the undo log of the open transaction holds what each change overwrote, in order.
+        self._undo: list[_SlotUndo | _HistoryUndo | _TailUndo] = []
         self._base: _PLESavepoint | None = None
-        # The commit's copies, built by _txn_prepare: (buffer row view, slots, new rows, rows they replace).
-        self._prepared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._committed = False
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -184,7 +208,6 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         with atomic(self):
             slot = self.slots.check(seq)
             self.slots.release(seq)
-            self._drop_staged(slot)
             self._sync_slot_buffers()
 
     def reset(self, seq: SeqHandle) -> SeqHandle:
@@ -225,13 +248,9 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
                     self.free(other)
 
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
-        """A cheap copy of one sequence's current state (staged changes included)."""
+        """A cheap copy of one sequence's current state (changes of an open transaction included)."""
         slot = self.slots.check(seq)
-        history = torch.stack([self._staged_row(self.history[i], self._staged_history[i], slot)
-                               for i in range(self.num_layers)]).clone()
-        tails = torch.stack([self._staged_row(self.conv_state[i], self._staged_tails[i], slot)
-                             for i in range(self.num_layers)]).clone()
-        return PLESnapshot(seq, position, history, tails)
+        return PLESnapshot(seq, position, self.history[:, slot].clone(), self.conv_state[:, slot].clone())
 
     def restore(self, seq: SeqHandle, state: PLESnapshot | bytes) -> None:
         """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
@@ -255,22 +274,26 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
     # ----------------------------------------------------------------------------- chunk execution
     def ngram_ids(self, layer: int, seqs: Sequence[SeqHandle], tokens: torch.Tensor,
                   cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Row ids ``[T, (N-1)*H]`` int64 of a packed chunk for PLE layer ``layer``; stages its new history.
+        """Row ids ``[T, (N-1)*H]`` int64 of a packed chunk for PLE layer ``layer``; updates its history in place.
 
         Args: seqs: one handle per packed row; tokens: Tensor[T] int64; cu_seqlens: Tensor[B+1] int32.
         """
         slots = self._slots_of(seqs, cu_seqlens)
         p = self.hash_params(layer)
-        history = self._gather(self.history[layer], self._staged_history[layer], slots)
-        row_ids, new_history = ops.ple_ngram_ids(tokens, cu_seqlens, history, p.multipliers, p.vocab_sizes,
-                                                 p.offsets, self.eos_token_id, self.vocab_size)
+        pool = self.history[layer]
+        index = torch.tensor(slots, dtype=torch.int64, device=pool.device)
         with atomic(self):
-            self._stage(self._staged_history[layer], slots, new_history)
+            # In place by slot (hebrus::ple_ngram_ids_slots); the undo entry is logged once the op has
+            # succeeded (a refused op writes nothing).
+            undo = _HistoryUndo(layer, index, pool.index_select(0, index))
+            row_ids = ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index.to(torch.int32), p.multipliers,
+                                              p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
+            self._undo.append(undo)
         return row_ids
 
     def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
              weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Dilated causal conv ``[T, C]`` of a packed chunk for PLE layer ``layer``; stages the new tails.
+        """Dilated causal conv ``[T, C]`` of a packed chunk for PLE layer ``layer``; updates its tails in place.
 
         ``weight`` is ``[C, K]`` (or transformers' ``[C, 1, K]``); defaults to the layer's registered weight.
         """
@@ -294,11 +317,26 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
             raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
                               f"[C, 1, K]), got {got}")
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
-        state = self._gather(self.conv_state[layer], self._staged_tails[layer], slots).to(x.dtype)
-        y, new_state = ops.ple_conv(x, weight, cu_seqlens, state, self.dilation, self.activation)
+        pool = self.conv_state[layer]
+        index = torch.tensor(slots, dtype=torch.int64, device=pool.device)
+        in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         with atomic(self):
-            # The state carries no autograd history (the op's outputs require grad when the weight does).
-            self._stage(self._staged_tails[layer], slots, new_state.detach().to(self.conv_state.dtype))
+            if in_place:
+                # hebrus::ple_conv_slots updates the tails in the pool; the undo keeps only the entries the
+                # update drops (decode: one of the L rows per sequence), logged once the op has succeeded.
+                undo = self._tail_undo(layer, index, cu_seqlens)
+                y = ops.ple_conv_slots(x, weight, cu_seqlens, pool, index.to(torch.int32), self.dilation,
+                                       self.activation)
+                self._undo.append(undo)
+                return y
+            # x narrower than the state, or a conv whose output must carry autograd history (the op's
+            # output requires grad when the weight does): gather, op, write back (the state itself
+            # carries no autograd history).
+            old = pool.index_select(0, index)
+            y, new_state = ops.ple_conv(x, weight, cu_seqlens, old.to(x.dtype), self.dilation, self.activation)
+            with torch.no_grad():
+                pool.index_copy_(0, index, new_state.detach().to(pool.dtype))
+            self._undo.append(_TailUndo(layer, index, torch.full_like(index, self.state_len), old))
         return y
 
     # ----------------------------------------------------------------------------- transactions
@@ -307,78 +345,68 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         self._base = self._txn_savepoint()
 
     def _reset_staging(self) -> None:
-        self._staged_history = [{} for _ in range(self.num_layers)]
-        self._staged_tails = [{} for _ in range(self.num_layers)]
         self._undo = []
-        self._prepared = None
-        self._committed = False
         self._base = None
 
-    def _txn_prepare(self) -> None:
-        """Every allocation of the commit, before anything is published: per layer and op output that
-        staged rows (usually one), the destination slots, the rows to copy and the rows they replace."""
-        plan = []
-        for buffer, staged_layers in ((self.history, self._staged_history), (self.conv_state, self._staged_tails)):
-            for layer, staged in enumerate(staged_layers):
-                by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-                for slot, (source, row) in staged.items():
-                    entry = by_source.setdefault(id(source), (source, [], []))
-                    entry[1].append(slot)
-                    entry[2].append(row)
-                for source, slots, rows in by_source.values():
-                    dst = torch.tensor(slots, dtype=torch.int64, device=buffer.device)
-                    if rows != list(range(source.shape[0])):
-                        source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
-                    plan.append((buffer[layer], dst, source, buffer[layer].index_select(0, dst)))
-        self._prepared = plan
-
     def _txn_commit(self) -> None:
-        """One in-place index_copy_ per prepared entry. Should one fail, the rows already written are put
-        back; until ``_txn_finish`` the replaced rows are kept, so a rollback still undoes the commit."""
-        if self._prepared is None:
-            self._txn_prepare()
-        done = 0
-        try:
-            for target, dst, source, _ in self._prepared:
-                target.index_copy_(0, dst, source)
-                done += 1
-        except BaseException:
-            self._unpublish(self._prepared[:done + 1])
-            raise
-        self._committed = True
+        """Nothing to publish: every change of the block is already in the buffers. Until ``_txn_finish``
+        the undo log is kept, so a rollback (another holder's commit failing) still undoes the block."""
 
     def _txn_finish(self) -> None:
         self._reset_staging()
 
-    def _unpublish(self, entries) -> None:
-        for target, dst, _, old in reversed(entries):
-            target.index_copy_(0, dst, old)
-
     def _txn_rollback(self) -> None:
-        if self._committed:
-            self._unpublish(self._prepared)
         if self._base is not None:
             self._txn_restore(self._base)
         self._reset_staging()
 
     def _txn_savepoint(self) -> "_PLESavepoint":
-        return _PLESavepoint(len(self._undo), [dict(s) for s in self._staged_history],
-                             [dict(s) for s in self._staged_tails], self.slots.generation.tolist(),
-                             self.slots.live.tolist())
+        return _PLESavepoint(len(self._undo), self.slots.generation.tolist(), self.slots.live.tolist())
 
     def _txn_restore(self, sp: "_PLESavepoint") -> None:
-        for slot, history, tails in reversed(self._undo[sp.undo_len:]):
-            self.history[:, slot] = history
-            self.conv_state[:, slot] = tails
+        for entry in reversed(self._undo[sp.undo_len:]):
+            self._apply_undo(entry)
         del self._undo[sp.undo_len:]
-        self._staged_history = [dict(s) for s in sp.staged_history]
-        self._staged_tails = [dict(s) for s in sp.staged_tails]
         self.slots.load(sp.generation, sp.live)
         self._sync_slot_buffers()
 
+    def _apply_undo(self, entry) -> None:
+        with torch.no_grad():
+            if isinstance(entry, _SlotUndo):
+                self.history[:, entry.slot] = entry.history
+                self.conv_state[:, entry.slot] = entry.tails
+            elif isinstance(entry, _HistoryUndo):
+                self.history[entry.layer].index_copy_(0, entry.slots, entry.rows)
+            else:
+                # old[b, j] = rows[b, j] for j < kept[b], else current[b, j - kept[b]].
+                pool = self.conv_state[entry.layer]
+                current = pool.index_select(0, entry.slots)
+                width = entry.rows.shape[1]
+                j = torch.arange(self.state_len, device=pool.device)[None, :]
+                kept = entry.kept.to(pool.device)[:, None]
+                src = torch.where(j < kept, j, width + j - kept)
+                both = torch.cat([entry.rows.to(pool.dtype), current], dim=1)
+                old = both.gather(1, src[:, :, None].expand(-1, -1, pool.shape[2]))
+                pool.index_copy_(0, entry.slots, old)
+
+    def _tail_undo(self, layer: int, index: torch.Tensor, cu_seqlens: torch.Tensor) -> _TailUndo:
+        """What ple_conv_slots drops from each row's tail: its first min(n, L) entries. The token counts
+        come from cu_seqlens on the host where it lives there; on a device, every row keeps its whole tail
+        (no host read inside a step)."""
+        pool = self.conv_state[layer]
+        if cu_seqlens.device.type == "cpu" and cu_seqlens.numel() == index.numel() + 1:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+            kept = lengths.clamp(0, self.state_len)
+            width = int(kept.max()) if kept.numel() else 0
+        else:
+            kept = torch.full_like(index, self.state_len)
+            width = self.state_len
+        rows = pool[index, :width] if width < self.state_len else pool.index_select(0, index)
+        return _TailUndo(layer, index, kept.to(index.device), rows)
+
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
-        self._undo.append((slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))
+        self._undo.append(_SlotUndo(slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))
 
     # ----------------------------------------------------------------------------- device / dtype moves
     def _check_apply(self, fn) -> None:
@@ -523,43 +551,15 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
                               f"got shape {tuple(cu_seqlens.shape)}")
         return slots
 
-    @staticmethod
-    def _staged_row(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slot: int) -> torch.Tensor:
-        if slot in staged:
-            source, row = staged[slot]
-            return source[row]
-        return published[slot]
-
-    @staticmethod
-    def _gather(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slots: list[int]) -> torch.Tensor:
-        """Rows of ``published`` [S, ...] by slot, with rows staged earlier in this transaction on top."""
-        out = published.index_select(0, torch.tensor(slots, dtype=torch.int64, device=published.device))
-        for i, s in enumerate(slots):
-            if s in staged:
-                source, row = staged[s]
-                out[i] = source[row]
-        return out
-
-    @staticmethod
-    def _stage(staged: dict[int, tuple[torch.Tensor, int]], slots: list[int], rows: torch.Tensor) -> None:
-        for i, s in enumerate(slots):
-            staged[s] = (rows, i)
-
     def _clear_slot(self, slot: int) -> None:
         self._log_slot(slot)
-        self._drop_staged(slot)
         self.history[:, slot] = self.eos_token_id
         self.conv_state[:, slot] = 0
 
     def _write_slot(self, slot: int, history: torch.Tensor, tails: torch.Tensor) -> None:
         self._log_slot(slot)
-        self._drop_staged(slot)
         self.history[:, slot] = history.detach().to(self.history.device)
         self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
-
-    def _drop_staged(self, slot: int) -> None:
-        for staged in self._staged_history + self._staged_tails:
-            staged.pop(slot, None)
 
     def _sync_slot_buffers(self) -> None:
         self.generation.copy_(self.slots.generation)
