@@ -16,11 +16,34 @@ from . import _validate
 from .errors import HebrusError, HoleError
 from .qsa.runs import first_hole
 
-__all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "qsa_pool", "qsa_select", "qsa_attention", "check_cu_seqlens_values"]
+__all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
+           "qsa_select", "qsa_attention", "check_cu_seqlens_values", "check_slot_values"]
+
+
+def checks_async(device: torch.device) -> bool:
+    """Whether value checks on ``device`` are device-side asserts (SPEC §4 "Errors on GPUs": CUDA and
+    other accelerators report bad values at their next synchronization, no op waits for the device) or
+    raise at once (CPU; MPS, whose native kernels run wherever the extension is built)."""
+    return device.type not in ("cpu", "mps", "meta")
+
+
+def assert_values(ok: torch.Tensor, op: str, rule: str) -> None:
+    """Device-side check that every entry of the bool tensor ``ok`` holds (``torch._assert_async``): the
+    host does not wait; a failure surfaces at the device's next synchronization, as PyTorch's own
+    index errors do. The message names the op and the rule (the device cannot format values)."""
+    torch._assert_async(ok.all(), f"hebrus::{op}: {rule}")
 
 
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, op: str) -> None:
-    """cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == total (reads values: syncs on a GPU)."""
+    """cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == total (on CPU at once; on CUDA as a device-side
+    assert, with no host synchronization)."""
+    if checks_async(cu_seqlens.device):
+        cu = cu_seqlens.long()
+        ok = (cu[0] == 0) & (cu[-1] == total)
+        if cu.numel() > 1:
+            ok = ok & (cu[1:] >= cu[:-1]).all()
+        assert_values(ok, op, f"cu_seqlens must start at 0, be non-decreasing and end at T = {total}")
+        return
     cu = cu_seqlens.to("cpu", torch.int64)
     if int(cu[0]) != 0 or int(cu[-1]) != total:
         raise HebrusError(f"hebrus::{op}: cu_seqlens must start at 0 and end at T = {total}, "
@@ -127,18 +150,28 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
         new_history: Tensor[B, N-1] int64, the last N-1 raw tokens of ``history ++ tokens``.
     """
     n, heads = _validate.ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab)
-    op = "ple_ngram_ids"
+    return _ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab, n, heads,
+                          "ple_ngram_ids")
+
+
+def _ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab, n, heads, op,
+                   history_name="history"):
     check_cu_seqlens_values(cu_seqlens, tokens.shape[0], op)
-    for name, t in (("tokens", tokens), ("history", history)):
+    if checks_async(tokens.device):
+        hist_ok = ((history >= 0) & (history < vocab)) | (history == eos)
+        assert_values(((tokens >= 0) & (tokens < vocab)).all() & hist_ok.all() & (vocab_sizes > 0).all(), op,
+                      f"token ids must lie in [0, vocab={vocab}), {history_name} ids there or equal eos, "
+                      f"vocab_sizes be positive")
+    for name, t in (() if checks_async(tokens.device) else (("tokens", tokens), (history_name, history))):
         bad = (t < 0) | (t >= vocab)
-        if name == "history":            # a fresh history is [eos]*(N-1), and eos may lie outside the vocabulary
+        if name == history_name:            # a fresh history is [eos]*(N-1), and eos may lie outside the vocabulary
             bad &= t != eos
         if bool(bad.any()):
             where = tuple(int(i) for i in torch.nonzero(bad)[0])
-            tail = " and is not eos" if name == "history" else ""
+            tail = " and is not eos" if name == history_name else ""
             raise HebrusError(f"hebrus::{op}: {name}{list(where)} = {int(t[where])} is outside [0, vocab={vocab})"
                               f"{tail}")
-    if bool((vocab_sizes <= 0).any()):
+    if not checks_async(tokens.device) and bool((vocab_sizes <= 0).any()):
         head = int(torch.nonzero(vocab_sizes <= 0)[0])
         raise HebrusError(f"hebrus::{op}: vocab_sizes[{head}] must be positive, got {int(vocab_sizes[head])}")
     ctx = n - 1
@@ -187,7 +220,11 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
         y: Tensor[T, C] in x's dtype; new_state: Tensor[B, L, C], the last L inputs of ``state ++ x``.
     """
     _validate.ple_conv(x, weight, cu_seqlens, state, dilation, activation)
-    check_cu_seqlens_values(cu_seqlens, x.shape[0], "ple_conv")
+    return _ple_conv(x, weight, cu_seqlens, state, dilation, activation, "ple_conv")
+
+
+def _ple_conv(x, weight, cu_seqlens, state, dilation, activation, op):
+    check_cu_seqlens_values(cu_seqlens, x.shape[0], op)
     width = weight.shape[1]
     state_len = state.shape[1]
     u, token_in_u, _, row_end = _packed_with_prefix(x, state, cu_seqlens)
@@ -196,7 +233,10 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
     for k in range(width):
         acc = acc + w[:, k] * u[token_in_u - (width - 1 - k) * dilation].float()
     if activation == "silu":
-        acc = _silu(acc)
+        # CPU (and MPS, which has no float64: its reference runs only without the extension): the CPU
+        # kernel's bits. Elsewhere torch's own elementwise SiLU, a function of each value alone, so
+        # chunk-invariant on its device (SPEC §6) and with no host round trip.
+        acc = _silu(acc) if x.device.type in ("cpu", "mps") else torch.nn.functional.silu(acc)
     hist_idx = row_end[:, None] - state_len + torch.arange(state_len, device=x.device)[None, :]
     return acc.to(x.dtype), u[hist_idx]
 
@@ -228,6 +268,80 @@ def ple_conv_into_via(conv, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: t
     out_y, out_state = conv(x, weight, cu_seqlens, state, dilation, activation)
     y.copy_(out_y)
     new_state.copy_(out_state)
+
+
+def check_slot_values(slots: torch.Tensor, pool_slots: int, op: str) -> None:
+    """Every slot in [0, S) and none twice (each row updates its slot in place). On CPU at once, with the
+    row and value; on CUDA as a device-side assert (the state holders check the slots they own on the
+    host before launching, SPEC §4)."""
+    s = slots.long()
+    if checks_async(slots.device):
+        ok = ((s >= 0) & (s < pool_slots)).all()
+        if s.numel() > 1:
+            ordered = torch.sort(s).values
+            ok = ok & (ordered[1:] != ordered[:-1]).all()
+        assert_values(ok, op, f"slots must lie in [0, S={pool_slots}) and be distinct")
+        return
+    s = s.cpu().tolist()
+    first: dict[int, int] = {}
+    for row, v in enumerate(s):
+        if not 0 <= v < pool_slots:
+            raise HebrusError(f"hebrus::{op}: slots[{row}] = {v} is outside [0, S={pool_slots})")
+        if v in first:
+            raise HebrusError(f"hebrus::{op}: slot {v} appears twice in one batch (rows {first[v]} and {row}); "
+                              f"each row updates its slot in place")
+        first[v] = row
+
+
+def ple_ngram_ids_slots(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history_pool: torch.Tensor,
+                        slots: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,
+                        offsets: torch.Tensor, eos: int, vocab: int) -> torch.Tensor:
+    """:func:`ple_ngram_ids` whose row r reads its history from ``history_pool[slots[r]]`` and writes the
+    new history back there, in place (issue 19; the slot-indexed form of causal-conv1d's
+    ``conv_state_indices``).
+
+    Args:
+        tokens, cu_seqlens, multipliers, vocab_sizes, offsets, eos, vocab: as :func:`ple_ngram_ids`.
+        history_pool: Tensor[S, N-1] int64, contiguous; the rows of ``slots`` are read and updated.
+        slots: Tensor[B] int32, distinct slots in [0, S), one per row of cu_seqlens.
+
+    Returns:
+        row_ids: Tensor[T, (N-1)*H] int64, equal to ple_ngram_ids on the gathered histories; rows of
+        the pool not named in ``slots`` are untouched, a row with no tokens keeps its history.
+    """
+    n, heads = _validate.ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes,
+                                             offsets, eos, vocab)
+    op = "ple_ngram_ids_slots"
+    check_slot_values(slots, history_pool.shape[0], op)
+    idx = slots.long()
+    row_ids, new_history = _ple_ngram_ids(tokens, cu_seqlens, history_pool.index_select(0, idx), multipliers,
+                                          vocab_sizes, offsets, eos, vocab, n, heads, op, "history_pool[slots]")
+    history_pool.index_copy_(0, idx, new_history)
+    return row_ids
+
+
+def ple_conv_slots(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
+                   slots: torch.Tensor, dilation: int, activation: str) -> torch.Tensor:
+    """:func:`ple_conv` whose row r reads its conv tail from ``state_pool[slots[r]]`` and writes the new
+    tail back there, in place (issue 19), so a decode step moves only the rows it updates.
+
+    Args:
+        x, weight, cu_seqlens, dilation, activation: as :func:`ple_conv`.
+        state_pool: Tensor[S, (K-1)*dilation, C] in x's dtype, contiguous; the rows of ``slots`` are read
+            and updated.
+        slots: Tensor[B] int32, distinct slots in [0, S), one per row of cu_seqlens.
+
+    Returns:
+        y: Tensor[T, C], bitwise ple_conv's on the gathered tails; the pool rows of ``slots`` then hold
+        ple_conv's new_state, the others are untouched.
+    """
+    _validate.ple_conv_slots(x, weight, cu_seqlens, state_pool, slots, dilation, activation)
+    op = "ple_conv_slots"
+    check_slot_values(slots, state_pool.shape[0], op)
+    idx = slots.long()
+    y, new_state = _ple_conv(x, weight, cu_seqlens, state_pool.index_select(0, idx), dilation, activation, op)
+    state_pool.index_copy_(0, idx, new_state)
+    return y
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -377,13 +491,16 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
     if tq == 0:
         return out
     rows = q_row.long()
+    ng = q_groups.long()
+    if checks_async(q.device):
+        assert_values(((rows >= 0) & (rows < seq_groups.shape[0])).all() & ((ng >= 0) & (ng <= max_g)).all(), op,
+                      f"q_row must lie in [0, B={seq_groups.shape[0]}) and q_groups in [0, maxG={max_g}]")
     bad = (rows < 0) | (rows >= seq_groups.shape[0])
-    if bool(bad.any()):
+    if not checks_async(q.device) and bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: q_row[{t}] = {int(rows[t])} is outside [0, B={seq_groups.shape[0]})")
-    ng = q_groups.long()
     bad = (ng < 0) | (ng > max_g)
-    if bool(bad.any()):
+    if not checks_async(q.device) and bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: q_groups[{t}] = {int(ng[t])} is outside [0, maxG={max_g}]")
     # One pass per sequence: the pooled keys of a sequence are gathered once. A query that sees at
@@ -395,7 +512,9 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
             continue
         group_rows = seq_groups[row, :groups_needed].long()
         bad = (group_rows < 0) | (group_rows >= pooled.shape[0])
-        if bool(bad.any()):
+        if checks_async(q.device):
+            assert_values(~bad, op, f"seq_groups entries visible to a query must lie in [0, rows={pooled.shape[0]})")
+        elif bool(bad.any()):
             g = int(torch.nonzero(bad)[0])
             raise HebrusError(f"hebrus::{op}: seq_groups[{row}, {g}] = {int(group_rows[g])} is outside "
                               f"[0, rows={pooled.shape[0]}); the first {groups_needed} groups of row {row} "
@@ -433,6 +552,10 @@ def check_token_cells_values(token_cells: torch.Tensor, cells: int, op: str = "q
     idx = token_cells.long()
     valid = idx >= 0
     out_of_range = valid & (idx >= cells)
+    if checks_async(token_cells.device):
+        assert_values(~out_of_range & valid.any(dim=1, keepdim=True), op,
+                      f"every query selects at least one cell and none outside [0, cells={cells})")
+        return
     if bool(out_of_range.any()):
         t, i = (int(x) for x in torch.nonzero(out_of_range)[0])
         raise HebrusError(f"hebrus::{op}: query {t} selects cell {int(idx[t, i])} (token_cells[{t}, {i}]), "
