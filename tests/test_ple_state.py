@@ -748,3 +748,25 @@ def test_a_transaction_that_cannot_begin_leaves_the_state_usable(hook):
     state.load_state_dict(state.state_dict())
     state.to(torch.float16).to(torch.float32)
     assert state.reset(a) == ht.SeqHandle(a.slot, a.generation + 1)
+
+
+@pytest.mark.parametrize("eos", [10**9, -1])
+def test_eos_outside_the_vocabulary_is_accepted_and_survives_save_and_restore(eos):
+    """SPEC §2: the EOS id is any int64 (transformers' generation tests use vocab + 100000); a fresh history
+    is [eos] * (N-1), and a saved history holding it restores."""
+    gen = torch.Generator().manual_seed(0)
+    params = [ht.PLEHashParams(torch.randint(1, 1 << 30, (3,), generator=gen) * 2 + 1,
+                               torch.randint(50, 60, (16,), generator=gen), torch.arange(16) * 60)]
+    state = ht.PLEState(1, 8, vocab_size=32, eos_token_id=eos, max_sequences=2, hash_params=params,
+                        conv_weights=[torch.randn(8, 4, generator=gen)])
+    a = state.new_sequence()
+    tokens = torch.tensor([5, 6], dtype=torch.int64)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    ids = state.ngram_ids(0, [a], tokens, cu)
+    ref, _ = ht.ple_ngram_ids(tokens, cu, torch.full((1, 2), eos, dtype=torch.int64), params[0].multipliers,
+                              params[0].vocab_sizes, params[0].offsets, eos, 32)
+    assert torch.equal(ids, ref)
+    b = state.new_sequence()
+    blob = state.save(b)                                 # a fresh history: [eos, eos]
+    state.restore(a, blob)
+    assert state.digest(a) == state.digest(b)

@@ -95,7 +95,7 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         num_layers: number of PLE layers.
         channels: conv channels C (``hidden_size * hc_count`` for Qwen4Exp).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
-        eos_token_id: the EOS id of the history rule.
+        eos_token_id: the EOS id of the history rule: any int64, inside the vocabulary or not (SPEC §2).
         ngram_size: N (history length N-1).
         conv_kernel_size: K.
         dilation: conv dilation (Qwen4Exp: N).
@@ -126,8 +126,6 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         if num_layers < 1 or channels < 1 or ngram_size < 2 or conv_kernel_size < 1:
             raise HebrusError(f"PLEState: need num_layers, channels, conv_kernel_size >= 1 and ngram_size >= 2, got "
                               f"{num_layers}, {channels}, {conv_kernel_size}, {ngram_size}")
-        if not 0 <= eos_token_id < vocab_size:
-            raise HebrusError(f"PLEState: eos_token_id {eos_token_id} outside [0, vocab_size={vocab_size})")
         self.num_layers, self.channels = num_layers, channels
         self.vocab_size, self.eos_token_id, self.ngram_size = vocab_size, eos_token_id, ngram_size
         self.conv_kernel_size = conv_kernel_size
@@ -481,8 +479,8 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
         problem = generation_problem(sd["generation"].tolist(), sd["live"].tolist())
         expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
-        tokens_ok = (sd["history"] >= 0) & (sd["history"] < self.vocab_size)
-        expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size})")
+        tokens_ok = ((sd["history"] >= 0) & (sd["history"] < self.vocab_size)) | (sd["history"] == self.eos_token_id)
+        expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size}) that are not the EOS id")
         return sd
 
     def _prepare_candidate(self, state_dict: Mapping[str, Any]) -> tuple:
@@ -535,8 +533,9 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         if tuple(tails.shape) != want_tails or tails.dtype != self.conv_state.dtype:
             raise error(f"PLEState: conv tails must be {list(want_tails)} {self.conv_state.dtype}, "
                         f"got {list(tails.shape)} {tails.dtype}")
-        if bool(((history < 0) | (history >= self.vocab_size)).any()):
-            raise error(f"PLEState: history ids {history.tolist()} outside [0, {self.vocab_size})")
+        if bool((((history < 0) | (history >= self.vocab_size)) & (history != self.eos_token_id)).any()):
+            raise error(f"PLEState: history ids {history.tolist()} outside [0, {self.vocab_size}) that are not "
+                        f"the EOS id {self.eos_token_id}")
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
