@@ -112,6 +112,107 @@ def conv_prefill_rows(dev: str, T: int, C: int, repeat: int, bw: float, with_ref
     return rows
 
 
+def holder_decode_rows(dev: str, C: int, B: int, pool: int, repeat: int, bw: float) -> list[list[str]]:
+    """PLEState.conv at decode (B sequences x 1 token, slots drawn from a pool), fp32 and bf16: the holder
+    as it is (hebrus::ple_conv_slots in place, the undo log keeping the one tail entry per row a decode
+    drops) against what it did before issue 19 (gather the tails, ple_conv, stage the new ones, commit
+    with index_copy_ after copying the rows it replaces for an undo) and the composite."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        esize = torch.finfo(dtype).bits // 8
+        weight = torch.randn(C, K, device=dev).to(dtype)
+        w_c1k = weight[:, None, :].contiguous()
+        x = torch.randn(B, C, device=dev).to(dtype)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        ple = ht.PLEState(1, C, vocab_size=VOCAB, eos_token_id=EOS, max_sequences=pool, device=dev, dtype=dtype,
+                          conv_weights=[weight])
+        handles = [ple.new_sequence() for _ in range(pool)]
+        ple.conv_state.copy_(torch.randn(ple.conv_state.shape, device=dev).to(dtype))
+        slots = torch.randperm(pool, device=dev)[:B]
+        chosen = [handles[i] for i in slots.tolist()]
+        tails = ple.conv_state[0]
+
+        def composite():
+            s = tails.index_select(0, slots).transpose(1, 2)
+            y, new = composite_conv(x[:, :, None], s, w_c1k)
+            tails.index_copy_(0, slots, new.transpose(1, 2))
+            return y
+
+        def before():
+            # What PLEState.conv did before issue 19, without its Python bookkeeping.
+            gathered = tails.index_select(0, slots)
+            y, new = ht.ple_conv(x, weight, cu, gathered, DIL, "silu")
+            replaced = tails.index_select(0, slots)           # _txn_prepare: kept to undo the commit
+            tails.index_copy_(0, slots, new)                  # _txn_commit
+            del replaced
+            return y
+
+        def holder():
+            with ht.transaction(ple):
+                return ple.conv(0, chosen, x, cu)
+
+        nbytes = 2 * B * C * esize + 2 * B * L * C * esize
+        case = f"holder decode {B} seq x 1 tok, {str(dtype).replace('torch.', '')}"
+        t_comp = timeit(composite, dev, repeat, cold=True)
+        out.append(row(case, "composite (gather, cat, conv1d, scatter)", t_comp, B, nbytes, bw))
+        out.append(row(case, "before: gather, ple_conv, staged, index_copy_ commit",
+                       timeit(before, dev, repeat, cold=True), B, nbytes, bw, t_comp))
+        out.append(row(case, "PLEState.conv in a transaction (ple_conv_slots in place)",
+                       timeit(holder, dev, repeat, cold=True), B, nbytes, bw, t_comp))
+    return out
+
+
+def decode_only(args, dev: str, C: int, bw: float) -> None:
+    """The issue-19 rows alone: the op-level decode paths and the holder decode, fp32 and bf16."""
+    torch.manual_seed(0)
+    B, pool = 64, 128
+    weight = torch.randn(C, K, device=dev)
+    w_c1k = weight[:, None, :].contiguous()
+    slots = torch.randperm(pool, device=dev)[:B]
+    x = torch.randn(B, C, device=dev)
+    state_pool = torch.randn(pool, L, C, device=dev)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    slots32 = slots.to(torch.int32)
+    repeat = args.repeat * 4
+    nbytes = 2 * B * C * 4 + 2 * B * L * C * 4
+    case = f"conv decode {B} seq x 1 tok, fp32"
+
+    def composite():
+        s = state_pool.index_select(0, slots).transpose(1, 2)
+        y, new = composite_conv(x[:, :, None], s, w_c1k)
+        state_pool.index_copy_(0, slots, new.transpose(1, 2))
+        return y
+
+    def gather_op_scatter():
+        y, new = ht.ple_conv(x, weight, cu, state_pool.index_select(0, slots), DIL, "silu")
+        state_pool.index_copy_(0, slots, new)
+        return y
+
+    t_comp = timeit(composite, dev, repeat, cold=True)
+    rows = [row(case, "composite (gather, cat, conv1d, scatter)", t_comp, B, nbytes, bw)]
+    rows.append(row(case, "hebrus::ple_conv (gather, op, scatter)", timeit(gather_op_scatter, dev, repeat, cold=True),
+                    B, nbytes, bw, t_comp))
+    rows.append(row(case, "hebrus::ple_conv_slots (in place by slot)",
+                    timeit(lambda: ht.ple.ops.ple_conv_slots(x, weight, cu, state_pool, slots32, DIL, "silu"), dev,
+                           repeat, cold=True), B, nbytes, bw, t_comp))
+    rows += holder_decode_rows(dev, C, B, pool, repeat, bw)
+    bw_after = copy_bandwidth(dev)
+    body = (f"Machine: {machine(dev)}; device `{dev}`; measured copy bandwidth {bw / 1e9:.1f} GB/s before and "
+            f"{bw_after / 1e9:.1f} GB/s after the rows ({bandwidth_note()}); 'of BW' uses the first. C = {C}, "
+            f"K = {K}, dilation {DIL}; 64 sequences x 1 token, slots drawn from a pool of 128; median of {repeat} "
+            f"runs, each timed call after a 1 GiB read-modify-write has flushed the caches. GB/s counts the bytes "
+            f"the conv must move (x, y, the 64 tails in and out) in the row's dtype; 'of BW' = that over the copy "
+            f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup against the first row of its "
+            f"case. The holder rows run PLEState.conv inside ht.transaction (hebrus::ple_conv_slots in place; its "
+            f"undo log also copies the one tail entry per sequence a decode drops, 1/9 of the tails); 'before' is "
+            f"what PLEState.conv did before issue 19 (gather, ple_conv, stage, index_copy_ commit after copying "
+            f"the replaced rows), without its Python bookkeeping. python benchmarks/bench_ple.py --decode-only\n\n")
+    body += table(["case", "path", "ms", "tokens/s", "GB/s", "of BW", "speedup"], rows)
+    write_section("PLE holder decode (issue 19)" + (f", {args.section_suffix}" if args.section_suffix else ""), body)
+    print(body)
+
+
 def conv_prefill_rows_other_allocator(args, bw: float) -> list[list[str]]:
     """The conv prefill cases in a subprocess with THP_MEM_ALLOC_ENABLE flipped."""
     env = dict(os.environ)
@@ -138,6 +239,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--section-suffix", default="",
                         help="appended to the RESULTS.md section title (a run on another machine)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the conv decode and holder decode cases (issue 19), into their own section")
     parser.add_argument("--conv-prefill-only", type=float, default=None, metavar="BW",
                         help=argparse.SUPPRESS)  # subprocess mode: print the conv prefill rows as JSON
     args = parser.parse_args()
@@ -147,6 +250,9 @@ def main() -> None:
         return
     torch.manual_seed(0)
     bw = copy_bandwidth(dev)
+    if args.decode_only:
+        decode_only(args, dev, C, bw)
+        return
     rows = conv_prefill_rows(dev, T, C, args.repeat, bw, with_reference=True)
     if dev == "cpu":
         other = conv_prefill_rows_other_allocator(args, bw)
@@ -177,21 +283,18 @@ def main() -> None:
         state_pool.index_copy_(0, slots, new)
         return y
 
-    ple = ht.PLEState(1, C, vocab_size=VOCAB, eos_token_id=EOS, max_sequences=pool, device=dev,
-                      conv_weights=[weight])
-    handles = [ple.new_sequence() for _ in range(pool)]
-    chosen = [handles[i] for i in slots.tolist()]
+    slots32 = slots.to(torch.int32)
 
-    def decode_holder():
-        with ht.transaction(ple):
-            return ple.conv(0, chosen, x, cu)
+    def decode_slots():
+        return ht.ple.ops.ple_conv_slots(x, weight, cu, state_pool, slots32, DIL, "silu")
 
     nbytes = 2 * B * C * 4 + 2 * B * L * C * 4
     case = f"conv decode {B} seq x 1 tok"
     t_comp = timeit(decode_composite, dev, args.repeat * 4, cold=True)
     report(case, "composite (gather, cat, conv1d, scatter)", t_comp, B, nbytes)
     report(case, "hebrus::ple_conv (gather, op, scatter)", timeit(decode_op, dev, args.repeat * 4, cold=True), B, nbytes, t_comp)
-    report(case, "PLEState.conv in a transaction", timeit(decode_holder, dev, args.repeat * 4, cold=True), B, nbytes, t_comp)
+    report(case, "hebrus::ple_conv_slots (in place by slot)", timeit(decode_slots, dev, args.repeat * 4, cold=True), B, nbytes, t_comp)
+    rows.extend(holder_decode_rows(dev, C, B, pool, args.repeat * 4, bw))
 
     # Hash.
     emb, _ = transformers_hash(dev)
@@ -225,7 +328,9 @@ def main() -> None:
             f"flushed the caches (in a model step the other layers run in between). GB/s counts the bytes each path must move "
             f"(conv: x, y, state in and out; hash: token ids in, row ids out); 'of BW' = that over the copy "
             f"bandwidth (1.00 = the bandwidth limit, 0.50 = within 2x of it); speedup is against the first row "
-            f"of its case. The 'floor' row allocates and writes a fresh [T, C] tensor, which every path "
+            f"of its case. The 'holder decode' rows count the bytes of the conv (x, y, the B tails in and out) in "
+            f"their dtype; the holder also copies the one tail entry per sequence a decode drops into its undo log "
+            f"(1/L of the tails). The 'floor' row allocates and writes a fresh [T, C] tensor, which every path "
             f"returning a new output pays: first-touch page faults of freshly mmapped memory make that far "
             f"slower than the copy bandwidth suggests under PyTorch's default CPU allocator (4 KiB pages), "
             f"and even on huge pages the kernel zeroes every fresh page before it is written. The "
