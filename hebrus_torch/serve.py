@@ -78,7 +78,7 @@ def _modules():
 def prepare_model(model: Any, tokenizer: Any = None) -> Any:
     """``apply`` the drop-in and make ``model.init_continuous_batching`` build a hebrus manager sized by the
     serve settings (idempotent)."""
-    import types
+    import weakref
 
     import hebrus_torch.integrations.transformers as hx
     from hebrus_torch.engine import manager as mgr
@@ -87,8 +87,10 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         hx.apply(model)
     mgr.install(model)   # apply() does it too once it is wired there; install is idempotent
 
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
-                                 workload_hints=None):
+    ref = weakref.ref(model)     # (no self-reference: a dropped model must not outlive its last reference)
+
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        self = ref()
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, mgr.HebrusBatchingManager):
             return cached
@@ -103,7 +105,7 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         return mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
                                          engine_config=engine_config, tokenizer=tokenizer)
 
-    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    model.__dict__["init_continuous_batching"] = init_continuous_batching
     return model
 
 

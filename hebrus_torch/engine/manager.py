@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import time
-import types
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
@@ -467,7 +467,15 @@ def install(model: torch.nn.Module) -> None:
     """Make transformers' continuous-batching entry points of this model instance use the hebrus engine."""
     if getattr(model, _INSTALLED, False):
         return
-    model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+    # A function holding a weak reference, not a bound method: the model must not reference itself, or a
+    # patched model dropped without revert would live on until the cyclic GC (and stay "applied").
+    ref = weakref.ref(model)
+
+    def init_continuous_batching(generation_config: Any = None, continuous_batching_config: Any = None,
+                                 workload_hints: Any = None) -> HebrusBatchingManager:
+        return _init_continuous_batching(ref(), generation_config, continuous_batching_config, workload_hints)
+
+    model.__dict__["init_continuous_batching"] = init_continuous_batching
     setattr(model, _INSTALLED, True)
 
 
