@@ -15,6 +15,16 @@ def device(request) -> str:
     return request.param
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: a tiny model is thousands of tiny ops, and on a shared 2-core
+    machine threads only add synchronisation (and make timings of a whole model swing)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # Tolerances against the fp32-accumulating reference, per dtype.
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -94,11 +94,8 @@ def run_engine(model, prompts, max_new_tokens=6, order=None, **config) -> tuple[
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
 
 
 @pytest.fixture

@@ -243,11 +243,8 @@ def server(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
 
 
 # ------------------------------------------------------------------------------------------------- tests
