@@ -8,8 +8,8 @@
 //
 // Every dispatch is MetalKernelFunction::dispatch(threads, group), i.e. dispatchThreads with
 // threadgroups of `group` threads; a partial last threadgroup is allowed only for kernels without
-// barriers (ple_conv, ple_ngram_ids) or whose partial group still holds whole SIMD-groups (qsa_pool);
-// qsa_select and qsa_attention launch whole threadgroups only.
+// barriers (ple_conv, ple_ngram_ids and their slot forms) or whose partial group still holds whole
+// SIMD-groups (qsa_pool); qsa_select and qsa_attention launch whole threadgroups only.
 #include "hebrus_params.h"
 
 #define HEBRUS_SIMD_WIDTH 32
@@ -56,6 +56,8 @@ static_assert(sizeof(PleConvParams) % 8 == 0 && sizeof(PleNgramParams) % 8 == 0,
 static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
 static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
+static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
+static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -120,6 +122,49 @@ inline PleNgramPlan plan_ple_ngram_ids(int64_t tokens, int64_t batch, int64_t ng
   const uint64_t threads = static_cast<uint64_t>(tokens + batch);
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T + B)";
   plan.dispatch = {threads, HEBRUS_PLE_NGRAM_TG};
+  return plan;
+}
+
+// The slot forms run ple_conv's and ple_ngram_ids' grids (the token items whose inputs reach into the
+// carried state are computed by their row's item, see hebrus_params.h), with the pool size added.
+using PleConvSlotsPlan = LaunchPlan<PleConvSlotsParams>;
+
+inline PleConvSlotsPlan plan_ple_conv_slots(int64_t tokens, int64_t channels, int64_t width, int64_t batch,
+                                            int64_t dilation, int64_t pool, bool silu) {
+  const PleConvPlan base = plan_ple_conv(tokens, channels, width, batch, dilation, silu);
+  PleConvSlotsPlan plan;
+  PleConvSlotsParams& p = plan.params;
+  p.tokens = base.params.tokens;
+  p.channels = base.params.channels;
+  p.width = base.params.width;
+  p.dilation = base.params.dilation;
+  p.state_len = base.params.state_len;
+  p.batch = base.params.batch;
+  p.channel_vecs = base.params.channel_vecs;
+  p.pool = pool;
+  p.silu = base.params.silu;
+  plan.dispatch = base.dispatch;
+  plan.error = base.error;
+  return plan;
+}
+
+using PleNgramSlotsPlan = LaunchPlan<PleNgramSlotsParams>;
+
+inline PleNgramSlotsPlan plan_ple_ngram_ids_slots(int64_t tokens, int64_t batch, int64_t ngram, int64_t heads,
+                                                  int64_t eos, int64_t vocab, int64_t pool) {
+  const PleNgramPlan base = plan_ple_ngram_ids(tokens, batch, ngram, heads, eos, vocab);
+  PleNgramSlotsPlan plan;
+  PleNgramSlotsParams& p = plan.params;
+  p.tokens = base.params.tokens;
+  p.batch = base.params.batch;
+  p.ngram = base.params.ngram;
+  p.heads = base.params.heads;
+  p.heads_per_order = base.params.heads_per_order;
+  p.eos = base.params.eos;
+  p.vocab = base.params.vocab;
+  p.pool = pool;
+  plan.dispatch = base.dispatch;
+  plan.error = base.error;
   return plan;
 }
 
@@ -243,6 +288,21 @@ inline CheckPlan plan_check(int64_t tokens, int64_t rows, int64_t width) {
   plan.params.tokens = tokens;
   plan.params.rows = rows;
   plan.params.width = width;
+  const uint64_t threads = rows > 0 ? static_cast<uint64_t>(rows) : 1;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (one per row)";
+  plan.dispatch = {threads, HEBRUS_CHECK_TG};
+  return plan;
+}
+
+using SlotsCheckPlan = LaunchPlan<HebrusSlotsCheckParams>;
+
+// The check kernels of the slot ops (<op>_check): one thread per row, at least one.
+inline SlotsCheckPlan plan_check_slots(int64_t tokens, int64_t rows, int64_t pool, int64_t heads) {
+  SlotsCheckPlan plan;
+  plan.params.tokens = tokens;
+  plan.params.rows = rows;
+  plan.params.pool = pool;
+  plan.params.heads = heads;
   const uint64_t threads = rows > 0 ? static_cast<uint64_t>(rows) : 1;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (one per row)";
   plan.dispatch = {threads, HEBRUS_CHECK_TG};

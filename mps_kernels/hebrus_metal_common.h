@@ -166,3 +166,50 @@ inline void hebrus_check_cu(device const int* cu, device HebrusErrorMessages* er
   }
 }
 
+
+// ---- slot-indexed state pools (ple_conv_slots, ple_ngram_ids_slots) --------------------------------
+
+// Row b's slot lies in [0, pool) and no other row names it (two rows updating one slot in place would
+// race). With `report`, a bad slot is reported with the CPU kernel's messages (csrc/ple_slots_checks.h):
+// a slot out of range at its row; a duplicate at every later row naming it, with the first row that
+// does (the CPU kernel's first message is among these). Every row of a duplicated slot returns false,
+// the first one too, so none of them touches the pool. O(B) per call: every lane of a SIMD-group
+// reads the same entries (one broadcast load per entry).
+inline bool hebrus_slot_ok(device HebrusErrorMessages* err, HEBRUS_CSTR op, device const int* slots, long batch,
+                           long pool, long b, bool report) {
+  const long s = slots[b];
+  if (s < 0 || s >= pool) {
+    if (report) {
+      HEBRUS_REPORT_ERROR(err, op, "hebrus::", op, ": slots[", b, "] = ", s, " is outside [0, S=", pool, ")");
+    }
+    return false;
+  }
+  for (long j = 0; j < batch; ++j) {
+    if (j != b && long(slots[j]) == s) {  // the first hit: j < b is the slot's first row (ascending scan)
+      if (report && j < b) {
+        HEBRUS_REPORT_ERROR(err, op, "hebrus::", op, ": slot ", s, " appears twice in one batch (rows ", j, " and ",
+                            b, "); each row updates its slot in place");
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+// The check kernels of the slot ops (<op>_check), where the op launches no thread that would look
+// (B == 0, or C == 0 for ple_conv_slots): one thread per row checks its cu_seqlens entries and its
+// slot; with B == 0 one thread checks cu_seqlens = [0] and T == 0.
+inline void hebrus_check_cu_slots(device const int* cu, device const int* slots, device HebrusErrorMessages* err,
+                                  constant HebrusSlotsCheckParams& p, HEBRUS_CSTR op, long b) {
+  if (p.rows == 0) {
+    if (b == 0 && (cu[0] != 0 || p.tokens != 0)) {
+      HEBRUS_REPORT_ERROR(err, op, "hebrus::", op, ": cu_seqlens must start at 0 and end at T = ", p.tokens,
+                          ", got ", long(cu[0]), " .. ", long(cu[0]));
+    }
+    return;
+  }
+  if (b < p.rows) {
+    hebrus_cu_row_ok(err, op, cu, p.rows, p.tokens, b);
+    hebrus_slot_ok(err, op, slots, p.rows, p.pool, b, true);
+  }
+}

@@ -50,6 +50,38 @@ struct PleNgramParams {
   hebrus_i64 vocab;            // ids must lie in [0, vocab)
 };
 
+// hebrus::ple_conv_slots: ple_conv whose row b reads and updates state_pool[slots[b]] in place.
+// Threads: (tokens + batch) items x channel_vecs, as ple_conv. A token item whose conv reaches into
+// the carried tail (position in its row < state_len) is left to its row's item, which computes those
+// outputs from the old tail and then shifts the tail in place: the only thread that reads or writes
+// the pool's columns [c0, c0 + 4) of that slot, so no thread reads another thread's pool store.
+struct PleConvSlotsParams {
+  hebrus_i64 tokens;        // T
+  hebrus_i64 channels;      // C
+  hebrus_i64 width;         // K
+  hebrus_i64 dilation;      // d
+  hebrus_i64 state_len;     // L = (K - 1) * d
+  hebrus_i64 batch;         // B
+  hebrus_i64 channel_vecs;  // ceil(C / HEBRUS_PLE_CONV_VEC)
+  hebrus_i64 pool;          // S: slots must lie in [0, S) and be distinct
+  hebrus_i32 silu;          // 1: SiLU, 0: no activation
+  hebrus_i32 pad0;
+};
+
+// hebrus::ple_ngram_ids_slots: ple_ngram_ids whose row b reads and updates history_pool[slots[b]] in
+// place. Threads: tokens + batch items; a token whose n-gram reaches into the history (position in
+// its row < N - 1) is left to its row's thread, which computes its ids from the old history first.
+struct PleNgramSlotsParams {
+  hebrus_i64 tokens;           // T
+  hebrus_i64 batch;            // B
+  hebrus_i64 ngram;            // N
+  hebrus_i64 heads;            // (N - 1) * H
+  hebrus_i64 heads_per_order;  // H
+  hebrus_i64 eos;              // E
+  hebrus_i64 vocab;            // ids must lie in [0, vocab)
+  hebrus_i64 pool;             // S: slots must lie in [0, S) and be distinct
+};
+
 // hebrus::qsa_pool. Threads: groups x 32, one SIMD-group per pooled group.
 struct QsaPoolParams {
   hebrus_i64 cells;       // rows of keys / entries of cell_pos
@@ -127,4 +159,14 @@ struct HebrusCheckParams {
   hebrus_i64 tokens;  // T (cu_seqlens checks) / cells (token_cells checks)
   hebrus_i64 rows;    // B (cu_seqlens has B + 1 entries) / Tq
   hebrus_i64 width;   // W (token_cells); 0 for cu_seqlens
+};
+
+// The checks of the slot ops where their launch has no thread that would look (B == 0, C == 0 for
+// ple_conv_slots): one thread per row checks its cu_seqlens entries and its slot (range, duplicates);
+// ple_ngram_ids_slots' thread 0 also checks the heads vocab sizes.
+struct HebrusSlotsCheckParams {
+  hebrus_i64 tokens;  // T
+  hebrus_i64 rows;    // B (cu_seqlens has B + 1 entries, slots B)
+  hebrus_i64 pool;    // S
+  hebrus_i64 heads;   // entries of vocab_sizes (ple_ngram_ids_slots), 0 for ple_conv_slots
 };

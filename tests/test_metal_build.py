@@ -26,12 +26,15 @@ TYPES = ("float", "half", "bfloat")
 EXPECTED = {
     "ple_conv": {f"ple_conv_{t}" for t in TYPES} | {"ple_conv_check_cu"},
     "ple_ngram_ids": {"ple_ngram_ids_long", "ple_ngram_ids_check_cu"},
+    "ple_conv_slots": {f"ple_conv_slots_{t}" for t in TYPES} | {"ple_conv_slots_check"},
+    "ple_ngram_ids_slots": {"ple_ngram_ids_slots_long", "ple_ngram_ids_slots_check"},
     "qsa_pool": {f"qsa_pool_{t}" for t in TYPES},
     "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES}
     | {"qsa_attention_check_cells"},
 }
-CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "qsa_attention_check_cells"}
+CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
+                 "qsa_attention_check_cells"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
@@ -51,7 +54,8 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     names = set(hebrus_emu.module(stem(path)).kernels)
     assert names == EXPECTED[stem(path)]
     variants = VARIANTS.get(stem(path), ("",))
-    dtypes = [hebrus_emu.torch.int64] if stem(path) == "ple_ngram_ids" else list(hebrus_emu.METAL_TYPE)[:3]
+    ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots")
+    dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
@@ -104,7 +108,7 @@ def test_mm_glue_typechecks_as_cpp():
     if os.path.exists(stamp):
         return
     results = check_mm_syntax.check_all(jobs=2, bfloat_off_files=1)
-    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 6
+    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 8
     failed = [f"{name}\n{out}" for name, ok, out in results if not ok]
     assert not failed, "\n".join(failed)
     os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
@@ -146,8 +150,8 @@ def test_glue_binds_buffers_in_kernel_order(path):
     for g, k in zip(glue, main):
         assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
     for name, params in kernels.items():
-        if name != stem(path):  # the check kernels: one input, the error buffer, the parameter block
-            assert len(params) == 3 and params[1:] == ["err", "p"], (name, params)
+        if name != stem(path):  # the check kernels: their inputs, the error buffer, the parameter block
+            assert len(params) >= 3 and params[-2:] == ["err", "p"], (name, params)
 
 
 @pytest.mark.skipif(not msl_emu.have_clang(), reason=f"{msl_emu.CLANG} not installed")

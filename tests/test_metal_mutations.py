@@ -7,6 +7,13 @@ checks). The mutations are the ones a GPU would punish but a lenient emulator wo
 * threadgroup memory over 32 KiB (shim: tg_local refuses it);
 * a threadgroup larger than the kernel's max_total_threads_per_threadgroup (msl_emu refuses it);
 * `#pragma METAL fp contract(off)` removed (a build with -ffp-contract=fast then gives other bits).
+
+And for the in-place state pools of the slot ops (not poisoned, so guard pages, schedules and the
+comparison with the CPU kernel are what must see a wrong access):
+
+* a pool row one slot off (the pool's guard page stops the launch at the last slot);
+* token threads reading the state that their row's thread updates in place (a race: a schedule that
+  runs the row threads first gives other bits).
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ pytestmark = [pytest.mark.metal,
 
 def mutated(tmp_path, stem: str, file: str, old: str, new: str, **build) -> msl_emu.Module:
     """mps_kernels/ copied to tmp_path with `old` replaced by `new` (exactly once) in `file`, and
-    <stem>.metal of the copy built by the emulator."""
+    <stem>.metal of the copy built by the emulator. `old` and `new` may be tuples of replacements."""
     src = tmp_path / "mps_kernels"
     shutil.copytree(msl_emu.KERNEL_DIR, src, ignore=shutil.ignore_patterns("__pycache__"))
     path = src / file
     text = path.read_text()
-    assert text.count(old) == 1, f"mutation target not unique in {file}: {old!r}"
-    path.write_text(text.replace(old, new))
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):
+        assert text.count(o) == 1, f"mutation target not unique in {file}: {o!r}"
+        text = text.replace(o, n)
+    path.write_text(text)
     return msl_emu.build(str(src / f"{stem}.metal"), **build)
 
 
@@ -75,10 +84,34 @@ def conv_check(**emu):
     return y
 
 
+def conv_slots_check(**emu):
+    from test_metal_ple_conv_slots import cpu, make
+
+    args = make([5, 2, 9, 1], 12, 4, 3, torch.float32, pool_slots=6)  # no empty row: every slot is read
+    pool = args[3].clone()
+    y = hebrus_emu.ple_conv_slots(*args[:3], pool, args[4], 3, "none", **emu)
+    want_y, want_pool = cpu(*args, 3, "none")
+    assert torch.equal(y, want_y) and torch.equal(pool, want_pool)
+
+
+def ngram_slots_check(**emu):
+    from test_metal_ple_ngram_ids_slots import EOS, VOCAB, config, cpu, stream
+
+    mult, sizes, offsets = config(3, 4, seed=2)
+    tokens, cu, pool, slots = stream([5, 2, 1, 9], 3, pool_slots=6, seed=2)  # every slot is read
+    got = pool.clone()
+    ids = hebrus_emu.ple_ngram_ids_slots(tokens, cu, got, slots, mult, sizes, offsets, EOS, VOCAB, **emu)
+    want_ids, want_pool = cpu(tokens, cu, pool, slots, mult, sizes, offsets, EOS, VOCAB)
+    assert torch.equal(ids, want_ids) and torch.equal(got, want_pool)
+
+
 def test_unmutated_kernels_pass_the_checks():
     attention_check()
     select_check()
     conv_check()
+    for sched in ("forward", "reverse"):
+        conv_slots_check(sched=sched)
+        ngram_slots_check(sched=sched)
 
 
 # ---- barriers without mem_threadgroup ---------------------------------------------------------------------
@@ -108,6 +141,7 @@ def test_barrier_with_device_flag_only_is_caught(tmp_path, use):
 
 @pytest.mark.parametrize("stem,old", [
     ("ple_conv", "precise::exp(-acc)"),
+    ("ple_conv_slots", "precise::exp(-acc)"),
     ("qsa_pool", "precise::cos(angle)"),
     ("qsa_pool", "precise::rsqrt("),
     ("qsa_attention", "precise::exp(s - m_sub)"),
@@ -155,3 +189,42 @@ def test_contraction_pragma_is_what_pins_the_bits(tmp_path, use):
                             opt="-O2", extra=("-ffp-contract=fast", "-mfma")))
     y = conv_check()  # still within the tolerance of the reference ...
     assert not torch.equal(y, base)  # ... but other bits: the GPU's would depend on the compiler
+
+
+# ---- in-place state pools ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem,old,new,check", [
+    ("ple_conv_slots", "device T* tail = state_pool + long(slots[b]) * L * channels;",
+     "device T* tail = state_pool + (long(slots[b]) + 1) * L * channels;", conv_slots_check),
+    ("ple_ngram_ids_slots", "device I* hist = history_pool + slot * ctx;",
+     "device I* hist = history_pool + (slot + 1) * ctx;", ngram_slots_check),
+])
+def test_pool_row_one_slot_off_hits_the_guard_page(tmp_path, use, stem, old, new, check):
+    # The pool is bound as the caller's tensor, not poisoned, but still guard-paged: the last slot's
+    # neighbour lies past the end of the buffer (the checks' batches name slots 0 and S - 1).
+    use(stem, mutated(tmp_path, stem, f"{stem}.metal", old, new))
+    with pytest.raises(msl_emu.MSLError, match=r"past the end"):
+        check()
+
+
+@pytest.mark.parametrize("stem,old,new,check", [
+    # token threads compute the outputs near the row start too, reading the state the row thread rewrites
+    ("ple_conv_slots",
+     "    if (rel < L) {\n      return;  // its conv reads the tail: the row's thread computes it before updating the "
+     "tail\n    }\n    for (long c = c0; c < c1; ++c) {\n"
+     "      y[t * channels + c] = ple_conv_slots_out(x, weight, state_pool, p, start, rel, c);",
+     "    for (long c = c0; c < c1; ++c) {\n"
+     "      y[t * channels + c] = ple_conv_slots_out(x, weight, state_pool + long(slots[b]) * L * channels, p, start, "
+     "rel, c);",
+     conv_slots_check),
+    ("ple_ngram_ids_slots",
+     ("    if (t - start < ctx) {\n      return;", "ple_ngram_slots_ids(tokens, history_pool, multipliers"),
+     ("    if (false) {\n      return;", "ple_ngram_slots_ids(tokens, history_pool + long(slots[b]) * ctx, multipliers"),
+     ngram_slots_check),
+])
+def test_token_threads_racing_the_in_place_update_are_caught(tmp_path, use, stem, old, new, check):
+    use(stem, mutated(tmp_path, stem, f"{stem}.metal", old, new))
+    check(sched="forward")  # token threads first: they read the old state, as if there were no race ...
+    with pytest.raises(AssertionError):
+        check(sched="reverse")  # ... the row threads first: the tail was already shifted
+

@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.metal,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
 
 MPS_DIR = os.path.join(msl_emu.REPO, "csrc", "mps")
-OPS = ("ple_conv", "ple_ngram_ids", "qsa_pool", "qsa_select", "qsa_attention")
+OPS = ("ple_conv", "ple_ngram_ids", "ple_conv_slots", "ple_ngram_ids_slots", "qsa_pool", "qsa_select",
+       "qsa_attention")
 
 # What a host read of a device tensor, or a wait for the GPU, looks like in C++ / Objective-C++.
 HOST_READS = {
@@ -38,7 +39,7 @@ HOST_READS = {
     "synchronize": r"synchroni[sz]e",
     "commit": r"\bcommit\w*",
     "wait": r"\bwait\w*|waitUntil\w*",
-    "host value checks": r"\bcheck_cu_values\b|\bread_error\w*",
+    "host value checks": r"\bcheck_cu_values\b|\bcheck_slot_values\b|\bread_error\w*",
     "local scalar dense": r"_local_scalar_dense",
 }
 
@@ -77,6 +78,8 @@ def test_the_source_check_sees_each_host_read(pattern):
         "local scalar dense": "at::_local_scalar_dense(t);",
     }
     assert re.search(HOST_READS[pattern], strip_comments(samples[pattern]))
+    if pattern == "host value checks":  # the slot ops' host check (csrc/ple_slots_checks.h) is one too
+        assert re.search(HOST_READS[pattern], "check_slot_values(op, slots, pool.size(0));")
 
 
 @pytest.mark.parametrize("op", OPS)

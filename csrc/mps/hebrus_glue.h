@@ -17,6 +17,8 @@
 //   * buffers: the tensors in the kernel's [[buffer(i)]] order, then the error buffer
 //     (error_index = number of tensors), then the parameter block (params_index = error_index + 1);
 //   * `written` marks the buffers the kernel writes (the emulator poisons them before a launch);
+//     `in_place` marks those of them it also reads, a state pool updated in place (the emulator keeps
+//     their contents; they are bound as they are, never as a copy, and guard-paged like the others);
 //   * plan errors (launch limits) raise HebrusError "hebrus::<op> on MPS: ..." before any launch.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -37,6 +39,7 @@
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
 #include "op_checks.h"
+#include "ple_slots_checks.h"
 
 namespace hebrus::glue {
 
@@ -63,6 +66,7 @@ struct Launch {
   std::string kernel;              // host_name of the kernel
   std::vector<Tensor> tensors;     // [[buffer(i)]], bound with their storage offset (setArg)
   std::vector<bool> written;       // the kernel writes tensors[i]
+  std::vector<bool> in_place;      // ... and reads it: updated in place (a slot pool), not an output
   unsigned error_index = 0;        // [[buffer(error_index)]]: the stream's error buffer
   unsigned params_index = 0;       // [[buffer(params_index)]]: the parameter block (setBytes)
   std::vector<uint8_t> params;
@@ -78,12 +82,17 @@ struct Call {
 
 template <typename Params>
 inline Launch make_launch(const char* stem, std::string kernel, std::vector<Tensor> tensors,
-                          std::vector<bool> written, const Params& params, const hebrus::metal::Dispatch& d) {
+                          std::vector<bool> written, const Params& params, const hebrus::metal::Dispatch& d,
+                          std::vector<bool> in_place = {}) {
   Launch l;
   l.stem = stem;
   l.kernel = std::move(kernel);
   l.tensors = std::move(tensors);
   l.written = std::move(written);
+  l.in_place = in_place.empty() ? std::vector<bool>(l.tensors.size(), false) : std::move(in_place);
+  for (size_t i = 0; i < l.in_place.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(!l.in_place[i] || l.written[i], "hebrus: an in-place buffer is a written one");
+  }
   l.error_index = static_cast<unsigned>(l.tensors.size());
   l.params_index = l.error_index + 1;
   l.params.resize(sizeof(Params));
@@ -176,6 +185,81 @@ inline Call ple_ngram_ids(const Tensor& tokens_in, const Tensor& cu_in, const Te
                                       {false, false, false, false, false, false, true, true}, plan.params,
                                       plan.dispatch));
   call.outputs = {row_ids, new_history};
+  return call;
+}
+
+// ---- ple_conv_slots / ple_ngram_ids_slots -----------------------------------------------------------
+// The pool is bound as it is (contiguous and overlapping no input: ple_slots_checks.h) and updated in
+// place by the kernel. The slot values (range, duplicates) are the kernel's to check, like
+// cu_seqlens: a row with a bad slot touches nothing of the pool; nothing is read here.
+
+// <op>_check over cu_seqlens and the slots (one thread per row), and for ple_ngram_ids_slots the
+// vocab sizes: the launch where no thread of the op would look at them.
+inline Launch check_slots_launch(const char* op, const Tensor& cu, const Tensor& slots, const Tensor* vocab_sizes,
+                                 int64_t total, int64_t pool) {
+  const int64_t heads = vocab_sizes != nullptr ? vocab_sizes->size(0) : 0;
+  const auto plan = hebrus::metal::plan_check_slots(total, cu.size(0) - 1, pool, heads);
+  check_plan(op, plan.error);
+  std::vector<Tensor> tensors{cu.contiguous(), slots.contiguous()};
+  if (vocab_sizes != nullptr) tensors.push_back(vocab_sizes->contiguous());
+  std::vector<bool> written(tensors.size(), false);
+  return make_launch(op, std::string(op) + "_check", std::move(tensors), std::move(written), plan.params,
+                     plan.dispatch);
+}
+
+inline Call ple_conv_slots(const Tensor& x_in, const Tensor& weight_in, const Tensor& cu_in, const Tensor& pool,
+                           const Tensor& slots_in, int64_t dilation, c10::string_view activation,
+                           c10::DeviceType device) {
+  const char* op = "ple_conv_slots";
+  check_on_device(op, device, {{"x", &x_in}, {"weight", &weight_in}, {"cu_seqlens", &cu_in}, {"state_pool", &pool},
+                               {"slots", &slots_in}});
+  const PleConvSlotsSizes sz = check_ple_conv_slots_args(x_in, weight_in, cu_in, pool, slots_in, dilation, activation);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.batch == 0 || sz.channels == 0) {  // no conv thread would look at cu_seqlens or slots: the check kernel does
+    call.launches.push_back(check_slots_launch(op, cu_in, slots_in, nullptr, sz.total, sz.pool));
+    call.outputs = {at::empty_like(x_in, at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  const auto plan =
+      hebrus::metal::plan_ple_conv_slots(sz.total, sz.channels, sz.width, sz.batch, dilation, sz.pool, sz.silu);
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), cu = cu_in.contiguous();
+  const Tensor slots = slots_in.contiguous();
+  Tensor y = at::empty_like(x);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x, weight, cu, pool, slots, y},
+                                      {false, false, false, true, false, true}, plan.params, plan.dispatch,
+                                      {false, false, false, true, false, false}));
+  call.outputs = {y};
+  return call;
+}
+
+inline Call ple_ngram_ids_slots(const Tensor& tokens_in, const Tensor& cu_in, const Tensor& pool,
+                                const Tensor& slots_in, const Tensor& multipliers_in, const Tensor& vocab_sizes_in,
+                                const Tensor& offsets_in, int64_t eos, int64_t vocab, c10::DeviceType device) {
+  const char* op = "ple_ngram_ids_slots";
+  check_on_device(op, device, {{"tokens", &tokens_in}, {"cu_seqlens", &cu_in}, {"history_pool", &pool},
+                               {"slots", &slots_in}, {"multipliers", &multipliers_in},
+                               {"vocab_sizes", &vocab_sizes_in}, {"offsets", &offsets_in}});
+  const PleNgramIdsSlotsSizes sz = check_ple_ngram_ids_slots_args(tokens_in, cu_in, pool, slots_in, multipliers_in,
+                                                                  vocab_sizes_in, offsets_in, vocab);
+  Call call;
+  if (sz.batch == 0) {  // no row threads: the check kernel looks at cu_seqlens (T must be 0) and vocab_sizes
+    call.launches.push_back(check_slots_launch(op, cu_in, slots_in, &vocab_sizes_in, sz.total, sz.pool));
+    call.outputs = {at::empty({0, sz.heads}, tokens_in.options())};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_ple_ngram_ids_slots(sz.total, sz.batch, sz.n, sz.heads, eos, vocab, sz.pool);
+  check_plan(op, plan.error);
+  const Tensor tokens = tokens_in.contiguous(), cu = cu_in.contiguous(), slots = slots_in.contiguous();
+  const Tensor multipliers = multipliers_in.contiguous(), vocab_sizes = vocab_sizes_in.contiguous();
+  const Tensor offsets = offsets_in.contiguous();
+  Tensor row_ids = at::empty({sz.total, sz.heads}, tokens.options());
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", "long"),
+                                      {tokens, cu, pool, slots, multipliers, vocab_sizes, offsets, row_ids},
+                                      {false, false, true, false, false, false, false, true}, plan.params,
+                                      plan.dispatch, {false, false, true, false, false, false, false, false}));
+  call.outputs = {row_ids};
   return call;
 }
 

@@ -28,6 +28,8 @@ ATTN = tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256))
 KERNELS = {
     "ple_conv": {**{f"ple_conv_{t}": 256 for t in TYPES}, "ple_conv_check_cu": 256},
     "ple_ngram_ids": {"ple_ngram_ids_long": 256, "ple_ngram_ids_check_cu": 256},
+    "ple_conv_slots": {**{f"ple_conv_slots_{t}": 256 for t in TYPES}, "ple_conv_slots_check": 256},
+    "ple_ngram_ids_slots": {"ple_ngram_ids_slots_long": 256, "ple_ngram_ids_slots_check": 256},
     "qsa_pool": {f"qsa_pool_{t}": 256 for t in TYPES},
     "qsa_select": {f"qsa_select_{v}_{t}": 256 for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {**{f"qsa_attention_{v}_{t}": 256 for v in ATTN for t in TYPES},

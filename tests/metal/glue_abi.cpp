@@ -1,7 +1,8 @@
 // The MPS glue's decisions on Linux: csrc/mps/hebrus_glue.h, the header every csrc/mps/<op>.mm
 // calls, built as a torch extension and called with DeviceType::CPU. Each op returns its launches
-// (library, kernel, bound tensors, written flags, error and parameter buffer indices, parameter
-// bytes, dispatch) and its outputs; tests/metal/hebrus_emu.py runs those launches in the emulator.
+// (library, kernel, bound tensors, written and in-place flags, error and parameter buffer indices,
+// parameter bytes, dispatch) and its outputs; tests/metal/hebrus_emu.py runs those launches in the
+// emulator.
 #include <torch/extension.h>
 
 #include "hebrus_glue.h"
@@ -16,6 +17,7 @@ py::tuple to_py(const hebrus::glue::Call& call) {
     d["kernel"] = l.kernel;
     d["tensors"] = l.tensors;
     d["written"] = l.written;
+    d["in_place"] = l.in_place;
     d["error_index"] = l.error_index;
     d["params_index"] = l.params_index;
     d["params"] = py::bytes(reinterpret_cast<const char*>(l.params.data()), l.params.size());
@@ -39,6 +41,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const at::Tensor& mult, const at::Tensor& sizes, const at::Tensor& offsets, int64_t eos,
                             int64_t vocab) {
     return to_py(hebrus::glue::ple_ngram_ids(tokens, cu, history, mult, sizes, offsets, eos, vocab, kCpu));
+  });
+  // The pools are updated in place: the launch binds the caller's tensor itself.
+  m.def("ple_conv_slots", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& cu, const at::Tensor& pool,
+                             const at::Tensor& slots, int64_t dilation, const std::string& act) {
+    return to_py(hebrus::glue::ple_conv_slots(x, w, cu, pool, slots, dilation, act, kCpu));
+  });
+  m.def("ple_ngram_ids_slots", [](const at::Tensor& tokens, const at::Tensor& cu, const at::Tensor& pool,
+                                  const at::Tensor& slots, const at::Tensor& mult, const at::Tensor& sizes,
+                                  const at::Tensor& offsets, int64_t eos, int64_t vocab) {
+    return to_py(hebrus::glue::ple_ngram_ids_slots(tokens, cu, pool, slots, mult, sizes, offsets, eos, vocab, kCpu));
   });
   m.def("qsa_pool", [](const at::Tensor& keys, const at::Tensor& cell_pos, const at::Tensor& group_cells,
                        const at::Tensor& group_pos, const at::Tensor& w, double eps, const at::Tensor& inv_freq) {

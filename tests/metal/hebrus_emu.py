@@ -8,6 +8,9 @@ it returns: tensors are bound as the glue's ``setArg(idx, tensor)`` binds them (
 from the tensor's first element, :func:`bound_view`), outputs the kernel writes start as poison (NaN
 for floats, 0x7F7F... for integers) so an element the kernel forgets to write shows, and the error
 buffer is one per emulated stream, as PyTorch's MPSStream has (``c10::metal::ErrorMessages``).
+A buffer the glue marks ``in_place`` (a state pool the slot ops read and update) is the caller's
+tensor itself, bound with its contents; like every buffer it is copied into guard-paged memory for
+the launch and back, so an access past either end of the pool still stops the launch.
 
 Errors, as on MPS: metadata errors raise from the glue before any launch (``HebrusError``); value
 errors found by a kernel are written to the stream's error buffer and raised by :func:`synchronize`
@@ -170,8 +173,8 @@ def run(op: str, *args, sync: bool = True, cxx: str = "g++", contract: str = "of
     for launch in launches:
         if not launch["threads"]:
             continue
-        for t, written in zip(launch["tensors"], launch["written"]):
-            if written:
+        for t, written, in_place in zip(launch["tensors"], launch["written"], launch["in_place"]):
+            if written and not in_place:  # an in-place pool is an input too: its contents stay
                 poison_(t)
         buffers = [bound_view(t) for t in launch["tensors"]]
         slots = {launch["error_index"]: stream().buffer, launch["params_index"]: launch["params"]}
@@ -214,6 +217,18 @@ def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets
     row_ids, new_history = run("ple_ngram_ids", tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos,
                                vocab, **emu)
     return row_ids, new_history
+
+
+def ple_conv_slots(x, weight, cu_seqlens, state_pool, slots, dilation, activation, **emu):
+    """hebrus::ple_conv_slots: returns y; state_pool's rows at slots are updated in place."""
+    return run("ple_conv_slots", x, weight, cu_seqlens, state_pool, slots, dilation, activation, **emu)[0]
+
+
+def ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes, offsets, eos, vocab,
+                        **emu):
+    """hebrus::ple_ngram_ids_slots: returns the row ids; history_pool's rows at slots are updated in place."""
+    return run("ple_ngram_ids_slots", tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes, offsets,
+               eos, vocab, **emu)[0]
 
 
 def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq, **emu):
