@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.metal, pytest.mark.mps,
               pytest.mark.skipif(not HAS_MPS, reason="needs an Apple GPU (torch.backends.mps.is_available())")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-OPS = ("ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention")
+OPS = ("ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool", "qsa_select",
+       "qsa_attention")
 
 
 def mps(*tensors):
@@ -109,6 +110,43 @@ def test_ple_ngram_ids_bad_token_raises():
     with pytest.raises(torch.AcceleratorError, match=r"tokens\[4\] = 50 is outside \[0, vocab=50\)"):
         torch.mps.synchronize()
     torch.mps.synchronize()  # the error was consumed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ple_conv_slots_updates_the_pool_in_place(dtype):
+    x, w, cu, _ = conv_inputs(dtype)
+    g = torch.Generator().manual_seed(4)
+    pool = torch.randn(9, 9, x.shape[1], generator=g).to(dtype)
+    slots = torch.tensor([8, 0, 3, 5, 1, 7], dtype=torch.int32)
+    want_pool = pool.clone()
+    want_y = hebrus_torch.ple.ops.ple_conv_slots(x, w, cu, want_pool, slots, 3, "silu")  # the CPU kernel
+    got_pool = pool.to("mps")
+    y = hebrus_torch.ple.ops.ple_conv_slots(*mps(x, w, cu), got_pool, slots.to("mps"), 3, "silu")
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(y.cpu().float(), want_y.float(), atol=tol, rtol=tol)
+    assert torch.equal(got_pool.cpu(), want_pool)  # tails bitwise, rows 2, 4, 6 untouched
+
+
+def test_ple_conv_slots_duplicate_slot_raises_at_synchronize():
+    x, w, cu, _ = conv_inputs(torch.float32)
+    pool = torch.zeros(9, 9, x.shape[1], device="mps")
+    slots = torch.tensor([8, 0, 3, 0, 1, 7], dtype=torch.int32, device="mps")
+    hebrus_torch.ple.ops.ple_conv_slots(*mps(x, w, cu), pool, slots, 3, "silu")
+    with pytest.raises(torch.AcceleratorError, match=r"slot 0 appears twice in one batch \(rows 1 and 3\)"):
+        torch.mps.synchronize()
+    torch.mps.synchronize()
+
+
+def test_ple_ngram_ids_slots_match_the_cpu_kernel():
+    tokens, cu, history, mult, sizes, offsets = ngram_inputs()
+    pool = torch.cat([history, torch.full((3, 2), 7)])[torch.tensor([5, 0, 7, 1, 2, 3, 4, 6])]
+    slots = torch.tensor([1, 3, 4, 5, 0], dtype=torch.int32)
+    want_pool = pool.clone()
+    want = hebrus_torch.ple.ops.ple_ngram_ids_slots(tokens, cu, want_pool, slots, mult, sizes, offsets, 7, 50)
+    got_pool = pool.to("mps")
+    got = hebrus_torch.ple.ops.ple_ngram_ids_slots(*mps(tokens, cu), got_pool, *mps(slots, mult, sizes, offsets), 7,
+                                                   50)
+    assert torch.equal(got.cpu(), want) and torch.equal(got_pool.cpu(), want_pool)
 
 
 def pool_inputs(dtype, groups=9, r=4, dim=128, rot=64, seed=0):
