@@ -108,24 +108,35 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + exp_neg)
 
 
-def _packed_with_prefix(values: torch.Tensor, prefix: torch.Tensor, cu_seqlens: torch.Tensor):
-    """Interleave each row's prefix (B, P, ...) before its tokens (T, ...).
+def _row_streams(values: torch.Tensor, prefix: torch.Tensor, cu_seqlens: torch.Tensor, back: torch.Tensor):
+    """Each row's stream ``prefix[b] ++ values[cu[b]:cu[b+1]]`` read without building it.
 
-    Returns (z, token_index_in_z, row_start_in_z, row_end_in_z) where z has T + B*P entries.
+    Args:
+        values: Tensor[T, ...] packed tokens; prefix: Tensor[B, P, ...], each row's P entries before them.
+        back: Tensor[S] int64, distances 0 <= s <= P.
+
+    Returns:
+        (src, window_idx, tail_idx): ``src`` is values then the flattened prefixes; ``src[window_idx[t, j]]``
+        is the entry ``back[j]`` places before token t in its row's stream; ``src[tail_idx[b, m]]`` is
+        entry m of the last P of row b's stream (oldest first). A fixed number of kernels, no host read.
     """
     batch, plen = prefix.shape[0], prefix.shape[1]
     device = values.device
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
     total = values.shape[0]
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    src = torch.cat((values, prefix.reshape(batch * plen, *prefix.shape[2:])))
+    t = torch.arange(total, device=device)
+    row = torch.searchsorted(cu[1:], t, right=True)                        # row of each token
+    i = t - cu[row]                                                        # index within its row
+    # An entry s back from in-row index i: token t - s when i >= s, else prefix entry P + i - s of its row.
+    pre = (row * plen + (total + plen))[:, None] + (i[:, None] - back)
+    window_idx = torch.where(i[:, None] >= back, t[:, None] - back, pre)
     lengths = cu[1:] - cu[:-1]
-    row_of_token = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=total)
-    token_in_z = torch.arange(total, device=device) + (row_of_token + 1) * plen
-    row_start = cu[:-1] + torch.arange(batch, device=device) * plen
-    prefix_in_z = (row_start[:, None] + torch.arange(plen, device=device)[None, :]).reshape(-1)
-    z = values.new_empty((total + batch * plen, *values.shape[1:]))
-    z[token_in_z] = values
-    z[prefix_in_z] = prefix.reshape(batch * plen, *prefix.shape[2:])
-    return z, token_in_z, row_start, row_start + plen + lengths
+    m = torch.arange(plen, device=device) - plen                           # -P .. -1
+    p = lengths[:, None] + m                                               # in-row index of tail entry m
+    rows = torch.arange(batch, device=device)[:, None]
+    tail_idx = torch.where(p >= 0, cu[:-1, None] + p, rows * plen + (total + plen) + p)
+    return src, window_idx, tail_idx
 
 
 def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor,
@@ -175,30 +186,26 @@ def _ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offset
         head = int(torch.nonzero(vocab_sizes <= 0)[0])
         raise HebrusError(f"hebrus::{op}: vocab_sizes[{head}] must be positive, got {int(vocab_sizes[head])}")
     ctx = n - 1
-    z, token_in_z, row_start, row_end = _packed_with_prefix(tokens, history, cu_seqlens)
-    idx = torch.arange(z.shape[0], device=z.device)
-    # Last EOS index at or before each z index, clipped to its own row.
-    eos_at = torch.where(z == eos, idx, torch.full_like(idx, -1))
-    last_eos_incl = torch.cummax(eos_at, dim=0).values
-    j = token_in_z
-    prev_eos = last_eos_incl[j - 1]  # j >= ctx >= 1 so j - 1 is inside the row
-    row_of_token = torch.bucketize(j, row_start, right=True) - 1
-    prev_eos = torch.where(prev_eos >= row_start[row_of_token], prev_eos, torch.full_like(prev_eos, -1 << 62))
-    eos_t = torch.full_like(tokens, eos)
-    shifted = [tokens]
-    for k in range(1, n):
-        valid = (j - prev_eos) > k
-        shifted.append(torch.where(valid, z[j - k], eos_t))
-    h = heads // ctx
-    blocks = []
-    mixed = shifted[0] * multipliers[0]
-    for order in range(2, n + 1):
-        mixed = torch.bitwise_xor(mixed, shifted[order - 1] * multipliers[order - 1])
-        sl = slice((order - 2) * h, (order - 1) * h)
-        blocks.append(torch.remainder(mixed[:, None], vocab_sizes[sl][None, :]) + offsets[sl][None, :])
-    row_ids = torch.cat(blocks, dim=1) if blocks else tokens.new_empty((tokens.shape[0], 0))
-    hist_idx = row_end[:, None] - ctx + torch.arange(ctx, device=z.device)[None, :]
-    return row_ids, z[hist_idx]
+    h = heads // ctx if ctx else 0
+    back = torch.arange(1, ctx + 1, device=tokens.device)
+    src, window_idx, tail_idx = _row_streams(tokens, history, cu_seqlens, back)
+    window = src[window_idx]                                               # [T, ctx]: 1, 2, ... tokens back
+    # The shift rule (SPEC §2): the token k back reads as eos once an eos lies 1..k back in the row's
+    # stream (history included); an eos k back reads as itself, eos.
+    seen = torch.cumsum(window == eos, dim=1) > 0
+    shifted = torch.where(seen, eos, window)
+    mixed = tokens * multipliers[0]
+    prods = shifted * multipliers[1:]
+    orders = []
+    for k in range(ctx):                                                   # order k + 2: xor in the token k+1 back
+        mixed = torch.bitwise_xor(mixed, prods[:, k])
+        orders.append(mixed)
+    if ctx:
+        stacked = torch.stack(orders, dim=1)[:, :, None]                   # [T, ctx, 1]
+        row_ids = (torch.remainder(stacked, vocab_sizes.view(ctx, h)) + offsets.view(ctx, h)).reshape(-1, heads)
+    else:
+        row_ids = tokens.new_empty((tokens.shape[0], 0))
+    return row_ids, src[tail_idx]
 
 
 def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
@@ -226,19 +233,19 @@ def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, st
 def _ple_conv(x, weight, cu_seqlens, state, dilation, activation, op):
     check_cu_seqlens_values(cu_seqlens, x.shape[0], op)
     width = weight.shape[1]
-    state_len = state.shape[1]
-    u, token_in_u, _, row_end = _packed_with_prefix(x, state, cu_seqlens)
-    w = weight.float()
-    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for k in range(width):
-        acc = acc + w[:, k] * u[token_in_u - (width - 1 - k) * dilation].float()
+    back = torch.arange(width - 1, -1, -1, device=x.device) * dilation    # tap k reads (K-1-k)*d back
+    src, window_idx, tail_idx = _row_streams(x, state, cu_seqlens, back)
+    prod = src[window_idx].float() * weight.float().t()                    # [T, K, C]: w[c, k] * u
+    # fp32 in ascending k from 0 (0 + p_0 + p_1 + ...: one product rounding, then each sum rounded).
+    acc = prod[:, 0] + 0.0 if width else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(1, width):
+        acc = acc + prod[:, k]
     if activation == "silu":
         # CPU (and MPS, which has no float64: its reference runs only without the extension): the CPU
         # kernel's bits. Elsewhere torch's own elementwise SiLU, a function of each value alone, so
         # chunk-invariant on its device (SPEC §6) and with no host round trip.
         acc = _silu(acc) if x.device.type in ("cpu", "mps") else torch.nn.functional.silu(acc)
-    hist_idx = row_end[:, None] - state_len + torch.arange(state_len, device=x.device)[None, :]
-    return acc.to(x.dtype), u[hist_idx]
+    return acc.to(x.dtype), src[tail_idx]
 
 
 def ple_conv_into(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
@@ -351,9 +358,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def check_groups_contiguous(cell_pos: torch.Tensor, group_cells: torch.Tensor, group_pos: torch.Tensor,
                             op: str = "qsa_pool") -> None:
-    """Raise HoleError unless every group's cells hold positions group_pos, group_pos+1, ... ."""
+    """Raise HoleError unless every group's cells hold positions group_pos, group_pos+1, ... (on devices
+    with device-side checks, SPEC §4, a device assert instead: a hole inside a group is a value check)."""
     cells = cell_pos.shape[0]
     out_of_range = (group_cells < 0) | (group_cells >= cells)
+    if checks_async(cell_pos.device):
+        r = group_cells.shape[1]
+        got = cell_pos[group_cells.long().clamp(0, max(cells - 1, 0))]
+        expected = group_pos[:, None] + torch.arange(r, device=group_pos.device)
+        assert_values(~out_of_range & (got == expected), op,
+                      f"group cells must lie in [0, {cells}) and hold consecutive positions from group_pos "
+                      f"(a hole inside the run is not padding)")
+        return
     if bool(out_of_range.any()):
         g, i = (int(v) for v in torch.nonzero(out_of_range)[0])
         raise HebrusError(f"hebrus::{op}: group {g} cell {i} = {int(group_cells[g, i])} is outside [0, {cells})")
@@ -393,6 +409,8 @@ def qsa_pool(keys: torch.Tensor, cell_pos: torch.Tensor, group_cells: torch.Tens
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     normed = (normed * (1.0 + norm_weight.float())).to(dtype)
     rot = 2 * inv_freq.shape[0]
+    if rot == 0:                         # no rotary dims (a caller that ropes the pooled keys itself)
+        return normed
     freqs = group_pos.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -419,9 +437,15 @@ def qsa_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     * the heads add in order from 0 onto 0: ``((0 + relu(dot_0)) + relu(dot_1)) + ...``;
     * the sum is divided (a true fp32 division) by ``float(sqrt(D))``.
 
+    The lane sums start at their first product instead of 0: that changes only the sign of a zero lane
+    sum, which the head sum (starting from +0) absorbs, so the bits are those of the order above. All
+    products of a block are one multiplication (elementwise: the same rounding), so a block launches a
+    fixed, small number of kernels whatever D and Hq are (issue 19: the CUDA fallback is launch-bound).
+
     Args:
         q: Tensor[n, Hq, D] any float dtype (widened to fp32).
-        keys: Tensor[G, D] any float dtype (widened to fp32).
+        keys: Tensor[G, D] (the same keys for every query) or Tensor[n, G, D] (each query its own G keys),
+            any float dtype (widened to fp32).
 
     Returns:
         Tensor[n, G] float32, not differentiable (the inputs are detached: a selection has no
@@ -429,42 +453,46 @@ def qsa_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     q, keys = q.detach(), keys.detach()
     n, hq, dim = q.shape
-    groups = keys.shape[0]
+    shared = keys.dim() == 2
+    groups = keys.shape[-2]
     lanes = _SCORE_LANES
     chunks = max(1, -(-dim // lanes))
     pad = chunks * lanes - dim
-    qf = torch.nn.functional.pad(q.float(), (0, pad)).view(n, hq, chunks, lanes)
-    kf = torch.nn.functional.pad(keys.float(), (0, pad)).view(groups, chunks, lanes)
-    qf = qf.permute(2, 0, 1, 3).contiguous()                             # [chunks, n, Hq, 16]
-    kf = kf.permute(1, 0, 2).contiguous()                                # [chunks, G, 16]
+    qf = q.float()
+    kf = keys.float()
+    if pad:
+        qf = torch.nn.functional.pad(qf, (0, pad))
+        kf = torch.nn.functional.pad(kf, (0, pad))
+    qf = qf.view(n, hq, 1, chunks, lanes)
+    kf = kf.view(1, 1, groups, chunks, lanes) if shared else kf.view(n, 1, groups, chunks, lanes)
     # A true division by a tensor on q's device: CUDA turns a division by a host scalar into a
     # multiplication by its reciprocal, which is not the kernel's rounding.
     sqrt_d = torch.full((), math.sqrt(dim), dtype=torch.float32, device=q.device)
     out = torch.empty((n, groups), dtype=torch.float32, device=q.device)
-    # Blocks of queries and groups bound the [n, Hq, G, 16] working set; every score is computed
+    if n == 0 or groups == 0:
+        return out
+    # Blocks of queries and groups bound the [n, Hq, G, chunks, 16] products; every score is computed
     # independently of the block it falls in.
-    per_pair = 2 * max(hq, 1) * lanes * 4
+    per_pair = max(hq, 1) * (chunks + 1) * lanes * 4
     g_block = max(1, min(groups, _SELECT_BLOCK_BYTES // per_pair))
     q_block = max(1, min(n, _SELECT_BLOCK_BYTES // (per_pair * g_block)))
     for q0 in range(0, n, q_block):
-        qs = qf[:, q0:q0 + q_block, :, None, :]                          # [chunks, nb, Hq, 1, 16]
-        nb = qs.shape[1]
+        qs = qf[q0:q0 + q_block]                                         # [nb, Hq, 1, chunks, 16]
+        nb = qs.shape[0]
         for g0 in range(0, groups, g_block):
-            ks = kf[:, None, None, g0:g0 + g_block, :]                   # [chunks, 1, 1, gb, 16]
-            gb = ks.shape[3]
-            acc = torch.zeros((nb, hq, gb, lanes), dtype=torch.float32, device=q.device)
-            prod = torch.empty_like(acc)
-            for c in range(chunks):                                      # ascending d in every lane
-                torch.mul(qs[c], ks[c], out=prod)
-                acc.add_(prod)
+            ks = kf[:, :, g0:g0 + g_block] if shared else kf[q0:q0 + nb, :, g0:g0 + g_block]
+            prod = qs * ks                                               # [nb, Hq, gb, chunks, 16]
+            acc = prod[:, :, :, 0]
+            for c in range(1, chunks):                                   # ascending d in every lane
+                acc = acc + prod[:, :, :, c]
             half = acc[..., :8] + acc[..., 8:]                           # lanes j and j + 8
             half = half[..., :4] + half[..., 4:]                         # then + 4
             half = half[..., :2] + half[..., 2:]                         # then + 2
-            dots = half[..., 0] + half[..., 1]                           # then + 1: [nb, Hq, gb]
-            total = torch.zeros((nb, gb), dtype=torch.float32, device=q.device)
-            for h in range(hq):                                          # heads in order from 0
-                total.add_(torch.relu(dots[:, h]))
-            torch.div(total, sqrt_d, out=out[q0:q0 + nb, g0:g0 + gb])
+            dots = torch.relu(half[..., 0] + half[..., 1])               # then + 1: [nb, Hq, gb]
+            total = dots[:, 0] + 0.0 if hq else torch.zeros_like(out[q0:q0 + nb, g0:g0 + dots.shape[2]])
+            for h in range(1, hq):                                       # heads in order from 0
+                total = total + dots[:, h]
+            torch.div(total, sqrt_d, out=out[q0:q0 + nb, g0:g0 + dots.shape[2]])
     return out
 
 
@@ -495,12 +523,14 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
     if checks_async(q.device):
         assert_values(((rows >= 0) & (rows < seq_groups.shape[0])).all() & ((ng >= 0) & (ng <= max_g)).all(), op,
                       f"q_row must lie in [0, B={seq_groups.shape[0]}) and q_groups in [0, maxG={max_g}]")
+        # No host loop over sequences (it would read the rows on the host): every query at once.
+        return _qsa_select_all(q, pooled, seq_groups, rows, ng, top_k, out)
     bad = (rows < 0) | (rows >= seq_groups.shape[0])
-    if not checks_async(q.device) and bool(bad.any()):
+    if bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: q_row[{t}] = {int(rows[t])} is outside [0, B={seq_groups.shape[0]})")
     bad = (ng < 0) | (ng > max_g)
-    if not checks_async(q.device) and bool(bad.any()):
+    if bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: q_groups[{t}] = {int(ng[t])} is outside [0, maxG={max_g}]")
     # One pass per sequence: the pooled keys of a sequence are gathered once. A query that sees at
@@ -512,9 +542,7 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
             continue
         group_rows = seq_groups[row, :groups_needed].long()
         bad = (group_rows < 0) | (group_rows >= pooled.shape[0])
-        if checks_async(q.device):
-            assert_values(~bad, op, f"seq_groups entries visible to a query must lie in [0, rows={pooled.shape[0]})")
-        elif bool(bad.any()):
+        if bool(bad.any()):
             g = int(torch.nonzero(bad)[0])
             raise HebrusError(f"hebrus::{op}: seq_groups[{row}, {g}] = {int(group_rows[g])} is outside "
                               f"[0, rows={pooled.shape[0]}); the first {groups_needed} groups of row {row} "
@@ -542,6 +570,42 @@ def qsa_select(q: torch.Tensor, pooled: torch.Tensor, seq_groups: torch.Tensor, 
             order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]
             out[sel] = torch.sort(order, dim=1).values.to(torch.int32)
     return out
+
+
+def _qsa_select_all(q, pooled, seq_groups, rows, ng, top_k, out):
+    """qsa_select of every query at once, with no host read (the device-side-check devices' form, SPEC §4):
+    the same scores (:func:`qsa_scores`, elementwise) and the same stable ranking as the loop over
+    sequences, so the same selections. One sequence's keys are scored once for all queries
+    (``seq_groups`` with one row: prefill); several are gathered per query (decode: one query each)."""
+    op = "qsa_select"
+    tq, max_g = q.shape[0], seq_groups.shape[1]
+    rows_n = seq_groups.shape[0]
+    k_all = min(top_k, max_g)
+    if max_g == 0:
+        return out
+    g_idx = torch.arange(max_g, device=q.device)
+    visible = g_idx < ng[:, None]                                           # [Tq, maxG]
+    group_rows = seq_groups.index_select(0, rows.clamp(0, max(rows_n - 1, 0))).long()   # [Tq, maxG]
+    assert_values(((group_rows >= 0) & (group_rows < pooled.shape[0])) | ~visible, op,
+                  f"seq_groups entries visible to a query must lie in [0, rows={pooled.shape[0]})")
+    # A query that sees at most top_k groups selects all of them, whatever the scores.
+    light = torch.where(visible[:, :k_all], g_idx[:k_all], -1)
+    if max_g <= top_k or pooled.shape[0] == 0:
+        out[:, :k_all] = light
+        return out
+    safe = group_rows.clamp(0, pooled.shape[0] - 1)
+    if rows_n == 1:
+        scores = qsa_scores(q, pooled.index_select(0, safe[0]))             # [Tq, maxG]
+    else:
+        # Blocks of queries bound the gathered keys.
+        block = max(1, _SELECT_BLOCK_BYTES // (4 * max_g * max(pooled.shape[1], 1)))
+        scores = torch.cat([qsa_scores(q[s:s + block], pooled[safe[s:s + block]])
+                            for s in range(0, tq, block)])
+    scores = torch.where(visible, scores, -math.inf)
+    # Stable descending sort: NaN first (as torch ranks it), then higher score, then lower group.
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]
+    heavy = torch.sort(order, dim=1).values
+    return torch.where(ng[:, None] > top_k, heavy, light).to(torch.int32)
 
 
 _ATTENTION_BLOCK_BYTES = 64 << 20  # fp32 working set of one block of queries (gathered K/V, scores)
@@ -615,3 +679,36 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_cells
         probs = torch.softmax(scores, dim=-1)
         out[sl] = torch.einsum("bgrw,bwgd->bgrd", probs, vv).reshape(n, hq, dv).to(q.dtype)
     return out
+
+
+def gdn_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   cu_seqlens: torch.Tensor, state: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The gated delta rule of packed rows (issue 17), each row's state updated in place.
+
+    Per row b, value head h and token t of the row, in fp32 (q, k l2-normalised over Dk when
+    ``use_qk_l2norm``, ``x / sqrt(sum(x * x) + 1e-6)``; q then times ``scale``; key head ``h // (Hv // Hk)``)::
+
+        S = S * exp(g[t, h])
+        delta = (v[t, h] - sum_dk(S * k_t)) * beta[t, h]
+        S = S + k_t (outer) delta
+        out[t, h] = sum_dk(S * q_t)
+
+    Args:
+        q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g, beta: Tensor[T, Hv] (float32, float16 or bfloat16).
+        cu_seqlens: Tensor[B+1] int32, row boundaries, rising from 0 to T.
+        state: Tensor[B, Hv, Dk, Dv] float32, contiguous: row b's state, replaced by the state after its tokens.
+        scale: the query scale (transformers: ``Dk ** -0.5``).
+
+    Returns:
+        Tensor[T, Hv, Dv] in v's dtype.
+
+    Sums over Dk only, vectorised over the rows of the step: a row's bits never depend on the other rows
+    or on how its tokens were cut (the CPU kernel sums over Dk in ascending order; this one as
+    ``torch.sum`` does, so the two agree to fp32 rounding, not bitwise).
+    """
+    from .gdn.delta_rule import check_delta_rule_args, recurrent_delta_rule
+
+    cu = check_delta_rule_args(q, k, v, g, beta, cu_seqlens, state)
+    if not state.is_contiguous():
+        raise HebrusError("hebrus_torch.gdn.gated_delta_rule: state must be contiguous")
+    return recurrent_delta_rule(q, k, v, g, beta, cu, state, use_qk_l2norm, float(scale))

@@ -141,10 +141,9 @@ def test_dropin_decode_step_ple_adds_no_sync():
     assert not [k for k in patched if k.startswith("PLE ")], patched
 
 
-@pytest.mark.xfail(reason="the drop-in's QSA indexer still synchronizes at decode: its plan (plan.py, context.py, "
-                          "groups.py) and qsa_select's reference loop over sequences (torch.unique(...).tolist())",
-                   strict=False)
 def test_dropin_decode_step_adds_no_sync():
+    """The whole patched decode step (indexer: its sync-free path, qsa_pool/qsa_select/qsa_attention's
+    reference; PLE) adds no synchronization to transformers' own (issue 19)."""
     hf = pytest.importorskip("hf_models")
     from hebrus_torch.integrations import transformers as dropin
 
@@ -155,4 +154,7 @@ def test_dropin_decode_step_adds_no_sync():
         patched = decode_step_syncs(model)
     finally:
         dropin.revert(model)
-    assert patched == plain
+    # No synchronization from hebrus_torch at all; transformers' own are those of the unpatched step less
+    # the ones of its indexer loop, which the patched step does not run (one nonzero per indexed layer).
+    assert set(patched) == {"transformers"}, patched
+    assert patched["transformers"] <= plain["transformers"], (patched, plain)

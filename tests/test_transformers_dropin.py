@@ -24,6 +24,7 @@ pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip inst
 import hebrus_torch as ht  # noqa: E402
 from hebrus_torch._extension import has_native_kernel  # noqa: E402
 from hebrus_torch.integrations import transformers as htx  # noqa: E402
+from hebrus_torch.integrations.qwen4_exp import indexer as indexer_mod  # noqa: E402
 from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, StaticCache  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
 
@@ -241,6 +242,8 @@ def test_decode_pools_only_new_groups(model, device, monkeypatch):
         return real_pool(keys, cell_pos, group_cells, *args)
 
     monkeypatch.setattr(ht, "qsa_pool", counting_pool)
+    # The kept groups' path (CUDA decodes through the sync-free indexer, which pools every group: issue 19)
+    monkeypatch.setattr(indexer_mod, "_sync_free", lambda *args: False)
     prompt, steps = 37, 13
     ids = tokens(2, prompt + steps, seed=7, eos_at=[(1, 25)]).to(device)
 

@@ -105,7 +105,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
         # batch into the cells would copy the whole cache on every call once B > 1 and Hkv > 1).
         q = query_states.transpose(1, 2)                                         # [B, T, H, D]
         cells = selection.token_idx                                              # [B, T, W]
-        if selection.any_empty:
+        maybe_empty = selection.any_empty is None or selection.any_empty    # None: only the device knows
+        if maybe_empty:
             # Queries that see nothing (left-padding positions): give them one cell for the op, then take
             # transformers' own result for them below (a fully masked row: eager averages, sdpa as torch does).
             cells = cells.clone()
@@ -114,12 +115,16 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
             hebrus_torch.qsa_attention(q[b], key_states[b].transpose(0, 1), value_states[b].transpose(0, 1),
                                        cells[b], self.scaling)
             for b in range(batch)])                                              # [B, T, H, Dv]
-        if selection.any_empty:
-            rows = torch.nonzero(selection.empty.any(0)).flatten()              # query positions with an empty row
-            if attention_mask.dtype == torch.bool:
-                masked = attention_mask.new_zeros((batch, 1, rows.numel(), kv))
+        if maybe_empty:
+            if selection.any_empty is None:  # no host read: transformers' result for every query position
+                rows, count = slice(None), q.shape[1]
             else:
-                masked = attention_mask.new_full((batch, 1, rows.numel(), kv), torch.finfo(attention_mask.dtype).min)
+                rows = torch.nonzero(selection.empty.any(0)).flatten()          # query positions with an empty row
+                count = rows.numel()
+            if attention_mask.dtype == torch.bool:
+                masked = attention_mask.new_zeros((batch, 1, count, kv))
+            else:
+                masked = attention_mask.new_full((batch, 1, count, kv), torch.finfo(attention_mask.dtype).min)
             dense, _ = interface(self, query_states[:, :, rows], key_states, value_states, masked, dropout=0.0,
                                  scaling=self.scaling, **kwargs)                 # [B, n, H, Dv]
             keep = selection.empty[:, rows][..., None, None]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import hebrus_torch
-from hebrus_torch import _limits
+from hebrus_torch import _limits, reference
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.errors import HoleError
 
@@ -127,6 +127,9 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
                          past_key_values)
     if attention_mask is None or attention_mask.dim() != 4:
         return _fallback(original, "mask_shape", hidden_states, position_embeddings, attention_mask, past_key_values)
+    if _sync_free(hidden_states.device, attention_mask.shape[0], hidden_states.shape[1], attention_mask.shape[-1],
+                  self.index_head_dim) and not _indexer_beyond_kernel_limits(self, hidden_states.device):
+        return _indexer_sync_free(self, record, hidden_states, position_embeddings, attention_mask, past_key_values)
     positions, reason = ctx.text_positions(full_cos)
     if positions is None:
         return _fallback(original, reason, hidden_states, position_embeddings, attention_mask, past_key_values)
@@ -165,6 +168,109 @@ def _indexer_impl(self, record, original, hidden_states, position_embeddings, at
                          attention_mask, _KeysReplay(raw_keys))
     _STATS["qsa_hebrus"] += 1
     return _Selection(self, plan, selected) if as_indices else _expand(plan, selected, ratio)
+
+
+# Decode on devices whose ops check values on the device (CUDA, SPEC §4 "Errors on GPUs"): the selection
+# of a call with few queries runs with static shapes and never reads the device on the host (SPEC §6: no
+# host synchronization inside a decode step; issue 19). Bounds: queries per call, and B*T*K*D (the keys
+# gathered for every candidate group of every query).
+SYNC_FREE_MAX_QUERIES = 16
+SYNC_FREE_MAX_ELEMENTS = 1 << 27
+
+
+def _sync_free(device: torch.device, batch: int, length: int, kv: int, dim: int) -> bool:
+    """Whether a call takes :func:`_indexer_sync_free` (host-known sizes only)."""
+    return (reference.checks_async(device) and 0 < length <= SYNC_FREE_MAX_QUERIES and kv > 0
+            and batch * length * kv * dim <= SYNC_FREE_MAX_ELEMENTS)
+
+
+def _indexer_sync_free(self, record, hidden_states, position_embeddings, attention_mask, past_key_values):
+    """transformers' selection for every query of a short call, on the device, with no host read.
+
+    Each query's visible kv indices are compacted in order (a scatter by their rank), and its groups are
+    r consecutive entries of that list, roped at the cos/sin of their first entry: transformers' own
+    rule, whatever the mask (padding, holes, several runs) and the positions (multimodal, scaled rope),
+    so no call needs its fallback. Every candidate group of every query is pooled (hebrus::qsa_pool,
+    unroped; the rope as transformers applies it) and scored (hebrus::qsa_select); a query that sees at
+    most budget + r - 1 tokens keeps them all. With on_hole="raise" a hole inside a choosing query's
+    visible run is a device-side assert (SPEC §4). The pooled groups kept on the cache layer are not used.
+    """
+    ratio, top_k = self.compress_ratio, self.block_topk
+    q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
+    batch, kv, dim = raw_keys.shape
+    length = q.shape[1]
+    device = raw_keys.device
+    visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    if visible.shape != (batch, length, kv):     # a mask over other keys than the cache's: the general path
+        return _fallback(record["original_forward"], "mask_shape", hidden_states, position_embeddings,
+                         attention_mask, _KeysReplay(raw_keys))
+    bt = batch * length
+    width = self.token_budget + ratio - 1
+    vis = visible.reshape(bt, kv)
+    rank = torch.cumsum(vis, dim=1)                                          # [BT, K], 1-based
+    n = rank[:, -1]
+    ng = torch.div(n, ratio, rounding_mode="floor")
+    need = ng > top_k
+    if record["on_hole"] == "raise":
+        vis8 = vis.to(torch.uint8)
+        first = vis8.argmax(-1)
+        last = (kv - 1) - vis8.flip(-1).argmax(-1)
+        torch._assert_async(((last - first + 1 == n) | (n == 0) | ~need).all(),
+                            "hebrus_torch.integrations.transformers: a masked key position inside a choosing "
+                            "query's visible run (a hole is not padding; on_hole='raise')")
+    # lst[q, j]: kv index of the j-th visible key of query q, -1 past its n.
+    lst = torch.full((bt, kv + 1), -1, dtype=torch.int64, device=device)
+    lst.scatter_(1, torch.where(vis, rank - 1, kv), torch.arange(kv, device=device).expand(bt, kv))
+    lst = lst[:, :kv]
+    whole = lst[:, :width] if kv >= width else torch.nn.functional.pad(lst, (0, width - kv), value=-1)
+    groups = kv // ratio
+    if groups > top_k:                   # some query may choose (host-known sizes only)
+        cells = lst[:, :groups * ratio].view(bt, groups, ratio)
+        q_b = torch.arange(bt, device=device) // length                      # batch row of each query
+        flat = (q_b[:, None, None] * kv + cells.clamp(min=0)).reshape(-1)
+        keys = raw_keys.reshape(batch * kv, dim).index_select(0, flat)       # [BT*G*r, D], group-major
+        count = bt * groups
+        group_cells = torch.arange(count * ratio, device=device, dtype=torch.int32).view(count, ratio)
+        cell_pos = torch.arange(ratio, device=device).repeat(count)          # each group a run from 0
+        group_pos = torch.zeros(count, dtype=torch.int64, device=device)
+        pooled = hebrus_torch.qsa_pool(keys, cell_pos, group_cells, group_pos, self.k_layernorm.weight,
+                                       float(self.k_layernorm.eps), _no_rope(device))
+        full_cos, full_sin = position_embeddings
+        starts = cells[:, :, 0].clamp(0, full_cos.shape[1] - 1)              # [BT, G] kv index of each start
+        rows = q_b[:, None].expand(bt, groups)
+        cos, sin = full_cos[rows, starts].flatten(0, 1), full_sin[rows, starts].flatten(0, 1)
+        pooled = record["rope"](pooled.unsqueeze(1), cos=cos, sin=sin).squeeze(1)
+        seq_groups = torch.arange(count, device=device, dtype=torch.int32).view(bt, groups)
+        q_row = torch.arange(bt, device=device, dtype=torch.int32)
+        selected = hebrus_torch.qsa_select(q.reshape(bt, q.shape[-2], q.shape[-1]), pooled, seq_groups, q_row,
+                                           ng.to(torch.int32), top_k).long()  # [BT, top_k] ascending, -1 padded
+        members = (selected[:, :, None] * ratio + torch.arange(ratio, device=device)).reshape(bt, -1)
+        tokens = torch.where(members >= 0, lst.gather(1, members.clamp(min=0)), -1)
+        tail = ng[:, None] * ratio + torch.arange(ratio - 1, device=device)
+        tail = torch.where(tail < n[:, None], lst.gather(1, tail.clamp(max=kv - 1)), -1)
+        whole = torch.where(need[:, None], torch.cat((tokens, tail), dim=1), whole)
+        _STATS["qsa_queries_selected"] += bt          # queries scored (which of them choose: on the device)
+    token_idx = whole.to(torch.int32).view(batch, length, width)
+    _STATS["qsa_hebrus"] += 1
+    _STATS["qsa_sync_free"] += 1
+    selection = _Selection.from_indices(token_idx, kv, (n == 0).view(batch, length))
+    # Where qsa_attention has no native kernel (its reference: some twenty kernels, and transformers' own
+    # attention again for the queries that may see nothing), a few queries attend faster densely over the
+    # selection mask, as transformers does: the mask then goes to the patched attention.
+    if record.get("as_indices") and has_native_kernel("qsa_attention", device.type):
+        return selection
+    return selection.mask()
+
+
+_NO_ROPE: dict = {}
+
+
+def _no_rope(device: torch.device) -> torch.Tensor:
+    """The empty inv_freq (qsa_pool without rotary dims), one per device."""
+    t = _NO_ROPE.get(device)
+    if t is None:
+        t = _NO_ROPE[device] = torch.empty(0, dtype=torch.float32, device=device)
+    return t
 
 
 def _indexer_beyond_kernel_limits(indexer, device: torch.device) -> bool:

@@ -40,7 +40,8 @@ class _Selection:
 
     ``token_idx`` [B, T, W] int32: the selected kv indices of every query (``W = budget + r - 1``, -1 padded):
     the selected groups plus the raw tail for queries that choose, the whole visible run for the others.
-    ``empty`` [B, T] bool: queries that see no position at all (``any_empty``: whether there is one).
+    ``empty`` [B, T] bool: queries that see no position at all (``any_empty``: whether there is one; None
+    where only the device knows, :meth:`from_indices`).
     ``mask()`` builds the boolean selection mask transformers' indexer returns, only when asked for
     (forward hooks on the indexer receive this object: :func:`selection_mask` turns it into that mask).
     """
@@ -65,6 +66,14 @@ class _Selection:
         self.kv = kv
         self.empty = n == 0
         self.any_empty = plan.any_empty
+
+    @classmethod
+    def from_indices(cls, token_idx: torch.Tensor, kv: int, empty: torch.Tensor) -> "_Selection":
+        """A selection computed on the device with no host read (issue 19): ``any_empty`` is None, which
+        queries see nothing is known only to the device (the attention handles every query as maybe empty)."""
+        self = cls.__new__(cls)
+        self.token_idx, self.kv, self.empty, self.any_empty = token_idx, kv, empty, None
+        return self
 
     def mask(self) -> torch.Tensor:
         """[B, 1, T, K] bool: the selection mask, as transformers' indexer builds it."""

@@ -1,0 +1,137 @@
+"""The sync-free forms the CUDA fallback runs (issue 19), checked on CPU against the forms they replace:
+qsa_select of every query at once (reference._qsa_select_all) against the loop over sequences, and the
+drop-in's sync-free indexer (indexer._indexer_sync_free, forced on CPU) against transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hebrus_torch import reference
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_select_all_queries_at_once_equals_the_loop(seed, top_k):
+    gen = torch.Generator().manual_seed(seed)
+    rows_n, max_g, dim, hq = (1, 3)[seed % 2], 11, (16, 20)[seed % 2], 2
+    pooled = torch.randn(40, dim, generator=gen)
+    pooled[5] = pooled[7]                                                 # exact ties
+    pooled[9] = 0.0
+    seq_groups = torch.randint(0, 40, (rows_n, max_g), generator=gen, dtype=torch.int32)
+    seq_groups[-1, 8:] = -1                                               # past the end of the last row
+    tq = 9
+    q = torch.randn(tq, hq, dim, generator=gen)
+    q[0] = 0.0                                                            # every score 0: ties throughout
+    q_row = torch.randint(0, rows_n, (tq,), generator=gen, dtype=torch.int32)
+    limit = torch.where(q_row == rows_n - 1, 8, max_g)
+    q_groups = (torch.rand(tq, generator=gen) * (limit + 1)).floor().to(torch.int32)
+    q_groups[1] = 0
+    want = reference.qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k)          # CPU: the loop
+    out = torch.full((tq, top_k), -1, dtype=torch.int32)
+    got = reference._qsa_select_all(q, pooled, seq_groups, q_row.long(), q_groups.long(), top_k, out)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_scores_per_query_keys_equal_shared_keys():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 3, 40, generator=gen)
+    keys = torch.randn(7, 40, generator=gen)
+    shared = reference.qsa_scores(q, keys)
+    per_query = reference.qsa_scores(q, keys.expand(5, 7, 40))
+    assert torch.equal(shared, per_query)
+    assert torch.equal(reference.qsa_scores(q[2:3], keys[4:6]), shared[2:3, 4:6])      # batch-invariant
+
+
+# ------------------------------------------------------------------------------------------------
+# The drop-in's sync-free indexer, forced on CPU.
+
+transformers = pytest.importorskip("transformers", reason="needs transformers==5.23.0 (pip install -e .[hf])")
+
+from hebrus_torch.integrations import transformers as htx  # noqa: E402
+from hebrus_torch.integrations.qwen4_exp import indexer as indexer_mod  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from hf_models import random_model  # noqa: E402
+from test_transformers_dropin import ATOL, assert_same, both, tokens  # noqa: E402
+
+
+@pytest.fixture
+def sync_free(monkeypatch):
+    """Every call with at most 4 queries takes the sync-free indexer, on CPU too."""
+    calls = []
+
+    def forced(device, batch, length, kv, dim):
+        calls.append(length)
+        return length <= 4
+    monkeypatch.setattr(indexer_mod, "_sync_free", forced)
+    return calls
+
+
+@pytest.mark.hf
+def test_sync_free_greedy_decode_equals_transformers(sync_free):
+    model = random_model(0, device="cpu")
+    prompt = tokens(1, 30, seed=3, eos_at=[(0, 12)])
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref, got, stats, rm, gm = both(model, lambda: model.generate(prompt, **kw))
+    assert torch.equal(got, ref)
+    assert_same(rm, gm)
+    assert stats.get("qsa_sync_free", 0) == 2 * 15 and stats.get("sparse_attention_calls", 0) > 0, stats
+    assert not any(k.startswith("qsa_fallback") for k in stats), stats
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_sync_free_left_padded_decode_and_chunks(sync_free, attn):
+    """Left padding (queries that see nothing), 1- to 3-token steps, both attention forms."""
+    model = random_model(2, device="cpu", attn_implementation=attn)
+    ids = tokens(2, 44, seed=24)
+    mask = torch.ones_like(ids)
+    ids[1, :13], mask[1, :13] = 0, 0
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        out = [model(ids[:, :2], attention_mask=mask[:, :2], past_key_values=cache, use_cache=True).logits]
+        t = 2
+        for step in [3, 1, 2] * 6 + [1] * 4 + [2]:
+            out.append(model(ids[:, t:t + step], attention_mask=mask[:, :t + step], past_key_values=cache,
+                             use_cache=True).logits)
+            t += step
+        assert t == 44
+        return torch.cat(out, 1)
+
+    ref, got, stats, rm, gm = both(model, run)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert stats.get("qsa_sync_free", 0) > 0 and stats.get("sparse_attention_calls", 0) > 0, stats
+
+
+@pytest.mark.hf
+def test_sync_free_hole_is_transformers_rule_without_fallback(sync_free):
+    """A hole inside a choosing query's visible run: transformers' rule (groups of consecutive visible
+    keys) with no fallback; on_hole="raise" fails closed (on CPU, at once)."""
+    model = random_model(0, device="cpu", attn_implementation="eager")
+    ids = tokens(1, 40, seed=10)
+    mask = torch.tril(torch.ones(40, 40, dtype=torch.bool))
+    mask[20:, 9] = False
+    mask4 = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[None, None]
+
+    def run(prefill=36):
+        cache = DynamicCache(config=model.config)
+        out = [model(ids[:, :prefill], attention_mask={"indexed_attention": mask4[:, :, :prefill, :prefill],
+                                                      "linear_attention": None},
+                     past_key_values=cache, use_cache=True).logits]
+        for t in range(prefill, 40):
+            out.append(model(ids[:, t:t + 1], attention_mask={"indexed_attention": mask4[:, :, t:t + 1, :t + 1],
+                                                             "linear_attention": None},
+                             past_key_values=cache, use_cache=True).logits)
+        return torch.cat(out, 1)
+
+    ref, got, stats, rm, gm = both(model, run)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+    assert_same(rm, gm)
+    assert stats.get("qsa_sync_free", 0) == 2 * 4, stats
+    assert not any(k.startswith("qsa_fallback") and k != "qsa_fallback:hole" for k in stats), stats
+    with pytest.raises(RuntimeError, match="hole"):                      # the decode step at query 20
+        both(model, lambda: run(prefill=19), on_hole="raise")
