@@ -92,7 +92,10 @@ def assert_hebrus_path(stats, sparse=True):
     assert not any(k.startswith("qsa_fallback") for k in stats), stats
     if sparse:
         assert stats.get("qsa_queries_selected", 0) > 0, stats          # the budget was actually exceeded
-        assert stats.get("sparse_attention_calls", 0) > 0, stats        # attention ran as hebrus::qsa_attention
+        # attention ran as hebrus::qsa_attention (where every indexer call was sync-free, on a device without
+        # a native qsa_attention, the few queries attend densely over the selection mask: issue 19)
+        assert (stats.get("sparse_attention_calls", 0) > 0
+                or 0 < stats.get("qsa_sync_free", 0) == stats.get("qsa_hebrus")), stats
 
 
 def gradients_both(model, ids):
