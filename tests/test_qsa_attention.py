@@ -374,16 +374,17 @@ def test_thread_count_invariance():
     assert torch.equal(results[0], results[1])
 
 
-# The CPU kernel's paths: the portable code (what arm64 runs), the hand-written AVX-512 kernels and
-# the AVX512-BF16 dot product must give the same bits. Each runs in a subprocess, because
-# HEBRUS_CPU_CAPABILITY is read once per process.
+# The CPU kernels' paths: the portable code (what arm64 runs), the hand-written AVX2 kernels (of
+# qsa_attention and qsa_select's scores), the AVX-512 kernels and the AVX512-BF16 dot product must
+# give the same bits. Each runs in a subprocess, because HEBRUS_CPU_CAPABILITY is read once per process.
 _CAPABILITY_SCRIPT = """
 import sys, torch, hebrus_torch as ht
 gen = torch.Generator().manual_seed(5)
 outs = {}
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for hq, hkv, dh, dv in [(16, 2, 256, 256), (8, 1, 96, 32), (16, 2, 80, 64), (8, 1, 40, 24),
-                            (12, 4, 64, 96), (8, 8, 17, 33)]:
+                            (12, 4, 64, 96), (8, 8, 17, 33), (4, 2, 64, 64), (16, 4, 128, 136), (3, 1, 48, 40),
+                            (2, 2, 32, 4)]:
         cells, tq = 300, 7
         # Half the dims hold 8 in every query and key: large partial sums, so that a different
         # order of the additions changes the scores by more than the output dtype hides.
@@ -394,6 +395,18 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         tc = torch.randint(-1, cells, (tq, 70), dtype=torch.int32, generator=gen)
         tc[:, 0] = 3
         outs[f"{dtype} {hq} {hkv} {dh} {dv}"] = ht.qsa_attention(q, k, v, tc, 0.3)
+# qsa_select's scores: fp32 / bf16 rows read in place and fp16 rows widened; heads 1-5, dims a multiple
+# of 16 or not (zero-padded); an odd number of groups.
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for hq, dim in [(4, 64), (1, 32), (3, 40), (5, 128)]:
+        groups, tq = 37, 6
+        common = torch.rand(dim, generator=gen) < 0.5
+        pooled = torch.where(common, 8.0, torch.randn(2 * groups, dim, generator=gen)).to(dtype)
+        q = torch.where(common, 8.0, torch.randn(tq, hq, dim, generator=gen)).to(dtype)
+        seq_groups = torch.randperm(2 * groups, generator=gen)[:groups].to(torch.int32)[None]
+        q_groups = torch.tensor([groups, 1, 17, groups - 1, 30, 9], dtype=torch.int32)
+        sel = ht.qsa_select(q, pooled, seq_groups, torch.zeros(tq, dtype=torch.int32), q_groups, 5)
+        outs[f"select {dtype} {hq} {dim}"] = sel
 torch.save(outs, sys.argv[1])
 """
 
@@ -425,6 +438,8 @@ def _run_with_capability(tmp_path, capability: str | None):
 def test_cpu_capabilities_give_the_same_bits(tmp_path):
     flags = _cpu_flags()
     capabilities = ["default"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        capabilities.append("avx2")
     if "avx512f" in flags:
         capabilities.append("avx512")
     if {"avx512f", "avx512_bf16"} <= flags:

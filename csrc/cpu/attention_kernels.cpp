@@ -70,11 +70,6 @@ HEBRUS_INLINE int64_t pair_dims(int64_t dh) {
   return kIsBf16<T> ? dh / kPairDims * kPairDims : 0;
 }
 
-// Which hand-written x86 kernels may run. HEBRUS_CPU_CAPABILITY (like ATen's ATEN_CPU_CAPABILITY)
-// lowers it: "default" runs only the portable code (what arm64 runs), "avx512" the AVX-512F kernels,
-// "avx512_bf16" those and the bf16 dot-product instruction. All of them give the same bits, except
-// that the instruction flushes subnormal bf16 inputs and partial sums to zero (see dots).
-enum class CpuCapability { kDefault = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 
 template <typename T>
 HEBRUS_INLINE float widen(T v) {
@@ -507,35 +502,130 @@ HEBRUS_AVX512 __attribute__((noinline)) void block_values8_avx512(const T* const
 
 #endif
 
-// What the CPU offers, lowered by HEBRUS_CPU_CAPABILITY; read once. An unknown value is refused at
-// every call rather than ignored, so that a test or benchmark never measures another path than named.
-CpuCapability cpu_capability() {
-  static const std::pair<CpuCapability, std::string> chosen = [] {
-    CpuCapability best = CpuCapability::kDefault;
 #if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-      best = __builtin_cpu_supports("avx512bf16") ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
-#endif
-    const char* env = std::getenv("HEBRUS_CPU_CAPABILITY");
-    if (env == nullptr || *env == '\0') return std::make_pair(best, std::string());
-    const std::string name(env);
-    CpuCapability asked;
-    if (name == "default") {
-      asked = CpuCapability::kDefault;
-    } else if (name == "avx512") {
-      asked = CpuCapability::kAvx512;
-    } else if (name == "avx512_bf16") {
-      asked = CpuCapability::kAvx512Bf16;
-    } else {
-      return std::make_pair(best, name);
-    }
-    return std::make_pair(std::min(asked, best), std::string());
-  }();
-  HEBRUS_CHECK(chosen.second.empty(), HebrusError, "HEBRUS_CPU_CAPABILITY='", chosen.second,
-               "' is not one of default, avx512, avx512_bf16 (or unset: the best the CPU has)");
-  return chosen.first;
+// AVX2 CPUs (x86-64-v3 without AVX-512), with the same arithmetic in the same order as dots and
+// value_columns. GCC 12 spells the portable code's 16-lane fused multiply-adds lane by lane and,
+// where a vector is two ymm registers, builds them through the stack (measured on a 2-core Zen VM
+// with AVX2: 170-600 ns per selected cell and KV head, 8-20x slower than these kernels). Here a
+// 16-lane vector is a pair of ymm registers (lanes 0-7, 8-15), and the heads of a chunk are taken
+// HG at a time so that the accumulators of HG heads x NK keys stay in the 16 registers.
+
+HEBRUS_AVX2 HEBRUS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+HEBRUS_AVX2 HEBRUS_INLINE __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+HEBRUS_AVX2 HEBRUS_INLINE __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// dots<T, HB, NK> for heads h0 .. h0 + HG - 1 of a chunk of HB heads; dh a multiple of kLanes.
+template <typename T, int HB, int HG, int NK>
+HEBRUS_AVX2 HEBRUS_INLINE void dots_avx2(const float* q, int64_t dh, int h0, const T* const* krow, float scale,
+                                         float (*s)[kMaxHeadChunk], int64_t j, Prefetcher& pf, bool prefetch) {
+  __m256 lo[NK * HG], hi[NK * HG];
+  for (int i = 0; i < NK * HG; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  int64_t d = 0;
+  if constexpr (kIsBf16<T>) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (; d + kPairDims <= dh; d += kPairDims) {
+      if (prefetch) {
+        pf.step();
+        pf.step();
+      }
+      __m256 odd_lo[NK], even_lo[NK], odd_hi[NK], even_hi[NK];
+      for (int n = 0; n < NK; ++n) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[j + n] + d));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow[j + n] + d + kLanes));
+        odd_lo[n] = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+        even_lo[n] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        odd_hi[n] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        even_hi[n] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      }
+      for (int h = 0; h < HG; ++h) {
+        const float* qh = q + d * HB + (h0 + h) * kPairDims;
+        const __m256 qo_lo = _mm256_loadu_ps(qh), qo_hi = _mm256_loadu_ps(qh + 8);
+        const __m256 qe_lo = _mm256_loadu_ps(qh + kLanes), qe_hi = _mm256_loadu_ps(qh + kLanes + 8);
+        for (int n = 0; n < NK; ++n) {
+          lo[n * HG + h] = _mm256_fmadd_ps(qe_lo, even_lo[n], _mm256_fmadd_ps(qo_lo, odd_lo[n], lo[n * HG + h]));
+          hi[n * HG + h] = _mm256_fmadd_ps(qe_hi, even_hi[n], _mm256_fmadd_ps(qo_hi, odd_hi[n], hi[n * HG + h]));
+        }
+      }
+    }
+  }
+  for (; d < dh; d += kLanes) {
+    if (prefetch) pf.step();
+    __m256 k_lo[NK], k_hi[NK];
+    for (int n = 0; n < NK; ++n) {
+      k_lo[n] = load8(krow[j + n] + d);
+      k_hi[n] = load8(krow[j + n] + d + 8);
+    }
+    for (int h = 0; h < HG; ++h) {
+      const float* qh = q + d * HB + (h0 + h) * kLanes;
+      const __m256 q_lo = _mm256_loadu_ps(qh), q_hi = _mm256_loadu_ps(qh + 8);
+      for (int n = 0; n < NK; ++n) {
+        lo[n * HG + h] = _mm256_fmadd_ps(q_lo, k_lo[n], lo[n * HG + h]);
+        hi[n * HG + h] = _mm256_fmadd_ps(q_hi, k_hi[n], hi[n * HG + h]);
+      }
+    }
+  }
+  for (int n = 0; n < NK; ++n)
+    for (int h = 0; h < HG; ++h) s[j + n][h0 + h] = reduce_lanes_avx2(lo[n * HG + h], hi[n * HG + h]) * scale;
+}
+
+template <typename T, int HB>
+HEBRUS_AVX2 __attribute__((noinline)) void block_scores_avx2(const float* q, int64_t dh, const T* const* krow,
+                                                             int64_t nb, float scale, float (*s)[kMaxHeadChunk],
+                                                             Prefetcher& pf_in) {
+  Prefetcher pf = pf_in;  // in registers, as in block_scores8_avx512
+  constexpr int HG = HB >= 2 ? 2 : 1;
+  constexpr int NK = kIsBf16<T> ? 1 : 2;
+  int64_t j = 0;
+  for (; j + NK <= nb; j += NK)
+    for (int h0 = 0; h0 < HB; h0 += HG) dots_avx2<T, HB, HG, NK>(q, dh, h0, krow, scale, s, j, pf, h0 == 0);
+  for (; j < nb; ++j)
+    for (int h0 = 0; h0 < HB; h0 += HG) dots_avx2<T, HB, HG, 1>(q, dh, h0, krow, scale, s, j, pf, h0 == 0);
+  pf_in = pf;
+}
+
+// acc[h][d0 + 8c + i] += p[j][h] * v_j[..] (fused), j ascending, for NC ymm columns of HB heads.
+template <typename T, int HB, int NC>
+HEBRUS_AVX2 HEBRUS_INLINE void value_columns_avx2(const T* const* vrow, int64_t nb, int64_t dv, int64_t d0,
+                                                  const float (*p)[kMaxHeadChunk], float* acc, Prefetcher& pf) {
+  __m256 a[NC][HB];
+  for (int c = 0; c < NC; ++c)
+    for (int h = 0; h < HB; ++h) a[c][h] = _mm256_loadu_ps(acc + h * dv + d0 + 8 * c);
+  for (int64_t j = 0; j < nb; ++j) {
+    pf.step();
+    __m256 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load8(vrow[j] + d0 + 8 * c);
+    for (int h = 0; h < HB; ++h) {
+      const __m256 w = _mm256_set1_ps(p[j][h]);
+      for (int c = 0; c < NC; ++c) a[c][h] = _mm256_fmadd_ps(w, vv[c], a[c][h]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int h = 0; h < HB; ++h) _mm256_storeu_ps(acc + h * dv + d0 + 8 * c, a[c][h]);
+}
+
+template <typename T, int HB>
+HEBRUS_AVX2 __attribute__((noinline)) void block_values_avx2(const T* const* vrow, int64_t nb, int64_t dv,
+                                                             const float (*p)[kMaxHeadChunk], float* acc,
+                                                             Prefetcher& pf_in) {
+  Prefetcher pf = pf_in;
+  constexpr int NC = 8 / HB;  // HB * NC accumulators of 8 lanes
+  int64_t d0 = 0;
+  for (; d0 + 8 * NC <= dv; d0 += 8 * NC) value_columns_avx2<T, HB, NC>(vrow, nb, dv, d0, p, acc, pf);
+  for (; d0 + 8 <= dv; d0 += 8) value_columns_avx2<T, HB, 1>(vrow, nb, dv, d0, p, acc, pf);
+  for (int64_t j = 0; j < nb; ++j)
+    for (int h = 0; h < HB; ++h)
+      for (int64_t d = d0; d < dv; ++d)
+        acc[h * dv + d] = FusedMulAdd::apply(p[j][h], widen<T>(vrow[j][d]), acc[h * dv + d]);
+  pf_in = pf;
+}
+#endif
 
 template <typename T, int HB>
 HEBRUS_INLINE void block_scores(const float* q, const uint16_t* qb, int64_t dh, const T* const* krow, int64_t nb,
@@ -548,6 +638,7 @@ HEBRUS_INLINE void block_scores(const float* q, const uint16_t* qb, int64_t dh, 
     }
     if (isa >= CpuCapability::kAvx512) return block_scores8_avx512<T>(q, dh, krow, nb, scale, s, pf);
   }
+  if (isa == CpuCapability::kAvx2 && dh % kLanes == 0) return block_scores_avx2<T, HB>(q, dh, krow, nb, scale, s, pf);
 #else
   (void)qb;
   (void)isa;
@@ -564,6 +655,7 @@ HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, co
   if constexpr (HB == kMaxHeadChunk) {
     if (isa >= CpuCapability::kAvx512) return block_values8_avx512<T>(vrow, nb, dv, p, acc, pf);
   }
+  if (isa == CpuCapability::kAvx2) return block_values_avx2<T, HB>(vrow, nb, dv, p, acc, pf);
 #else
   (void)isa;
 #endif
@@ -586,8 +678,9 @@ HEBRUS_INLINE void block_values(const T* const* vrow, int64_t nb, int64_t dv, co
 // scores nothing changes (m_new is subtracted as before). A function of its own: inlined into the
 // item loop, its running max and sum were kept in memory (a chain of store-reloads; this is 2-4%
 // faster in cache).
-HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, bool first, float* m_out,
-                                        float* l_out, float* alpha_out) {
+template <bool kCellPairs>
+HEBRUS_INLINE void block_softmax_impl(float (*s)[kMaxHeadChunk], int64_t nb, bool first, float* m_out, float* l_out,
+                                      float* alpha_out) {
   // Two running maxima (even and odd cells) halve the dependency chain; a max is exact, so this
   // order gives the same m up to the sign of a zero, which no result depends on (exp(+-0) == 1).
   HeadVec bm0 = load_heads(s[0]);
@@ -603,23 +696,26 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
   const HeadVec m_new = first ? bm : max_keep_nan(bm, m);
   // What the scores are shifted by: m_new, or 0 where m_new is -inf (see above).
   const HeadVec m_sub = m_new == splat(-std::numeric_limits<float>::infinity()) ? splat(0.f) : m_new;
-  // Two cells per vector of kLanes (the rows of s are adjacent); the sum still adds the cells in
-  // order, so that it is the same as one cell at a time.
-  static_assert(kLanes == 2 * kMaxHeadChunk, "two cells' heads per vector");
-  Vec m_sub2;
-  std::memcpy(&m_sub2, &m_sub, sizeof(m_sub));
-  std::memcpy(reinterpret_cast<char*>(&m_sub2) + sizeof(m_sub), &m_sub, sizeof(m_sub));
   HeadVec sum{};
-  for (j = 0; j + 2 <= nb; j += 2) {
-    const Vec p2 = exp_nonpositive(load_vec(s[j]) - m_sub2);
-    std::memcpy(s[j], &p2, sizeof(p2));  // s now holds p
-    HeadVec p0, p1;
-    std::memcpy(&p0, &p2, sizeof(p0));
-    std::memcpy(&p1, reinterpret_cast<const char*>(&p2) + sizeof(p0), sizeof(p1));
-    sum += p0;
-    sum += p1;
+  j = 0;
+  if constexpr (kCellPairs) {
+    // Two cells per vector of kLanes (the rows of s are adjacent); the sum still adds the cells in
+    // order, so that it is the same as one cell at a time.
+    static_assert(kLanes == 2 * kMaxHeadChunk, "two cells' heads per vector");
+    Vec m_sub2;
+    std::memcpy(&m_sub2, &m_sub, sizeof(m_sub));
+    std::memcpy(reinterpret_cast<char*>(&m_sub2) + sizeof(m_sub), &m_sub, sizeof(m_sub));
+    for (; j + 2 <= nb; j += 2) {
+      const Vec p2 = exp_nonpositive(load_vec(s[j]) - m_sub2);
+      std::memcpy(s[j], &p2, sizeof(p2));  // s now holds p
+      HeadVec p0, p1;
+      std::memcpy(&p0, &p2, sizeof(p0));
+      std::memcpy(&p1, reinterpret_cast<const char*>(&p2) + sizeof(p0), sizeof(p1));
+      sum += p0;
+      sum += p1;
+    }
   }
-  if (j < nb) {
+  for (; j < nb; ++j) {
     const HeadVec pj = exp_nonpositive(load_heads(s[j]) - m_sub);
     std::memcpy(s[j], &pj, sizeof(pj));
     sum += pj;
@@ -631,6 +727,20 @@ HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, b
   std::memcpy(alpha_out, &alpha, sizeof(alpha));
 }
 
+HEBRUS_VECTOR_CLONES void block_softmax(float (*s)[kMaxHeadChunk], int64_t nb, bool first, float* m_out,
+                                        float* l_out, float* alpha_out) {
+  block_softmax_impl<true>(s, nb, first, m_out, l_out, alpha_out);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// One cell per vector: GCC builds the two-cell vectors of block_softmax through the stack on AVX2
+// (a third of the AVX2 kernel's time); every lane gets the same operations either way.
+HEBRUS_AVX2 __attribute__((noinline)) void block_softmax_avx2(float (*s)[kMaxHeadChunk], int64_t nb, bool first,
+                                                              float* m_out, float* l_out, float* alpha_out) {
+  block_softmax_impl<false>(s, nb, first, m_out, l_out, alpha_out);
+}
+#endif
+
 // One block of nb selected cells for the HB query heads of a chunk: scores, the online-softmax
 // update of m, l and acc, then the probability-weighted values.
 template <typename T, int HB>
@@ -640,7 +750,12 @@ HEBRUS_INLINE void attend_block(const Params& p, Scratch& sc, const T* const* kr
   const int64_t dv = p.dv;
   block_scores<T, HB>(q, qb, p.dh, krow, nb, p.scale, sc.s, pf_k, p.isa);
   float alpha[kMaxHeadChunk];
-  block_softmax(sc.s, nb, first, m_out, l_out, alpha);
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (p.isa == CpuCapability::kAvx2)
+    block_softmax_avx2(sc.s, nb, first, m_out, l_out, alpha);
+  else
+#endif
+    block_softmax(sc.s, nb, first, m_out, l_out, alpha);
   if (!first) {
     for (int h = 0; h < HB; ++h) {
       if (alpha[h] != 1.f) {
@@ -872,6 +987,41 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
 }
 
 }  // namespace
+
+// What the CPU offers, lowered by HEBRUS_CPU_CAPABILITY; read once. An unknown value is refused at
+// every call rather than ignored, so that a test or benchmark never measures another path than named.
+CpuCapability cpu_capability() {
+  static const std::pair<CpuCapability, std::string> chosen = [] {
+    CpuCapability best = CpuCapability::kDefault;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+      best = __builtin_cpu_supports("avx512bf16") ? CpuCapability::kAvx512Bf16 : CpuCapability::kAvx512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      best = CpuCapability::kAvx2;
+#endif
+    const char* env = std::getenv("HEBRUS_CPU_CAPABILITY");
+    if (env == nullptr || *env == '\0') return std::make_pair(best, std::string());
+    const std::string name(env);
+    CpuCapability asked;
+    if (name == "default") {
+      asked = CpuCapability::kDefault;
+    } else if (name == "avx2") {
+      asked = CpuCapability::kAvx2;
+    } else if (name == "avx512") {
+      asked = CpuCapability::kAvx512;
+    } else if (name == "avx512_bf16") {
+      asked = CpuCapability::kAvx512Bf16;
+    } else {
+      return std::make_pair(best, name);
+    }
+    return std::make_pair(std::min(asked, best), std::string());
+  }();
+  HEBRUS_CHECK(chosen.second.empty(), HebrusError, "HEBRUS_CPU_CAPABILITY='", chosen.second,
+               "' is not one of default, avx2, avx512, avx512_bf16 (or unset: the best the CPU has)");
+  return chosen.first;
+}
+
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #if defined(__GNUC__)
 #define HEBRUS_INLINE inline __attribute__((always_inline))
 #else
@@ -97,6 +101,30 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
   return HEBRUS_SHUFFLE(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          HEBRUS_SHUFFLE(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+// Which hand-written x86 kernels may run. HEBRUS_CPU_CAPABILITY (like ATen's ATEN_CPU_CAPABILITY)
+// lowers it: "default" runs only the portable code (what arm64 runs), "avx2" the AVX2 kernels,
+// "avx512" the AVX-512F kernels, "avx512_bf16" those and the bf16 dot-product instruction. All of them give the same bits, except
+// that the instruction flushes subnormal bf16 inputs and partial sums to zero (see dots).
+enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// The capability the kernels run (attention_kernels.cpp): the CPU's best, capped by
+// HEBRUS_CPU_CAPABILITY; an unknown value raises HebrusError at every call.
+CpuCapability cpu_capability();
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Hand-written AVX2 kernels (x86-64-v3 CPUs without AVX-512) keep a 16-lane vector as two ymm registers
+// (lanes 0-7, 8-15): GCC 12 builds the portable code's two-register vectors through the stack.
+#define HEBRUS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// reduce_lanes of the 16 lanes (lo, hi): lane i + lane i + 8, then + 4, + 2, + 1.
+HEBRUS_AVX2 HEBRUS_INLINE float reduce_lanes_avx2(__m256 lo, __m256 hi) {
+  const __m256 a = _mm256_add_ps(lo, hi);
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+#endif
 
 // a * b + c, rounded twice (MulAdd) or once (FusedMulAdd: std::fma's result, an instruction
 // wherever the CPU has FMA, including every arm64 CPU); floats or vectors of floats.
