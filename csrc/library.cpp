@@ -48,6 +48,11 @@ TORCH_LIBRARY(hebrus, m) {
       "int top_k) -> Tensor");
   // QSA attention (issue 6): softmax(scale q.k) v per query over exactly its selected cells.
   m.def("qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor");
+  // Gated delta rule (issue 17) of the gated-delta-net layers over packed rows, recurrent form; each
+  // row's state [Hv, Dk, Dv] (fp32) is updated in place.
+  m.def(
+      "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor");
 }
 
 namespace {
@@ -107,7 +112,7 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   // The slot ops write their pool in place as ple_conv_into writes its buffers (refused under grad
   // mode with an input that requires grad; autogradNotImplementedFallback would skip the
   // ADInplaceOrView kernel below, which bumps the pool's version).
-  for (const char* op : {"ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots"})
+  for (const char* op : {"ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 
@@ -116,4 +121,5 @@ TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
   // The slot ops write their pool in place (and return only fresh outputs): its version is bumped.
   m.impl("ple_ngram_ids_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
   m.impl("ple_conv_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  m.impl("gdn_delta_rule", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
 }

@@ -48,10 +48,10 @@ def _raise_no_backward(name: str):
 if _fallback_library is not None:
     # What csrc/library.cpp registers for the compiled ops: backward through an op raises instead of
     # giving no gradient. (ple_conv_into's composite writes with copy_, which autograd tracks itself.)
-    # (The slot ops mutate their pool: register_autograd does not take mutable ops; the composite's
-    # index_copy_ is tracked by autograd itself.)
+    # (The slot ops mutate their pool and gdn_delta_rule its state: register_autograd does not take
+    # mutable ops; the composites' in-place writes are tracked by autograd itself.)
     for _name in OP_NAMES:
-        if _name not in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots"):
+        if _name not in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule"):
             torch.library.register_autograd(f"hebrus::{_name}", _raise_no_backward(_name), lib=_fallback_library)
 
 

@@ -22,4 +22,6 @@ SCHEMAS = {
     "qsa_select": "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "
                   "int top_k) -> Tensor",
     "qsa_attention": "qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor",
+    "gdn_delta_rule": "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+                      "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor",
 }

@@ -1,4 +1,5 @@
-"""The gated delta rule over packed variable-length rows, in the recurrent (token-by-token) form.
+"""The gated delta rule over packed variable-length rows, in the recurrent (token-by-token) form:
+the wrapper of ``hebrus::gdn_delta_rule`` (CPU kernel: csrc/cpu/gdn_kernels.cpp) and its reference.
 
 transformers' chunked form (``torch_chunk_gated_delta_rule``: chunks of 64, zero padding, a triangular
 solve per chunk) gives results that depend on where a stream was cut into steps. This form updates
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import HebrusError
+from ..errors import HebrusError, translated
 
 _OP = "hebrus_torch.gdn.gated_delta_rule"
 
@@ -64,7 +65,7 @@ def check_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      cu_seqlens: torch.Tensor, state: torch.Tensor, *, use_qk_l2norm: bool = True,
                      scale: float | None = None, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule of packed rows from each row's recurrent state.
+    """Gated delta rule of packed rows from each row's recurrent state (``hebrus::gdn_delta_rule``).
 
     Per row and token t, in fp32 (q, k l2-normalised when ``use_qk_l2norm``, q scaled by ``scale``,
     default ``Dk ** -0.5``; q and k heads repeated ``Hv // Hk`` times, as transformers does)::
@@ -78,28 +79,48 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g, beta: Tensor[T, Hv] (g <= 0, log decay).
         cu_seqlens: Tensor[B+1] int32, row boundaries.
         state: Tensor[B, Hv, Dk, Dv] float32, each row's state before its tokens.
-        inplace: update ``state`` in place and return it as new_state (else ``state`` is not touched).
+        inplace: update ``state`` (contiguous) in place and return it as new_state (else ``state`` is not
+            touched).
 
     Returns:
         out: Tensor[T, Hv, Dv] in v's dtype; new_state: Tensor[B, Hv, Dk, Dv] float32 (a row of 0 tokens
         passes its state through).
 
-    Inference only (no autograd through the state updates).
+    Runs the CPU kernel on CPU and the reference (:func:`recurrent_delta_rule`) elsewhere. Inference only
+    (no autograd through the state updates).
     """
-    cu = check_delta_rule_args(q, k, v, g, beta, cu_seqlens, state)
+    check_delta_rule_args(q, k, v, g, beta, cu_seqlens, state)
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    if inplace and not state.is_contiguous():
+        raise HebrusError(f"{_OP}: inplace needs a contiguous state")
+    new_state = state if inplace else state.detach().clone(memory_format=torch.contiguous_format)
+    with torch.no_grad(), translated():
+        out = torch.ops.hebrus.gdn_delta_rule.default(q, k, v, g, beta, cu_seqlens, new_state, scale,
+                                                      bool(use_qk_l2norm))
+    return out, new_state
+
+
+@torch.library.register_fake("hebrus::gdn_delta_rule")
+def _gdn_delta_rule_fake(q, k, v, g, beta, cu_seqlens, state, scale, use_qk_l2norm):
+    torch._check(q.dim() == 3 and v.dim() == 3, lambda: f"{_OP}: q must be [T, Hk, Dk] and v [T, Hv, Dv]")
+    return v.new_empty(v.shape)
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         cu: list[int], state: torch.Tensor, use_qk_l2norm: bool, scale: float) -> torch.Tensor:
+    """The reference of ``hebrus::gdn_delta_rule`` (checked arguments; ``cu``: cu_seqlens as a list):
+    updates ``state`` in place and returns out [T, Hv, Dv] in v's dtype."""
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     T, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    scale = dk ** -0.5 if scale is None else float(scale)
-    new_state = state if inplace else state.detach().clone()
     out = torch.zeros((T, hv, dv), dtype=torch.float32, device=v.device)
     # Rows with tokens, longest first (stable): at token i the rows still running are a prefix of this order.
     rows = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
     if not rows:
-        return out.to(v.dtype), new_state
+        return out.to(v.dtype)
     with torch.no_grad():
-        _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale)
-    return out.to(v.dtype), new_state
+        _run(q, k, v, g, beta, cu, lengths, rows, state, out, use_qk_l2norm, scale)
+    return out.to(v.dtype)
 
 
 def _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale) -> None:
