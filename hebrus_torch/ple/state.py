@@ -399,7 +399,7 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         else:
             kept = torch.full_like(index, self.state_len)
             width = self.state_len
-        rows = pool[index, :width] if width < self.state_len else pool.index_select(0, index)
+        rows = pool.narrow(1, 0, width).index_select(0, index)   # 2-5x faster than pool[index, :width]
         return _TailUndo(layer, index, kept.to(index.device), rows)
 
     def _log_slot(self, slot: int) -> None:
