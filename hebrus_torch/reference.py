@@ -168,6 +168,17 @@ def ple_ngram_ids(tokens: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
 def _ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab, n, heads, op,
                    history_name="history"):
     check_cu_seqlens_values(cu_seqlens, tokens.shape[0], op)
+    _ngram_value_checks(tokens, history, vocab_sizes, eos, vocab, op, history_name)
+    ctx = n - 1
+    back = torch.arange(1, ctx + 1, device=tokens.device)
+    src, window_idx, tail_idx = _row_streams(tokens, history, cu_seqlens, back)
+    window = src[window_idx]                                               # [T, ctx]: 1, 2, ... tokens back
+    return _ngram_hash(tokens, window, multipliers, vocab_sizes, offsets, eos, ctx, heads), src[tail_idx]
+
+
+def _ngram_value_checks(tokens, history, vocab_sizes, eos, vocab, op, history_name="history"):
+    """Token ids in [0, vocab), history ids there or eos, vocab_sizes positive (CPU: at once, with the
+    entry; devices with device-side checks: one assert)."""
     if checks_async(tokens.device):
         hist_ok = ((history >= 0) & (history < vocab)) | (history == eos)
         assert_values(((tokens >= 0) & (tokens < vocab)).all() & hist_ok.all() & (vocab_sizes > 0).all(), op,
@@ -185,27 +196,26 @@ def _ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offset
     if not checks_async(tokens.device) and bool((vocab_sizes <= 0).any()):
         head = int(torch.nonzero(vocab_sizes <= 0)[0])
         raise HebrusError(f"hebrus::{op}: vocab_sizes[{head}] must be positive, got {int(vocab_sizes[head])}")
-    ctx = n - 1
+
+
+def _ngram_hash(tokens, window, multipliers, vocab_sizes, offsets, eos, ctx, heads):
+    """Row ids [..., heads] of tokens [...] from their windows [..., ctx] (1, 2, ... tokens back)."""
     h = heads // ctx if ctx else 0
-    back = torch.arange(1, ctx + 1, device=tokens.device)
-    src, window_idx, tail_idx = _row_streams(tokens, history, cu_seqlens, back)
-    window = src[window_idx]                                               # [T, ctx]: 1, 2, ... tokens back
     # The shift rule (SPEC §2): the token k back reads as eos once an eos lies 1..k back in the row's
     # stream (history included); an eos k back reads as itself, eos.
-    seen = torch.cumsum(window == eos, dim=1) > 0
+    seen = torch.cumsum(window == eos, dim=-1) > 0
     shifted = torch.where(seen, eos, window)
     mixed = tokens * multipliers[0]
     prods = shifted * multipliers[1:]
     orders = []
     for k in range(ctx):                                                   # order k + 2: xor in the token k+1 back
-        mixed = torch.bitwise_xor(mixed, prods[:, k])
+        mixed = torch.bitwise_xor(mixed, prods[..., k])
         orders.append(mixed)
     if ctx:
-        stacked = torch.stack(orders, dim=1)[:, :, None]                   # [T, ctx, 1]
-        row_ids = (torch.remainder(stacked, vocab_sizes.view(ctx, h)) + offsets.view(ctx, h)).reshape(-1, heads)
-    else:
-        row_ids = tokens.new_empty((tokens.shape[0], 0))
-    return row_ids, src[tail_idx]
+        stacked = torch.stack(orders, dim=-1)[..., None]                   # [..., ctx, 1]
+        return (torch.remainder(stacked, vocab_sizes.view(ctx, h)) + offsets.view(ctx, h)).reshape(
+            *tokens.shape, heads)
+    return tokens.new_empty((*tokens.shape, 0))
 
 
 def ple_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
@@ -236,16 +246,58 @@ def _ple_conv(x, weight, cu_seqlens, state, dilation, activation, op):
     back = torch.arange(width - 1, -1, -1, device=x.device) * dilation    # tap k reads (K-1-k)*d back
     src, window_idx, tail_idx = _row_streams(x, state, cu_seqlens, back)
     prod = src[window_idx].float() * weight.float().t()                    # [T, K, C]: w[c, k] * u
+    return _conv_sum(prod.movedim(1, -1), x.shape, x.dtype, width, activation, x.device), src[tail_idx]
+
+
+def _conv_sum(prod, shape, dtype, width, activation, device):
+    """act(sum over the last dim of prod [..., C, K]) in ``dtype``."""
     # fp32 in ascending k from 0 (0 + p_0 + p_1 + ...: one product rounding, then each sum rounded).
-    acc = prod[:, 0] + 0.0 if width else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = prod[..., 0] + 0.0 if width else torch.zeros(shape, dtype=torch.float32, device=device)
     for k in range(1, width):
-        acc = acc + prod[:, k]
+        acc = acc + prod[..., k]
     if activation == "silu":
         # CPU (and MPS, which has no float64: its reference runs only without the extension): the CPU
         # kernel's bits. Elsewhere torch's own elementwise SiLU, a function of each value alone, so
         # chunk-invariant on its device (SPEC §6) and with no host round trip.
-        acc = _silu(acc) if x.device.type in ("cpu", "mps") else torch.nn.functional.silu(acc)
-    return acc.to(x.dtype), src[tail_idx]
+        acc = _silu(acc) if device.type in ("cpu", "mps") else torch.nn.functional.silu(acc)
+    return acc.to(dtype)
+
+
+# Uniform rows (B rows of L tokens each, host-known; the drop-in's calls): the same arithmetic as
+# ple_ngram_ids / ple_conv with cu_seqlens = [0, L, 2L, ...], each row's stream one concatenation
+# (no index arithmetic, no cu_seqlens checks: a few kernels where the CUDA fallback is launch-bound,
+# issue 19). Not ops: the drop-in calls them only where the device has no native kernel.
+
+def ple_ngram_ids_rows(tokens: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,
+                       vocab_sizes: torch.Tensor, offsets: torch.Tensor, eos: int, vocab: int) -> torch.Tensor:
+    """:func:`ple_ngram_ids` of tokens [B, L] (rows of equal length) with history [B, N-1]: row_ids
+    [B, L, (N-1)*H], equal to the op's on the packed rows; the op's argument and value checks."""
+    batch = tokens.shape[0]
+    n, heads = _validate.ple_ngram_ids(tokens.reshape(-1), torch.empty(batch + 1, dtype=torch.int32,
+                                                                       device=tokens.device),
+                                       history, multipliers, vocab_sizes, offsets, eos, vocab)
+    _ngram_value_checks(tokens, history, vocab_sizes, eos, vocab, "ple_ngram_ids")
+    ctx = n - 1
+    stream = torch.cat((history, tokens), dim=1)                            # [B, ctx + L]
+    # window[b, i, s - 1] = the entry s back from token i: stream[b, ctx + i - s].
+    window = stream.unfold(1, ctx + 1, 1)[:, :, :ctx].flip(-1)              # [B, L, ctx]
+    return _ngram_hash(tokens, window, multipliers, vocab_sizes, offsets, eos, ctx, heads)
+
+
+def ple_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, dilation: int,
+                  activation: str) -> torch.Tensor:
+    """y of :func:`ple_conv` for x [B, L, C] (rows of equal length), state [B, (K-1)*d, C] (any strides),
+    weight [C, K]: y [B, L, C], the op's bits on the packed rows."""
+    batch, length, channels = x.shape
+    _validate.ple_conv(x.reshape(batch * length, channels), weight,
+                       torch.empty(batch + 1, dtype=torch.int32, device=x.device), state, dilation, activation)
+    width = weight.shape[1]
+    span = (width - 1) * dilation
+    stream = torch.cat((state, x), dim=1)                                   # [B, span + L, C]
+    # tap k of token i reads (K-1-k)*d back: stream[b, i + k*d]
+    window = stream.unfold(1, span + 1, 1)[..., ::dilation]                 # [B, L, C, K]
+    prod = window.float() * weight.float()                                  # w[c, k] * u
+    return _conv_sum(prod, x.shape, x.dtype, width, activation, x.device)
 
 
 def ple_conv_into(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,

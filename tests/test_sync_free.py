@@ -43,6 +43,43 @@ def test_scores_per_query_keys_equal_shared_keys():
     assert torch.equal(reference.qsa_scores(q[2:3], keys[4:6]), shared[2:3, 4:6])      # batch-invariant
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 3, 8), (3, 5, 3, 8), (2, 7, 4, 2), (2, 1, 2, 3)])
+def test_ngram_ids_rows_equal_the_op(shape):
+    batch, length, n, heads = shape
+    gen = torch.Generator().manual_seed(length)
+    ctx = n - 1
+    tok = torch.randint(0, 50, (batch, length), generator=gen)
+    tok[tok % 7 == 0] = 2                                                # eos inside the rows
+    hist = torch.randint(0, 50, (batch, ctx), generator=gen)
+    hist[0, 0] = 2
+    mult = torch.randint(1, 1 << 40, (n,), generator=gen) * 2 + 1
+    sizes = torch.randint(100, 900, (ctx * heads,), generator=gen)
+    offs = torch.cumsum(sizes, 0) - sizes
+    cu = torch.arange(batch + 1, dtype=torch.int32) * length
+    want, _ = reference.ple_ngram_ids(tok.reshape(-1), cu, hist, mult, sizes, offs, 2, 50)
+    got = reference.ple_ngram_ids_rows(tok, hist, mult, sizes, offs, 2, 50)
+    assert torch.equal(got, want.view(batch, length, -1))
+    bad = tok.clone()
+    bad[-1, -1] = 50
+    with pytest.raises(Exception, match="outside"):
+        reference.ple_ngram_ids_rows(bad, hist, mult, sizes, offs, 2, 50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 16, 4, 1), (3, 5, 8, 4, 3), (2, 9, 4, 3, 2), (2, 2, 5, 1, 1)])
+@pytest.mark.parametrize("activation", ["silu", "none"])
+def test_conv_rows_equal_the_op(dtype, shape, activation):
+    batch, length, channels, width, dilation = shape
+    gen = torch.Generator().manual_seed(length * width)
+    x = torch.randn(batch, length, channels, generator=gen).to(dtype)
+    w = torch.randn(channels, width, generator=gen).to(dtype)
+    state = torch.randn(batch, channels, (width - 1) * dilation, generator=gen).to(dtype).transpose(1, 2)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * length
+    want, _ = reference.ple_conv(x.reshape(-1, channels), w, cu, state.contiguous(), dilation, activation)
+    got = reference.ple_conv_rows(x, w, state, dilation, activation)          # a strided state, as the cache's
+    assert torch.equal(got, want.view(batch, length, channels))
+
+
 # ------------------------------------------------------------------------------------------------
 # The drop-in's sync-free indexer, forced on CPU.
 
@@ -135,3 +172,27 @@ def test_sync_free_hole_is_transformers_rule_without_fallback(sync_free):
     assert not any(k.startswith("qsa_fallback") and k != "qsa_fallback:hole" for k in stats), stats
     with pytest.raises(RuntimeError, match="hole"):                      # the decode step at query 20
         both(model, lambda: run(prefill=19), on_hole="raise")
+
+
+@pytest.mark.hf
+def test_ple_rows_form_decode_equals_transformers(sync_free, monkeypatch):
+    """The PLE rows form (the CUDA path: no native kernel), forced on CPU, through prefill and decode."""
+    from hebrus_torch.integrations.qwen4_exp import ple as ple_mod
+
+    monkeypatch.setattr(ple_mod, "_rows_form", lambda op, device: not torch.compiler.is_compiling())
+    calls = []
+    for name in ("ple_conv_rows", "ple_ngram_ids_rows"):
+        def spy(*args, _f=getattr(reference, name), _n=name):
+            calls.append(_n)
+            return _f(*args)
+        monkeypatch.setattr(reference, name, spy)
+    model = random_model(0, device="cpu")
+    prompt = tokens(1, 30, seed=3, eos_at=[(0, 12)])
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    ref, got, stats, rm, gm = both(model, lambda: model.generate(prompt, **kw))
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=ATOL, rtol=ATOL)
+    assert stats.get("ple_conv", 0) > 0 and stats.get("ple_ngram", 0) > 0, stats
+    assert not any(k.startswith("ple_fallback") for k in stats), stats
+    assert calls.count("ple_conv_rows") == stats["ple_conv"] and "ple_ngram_ids_rows" in calls, (calls, stats)

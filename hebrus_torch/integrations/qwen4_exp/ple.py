@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 import hebrus_torch
+from hebrus_torch import reference
+from hebrus_torch._extension import has_native_kernel
 from hebrus_torch._validate import FLOAT_DTYPES
 from hebrus_torch.errors import HebrusError
 
@@ -26,20 +28,29 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     if cached_ctx is not None:
         # The shift rule reads at most N-1 tokens back (record_past may keep more columns; a shorter
         # history reads as EOS, as transformers' shift does past the start).
-        history = cached_ctx[:, -ctx_len:].clone()
+        history = cached_ctx[:, -ctx_len:]
+        if not _rows_form("ple_ngram_ids", input_ids.device):
+            history = history.clone()
         if history.shape[1] < ctx_len:
             history = torch.nn.functional.pad(history, (ctx_len - history.shape[1], 0), value=self.eos_token_id)
     else:
         history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
 
-    cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
-    args = (input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
-            self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+    rows_form = _rows_form("ple_ngram_ids", input_ids.device)
+    if not rows_form:
+        cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
+        args = (input_ids.reshape(-1), cu_seqlens, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
     if torch.compiler.is_compiling():
         row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
     else:
         try:   # the op checks the ids anyway: no extra host sync to find the rare call that falls back
-            row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
+            if rows_form:
+                row_ids = reference.ple_ngram_ids_rows(
+                    input_ids, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                    self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+            else:
+                row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
         except HebrusError as exc:
             if "outside [0, vocab=" not in str(exc):
                 raise
@@ -62,6 +73,14 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
         self.ngram_embedding.weight.device if self.ngram_embedding.weight.device.type != "meta" else None
     )
     return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
+
+
+def _rows_form(op: str, device: torch.device) -> bool:
+    """Whether an eager call runs the reference's uniform-rows form (hebrus_torch.reference.ple_*_rows:
+    the op's results with a few kernels, read before the cache updates in place) instead of the op: on
+    devices with no native kernel and device-side checks (CUDA: the fallback is launch-bound, issue 19)."""
+    return (not torch.compiler.is_compiling() and reference.checks_async(device)
+            and not has_native_kernel(op, device.type))
 
 
 def _plain_depthwise(conv: torch.nn.Conv1d) -> bool:
@@ -91,6 +110,24 @@ def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Ten
     batch, length, channels = hidden_states.shape
     state_len = self.short_conv_state_len
     state = None
+    if _rows_form("ple_conv", hidden_states.device):
+        # The cache's tail read in place and y computed before update_conv_state writes over it.
+        previous = (past_key_values.get_conv_state(self.layer_idx, state_idx=1)
+                    if past_key_values is not None else None)
+        if previous is not None:
+            previous = previous[..., -state_len:]
+            if previous.shape[-1] < state_len:
+                previous = torch.nn.functional.pad(previous, (state_len - previous.shape[-1], 0))
+            state = previous.transpose(1, 2)
+        else:
+            state = hidden_states.new_zeros((batch, state_len, channels))
+        y = reference.ple_conv_rows(hidden_states, self.conv1d.weight[:, 0, :], state,
+                                    int(self.conv1d.dilation[0]), "silu")
+        if past_key_values is not None:
+            past_key_values.update_conv_state(hidden_states.transpose(1, 2), self.layer_idx, state_idx=1,
+                                              conv_kernel_size=state_len)
+        _STATS["ple_conv"] += 1
+        return y
     if past_key_values is not None:
         previous = past_key_values.get_conv_state(self.layer_idx, state_idx=1)
         if previous is not None:
