@@ -56,19 +56,28 @@ class QSAPlan:
         q_groups: Tensor[T] int32, complete groups visible to each query.
         token_cells: Tensor[T, W] int32, W = top_k*r + r - 1: physical cells of the selected groups'
             tokens in ascending group (position) order, then the raw tail, then -1 padding.
-        token_positions: Tensor[T, W] int64, the logical position of each entry of token_cells (-1 pad).
+        token_offsets: Tensor[T, W] int64, the offset of each entry of token_cells within its query's
+            visible run (-1 pad).
+        run_starts: Tensor[T] int64, the first position of each query's visible run.
         positions: Tensor[T] int64, the position of each query.
         q_rows: Tensor[T] int64, the chunk row (sequence) of each query.
+        token_positions (property): Tensor[T, W] int64, the logical position of each entry of
+            token_cells (-1 pad), computed when asked (the kernels never need it).
     """
 
     selected_groups: torch.Tensor
     q_groups: torch.Tensor
     token_cells: torch.Tensor
-    token_positions: torch.Tensor
+    token_offsets: torch.Tensor
+    run_starts: torch.Tensor
     positions: torch.Tensor
     q_rows: torch.Tensor
     compress_ratio: int
     top_k: int
+
+    @property
+    def token_positions(self) -> torch.Tensor:
+        return torch.where(self.token_offsets >= 0, self.token_offsets + self.run_starts[:, None], -1)
 
     @property
     def cells(self) -> torch.Tensor:
@@ -150,9 +159,10 @@ class _Planning:
             grp.append(run.groups.tensor()[:nvis // r])
         if t == 0:
             empty = torch.empty((0, top_k * r + r - 1), dtype=torch.int64, device=dev)
+            none = torch.empty(0, dtype=torch.int64, device=dev)
             return QSAPlan(torch.empty((0, top_k), dtype=torch.int32, device=dev),
-                           torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty,
-                           chunk.positions.clone(), torch.empty(0, dtype=torch.int64, device=dev), r, int(top_k))
+                           torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty, none,
+                           chunk.positions.clone(), none, r, int(top_k))
         # Contiguity of every visible run, all rows at once.
         vis_cells = torch.cat(vis)
         nv = torch.tensor(nvis_list, dtype=torch.int64, device=dev)
@@ -213,10 +223,9 @@ class _Planning:
                               int(top_k))
         # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
         offs = group_and_tail_offsets(selected.to(torch.int64), q_groups, nvis_q, r)
-        valid = offs >= 0
-        at = (q_base + q_p0 - row_p0)[:, None] + offs.clamp(min=0)
-        token_cells = torch.where(valid, vis_cells[at], -1)
-        token_positions = torch.where(valid, offs + q_p0[:, None], -1)
-        return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=token_cells.to(torch.int32),
-                       token_positions=token_positions, positions=chunk.positions.clone(), q_rows=q_rows,
-                       compress_ratio=r, top_k=int(top_k))
+        # Padding reads a -1 appended to the visible cells: one gather, no masking pass after it.
+        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32, device=dev)))
+        at = torch.where(offs >= 0, (q_base + q_p0 - row_p0)[:, None] + offs, vis_cells.numel())
+        return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=cells32[at], token_offsets=offs,
+                       run_starts=q_p0, positions=chunk.positions.clone(), q_rows=q_rows, compress_ratio=r,
+                       top_k=int(top_k))
