@@ -9,6 +9,7 @@ import hebrus_torch
 from hebrus_torch import _limits, reference
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.errors import HoleError
+from hebrus_torch.qsa import runs
 
 from .common import _PATCH
 from .context import _Context
@@ -244,11 +245,10 @@ def _indexer_sync_free(self, record, hidden_states, position_embeddings, attenti
         q_row = torch.arange(bt, device=device, dtype=torch.int32)
         selected = hebrus_torch.qsa_select(q.reshape(bt, q.shape[-2], q.shape[-1]), pooled, seq_groups, q_row,
                                            ng.to(torch.int32), top_k).long()  # [BT, top_k] ascending, -1 padded
-        members = (selected[:, :, None] * ratio + torch.arange(ratio, device=device)).reshape(bt, -1)
-        tokens = torch.where(members >= 0, lst.gather(1, members.clamp(min=0)), -1)
-        tail = ng[:, None] * ratio + torch.arange(ratio - 1, device=device)
-        tail = torch.where(tail < n[:, None], lst.gather(1, tail.clamp(max=kv - 1)), -1)
-        whole = torch.where(need[:, None], torch.cat((tokens, tail), dim=1), whole)
+        # Offsets into each query's list of visible keys: its groups' entries, then its raw tail (SPEC §3).
+        offs = runs.group_and_tail_offsets(selected, ng, n, ratio)
+        chosen = torch.where(offs >= 0, lst.gather(1, offs.clamp(0, kv - 1)), -1)
+        whole = torch.where(need[:, None], chosen, whole)
         _STATS["qsa_queries_selected"] += bt          # queries scored (which of them choose: on the device)
     token_idx = whole.to(torch.int32).view(batch, length, width)
     _STATS["qsa_hebrus"] += 1
