@@ -505,8 +505,8 @@ HEBRUS_AVX512 __attribute__((noinline)) void block_values8_avx512(const T* const
 #if defined(__x86_64__) && defined(__GNUC__)
 // AVX2 CPUs (x86-64-v3 without AVX-512), with the same arithmetic in the same order as dots and
 // value_columns. GCC 12 spells the portable code's 16-lane fused multiply-adds lane by lane and,
-// where a vector is two ymm registers, builds them through the stack (measured on a 2-core Zen VM
-// with AVX2: 170-600 ns per selected cell and KV head, 8-20x slower than these kernels). Here a
+// where a vector is two ymm registers, builds them through the stack (measured on a 2-core AMD VM
+// with AVX2: 170-600 ns per selected cell and KV head, 3-7x slower than these kernels). Here a
 // 16-lane vector is a pair of ymm registers (lanes 0-7, 8-15), and the heads of a chunk are taken
 // HG at a time so that the accumulators of HG heads x NK keys stay in the 16 registers.
 

@@ -104,8 +104,9 @@ HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {
 
 // Which hand-written x86 kernels may run. HEBRUS_CPU_CAPABILITY (like ATen's ATEN_CPU_CAPABILITY)
 // lowers it: "default" runs only the portable code (what arm64 runs), "avx2" the AVX2 kernels,
-// "avx512" the AVX-512F kernels, "avx512_bf16" those and the bf16 dot-product instruction. All of them give the same bits, except
-// that the instruction flushes subnormal bf16 inputs and partial sums to zero (see dots).
+// "avx512" the AVX-512F kernels, "avx512_bf16" those and the bf16 dot-product instruction. All of
+// them give the same bits, except that the instruction flushes subnormal bf16 inputs and partial sums
+// to zero (see dots in attention_kernels.cpp).
 enum class CpuCapability { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 // The capability the kernels run (attention_kernels.cpp): the CPU's best, capped by
