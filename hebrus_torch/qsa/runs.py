@@ -80,8 +80,7 @@ def group_and_tail_offsets(selected: torch.Tensor, q_groups: torch.Tensor, nvis:
     ascending group order, then its raw tail, then -1 padding.
 
     Args:
-        selected: Tensor[T, top_k] int64, selected group indices within each query's run, ascending with
-            the -1 padding at the end (as ``qsa_select`` returns them).
+        selected: Tensor[T, top_k] int64, selected group indices within each query's run, -1 padded.
         q_groups: Tensor[T] int, complete groups of each query's run.
         nvis: Tensor[T] int64, positions in each query's run (q_groups = nvis // r).
         r: tokens per group.
@@ -89,18 +88,15 @@ def group_and_tail_offsets(selected: torch.Tensor, q_groups: torch.Tensor, nvis:
     Returns:
         Tensor[T, top_k*r + r - 1] int64.
     """
-    t, top_k = selected.shape
+    t = selected.shape[0]
     dev = selected.device
-    j = torch.arange(top_k * r + r - 1, device=dev)[None, :]
-    n_sel = (selected >= 0).sum(dim=1, keepdim=True) * r              # [T, 1]: tokens of the selected groups
-    tail0 = r * q_groups.to(torch.int64)[:, None]                      # the raw tail's first offset
-    n_all = n_sel + nvis.to(torch.int64)[:, None] - tail0              # ... plus the raw tail's tokens
-    if top_k:
-        group = torch.div(j, r, rounding_mode="floor").clamp(max=top_k - 1).expand(t, -1)
-        in_groups = r * selected.gather(1, group) + j % r
-    else:
-        in_groups = torch.zeros((t, j.shape[1]), dtype=torch.int64, device=dev)
-    return torch.where(j < n_sel, in_groups, torch.where(j < n_all, tail0 + j - n_sel, -1))
+    g_offs = (r * selected[:, :, None] + torch.arange(r, device=dev)).reshape(t, -1)
+    g_offs = torch.where(selected.repeat_interleave(r, dim=1) >= 0, g_offs, -1)
+    t_offs = r * q_groups.to(torch.int64)[:, None] + torch.arange(r - 1, device=dev)[None, :]
+    t_offs = torch.where(t_offs < nvis[:, None], t_offs, -1)
+    offs = torch.cat((g_offs, t_offs), dim=1)
+    order = torch.sort((offs < 0).to(torch.int8), dim=1, stable=True).indices
+    return offs.gather(1, order)
 
 
 # --------------------------------------------------------------------------------------------------
