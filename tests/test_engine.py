@@ -153,6 +153,34 @@ def test_greedy_tokens_equal_patched_generate():
         htx.revert(model)
 
 
+def test_engine_on_device_equals_generate_there(device):
+    """The engine with the model on ``device`` (cpu here; mps on the macOS workflow, where the hebrus
+    ops run their Metal kernels): greedy tokens equal ``generate`` on that device, prompt by prompt,
+    with one mixed step's logits checked against the model's own forward there."""
+    from transformers import DynamicCache
+
+    model = make_model("idx-lin-idx-lin", seed=5).to(device)
+    prompts = prompts_for(5)
+    engine = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=4, max_batch_tokens=7, block_size=4))
+    seqs = [engine.cache.new_sequence() for _ in range(2)]
+    logits = engine.runner.execute(seqs, [prompts[3][:13], prompts[2]], [True, True], [0, 0])
+    assert logits.device.type == device
+    for row, p in zip(logits, (prompts[3][:13], prompts[2])):
+        ref = model(torch.tensor([p], device=device), past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+        torch.testing.assert_close(row, ref.float(), atol=1e-4, rtol=1e-4)
+    for s in seqs:
+        engine.cache.free(s)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=5, eos_token_id=EOS)
+    engine.run()
+    for i, p in enumerate(prompts):
+        out = model.generate(torch.tensor([p], device=device), max_new_tokens=5, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=0)
+        want = out[0, len(p):].tolist()
+        want = want[:want.index(EOS) + 1] if EOS in want else want
+        assert engine.requests[f"r{i}"].generated == want, (device, i, len(p))
+
+
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
 def test_packed_step_logits_match_the_models_forward(shape):
     """One packed step mixing a prefill chunk, a first chunk and decodes vs each sequence's own forward."""
