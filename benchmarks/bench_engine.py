@@ -12,7 +12,7 @@ then the saving of prefix sharing on requests with a common 1024-token prefix, a
 step time goes. Every request generates exactly ``--new`` tokens (no EOS). One run, one process;
 every baseline is run in the same process after the engine. Results go to benchmarks/RESULTS.md.
 
-    python benchmarks/bench_engine.py [--counts 1,4,16,64] [--new 16] [--quick]
+    python benchmarks/bench_engine.py [--counts 1,4,16,64] [--new 16] [--quick] [--section TITLE]
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="counts 1,4 and 4 new tokens (a smoke run)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="Continuous batching: engine vs generate (issue 17)",
+                    help="the RESULTS.md section the run writes (one per workload, e.g. per --new)")
     ap.add_argument("--unpatched-limit", type=int, default=6000,
                     help="skip unpatched generate when the prompts hold more tokens than this (transformers' "
                          "indexer loops over queries in Python: minutes per thousand tokens here)")
@@ -220,11 +222,16 @@ def main() -> None:
         f"Engine tokens equal to sequential generate (unpatched where it ran), per count: {', '.join(agree)} (greedy; a "
         f"difference is a near tie between BLAS row counts, SPEC §8).",
         "",
-        f"Prefix sharing, 8 requests of a common 1024-token prefix + 64 own tokens, block 256, {new} new tokens:",
-        "",
-        table(["sharing", "prefill tokens run", "prefix tokens reused", "wall (s)", "TTFT median (s)",
-               "generated tok/s"], pre_rows),
-        "",
+    ]
+    if pre_rows:
+        body += [
+            f"Prefix sharing, 8 requests of a common 1024-token prefix + 64 own tokens, block 256, {new} new tokens:",
+            "",
+            table(["sharing", "prefill tokens run", "prefix tokens reused", "wall (s)", "TTFT median (s)",
+                   "generated tok/s"], pre_rows),
+            "",
+        ]
+    body += [
         f"Where the engine's time goes ({n} requests, {steps} steps, {total:.1f} s of steps; host wall time):",
         "",
         table(["part", "seconds", "share"], [[k, f"{v:.2f}", f"{100 * v / total:.0f}%"]
@@ -233,7 +240,7 @@ def main() -> None:
     text = "\n".join(body)
     print(text)
     if not args.no_write:
-        write_section("Continuous batching: engine vs generate (issue 17)", text)
+        write_section(args.section, text)
 
 
 if __name__ == "__main__":
