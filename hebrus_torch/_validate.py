@@ -47,32 +47,47 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, op: str) -> int:
     return cu_seqlens.shape[0] - 1
 
 
-def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab) -> tuple[int, int]:
-    """Returns (N, number of hash heads)."""
-    op = "ple_ngram_ids"
-    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history=history, multipliers=multipliers,
-                 vocab_sizes=vocab_sizes, offsets=offsets)
-    for name, t in (("tokens", tokens), ("history", history), ("multipliers", multipliers),
+def _ngram_inputs(op: str, tokens, history, history_name: str, multipliers, vocab_sizes, offsets) -> None:
+    """dtypes and ranks of the n-gram ops' tensors (the plain op's history or the slot op's pool)."""
+    for name, t in (("tokens", tokens), (history_name, history), ("multipliers", multipliers),
                     ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
         _dtype(t, torch.int64, op, name)
     _dims(tokens, 1, op, "tokens")
     _dims(multipliers, 1, op, "multipliers")
     _dims(vocab_sizes, 1, op, "vocab_sizes")
     _dims(offsets, 1, op, "offsets")
-    _dims(history, 2, op, "history")
-    batch = check_cu_seqlens(cu_seqlens, op)
+    _dims(history, 2, op, history_name)
+
+
+def _ngram_tables(op: str, multipliers, vocab_sizes, offsets) -> tuple[int, int]:
+    """The hash tables' sizes agree; returns (N, number of hash heads)."""
     n = multipliers.shape[0]
     check(n >= 2, op, f"multipliers must have N >= 2 entries (ngram_size), got {n}")
     heads = vocab_sizes.shape[0]
     check(heads >= n - 1 and heads % (n - 1) == 0, op,
           f"vocab_sizes must have (N-1)*H entries for N={n}, got {heads}")
     check(offsets.shape[0] == heads, op, f"offsets must have {heads} entries like vocab_sizes, got {offsets.shape[0]}")
-    check(tuple(history.shape) == (batch, n - 1), op,
-          f"history must have shape (B, N-1) = ({batch}, {n - 1}), got {tuple(history.shape)}")
+    return n, heads
+
+
+def _ngram_scalars(op: str, eos: int, vocab: int) -> None:
     check(vocab > 0, op, f"vocab must be positive, got {vocab}")
     # eos is any int64 (SPEC §2: transformers' generation tests put it outside the vocabulary); it is
     # only ever compared with token ids.
     check(-(1 << 63) <= eos < (1 << 63), op, f"eos {eos} must be an int64")
+
+
+def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab) -> tuple[int, int]:
+    """Returns (N, number of hash heads)."""
+    op = "ple_ngram_ids"
+    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history=history, multipliers=multipliers,
+                 vocab_sizes=vocab_sizes, offsets=offsets)
+    _ngram_inputs(op, tokens, history, "history", multipliers, vocab_sizes, offsets)
+    batch = check_cu_seqlens(cu_seqlens, op)
+    n, heads = _ngram_tables(op, multipliers, vocab_sizes, offsets)
+    check(tuple(history.shape) == (batch, n - 1), op,
+          f"history must have shape (B, N-1) = ({batch}, {n - 1}), got {tuple(history.shape)}")
+    _ngram_scalars(op, eos, vocab)
     return n, heads
 
 
@@ -184,26 +199,13 @@ def ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vo
     op = "ple_ngram_ids_slots"
     _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history_pool=history_pool, slots=slots,
                  multipliers=multipliers, vocab_sizes=vocab_sizes, offsets=offsets)
-    for name, t in (("tokens", tokens), ("history_pool", history_pool), ("multipliers", multipliers),
-                    ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
-        _dtype(t, torch.int64, op, name)
-    _dims(tokens, 1, op, "tokens")
-    _dims(multipliers, 1, op, "multipliers")
-    _dims(vocab_sizes, 1, op, "vocab_sizes")
-    _dims(offsets, 1, op, "offsets")
-    _dims(history_pool, 2, op, "history_pool")
+    _ngram_inputs(op, tokens, history_pool, "history_pool", multipliers, vocab_sizes, offsets)
     batch = check_cu_seqlens(cu_seqlens, op)
     _slots(slots, batch, op)
-    n = multipliers.shape[0]
-    check(n >= 2, op, f"multipliers must have N >= 2 entries (ngram_size), got {n}")
-    heads = vocab_sizes.shape[0]
-    check(heads >= n - 1 and heads % (n - 1) == 0, op,
-          f"vocab_sizes must have (N-1)*H entries for N={n}, got {heads}")
-    check(offsets.shape[0] == heads, op, f"offsets must have {heads} entries like vocab_sizes, got {offsets.shape[0]}")
+    n, heads = _ngram_tables(op, multipliers, vocab_sizes, offsets)
     check(history_pool.shape[1] == n - 1, op,
           f"history_pool must have shape (S, N-1) = (S, {n - 1}), got {tuple(history_pool.shape)}")
-    check(vocab > 0, op, f"vocab must be positive, got {vocab}")
-    check(-(1 << 63) <= eos < (1 << 63), op, f"eos {eos} must be an int64")
+    _ngram_scalars(op, eos, vocab)
     _pool_writable(op, history_pool, "history_pool",
                    {"tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "multipliers": multipliers,
                     "vocab_sizes": vocab_sizes, "offsets": offsets})
