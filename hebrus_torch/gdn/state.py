@@ -12,6 +12,7 @@ from ..ple import ops as ple_ops
 from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
+from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
 from .delta_rule import gated_delta_rule
 
@@ -43,7 +44,7 @@ class _GDNSavepoint:
     live: list[bool]
 
 
-class GDNState(torch.nn.Module, Transactional):
+class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     """Owns, per sequence slot and GDN layer, the conv tail ``[K-1, conv_dim]`` and the recurrent state
     ``[Hv, Dk, Dv]`` of Qwen4Exp's ``linear_attention`` layers (transformers' ``Qwen4ExpTextGatedDeltaNet``).
 
@@ -160,58 +161,9 @@ class GDNState(torch.nn.Module, Transactional):
         return self.layer_ids.index(model_layer)
 
     # ----------------------------------------------------------------------------- lifecycle
-    def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
-        """Claim a slot (``handle`` adopts a given one) with fresh state: zero tails and recurrent states."""
-        with atomic(self):
-            handle = self.slots.claim(handle)
-            self._clear_slot(handle.slot)
-            self._sync_slot_buffers()
-        return handle
-
-    def free(self, seq: SeqHandle) -> None:
-        with atomic(self):
-            slot = self.slots.check(seq)
-            self.slots.release(seq)
-            self._drop_staged(slot)
-            self._sync_slot_buffers()
-
-    def reset(self, seq: SeqHandle) -> SeqHandle:
-        """Fresh state for the sequence; its slot's generation is bumped, so the new handle is returned."""
-        with atomic(self):
-            self.slots.check(seq)
-            self.slots.release(seq)
-            handle = self.slots.claim(SeqHandle(seq.slot, seq.generation + 1))
-            self._clear_slot(handle.slot)
-            self._sync_slot_buffers()
-        return handle
-
-    def clear(self, seq: SeqHandle) -> None:
-        """Fresh state (zero tails and recurrent states) for a live sequence, keeping its handle."""
-        with atomic(self):
-            self._clear_slot(self.slots.check(seq))
-
-    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
-        """dst's state becomes src's (as it would be published now)."""
-        snap = self.snapshot(src)
-        with atomic(self):
-            self._write_slot(self.slots.check(dst), snap.conv_tails, snap.recurrent)
-
-    def fork(self, src: SeqHandle) -> SeqHandle:
-        """A new sequence with a copy of src's state."""
-        snap = self.snapshot(src)
-        with atomic(self):
-            handle = self.slots.claim()
-            self._write_slot(handle.slot, snap.conv_tails, snap.recurrent)
-            self._sync_slot_buffers()
-        return handle
-
-    def keep(self, seq: SeqHandle) -> None:
-        """llama.cpp ``seq_keep``: free every sequence but ``seq``."""
-        with atomic(self):
-            self.slots.check(seq)
-            for other in self.slots.live_handles():
-                if other != seq:
-                    self.free(other)
+    # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below.
+    def _snapshot_parts(self, snap: GDNSnapshot) -> tuple[torch.Tensor, torch.Tensor]:
+        return snap.conv_tails, snap.recurrent
 
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> GDNSnapshot:
         """A cheap copy of one sequence's current state (staged changes included)."""
