@@ -36,7 +36,8 @@ inline void check_on_device(const char* op, c10::DeviceType want,
 // cu_seqlens values: 0 first, non-decreasing, T last. Returns the contiguous host copy it read (on
 // MPS the error path and B == 0 check here, where no kernel thread looks).
 inline at::Tensor check_cu_values(const char* op, const at::Tensor& cu_seqlens, int64_t total) {
-  at::Tensor cu = cu_seqlens.to(at::kCPU).contiguous();
+  // (is_cpu first: Tensor::to is a dispatched op even where it returns its input.)
+  at::Tensor cu = cu_seqlens.is_cpu() ? cu_seqlens.contiguous() : cu_seqlens.to(at::kCPU).contiguous();
   const int32_t* p = cu.data_ptr<int32_t>();
   const int64_t batch = cu.size(0) - 1;
   HEBRUS_CHECK(p[0] == 0 && p[batch] == total, HebrusError, "hebrus::", op,

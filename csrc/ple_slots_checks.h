@@ -39,7 +39,7 @@ inline void check_pool_writable(const char* op, const at::Tensor& pool, const ch
 
 // Slot values, read on the host: every slot in [0, S), no slot twice. Returns the contiguous host copy.
 inline at::Tensor check_slot_values(const char* op, const at::Tensor& slots, int64_t pool_slots) {
-  at::Tensor s = slots.to(at::kCPU).contiguous();
+  at::Tensor s = slots.is_cpu() ? slots.contiguous() : slots.to(at::kCPU).contiguous();
   const int32_t* p = s.data_ptr<int32_t>();
   const int64_t batch = s.size(0);
   std::vector<int64_t> first(static_cast<size_t>(pool_slots), -1);

@@ -225,3 +225,86 @@ def test_version_counter_is_bumped():
     version = args["state_pool"]._version
     ht.ple.ops.ple_conv_slots(**args)
     assert args["state_pool"]._version > version
+
+
+# The decode path of the CPU kernel (every row 0 or 1 token: each row's conv, then its tail update) and,
+# on AVX2 CPUs without AVX-512, its hand-written bf16 kernel give the bits of the general path and of the
+# portable code, NaN payloads, infinities and subnormals included. Each capability runs in a subprocess,
+# because HEBRUS_CPU_CAPABILITY is read once per process.
+_DECODE_BITS_SCRIPT = """
+import sys, torch, hebrus_torch as ht
+gen = torch.Generator().manual_seed(11)
+SPECIAL = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 1e38, -1e38, -0.0, 0.0, 88.0,
+                        -88.0, 100.0, -100.0, 3e38, 65504.0, 7e-8])
+
+def special(shape, dtype):
+    x = torch.randn(shape, generator=gen) * 4
+    flat = x.view(-1)
+    at = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 9]
+    flat[at] = SPECIAL[torch.randint(0, len(SPECIAL), (at.numel(),), generator=gen)]
+    x = x.to(dtype)
+    bits = x.view(torch.int16 if dtype != torch.float32 else torch.int32).view(-1)
+    at = torch.randperm(bits.numel(), generator=gen)[: bits.numel() // 50]   # NaNs of every payload and sign
+    if dtype == torch.float32:
+        nan = 0x7F800001 + torch.randint(0, 1 << 22, (at.numel(),), generator=gen)
+        bits[at] = (nan | (torch.randint(0, 2, (at.numel(),), generator=gen) << 31)).to(torch.int32)
+    else:
+        first = 0x7F81 if dtype == torch.bfloat16 else 0x7C01
+        nan = first + torch.randint(0, 126 if dtype == torch.bfloat16 else 1022, (at.numel(),), generator=gen)
+        bits[at] = (nan - (torch.randint(0, 2, (at.numel(),), generator=gen) << 16)).to(torch.int16)
+    return x
+
+outs = {}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for channels, width, dilation, act, lengths in [(1031, 4, 3, "silu", [1] * 9), (1000, 4, 3, "none", [1, 0, 1, 1]),
+                                                    (37, 4, 3, "silu", [1, 1, 0]), (2100, 4, 3, "silu", [1, 3, 0, 9]),
+                                                    (515, 3, 2, "silu", [1, 1]), (700, 5, 4, "none", [1, 1, 1])]:
+        x = special((sum(lengths), channels), dtype)
+        weight = special((channels, width), dtype)
+        pool = special((len(lengths) + 3, (width - 1) * dilation, channels), dtype)
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        slots = torch.randperm(len(lengths) + 3, generator=gen)[: len(lengths)].to(torch.int32)
+        key = f"{dtype} {channels} {width} {dilation} {act} {lengths}"
+        got = pool.clone()
+        outs[key + " y"] = ht.ple.ops.ple_conv_slots(x, weight, cu, got, slots, dilation, act)
+        outs[key + " pool"] = got
+        y, new_state = ht.ple_conv(x, weight, cu, pool.index_select(0, slots.long()), dilation, act)
+        want = pool.clone()
+        want.index_copy_(0, slots.long(), new_state)
+        outs[key + " gathered y"], outs[key + " gathered pool"] = y, want
+torch.save(outs, sys.argv[1])
+"""
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_conv_slots_decode_gives_the_bits_of_every_path_and_capability(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        pass
+    capabilities = ["default"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) + (
+        ["avx512"] if "avx512f" in flags else [])
+    results = {}
+    for capability in capabilities:
+        env = {k: v for k, v in os.environ.items() if k != "HEBRUS_CPU_CAPABILITY"}
+        env["HEBRUS_CPU_CAPABILITY"] = capability
+        out = tmp_path / f"{capability}.pt"
+        done = subprocess.run([sys.executable, "-c", _DECODE_BITS_SCRIPT, str(out)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[capability] = torch.load(out)
+    for capability, outs in results.items():
+        for key, got in outs.items():
+            if "gathered" not in key:   # the slot op equals gather -> ple_conv -> scatter
+                head, what = key.rsplit(" ", 1)
+                assert torch.equal(_bits(got), _bits(outs[f"{head} gathered {what}"])), (capability, key)
+            assert torch.equal(_bits(got), _bits(results["default"][key])), (capability, key)

@@ -217,6 +217,30 @@ def test_failure_after_some_layers_rolls_back_every_layer(device):
     state.snapshot(b)  # still live
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rollback_restores_every_tail_bit_nan_payloads_included(dtype):
+    """The conv undo rebuilt old tails with gather, which turned the NaN payloads of 16-bit tails into
+    0xFFFF: a rollback changed their bytes (and the digest)."""
+    state = make_state(dtype=dtype)
+    a, b = state.new_sequence(), state.new_sequence()
+    bits = state.conv_state.view(torch.int16 if dtype != torch.float32 else torch.int32)
+    g = torch.Generator().manual_seed(4)
+    top = 1 << (8 * bits.element_size() - 1)
+    bits.copy_(torch.randint(-top, top, bits.shape, generator=g).to(bits.dtype))  # random bits: NaNs among them
+    flat = bits.view(-1)
+    flat[::5] = (0x7F800001 if dtype == torch.float32 else 0x7F81) + torch.arange(flat[::5].numel()) % 100
+    before, raw = state.digest(), state.conv_state.clone()
+    with pytest.raises(RuntimeError, match="injected"):
+        with ht.transaction(state):
+            for lengths in ([1, 1], [2, 0], [1, 12]):     # drops 1, 2 and all of a tail's L = 9 entries
+                cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+                for layer in range(LAYERS):
+                    state.conv(layer, [a, b], torch.randn(sum(lengths), CHANNELS).to(dtype), cu)
+            raise RuntimeError("injected")
+    assert state.digest() == before
+    assert torch.equal(state.conv_state.view(bits.dtype), raw.view(bits.dtype))
+
+
 class _CommitFails(ht.state.Transactional):
     """A holder whose commit raises (a device error where none is expected), committed after PLEState."""
 

@@ -9,9 +9,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -490,6 +492,147 @@ void conv_tokens_f16(const ConvArgs& a, int64_t begin, int64_t end) { conv_token
 HEBRUS_VECTOR_CLONES_16
 void conv_tokens_bf16(const ConvArgs& a, int64_t begin, int64_t end) { conv_tokens<BF16>(a, begin, end); }
 
+// Row `row`'s tail in `pool` after its tokens, in place: the last L entries of tail ++ x[row], i.e. the
+// tail shifted by len rows and x's last rows after it. Runs once the row's outputs are written (they
+// read the old tail).
+HEBRUS_INLINE void shift_tail(const ConvArgs& a, char* pool, int64_t row, int64_t row_bytes) {
+  const int64_t len = a.cu[row + 1] - a.cu[row], state_len = a.state_len;
+  if (len == 0 || row_bytes == 0 || state_len == 0) return;
+  const char* xb = static_cast<const char*>(a.x);
+  char* tail = pool + static_cast<int64_t>(a.slots[row]) * state_len * row_bytes;
+  if (len >= state_len) {
+    std::memcpy(tail, xb + (a.cu[row + 1] - state_len) * row_bytes, static_cast<size_t>(state_len * row_bytes));
+  } else {
+    std::memmove(tail, tail + len * row_bytes, static_cast<size_t>((state_len - len) * row_bytes));
+    std::memcpy(tail + (state_len - len) * row_bytes, xb + a.cu[row] * row_bytes, static_cast<size_t>(len * row_bytes));
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Hand-written AVX2 kernel of one bf16 decode row at width 4 (x86-64-v3 CPUs without AVX-512, as
+// qsa's): y over all C channels from the tail rows 0, d, 2d and x, 16 channels a step. Every
+// operation is conv_block's, silu's and BF16::store's, in their order ((0 + w0 u0) + w1 u1 ...;
+// exp_silu's clamps on the bit patterns, its fused multiply-adds, 2^n as 2^(n-1) * 2; x / (1 + e);
+// round to nearest even), so every value is the portable loop's, and a NaN is stored as 0x7FC0
+// whatever its payload: the bits are the same (tests/test_ple_slots.py compares
+// HEBRUS_CPU_CAPABILITY=default with avx2). Not for fp32, whose outputs keep NaN payloads: which
+// operand's payload an add or multiply of two NaNs keeps is the compiler's choice of operand order,
+// and GCC's for the portable loop differs. A decode step is memory-bound, but GCC's vectorisation of
+// the portable loop spends ~25% more instructions per output than this, compute that the memory
+// stalls do not all hide (measured at 64 rows, C = 10240, cold caches, 2 threads: ~5-7% less
+// kernel time).
+HEBRUS_AVX2 HEBRUS_INLINE __m256 silu_avx2(__m256 acc) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i b = _mm256_xor_si256(_mm256_castps_si256(acc), sign);  // the bits of -acc
+  const __m256i neg_capped = _mm256_min_epu32(b, _mm256_set1_epi32(static_cast<int>(0xC2AF0000u)));  // -87.5f
+  const __m256i flipped = _mm256_xor_si256(neg_capped, sign);
+  const __m256i capped = _mm256_min_epu32(flipped, _mm256_set1_epi32(static_cast<int>(0x42B20000u ^ 0x80000000u)));
+  const __m256 xc = _mm256_castsi256_ps(_mm256_xor_si256(capped, sign));
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 n = _mm256_sub_ps(t, magic);
+  const __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 e_r = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), one);
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(126)), 23));
+  const __m256 e = _mm256_mul_ps(_mm256_mul_ps(e_r, scale), _mm256_set1_ps(2.f));
+  return _mm256_div_ps(acc, _mm256_add_ps(one, e));
+}
+
+HEBRUS_AVX2 HEBRUS_INLINE __m256 load8_bf16_avx2(const uint16_t* p) {  // the bits shifted up
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// BF16::store of 8 floats, in the low 16 bits of each 32-bit lane.
+HEBRUS_AVX2 HEBRUS_INLINE __m256i bf16_bits_avx2(__m256 f) {
+  const __m256i w = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(w, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+template <bool kSilu>
+HEBRUS_AVX2 HEBRUS_INLINE __m256 conv4_avx2(const uint16_t* u0, const uint16_t* u1, const uint16_t* u2,
+                                            const uint16_t* u3, const float* w0, const float* w1, const float* w2,
+                                            const float* w3) {
+  __m256 acc = _mm256_add_ps(_mm256_mul_ps(load8_bf16_avx2(u0), _mm256_loadu_ps(w0)), _mm256_setzero_ps());
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(load8_bf16_avx2(u1), _mm256_loadu_ps(w1)));
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(load8_bf16_avx2(u2), _mm256_loadu_ps(w2)));
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(load8_bf16_avx2(u3), _mm256_loadu_ps(w3)));
+  return kSilu ? silu_avx2(acc) : acc;
+}
+
+// y of bf16 decode row `row` (one token), width 4.
+template <bool kSilu>
+HEBRUS_AVX2 __attribute__((noinline)) void decode_row4_bf16_avx2(const ConvArgs& a, int64_t row) {
+  using D = BF16;
+  using T = D::T;
+  const int64_t channels = a.channels, d = a.dilation, t = a.cu[row];
+  const T* tail = static_cast<const T*>(a.state) + static_cast<int64_t>(a.slots[row]) * a.state_len * channels;
+  const T* u0 = tail;
+  const T* u1 = tail + d * channels;
+  const T* u2 = tail + 2 * d * channels;
+  const T* u3 = static_cast<const T*>(a.x) + t * channels;
+  const float* w0 = a.w;
+  const float* w1 = w0 + channels;
+  const float* w2 = w1 + channels;
+  const float* w3 = w2 + channels;
+  T* y = static_cast<T*>(a.y) + t * channels;
+  int64_t c = 0;
+  for (; c + 16 <= channels; c += 16) {
+    const __m256 lo = conv4_avx2<kSilu>(u0 + c, u1 + c, u2 + c, u3 + c, w0 + c, w1 + c, w2 + c, w3 + c);
+    const __m256 hi = conv4_avx2<kSilu>(u0 + c + 8, u1 + c + 8, u2 + c + 8, u3 + c + 8, w0 + c + 8, w1 + c + 8,
+                                        w2 + c + 8, w3 + c + 8);
+    const __m256i packed = _mm256_packus_epi32(bf16_bits_avx2(lo), bf16_bits_avx2(hi));  // lanes 0-3, 8-11, 4-7, 12-15
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + c), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  for (; c < channels; ++c) {  // conv_block's loop
+    float acc = 0.0f + w0[c] * D::load(u0[c]);
+    acc += w1[c] * D::load(u1[c]);
+    acc += w2[c] * D::load(u2[c]);
+    acc += w3[c] * D::load(u3[c]);
+    y[c] = D::store(kSilu ? silu(acc) : acc);
+  }
+}
+#endif
+
+// The weight [C, K] (any strides, x's dtype) as fp32 [K, C], the layout the channel loops read. fp32
+// is copied and bf16 widened by hand (exactly: its bits shifted up, as c10 converts); ATen's
+// to / t / contiguous took ~120 us hot and ~450 us with cold caches at C = 10240 (a decode step's conv
+// itself takes ~1.3 ms). fp16 goes through ATen's conversion.
+std::unique_ptr<float[]> weight_kc(const Tensor& weight) {
+  const int64_t channels = weight.size(0), width = weight.size(1);
+  std::unique_ptr<float[]> w(new float[static_cast<size_t>(std::max<int64_t>(1, channels * width))]);
+  if (weight.scalar_type() == at::kHalf) {
+    const Tensor t = weight.to(at::kFloat).t().contiguous();
+    std::memcpy(w.get(), t.data_ptr<float>(), static_cast<size_t>(channels * width) * sizeof(float));
+    return w;
+  }
+  const int64_t s0 = weight.stride(0), s1 = weight.stride(1);
+  if (weight.scalar_type() == at::kFloat) {
+    const float* p = weight.data_ptr<float>();
+    for (const auto k : c10::irange(width)) {
+      for (const auto c : c10::irange(channels)) w[k * channels + c] = p[c * s0 + k * s1];
+    }
+  } else {
+    const auto* p = static_cast<const uint16_t*>(weight.data_ptr());
+    for (const auto k : c10::irange(width)) {
+      for (const auto c : c10::irange(channels)) w[k * channels + c] = BF16::load(p[c * s0 + k * s1]);
+    }
+  }
+  return w;
+}
+
 // y and new_state of ple_conv into contiguous buffers of the right shapes; the arguments are checked.
 void run_ple_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_t, const Tensor& state,
                   const PleConvSizes& sz, int64_t dilation, const Tensor& y, const Tensor& new_state) {
@@ -497,9 +640,9 @@ void run_ple_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_t, con
   const auto dtype = x.scalar_type();
   const Tensor xc = x.contiguous(), sc = state.contiguous();
   // fp32 [K, C] copy of the weight so the inner loop over channels reads it contiguously.
-  const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
+  const std::unique_ptr<float[]> w_kc = weight_kc(weight);
   const int64_t channels = sz.channels, state_len = sz.state_len;
-  const ConvArgs args{xc.data_ptr(), sc.data_ptr(), w_kc.data_ptr<float>(), cu_t.data_ptr<int32_t>(), y.data_ptr(),
+  const ConvArgs args{xc.data_ptr(), sc.data_ptr(), w_kc.get(), cu_t.data_ptr<int32_t>(), y.data_ptr(),
                       sz.total, batch, channels, sz.width, state_len, dilation, sz.silu};
   void (*conv_tokens_fn)(const ConvArgs&, int64_t, int64_t) =
       dtype == at::kFloat ? conv_tokens_f32 : dtype == at::kHalf ? conv_tokens_f16 : conv_tokens_bf16;
@@ -623,36 +766,62 @@ Tensor ple_conv_slots_cpu(const Tensor& x, const Tensor& weight, const Tensor& c
   const int64_t batch = sz.batch, channels = sz.channels, state_len = sz.state_len;
   Tensor y = at::empty(x.sizes(), x.options());
   const Tensor xc = x.contiguous();
-  const Tensor w_kc = weight.to(at::kFloat).t().contiguous();
+  const std::unique_ptr<float[]> w_kc = weight_kc(weight);
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int32_t* sl = slot_t.data_ptr<int32_t>();
-  ConvArgs args{xc.data_ptr(), state_pool.data_ptr(), w_kc.data_ptr<float>(), cu, y.data_ptr(),
+  ConvArgs args{xc.data_ptr(), state_pool.data_ptr(), w_kc.get(), cu, y.data_ptr(),
                 sz.total, batch, channels, sz.width, state_len, dilation, sz.silu};
   args.slots = sl;
   const auto dtype = x.scalar_type();
+  char* pb = static_cast<char*>(state_pool.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, channels));
+  bool decode = true;
+  for (const auto row : c10::irange(batch)) decode = decode && cu[row + 1] - cu[row] <= 1;
   void (*conv_tokens_fn)(const ConvArgs&, int64_t, int64_t) =
       dtype == at::kFloat ? conv_tokens_f32 : dtype == at::kHalf ? conv_tokens_f16 : conv_tokens_bf16;
-  at::parallel_for(0, sz.total, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, channels)),
-                   [&](int64_t begin, int64_t end) { conv_tokens_fn(args, begin, end); });
-  // Every y is written (it read the old tails): now each row's tail, in place: the last L entries of
-  // tail ++ x, i.e. the tail shifted by len rows and x's last rows after it.
-  const auto elem = static_cast<int64_t>(xc.element_size());
-  const int64_t row_bytes = channels * elem;
-  const char* xb = static_cast<const char*>(xc.data_ptr());
-  char* pb = static_cast<char*>(state_pool.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, state_len * row_bytes));
-  at::parallel_for(0, row_bytes > 0 && state_len > 0 ? batch : 0, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t len = cu[row + 1] - cu[row];
-      if (len == 0) continue;
-      char* tail = pb + static_cast<int64_t>(sl[row]) * state_len * row_bytes;
-      if (len >= state_len) {
-        std::memcpy(tail, xb + (cu[row + 1] - state_len) * row_bytes, static_cast<size_t>(state_len * row_bytes));
-      } else {
-        std::memmove(tail, tail + len * row_bytes, static_cast<size_t>((state_len - len) * row_bytes));
-        std::memcpy(tail + (state_len - len) * row_bytes, xb + cu[row] * row_bytes, static_cast<size_t>(len * row_bytes));
+  const int64_t row_bytes = channels * static_cast<int64_t>(xc.element_size());
+  if (decode) {
+    // A decode step (no row has more than one token): row by row, its conv (conv_tokens over its one
+    // token: the code, hence the bits, of the general path below) and then its tail update right away,
+    // while the tail rows the conv read are still in cache. The general path updates every tail in a
+    // second pass, which reads half of them from memory again (measured at 64 rows, C = 10240, cold
+    // caches, 2 threads: the kernel ~20% faster in bf16, ~15% in fp32).
+    // Rows are taken one at a time from a shared counter, not split in advance: a thread woken late
+    // (the pool sleeps between a decode step's ops) leaves its rows to the others.
+    [[maybe_unused]] const bool avx2 =
+        sz.width == 4 && dtype == at::kBFloat16 && cpu_capability() == CpuCapability::kAvx2;
+    std::atomic<int64_t> next{0};
+    auto rows = [&](int64_t, int64_t) {
+      for (int64_t row = next.fetch_add(1); row < batch; row = next.fetch_add(1)) {
+        if (cu[row + 1] == cu[row]) continue;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (avx2) {
+          if (sz.silu) {
+            decode_row4_bf16_avx2<true>(args, row);
+          } else {
+            decode_row4_bf16_avx2<false>(args, row);
+          }
+          shift_tail(args, pb, row, row_bytes);
+          continue;
+        }
+#endif
+        conv_tokens_fn(args, cu[row], cu[row + 1]);
+        shift_tail(args, pb, row, row_bytes);
       }
+    };
+    const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (batch + grain - 1) / grain);
+    if (tasks > 1) {
+      at::parallel_for(0, tasks, 1, rows);
+    } else {
+      rows(0, 1);
     }
+    return y;
+  }
+  at::parallel_for(0, sz.total, grain, [&](int64_t begin, int64_t end) { conv_tokens_fn(args, begin, end); });
+  // Every y is written (it read the old tails): now each row's tail, in place.
+  const int64_t tail_grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, state_len * row_bytes));
+  at::parallel_for(0, row_bytes > 0 && state_len > 0 ? batch : 0, tail_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) shift_tail(args, pb, row, row_bytes);
   });
   return y;
 }

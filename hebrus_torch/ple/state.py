@@ -55,7 +55,7 @@ class _HistoryUndo:
     """ngram_ids' undo: the histories of the rows' slots before the in-place update."""
 
     layer: int
-    slots: torch.Tensor        # [B] int64
+    slots: torch.Tensor        # [B] int32 (the index the op ran with)
     rows: torch.Tensor         # [B, N-1]
 
 
@@ -63,11 +63,12 @@ class _HistoryUndo:
 class _TailUndo:
     """conv's undo, only what the in-place update dropped: a row that consumed n tokens lost the first
     min(n, L) entries of its tail (the rest moved n places left), so ``rows[b, :n]`` ++ the current
-    ``tail[:L - n]`` is the old tail. ``kept`` [B] int64 is min(n, L)."""
+    ``tail[:L - n]`` is the old tail. ``kept`` is min(n, L) per row (host ints), or None where every row's
+    whole tail was kept (``rows`` is then the old tails)."""
 
     layer: int
-    slots: torch.Tensor        # [B] int64
-    kept: torch.Tensor         # [B] int64, min(n, L) per row
+    slots: torch.Tensor        # [B] int32 or int64
+    kept: list[int] | None     # [B], min(n, L) per row
     rows: torch.Tensor         # [B, max kept, C]
 
 
@@ -159,6 +160,21 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         # slots); the undo log of the open transaction holds what each change overwrote, in order.
         self._undo: list[_SlotUndo | _HistoryUndo | _TailUndo] = []
         self._base: _PLESavepoint | None = None
+        # The slot index of the last chunk, (key, int32 tensor): every layer of a step, and usually the next
+        # step, runs the same sequences (see _slot_index). And views of conv_state per layer (_tail_pools).
+        self._index_cache: tuple | None = None
+        self._pool_cache: tuple | None = None
+
+    # Bookkeeping attributes, set on every transaction and chunk, that are never parameters, buffers or
+    # modules: set as plain attributes, which nn.Module.__setattr__ ends with after its checks (seven of
+    # those per decode-step transaction cost ~0.1 ms with cold caches).
+    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PLEState._PLAIN_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -279,12 +295,12 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         slots = self._slots_of(seqs, cu_seqlens)
         p = self.hash_params(layer)
         pool = self.history[layer]
-        index = torch.tensor(slots, dtype=torch.int64, device=pool.device)
+        index = self._slot_index(slots, pool.device)
         with atomic(self):
             # In place by slot (hebrus::ple_ngram_ids_slots); the undo entry is logged once the op has
             # succeeded (a refused op writes nothing).
             undo = _HistoryUndo(layer, index, pool.index_select(0, index))
-            row_ids = ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index.to(torch.int32), p.multipliers,
+            row_ids = ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index, p.multipliers,
                                               p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
             self._undo.append(undo)
         return row_ids
@@ -297,7 +313,8 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         """
         self._check_layer(layer)
         x = as_tensor("PLEState.conv: x", x)
-        if torch.promote_types(x.dtype, self.conv_state.dtype) != self.conv_state.dtype:
+        state = self._buffers["conv_state"]
+        if x.dtype != state.dtype and torch.promote_types(x.dtype, state.dtype) != state.dtype:
             # The conv runs in x's dtype and the carried tail is stored in the state's: a state narrower than x
             # would round the tail at every chunk boundary, so outputs would depend on how the stream is
             # chunked (SPEC §5.1). A state at least as wide as x holds x's values exactly.
@@ -314,27 +331,35 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
             got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
                               f"[C, 1, K]), got {got}")
-        weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
-        pool = self.conv_state[layer]
-        index = torch.tensor(slots, dtype=torch.int64, device=pool.device)
+        # (Each call below only where it changes something: at decode the holder's own tensor ops cost more,
+        # with cold caches, than moving the bytes; the same weight reaches the op.)
+        if weight.shape != want:
+            weight = weight.reshape(want)
+        if weight.dtype != x.dtype or weight.device != x.device:
+            weight = weight.to(device=x.device, dtype=x.dtype)
+        pool, first = self._tail_pools(layer)
+        index = self._slot_index(slots, pool.device)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        if in_place:
+            # hebrus::ple_conv_slots updates the tails in the pool, and refuses before writing anything. Outside
+            # a transaction nothing can roll it back, so nothing is logged; inside one, the undo keeps only the
+            # entries the update drops (decode: one of the L rows per sequence), logged once the op has
+            # succeeded. (No savepoint either: a refused op changed nothing to return to.)
+            if not self.in_transaction:
+                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
+            undo = self._tail_undo(layer, pool, first, index, cu_seqlens)
+            y = ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
+            self._undo.append(undo)
+            return y
         with atomic(self):
-            if in_place:
-                # hebrus::ple_conv_slots updates the tails in the pool; the undo keeps only the entries the
-                # update drops (decode: one of the L rows per sequence), logged once the op has succeeded.
-                undo = self._tail_undo(layer, index, cu_seqlens)
-                y = ops.ple_conv_slots(x, weight, cu_seqlens, pool, index.to(torch.int32), self.dilation,
-                                       self.activation)
-                self._undo.append(undo)
-                return y
             # x narrower than the state, or a conv whose output must carry autograd history (the op's
             # output requires grad when the weight does): gather, op, write back (the state itself
             # carries no autograd history).
             old = pool.index_select(0, index)
             y, new_state = ops.ple_conv(x, weight, cu_seqlens, old.to(x.dtype), self.dilation, self.activation)
             with torch.no_grad():
-                pool.index_copy_(0, index, new_state.detach().to(pool.dtype))
-            self._undo.append(_TailUndo(layer, index, torch.full_like(index, self.state_len), old))
+                pool.index_copy_(0, index.long(), new_state.detach().to(pool.dtype))
+            self._undo.append(_TailUndo(layer, index, None, old))
         return y
 
     # ----------------------------------------------------------------------------- transactions
@@ -359,7 +384,8 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
         self._reset_staging()
 
     def _txn_savepoint(self) -> "_PLESavepoint":
-        return _PLESavepoint(len(self._undo), self.slots.generation.tolist(), self.slots.live.tolist())
+        generation, live = self.slots.lists()
+        return _PLESavepoint(len(self._undo), generation, live)
 
     def _txn_restore(self, sp: "_PLESavepoint") -> None:
         for entry in reversed(self._undo[sp.undo_len:]):
@@ -374,33 +400,66 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
                 self.history[:, entry.slot] = entry.history
                 self.conv_state[:, entry.slot] = entry.tails
             elif isinstance(entry, _HistoryUndo):
-                self.history[entry.layer].index_copy_(0, entry.slots, entry.rows)
+                self.history[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
             else:
-                # old[b, j] = rows[b, j] for j < kept[b], else current[b, j - kept[b]].
                 pool = self.conv_state[entry.layer]
-                current = pool.index_select(0, entry.slots)
-                width = entry.rows.shape[1]
-                j = torch.arange(self.state_len, device=pool.device)[None, :]
-                kept = entry.kept.to(pool.device)[:, None]
-                src = torch.where(j < kept, j, width + j - kept)
-                both = torch.cat([entry.rows.to(pool.dtype), current], dim=1)
-                old = both.gather(1, src[:, :, None].expand(-1, -1, pool.shape[2]))
-                pool.index_copy_(0, entry.slots, old)
+                slots = entry.slots.long()
+                rows = entry.rows.to(pool.dtype)
+                if entry.kept is None:
+                    old = rows
+                else:
+                    # old[b, j] = rows[b, j] for j < kept[b], else current[b, j - kept[b]]: rows of
+                    # rows ++ current picked by index_select, which keeps every bit (gather turned the NaN
+                    # payloads of 16-bit tails into 0xFFFF).
+                    current = pool.index_select(0, slots)
+                    batch, width, length = rows.shape[0], rows.shape[1], self.state_len
+                    j = torch.arange(length, device=pool.device)[None, :]
+                    kept = torch.tensor(entry.kept, dtype=torch.int64, device=pool.device)[:, None]
+                    src = torch.where(j < kept, j, width + j - kept)
+                    src = src + torch.arange(batch, device=pool.device)[:, None] * (width + length)
+                    both = torch.cat([rows, current], dim=1).reshape(batch * (width + length), pool.shape[2])
+                    old = both.index_select(0, src.reshape(-1)).reshape(batch, length, pool.shape[2])
+                pool.index_copy_(0, slots, old)
 
-    def _tail_undo(self, layer: int, index: torch.Tensor, cu_seqlens: torch.Tensor) -> _TailUndo:
+    def _tail_undo(self, layer: int, pool: torch.Tensor, first: torch.Tensor, index: torch.Tensor,
+                   cu_seqlens: torch.Tensor) -> _TailUndo:
         """What ple_conv_slots drops from each row's tail: its first min(n, L) entries. The token counts
-        come from cu_seqlens on the host where it lives there; on a device, every row keeps its whole tail
-        (no host read inside a step)."""
-        pool = self.conv_state[layer]
-        if cu_seqlens.device.type == "cpu" and cu_seqlens.numel() == index.numel() + 1:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-            kept = lengths.clamp(0, self.state_len)
-            width = int(kept.max()) if kept.numel() else 0
+        come from cu_seqlens on the host where it lives there (int32, as the op takes it); on a device,
+        every row keeps its whole tail (no host read inside a step)."""
+        if cu_seqlens.device.type == "cpu" and cu_seqlens.dtype == torch.int32:
+            cu = cu_seqlens.tolist()
+            length = self.state_len
+            kept = [min(max(b - a, 0), length) for a, b in zip(cu, cu[1:])]
+            width = max(kept, default=0)
         else:
-            kept = torch.full_like(index, self.state_len)
-            width = self.state_len
-        rows = pool.narrow(1, 0, width).index_select(0, index)   # 2-5x faster than pool[index, :width]
-        return _TailUndo(layer, index, kept.to(index.device), rows)
+            kept, width = None, self.state_len
+        source = first if width == first.shape[1] else pool.narrow(1, 0, width)
+        rows = source.index_select(0, index)   # 2-5x faster than pool[index, :width]
+        return _TailUndo(layer, index, kept, rows)
+
+    def _tail_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of layer ``layer``'s tails, ``conv_state[layer]`` and its first entries ``[S, 1, C]`` (what
+        a decode step's undo copies), made once for the buffer rather than at every call: with cold caches
+        each indexing op costs ~0.1 ms, as much as a decode step's undo copy. Made again when
+        ``conv_state`` is another tensor or has moved (``_apply`` and ``load_state_dict`` drop them)."""
+        state = self._buffers["conv_state"]
+        cache = self._pool_cache
+        if cache is None or cache[0] is not state or cache[1] != state.data_ptr():
+            views = [(pool, pool.narrow(1, 0, min(1, self.state_len))) for pool in state.unbind(0)]
+            cache = self._pool_cache = (state, state.data_ptr(), views)
+        return cache[2][layer]
+
+    def _slot_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """``slots`` as an int32 tensor on ``device`` (what the slot ops take): the last chunk's is reused
+        while the sequences stay the same (every layer of a step, and most steps of a decode), so that
+        the common case builds no tensor. Nothing writes it: the ops and the undo log only read it."""
+        key = (tuple(slots), device)
+        cached = self._index_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        index = torch.tensor(slots, dtype=torch.int32, device=device)
+        self._index_cache = (key, index)
+        return index
 
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
@@ -415,6 +474,7 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
 
     def _apply(self, fn, recurse: bool = True):
         self._check_apply(fn)
+        self._index_cache = self._pool_cache = None   # (they would keep the old tensors alive)
         return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------------------- whole-holder state
@@ -495,6 +555,7 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
     def _swap_state_dict(self, prepared: tuple) -> None:
         """Publish what ``_prepare_candidate`` built: reference assignments only, nothing that can fail."""
         buffers, generation, live = prepared
+        self._index_cache = self._pool_cache = None
         for name, tensor in buffers.items():
             setattr(self, name, tensor)
         self.slots.assign(generation, live)
@@ -542,7 +603,7 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
             raise HebrusError(f"PLEState: layer {layer} outside [0, {self.num_layers})")
 
     def _slots_of(self, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor) -> list[int]:
-        slots = [self.slots.check(s) for s in seqs]
+        slots = self.slots.check_all(seqs)
         if len(set(slots)) != len(slots):
             raise HebrusError(f"PLEState: a sequence appears twice in one packed chunk: {list(seqs)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != len(slots) + 1:

@@ -94,6 +94,25 @@ class SlotTable:
             raise StaleHandleError(f"{self.owner}: {handle} is stale (slot {slot} is {state})")
         return slot
 
+    def check_all(self, handles) -> list[int]:
+        """``[check(h) for h in handles]``, with the check of a live, current handle inline (a decode step
+        checks every sequence of the batch once per layer); any other handle goes through ``check``,
+        which raises as it always does."""
+        generation, live, capacity = self._generation, self._live, len(self._generation)
+        slots = []
+        for handle in handles:
+            if type(handle) is SeqHandle:
+                slot = handle.slot
+                if 0 <= slot < capacity and live[slot] and generation[slot] == handle.generation:
+                    slots.append(slot)
+                    continue
+            slots.append(self.check(handle))
+        return slots
+
+    def lists(self) -> tuple[list[int], list[bool]]:
+        """Copies of the generations and live flags as lists (what a savepoint keeps; ``load`` takes them)."""
+        return list(self._generation), list(self._live)
+
     def next_free(self, handle: SeqHandle | None = None) -> SeqHandle:
         """The handle ``claim`` would issue, without claiming it. A slot whose generation reached
         ``MAX_GENERATION`` is retired: it is never issued again."""
