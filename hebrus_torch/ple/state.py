@@ -12,6 +12,7 @@ from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.protocol import StateDictProtocol
+from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
 from . import ops
 
@@ -81,7 +82,7 @@ class PLEHashParams:
     offsets: torch.Tensor      # [(N-1)*H] int64, ngram_heads_offsets
 
 
-class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
+class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional):
     """Owns, per sequence slot and PLE layer, the n-gram history ``[N-1]`` and the conv tail ``[L, C]``.
 
     Buffers (``state_dict``): ``history`` [layers, S, N-1] int64 (each layer carries its own, as
@@ -210,56 +211,10 @@ class PLEState(StateDictProtocol, torch.nn.Module, Transactional):
                              getattr(self, f"offsets_{layer}"))
 
     # ----------------------------------------------------------------------------- lifecycle
-    def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
-        """Claim a slot (``handle`` adopts a given one) with fresh state: history all EOS, zero tails."""
-        with atomic(self):
-            handle = self.slots.claim(handle)
-            self._clear_slot(handle.slot)
-            self._sync_slot_buffers()
-        return handle
-
-    def free(self, seq: SeqHandle) -> None:
-        with atomic(self):
-            slot = self.slots.check(seq)
-            self.slots.release(seq)
-            self._sync_slot_buffers()
-
-    def reset(self, seq: SeqHandle) -> SeqHandle:
-        """Fresh state for the sequence; its slot's generation is bumped, so the new handle is returned."""
-        with atomic(self):
-            self.slots.check(seq)
-            self.slots.release(seq)
-            handle = self.slots.claim(SeqHandle(seq.slot, seq.generation + 1))
-            self._clear_slot(handle.slot)
-            self._sync_slot_buffers()
-        return handle
-
-    def clear(self, seq: SeqHandle) -> None:
-        """Fresh state (history all EOS, zero tails) for a live sequence, keeping its handle."""
-        with atomic(self):
-            self._clear_slot(self.slots.check(seq))
-
-    def copy(self, src: SeqHandle, dst: SeqHandle) -> None:
-        """dst's history and tails become src's (as they would be published now)."""
-        snap = self.snapshot(src)
-        with atomic(self):
-            self._write_slot(self.slots.check(dst), snap.history, snap.conv_tails)
-
-    def fork(self, src: SeqHandle) -> SeqHandle:
-        snap = self.snapshot(src)
-        with atomic(self):
-            handle = self.slots.claim()
-            self._write_slot(handle.slot, snap.history, snap.conv_tails)
-            self._sync_slot_buffers()
-        return handle
-
-    def keep(self, seq: SeqHandle) -> None:
-        """llama.cpp ``seq_keep``: free every sequence but ``seq``."""
-        with atomic(self):
-            self.slots.check(seq)
-            for other in self.slots.live_handles():
-                if other != seq:
-                    self.free(other)
+    # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below
+    # (a fresh slot: history all EOS, zero tails).
+    def _snapshot_parts(self, snap: PLESnapshot) -> tuple[torch.Tensor, torch.Tensor]:
+        return snap.history, snap.conv_tails
 
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
         """A cheap copy of one sequence's current state (changes of an open transaction included)."""
