@@ -158,3 +158,37 @@ def test_dropin_decode_step_adds_no_sync():
     # the ones of its indexer loop, which the patched step does not run (one nonzero per indexed layer).
     assert set(patched) == {"transformers"}, patched
     assert patched["transformers"] <= plain["transformers"], (patched, plain)
+
+
+def test_graphed_decode_equals_eager(monkeypatch):
+    """The drop-in's decode selection and PLE rows forms replayed from captured CUDA graphs (cuda_graphs:
+    keys padded to a bucket, graphs evicted and captured again) give the eager path's tokens and logits,
+    one replay per indexer call and per PLE call; HEBRUS_CUDA_GRAPHS=0 turns the graphs off."""
+    hf = pytest.importorskip("hf_models")
+    from hebrus_torch.integrations import transformers as dropin
+    from hebrus_torch.integrations.qwen4_exp import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "BUCKET", 16)          # several buckets in 40 decode steps
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 2)
+    model = hf.random_model(0, device="cuda").to("cuda")
+    prompt = torch.randint(4, 64, (2, 30), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    dropin.apply(model)
+    try:
+        out = {}
+        for graphs in ("1", "0"):
+            monkeypatch.setenv("HEBRUS_CUDA_GRAPHS", graphs)
+            cuda_graphs.clear()
+            dropin.reset_stats()
+            with torch.no_grad():
+                out[graphs] = (model.generate(prompt, **kw), dropin.stats())
+    finally:
+        dropin.revert(model)
+        cuda_graphs.clear()
+    (got, on), (want, off) = out["1"], out["0"]
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+    assert on["qsa_cuda_graph"] == on["qsa_sync_free"] == off["qsa_sync_free"] > 0, (on, off)
+    assert on["ple_cuda_graph"] == 2 * (on["ple_conv"] - 2) > 0, on       # every call but the prefill's two
+    assert "qsa_cuda_graph" not in off and "ple_cuda_graph" not in off, off

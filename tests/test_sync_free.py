@@ -196,3 +196,51 @@ def test_ple_rows_form_decode_equals_transformers(sync_free, monkeypatch):
     assert stats.get("ple_conv", 0) > 0 and stats.get("ple_ngram", 0) > 0, stats
     assert not any(k.startswith("ple_fallback") for k in stats), stats
     assert calls.count("ple_conv_rows") == stats["ple_conv"] and "ple_ngram_ids_rows" in calls, (calls, stats)
+
+
+def _selection_inputs(batch, length, kv, seed, float_mask):
+    """Inputs of indexer.sync_free_mask: left padding in row 1, a hole in row 0, positions with an offset."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, dim, rot = 2, 16, 8
+    q = torch.randn(batch, length, hq, dim, generator=gen)
+    keys = torch.randn(batch, kv, dim, generator=gen)
+    visible = torch.ones(batch, length, kv, dtype=torch.bool)
+    visible &= torch.arange(kv) <= (kv - length + torch.arange(length))[:, None]      # causal
+    if batch > 1:
+        visible[1, :, :3] = False                                                     # left padding
+    visible[0, :, kv // 2] = False                                                    # a hole
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min) if float_mask else visible
+    freqs = (torch.arange(kv) + 5.0)[:, None] * (1.0 / 10000 ** (torch.arange(0, rot, 2) / rot))
+    emb = torch.cat((freqs, freqs), -1).expand(batch, kv, rot)
+    return q, keys, mask, emb.cos(), emb.sin(), torch.randn(dim, generator=gen) * 0.1
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("float_mask", [False, True])
+@pytest.mark.parametrize("bucket", [7, 16, 256])
+@pytest.mark.parametrize("batch,length,kv", [(1, 1, 30), (2, 1, 41), (2, 3, 10), (1, 2, 64)])
+def test_padded_static_call_equals_the_call(batch, length, kv, bucket, float_mask, monkeypatch):
+    """cuda_graphs.StaticCall with the indexer's padding (what a CUDA graph replays: the key dimension padded
+    to a bucket, the extra mask columns masked out) gives the unpadded call's selection mask bitwise, also
+    after a longer call of the same bucket left stale columns behind."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
+
+    from hebrus_torch.integrations.qwen4_exp import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "BUCKET", bucket)
+    spec = indexer_mod.SyncFreeSpec(ratio=4, top_k=3, width=4 * 3 + 3, eps=1e-6, raise_on_hole=False,
+                                    rope=apply_rotary_pos_emb)
+    args = _selection_inputs(batch, length, kv, kv, float_mask)
+    want = indexer_mod.sync_free_mask(spec, *args)
+    assert want.shape == (batch, 1, length, kv) and want.any()
+    size = cuda_graphs.padded_keys(kv)
+    assert size >= kv and size % bucket == 0
+    call = cuda_graphs.StaticCall(indexer_mod.sync_free_mask, spec, args, indexer_mod._key_padding(kv, args[2].dtype))
+    call.fill(args)
+    assert torch.equal(call.compute()[..., :kv], want)
+    if size > kv:
+        longer = _selection_inputs(batch, length, size, 99, float_mask)
+        call.fill(longer)
+        assert torch.equal(call.compute(), indexer_mod.sync_free_mask(spec, *longer))
+        call.fill(args)
+        assert torch.equal(call.compute()[..., :kv], want)

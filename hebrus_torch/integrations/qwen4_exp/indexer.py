@@ -3,6 +3,8 @@ static-shape path for torch.compile; every call the ops cannot reproduce runs tr
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 import hebrus_torch
@@ -11,6 +13,7 @@ from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.errors import HoleError
 from hebrus_torch.qsa import runs
 
+from . import cuda_graphs
 from .common import _PATCH
 from .context import _Context
 from .groups import _select
@@ -188,31 +191,90 @@ def _sync_free(device: torch.device, batch: int, length: int, kv: int, dim: int)
 def _indexer_sync_free(self, record, hidden_states, position_embeddings, attention_mask, past_key_values):
     """transformers' selection for every query of a short call, on the device, with no host read.
 
-    Each query's visible kv indices are compacted in order (a scatter by their rank), and its groups are
-    r consecutive entries of that list, roped at the cos/sin of their first entry: transformers' own
-    rule, whatever the mask (padding, holes, several runs) and the positions (multimodal, scaled rope),
-    so no call needs its fallback. Every candidate group of every query is pooled (hebrus::qsa_pool,
-    unroped; the rope as transformers applies it) and scored (hebrus::qsa_select); a query that sees at
-    most budget + r - 1 tokens keeps them all. With on_hole="raise" a hole inside a choosing query's
-    visible run is a device-side assert (SPEC §4). The pooled groups kept on the cache layer are not used.
+    The projections as transformers runs them, then :func:`_sync_free_selection`; on CUDA, when the
+    selection becomes the mask, that runs as a captured CUDA graph (:mod:`.cuda_graphs`: one replay
+    instead of some 150 launches, the same bits). With on_hole="raise" a hole inside a choosing
+    query's visible run is a device-side assert (SPEC §4). The pooled groups kept on the cache layer
+    are not used.
     """
     ratio, top_k = self.compress_ratio, self.block_topk
     q, raw_keys = _queries_and_keys(self, hidden_states, position_embeddings, past_key_values)
     batch, kv, dim = raw_keys.shape
     length = q.shape[1]
     device = raw_keys.device
-    visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
-    if visible.shape != (batch, length, kv):     # a mask over other keys than the cache's: the general path
+    mask = attention_mask[:, 0]
+    if mask.shape != (batch, length, kv):        # a mask over other keys than the cache's: the general path
         return _fallback(record["original_forward"], "mask_shape", hidden_states, position_embeddings,
                          attention_mask, _KeysReplay(raw_keys))
+    spec = SyncFreeSpec(ratio, top_k, self.token_budget + ratio - 1, float(self.k_layernorm.eps),
+                        record["on_hole"] == "raise", record["rope"])
+    full_cos, full_sin = position_embeddings
+    args = (q, raw_keys, mask, full_cos, full_sin, self.k_layernorm.weight)
+    _STATS["qsa_hebrus"] += 1
+    _STATS["qsa_sync_free"] += 1
+    if kv // ratio > top_k:              # some query may choose (which of them do: on the device)
+        _STATS["qsa_queries_selected"] += batch * length
+    # Where qsa_attention has no native kernel (its reference: some twenty kernels, and transformers' own
+    # attention again for the queries that may see nothing), a few queries attend faster densely over the
+    # selection mask, as transformers does: the mask then goes to the patched attention.
+    if record.get("as_indices") and has_native_kernel("qsa_attention", device.type):
+        token_idx, empty = _sync_free_selection(spec, *args)
+        return _Selection.from_indices(token_idx, kv, empty)
+    if (cuda_graphs.usable(*args) and (mask.dtype == torch.bool or mask.dtype.is_floating_point)
+            and full_cos.shape[:2] == raw_keys.shape[:2] and full_sin.shape == full_cos.shape):
+        _STATS["qsa_cuda_graph"] += 1
+        return cuda_graphs.replay(sync_free_mask, spec, args, _key_padding(kv, mask.dtype),
+                                  view=lambda out: out[..., :kv])
+    return sync_free_mask(spec, *args)
+
+
+def _key_padding(kv: int, mask_dtype: torch.dtype) -> tuple:
+    """How :func:`sync_free_mask`'s inputs are padded for a CUDA graph: the key dimension of raw_keys, mask,
+    full_cos and full_sin to a bucket, the padded mask columns masked out."""
+    size = cuda_graphs.padded_keys(kv)
+    keys = cuda_graphs.Pad(1, size)
+    return None, keys, cuda_graphs.Pad(2, size, cuda_graphs.mask_fill(mask_dtype)), keys, keys, None
+
+
+class SyncFreeSpec(NamedTuple):
+    """The host-known parameters of :func:`_sync_free_selection` (what a captured graph is keyed by)."""
+    ratio: int
+    top_k: int
+    width: int                           # budget + r - 1: the most kv indices a query attends
+    eps: float                           # k_layernorm's
+    raise_on_hole: bool
+    rope: Callable                       # transformers' apply_rotary_pos_emb
+
+
+def _sync_free_selection(spec: SyncFreeSpec, q, raw_keys, mask, full_cos, full_sin, norm_weight):
+    """The selection of every query, a function of tensors only (no host read, no host-side state).
+
+    Args:
+        q: [B, T, Hq, D] normed, roped queries; raw_keys: [B, K, D]; mask: [B, T, K] bool (True: visible)
+        or float (0: visible); full_cos, full_sin: [B, >=1, R] at every key position; norm_weight: [D].
+
+    Returns:
+        token_idx [B, T, W] int32 (kv indices each query attends, -1 padded) and empty [B, T] bool.
+
+    Each query's visible kv indices are compacted in order (a scatter by their rank), and its groups are
+    r consecutive entries of that list, roped at the cos/sin of their first entry: transformers' own
+    rule, whatever the mask (padding, holes, several runs) and the positions (multimodal, scaled rope),
+    so no call needs its fallback. Every candidate group of every query is pooled (hebrus::qsa_pool,
+    unroped; the rope as transformers applies it) and scored (hebrus::qsa_select); a query that sees at
+    most budget + r - 1 tokens keeps them all.
+    """
+    ratio, top_k, width = spec.ratio, spec.top_k, spec.width
+    batch, kv, dim = raw_keys.shape
+    length = q.shape[1]
+    device = raw_keys.device
+    visible = mask if mask.dtype == torch.bool else mask == 0
     bt = batch * length
-    width = self.token_budget + ratio - 1
     vis = visible.reshape(bt, kv)
     rank = torch.cumsum(vis, dim=1)                                          # [BT, K], 1-based
     n = rank[:, -1]
     ng = torch.div(n, ratio, rounding_mode="floor")
     need = ng > top_k
-    if record["on_hole"] == "raise":
+    if spec.raise_on_hole:
         vis8 = vis.to(torch.uint8)
         first = vis8.argmax(-1)
         last = (kv - 1) - vis8.flip(-1).argmax(-1)
@@ -234,13 +296,12 @@ def _indexer_sync_free(self, record, hidden_states, position_embeddings, attenti
         group_cells = torch.arange(count * ratio, device=device, dtype=torch.int32).view(count, ratio)
         cell_pos = torch.arange(ratio, device=device).repeat(count)          # each group a run from 0
         group_pos = torch.zeros(count, dtype=torch.int64, device=device)
-        pooled = hebrus_torch.qsa_pool(keys, cell_pos, group_cells, group_pos, self.k_layernorm.weight,
-                                       float(self.k_layernorm.eps), _no_rope(device))
-        full_cos, full_sin = position_embeddings
+        pooled = hebrus_torch.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, spec.eps,
+                                       _no_rope(device))
         starts = cells[:, :, 0].clamp(0, full_cos.shape[1] - 1)              # [BT, G] kv index of each start
         rows = q_b[:, None].expand(bt, groups)
         cos, sin = full_cos[rows, starts].flatten(0, 1), full_sin[rows, starts].flatten(0, 1)
-        pooled = record["rope"](pooled.unsqueeze(1), cos=cos, sin=sin).squeeze(1)
+        pooled = spec.rope(pooled.unsqueeze(1), cos=cos, sin=sin).squeeze(1)
         seq_groups = torch.arange(count, device=device, dtype=torch.int32).view(bt, groups)
         q_row = torch.arange(bt, device=device, dtype=torch.int32)
         selected = hebrus_torch.qsa_select(q.reshape(bt, q.shape[-2], q.shape[-1]), pooled, seq_groups, q_row,
@@ -249,17 +310,14 @@ def _indexer_sync_free(self, record, hidden_states, position_embeddings, attenti
         offs = runs.group_and_tail_offsets(selected, ng, n, ratio)
         chosen = torch.where(offs >= 0, lst.gather(1, offs.clamp(0, kv - 1)), -1)
         whole = torch.where(need[:, None], chosen, whole)
-        _STATS["qsa_queries_selected"] += bt          # queries scored (which of them choose: on the device)
-    token_idx = whole.to(torch.int32).view(batch, length, width)
-    _STATS["qsa_hebrus"] += 1
-    _STATS["qsa_sync_free"] += 1
-    selection = _Selection.from_indices(token_idx, kv, (n == 0).view(batch, length))
-    # Where qsa_attention has no native kernel (its reference: some twenty kernels, and transformers' own
-    # attention again for the queries that may see nothing), a few queries attend faster densely over the
-    # selection mask, as transformers does: the mask then goes to the patched attention.
-    if record.get("as_indices") and has_native_kernel("qsa_attention", device.type):
-        return selection
-    return selection.mask()
+    return whole.to(torch.int32).view(batch, length, width), (n == 0).view(batch, length)
+
+
+def sync_free_mask(spec: SyncFreeSpec, q, raw_keys, mask, full_cos, full_sin, norm_weight) -> torch.Tensor:
+    """[B, 1, T, K] bool: the selection mask of :func:`_sync_free_selection` (what transformers' indexer
+    returns)."""
+    token_idx, empty = _sync_free_selection(spec, q, raw_keys, mask, full_cos, full_sin, norm_weight)
+    return _Selection.from_indices(token_idx, raw_keys.shape[1], empty).mask()
 
 
 _NO_ROPE: dict = {}

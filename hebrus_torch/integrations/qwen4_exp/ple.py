@@ -3,6 +3,8 @@ Qwen4ExpTextPLELayer._short_conv as one hebrus::ple_conv call; the cache bookkee
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 import hebrus_torch
@@ -11,6 +13,7 @@ from hebrus_torch._extension import has_native_kernel
 from hebrus_torch._validate import FLOAT_DTYPES
 from hebrus_torch.errors import HebrusError
 
+from . import cuda_graphs
 from .common import _PATCH
 from .stats import _STATS, _warn_once
 
@@ -46,9 +49,9 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     else:
         try:   # the op checks the ids anyway: no extra host sync to find the rare call that falls back
             if rows_form:
-                row_ids = reference.ple_ngram_ids_rows(
-                    input_ids, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
-                    self.ngram_heads_offsets, int(self.eos_token_id), int(self.unigram_vocab_size))
+                row_ids = _maybe_graphed(ngram_rows, _NgramSpec(int(self.eos_token_id), int(self.unigram_vocab_size)),
+                                         (input_ids, history, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                                          self.ngram_heads_offsets), length)
             else:
                 row_ids, _ = hebrus_torch.ple_ngram_ids(*args)
         except HebrusError as exc:
@@ -73,6 +76,35 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
         self.ngram_embedding.weight.device if self.ngram_embedding.weight.device.type != "meta" else None
     )
     return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
+
+
+class _NgramSpec(NamedTuple):
+    eos: int
+    vocab: int
+
+
+class _ConvSpec(NamedTuple):
+    dilation: int
+    activation: str
+
+
+def ngram_rows(spec: _NgramSpec, tokens, history, multipliers, vocab_sizes, offsets) -> torch.Tensor:
+    """reference.ple_ngram_ids_rows as a function of tensors (what cuda_graphs captures)."""
+    return reference.ple_ngram_ids_rows(tokens, history, multipliers, vocab_sizes, offsets, spec.eos, spec.vocab)
+
+
+def conv_rows(spec: _ConvSpec, x, weight, state) -> torch.Tensor:
+    """reference.ple_conv_rows as a function of tensors (what cuda_graphs captures)."""
+    return reference.ple_conv_rows(x, weight, state, spec.dilation, spec.activation)
+
+
+def _maybe_graphed(fn, spec, args: tuple, length: int) -> torch.Tensor:
+    """``fn(spec, *args)``, through a captured CUDA graph for short calls on CUDA (decode: the rows forms are
+    some 20 launches of tiny kernels, a replay is one; :mod:`.cuda_graphs`)."""
+    if length <= cuda_graphs.MAX_TOKENS and cuda_graphs.usable(*args):
+        _STATS["ple_cuda_graph"] += 1
+        return cuda_graphs.replay(fn, spec, args)
+    return fn(spec, *args)
 
 
 def _rows_form(op: str, device: torch.device) -> bool:
@@ -121,8 +153,8 @@ def _short_conv(self, hidden_states: torch.Tensor, past_key_values) -> torch.Ten
             state = previous.transpose(1, 2)
         else:
             state = hidden_states.new_zeros((batch, state_len, channels))
-        y = reference.ple_conv_rows(hidden_states, self.conv1d.weight[:, 0, :], state,
-                                    int(self.conv1d.dilation[0]), "silu")
+        y = _maybe_graphed(conv_rows, _ConvSpec(int(self.conv1d.dilation[0]), "silu"),
+                           (hidden_states, self.conv1d.weight[:, 0, :], state), length)
         if past_key_values is not None:
             past_key_values.update_conv_state(hidden_states.transpose(1, 2), self.layer_idx, state_idx=1,
                                               conv_kernel_size=state_len)

@@ -1,0 +1,142 @@
+"""Where a decode step of the drop-in goes: kernels launched per module, patched vs transformers.
+
+One decode step after a prompt of ``--tokens`` on ``bench_model``'s random Qwen4Exp, both paths on the
+same weights and cache. Every ATen op that runs on the device (views excluded) is counted under the
+innermost module class of the decoder layer that is running (``Qwen4ExpTextQSAIndexer``,
+``Qwen4ExpTextPLELayer``, the attention, the MoE block...), which is what a launch-bound device pays for.
+Then ``--steps`` decode steps are timed without hooks, each path on a copy of the prefill's cache, the
+paths interleaved ``--repeat`` times (min and median per path). On CUDA the patched path also runs with
+``HEBRUS_CUDA_GRAPHS=0``.
+
+``--emulate-cuda`` on CPU takes the path CUDA takes (device-side checks, no native kernels) so the counts
+can be read without a GPU. Prints only; nothing is written to RESULTS.md.
+
+    python benchmarks/profile_decode.py --device cuda --tokens 2048 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench_model import build
+from common import sync
+
+from hebrus_torch.integrations import transformers as htx
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "squeeze", "unsqueeze", "transpose", "permute", "t",
+          "slice", "select", "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow",
+          "flatten", "unflatten", "_reshape_alias", "lift_fresh", "chunk", "movedim", "view_as"}
+
+
+class LaunchCount(TorchDispatchMode):
+    """ATen ops on tensors (views excluded) under the module stack's innermost named module."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = ["(model)"]
+        self.counts: collections.Counter = collections.Counter()
+        self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__.rstrip("_")
+        if name not in _VIEWS:
+            self.counts[self.stack[-1]] += 1
+            self.ops[self.stack[-1]][name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def hook_modules(model, counter: LaunchCount):
+    handles = []
+    for mod in model.modules():
+        cls = type(mod).__name__
+        if not cls.startswith("Qwen4Exp") or cls.endswith(("ForCausalLM", "Model", "DecoderLayer")):
+            continue
+        handles.append(mod.register_forward_pre_hook(lambda m, a, c=cls: counter.stack.append(c) and None))
+        handles.append(mod.register_forward_hook(lambda m, a, o: counter.stack.pop() and None))
+    return handles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--emulate-cuda", action="store_true")
+    parser.add_argument("--ops", action="store_true", help="list the ops of every module")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.emulate_cuda:
+        from hebrus_torch import _extension, reference
+        from hebrus_torch.integrations.qwen4_exp import indexer, ple
+        reference.checks_async = lambda device: True
+        reference._silu = torch.nn.functional.silu        # CUDA's SiLU (the CPU kernel's bits are CPU-only)
+        import hebrus_torch
+        for op in ("qsa_pool", "qsa_select", "qsa_attention", "ple_conv", "ple_ngram_ids"):
+            setattr(hebrus_torch, op, getattr(reference, op))  # what CUDA runs instead of the C++ kernels
+        _extension.has_native_kernel = indexer.has_native_kernel = ple.has_native_kernel = lambda *a, **k: False
+    dev = args.device
+    model = build(dev, args.layers)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 32000, (1, args.tokens), generator=gen).to(dev)
+    steps = torch.randint(4, 32000, (1, args.steps + 1), generator=gen).to(dev)
+    paths = {"transformers": (False, "1"), "patched": (True, "1")}
+    if dev == "cuda":
+        paths = {"transformers": (False, "1"), "patched, no CUDA graphs": (True, "0"), "patched": (True, "1")}
+    counters, times = {}, {name: [] for name in paths}
+    with torch.no_grad():
+        htx.apply(model)
+        cache = model(ids, use_cache=True).past_key_values       # the patched prefill's cache serves both
+        for name, (patched, graphs) in paths.items():
+            (htx.apply if patched else htx.revert)(model)
+            os.environ["HEBRUS_CUDA_GRAPHS"] = graphs
+            counter = counters[name] = LaunchCount()
+            handles = hook_modules(model, counter)
+            c = copy.deepcopy(cache)
+            model(steps[:, :1], past_key_values=c, use_cache=True)          # warm (and capture)
+            with counter:
+                model(steps[:, 1:2], past_key_values=c, use_cache=True)
+            for h in handles:
+                h.remove()
+        for _ in range(args.repeat):                 # the paths interleaved: drift hits all of them alike
+            for name, (patched, graphs) in paths.items():
+                (htx.apply if patched else htx.revert)(model)
+                os.environ["HEBRUS_CUDA_GRAPHS"] = graphs
+                c = copy.deepcopy(cache)
+                sync(dev)
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    model(steps[:, i:i + 1], past_key_values=c, use_cache=True)
+                sync(dev)
+                times[name].append((time.perf_counter() - t0) / args.steps)
+    htx.revert(model)
+    os.environ.pop("HEBRUS_CUDA_GRAPHS", None)
+    names = sorted(set().union(*(c.counts for c in counters.values())))
+    print(f"{'module':40s}" + "".join(f" {p:>24s}" for p in paths))
+    for n in names:
+        print(f"{n:40s}" + "".join(f" {counters[p].counts[n]:24d}" for p in paths))
+    print(f"{'total':40s}" + "".join(f" {sum(counters[p].counts.values()):24d}" for p in paths))
+    base = times["transformers"]
+    for name, ts in times.items():
+        print(f"{name}: ms/step min {min(ts) * 1e3:.2f}, median {statistics.median(ts) * 1e3:.2f} over {len(ts)} runs "
+              f"of {args.steps} steps; transformers / this: {min(base) / min(ts):.2f}x (min), "
+              f"{statistics.median(base) / statistics.median(ts):.2f}x (median)")
+    if args.ops:
+        for name, counter in counters.items():
+            print(name)
+            for n, ops in sorted(counter.ops.items()):
+                print(f"  {n}: {dict(ops.most_common())}")
+
+
+if __name__ == "__main__":
+    main()
