@@ -596,13 +596,7 @@ HEBRUS_AVX2 __attribute__((noinline)) void decode_row4_bf16_avx2(const ConvArgs&
     const __m256i packed = _mm256_packus_epi32(bf16_bits_avx2(lo), bf16_bits_avx2(hi));  // lanes 0-3, 8-11, 4-7, 12-15
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + c), _mm256_permute4x64_epi64(packed, 0xD8));
   }
-  for (; c < channels; ++c) {  // conv_block's loop
-    float acc = 0.0f + w0[c] * D::load(u0[c]);
-    acc += w1[c] * D::load(u1[c]);
-    acc += w2[c] * D::load(u2[c]);
-    acc += w3[c] * D::load(u3[c]);
-    y[c] = D::store(kSilu ? silu(acc) : acc);
-  }
+  if (c < channels) conv_block<D, kSilu>(a, row, t, t, c, channels - c);  // the last C mod 16 channels
 }
 #endif
 
