@@ -794,3 +794,41 @@ def test_eos_outside_the_vocabulary_is_accepted_and_survives_save_and_restore(eo
     blob = state.save(b)                                 # a fresh history: [eos, eos]
     state.restore(a, blob)
     assert state.digest(a) == state.digest(b)
+
+
+@pytest.mark.parametrize("op_name", ["ple_conv_slots", "ple_ngram_ids_slots"])
+@pytest.mark.parametrize("when", ["after_write", "before_write"])
+def test_a_fault_around_the_in_place_write_is_undone(op_name, when, monkeypatch):
+    """Issue 27: an exception between the slot op's in-place write and the undo record left the pool changed
+    after the block raised; a fault before the write must not leave an undo entry that corrupts the rollback
+    of the writes that follow it in the same block."""
+    from hebrus_torch.ple import ops as ple_ops
+
+    state = make_state()
+    seqs = [state.new_sequence() for _ in range(2)]
+    rows = [stream(5, 1), stream(3, 2)]
+    xs = [torch.randn(5, CHANNELS), torch.randn(3, CHANNELS)]
+    run_chunk(state, seqs, rows, xs, "cpu")
+    before = state.digest()
+    real = getattr(ple_ops, op_name)
+
+    def faulty(*args, **kwargs):
+        if when == "before_write":
+            raise RuntimeError("injected fault before the write")
+        out = real(*args, **kwargs)
+        raise KeyboardInterrupt  # after the write, before the holder regains control
+
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    tokens, x = torch.cat([stream(4, 3), stream(2, 4)]), torch.randn(6, CHANNELS)
+    with pytest.raises((KeyboardInterrupt, ZeroDivisionError)):
+        with ht.transaction(state):
+            monkeypatch.setattr(ple_ops, op_name, faulty)
+            try:
+                state.conv(0, seqs, x, cu) if op_name == "ple_conv_slots" else state.ngram_ids(0, seqs, tokens, cu)
+            except RuntimeError:
+                pass                      # the caller goes on after a refused call ...
+            monkeypatch.setattr(ple_ops, op_name, real)
+            state.conv(0, seqs, x, cu)    # ... changes more in place ...
+            state.ngram_ids(0, seqs, tokens, cu)
+            raise ZeroDivisionError       # ... and the block fails
+    assert state.digest() == before

@@ -252,13 +252,12 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         pool = self.history[layer]
         index = self._slot_index(slots, pool.device)
         with atomic(self):
-            # In place by slot (hebrus::ple_ngram_ids_slots); the undo entry is logged once the op has
-            # succeeded (a refused op writes nothing).
-            undo = _HistoryUndo(layer, index, pool.index_select(0, index))
-            row_ids = ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index, p.multipliers,
-                                              p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
-            self._undo.append(undo)
-        return row_ids
+            # In place by slot (hebrus::ple_ngram_ids_slots). The undo entry (the rows' whole old histories,
+            # so applying it is right whether or not the op wrote) is logged before the write: an exception
+            # after the write (a KeyboardInterrupt, a fault in a wrapper) is still undone.
+            self._undo.append(_HistoryUndo(layer, index, pool.index_select(0, index)))
+            return ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index, p.multipliers,
+                                           p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
 
     def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
              weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,15 +296,23 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         if in_place:
             # hebrus::ple_conv_slots updates the tails in the pool, and refuses before writing anything. Outside
-            # a transaction nothing can roll it back, so nothing is logged; inside one, the undo keeps only the
-            # entries the update drops (decode: one of the L rows per sequence), logged once the op has
-            # succeeded. (No savepoint either: a refused op changed nothing to return to.)
+            # a transaction nothing can roll it back, so nothing is logged; inside one, the undo is logged
+            # before the write, so that an exception after it (a KeyboardInterrupt, a fault in a wrapper) is
+            # undone too. It keeps only the entries the update drops (decode: one of the L rows per sequence),
+            # which restores the old tails only from the updated ones: if the call raised, the pool's version
+            # counter (bumped by the op's write) says whether there is anything to undo. An inference tensor
+            # has no version counter: it logs whole tails, right either way.
             if not self.in_transaction:
                 return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
-            undo = self._tail_undo(layer, pool, first, index, cu_seqlens)
-            y = ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
-            self._undo.append(undo)
-            return y
+            counted = not pool.is_inference()
+            self._undo.append(self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted))
+            version = pool._version if counted else None
+            try:
+                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
+            except BaseException:
+                if counted and pool._version == version:
+                    self._undo.pop()      # nothing was written (a refused op): the partial undo must not run
+                raise
         with atomic(self):
             # x narrower than the state, or a conv whose output must carry autograd history (the op's
             # output requires grad when the weight does): gather, op, write back (the state itself
@@ -377,11 +384,11 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
                 pool.index_copy_(0, slots, old)
 
     def _tail_undo(self, layer: int, pool: torch.Tensor, first: torch.Tensor, index: torch.Tensor,
-                   cu_seqlens: torch.Tensor) -> _TailUndo:
+                   cu_seqlens: torch.Tensor, whole: bool = False) -> _TailUndo:
         """What ple_conv_slots drops from each row's tail: its first min(n, L) entries. The token counts
         come from cu_seqlens on the host where it lives there (int32, as the op takes it); on a device,
-        every row keeps its whole tail (no host read inside a step)."""
-        if cu_seqlens.device.type == "cpu" and cu_seqlens.dtype == torch.int32:
+        or with ``whole``, every row keeps its whole tail (no host read inside a step)."""
+        if not whole and cu_seqlens.device.type == "cpu" and cu_seqlens.dtype == torch.int32:
             cu = cu_seqlens.tolist()
             length = self.state_len
             kept = [min(max(b - a, 0), length) for a, b in zip(cu, cu[1:])]
