@@ -497,6 +497,9 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         if origin is not None and qsa_state is not None:
             blob.expect(_KIND, origin <= qsa_state[0], f"PLE origin {origin} lies inside the saved run "
                                                        f"[{qsa_state[0]}, {qsa_state[0] + qsa_state[1] - 1}]")
+        if origin is None:
+            why = self._tokens_seen(qsa_state[1] if qsa_state is not None else 0, ple_state, gdn_state)
+            blob.expect(_KIND, why is None, f"PLE origin None (a fresh sequence with no token yet), but {why}")
         with self._atomic():
             handle = self.slots.claim(seq)
             if self.ple is not None:
@@ -574,6 +577,20 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             parts.append(("origin", origin))
         return blob.digest_of(parts)
 
+    def _tokens_seen(self, qsa_tokens: int, ple_state: tuple | None, gdn_state: tuple | None) -> str | None:
+        """Why a saved sequence has consumed tokens (None if nothing says so): a QSA run, or PLE / GDN state
+        other than a fresh sequence's (EOS histories, zero tails and states). Such a sequence must record its
+        PLE origin: with None, a later rewind would clear its PLE state as if it were fresh there (SPEC §4)."""
+        if qsa_tokens:
+            return f"its QSA run holds {qsa_tokens} tokens"
+        if ple_state is not None:
+            history, tails = ple_state
+            if bool((history != self.ple.eos_token_id).any()) or bool((tails != 0).any()):
+                return "its PLE state is not a fresh sequence's"
+        if gdn_state is not None and any(bool((t != 0).any()) for t in gdn_state):
+            return "its GDN state is not a fresh sequence's"
+        return None
+
     def _validate_state_dict(self, sd: dict[str, Any]) -> tuple:
         """The handle table, the PLE origins and both holders' parts (each checked by its holder), all
         validated against each other (CorruptStateError)."""
@@ -627,6 +644,15 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             for slot, o in enumerate(origin):
                 blob.expect(_KIND, o is None or o <= runs[0][slot],
                             f"slot {slot} has PLE origin {o} inside its run (which starts at {runs[0][slot]})")
+        for slot, (o, on) in enumerate(zip(origin, live)):
+            if on and o is None:
+                why = self._tokens_seen(
+                    runs[1][slot] if runs is not None else 0,
+                    (parts["ple"]["history"][:, slot], parts["ple"]["conv_state"][:, slot]) if "ple" in parts else None,
+                    (parts["gdn"]["conv_state"][:, slot], parts["gdn"]["recurrent_state"][:, slot])
+                    if "gdn" in parts else None)
+                blob.expect(_KIND, why is None, f"slot {slot} has PLE origin None (a fresh sequence with no token "
+                                                f"yet), but {why}")
         return parts, list(generation), list(live), origin
 
     def _prepare_candidate(self, candidate: tuple) -> tuple:

@@ -1069,3 +1069,35 @@ def test_rewind_into_a_removed_prefix_restores_the_snapshot_and_continues_there(
     again = run_chunk(mc, tables, {a: tokens[4:12]})  # lands at 4 again
     assert again[("plan", 1)].positions.tolist() == list(range(4, 12))
     assert_same_outputs(ple_outputs(again), ple_outputs(first))
+
+
+def test_an_origin_of_none_for_a_sequence_with_tokens_is_corrupt(model):
+    """Issue 27: a blob or state dict saying a sequence that has tokens is fresh (origin None) was accepted, and
+    a later rewind to a position without a snapshot then cleared its PLE state as if it were fresh there."""
+    from hebrus_torch.model_cache import _KIND
+    from hebrus_torch.state import blob
+
+    tokens = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(16))
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, tokens, [])
+    meta, parts = blob.unpack(mc.save(a), _KIND)
+    assert meta["origin"] == 0
+    other = make_cache(model)
+    before = other.digest()
+    with pytest.raises(CorruptStateError, match="origin None.*QSA run holds 12 tokens"):
+        other.restore(blob.pack(_KIND, dict(meta, origin=None), parts))
+    assert other.digest() == before
+    sd = mc.state_dict()
+    extra = sd["_extra_state"]
+    origin = list(extra["origin"])
+    origin[a.slot] = None
+    tampered = dict(sd, _extra_state=dict(extra, origin=origin, checksum=mc._table_checksum(
+        extra["generation"], extra["live"], origin)))
+    with pytest.raises(CorruptStateError, match=f"slot {a.slot} has PLE origin None"):
+        other.load_state_dict(tampered)
+    assert other.digest() == before
+    fresh = make_cache(model)                          # a live sequence with no token yet: None is right
+    b = fresh.new_sequence()
+    make_cache(model).restore(fresh.save(b))
+    make_cache(model).load_state_dict(fresh.state_dict())
