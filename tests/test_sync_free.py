@@ -244,3 +244,48 @@ def test_padded_static_call_equals_the_call(batch, length, kv, bucket, float_mas
         assert torch.equal(call.compute(), indexer_mod.sync_free_mask(spec, *longer))
         call.fill(args)
         assert torch.equal(call.compute()[..., :kv], want)
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_a_call_is_counted_as_graphed_only_when_its_graph_replays(captured, monkeypatch):
+    """Issue 27: ``qsa_cuda_graph`` / ``ple_cuda_graph`` counted a call whose capture failed (it then ran
+    eagerly). The CUDA parts are stubbed so that the bookkeeping runs on CPU."""
+    import types
+    import warnings
+
+    from hebrus_torch.integrations.qwen4_exp import cuda_graphs
+    from hebrus_torch.integrations.qwen4_exp.stats import _STATS
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_graphs, "_failed", False)
+    monkeypatch.setattr(cuda_graphs, "_graphs", type(cuda_graphs._graphs)())
+
+    def capture(self):
+        if not captured:
+            raise cuda_graphs.CaptureError("stubbed capture failure")
+        self.out = self.compute()
+        self.graph = types.SimpleNamespace(replay=lambda: self.out.copy_(self.compute()))
+
+    monkeypatch.setattr(cuda_graphs.StaticCall, "capture", capture)
+
+    def double(spec, x):
+        return x * 2
+
+    monkeypatch.setitem(_STATS, "test_graphed", 0)
+    x = torch.arange(4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(2):
+            assert torch.equal(cuda_graphs.replay(double, None, [x], counter="test_graphed"), x * 2)
+    assert _STATS["test_graphed"] == (2 if captured else 0)
+    del _STATS["test_graphed"]
+    # the drop-in's PLE call site counts through replay
+    from hebrus_torch.integrations.qwen4_exp import ple
+
+    monkeypatch.setattr(cuda_graphs, "usable", lambda *tensors: True)
+    monkeypatch.setattr(cuda_graphs, "_failed", False)
+    before = _STATS["ple_cuda_graph"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert torch.equal(ple._maybe_graphed(double, "spec", (x,), 1), x * 2)
+    assert _STATS["ple_cuda_graph"] - before == (1 if captured else 0)

@@ -32,6 +32,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from .stats import _STATS
+
 BUCKET = 256          # key columns per padding step of the indexer: a capture every BUCKET decode steps
 MAX_GRAPHS = 16       # captured graphs kept (least recently used dropped); a decode step uses three
 MAX_TOKENS = 16       # calls of at most this many tokens per row replay graphs (decode, short steps); longer
@@ -139,10 +141,11 @@ class StaticCall:
 
 
 def replay(fn: Callable, spec, args: Sequence[torch.Tensor], pads: Sequence[Pad | None] | None = None,
-           view: Callable = lambda out: out):
+           view: Callable = lambda out: out, counter: str | None = None):
     """``view(fn(spec, *args))`` through the captured graph of these shapes (captured on first use), as fresh
     tensors (a tensor or a tuple of them). ``pads``: per input, how its buffer is padded (None: as is);
-    ``view`` selects the call's part of an output computed on padded inputs."""
+    ``view`` selects the call's part of an output computed on padded inputs; ``counter``: the ``stats()``
+    entry counted when the call is replayed (not when its capture failed and it ran eagerly)."""
     global _failed
     pads = tuple(pads) if pads is not None else (None,) * len(args)
     device = args[0].device
@@ -168,6 +171,8 @@ def replay(fn: Callable, spec, args: Sequence[torch.Tensor], pads: Sequence[Pad 
             _graphs.move_to_end(key)
             call.fill(args)
         call.graph.replay()
+        if counter is not None:
+            _STATS[counter] += 1
         out = view(call.out)
         return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 

@@ -222,9 +222,8 @@ def _indexer_sync_free(self, record, hidden_states, position_embeddings, attenti
         return _Selection.from_indices(token_idx, kv, empty)
     if (cuda_graphs.usable(*args) and (mask.dtype == torch.bool or mask.dtype.is_floating_point)
             and full_cos.shape[:2] == raw_keys.shape[:2] and full_sin.shape == full_cos.shape):
-        _STATS["qsa_cuda_graph"] += 1
         return cuda_graphs.replay(sync_free_mask, spec, args, _key_padding(kv, mask.dtype),
-                                  view=lambda out: out[..., :kv])
+                                  view=lambda out: out[..., :kv], counter="qsa_cuda_graph")
     return sync_free_mask(spec, *args)
 
 

@@ -102,8 +102,7 @@ def _maybe_graphed(fn, spec, args: tuple, length: int) -> torch.Tensor:
     """``fn(spec, *args)``, through a captured CUDA graph for short calls on CUDA (decode: the rows forms are
     some 20 launches of tiny kernels, a replay is one; :mod:`.cuda_graphs`)."""
     if length <= cuda_graphs.MAX_TOKENS and cuda_graphs.usable(*args):
-        _STATS["ple_cuda_graph"] += 1
-        return cuda_graphs.replay(fn, spec, args)
+        return cuda_graphs.replay(fn, spec, args, counter="ple_cuda_graph")
     return fn(spec, *args)
 
 
