@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextvars
 import copy
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ class HebrusServeSettings:
         prefix_cache_tokens: cells kept for finished requests (second chat turns); 0 disables the prefix cache.
         block_sharing: False turns prefix sharing off altogether (no shared blocks, no prefix cache).
         debug: mount ``POST /hebrus/debug/kill_engine``.
+        api_key: when set, every ``/v1/*`` and ``/hebrus/*`` request must carry ``Authorization: Bearer
+            <api_key>`` (else 401 with an OpenAI-style error body); ``/health`` stays open.
     """
 
     capacity_tokens: int | None = None
@@ -61,6 +64,7 @@ class HebrusServeSettings:
     prefix_cache_tokens: int | None = None
     block_sharing: bool = True
     debug: bool = False
+    api_key: str | None = None
 
 
 _SETTINGS = HebrusServeSettings()
@@ -385,6 +389,8 @@ def _build_server_wrapper():
 
         app = original(model_manager, chat_handler, *args, **kwargs)
         state = kwargs.get("generation_state", chat_handler.generation_state)
+        if _SETTINGS.api_key:
+            _require_api_key(app, _SETTINGS.api_key)
 
         def manager():
             getter = getattr(state, "hebrus_manager", None)
@@ -428,6 +434,33 @@ def _build_server_wrapper():
 
     build_server.__wrapped__ = original
     return build_server
+
+
+API_KEY_ENV = "HEBRUS_API_KEY"
+_PROTECTED_PREFIXES = ("/v1/", "/hebrus/")
+
+
+def _require_api_key(app: Any, key: str) -> None:
+    """Refuse every request under ``/v1/`` and ``/hebrus/`` whose ``Authorization`` header is not ``Bearer
+    <key>`` with 401 and the error body OpenAI's API sends (``invalid_api_key``). The comparison takes the same
+    time wherever the two first differ (``hmac.compare_digest``), so response times do not reveal the key."""
+    import hmac
+
+    from fastapi.responses import JSONResponse
+
+    want = ("Bearer " + key).encode()
+
+    @app.middleware("http")
+    async def check_api_key(request, call_next):
+        if request.url.path.startswith(_PROTECTED_PREFIXES):
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, want):
+                message = ("Incorrect API key provided." if got else
+                           "Missing API key: send it as 'Authorization: Bearer <key>'.")
+                return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                               "code": "invalid_api_key"}}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
 
 def _clear_prefix_cache(engine) -> int:
@@ -478,6 +511,8 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--hebrus-no-prefix-sharing", action="store_true",
                    help="no shared prefixes between requests and no prefix cache")
     p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /hebrus/* (default: ${API_KEY_ENV})")
     return p
 
 
@@ -492,6 +527,8 @@ hebrus options:
   --hebrus-prefix-cache-tokens N  cells kept for finished requests (default: half the capacity; 0: off)
   --hebrus-no-prefix-sharing      no shared prefixes between requests and no prefix cache
   --hebrus-debug                  mount POST /hebrus/debug/kill_engine
+  --api-key KEY                   require `Authorization: Bearer KEY` on /v1/* and /hebrus/* (/health stays
+                                  open); default: the HEBRUS_API_KEY environment variable
 
 transformers serve options (passed through; `--continuous-batching` is added unless
 `--no-continuous-batching` is given):
@@ -511,7 +548,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  max_sequences=ns.hebrus_max_sequences,
                                                  prefix_cache_tokens=ns.hebrus_prefix_cache_tokens,
                                                  block_sharing=not ns.hebrus_no_prefix_sharing,
-                                                 debug=ns.hebrus_debug))
+                                                 debug=ns.hebrus_debug,
+                                                 api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):
         rest.append("--continuous-batching")
     _run_serve(rest)

@@ -435,3 +435,41 @@ def test_a_qwen4exp_checkpoint_is_served_as_a_patched_text_only_llm(tmp_path):
         x = torch.tensor([prompt_ids(make_tokenizer(), [{"role": "user", "content": "w1 w2 w3"}])])
         torch.testing.assert_close(model(input_ids=x).logits, loaded(input_ids=x).logits, rtol=1e-4, atol=1e-4)
     ours.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ API key
+def test_an_api_key_is_required_on_the_api_but_not_on_health(checkpoint, tmp_path):
+    path, model, tokenizer = checkpoint
+    key = "sk-hebrus-test-0123456789"
+    with Server(path, "--api-key", key, "--cb-block-size", "16", "--hebrus-capacity-tokens", "1024",
+                log=tmp_path / "server.log") as srv:
+        assert http("GET", f"{srv.url}/health").status_code == 200
+        (messages, text, _, _), = clear_chats(model, tokenizer, 1, seed=5)
+        for wrong in ("unused", key[:-1], key + "0"):
+            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=wrong, max_retries=0, timeout=REQUEST_TIMEOUT)
+            with pytest.raises(openai.AuthenticationError) as err:
+                client.chat.completions.create(model=srv.model_dir, messages=messages, max_tokens=4)
+            assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        for route in ("/v1/models", "/hebrus/stats"):
+            r = http("GET", srv.url + route)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error", route
+        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT)
+        reply = good.chat.completions.create(model=srv.model_dir, messages=messages, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        assert reply.choices[0].message.content == text
+        assert srv.model_dir in [m.id for m in good.models.list()]
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from hebrus_torch import serve
+
+    seen = []
+    monkeypatch.setattr(serve, "_run_serve", lambda args: seen.append(serve._SETTINGS.api_key))
+    monkeypatch.setattr(serve, "patch_transformers_serve", lambda settings: setattr(serve, "_SETTINGS", settings))
+    monkeypatch.setattr(serve, "_SETTINGS", serve.HebrusServeSettings())
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    serve.main(["model-dir"])
+    monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
+    serve.main(["model-dir"])
+    serve.main(["model-dir", "--api-key", "from-flag"])
+    assert seen == [None, "from-env", "from-flag"]
