@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import platform
 import sys
@@ -15,12 +16,30 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "mps_kernels"))
 
+# The torch the C++ kernels are built and tested against. The extension uses torch's C++ API (not only its
+# stable ABI), so a build against another torch can crash at run time (a qsa_pool built against torch 2.11
+# segfaulted): refuse it here, and record the version so that the package refuses to load a build whose
+# torch has changed since (hebrus_torch/_extension.py).
+SUPPORTED_TORCH = "2.13"
+BUILD_INFO = os.path.join(ROOT, "hebrus_torch", "_build_info.json")
+
+
+def _check_torch() -> None:
+    built = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if built != SUPPORTED_TORCH and os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
+        raise SystemExit(f"hebrus_torch's C++ extension builds against torch {SUPPORTED_TORCH}.x only, found torch "
+                         f"{torch.__version__}: install torch=={SUPPORTED_TORCH}.0 (without the extension, "
+                         f"`import hebrus_torch` still works and every op runs its PyTorch reference)")
+    with open(BUILD_INFO, "w") as f:
+        json.dump({"torch": torch.__version__}, f)
+
 
 def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
 def extension() -> CppExtension:
+    _check_torch()
     debug = os.environ.get("DEBUG", "0") == "1"
     # -ffp-contract=off: no fused multiply-add the source did not ask for, so every build of a
     # kernel sums in the order the source states (chunk invariance is bitwise).

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
+
 import torch
 
 from . import reference
@@ -9,10 +13,36 @@ from ._schemas import SCHEMAS
 
 _fallback_library: torch.library.Library | None = None  # the schemas, where no compiled extension defined them
 
-try:
-    from . import _C  # noqa: F401  (empty module: importing it runs the C++ registrars)
 
-    EXTENSION_ERROR: str | None = None
+BUILD_INFO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
+
+
+def build_mismatch(path: str = BUILD_INFO, running: str = torch.__version__) -> str | None:
+    """Why the compiled extension must not be loaded: it was built against another torch (setup.py records
+    the version in _build_info.json) and its registrars would run torch C++ code of another ABI. None: load
+    (also when nothing was recorded)."""
+    try:
+        with open(path) as f:
+            built = json.load(f).get("torch")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+    def minor(version: str) -> str:
+        return ".".join(str(version).split("+")[0].split(".")[:2])
+
+    if built is not None and minor(built) != minor(running):
+        return (f"hebrus_torch's extension was built against torch {built}, this is torch {running}: "
+                f"it is not loaded and every op runs its PyTorch reference; rebuild it (pip install "
+                f"--no-build-isolation -e .) against the torch its setup.py accepts")
+    return None
+
+
+EXTENSION_ERROR: str | None = build_mismatch()
+try:
+    if EXTENSION_ERROR is not None:
+        warnings.warn(EXTENSION_ERROR, RuntimeWarning, stacklevel=2)
+        raise ImportError(EXTENSION_ERROR)
+    from . import _C  # noqa: F401  (empty module: importing it runs the C++ registrars)
 except ImportError as exc:  # no build, or a build for another torch
     _C = None
     EXTENSION_ERROR = str(exc)

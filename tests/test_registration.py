@@ -1,6 +1,7 @@
 """Registration: one schema per op, the Python mirror equals the compiled schemas, and the package
 imports and works with no compiled extension at all (the reference then runs everywhere)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -168,3 +169,19 @@ def test_ple_conv_into_behaves_like_an_aten_out_variant():
     with torch.no_grad(), pytest.raises(HebrusError, match="y is an inference tensor"):
         ht.ple_conv(x, w, cu, state, out=(y_inf, state_inf))
     assert not y_inf.any()
+
+
+def test_a_build_for_another_torch_is_not_loaded(tmp_path):
+    """Issue 27: a build against torch 2.11 segfaulted in qsa_pool. setup.py refuses other torches and records
+    the one it built against; the package does not load a build whose torch differs from the running one."""
+    from hebrus_torch._extension import build_mismatch
+
+    info = tmp_path / "_build_info.json"
+    assert build_mismatch(str(info), "2.13.0+cpu") is None                       # nothing recorded: load
+    info.write_text(json.dumps({"torch": "2.13.0+cpu"}))
+    assert build_mismatch(str(info), "2.13.1") is None                           # same minor version
+    info.write_text(json.dumps({"torch": "2.11.0+cu130"}))
+    why = build_mismatch(str(info), "2.13.0+cpu")
+    assert "built against torch 2.11.0+cu130" in why and "this is torch 2.13.0+cpu" in why
+    info.write_text("not json")
+    assert build_mismatch(str(info), "2.13.0") is None
