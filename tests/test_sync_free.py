@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hebrus_torch import reference
+from hebrus_torch._extension import has_native_kernel
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -141,7 +142,9 @@ def test_sync_free_left_padded_decode_and_chunks(sync_free, attn):
     real = mask.bool()
     torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=ATOL)
     assert_same(rm, gm)
-    assert stats.get("qsa_sync_free", 0) > 0 and stats.get("sparse_attention_calls", 0) > 0, stats
+    assert stats.get("qsa_sync_free", 0) > 0, stats
+    if has_native_kernel("qsa_attention", "cpu"):     # (a build without the extension attends over the mask)
+        assert stats.get("sparse_attention_calls", 0) > 0, stats
 
 
 @pytest.mark.hf

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import hebrus_torch
+from hebrus_torch.errors import HoleError
 
 from . import cache_layers
 from .common import _PATCH
@@ -129,6 +130,8 @@ def _select(self, plan: _Plan, q: torch.Tensor, raw_keys: torch.Tensor, position
             cell_pos[:, :positions.shape[1]] = positions
             cell_pos = cell_pos.reshape(-1)
         group_pos = cell_pos[start]
+        if device.type != "cpu":
+            _check_consecutive(cell_pos, group_cells, group_pos)
         inv_freq = _inv_freq(self)
         pooled = hebrus_torch.qsa_pool(raw_keys.reshape(batch * kv, dim), cell_pos, group_cells, group_pos,
                                        self.k_layernorm.weight, float(self.k_layernorm.eps), inv_freq)
@@ -151,6 +154,18 @@ def _select(self, plan: _Plan, q: torch.Tensor, raw_keys: torch.Tensor, position
     _STATS["qsa_queries_selected"] += int(plan.sel_idx.shape[0])
     return hebrus_torch.qsa_select(q_sel, state.pooled[:state.used], seq_groups, q_row,
                                    plan.ng_q.to(torch.int32), top_k)
+
+
+def _check_consecutive(cell_pos: torch.Tensor, group_cells: torch.Tensor, group_pos: torch.Tensor) -> None:
+    """qsa_pool's value check, on the host, where the device reports it asynchronously (SPEC §4): a device-side
+    assert on CUDA would leave the device unusable for the rest of the process, and an MPS error would surface
+    at a later synchronization, where the caller can no longer fall back. (This path reads the mask on the
+    host already; on CPU the kernel itself raises before the call returns.)"""
+    offsets = cell_pos[group_cells.long()] - group_pos[:, None]
+    steps = torch.arange(group_cells.shape[1], device=offsets.device)
+    if not bool((offsets == steps).all()):
+        raise HoleError("qsa_pool: the cells of a group do not hold consecutive positions from the group's "
+                        "first position (a hole in the RoPE positions)")
 
 
 def _inv_freq(indexer) -> torch.Tensor:

@@ -56,6 +56,10 @@ def apply(model: torch.nn.Module, *, on_hole: str = "fallback", sparse_attention
                 raise HebrusError(f"hebrus_torch.integrations.transformers: rotary dims {rot} exceed the indexer "
                                   f"head dim {mod.index_head_dim} of layer {mod.layer_idx}")
     owner: dict[int, Any] = {}
+    text_of: dict[int, Any] = {}
+    for text_model in text_models:
+        for mod in text_model.modules():
+            text_of[id(mod)] = weakref.ref(text_model)
     for text_model in text_models:
         ctx = text_model.__dict__.get(_CTX)
         if ctx is None:
@@ -74,7 +78,7 @@ def apply(model: torch.nn.Module, *, on_hole: str = "fallback", sparse_attention
             _patch(mod, "forward", _attention_forward, sparse=bool(sparse_attention), rope=m.apply_rotary_pos_emb,
                    interfaces=m.ALL_ATTENTION_FUNCTIONS, eager=m.eager_attention_forward)
         elif isinstance(mod, m.Qwen4ExpTextNGramEmbedding):
-            _patch(mod, "forward", _ngram_forward)
+            _patch(mod, "forward", _ngram_forward, text_model=text_of.get(id(mod)))
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
             _patch(mod, "_short_conv", _short_conv)
     if is_applied(model):

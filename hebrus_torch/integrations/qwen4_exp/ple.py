@@ -39,6 +39,15 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
     else:
         history = input_ids.new_full((batch, ctx_len), self.eos_token_id)
 
+    if not torch.compiler.is_compiling() and _ids_may_leave_the_vocab(self, input_ids):
+        # The op's id check is a device-side assert here (SPEC §4), which would leave the device unusable
+        # instead of falling back: with embeddings resized past the PLE vocabulary, look on the host first.
+        vocab = int(self.unigram_vocab_size)
+        outside_history = ((history < 0) | (history >= vocab)) & (history != int(self.eos_token_id))
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any() | outside_history.any()):
+            _STATS["ple_fallback:token_outside_vocab"] += 1
+            _warn_once("ple_fallback:token_outside_vocab")
+            return original(raw_ids, past_key_values)
     rows_form = _rows_form("ple_ngram_ids", input_ids.device)
     if not rows_form:
         cu_seqlens = torch.arange(batch + 1, device=input_ids.device, dtype=torch.int32) * length
@@ -76,6 +85,18 @@ def _ngram_forward(self, input_ids: torch.Tensor, past_key_values) -> torch.Tens
         self.ngram_embedding.weight.device if self.ngram_embedding.weight.device.type != "meta" else None
     )
     return self.ngram_embedding(ngram_ids.to(execution_device)).to(ngram_ids.device).flatten(-2)
+
+
+def _ids_may_leave_the_vocab(ngram, input_ids: torch.Tensor) -> bool:
+    """Whether ids outside the PLE vocabulary can reach this call where the op checks them asynchronously:
+    only when the model's token embeddings were resized past it (otherwise the embedding lookup already
+    refuses such ids). Host-known facts only: no sync on the common path."""
+    if not reference.checks_async(input_ids.device):
+        return False
+    ref = ngram.__dict__[_PATCH].get("text_model")
+    text_model = ref() if ref is not None else None
+    embed = getattr(text_model, "embed_tokens", None)
+    return embed is None or getattr(embed, "num_embeddings", 0) > int(ngram.unigram_vocab_size)
 
 
 class _NgramSpec(NamedTuple):
