@@ -5,7 +5,9 @@ get a sequence of the ModelCache here, possibly forked from a shared prefix), th
 as one transaction, and each request whose chunk reached the end of its stream samples a token.
 A step that raises publishes nothing (the transaction rolls every holder back); it is retried once,
 and if it raises again its requests fail with the error while the others go on. A ``CapacityError``
-(the cache is out of cells) preempts the newest request and replans instead.
+(the cache is out of cells) preempts the newest request and replans instead. A step that can plan
+nothing while work is left fails the request that cannot progress with a ``CapacityError`` message
+(the engine never spins on empty steps).
 
 Users who drive the loop themselves call ``step()`` until ``has_unfinished()`` is False; the
 transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop on a thread.
@@ -49,8 +51,8 @@ class EngineConfig:
         prefix_cache_tokens: with block sharing, finished requests' state is kept for later
             requests that extend their tokens (a second chat turn), least recently used first out,
             while the kept sequences hold at most this many cache cells (None: half the capacity;
-            0: keep nothing). Kept state yields to running requests: it is evicted before any
-            request is preempted.
+            0: keep nothing). Kept state always yields to running work: it is evicted whenever a
+            running request or an admission needs its cells, before any request is preempted.
     """
 
     capacity_tokens: int = 16384
@@ -224,10 +226,13 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
         self._make_room()
-        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state)
+        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state,
+                                       reclaim=self._reclaim, cells_needed=self._cells_needed)
         self.counters.preemptions += len(plan.preempted)
         if plan:
             outputs += self._run_plan(plan)
+        elif self.scheduler.has_work():
+            outputs += self._fail_stuck()
         self.counters.step_seconds += time.perf_counter() - t0
         return outputs
 
@@ -308,7 +313,7 @@ class Engine:
                     self._evict_kept()
                     continue
                 if len(self.scheduler.running) <= 1:
-                    return self._fail([c.request for c in chunks], f"the cache is full: {err}")
+                    return self._fail([c.request for c in chunks], f"CapacityError: the cache is full: {err}")
                 victim = max(self.scheduler.running, key=lambda r: r.arrival)
                 self._release_state(victim)
                 self.scheduler.preempt(victim)
@@ -404,8 +409,12 @@ class Engine:
             self._evict_kept()
         return True
 
-    def _evict_kept(self) -> None:
-        seq, _ = self._kept.popitem(last=False)
+    def _evict_kept(self, seq: SeqHandle | None = None) -> None:
+        """Free a kept sequence (the least recently used one by default)."""
+        if seq is None:
+            seq, _ = self._kept.popitem(last=False)
+        else:
+            del self._kept[seq]
         self.prefix.drop(seq)
         self.cache.free(seq)
         self.counters.prefix_evictions += 1
@@ -419,18 +428,68 @@ class Engine:
             self._evict_kept()
 
     def _make_room(self) -> None:
-        """Evict kept prefixes while running requests or the next waiting one would lack cells or a slot."""
-        if not self._kept:
-            return
+        """Evict kept prefixes while the running requests and the next waiting one would lack a slot (the
+        scheduler reclaims cells itself, through ``_reclaim``)."""
         sched = self.scheduler
-        need = sum(1 for r in sched.running if r.remaining == 1)
         if sched.waiting:
-            head = sched.waiting[0]
-            need += min(head.remaining, self.config.max_batch_tokens or head.remaining)
             while self._kept and len(sched.running) + len(self._kept) >= self.config.max_sequences:
                 self._evict_kept()
-        while self._kept and self._free_cells() < need:
-            self._evict_kept()
+
+    def _reclaim(self, req: Request | None, n: int) -> int:
+        """Evict kept prefixes, least recently used first, until ``n`` cells are free for ``req`` (a
+        running request, None for the decodes, or a waiting one being admitted); returns the cells freed.
+
+        For a waiting request the kept sequence it would start from is spared, and nothing is evicted
+        unless the kept state could cover all ``n`` cells (an admission that would fail anyway must not
+        empty the prefix cache). For running work every kept sequence goes if need be.
+        """
+        if not self._kept or n <= 0:
+            return 0
+        spare = None
+        if req is not None and req.status is RequestStatus.WAITING:
+            hit = self._prefix_hit(req)
+            spare = hit.seq if hit is not None else None
+            if sum(c for s, c in self._kept.items() if s != spare) < n:
+                return 0
+        before = self._free_cells()
+        freed = 0
+        for seq in [s for s in self._kept if s != spare]:
+            if freed >= n:
+                break
+            self._evict_kept(seq)
+            freed = self._free_cells() - before
+        return freed
+
+    def _prefix_hit(self, req: Request):
+        if self.prefix is None or req.num_computed:
+            return None
+        return self.prefix.lookup(req.tokens, req.num_tokens - 1)
+
+    def _cells_needed(self, req: Request) -> int:
+        """The cells admitting ``req`` takes: its pending stream less what a shared prefix gives it."""
+        hit = self._prefix_hit(req)
+        return req.remaining - (hit.tokens if hit is not None else 0)
+
+    def _fail_stuck(self) -> list[StepOutput]:
+        """Work is left but the plan is empty: fail the request that cannot progress, saying why."""
+        sched = self.scheduler
+        free, cap = self._free_cells(), self.config.capacity_tokens
+        if sched.running:
+            req = max(sched.running, key=lambda r: r.arrival)
+            what = (f"a cache cell for its next token ({req.num_computed} of its {req.num_tokens} tokens are in "
+                    f"the cache)")
+        else:
+            req = sched.waiting[0]
+            live = len(self.cache.slots.live_handles())
+            if live >= self.config.max_sequences:
+                what = f"a sequence slot (all {self.config.max_sequences} are held outside the engine's requests)"
+            else:
+                what = f"{self._cells_needed(req)} cache cell(s) to start"
+        err = CapacityError(f"engine: request {req.request_id!r} cannot progress: it needs {what}, and {free} of "
+                            f"the {cap} cells are free with {len(sched.running)} request(s) running and "
+                            f"{len(self._kept)} prefix(es) kept; the other cells are held by sequences "
+                            f"outside the engine's requests")
+        return self._fail([req], f"{type(err).__name__}: {err}")
 
     def _release_state(self, req: Request) -> None:
         if req.seq is None:
