@@ -330,6 +330,31 @@ def test_bad_requests_are_refused_with_a_clear_error(bad, match):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("prompt", ["123", b"12", [5.9, 7.2], [5, 6.0], torch.tensor([5.5, 6.7]),
+                                    torch.tensor([[5, 6]]), torch.tensor([True, False]), [True, 5], [5, None],
+                                    ["5", "6"], {5: 1}, 7, [torch.tensor(5.5)]],
+                         ids=lambda p: repr(p)[:24])
+def test_a_prompt_that_is_not_integer_token_ids_is_refused_not_converted(prompt):
+    """``int(t)`` used to turn ``"123"`` into [1, 2, 3], [5.9, 7.2] into [5, 7] and a float tensor into its
+    truncation; a prompt must be a sequence or a 1-D tensor of integers."""
+    engine = Engine(make_model("lin-idx"), EngineConfig(capacity_tokens=64, max_sequences=2))
+    with pytest.raises(BadRequestError, match="the prompt"):
+        engine.add_request(prompt, max_new_tokens=2)
+    assert not engine.has_unfinished() and not engine.requests
+
+
+def test_integer_prompts_of_every_kind_are_taken_as_they_are():
+    np = pytest.importorskip("numpy")
+    engine = Engine(make_model("lin-idx"), EngineConfig(capacity_tokens=64, max_sequences=8))
+    kinds = [[5, 6, 7], (5, 6, 7), range(5, 8), torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7], dtype=torch.int32),
+             np.array([5, 6, 7]), [np.int64(5), 6, torch.tensor(7)]]
+    for i, prompt in enumerate(kinds):
+        engine.add_request(prompt, request_id=f"r{i}", max_new_tokens=1, eos_token_id=torch.tensor([3]))
+    assert all(r.prompt == [5, 6, 7] and type(r.prompt[0]) is int for r in engine.requests.values())
+    with pytest.raises(BadRequestError, match="eos_token_id"):
+        engine.add_request([5], max_new_tokens=1, eos_token_id=[3.5])
+
+
 @pytest.mark.parametrize("kwargs, match", [(dict(temperature=0.0, do_sample=True), "temperature"),
                                            (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
                                            (dict(repetition_penalty=0.0), "repetition_penalty")])

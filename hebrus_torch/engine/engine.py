@@ -16,7 +16,9 @@ transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop
 from __future__ import annotations
 
 import collections
+import collections.abc
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -169,10 +171,7 @@ class Engine:
             raise BadRequestError(f"engine: request_id must be a non-empty string, got {rid!r}")
         if rid in self.requests and not self.requests[rid].status.is_done:
             raise BadRequestError(f"engine: request {rid!r} is already in flight")
-        try:
-            tokens = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-        except (TypeError, ValueError):
-            raise BadRequestError(f"engine: request {rid!r}: the prompt must be a sequence of token ids") from None
+        tokens = _token_ids(prompt, f"engine: request {rid!r}: the prompt")
         if not tokens:
             raise BadRequestError(f"engine: request {rid!r}: the prompt is empty")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -200,7 +199,7 @@ class Engine:
             eos_token_id = getattr(gen, "eos_token_id", None)
             if eos_token_id is None:
                 eos_token_id = getattr(self.text_config, "eos_token_id", None)
-        eos = _id_set(eos_token_id)
+        eos = _id_set(eos_token_id, f"engine: request {rid!r}: eos_token_id")
         stops = tuple(stop_strings or getattr(gen, "stop_strings", None) or ())
         if isinstance(stop_strings, str):
             stops = (stop_strings,)
@@ -520,14 +519,44 @@ class Engine:
         return outs
 
 
-def _id_set(value: int | Iterable[int] | None) -> frozenset[int]:
+def _token_ids(value: Any, what: str) -> list[int]:
+    """``value`` as a list of Python ints: a sequence (list, tuple, range, a 1-D NumPy array) of integers or
+    a 1-D integer tensor. Anything else is refused, never converted (``"123"`` is not ``[1, 2, 3]``, and
+    ``5.9`` is not ``5``).
+
+    Raises:
+        BadRequestError: naming ``what`` and what was wrong.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise BadRequestError(f"{what} must be a 1-D integer tensor of token ids, got a {value.dim()}-D "
+                                  f"{value.dtype} tensor")
+        return [int(t) for t in value.tolist()]
+    ndim = getattr(value, "ndim", None)
+    if isinstance(value, (str, bytes, bytearray)) or not (isinstance(value, collections.abc.Sequence)
+                                                         or ndim == 1):
+        raise BadRequestError(f"{what} must be a sequence of integer token ids, got {type(value).__name__}")
+    out = []
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or type(t).__name__ == "bool_":
+            raise BadRequestError(f"{what}: element {i} is a bool ({t!r}), not a token id")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise BadRequestError(f"{what}: element {i} is {t!r} ({type(t).__name__}), not an integer token id") \
+                from None
+    return out
+
+
+def _id_set(value: int | Iterable[int] | None, what: str = "eos_token_id") -> frozenset[int]:
+    """Token ids (negative ones dropped: "no EOS"); a single id or a sequence / 1-D tensor of them."""
     if value is None:
         return frozenset()
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, int):
-        return frozenset([] if value < 0 else [value])
-    return frozenset(int(v) for v in value if int(v) >= 0)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.reshape(1)
+    if not isinstance(value, (torch.Tensor, collections.abc.Sequence)) or isinstance(value, (str, bytes)):
+        value = [value]
+    return frozenset(t for t in _token_ids(value, what) if t >= 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
