@@ -337,6 +337,9 @@ def _check_body(body: Any, kind: str) -> None:
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise _http_error(400, f"`messages[{i}].content` must be a string or a list of content parts")
+            if isinstance(content, list) and "tool_calls" not in m:   # (transformers ignores it beside tool calls)
+                for j, part in enumerate(content):
+                    _check_content_part(part, f"messages[{i}].content[{j}]")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -359,6 +362,29 @@ def _check_body(body: Any, kind: str) -> None:
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                             and all(isinstance(s, str) for s in stop))):
         raise _http_error(400, "`stop` must be a string or a list of strings")
+
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def _check_content_part(part: Any, where: str) -> None:
+    """A 400 naming ``where`` unless ``part`` is a text content part, ``{"type": "text", "text": "..."}``.
+
+    transformers' message parsing indexes ``part["type"]`` and ``part["text"]`` unchecked (a number, a bare
+    string, a part without ``type`` or a text part without ``text`` was a 500) and, for a text-only model,
+    drops image/audio/video parts silently; the served model is text-only, so those are refused too.
+    """
+    if not isinstance(part, dict):
+        raise _http_error(400, f"`{where}` must be a content part object such as "
+                               f'{{"type": "text", "text": "..."}}, got {type(part).__name__} {part!r:.40}')
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise _http_error(400, f"`{where}.type` must be a string (\"text\"), got {kind!r:.40}")
+    if kind not in TEXT_PART_TYPES:
+        raise _http_error(400, f"`{where}.type` is {kind!r:.40}: the served model is text-only "
+                               f"(content parts of type {', '.join(TEXT_PART_TYPES)})")
+    if not isinstance(part.get("text"), str):
+        raise _http_error(400, f"`{where}.text` must be a string, got {part.get('text')!r:.40}")
 
 
 def _checked_handler(base, kind: str):

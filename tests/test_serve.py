@@ -377,6 +377,14 @@ def test_bad_requests_get_4xx_while_others_complete_and_health_reports_a_dead_en
             assert "pinned" in refused(400, **{**base, "model": "no-such-model"})
             assert "temperature" in refused(400, **{**base, "temperature": -1.0})
             assert "messages" in refused(400, **{**base, "messages": []})
+            for content, where in (([1, 2], "[0]"), (["w1 w2"], "[0]"), ([{"text": "w1"}], "[0].type"),
+                                   ([{"type": "text"}], "[0].text"), ([{"type": 3, "text": "w1"}], "[0].type"),
+                                   ([{"type": "text", "text": "w1"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                                    "[1].type")):   # (transformers' message parsing answered these with a 500)
+                text = refused(400, **{**base, "messages": [{"role": "user", "content": content}]})
+                assert f"messages[0].content{where}" in text, (content, text)
+            parts = [{"type": "text", "text": chats[0][0][0]["content"]}]
+            assert srv.chat([{"role": "user", "content": parts}]).choices[0].message.content == chats[0][1]
             r = http("POST", f"{srv.url}/v1/chat/completions", b'{"messages": [')
             assert r.status_code == 422 and "JSON" in r.text
             r = http("POST", f"{srv.url}/v1/chat/completions", {"model": srv.model_dir})
