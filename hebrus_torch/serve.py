@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import copy
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +65,11 @@ class HebrusServeSettings:
     debug: bool = False
 
 
+SHUTDOWN_GRACE_S = 5.0     # uvicorn's wait for open connections after SIGTERM, once every request was ended
+
 _SETTINGS = HebrusServeSettings()
 _ORIGINALS: dict[str, Any] = {}
+_MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the hebrus managers this process built
 _REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
 
 
@@ -78,8 +83,6 @@ def _modules():
 def prepare_model(model: Any, tokenizer: Any = None) -> Any:
     """``apply`` the drop-in and make ``model.init_continuous_batching`` build a hebrus manager sized by the
     serve settings (idempotent)."""
-    import weakref
-
     import hebrus_torch.integrations.transformers as hx
     from hebrus_torch.engine import manager as mgr
 
@@ -102,8 +105,10 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         if not _SETTINGS.block_sharing:
             overrides["allow_block_sharing"] = False
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
-        return mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
-                                         engine_config=engine_config, tokenizer=tokenizer)
+        manager = mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
+                                            engine_config=engine_config, tokenizer=tokenizer)
+        _MANAGERS.add(manager)
+        return manager
 
     model.__dict__["init_continuous_batching"] = init_continuous_batching
     return model
@@ -462,6 +467,45 @@ def _clear_prefix_cache(engine) -> int:
     return n
 
 
+# ------------------------------------------------------------------------------------------------ shutdown
+def stop_all_managers(reason: str = "the server is shutting down") -> int:
+    """Stop every running hebrus manager of this process at once, failing its queued and running requests
+    with ``reason`` (their streams end, so their connections close); returns how many were stopped. Safe in a
+    signal handler: it only sets each manager's stop flag."""
+    n = 0
+    for manager in list(_MANAGERS):
+        if manager.is_running():
+            manager.stop(block=False, hard_stop=True, reason=reason)
+            n += 1
+    return n
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    base = _ORIGINALS.get("uvicorn.Server", uvicorn.Server)
+
+    class HebrusUvicornServer(base):
+        """uvicorn's server that honours SIGTERM/SIGINT promptly under load.
+
+        uvicorn's graceful shutdown waits, without limit by default, for every open connection to close,
+        that is for every request in flight (a long stream, a queue of them) to finish. Here the first
+        signal also stops the engine hard (every request ends at once with an error saying the server is
+        shutting down), and the wait for connections is bounded (``SHUTDOWN_GRACE_S`` unless
+        ``timeout_graceful_shutdown`` is set)."""
+
+        def __init__(self, config):
+            if getattr(config, "timeout_graceful_shutdown", None) is None:
+                config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S
+            super().__init__(config)
+
+        def handle_exit(self, sig, frame) -> None:
+            stop_all_managers()
+            super().handle_exit(sig, frame)
+
+    return HebrusUvicornServer
+
+
 # ------------------------------------------------------------------------------------------------ patching
 def patch_transformers_serve(settings: HebrusServeSettings | None = None) -> None:
     """Make transformers serve (in this process) serve Qwen4Exp on the hebrus engine; see the module doc."""
@@ -474,6 +518,14 @@ def patch_transformers_serve(settings: HebrusServeSettings | None = None) -> Non
                           build_server=server.build_server,
                           ChatCompletionHandler=chat_completion.ChatCompletionHandler,
                           CompletionHandler=completion.CompletionHandler)
+        with contextlib.suppress(ImportError):
+            import uvicorn
+
+            _ORIGINALS["uvicorn.Server"] = uvicorn.Server
+    if "uvicorn.Server" in _ORIGINALS:
+        import uvicorn
+
+        uvicorn.Server = _uvicorn_server_class()
     model_manager.ModelManager = _model_manager_class()
     utils.GenerationState = _generation_state_class()
     server.build_server = _build_server_wrapper()
@@ -490,6 +542,10 @@ def unpatch_transformers_serve() -> None:
     server.build_server = _ORIGINALS["build_server"]
     chat_completion.ChatCompletionHandler = _ORIGINALS["ChatCompletionHandler"]
     completion.CompletionHandler = _ORIGINALS["CompletionHandler"]
+    if "uvicorn.Server" in _ORIGINALS:
+        import uvicorn
+
+        uvicorn.Server = _ORIGINALS["uvicorn.Server"]
 
 
 # --------------------------------------------------------------------------------------------------- CLI

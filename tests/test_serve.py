@@ -408,6 +408,53 @@ def test_bad_requests_get_4xx_while_others_complete_and_health_reports_a_dead_en
         assert info.value.status_code == 503
 
 
+def test_a_prompt_behind_kept_state_is_served_and_sigterm_under_load_stops_the_server_promptly(checkpoint, tmp_path):
+    """The issue's case, scaled down: finished chats' kept state holds most of a 256-cell cache, then a prompt
+    that fits the cache but not its free cells (it used to stop part-way, no token ever coming). Then SIGTERM
+    with a queue of long streams in flight: the server exits within seconds, each stream ending with an error
+    (uvicorn used to wait for every one of them to finish)."""
+    path, model, tokenizer = checkpoint
+    rng = random.Random(9)
+    with Server(path, "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--hebrus-capacity-tokens", "256",
+                "--hebrus-prefix-cache-tokens", "220", log=tmp_path / "server.log") as srv:
+        for _ in range(5):
+            srv.chat(user_message(rng, 30), max_tokens=8)
+        kept = srv.settled_stats()["kept_tokens"]
+        big = user_message(rng, 190)
+        assert kept > 256 - len(prompt_ids(tokenizer, big)) - MAX_TOKENS, kept
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=srv.model_dir, messages=big, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.usage.prompt_tokens == len(prompt_ids(tokenizer, big)) and reply.usage.completion_tokens >= 1
+        assert srv.settled_stats()["counters"]["prefix_evictions"] >= 1
+
+        no_eos = {"generation_config": json.dumps({"eos_token_id": -1, "pad_token_id": 0})}
+        first_token = __import__("threading").Event()
+
+        def stream(i):
+            pieces = []
+            try:
+                for chunk in client.chat.completions.create(model=srv.model_dir, messages=user_message(rng, 5),
+                                                            max_tokens=240, temperature=0, stream=True,
+                                                            extra_body=no_eos):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
+                        first_token.set()
+            except Exception as err:  # noqa: BLE001 - the stream is cut by the shutdown
+                return len(pieces), repr(err)
+            return len(pieces), None
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, i) for i in range(8)]
+            assert first_token.wait(60)
+            t0 = time.monotonic()
+            srv.proc.terminate()
+            srv.proc.wait(timeout=30)
+            took = time.monotonic() - t0
+            ended = [f.result(timeout=30) for f in futures]
+        assert took < 10, (took, srv.log_tail())
+        assert sum(n for n, _ in ended) < 8 * 240 - 1, ended      # not decoded to the end
+
+
 def test_a_qwen4exp_checkpoint_is_served_as_a_patched_text_only_llm(tmp_path):
     """transformers loads a Qwen4Exp checkpoint as the multimodal class and classes it MULTIMODAL (no
     continuous batching); the entry point loads Qwen4ExpForCausalLM, patched, whose manager is hebrus'."""
