@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import logging
 import sys
 import weakref
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ _SETTINGS = HebrusServeSettings()
 _ORIGINALS: dict[str, Any] = {}
 _MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the hebrus managers this process built
 _REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
+# What runs when an HTTP request's ASGI call ends, however it ends (set per request by _RequestEnd).
+_ON_REQUEST_END: contextvars.ContextVar[list | None] = contextvars.ContextVar("hebrus_on_request_end", default=None)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -258,7 +261,11 @@ def _cb_manager_class():
             streamer = utils.CBStreamer(cb, request_id, rust_tokenizer, loop, text_queue,
                                         response_parser=response_parser)
 
+            finished = []
+
             def _on_output(output):
+                if output.is_finished() or output.error is not None:
+                    finished.append(True)
                 try:
                     streamer.put(output)
                     if output.error is not None:
@@ -271,6 +278,13 @@ def _cb_manager_class():
 
             cb.register_result_handler(request_id, _on_output)   # before the request can produce anything
             cb.add_request(input_ids, request_id=request_id, streaming=True, **kwargs)
+            # transformers cancels a stream from its SSE generator's `except GeneratorExit/CancelledError`, which
+            # runs only if the disconnect reaches the generator inside an await; cut while the generator sits at
+            # a `yield` (Starlette cancels its send), it runs when the abandoned generator is garbage-collected,
+            # or never before the request decoded to its end. The end of the HTTP request is certain: cancel there.
+            on_end = _ON_REQUEST_END.get()
+            if on_end is not None:
+                on_end.append(lambda: None if finished else cb.cancel_request(request_id))
             return text_queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
@@ -407,6 +421,29 @@ def _checked_handler(base, kind: str):
 
 
 # ----------------------------------------------------------------------------------------------- the app
+class _RequestEnd:
+    """ASGI middleware: the callbacks a request registers in ``_ON_REQUEST_END`` run when its ASGI call ends
+    (response complete, client gone, or error)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        callbacks: list = []
+        token = _ON_REQUEST_END.set(callbacks)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            _ON_REQUEST_END.reset(token)
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a cleanup must not mask the request's own outcome
+                    logging.getLogger(__name__).exception("hebrus serve: a request-end callback failed")
+
+
 def _build_server_wrapper():
     _, _, _, server, _ = _modules()
     original = _ORIGINALS.get("build_server", server.build_server)
@@ -415,6 +452,7 @@ def _build_server_wrapper():
         from fastapi.responses import JSONResponse
 
         app = original(model_manager, chat_handler, *args, **kwargs)
+        app.add_middleware(_RequestEnd)
         state = kwargs.get("generation_state", chat_handler.generation_state)
 
         def manager():
