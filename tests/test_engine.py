@@ -201,6 +201,55 @@ def test_packed_step_logits_match_the_models_forward(shape):
         torch.testing.assert_close(logits[i], ref.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_step_logits_equal_the_forward_within_1e_6_once_indexer_ties_break_alike(shape, monkeypatch):
+    """The near-tie drift of issue 28 (engine vs the model's forward on a 16-token context: up to 1.0e-3 here,
+    5.3e-4 in the issue) is the indexer's exact score ties, nothing else: ``relu`` makes every group whose
+    dot products are all negative score exactly 0, and the hebrus selection breaks ties by the lower group
+    index (SPEC §3, kept deliberately: deterministic across devices and shapes) where transformers'
+    ``scores.topk`` takes, on this CPU, the higher ones. With transformers' top-k made to break ties the
+    same way, the engine's logits are the forward's within 1e-6 (measured: at most 3.7e-8, the PLE conv's
+    and the GDN recurrence's rounding); a larger gap with transformers' own top-k only where it saw a tie."""
+    from transformers import DynamicCache
+
+    topk = torch.Tensor.topk
+    ties = []
+
+    def lower_index_topk(self, k, dim=-1, largest=True, sorted=True):
+        if self.dim() != 1 or not largest:
+            return topk(self, k, dim, largest, sorted)
+        values, indices = torch.sort(self, descending=True, stable=True)
+        return torch.return_types.topk((values[:k], indices[:k]))
+
+    def watching_topk(self, k, dim=-1, largest=True, sorted=True):
+        if self.dim() == 1 and self.numel() > k:
+            top = topk(self, k + 1).values
+            ties.append(bool(top[k - 1] == top[k]))
+        return topk(self, k, dim, largest, sorted)
+
+    def forward(model, prompt, method):
+        monkeypatch.setattr(torch.Tensor, "topk", method)
+        try:
+            with torch.no_grad():
+                return model(torch.tensor([prompt]), past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+        finally:
+            monkeypatch.setattr(torch.Tensor, "topk", topk)
+
+    for seed in range(6):
+        model = make_model(shape, seed=seed)
+        rng = random.Random(seed)
+        for n in (16, 30):
+            prompt = [rng.randrange(4, 50) for _ in range(n)]
+            engine = Engine(model, EngineConfig(capacity_tokens=64, max_sequences=2))
+            logits = engine.runner.execute([engine.cache.new_sequence()], [prompt], [True], [0])[0]
+            aligned = forward(model, prompt, lower_index_topk)
+            assert (logits - aligned).abs().max().item() <= 1e-6, (shape, seed, n)
+            ties.clear()
+            own = forward(model, prompt, watching_topk)
+            if (logits - own).abs().max().item() > 1e-6:
+                assert any(ties), (shape, seed, n)
+
+
 # ------------------------------------------------------------------------------------------ invariance
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
 def test_tokens_and_state_after_prompt_do_not_depend_on_cut_cap_order_or_sharing(shape, row_invariant):
