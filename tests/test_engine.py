@@ -612,7 +612,7 @@ def test_generate_batch_after_apply_runs_on_the_engine_and_bad_requests_fail_alo
 
     model = make_model("lin-idx", seed=12)
     prompts = prompts_for(12, lengths=(5, 13, 30))
-    bad = [[], [1, 50]]
+    bad = [[], [1, 50], "123"]
     htx.apply(model)
     try:
         assert isinstance(model.init_continuous_batching(), HebrusBatchingManager)
@@ -620,14 +620,16 @@ def test_generate_batch_after_apply_runs_on_the_engine_and_bad_requests_fail_alo
         out = model.generate_batch(prompts[:2] + bad + prompts[2:], gc,
                                    continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=16,
                                                                                        page_size=4))
-        assert list(out) == [f"req_{i}" for i in range(5)]                   # input order
+        assert list(out) == [f"req_{i}" for i in range(6)]                   # input order
         assert all(isinstance(o, GenerationOutput) for o in out.values())
-        good = [out["req_0"], out["req_1"], out["req_4"]]
+        good = [out["req_0"], out["req_1"], out["req_5"]]
         for o, p in zip(good, prompts):
             assert o.status == TfStatus.FINISHED and o.error is None
             assert o.prompt_ids == p and o.generated_tokens == reference_tokens(model, p, 5)
         assert out["req_2"].status == TfStatus.FAILED and "empty" in out["req_2"].error
         assert out["req_3"].status == TfStatus.FAILED and "vocabulary" in out["req_3"].error
+        assert out["req_4"].status == TfStatus.FAILED and "integer token ids" in out["req_4"].error
+        assert out["req_4"].prompt_ids == []          # not [1, 2, 3]
     finally:
         htx.revert(model)
     assert "init_continuous_batching" not in model.__dict__

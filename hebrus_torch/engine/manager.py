@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import HebrusError
-from .engine import Engine, EngineConfig, StepOutput
+from .engine import Engine, EngineConfig, StepOutput, _token_ids
 from .requests import Request, RequestStatus
 from .sampling import BadRequestError, SamplingParams
 
@@ -421,9 +421,9 @@ class HebrusBatchingManager:
 
     def _failed_output(self, request_id: str, prompt: Any, message: str):
         _, tf_requests = _tf()
-        try:
-            prompt_ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
+        try:   # the prompt as given when it is token ids, else nothing (a refused "123" is not [1, 2, 3])
+            prompt_ids = _token_ids(prompt, "prompt")
+        except BadRequestError:
             prompt_ids = []
         return tf_requests.GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, error=message,
                                             status=tf_requests.RequestStatus.FAILED)
