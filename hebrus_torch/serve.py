@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import copy
+import logging
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +70,14 @@ class HebrusServeSettings:
     api_key: str | None = None
 
 
+SHUTDOWN_GRACE_S = 5.0     # uvicorn's wait for open connections after SIGTERM, once every request was ended
+
 _SETTINGS = HebrusServeSettings()
 _ORIGINALS: dict[str, Any] = {}
+_MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the hebrus managers this process built
 _REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
+# What runs when an HTTP request's ASGI call ends, however it ends (set per request by _RequestEnd).
+_ON_REQUEST_END: contextvars.ContextVar[list | None] = contextvars.ContextVar("hebrus_on_request_end", default=None)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -82,8 +90,6 @@ def _modules():
 def prepare_model(model: Any, tokenizer: Any = None) -> Any:
     """``apply`` the drop-in and make ``model.init_continuous_batching`` build a hebrus manager sized by the
     serve settings (idempotent)."""
-    import weakref
-
     import hebrus_torch.integrations.transformers as hx
     from hebrus_torch.engine import manager as mgr
 
@@ -106,8 +112,10 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         if not _SETTINGS.block_sharing:
             overrides["allow_block_sharing"] = False
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
-        return mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
-                                         engine_config=engine_config, tokenizer=tokenizer)
+        manager = mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
+                                            engine_config=engine_config, tokenizer=tokenizer)
+        _MANAGERS.add(manager)
+        return manager
 
     model.__dict__["init_continuous_batching"] = init_continuous_batching
     return model
@@ -257,7 +265,11 @@ def _cb_manager_class():
             streamer = utils.CBStreamer(cb, request_id, rust_tokenizer, loop, text_queue,
                                         response_parser=response_parser)
 
+            finished = []
+
             def _on_output(output):
+                if output.is_finished() or output.error is not None:
+                    finished.append(True)
                 try:
                     streamer.put(output)
                     if output.error is not None:
@@ -270,6 +282,13 @@ def _cb_manager_class():
 
             cb.register_result_handler(request_id, _on_output)   # before the request can produce anything
             cb.add_request(input_ids, request_id=request_id, streaming=True, **kwargs)
+            # transformers cancels a stream from its SSE generator's `except GeneratorExit/CancelledError`, which
+            # runs only if the disconnect reaches the generator inside an await; cut while the generator sits at
+            # a `yield` (Starlette cancels its send), it runs when the abandoned generator is garbage-collected,
+            # or never before the request decoded to its end. The end of the HTTP request is certain: cancel there.
+            on_end = _ON_REQUEST_END.get()
+            if on_end is not None:
+                on_end.append(lambda: None if finished else cb.cancel_request(request_id))
             return text_queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
@@ -341,6 +360,9 @@ def _check_body(body: Any, kind: str) -> None:
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise _http_error(400, f"`messages[{i}].content` must be a string or a list of content parts")
+            if isinstance(content, list) and "tool_calls" not in m:   # (transformers ignores it beside tool calls)
+                for j, part in enumerate(content):
+                    _check_content_part(part, f"messages[{i}].content[{j}]")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -365,6 +387,29 @@ def _check_body(body: Any, kind: str) -> None:
         raise _http_error(400, "`stop` must be a string or a list of strings")
 
 
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def _check_content_part(part: Any, where: str) -> None:
+    """A 400 naming ``where`` unless ``part`` is a text content part, ``{"type": "text", "text": "..."}``.
+
+    transformers' message parsing indexes ``part["type"]`` and ``part["text"]`` unchecked (a number, a bare
+    string, a part without ``type`` or a text part without ``text`` was a 500) and, for a text-only model,
+    drops image/audio/video parts silently; the served model is text-only, so those are refused too.
+    """
+    if not isinstance(part, dict):
+        raise _http_error(400, f"`{where}` must be a content part object such as "
+                               f'{{"type": "text", "text": "..."}}, got {type(part).__name__} {part!r:.40}')
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise _http_error(400, f"`{where}.type` must be a string (\"text\"), got {kind!r:.40}")
+    if kind not in TEXT_PART_TYPES:
+        raise _http_error(400, f"`{where}.type` is {kind!r:.40}: the served model is text-only "
+                               f"(content parts of type {', '.join(TEXT_PART_TYPES)})")
+    if not isinstance(part.get("text"), str):
+        raise _http_error(400, f"`{where}.text` must be a string, got {part.get('text')!r:.40}")
+
+
 def _checked_handler(base, kind: str):
     class Checked(base):
         async def handle_request(self, body: dict, request_id: str):
@@ -380,6 +425,29 @@ def _checked_handler(base, kind: str):
 
 
 # ----------------------------------------------------------------------------------------------- the app
+class _RequestEnd:
+    """ASGI middleware: the callbacks a request registers in ``_ON_REQUEST_END`` run when its ASGI call ends
+    (response complete, client gone, or error)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        callbacks: list = []
+        token = _ON_REQUEST_END.set(callbacks)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            _ON_REQUEST_END.reset(token)
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a cleanup must not mask the request's own outcome
+                    logging.getLogger(__name__).exception("hebrus serve: a request-end callback failed")
+
+
 def _build_server_wrapper():
     _, _, _, server, _ = _modules()
     original = _ORIGINALS.get("build_server", server.build_server)
@@ -388,6 +456,7 @@ def _build_server_wrapper():
         from fastapi.responses import JSONResponse
 
         app = original(model_manager, chat_handler, *args, **kwargs)
+        app.add_middleware(_RequestEnd)
         state = kwargs.get("generation_state", chat_handler.generation_state)
         if _SETTINGS.api_key:
             _require_api_key(app, _SETTINGS.api_key)
@@ -469,6 +538,45 @@ def _clear_prefix_cache(engine) -> int:
     return n
 
 
+# ------------------------------------------------------------------------------------------------ shutdown
+def stop_all_managers(reason: str = "the server is shutting down") -> int:
+    """Stop every running hebrus manager of this process at once, failing its queued and running requests
+    with ``reason`` (their streams end, so their connections close); returns how many were stopped. Safe in a
+    signal handler: it only sets each manager's stop flag."""
+    n = 0
+    for manager in list(_MANAGERS):
+        if manager.is_running():
+            manager.stop(block=False, hard_stop=True, reason=reason)
+            n += 1
+    return n
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    base = _ORIGINALS.get("uvicorn.Server", uvicorn.Server)
+
+    class HebrusUvicornServer(base):
+        """uvicorn's server that honours SIGTERM/SIGINT promptly under load.
+
+        uvicorn's graceful shutdown waits, without limit by default, for every open connection to close,
+        that is for every request in flight (a long stream, a queue of them) to finish. Here the first
+        signal also stops the engine hard (every request ends at once with an error saying the server is
+        shutting down), and the wait for connections is bounded (``SHUTDOWN_GRACE_S`` unless
+        ``timeout_graceful_shutdown`` is set)."""
+
+        def __init__(self, config):
+            if getattr(config, "timeout_graceful_shutdown", None) is None:
+                config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S
+            super().__init__(config)
+
+        def handle_exit(self, sig, frame) -> None:
+            stop_all_managers()
+            super().handle_exit(sig, frame)
+
+    return HebrusUvicornServer
+
+
 # ------------------------------------------------------------------------------------------------ patching
 def patch_transformers_serve(settings: HebrusServeSettings | None = None) -> None:
     """Make transformers serve (in this process) serve Qwen4Exp on the hebrus engine; see the module doc."""
@@ -481,6 +589,14 @@ def patch_transformers_serve(settings: HebrusServeSettings | None = None) -> Non
                           build_server=server.build_server,
                           ChatCompletionHandler=chat_completion.ChatCompletionHandler,
                           CompletionHandler=completion.CompletionHandler)
+        with contextlib.suppress(ImportError):
+            import uvicorn
+
+            _ORIGINALS["uvicorn.Server"] = uvicorn.Server
+    if "uvicorn.Server" in _ORIGINALS:
+        import uvicorn
+
+        uvicorn.Server = _uvicorn_server_class()
     model_manager.ModelManager = _model_manager_class()
     utils.GenerationState = _generation_state_class()
     server.build_server = _build_server_wrapper()
@@ -497,6 +613,10 @@ def unpatch_transformers_serve() -> None:
     server.build_server = _ORIGINALS["build_server"]
     chat_completion.ChatCompletionHandler = _ORIGINALS["ChatCompletionHandler"]
     completion.CompletionHandler = _ORIGINALS["CompletionHandler"]
+    if "uvicorn.Server" in _ORIGINALS:
+        import uvicorn
+
+        uvicorn.Server = _ORIGINALS["uvicorn.Server"]
 
 
 # --------------------------------------------------------------------------------------------------- CLI

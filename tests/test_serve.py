@@ -319,6 +319,37 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_
         assert after[key] == before[key], (key, before, after)
 
 
+def test_streams_closed_right_after_the_headers_are_all_cancelled(server, checkpoint):
+    """16 streaming requests whose clients close the connection as soon as the response headers arrive: every
+    one is cancelled (it used to depend on when the abandoned SSE generator was garbage-collected: 12/16 and
+    15/16 in two of four runs, the rest decoding to the end)."""
+    import http.client
+
+    _, _, tokenizer = checkpoint
+    rng = random.Random(8)
+    server.chat(user_message(rng, 3))                         # the engine exists
+    before = server.settled_stats()
+    body = json.dumps({"model": server.model_dir, "messages": user_message(rng, 6), "max_tokens": 400,
+                       "temperature": 0, "stream": True,
+                       "generation_config": json.dumps({"eos_token_id": -1, "pad_token_id": 0})})
+
+    def open_and_close(_):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT)
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        status = conn.getresponse().status        # the status line and headers, nothing of the body
+        conn.sock.close()
+        conn.close()
+        return status
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(open_and_close, range(16))) == [200] * 16
+    after = server.settled_stats(timeout=120)
+    assert after["cancelled_requests"] - before["cancelled_requests"] == 16, (before, after)
+    assert after["counters"]["decode_tokens"] - before["counters"]["decode_tokens"] < 16 * 399
+    # nothing of theirs is left (cancelled requests are not kept; kept state may have yielded cells to them)
+    assert after["live_sequences"] == after["kept_sequences"] <= before["kept_sequences"], (before, after)
+
+
 def test_a_second_chat_turn_prefills_only_its_new_tokens_and_equals_a_cold_start(server, checkpoint):
     _, model, tokenizer = checkpoint
     rng = random.Random(5)
@@ -377,6 +408,14 @@ def test_bad_requests_get_4xx_while_others_complete_and_health_reports_a_dead_en
             assert "pinned" in refused(400, **{**base, "model": "no-such-model"})
             assert "temperature" in refused(400, **{**base, "temperature": -1.0})
             assert "messages" in refused(400, **{**base, "messages": []})
+            for content, where in (([1, 2], "[0]"), (["w1 w2"], "[0]"), ([{"text": "w1"}], "[0].type"),
+                                   ([{"type": "text"}], "[0].text"), ([{"type": 3, "text": "w1"}], "[0].type"),
+                                   ([{"type": "text", "text": "w1"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                                    "[1].type")):   # (transformers' message parsing answered these with a 500)
+                text = refused(400, **{**base, "messages": [{"role": "user", "content": content}]})
+                assert f"messages[0].content{where}" in text, (content, text)
+            parts = [{"type": "text", "text": chats[0][0][0]["content"]}]
+            assert srv.chat([{"role": "user", "content": parts}]).choices[0].message.content == chats[0][1]
             r = http("POST", f"{srv.url}/v1/chat/completions", b'{"messages": [')
             assert r.status_code == 422 and "JSON" in r.text
             r = http("POST", f"{srv.url}/v1/chat/completions", {"model": srv.model_dir})
@@ -398,6 +437,53 @@ def test_bad_requests_get_4xx_while_others_complete_and_health_reports_a_dead_en
         with pytest.raises(openai.APIStatusError) as info:    # and later requests are refused at once
             srv.chat(chats[2][0])
         assert info.value.status_code == 503
+
+
+def test_a_prompt_behind_kept_state_is_served_and_sigterm_under_load_stops_the_server_promptly(checkpoint, tmp_path):
+    """The issue's case, scaled down: finished chats' kept state holds most of a 256-cell cache, then a prompt
+    that fits the cache but not its free cells (it used to stop part-way, no token ever coming). Then SIGTERM
+    with a queue of long streams in flight: the server exits within seconds, each stream ending with an error
+    (uvicorn used to wait for every one of them to finish)."""
+    path, model, tokenizer = checkpoint
+    rng = random.Random(9)
+    with Server(path, "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--hebrus-capacity-tokens", "256",
+                "--hebrus-prefix-cache-tokens", "220", log=tmp_path / "server.log") as srv:
+        for _ in range(5):
+            srv.chat(user_message(rng, 30), max_tokens=8)
+        kept = srv.settled_stats()["kept_tokens"]
+        big = user_message(rng, 190)
+        assert kept > 256 - len(prompt_ids(tokenizer, big)) - MAX_TOKENS, kept
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=srv.model_dir, messages=big, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.usage.prompt_tokens == len(prompt_ids(tokenizer, big)) and reply.usage.completion_tokens >= 1
+        assert srv.settled_stats()["counters"]["prefix_evictions"] >= 1
+
+        no_eos = {"generation_config": json.dumps({"eos_token_id": -1, "pad_token_id": 0})}
+        first_token = __import__("threading").Event()
+
+        def stream(i):
+            pieces = []
+            try:
+                for chunk in client.chat.completions.create(model=srv.model_dir, messages=user_message(rng, 5),
+                                                            max_tokens=240, temperature=0, stream=True,
+                                                            extra_body=no_eos):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
+                        first_token.set()
+            except Exception as err:  # noqa: BLE001 - the stream is cut by the shutdown
+                return len(pieces), repr(err)
+            return len(pieces), None
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, i) for i in range(8)]
+            assert first_token.wait(60)
+            t0 = time.monotonic()
+            srv.proc.terminate()
+            srv.proc.wait(timeout=30)
+            took = time.monotonic() - t0
+            ended = [f.result(timeout=30) for f in futures]
+        assert took < 10, (took, srv.log_tail())
+        assert sum(n for n, _ in ended) < 8 * 240 - 1, ended      # not decoded to the end
 
 
 def test_a_qwen4exp_checkpoint_is_served_as_a_patched_text_only_llm(tmp_path):

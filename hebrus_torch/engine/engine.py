@@ -5,7 +5,9 @@ get a sequence of the ModelCache here, possibly forked from a shared prefix), th
 as one transaction, and each request whose chunk reached the end of its stream samples a token.
 A step that raises publishes nothing (the transaction rolls every holder back); it is retried once,
 and if it raises again its requests fail with the error while the others go on. A ``CapacityError``
-(the cache is out of cells) preempts the newest request and replans instead.
+(the cache is out of cells) preempts the newest request and replans instead. A step that can plan
+nothing while work is left fails the request that cannot progress with a ``CapacityError`` message
+(the engine never spins on empty steps).
 
 Users who drive the loop themselves call ``step()`` until ``has_unfinished()`` is False; the
 transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop on a thread.
@@ -14,7 +16,9 @@ transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop
 from __future__ import annotations
 
 import collections
+import collections.abc
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -49,8 +53,8 @@ class EngineConfig:
         prefix_cache_tokens: with block sharing, finished requests' state is kept for later
             requests that extend their tokens (a second chat turn), least recently used first out,
             while the kept sequences hold at most this many cache cells (None: half the capacity;
-            0: keep nothing). Kept state yields to running requests: it is evicted before any
-            request is preempted.
+            0: keep nothing). Kept state always yields to running work: it is evicted whenever a
+            running request or an admission needs its cells, before any request is preempted.
     """
 
     capacity_tokens: int = 16384
@@ -167,10 +171,7 @@ class Engine:
             raise BadRequestError(f"engine: request_id must be a non-empty string, got {rid!r}")
         if rid in self.requests and not self.requests[rid].status.is_done:
             raise BadRequestError(f"engine: request {rid!r} is already in flight")
-        try:
-            tokens = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
-        except (TypeError, ValueError):
-            raise BadRequestError(f"engine: request {rid!r}: the prompt must be a sequence of token ids") from None
+        tokens = _token_ids(prompt, f"engine: request {rid!r}: the prompt")
         if not tokens:
             raise BadRequestError(f"engine: request {rid!r}: the prompt is empty")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -198,7 +199,7 @@ class Engine:
             eos_token_id = getattr(gen, "eos_token_id", None)
             if eos_token_id is None:
                 eos_token_id = getattr(self.text_config, "eos_token_id", None)
-        eos = _id_set(eos_token_id)
+        eos = _id_set(eos_token_id, f"engine: request {rid!r}: eos_token_id")
         stops = tuple(stop_strings or getattr(gen, "stop_strings", None) or ())
         if isinstance(stop_strings, str):
             stops = (stop_strings,)
@@ -224,10 +225,13 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
         self._make_room()
-        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state)
+        plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state,
+                                       reclaim=self._reclaim, cells_needed=self._cells_needed)
         self.counters.preemptions += len(plan.preempted)
         if plan:
             outputs += self._run_plan(plan)
+        elif self.scheduler.has_work():
+            outputs += self._fail_stuck()
         self.counters.step_seconds += time.perf_counter() - t0
         return outputs
 
@@ -308,7 +312,7 @@ class Engine:
                     self._evict_kept()
                     continue
                 if len(self.scheduler.running) <= 1:
-                    return self._fail([c.request for c in chunks], f"the cache is full: {err}")
+                    return self._fail([c.request for c in chunks], f"CapacityError: the cache is full: {err}")
                 victim = max(self.scheduler.running, key=lambda r: r.arrival)
                 self._release_state(victim)
                 self.scheduler.preempt(victim)
@@ -404,8 +408,12 @@ class Engine:
             self._evict_kept()
         return True
 
-    def _evict_kept(self) -> None:
-        seq, _ = self._kept.popitem(last=False)
+    def _evict_kept(self, seq: SeqHandle | None = None) -> None:
+        """Free a kept sequence (the least recently used one by default)."""
+        if seq is None:
+            seq, _ = self._kept.popitem(last=False)
+        else:
+            del self._kept[seq]
         self.prefix.drop(seq)
         self.cache.free(seq)
         self.counters.prefix_evictions += 1
@@ -419,18 +427,68 @@ class Engine:
             self._evict_kept()
 
     def _make_room(self) -> None:
-        """Evict kept prefixes while running requests or the next waiting one would lack cells or a slot."""
-        if not self._kept:
-            return
+        """Evict kept prefixes while the running requests and the next waiting one would lack a slot (the
+        scheduler reclaims cells itself, through ``_reclaim``)."""
         sched = self.scheduler
-        need = sum(1 for r in sched.running if r.remaining == 1)
         if sched.waiting:
-            head = sched.waiting[0]
-            need += min(head.remaining, self.config.max_batch_tokens or head.remaining)
             while self._kept and len(sched.running) + len(self._kept) >= self.config.max_sequences:
                 self._evict_kept()
-        while self._kept and self._free_cells() < need:
-            self._evict_kept()
+
+    def _reclaim(self, req: Request | None, n: int) -> int:
+        """Evict kept prefixes, least recently used first, until ``n`` cells are free for ``req`` (a
+        running request, None for the decodes, or a waiting one being admitted); returns the cells freed.
+
+        For a waiting request the kept sequence it would start from is spared, and nothing is evicted
+        unless the kept state could cover all ``n`` cells (an admission that would fail anyway must not
+        empty the prefix cache). For running work every kept sequence goes if need be.
+        """
+        if not self._kept or n <= 0:
+            return 0
+        spare = None
+        if req is not None and req.status is RequestStatus.WAITING:
+            hit = self._prefix_hit(req)
+            spare = hit.seq if hit is not None else None
+            if sum(c for s, c in self._kept.items() if s != spare) < n:
+                return 0
+        before = self._free_cells()
+        freed = 0
+        for seq in [s for s in self._kept if s != spare]:
+            if freed >= n:
+                break
+            self._evict_kept(seq)
+            freed = self._free_cells() - before
+        return freed
+
+    def _prefix_hit(self, req: Request):
+        if self.prefix is None or req.num_computed:
+            return None
+        return self.prefix.lookup(req.tokens, req.num_tokens - 1)
+
+    def _cells_needed(self, req: Request) -> int:
+        """The cells admitting ``req`` takes: its pending stream less what a shared prefix gives it."""
+        hit = self._prefix_hit(req)
+        return req.remaining - (hit.tokens if hit is not None else 0)
+
+    def _fail_stuck(self) -> list[StepOutput]:
+        """Work is left but the plan is empty: fail the request that cannot progress, saying why."""
+        sched = self.scheduler
+        free, cap = self._free_cells(), self.config.capacity_tokens
+        if sched.running:
+            req = max(sched.running, key=lambda r: r.arrival)
+            what = (f"a cache cell for its next token ({req.num_computed} of its {req.num_tokens} tokens are in "
+                    f"the cache)")
+        else:
+            req = sched.waiting[0]
+            live = len(self.cache.slots.live_handles())
+            if live >= self.config.max_sequences:
+                what = f"a sequence slot (all {self.config.max_sequences} are held outside the engine's requests)"
+            else:
+                what = f"{self._cells_needed(req)} cache cell(s) to start"
+        err = CapacityError(f"engine: request {req.request_id!r} cannot progress: it needs {what}, and {free} of "
+                            f"the {cap} cells are free with {len(sched.running)} request(s) running and "
+                            f"{len(self._kept)} prefix(es) kept; the other cells are held by sequences "
+                            f"outside the engine's requests")
+        return self._fail([req], f"{type(err).__name__}: {err}")
 
     def _release_state(self, req: Request) -> None:
         if req.seq is None:
@@ -461,14 +519,44 @@ class Engine:
         return outs
 
 
-def _id_set(value: int | Iterable[int] | None) -> frozenset[int]:
+def _token_ids(value: Any, what: str) -> list[int]:
+    """``value`` as a list of Python ints: a sequence (list, tuple, range, a 1-D NumPy array) of integers or
+    a 1-D integer tensor. Anything else is refused, never converted (``"123"`` is not ``[1, 2, 3]``, and
+    ``5.9`` is not ``5``).
+
+    Raises:
+        BadRequestError: naming ``what`` and what was wrong.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise BadRequestError(f"{what} must be a 1-D integer tensor of token ids, got a {value.dim()}-D "
+                                  f"{value.dtype} tensor")
+        return [int(t) for t in value.tolist()]
+    ndim = getattr(value, "ndim", None)
+    if isinstance(value, (str, bytes, bytearray)) or not (isinstance(value, collections.abc.Sequence)
+                                                         or ndim == 1):
+        raise BadRequestError(f"{what} must be a sequence of integer token ids, got {type(value).__name__}")
+    out = []
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or type(t).__name__ == "bool_":
+            raise BadRequestError(f"{what}: element {i} is a bool ({t!r}), not a token id")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise BadRequestError(f"{what}: element {i} is {t!r} ({type(t).__name__}), not an integer token id") \
+                from None
+    return out
+
+
+def _id_set(value: int | Iterable[int] | None, what: str = "eos_token_id") -> frozenset[int]:
+    """Token ids (negative ones dropped: "no EOS"); a single id or a sequence / 1-D tensor of them."""
     if value is None:
         return frozenset()
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, int):
-        return frozenset([] if value < 0 else [value])
-    return frozenset(int(v) for v in value if int(v) >= 0)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.reshape(1)
+    if not isinstance(value, (torch.Tensor, collections.abc.Sequence)) or isinstance(value, (str, bytes)):
+        value = [value]
+    return frozenset(t for t in _token_ids(value, what) if t >= 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

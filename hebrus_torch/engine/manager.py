@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import HebrusError
-from .engine import Engine, EngineConfig, StepOutput
+from .engine import Engine, EngineConfig, StepOutput, _token_ids
 from .requests import Request, RequestStatus
 from .sampling import BadRequestError, SamplingParams
 
@@ -118,6 +118,7 @@ class HebrusBatchingManager:
         self._counter = 0
         self._lock = threading.Lock()
         self._stop_mode: str | None = None
+        self._stop_reason = "the manager was stopped"
         self.engine: Engine | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,11 +148,13 @@ class HebrusBatchingManager:
         self._thread.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
-             hard_stop: bool = False) -> None:
-        """Stop the thread after the queued requests finish (``hard_stop``: at once, failing them)."""
+             hard_stop: bool = False, reason: str = "the manager was stopped") -> None:
+        """Stop the thread after the queued requests finish (``hard_stop``: at once, failing them with
+        ``reason``)."""
         if self._thread is None:
             logger.warning("hebrus manager: not started")
             return
+        self._stop_reason = reason
         self._stop_mode = "hard" if hard_stop else "flush"
         self._wake.set()
         if block:
@@ -312,7 +315,7 @@ class HebrusBatchingManager:
                 while True:
                     self._drain_inputs(engine)
                     if self._stop_mode == "hard":
-                        self._fail_remaining(engine, "the manager was stopped")
+                        self._fail_remaining(engine, self._stop_reason)
                         break
                     if engine.has_unfinished():
                         self._deliver(engine.step())
@@ -418,9 +421,9 @@ class HebrusBatchingManager:
 
     def _failed_output(self, request_id: str, prompt: Any, message: str):
         _, tf_requests = _tf()
-        try:
-            prompt_ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
+        try:   # the prompt as given when it is token ids, else nothing (a refused "123" is not [1, 2, 3])
+            prompt_ids = _token_ids(prompt, "prompt")
+        except BadRequestError:
             prompt_ids = []
         return tf_requests.GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, error=message,
                                             status=tf_requests.RequestStatus.FAILED)

@@ -6,11 +6,13 @@ Policy (vLLM v1 and transformers' own continuous-batching scheduler order work t
 2. requests part-way through their prompt continue, oldest first, each with as many tokens as the
    budget (``max_batch_tokens``) has left;
 3. waiting requests are admitted in arrival order while a sequence slot, the request cap
-   (``max_requests_per_batch``), the token budget and the cache's free cells allow.
+   (``max_requests_per_batch``), the token budget and the cache's free cells allow, the cells a
+   request takes counted beside what the running ones still need.
 
-When the decodes alone need more cells than are free, the newest running requests are preempted
-(their state is freed; they go back to the front of the queue and are recomputed later from prompt
-plus output). With ``block_size``, a prefill chunk that crosses a block boundary is cut at the last
+Cells held by state no running request needs (the engine's kept prefixes) are reclaimed first,
+whenever any of the three lacks cells. When the decodes alone need more cells than are free, or no
+running request can go on, the newest running requests are preempted (their state is freed; they go
+back to the front of the queue and are recomputed later from prompt plus output). With ``block_size``, a prefill chunk that crosses a block boundary is cut at the last
 boundary it crosses, so the state at that boundary exists and can be shared (prefix sharing).
 """
 
@@ -110,22 +112,41 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, free_cells: int, admit: Callable[[Request], bool | None] | None = None,
-                 release: Callable[[Request], None] | None = None) -> StepPlan:
+                 release: Callable[[Request], None] | None = None,
+                 reclaim: Callable[[Request | None, int], int] | None = None,
+                 cells_needed: Callable[[Request], int] | None = None) -> StepPlan:
         """Plan the next step given ``free_cells`` free cache cells (positions the cache can still take).
 
         ``admit(request)`` runs for each request taken off the queue before its chunk is cut: the
         engine gives it a sequence there (and may start it from a shared prefix by raising
         ``num_computed``). False leaves it queued and stops admission; None skips it this step
         (it stays queued in its place) and goes on with the next. ``release(request)`` frees the state
-        of a request about to be preempted.
+        of a request about to be preempted. ``reclaim(request, n)`` frees up to ``n`` cells held by
+        state no running request needs (the engine's kept prefixes) for ``request`` (None: the
+        decodes) and returns how many it freed: kept state always yields to running work and to an
+        admission. ``cells_needed(request)`` is the cells a waiting request's admission takes
+        (default: its whole pending stream; less when it starts from a shared prefix).
+
+        Progress: when the decodes alone do not fit, or nothing runs a decode and no prefill can get
+        a cell, the newest running requests are preempted until the others can go on. A lone running
+        request is never preempted (it would come back to the same cells): a plan that leaves work
+        undone with no chunk at all is the engine's to report (``CapacityError`` for the request
+        that cannot progress).
         """
         plan = StepPlan()
         budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
         cap = self.max_requests_per_batch if self.max_requests_per_batch is not None else self.max_sequences
 
+        def room_for(req: Request | None, n: int) -> bool:
+            """``free_cells >= n``, reclaiming kept state for ``req`` if needed."""
+            nonlocal free_cells
+            if free_cells < n and reclaim is not None:
+                free_cells += reclaim(req, int(n - free_cells))
+            return free_cells >= n
+
         decoding = [r for r in self.running if r.remaining == 1]
-        # Preempt the newest running requests while the decodes alone do not fit in the free cells.
-        while decoding and len(decoding) > free_cells:
+        room_for(None, len(decoding) if decoding else min(1, len(self.running)))
+        while len(self.running) > 1 and (len(decoding) > free_cells or (not decoding and free_cells < 1)):
             victim = max(self.running, key=lambda r: r.arrival)
             if victim in decoding:
                 decoding.remove(victim)
@@ -135,28 +156,36 @@ class Scheduler:
             self.preempt(victim)
             plan.preempted.append(victim)
 
+        planned: dict[int, int] = {}      # id(request) -> tokens this step
         for req in decoding:
-            if budget < 1 or len(plan.chunks) >= cap:
+            if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
             plan.chunks.append(ScheduledChunk(req, 1))
+            planned[id(req)] = 1
             budget -= 1
             free_cells -= 1
 
         for req in self.running:
-            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or free_cells < 1:
+            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1:
+                continue
+            if not room_for(req, min(req.remaining, budget)) and free_cells < 1:
                 continue
             n = self._chunk(req, min(budget, free_cells))
             plan.chunks.append(ScheduledChunk(req, n))
+            planned[id(req)] = n
             budget -= n
             free_cells -= n
 
-        # A request is admitted when its whole pending stream fits beside one free cell per running request
-        # (its next decode step), or when nothing runs; none is in a step that had to preempt (the freed
-        # cells go to the requests already running).
+        # A request is admitted when the cells it takes fit beside what the running requests still need
+        # (the rest of each one's stream after this step, plus one cell for its next decode), or when
+        # nothing runs; none is in a step that had to preempt (the freed cells go to the requests already
+        # running).
+        reserved = sum(r.remaining - planned.get(id(r), 0) + 1 for r in self.running)
         for req in list(self.waiting if not plan.preempted else ()):
-            room = free_cells - len(self.running)
-            if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1
-                    and room >= 1 and (room >= req.remaining or not self.running)):
+            if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1):
+                break
+            cells = cells_needed(req) if cells_needed is not None else req.remaining
+            if not room_for(req, reserved + cells) and not (not self.running and free_cells >= 1):
                 break
             verdict = True if admit is None else admit(req)
             if verdict is None:       # deferred (e.g. waiting for a request that prefills its prefix)
@@ -174,6 +203,7 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk(req, n))
                 budget -= n
                 free_cells -= n
+            reserved += req.remaining - n + 1
         return plan
 
     def _chunk(self, req: Request, limit: float) -> int:
