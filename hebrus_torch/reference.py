@@ -764,3 +764,35 @@ def gdn_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if not state.is_contiguous():
         raise HebrusError("hebrus_torch.gdn.gated_delta_rule: state must be contiguous")
     return recurrent_delta_rule(q, k, v, g, beta, cu, state, use_qk_l2norm, float(scale))
+
+
+def gdn_chunk_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               cu_seqlens: torch.Tensor, start_pos: torch.Tensor, state_pool: torch.Tensor,
+                               slots: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The gated delta rule of packed rows in the chunked (WY) form (issue 25): whole chunks of 64
+    positions aligned to absolute positions (row b's first token is at ``start_pos[b]``) run the WY form,
+    the partial chunks at a row's ends the recurrent form of :func:`gdn_delta_rule`; row b's state is read
+    from and written back to ``state_pool[slots[b]]`` in place. See :mod:`hebrus_torch.gdn.chunked`.
+
+    Args:
+        q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm: as :func:`gdn_delta_rule`.
+        start_pos: Tensor[B] int64 (>= 0), the absolute position of each row's first token.
+        state_pool: Tensor[S, Hv, Dk, Dv] float32, contiguous; the rows of ``slots`` are read and updated.
+        slots: Tensor[B] int32, distinct slots in [0, S), one per row of cu_seqlens.
+
+    Returns:
+        Tensor[T, Hv, Dv] in v's dtype. Checks every value (cu_seqlens, start_pos >= 0, slot ids) before
+        writing, with the CPU kernel's messages.
+    """
+    from .gdn.chunked import chunk_delta_rule_reference
+
+    _validate.gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots)
+    op = "gdn_chunk_delta_rule_slots"
+    check_cu_seqlens_values(cu_seqlens, q.shape[0], op)
+    pos = start_pos.cpu().tolist()
+    for b, p in enumerate(pos):
+        if p < 0:
+            raise HebrusError(f"hebrus::{op}: start_pos[{b}] = {p} is negative")
+    check_slot_values(slots, state_pool.shape[0], op)
+    return chunk_delta_rule_reference(q, k, v, g, beta, cu_seqlens.cpu().tolist(), pos, state_pool,
+                                      slots.cpu().tolist(), bool(use_qk_l2norm), float(scale))
