@@ -176,3 +176,32 @@ def test_opcheck():
     pool = torch.randn(3, 4, 16, 16) * 0.1
     torch.library.opcheck(torch.ops.hebrus.gdn_chunk_delta_rule_slots.default,
                           (q, k, v, g, beta, i32([0, 70, 140]), i64([0, 60]), pool, i32([2, 0]), 0.25, True))
+
+
+def test_gdn_state_runs_rows_with_a_start_chunked_and_the_others_recurrently():
+    from hebrus_torch.gdn import GDNState
+
+    state = GDNState(1, num_key_heads=2, num_value_heads=4, key_head_dim=32, value_head_dim=24, conv_kernel_size=4,
+                     max_sequences=4)
+    seqs = [state.new_sequence() for _ in range(3)]
+    pool = state.recurrent_state[0]
+    pool.copy_(torch.randn_like(pool) * 0.1)
+    before = pool.clone()
+    lengths, starts = [200, 130, 70], [64, None, 0]
+    inputs = make(sum(lengths), seed=9)
+    cu = i32([0, 200, 330, 400])
+    out = state.delta_rule(0, seqs, cu, *inputs, start_pos=starts)
+    slots = [s.slot for s in seqs]
+    want_pool = before.clone()
+    parts = [(0, 200, 64), (330, 400, 0)]
+    for (a, b, p), slot in zip(parts, (slots[0], slots[2])):
+        got = run(tuple(t[a:b] for t in inputs), [b - a], [p], want_pool, [slot])
+        assert torch.equal(out[a:b], got)
+    rec, new = gated_delta_rule(*(t[200:330] for t in inputs), i32([0, 130]), before[slots[1]][None].clone())
+    assert torch.equal(out[200:330], rec) and torch.equal(pool[slots[1]], new[0])
+    assert torch.equal(pool[[slots[0], slots[2]]], want_pool[[slots[0], slots[2]]])
+    # All None: the recurrent op, as without start_pos.
+    pool.copy_(before)
+    none = state.delta_rule(0, seqs, cu, *inputs, start_pos=[None, None, None])
+    pool.copy_(before)
+    assert torch.equal(none, state.delta_rule(0, seqs, cu, *inputs))

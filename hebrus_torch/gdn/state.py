@@ -14,6 +14,7 @@ from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
+from .chunked import chunk_gated_delta_rule_slots
 from .delta_rule import gated_delta_rule_slots
 
 _KIND = "hebrus_torch.GDNState"
@@ -263,7 +264,8 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         return y
 
     def delta_rule(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, q: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                   start_pos: Sequence[int | None] | None = None) -> torch.Tensor:
         """The gated delta rule (qk l2-norm, q scaled by Dk**-0.5) of a packed step from each sequence's
         recurrent state, updated in place in ``recurrent_state[layer]`` by ``hebrus::gdn_delta_rule_slots``
         (its bits are ``gdn_delta_rule``'s on the gathered states). Bitwise chunk-invariant (see
@@ -272,11 +274,20 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         Args:
             layer: GDN layer index; seqs: one handle per packed row; cu_seqlens: Tensor[B+1] int32.
             q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g (log decay), beta: Tensor[T, Hv].
+            start_pos: per row, the absolute position of its first token for the rows that run the chunked
+                form (``hebrus::gdn_chunk_delta_rule_slots``: the whole chunks of 64 aligned positions a row
+                covers in the WY form, its partial chunks with ``gdn_delta_rule``'s bits), None for the rows
+                that run the recurrent form; None: every row recurrent. Bitwise chunk-invariant for callers
+                that cut a row's stream only at multiples of 64 below where it runs chunked (the engine's
+                scheduler; docs/semantics.md for other cuts).
 
         Returns:
             Tensor[T, Hv, Dv] in v's dtype.
         """
         self._check_layer(layer)
+        if start_pos is not None and len(start_pos) != len(seqs):
+            raise HebrusError(f"GDNState.delta_rule: start_pos must have one entry per row ({len(seqs)}), "
+                              f"got {len(start_pos)}")
         tensors = {"q": as_tensor("GDNState.delta_rule: q", q), "k": as_tensor("GDNState.delta_rule: k", k),
                    "v": as_tensor("GDNState.delta_rule: v", v), "g": as_tensor("GDNState.delta_rule: g", g),
                    "beta": as_tensor("GDNState.delta_rule: beta", beta)}
@@ -295,7 +306,9 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         index = self._slot_index(slots, pool.device)
         with atomic(self):
             self._log_rows("recurrent_state", layer, pool, index)   # before the write: see _log_rows
-            return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
+            if start_pos is None or all(p is None for p in start_pos):
+                return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
+            return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
 
     # ----------------------------------------------------------------------------- transactions
     def _txn_begin(self) -> None:
@@ -543,3 +556,31 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     def _sync_slot_buffers(self) -> None:
         self.generation.copy_(self.slots.generation)
         self.live.copy_(self.slots.live)
+
+
+def _mixed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: torch.Tensor, pool: torch.Tensor, slots: list[int],
+                      start_pos: list[int | None]) -> torch.Tensor:
+    """The rows with a start position through the chunked op, the others through the recurrent one, each
+    group's rows packed on their own; both update ``pool`` [S, Hv, Dk, Dv] in place at the rows' slots."""
+    dev = pool.device
+    if all(p is not None for p in start_pos):
+        return chunk_gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, torch.tensor(start_pos, dtype=torch.int64,
+                                                                                        device=dev),
+                                            pool, torch.tensor(slots, dtype=torch.int32, device=dev))
+    cu = cu_seqlens.tolist()
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for chunked in (True, False):
+        rows = [b for b, p in enumerate(start_pos) if (p is not None) == chunked]
+        sub_cu = [0]
+        for b in rows:
+            sub_cu.append(sub_cu[-1] + cu[b + 1] - cu[b])
+        ix = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in rows])
+        part = (q[ix], k[ix], v[ix], g[ix], beta[ix], torch.tensor(sub_cu, dtype=torch.int32, device=dev))
+        sub_slots = torch.tensor([slots[b] for b in rows], dtype=torch.int32, device=dev)
+        if chunked:
+            starts = torch.tensor([start_pos[b] for b in rows], dtype=torch.int64, device=dev)
+            out[ix] = chunk_gated_delta_rule_slots(*part[:5], part[5], starts, pool, sub_slots)
+        else:
+            out[ix] = gated_delta_rule_slots(*part, pool, sub_slots)
+    return out
