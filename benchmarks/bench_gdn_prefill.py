@@ -14,6 +14,7 @@ median of the samples next to it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="T = 512 and 4096 (1 row) only")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--section", default=SECTION)
+    ap.add_argument("--section", default=None, help="RESULTS.md section (default: by thread count)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,6 +79,7 @@ def main() -> None:
         cases = [(1, 512), (1, 4096)]
     rows_out = []
     rates = []
+    load = os.getloadavg()[0]
     for rows, tokens in cases:
         q, k, v, g, beta, cu = inputs(rows, tokens)
         T = rows * tokens
@@ -108,12 +110,15 @@ def main() -> None:
             f"{' --threads ' + str(args.threads) if args.threads else ''}`. Hv = {HV}, Hk = {HK}, Dk = Dv = {DK}, "
             "fp32, rows from position 0, zero initial state; best of up to 5 (chunked) / 3 (recurrent) calls. "
             "Work: 7 Dk Dv multiply-adds per token and value head; fraction = work / time / the torch.mm rate "
-            "(2048 x 2048 fp32, best of 3, median of the samples taken before and after each case).\n\n"
+            "(2048 x 2048 fp32, best of 3, median of the samples taken before and after each case). "
+            f"Load average at the start / end: {load:.1f} / {os.getloadavg()[0]:.1f} (other processes share the "
+            "cores: every figure of the run carries it; compare the columns of one row).\n\n"
             + table(["rows x tokens", "total tokens", "mm GMAC/s", "chunked ms", "recurrent ms", "chunked tokens/s",
                      "chunked / mm", "recurrent / mm", "speed-up"], rows_out) + "\n")
     print(body)
     if not args.no_write:
-        write_section(args.section, body)
+        write_section(args.section or f"{SECTION}, {torch.get_num_threads()} thread"
+                      f"{'s' if torch.get_num_threads() > 1 else ''}", body)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from hf_models import modeling  # noqa: F401,E402  (skips without transformers)
 from test_engine import EOS, eager_experts, make_model, row_invariant, run_engine  # noqa: F401  (fixture)
 
-from hebrus_torch import _extension
+from hebrus_torch import HebrusError, _extension
 from hebrus_torch.engine import Engine, EngineConfig
 from hebrus_torch.engine.requests import Request
 from hebrus_torch.engine.scheduler import Scheduler
@@ -111,6 +111,8 @@ def test_small_budgets_and_the_switch_turn_the_chunked_form_off():
     assert Engine(model, EngineConfig(capacity_tokens=256, max_batch_tokens=64)).chunk_align == 64
     assert Engine(model, EngineConfig(capacity_tokens=256, max_batch_tokens=None)).chunk_align == 64
     assert Engine(model, EngineConfig(capacity_tokens=256, chunked_prefill=False)).chunk_align is None
+    with pytest.raises(HebrusError, match="chunked_prefill must be a bool"):
+        EngineConfig(chunked_prefill="yes")
     with pytest.raises(ValueError):
         Scheduler(max_batch_tokens=32, max_requests_per_batch=None, max_sequences=4, chunk_align=64)
 

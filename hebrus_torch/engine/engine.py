@@ -78,6 +78,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise HebrusError(f"EngineConfig: chunked_prefill must be a bool, got {self.chunked_prefill!r}")
 
 
 @dataclass
