@@ -205,3 +205,53 @@ def test_gdn_state_runs_rows_with_a_start_chunked_and_the_others_recurrently():
     none = state.delta_rule(0, seqs, cu, *inputs, start_pos=[None, None, None])
     pool.copy_(before)
     assert torch.equal(none, state.delta_rule(0, seqs, cu, *inputs))
+
+
+# The AVX-512, AVX2 and portable tile products give the same bits. Each capability runs in a subprocess,
+# because HEBRUS_CPU_CAPABILITY is read once per process.
+_CAPABILITY_SCRIPT = """
+import sys, torch, hebrus_torch
+from hebrus_torch.gdn.chunked import chunk_gated_delta_rule_slots
+gen = torch.Generator().manual_seed(3)
+outs = {}
+for hk, hv, dk, dv, lengths, starts in [(2, 4, 128, 128, [200, 64], [10, 64]), (1, 2, 33, 31, [130, 0, 66], [0, 5, 63]),
+                                        (3, 3, 17, 40, [128], [64])]:
+    T = sum(lengths)
+    q, k = torch.randn(T, hk, dk, generator=gen), torch.randn(T, hk, dk, generator=gen)
+    v = torch.randn(T, hv, dv, generator=gen)
+    g, beta = -torch.rand(T, hv, generator=gen) * 0.3, torch.rand(T, hv, generator=gen)
+    pool = torch.randn(len(lengths) + 1, hv, dk, dv, generator=gen) * 0.1
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    slots = torch.arange(len(lengths), 0, -1, dtype=torch.int32)
+    key = f"{hk} {hv} {dk} {dv}"
+    outs[key + " out"] = chunk_gated_delta_rule_slots(q, k, v, g, beta, cu, torch.tensor(starts), pool, slots)
+    outs[key + " pool"] = pool
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_every_cpu_capability_gives_the_same_bits(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        pass
+    capabilities = ["default"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) + (
+        ["avx512"] if "avx512f" in flags else [])
+    results = {}
+    for capability in capabilities:
+        env = {k: v for k, v in os.environ.items() if k != "HEBRUS_CPU_CAPABILITY"}
+        env["HEBRUS_CPU_CAPABILITY"] = capability
+        out = tmp_path / f"{capability}.pt"
+        done = subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, str(out)], env=env, capture_output=True,
+                              text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[capability] = torch.load(out)
+    for capability, outs in results.items():
+        for key, got in outs.items():
+            assert torch.equal(got.view(torch.int32), results["default"][key].view(torch.int32)), (capability, key)
