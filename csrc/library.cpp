@@ -53,6 +53,16 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor");
+  // gdn_delta_rule whose row b's state is read from and written back to state_pool[slots[b]] in place
+  // (issue 25; distinct slots), as ple_conv_slots does for the conv tails.
+  m.def(
+      "gdn_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor(a!) state_pool, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor");
+  // The gated delta rule in the chunked (WY) form (issue 25), chunks of 64 aligned to absolute
+  // positions (start_pos[b]: row b's first); row b's state is state_pool[slots[b]], updated in place.
+  m.def(
+      "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor start_pos, Tensor(a!) state_pool, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor");
 }
 
 namespace {
@@ -112,8 +122,10 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   // The slot ops write their pool in place as ple_conv_into writes its buffers (refused under grad
   // mode with an input that requires grad; autogradNotImplementedFallback would skip the
   // ADInplaceOrView kernel below, which bumps the pool's version).
-  for (const char* op : {"ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule"})
+  for (const char* op : {"ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule",
+                         "gdn_delta_rule_slots"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
+  m.impl("gdn_chunk_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 
 TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
@@ -122,4 +134,6 @@ TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
   m.impl("ple_ngram_ids_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
   m.impl("ple_conv_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
   m.impl("gdn_delta_rule", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  m.impl("gdn_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  m.impl("gdn_chunk_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
 }

@@ -81,7 +81,8 @@ if _fallback_library is not None:
     # (The slot ops mutate their pool and gdn_delta_rule its state: register_autograd does not take
     # mutable ops; the composites' in-place writes are tracked by autograd itself.)
     for _name in OP_NAMES:
-        if _name not in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule"):
+        if _name not in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule",
+                         "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots"):
             torch.library.register_autograd(f"hebrus::{_name}", _raise_no_backward(_name), lib=_fallback_library)
 
 

@@ -24,4 +24,10 @@ SCHEMAS = {
     "qsa_attention": "qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor",
     "gdn_delta_rule": "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
                       "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor",
+    "gdn_delta_rule_slots": "gdn_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+                            "Tensor cu_seqlens, Tensor(a!) state_pool, Tensor slots, float scale, "
+                            "bool use_qk_l2norm) -> Tensor",
+    "gdn_chunk_delta_rule_slots": "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+                                  "Tensor cu_seqlens, Tensor start_pos, Tensor(a!) state_pool, Tensor slots, "
+                                  "float scale, bool use_qk_l2norm) -> Tensor",
 }

@@ -280,3 +280,39 @@ def qsa_attention(q, k, v, token_cells, scale) -> int:
           f"token_cells must have one row per query (Tq = {tq}), got shape {tuple(token_cells.shape)}")
     check(abs(scale) < float("inf"), op, f"scale must be finite, got {scale}")
     return hq // hkv
+
+
+def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots) -> int:
+    """Metadata of hebrus::gdn_chunk_delta_rule_slots (csrc/cpu/gdn_chunk_kernels.cpp: same order and
+    messages); returns S (the pool's slot count)."""
+    op = "gdn_chunk_delta_rule_slots"
+    _same_device(op, q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, start_pos=start_pos,
+                 state_pool=state_pool, slots=slots)
+    for name, t, n in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        _dims(t, n, op, name)
+    for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
+        _dtype(t, FLOAT_DTYPES, op, name)
+    check(k.dtype == q.dtype, op, f"k dtype {k.dtype} must match q dtype {q.dtype}")
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    check(k.shape == q.shape, op, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    check(v.shape[0] == T, op, f"v has {v.shape[0]} tokens, q has {T}")
+    check(hk >= 1 and dk >= 1 and hv >= 1 and dv >= 1 and hv % hk == 0, op,
+          f"value heads ({hv}) must be a positive multiple of key heads ({hk}), with Dk, Dv >= 1")
+    for name, t in (("g", g), ("beta", beta)):
+        check(t.shape[0] == T and t.shape[1] == hv, op,
+              f"{name} must have shape (T, Hv) = ({T}, {hv}), got {tuple(t.shape)}")
+    batch = check_cu_seqlens(cu_seqlens, op)
+    _dims(start_pos, 1, op, "start_pos")
+    _dtype(start_pos, torch.int64, op, "start_pos")
+    check(start_pos.shape[0] == batch, op,
+          f"start_pos must have one entry per row (B = {batch}), got {start_pos.shape[0]}")
+    _slots(slots, batch, op)
+    _dims(state_pool, 4, op, "state_pool")
+    _dtype(state_pool, torch.float32, op, "state_pool")
+    check(tuple(state_pool.shape[1:]) == (hv, dk, dv), op,
+          f"state_pool must have shape (S, Hv, Dk, Dv) = (S, {hv}, {dk}, {dv}), got {tuple(state_pool.shape)}")
+    _pool_writable(op, state_pool, "state_pool",
+                   {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "start_pos": start_pos,
+                    "slots": slots})
+    return state_pool.shape[0]

@@ -109,6 +109,10 @@ class ChunkStep:
 
     def __init__(self, cache: "ModelCache", batch: Batch):
         self.cache, self.batch = cache, batch
+        self.gdn_start_positions: list[int | None] | None = None
+        """Per row, the absolute position of its first token where its GDN layers may run the chunked
+        form (``hebrus::gdn_chunk_delta_rule_slots``), None where a row runs the recurrent form; None:
+        every row recurrent. Set by the engine's runner (chunks cut at aligned positions)."""
         for seq in batch.seqs:
             cache.slots.check(seq)
         if len(set(batch.seqs)) != len(batch.seqs):
@@ -149,7 +153,7 @@ class ChunkStep:
         gdn = self.cache._need("gdn")
         return gdn_forward(module, gdn, self.cache._layer_index(gdn, layer_idx, "linear attention"),
                            self.batch.seqs, as_tensor("ChunkStep.linear_attention: hidden", hidden),
-                           self.batch.cu_seqlens)
+                           self.batch.cu_seqlens, start_pos=self.gdn_start_positions)
 
     def qsa_write(self, layer_idx: int, index_keys: torch.Tensor, k: torch.Tensor | None = None,
                   v: torch.Tensor | None = None) -> None:

@@ -17,7 +17,8 @@ from .errors import HebrusError, HoleError
 from .qsa.runs import first_hole
 
 __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
-           "qsa_select", "qsa_attention", "check_cu_seqlens_values", "check_slot_values"]
+           "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "check_cu_seqlens_values",
+           "check_slot_values"]
 
 
 def checks_async(device: torch.device) -> bool:
@@ -764,3 +765,66 @@ def gdn_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if not state.is_contiguous():
         raise HebrusError("hebrus_torch.gdn.gated_delta_rule: state must be contiguous")
     return recurrent_delta_rule(q, k, v, g, beta, cu, state, use_qk_l2norm, float(scale))
+
+
+def gdn_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, scale: float,
+                         use_qk_l2norm: bool) -> torch.Tensor:
+    """:func:`gdn_delta_rule` whose row b reads its state from ``state_pool[slots[b]]`` and writes the new
+    state back there, in place (issue 25; the slot form of ple_conv_slots), so a step moves only the
+    states of its rows and the holder no gather or scatter.
+
+    Args:
+        q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm: as :func:`gdn_delta_rule`.
+        state_pool: Tensor[S, Hv, Dk, Dv] float32, contiguous; the rows of ``slots`` are read and updated.
+        slots: Tensor[B] int32, distinct slots in [0, S), one per row of cu_seqlens.
+
+    Returns:
+        Tensor[T, Hv, Dv] in v's dtype, :func:`gdn_delta_rule` on the gathered states; the pool rows of
+        ``slots`` then hold its new states (a row of 0 tokens keeps its state), the others are untouched.
+        Checks every value before writing: cu_seqlens and slot ids (range, duplicates) with the CPU
+        kernel's messages.
+    """
+    from .gdn.delta_rule import check_delta_rule_slots_args, recurrent_delta_rule
+
+    op = "gdn_delta_rule_slots"
+    pool_slots = check_delta_rule_slots_args(q, k, v, g, beta, cu_seqlens, state_pool, slots)
+    check_cu_seqlens_values(cu_seqlens, q.shape[0], op)
+    check_slot_values(slots, pool_slots, op)
+    idx = slots.long()
+    state = state_pool.index_select(0, idx)
+    out = recurrent_delta_rule(q, k, v, g, beta, cu_seqlens.tolist(), state, use_qk_l2norm, float(scale))
+    state_pool.index_copy_(0, idx, state)
+    return out
+
+
+def gdn_chunk_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               cu_seqlens: torch.Tensor, start_pos: torch.Tensor, state_pool: torch.Tensor,
+                               slots: torch.Tensor, scale: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """The gated delta rule of packed rows in the chunked (WY) form (issue 25): whole chunks of 64
+    positions aligned to absolute positions (row b's first token is at ``start_pos[b]``) run the WY form,
+    the partial chunks at a row's ends the recurrent form of :func:`gdn_delta_rule`; row b's state is read
+    from and written back to ``state_pool[slots[b]]`` in place. See :mod:`hebrus_torch.gdn.chunked`.
+
+    Args:
+        q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm: as :func:`gdn_delta_rule`.
+        start_pos: Tensor[B] int64 (>= 0), the absolute position of each row's first token.
+        state_pool: Tensor[S, Hv, Dk, Dv] float32, contiguous; the rows of ``slots`` are read and updated.
+        slots: Tensor[B] int32, distinct slots in [0, S), one per row of cu_seqlens.
+
+    Returns:
+        Tensor[T, Hv, Dv] in v's dtype. Checks every value (cu_seqlens, start_pos >= 0, slot ids) before
+        writing, with the CPU kernel's messages.
+    """
+    from .gdn.chunked import chunk_delta_rule_reference
+
+    _validate.gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots)
+    op = "gdn_chunk_delta_rule_slots"
+    check_cu_seqlens_values(cu_seqlens, q.shape[0], op)
+    pos = start_pos.cpu().tolist()
+    for b, p in enumerate(pos):
+        if p < 0:
+            raise HebrusError(f"hebrus::{op}: start_pos[{b}] = {p} is negative")
+    check_slot_values(slots, state_pool.shape[0], op)
+    return chunk_delta_rule_reference(q, k, v, g, beta, cu_seqlens.cpu().tolist(), pos, state_pool,
+                                      slots.cpu().tolist(), bool(use_qk_l2norm), float(scale))

@@ -43,6 +43,16 @@
 #define HEBRUS_QSA_ATTN_TG 256
 #define HEBRUS_QSA_ATTN_MAX_HB 8
 #define HEBRUS_QSA_ATTN_MAX_DIM HEBRUS_MPS_ATTN_MAX_DIM
+// gdn_delta_rule(_slots): one threadgroup of 4 SIMD-groups per (row, value head, block of 16 value
+// columns); SIMD-group s owns 4 columns, lane l the key dims l + 32 m (m < DKPL) of each, so the
+// lane keeps DKPL x 4 fp32 state entries in registers. Variants "k<DKMAX>", DKMAX = 32 * DKPL in
+// {32, 64, 128, 256} >= Dk. Tokens are staged HEBRUS_GDN_TILE at a time in threadgroup memory:
+// q and k tiles 2 x 8 x DKMAX x 4 B (16 KiB at k256) + 2 x 8 x 4 B.
+#define HEBRUS_GDN_SIMD_GROUPS 4
+#define HEBRUS_GDN_COLS 4
+#define HEBRUS_GDN_TG (HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH)
+#define HEBRUS_GDN_TG_COLS (HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS)
+#define HEBRUS_GDN_TILE 8
 
 #ifndef __METAL_VERSION__
 #include <cmath>
@@ -58,6 +68,7 @@ static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64
 static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
 static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
+static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-bit, float, int");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -276,6 +287,45 @@ inline QsaAttentionPlan plan_qsa_attention(int64_t queries, int64_t query_heads,
     plan.error = "more than 2^32-2 token_cells entries (Tq * W)";
   }
   plan.dispatch = {groups * HEBRUS_QSA_ATTN_TG, HEBRUS_QSA_ATTN_TG};
+  return plan;
+}
+
+struct GdnDeltaRulePlan : LaunchPlan<GdnDeltaRuleParams> {
+  const char* variant = "k32";
+  int64_t key_dim_max = 32;  // DKMAX of the variant
+};
+
+// gdn_delta_rule and gdn_delta_rule_slots (pool = S; B for the plain op), called with B >= 1 (the glue
+// launches the check kernel for B == 0). The variant is the smallest DKMAX >= Dk, so a lane keeps no
+// more state registers than the shape needs.
+inline GdnDeltaRulePlan plan_gdn_delta_rule(int64_t tokens, int64_t batch, int64_t key_heads, int64_t value_heads,
+                                            int64_t key_dim, int64_t value_dim, int64_t pool, double scale,
+                                            bool l2) {
+  static const char* const kVariants[4] = {"k32", "k64", "k128", "k256"};
+  GdnDeltaRulePlan plan;
+  GdnDeltaRuleParams& p = plan.params;
+  p.tokens = tokens;
+  p.batch = batch;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.rep = key_heads > 0 ? value_heads / key_heads : 0;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  p.col_blocks = static_cast<int64_t>(ceil_div(static_cast<uint64_t>(value_dim), HEBRUS_GDN_TG_COLS));
+  p.pool = pool;
+  p.scale = static_cast<float>(scale);
+  p.l2 = l2 ? 1 : 0;
+  int index = 0;
+  while (index < 3 && (int64_t{32} << index) < key_dim) ++index;
+  plan.variant = kVariants[index];
+  plan.key_dim_max = int64_t{32} << index;
+  if (key_dim > HEBRUS_MPS_GDN_MAX_KEY_DIM) {
+    plan.error = "the Metal kernel takes key head dims up to 256 (Dk <= 256)";
+  }
+  const uint64_t groups =
+      static_cast<uint64_t>(batch) * static_cast<uint64_t>(value_heads) * static_cast<uint64_t>(p.col_blocks);
+  if (groups * HEBRUS_GDN_TG > kMaxThreads) plan.error = "more than 2^32-1 threads (B * Hv * ceil(Dv / 16) * 128)";
+  plan.dispatch = {groups * HEBRUS_GDN_TG, HEBRUS_GDN_TG};
   return plan;
 }
 

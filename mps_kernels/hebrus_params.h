@@ -15,6 +15,7 @@
 #define HEBRUS_CPU_MAX_TOP_K 4096        // qsa_select: top_k
 #define HEBRUS_MPS_MAX_KEEP 2048         // qsa_select: min(top_k, maxG), the k2048 variant's capacity
 #define HEBRUS_MPS_ATTN_MAX_DIM 256      // qsa_attention: max(Dh, Dv), the d256 variants
+#define HEBRUS_MPS_GDN_MAX_KEY_DIM 256   // gdn_delta_rule(_slots): Dk, the k256 variants (Dv: any)
 
 #ifdef __METAL_VERSION__
 typedef long hebrus_i64;
@@ -127,6 +128,24 @@ struct QsaAttentionParams {
   hebrus_i64 v_stride1;    // elements between v[c, g] and v[c, g + 1]
   float scale;             // softmax scale as fp32 (the reference multiplies fp32 scores by it)
   hebrus_i32 pad0;
+};
+
+// hebrus::gdn_delta_rule and hebrus::gdn_delta_rule_slots. Threads: (B * Hv * col_blocks)
+// threadgroups of HEBRUS_GDN_TG, one per (row, value head, block of HEBRUS_GDN_TG_COLS value columns);
+// the slot form reads and writes row b's state at state_pool[slots[b]]. q, k, v, g, beta, cu_seqlens,
+// slots, state and out are contiguous (g and beta fp32).
+struct GdnDeltaRuleParams {
+  hebrus_i64 tokens;       // T
+  hebrus_i64 batch;        // B
+  hebrus_i64 key_heads;    // Hk
+  hebrus_i64 value_heads;  // Hv
+  hebrus_i64 rep;          // Hv / Hk: value head h reads key head h / rep
+  hebrus_i64 key_dim;      // Dk
+  hebrus_i64 value_dim;    // Dv
+  hebrus_i64 col_blocks;   // ceil(Dv / HEBRUS_GDN_TG_COLS)
+  hebrus_i64 pool;         // S: slots must lie in [0, S) and be distinct (the slot form; B otherwise)
+  float scale;             // q's scale as fp32 (the CPU kernel narrows the double the same way)
+  hebrus_i32 l2;           // 1: l2-normalise q and k over Dk
 };
 
 // Value errors found by a kernel go to PyTorch's MPS error buffer (the stream's

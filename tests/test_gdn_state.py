@@ -373,21 +373,26 @@ def test_digest_covers_generations():
 
 
 # ----------------------------------------------------------------------------- transactions
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("target", ["conv", "delta_rule"])
 @pytest.mark.parametrize("fail_at", range(4))
-def test_faults_inside_a_transaction_roll_back_bitwise(monkeypatch, target, fail_at):
-    """Two packed steps (every layer each) in one transaction; the k-th conv or delta-rule call raises."""
+def test_faults_inside_a_transaction_roll_back_bitwise(monkeypatch, target, fail_at, when):
+    """Two packed steps (every layer each) in one transaction; the k-th conv or delta-rule call raises,
+    before its in-place op or after the op has written the pool (the undo entry is logged first)."""
     state = make_state()
     a, b, c = state.new_sequence(), state.new_sequence(), state.new_sequence()
     advance(state, a, 5, 1)
     before, before_a = state.digest(), state.snapshot(a)
     calls = {"n": 0}
-    module, name = (gdn_state_mod.ple_ops, "ple_conv") if target == "conv" else (gdn_state_mod, "gated_delta_rule")
+    module, name = ((gdn_state_mod.ple_ops, "ple_conv_slots") if target == "conv"
+                    else (gdn_state_mod, "gated_delta_rule_slots"))
     real = getattr(module, name)
 
     def faulty(*args, **kwargs):
         if calls["n"] == fail_at:
-            raise RuntimeError("injected")
+            if when == "after":
+                real(*args, **kwargs)   # the pool is written in place ...
+            raise RuntimeError("injected")   # ... and the call fails before returning
         calls["n"] += 1
         return real(*args, **kwargs)
 
@@ -423,15 +428,15 @@ def test_lifecycle_inside_a_failing_transaction_rolls_back():
     assert state.slots.live_handles() == [a, b]
 
 
-def test_staged_state_is_read_inside_the_transaction_and_published_at_commit():
+def test_state_is_updated_in_place_inside_the_transaction_and_kept_at_commit():
     state = make_state()
     a = state.new_sequence()
     fresh = state.recurrent_state.clone()
     x, _, _ = seq_inputs(4, 1)
     with ht.transaction(state):
         y1 = state.conv(0, [a], x[:2], cu_of([2]))
-        y2 = state.conv(0, [a], x[2:], cu_of([2]))          # reads the staged tail
-        assert torch.equal(state.conv_state, torch.zeros_like(state.conv_state))   # nothing published yet
+        y2 = state.conv(0, [a], x[2:], cu_of([2]))          # reads the tail the first call wrote in place
+        assert torch.equal(state.conv_state[0, a.slot], x[1:4])   # the pool itself: no staging copy
         snap = state.snapshot(a)
         assert torch.equal(snap.conv_tails[0], x[1:4])
     assert torch.equal(state.snapshot(a).conv_tails[0], x[1:4])
@@ -439,6 +444,69 @@ def test_staged_state_is_read_inside_the_transaction_and_published_at_commit():
     r = ref.new_sequence()
     assert torch.equal(torch.cat([y1, y2]), ref.conv(0, [r], x, cu_of([4])))
     assert torch.equal(state.recurrent_state, fresh)
+    before = state.conv_state.clone()
+    with pytest.raises(RuntimeError, match="abort"):
+        with ht.transaction(state):
+            state.conv(0, [a], x[:3], cu_of([3]))
+            assert not torch.equal(state.conv_state, before)
+            raise RuntimeError("abort")
+    assert torch.equal(state.conv_state, before)             # rolled back bitwise
+
+
+def test_untouched_slots_are_bitwise_unchanged():
+    """A step writes only its own sequences' rows of each pool, in place; every other slot (free or
+    live, NaN payloads included) keeps its bytes, in and out of transactions."""
+    state = make_state(max_sequences=8)
+    seqs = [state.new_sequence() for _ in range(4)]
+    for i, s in enumerate(seqs):
+        advance(state, s, 3 + i, 10 + i)
+    state.recurrent_state[:, 6] = float("nan")    # a free slot with odd bits
+    state.conv_state[:, 7] = float("-inf")
+    conv_before, rec_before = state.conv_state.clone(), state.recurrent_state.clone()
+    run_step(state, [seqs[2], seqs[0]], [seq_inputs(2, 30), seq_inputs(1, 31)], txn=False)
+    with ht.transaction(state):
+        run_step(state, [seqs[0]], [seq_inputs(1, 32)], txn=False)
+    touched = {seqs[0].slot, seqs[2].slot}
+    for slot in range(state.slots.capacity):
+        for now, then in ((state.conv_state, conv_before), (state.recurrent_state, rec_before)):
+            same = torch.equal(now[:, slot].contiguous().view(torch.uint8), then[:, slot].contiguous().view(torch.uint8))
+            assert same == (slot not in touched), slot
+
+
+@pytest.mark.parametrize("target", ["conv", "delta_rule"])
+def test_fault_after_the_in_place_write_outside_a_transaction_changes_nothing(monkeypatch, target):
+    """Outside a transaction each call is its own: an exception after the kernel wrote the pool (and
+    before the call returns) rolls the rows back; digest() is unchanged."""
+    state = make_state()
+    a, b = state.new_sequence(), state.new_sequence()
+    advance(state, a, 4, 1)
+    advance(state, b, 2, 2)
+    before = state.digest()
+    module, name = ((gdn_state_mod.ple_ops, "ple_conv_slots") if target == "conv"
+                    else (gdn_state_mod, "gated_delta_rule_slots"))
+    real = getattr(module, name)
+    wrote = {}
+
+    def faulty(*args, **kwargs):
+        pool = args[3] if target == "conv" else args[6]
+        old = pool.clone()
+        real(*args, **kwargs)
+        wrote["changed"] = not torch.equal(pool, old)
+        raise RuntimeError("injected after the write")
+
+    x = torch.cat([seq_inputs(3, 5)[0], seq_inputs(1, 6)[0]])
+    cu = cu_of([3, 1])
+    hk, hv, dk, dv = HK, HV, DK, DV
+    q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
+    monkeypatch.setattr(module, name, faulty)
+    with pytest.raises(RuntimeError, match="injected after the write"):
+        if target == "conv":
+            state.conv(1, [a, b], x, cu)
+        else:
+            state.delta_rule(1, [a, b], cu, q.reshape(4, hk, dk), k.reshape(4, hk, dk), v.reshape(4, hv, dv),
+                             -torch.rand(4, hv), torch.rand(4, hv))
+    assert wrote["changed"]            # the kernel did write in place ...
+    assert state.digest() == before    # ... and the rollback put every row back
 
 
 def test_a_later_holders_commit_failure_undoes_the_published_step(monkeypatch):
@@ -689,7 +757,7 @@ def test_gdn_forward_outside_a_transaction_is_atomic(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(gdn_state_mod, "gated_delta_rule", boom)
+    monkeypatch.setattr(gdn_state_mod, "gated_delta_rule_slots", boom)
     with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
         gdn_forward(module, state, 0, [a], x, cu_of([3]))
     assert state.digest() == before

@@ -1,7 +1,8 @@
-// CPU kernel of hebrus::gdn_delta_rule: the gated delta rule of the gated-delta-net (linear attention)
-// layers over packed rows, in the recurrent form, each row's state updated in place.
-// hebrus_torch/reference.py (gdn_delta_rule) is the spec; the checks mirror
-// hebrus_torch/gdn/delta_rule.py (check_delta_rule_args) with the same messages.
+// CPU kernels of hebrus::gdn_delta_rule and hebrus::gdn_delta_rule_slots: the gated delta rule of the
+// gated-delta-net (linear attention) layers over packed rows, in the recurrent form, each row's state
+// updated in place (the slot form: row b's state is state_pool[slots[b]]).
+// hebrus_torch/reference.py (gdn_delta_rule, gdn_delta_rule_slots) is the spec; the metadata checks
+// are csrc/gdn_checks.h, mirrored in hebrus_torch/gdn/delta_rule.py with the same messages.
 //
 // Work item: one (row, value head). Its state S [Dk, Dv] (fp32) stays in L1 while the row's tokens
 // run through it in order; per token, every sum over Dk adds dk = 0, 1, ... in ascending order, one
@@ -14,10 +15,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "gdn_checks.h"
+#include "gdn_recurrent.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
+#include "ple_slots_checks.h"
 
 namespace hebrus {
 namespace {
@@ -25,75 +30,36 @@ namespace {
 using at::Tensor;
 
 constexpr const char* kOp = "hebrus_torch.gdn.gated_delta_rule";
-constexpr float kL2Eps = 1e-6f;  // transformers' (and FLA's) l2norm epsilon
 
-bool is_float_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-// x / sqrt(sum(x * x) + eps) * scale over n values, the sum in ascending order.
-void normalise(float* x, int64_t n, bool l2, float scale) {
-  float inv = 1.f;
-  if (l2) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    inv = 1.f / std::sqrt(ss + kL2Eps);
-  }
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * scale;
+// Tokens [t0, t1) of row b through the state of value head h (gdn_recurrent.h: the code the chunked op's
+// partial chunks share). Row b's state is state[slots[b]] in the slot form (slots != nullptr), else state[b].
+void run_head(const gdn::Packed& r, float* state, const int32_t* slots, int64_t b, int64_t h, int64_t t0,
+              int64_t t1, std::vector<float>& buf) {
+  const int64_t row = slots != nullptr ? static_cast<int64_t>(slots[b]) : b;
+  gdn::run_recurrent(r, state + (row * r.hv + h) * r.dk * r.dv, h, t0, t1, buf.data());
 }
 
-struct Rows {
-  const float* q;  // [T, Hk, Dk]
-  const float* k;
-  const float* v;  // [T, Hv, Dv]
-  const float* g;  // [T, Hv]
-  const float* beta;
-  float* state;  // [B, Hv, Dk, Dv]
-  float* out;    // [T, Hv, Dv]
-  int64_t hk, hv, dk, dv;
-  float scale;
-  bool l2;
-};
-
-// Tokens [t0, t1) of one row through the state of value head h.
-void run_head(const Rows& r, int64_t b, int64_t h, int64_t t0, int64_t t1, std::vector<float>& buf) {
-  const int64_t dk = r.dk, dv = r.dv;
-  const int64_t kh = h / (r.hv / r.hk);
-  float* s = r.state + (b * r.hv + h) * dk * dv;
-  float* qn = buf.data();
-  float* kn = qn + dk;
-  float* kv = kn + dk;     // [Dv]: sum_dk S * k, then delta
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t i = 0; i < dk; ++i) {
-      qn[i] = r.q[(t * r.hk + kh) * dk + i];
-      kn[i] = r.k[(t * r.hk + kh) * dk + i];
+// Both ops, after their checks: row b's state at slots[b] (slots == nullptr: at b), updated in place.
+Tensor run_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                      const int32_t* cu, Tensor& state, const int32_t* slots, const GdnSizes& sz, double scale,
+                      bool use_qk_l2norm) {
+  const Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
+  const Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
+  const Tensor bf = beta.to(at::kFloat).contiguous();
+  Tensor out = at::empty({sz.total, sz.hv, sz.dv}, v.options().dtype(at::kFloat));
+  const gdn::Packed r{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
+                      bf.data_ptr<float>(), out.data_ptr<float>(), sz.hk, sz.hv, sz.dk, sz.dv,
+                      static_cast<float>(scale), use_qk_l2norm};
+  float* pool = state.data_ptr<float>();
+  const int64_t batch = sz.batch, hv = sz.hv, dk = sz.dk, dv = sz.dv;
+  at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * dk + dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hv, h = item % hv;
+      if (cu[b + 1] > cu[b]) run_head(r, pool, slots, b, h, cu[b], cu[b + 1], buf);
     }
-    normalise(qn, dk, r.l2, r.scale);
-    normalise(kn, dk, r.l2, 1.f);
-    const float decay = std::exp(r.g[t * r.hv + h]);
-    const float beta = r.beta[t * r.hv + h];
-    const float* vt = r.v + (t * r.hv + h) * dv;
-    float* ot = r.out + (t * r.hv + h) * dv;
-    // S = S * decay; kv = sum_dk S[dk] * k[dk]
-    for (int64_t j = 0; j < dv; ++j) kv[j] = 0.f;
-    for (int64_t i = 0; i < dk; ++i) {
-      float* row = s + i * dv;
-      const float ki = kn[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        row[j] = row[j] * decay;
-        kv[j] = kv[j] + row[j] * ki;
-      }
-    }
-    for (int64_t j = 0; j < dv; ++j) kv[j] = (vt[j] - kv[j]) * beta;
-    // S = S + k (outer) delta; out = sum_dk S[dk] * q[dk]
-    for (int64_t j = 0; j < dv; ++j) ot[j] = 0.f;
-    for (int64_t i = 0; i < dk; ++i) {
-      float* row = s + i * dv;
-      const float ki = kn[i], qi = qn[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        row[j] = row[j] + ki * kv[j];
-        ot[j] = ot[j] + row[j] * qi;
-      }
-    }
-  }
+  });
+  return v.scalar_type() == at::kFloat ? out : out.to(v.scalar_type());
 }
 
 Tensor gdn_delta_rule_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -101,32 +67,8 @@ Tensor gdn_delta_rule_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
   check_on_device("gdn_delta_rule", at::kCPU,
                   {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu_seqlens},
                    {"state", &state}});
-  HEBRUS_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, HebrusError, kOp,
-               ": q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got ", shape_str(q.sizes()), ", ",
-               shape_str(k.sizes()), ", ", shape_str(v.sizes()));
-  const int64_t T = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
-  HEBRUS_CHECK(k.sizes() == q.sizes(), HebrusError, kOp, ": k must have q's shape ", shape_str(q.sizes()), ", got ",
-               shape_str(k.sizes()));
-  HEBRUS_CHECK(v.size(0) == T, HebrusError, kOp, ": v has ", v.size(0), " tokens, q has ", T);
-  HEBRUS_CHECK(hk >= 1 && dk >= 1 && hv >= 1 && dv >= 1 && hv % hk == 0, HebrusError, kOp, ": value heads (", hv,
-               ") must be a positive multiple of key heads (", hk, ")");
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"g", &g}, {"beta", &beta}})
-    HEBRUS_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == hv, HebrusError, kOp, ": ", name,
-                 " must be [T, Hv] = (", T, ", ", hv, "), got ", shape_str(t->sizes()));
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g},
-                                {"beta", &beta}})
-    HEBRUS_CHECK(is_float_dtype(t->scalar_type()), HebrusError, kOp, ": ", name,
-                 " must be float32, float16 or bfloat16, got ", dtype_name(t->scalar_type()));
-  HEBRUS_CHECK(q.scalar_type() == k.scalar_type(), HebrusError, kOp, ": q and k must share a dtype, got ",
-               dtype_name(q.scalar_type()), " and ", dtype_name(k.scalar_type()));
-  HEBRUS_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.scalar_type() == at::kInt && cu_seqlens.size(0) >= 1,
-               HebrusError, kOp, ": cu_seqlens must be a 1-D int32 tensor of B+1 >= 1 entries, got ",
-               shape_str(cu_seqlens.sizes()), " ", dtype_name(cu_seqlens.scalar_type()));
-  const int64_t batch = cu_seqlens.size(0) - 1;
-  HEBRUS_CHECK(state.dim() == 4 && state.size(0) == batch && state.size(1) == hv && state.size(2) == dk &&
-                   state.size(3) == dv && state.scalar_type() == at::kFloat && state.is_contiguous(),
-               HebrusError, kOp, ": state must be a contiguous [B, Hv, Dk, Dv] = (", batch, ", ", hv, ", ", dk, ", ",
-               dv, ") float32 tensor, got ", shape_str(state.sizes()), " ", dtype_name(state.scalar_type()));
+  const GdnSizes sz = check_gdn_delta_rule_args(q, k, v, g, beta, cu_seqlens, state);
+  const int64_t T = sz.total, batch = sz.batch;
   const Tensor cu_c = cu_seqlens.contiguous();
   const int32_t* cu = cu_c.data_ptr<int32_t>();
   bool rising = cu[0] == 0 && cu[batch] == T;
@@ -137,22 +79,24 @@ Tensor gdn_delta_rule_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
     HEBRUS_CHECK(false, HebrusError, kOp, ": cu_seqlens must rise from 0 to T = ", T, " without decreasing, got ",
                  got, "]");
   }
+  return run_delta_rule(q, k, v, g, beta, cu, state, nullptr, sz, scale, use_qk_l2norm);
+}
 
-  const Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
-  const Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
-  const Tensor bf = beta.to(at::kFloat).contiguous();
-  Tensor out = at::empty({T, hv, dv}, v.options().dtype(at::kFloat));
-  Rows r{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
-         bf.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(), hk, hv, dk, dv,
-         static_cast<float>(scale), use_qk_l2norm};
-  at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(2 * dk + dv);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / hv, h = item % hv;
-      if (cu[b + 1] > cu[b]) run_head(r, b, h, cu[b], cu[b + 1], buf);
-    }
-  });
-  return v.scalar_type() == at::kFloat ? out : out.to(v.scalar_type());
+// The slot form: the same row loops (run_head), row b's state read and written at state_pool[slots[b]],
+// so its bits are those of gdn_delta_rule on the gathered states. Every check (cu_seqlens, slot ids in
+// range and distinct) runs before anything is written; distinct slots never share a state.
+Tensor gdn_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                                const Tensor& cu_seqlens, Tensor& state_pool, const Tensor& slots, double scale,
+                                bool use_qk_l2norm) {
+  const char* op = "gdn_delta_rule_slots";
+  check_on_device(op, at::kCPU,
+                  {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu_seqlens},
+                   {"state_pool", &state_pool}, {"slots", &slots}});
+  const GdnSizes sz = check_gdn_delta_rule_slots_args(q, k, v, g, beta, cu_seqlens, state_pool, slots);
+  const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
+  const Tensor slot_t = check_slot_values(op, slots, sz.pool);
+  return run_delta_rule(q, k, v, g, beta, cu_t.data_ptr<int32_t>(), state_pool, slot_t.data_ptr<int32_t>(), sz,
+                        scale, use_qk_l2norm);
 }
 
 }  // namespace
@@ -160,4 +104,5 @@ Tensor gdn_delta_rule_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("gdn_delta_rule", &hebrus::gdn_delta_rule_cpu);
+  m.impl("gdn_delta_rule_slots", &hebrus::gdn_delta_rule_slots_cpu);
 }

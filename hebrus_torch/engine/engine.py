@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..errors import CapacityError, HebrusError
+from ..gdn.chunked import CHUNK
 from ..model_cache import ModelCache
 from ..state.handles import SeqHandle
 from .prefix import PrefixIndex
@@ -55,6 +56,11 @@ class EngineConfig:
             while the kept sequences hold at most this many cache cells (None: half the capacity;
             0: keep nothing). Kept state always yields to running work: it is evicted whenever a
             running request or an admission needs its cells, before any request is preempted.
+        chunked_prefill: the GDN layers run a prompt's whole chunks of 64 positions (aligned to absolute
+            positions) in the chunked (WY) form, ``hebrus::gdn_chunk_delta_rule_slots``, and the scheduler
+            cuts prefill chunks at multiples of 64 below a prompt's last whole chunk (docs/engine.md: the
+            alignment rule). It needs ``max_batch_tokens`` None or >= 64 (a smaller budget never feeds a
+            whole chunk in one step): below that, and with False, the recurrent form runs throughout.
     """
 
     capacity_tokens: int = 16384
@@ -65,6 +71,7 @@ class EngineConfig:
     block_size: int = 64
     step_retries: int = 1
     prefix_cache_tokens: int | None = None
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -75,6 +82,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise HebrusError(f"EngineConfig: chunked_prefill must be a bool, got {self.chunked_prefill!r}")
 
 
 @dataclass
@@ -124,10 +133,15 @@ class Engine:
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
         self.runner = ModelRunner(model, self.cache)
+        has_gdn = "linear_attention" in list(self.text_config.layer_types) and self.cache.gdn is not None
+        self.chunk_align = (CHUNK if cfg.chunked_prefill and has_gdn and
+                            (cfg.max_batch_tokens is None or cfg.max_batch_tokens >= CHUNK) else None)
+        self._extent: dict[SeqHandle, int] = {}     # seq -> the chunk extent of the request whose state it holds
         self.scheduler = Scheduler(max_batch_tokens=cfg.max_batch_tokens,
                                    max_requests_per_batch=cfg.max_requests_per_batch,
                                    max_sequences=cfg.max_sequences,
-                                   block_size=cfg.block_size if cfg.allow_block_sharing else None)
+                                   block_size=cfg.block_size if cfg.allow_block_sharing else None,
+                                   chunk_align=self.chunk_align)
         self.prefix = PrefixIndex(cfg.block_size) if cfg.allow_block_sharing else None
         self.requests: dict[str, Request] = {}
         self._kept: collections.OrderedDict[SeqHandle, int] = collections.OrderedDict()   # LRU: seq -> cells
@@ -253,8 +267,10 @@ class Engine:
         if self.prefix is not None and req.num_computed == 0 and self._leader_prefilling(req):
             return None
         hit = None
+        extent = self.scheduler.chunk_extent(req)
         if self.prefix is not None:
-            hit = self.prefix.lookup(req.tokens, req.num_tokens - 1)
+            hit = self.prefix.lookup(req.tokens, req.num_tokens - 1,
+                                     accept=lambda seq, n: self._shareable(seq, n, extent))
         try:
             if hit is not None:
                 if hit.seq in self._kept:
@@ -271,6 +287,7 @@ class Engine:
         except CapacityError:
             return False
         req.seq = seq
+        self._extent[seq] = extent
         if hit is not None:
             req.num_computed = hit.tokens
             req.prefix_hit_tokens += hit.tokens
@@ -280,6 +297,18 @@ class Engine:
         if req.first_scheduled_time < 0:
             req.first_scheduled_time = time.perf_counter()
         return True
+
+    def _shareable(self, seq: SeqHandle, n: int, extent: int) -> bool:
+        """Whether a request of chunk extent ``extent`` may start from ``seq``'s state after ``n`` tokens with
+        the bits of its own unshared path (docs/engine.md): the state must have run the same whole chunks
+        chunked (those below min(C floor(n / C), extent)), and the request must be able to continue from n
+        (n a multiple of C, or at or past its extent, where everything runs recurrently)."""
+        c = self.chunk_align
+        if not c:
+            return True
+        theirs = self._extent.get(seq)
+        whole = n // c * c
+        return theirs is not None and (n % c == 0 or n >= extent) and min(whole, theirs) == min(whole, extent)
 
     def _leader_prefilling(self, req: Request) -> bool:
         """Another running request is prefilling a prompt that shares at least one whole block with
@@ -303,7 +332,8 @@ class Engine:
                 if self._fault_hook is not None:
                     self._fault_hook(plan)
                 logits = self.runner.execute([c.request.seq for c in chunks], [c.tokens for c in chunks],
-                                             [c.needs_logits for c in chunks], [c.start for c in chunks])
+                                             [c.needs_logits for c in chunks], [c.start for c in chunks],
+                                             [c.start < self.scheduler.chunk_extent(c.request) for c in chunks])
                 self.counters.model_seconds += time.perf_counter() - t0
                 break
             except CapacityError as err:

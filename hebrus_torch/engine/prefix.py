@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..state.handles import SeqHandle
 
@@ -64,8 +64,10 @@ class PrefixIndex:
         if tokens:
             self._frontiers[seq] = tuple(tokens)
 
-    def lookup(self, prompt: Sequence[int], max_tokens: int) -> PrefixHit | None:
-        """The longest recorded prefix of ``prompt`` of at most ``max_tokens`` tokens, or None.
+    def lookup(self, prompt: Sequence[int], max_tokens: int,
+               accept: Callable[[SeqHandle, int], bool] | None = None) -> PrefixHit | None:
+        """The longest recorded prefix of ``prompt`` of at most ``max_tokens`` tokens, or None; with
+        ``accept``, only hits ``(seq, length)`` it accepts (the engine's chunk-alignment rule).
 
         A hit at a kept sequence's frontier needs no rewind (``PrefixHit.tokens`` is then that
         sequence's whole length); a block-boundary hit needs a rewind to the boundary.
@@ -73,7 +75,8 @@ class PrefixIndex:
         best: PrefixHit | None = None
         for seq, tokens in self._frontiers.items():
             n = len(tokens)
-            if n <= max_tokens and (best is None or n > best.tokens) and tuple(prompt[:n]) == tokens:
+            if (n <= max_tokens and (best is None or n > best.tokens) and tuple(prompt[:n]) == tokens
+                    and (accept is None or accept(seq, n))):
                 best = PrefixHit(seq, n)
         keys = self._keys(prompt, min(max_tokens, len(prompt)))
         for i in range(len(keys) - 1, -1, -1):
@@ -82,7 +85,7 @@ class PrefixIndex:
                 break
             want = tuple(prompt[:length])
             for seq, tokens in self._entries.get(keys[i], ()):
-                if tokens == want:
+                if tokens == want and (accept is None or accept(seq, length)):
                     return PrefixHit(seq, length)
         return best
 

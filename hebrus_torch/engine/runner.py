@@ -106,8 +106,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool],
-                positions: Sequence[int]) -> torch.Tensor:
-        """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``.
+                positions: Sequence[int], chunked: Sequence[bool] | None = None) -> torch.Tensor:
+        """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``;
+        the GDN layers run row i in the chunked form where ``chunked[i]`` (its whole chunks of 64 aligned
+        positions; the caller cuts rows at aligned positions), else in the recurrent form.
 
         Returns:
             Tensor[n, vocab] float32: the logits at the last token of every row whose ``logit_rows`` is
@@ -120,6 +122,8 @@ class ModelRunner:
         ends = torch.tensor([sum(counts[:i + 1]) - 1 for i, want in enumerate(logit_rows) if want],
                             dtype=torch.int64, device=device)
         with self.cache.transaction(batch) as step:
+            if chunked is not None and any(chunked):
+                step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]
             pos = step.positions
             if pos is None:
                 pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(positions, counts)]

@@ -14,6 +14,15 @@ whenever any of the three lacks cells. When the decodes alone need more cells th
 running request can go on, the newest running requests are preempted (their state is freed; they go
 back to the front of the queue and are recomputed later from prompt plus output). With ``block_size``, a prefill chunk that crosses a block boundary is cut at the last
 boundary it crosses, so the state at that boundary exists and can be shared (prefix sharing).
+
+With ``chunk_align`` (C = 64 when the model's GDN layers run the chunked form in prefill), a request's
+positions below ``A = C * floor(len(prompt) / C)`` (its whole prompt chunks) are cut only at multiples
+of C: a chunk there ends at a multiple of C or at the prompt's end, never past the prompt (after a
+preemption, the recomputed outputs ran recurrently the first time and are fed in later steps). A chunk
+that cannot reach the next multiple of C within the step's budget or free cells waits (0 tokens), and
+holds the rest of the step's budget: no later request prefills and none is admitted in that step, so
+the decodes drain and the waiting request gets a budget of at least C (docs/engine.md: the alignment
+rule, and why it always progresses).
 """
 
 from __future__ import annotations
@@ -70,14 +79,19 @@ class Scheduler:
         max_requests_per_batch: requests per step (None: as many as there are slots).
         max_sequences: sequence slots of the cache (running requests at once).
         block_size: prefill chunks end on multiples of it when they cross one (None: no alignment).
+        chunk_align: prefill chunks below a request's last whole prompt chunk end on multiples of it
+            (the chunked form's chunk size; None: no alignment). Needs max_batch_tokens >= chunk_align.
     """
 
     def __init__(self, *, max_batch_tokens: int | None, max_requests_per_batch: int | None,
-                 max_sequences: int, block_size: int | None = None):
+                 max_sequences: int, block_size: int | None = None, chunk_align: int | None = None):
+        if chunk_align and max_batch_tokens is not None and max_batch_tokens < chunk_align:
+            raise ValueError(f"Scheduler: chunk_align {chunk_align} needs max_batch_tokens >= it, got {max_batch_tokens}")
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.max_sequences = max_sequences
         self.block_size = block_size
+        self.chunk_align = chunk_align
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
@@ -165,12 +179,16 @@ class Scheduler:
             budget -= 1
             free_cells -= 1
 
+        held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:
             if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1:
                 continue
             if not room_for(req, min(req.remaining, budget)) and free_cells < 1:
                 continue
             n = self._chunk(req, min(budget, free_cells))
+            if n == 0:
+                held = True
+                break
             plan.chunks.append(ScheduledChunk(req, n))
             planned[id(req)] = n
             budget -= n
@@ -179,9 +197,9 @@ class Scheduler:
         # A request is admitted when the cells it takes fit beside what the running requests still need
         # (the rest of each one's stream after this step, plus one cell for its next decode), or when
         # nothing runs; none is in a step that had to preempt (the freed cells go to the requests already
-        # running).
+        # running) or whose budget a prefill waiting for an aligned cut holds.
         reserved = sum(r.remaining - planned.get(id(r), 0) + 1 for r in self.running)
-        for req in list(self.waiting if not plan.preempted else ()):
+        for req in list(self.waiting if not plan.preempted and not held else ()):
             if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1):
                 break
             cells = cells_needed(req) if cells_needed is not None else req.remaining
@@ -204,15 +222,31 @@ class Scheduler:
                 budget -= n
                 free_cells -= n
             reserved += req.remaining - n + 1
+            if n == 0:        # admitted, waits for an aligned cut (or cells): holds the rest of the budget
+                break
         return plan
 
+    def chunk_extent(self, req: Request) -> int:
+        """Where ``req``'s positions cut only at multiples of chunk_align end: its last whole prompt chunk
+        (0 without chunk alignment). The chunked form runs below it, the recurrent form from it on."""
+        c = self.chunk_align
+        return len(req.prompt) // c * c if c else 0
+
     def _chunk(self, req: Request, limit: float) -> int:
-        """A prefill chunk of at most ``limit`` tokens; with a block size, one that crosses a block boundary
-        inside the prompt ends on the last one it crosses (the state there can then be shared)."""
+        """A prefill chunk of at most ``limit`` tokens; 0 when it cannot reach an aligned cut (see the module
+        docstring). With a block size, one that crosses a block boundary inside the prompt ends on the last
+        one it crosses (the state there can then be shared), unless that would cut below the chunk extent
+        at a position that is not a multiple of chunk_align."""
         n = int(min(req.remaining, limit))
-        if self.block_size:
-            start, end = req.num_computed, min(req.num_computed + n, len(req.prompt))
+        start, extent = req.num_computed, self.chunk_extent(req)
+        if start < extent:
+            end = min(start + n, len(req.prompt))
+            if end < extent:
+                end -= end % self.chunk_align
+            n = end - start
+        if self.block_size and n > 0:
+            end = min(start + n, len(req.prompt))
             aligned = end - end % self.block_size
-            if start < aligned < start + n:
+            if start < aligned < start + n and (aligned >= extent or aligned % self.chunk_align == 0):
                 n = aligned - start
         return n

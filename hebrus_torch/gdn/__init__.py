@@ -1,7 +1,9 @@
 """Gated-delta-net (linear attention) state: conv tails and recurrent states per sequence slot (SPEC §8)."""
 
-from .delta_rule import gated_delta_rule, l2norm
+from .chunked import chunk_gated_delta_rule_slots
+from .delta_rule import gated_delta_rule, gated_delta_rule_slots, l2norm
 from .forward import gdn_forward
 from .state import GDNSnapshot, GDNState
 
-__all__ = ["GDNState", "GDNSnapshot", "gated_delta_rule", "gdn_forward", "l2norm"]
+__all__ = ["GDNState", "GDNSnapshot", "chunk_gated_delta_rule_slots", "gated_delta_rule", "gated_delta_rule_slots",
+           "gdn_forward", "l2norm"]

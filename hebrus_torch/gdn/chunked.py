@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _validate
+from ..errors import translated
 from .delta_rule import l2norm, recurrent_delta_rule
 
 CHUNK = 64
@@ -163,3 +165,41 @@ def chunk_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if B:
             state_pool[torch.tensor(slots, dtype=torch.long, device=dev)] = states
     return out.to(v.dtype)
+
+
+def chunk_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                                 state_pool: torch.Tensor, slots: torch.Tensor, *, use_qk_l2norm: bool = True,
+                                 scale: float | None = None) -> torch.Tensor:
+    """The gated delta rule of packed rows in the chunked form (``hebrus::gdn_chunk_delta_rule_slots``).
+
+    Row b's tokens are at absolute positions ``start_pos[b] + i``; the whole aligned chunks of
+    :data:`CHUNK` positions they cover run the WY form, the partial chunks at the row's ends the
+    recurrent form with exactly ``gated_delta_rule``'s arithmetic (see the module docstring). Row b's
+    state is read from and written back to ``state_pool[slots[b]]`` in place.
+
+    Args:
+        q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g, beta: Tensor[T, Hv] (float32, float16 or bfloat16;
+            q and k one dtype).
+        cu_seqlens: Tensor[B+1] int32, row boundaries.
+        start_pos: Tensor[B] int64 (>= 0), the absolute position of each row's first token.
+        state_pool: Tensor[S, Hv, Dk, Dv] float32, contiguous (mutated: the rows of ``slots``).
+        slots: Tensor[B] int32, distinct, in [0, S).
+        scale: query scale, default ``Dk ** -0.5``.
+
+    Returns:
+        out: Tensor[T, Hv, Dv] in v's dtype. Every check runs before anything is written. Inference only.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if isinstance(q, torch.Tensor) and q.dim() >= 1 and q.shape[-1] else 1.0
+    with torch.no_grad(), translated():
+        return torch.ops.hebrus.gdn_chunk_delta_rule_slots.default(q, k, v, g, beta, cu_seqlens, start_pos,
+                                                                   state_pool, slots, float(scale),
+                                                                   bool(use_qk_l2norm))
+
+
+@torch.library.register_fake("hebrus::gdn_chunk_delta_rule_slots")
+def _gdn_chunk_delta_rule_slots_fake(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, scale,
+                                     use_qk_l2norm):
+    _validate.gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots)
+    return v.new_empty(v.shape)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _validate
 from ..errors import HebrusError, translated
 
 _OP = "hebrus_torch.gdn.gated_delta_rule"
@@ -22,44 +23,71 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _check(cond: bool, what: str) -> None:
+def _check(cond: bool, what: str, prefix: str = _OP) -> None:
     if not cond:
-        raise HebrusError(f"{_OP}: {what}")
+        raise HebrusError(f"{prefix}: {what}")
+
+
+def _check_inputs(prefix: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int, int, int, int, int]:
+    """The checks both ops share (csrc/gdn_checks.h, check_gdn_inputs: same order and messages); returns
+    (T, Hk, Dk, Hv, Dv, B)."""
+    for name, t in tensors.items():
+        _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}", prefix)
+    devices = {name: t.device for name, t in tensors.items()}
+    _check(len(set(devices.values())) == 1, f"all tensors must be on one device, got "
+                                            f"{ {n: str(d) for n, d in devices.items()} }", prefix)
+    q, k, v, g, beta, cu_seqlens = (tensors[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+           f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}",
+           prefix)
+    T, hk, dk = q.shape
+    _, hv, dv = v.shape
+    _check(tuple(k.shape) == (T, hk, dk), f"k must have q's shape {[T, hk, dk]}, got {list(k.shape)}", prefix)
+    _check(v.shape[0] == T, f"v has {v.shape[0]} tokens, q has {T}", prefix)
+    _check(hk >= 1 and dk >= 1 and hv >= 1 and dv >= 1 and hv % hk == 0,
+           f"value heads ({hv}) must be a positive multiple of key heads ({hk})", prefix)
+    for name, t in (("g", g), ("beta", beta)):
+        _check(tuple(t.shape) == (T, hv), f"{name} must be [T, Hv] = {[T, hv]}, got {list(t.shape)}", prefix)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check(t.dtype in (torch.float32, torch.float16, torch.bfloat16),
+               f"{name} must be float32, float16 or bfloat16, got {t.dtype}", prefix)
+    _check(q.dtype == k.dtype, f"q and k must share a dtype, got {q.dtype} and {k.dtype}", prefix)
+    _check(cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] >= 1,
+           f"cu_seqlens must be a 1-D int32 tensor of B+1 >= 1 entries, got {list(cu_seqlens.shape)} "
+           f"{cu_seqlens.dtype}", prefix)
+    return T, hk, dk, hv, dv, cu_seqlens.shape[0] - 1
 
 
 def check_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           cu_seqlens: torch.Tensor, state: torch.Tensor) -> list[int]:
     """Metadata and cu_seqlens checks (host side, before any work); returns cu_seqlens as a list."""
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "state": state}
-    for name, t in tensors.items():
-        _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}")
-    devices = {name: t.device for name, t in tensors.items()}
-    _check(len(set(devices.values())) == 1, f"all tensors must be on one device, got "
-                                            f"{ {n: str(d) for n, d in devices.items()} }")
-    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-           f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    T, hk, dk = q.shape
-    _, hv, dv = v.shape
-    _check(tuple(k.shape) == (T, hk, dk), f"k must have q's shape {[T, hk, dk]}, got {list(k.shape)}")
-    _check(v.shape[0] == T, f"v has {v.shape[0]} tokens, q has {T}")
-    _check(hk >= 1 and dk >= 1 and hv >= 1 and dv >= 1 and hv % hk == 0,
-           f"value heads ({hv}) must be a positive multiple of key heads ({hk})")
-    for name, t in (("g", g), ("beta", beta)):
-        _check(tuple(t.shape) == (T, hv), f"{name} must be [T, Hv] = {[T, hv]}, got {list(t.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check(t.dtype in (torch.float32, torch.float16, torch.bfloat16),
-               f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    _check(q.dtype == k.dtype, f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
-    _check(cu_seqlens.dim() == 1 and cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] >= 1,
-           f"cu_seqlens must be a 1-D int32 tensor of B+1 >= 1 entries, got {list(cu_seqlens.shape)} "
-           f"{cu_seqlens.dtype}")
-    batch = cu_seqlens.shape[0] - 1
+    T, hk, dk, hv, dv, batch = _check_inputs(_OP, tensors)
     _check(tuple(state.shape) == (batch, hv, dk, dv) and state.dtype == torch.float32,
            f"state must be [B, Hv, Dk, Dv] = {[batch, hv, dk, dv]} float32, got {list(state.shape)} {state.dtype}")
     cu = cu_seqlens.tolist()
     _check(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu[:-1], cu[1:])),
            f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu}")
     return cu
+
+
+def check_delta_rule_slots_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
+                                slots: torch.Tensor) -> int:
+    """Metadata of ``hebrus::gdn_delta_rule_slots`` (csrc/gdn_checks.h: same order and messages; no values
+    read, so it runs on fake tensors too); returns S, the pool's slot count."""
+    op = "gdn_delta_rule_slots"
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "state_pool": state_pool,
+               "slots": slots}
+    T, hk, dk, hv, dv, batch = _check_inputs(f"hebrus::{op}", tensors)
+    _validate._slots(slots, batch, op)
+    _validate.check(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == (hv, dk, dv)
+                    and state_pool.dtype == torch.float32, op,
+                    f"state_pool must be a [S, Hv, Dk, Dv] = (S, {hv}, {dk}, {dv}) float32 tensor, got "
+                    f"{tuple(state_pool.shape)} {state_pool.dtype}")
+    _validate._pool_writable(op, state_pool, "state_pool",
+                             {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "slots": slots})
+    return state_pool.shape[0]
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -98,6 +126,31 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out = torch.ops.hebrus.gdn_delta_rule.default(q, k, v, g, beta, cu_seqlens, new_state, scale,
                                                       bool(use_qk_l2norm))
     return out, new_state
+
+
+def gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, *,
+                           use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+    """:func:`gated_delta_rule` with row b's state read from and written back to ``state_pool[slots[b]]``
+    in place (``hebrus::gdn_delta_rule_slots``); see :func:`hebrus_torch.reference.gdn_delta_rule_slots`.
+
+    Shapes: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens [B+1] int32; state_pool
+    [S, Hv, Dk, Dv] float32 (contiguous, mutated: the rows of ``slots``, the others untouched); slots [B]
+    int32 (distinct, in [0, S)) -> out [T, Hv, Dv] in v's dtype. Every check is the kernel's (a refused
+    call writes nothing); on MPS the value checks (cu_seqlens, slots) are reported at the next
+    synchronization. Inference only.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if isinstance(q, torch.Tensor) and q.dim() >= 1 and q.shape[-1] else 1.0
+    with torch.no_grad(), translated():
+        return torch.ops.hebrus.gdn_delta_rule_slots.default(q, k, v, g, beta, cu_seqlens, state_pool, slots,
+                                                             float(scale), bool(use_qk_l2norm))
+
+
+@torch.library.register_fake("hebrus::gdn_delta_rule_slots")
+def _gdn_delta_rule_slots_fake(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale, use_qk_l2norm):
+    check_delta_rule_slots_args(q, k, v, g, beta, cu_seqlens, state_pool, slots)
+    return v.new_empty(v.shape)
 
 
 @torch.library.register_fake("hebrus::gdn_delta_rule")

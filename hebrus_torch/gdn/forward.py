@@ -28,7 +28,8 @@ def _softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequence[SeqHandle],
-                hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                hidden: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                start_pos: Sequence[int | None] | None = None) -> torch.Tensor:
     """``Qwen4ExpTextGatedDeltaNet.forward`` over a packed step: Tensor[T, hidden] -> Tensor[T, hidden].
 
     Calls the module's own submodules (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
@@ -45,6 +46,8 @@ def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequ
         seqs: one handle per packed row.
         hidden: Tensor[T, hidden_size], the rows' tokens back to back.
         cu_seqlens: Tensor[B+1] int32, row boundaries.
+        start_pos: per row, the absolute position of its first token for rows that run the chunked form
+            (:meth:`GDNState.delta_rule`), None for recurrent rows; None: all recurrent.
     """
     hidden = as_tensor("gdn_forward: hidden", hidden)
     if hidden.dim() != 2:
@@ -66,6 +69,6 @@ def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequ
         mixed = state.conv(layer, seqs, mixed, cu_seqlens, module.conv1d.weight, activation=module.activation)
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         out = state.delta_rule(layer, seqs, cu_seqlens, q.reshape(T, hk, dk), k.reshape(T, hk, dk),
-                               v.reshape(T, hv, dv), g, beta)
+                               v.reshape(T, hv, dv), g, beta, start_pos=start_pos)
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
     return module.out_proj(out)

@@ -14,7 +14,8 @@ from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
-from .delta_rule import gated_delta_rule
+from .chunked import chunk_gated_delta_rule_slots
+from .delta_rule import gated_delta_rule_slots
 
 _KIND = "hebrus_torch.GDNState"
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none", None: "none"}
@@ -39,9 +40,26 @@ class _GDNSavepoint:
     """A point inside an open transaction to return to (see ``GDNState._txn_restore``)."""
 
     undo_len: int
-    staged: dict[str, list[dict[int, tuple[torch.Tensor, int]]]]
     generation: list[int]
     live: list[bool]
+
+
+@dataclass(frozen=True)
+class _SlotUndo:
+    """A lifecycle op's undo: every layer's tails and recurrent state of one slot, as they were."""
+
+    slot: int
+    rows: dict[str, torch.Tensor]   # buffer name -> [layers, ...] of the slot
+
+
+@dataclass(frozen=True)
+class _RowsUndo:
+    """A step's undo: the rows of one layer's pool that the in-place op is about to overwrite."""
+
+    name: str                  # "conv_state" or "recurrent_state"
+    layer: int
+    slots: torch.Tensor        # [B] int32, the index the op runs with
+    rows: torch.Tensor         # [B, ...] the pool rows before the op
 
 
 class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
@@ -52,9 +70,11 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     inputs, oldest first; zero for a fresh sequence), ``recurrent_state`` [layers, S, Hv, Dk, Dv] float32
     (zero for a fresh sequence; it stays float32 under ``.to(dtype)``), ``generation`` [S] int64 and
     ``live`` [S] bool. Sequences are addressed by ``SeqHandle``; a step runs through :meth:`conv` and
-    :meth:`delta_rule` once per layer (or :func:`hebrus_torch.gdn.gdn_forward`), which read each
-    sequence's state by slot and stage the new state; it is published on commit of the enclosing
-    :func:`hebrus_torch.transaction`, or at once when there is none.
+    :meth:`delta_rule` once per layer (or :func:`hebrus_torch.gdn.gdn_forward`), which update each
+    sequence's state in place by slot (``hebrus::ple_conv_slots`` / ``hebrus::gdn_delta_rule_slots``: no
+    gather or scatter of state) after logging the rows they overwrite: a rollback of the enclosing
+    :func:`hebrus_torch.transaction` (or of the call's own, when there is none) restores them bitwise;
+    a commit has nothing left to publish.
 
     Args:
         num_layers: number of GDN layers.
@@ -68,7 +88,7 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     """
 
     _STATE_NAMES = ("conv_state", "recurrent_state", "generation", "live")
-    _SLOT_NAMES = ("conv_state", "recurrent_state")   # per layer and slot; staged inside transactions
+    _SLOT_NAMES = ("conv_state", "recurrent_state")   # per layer and slot; updated in place, undo-logged
 
     def __init__(self, num_layers: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int = 4, max_sequences: int = 64,
@@ -106,13 +126,11 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
             raise HebrusError(f"GDNState: conv_weights has {len(conv_weights)} entries for {num_layers} layers")
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
         self.layer_ids: list[int] | None = None
-        # Staged rows per buffer and layer: slot -> (tensor, row) of the op output holding the slot's new state.
-        self._staged: dict[str, list[dict[int, tuple[torch.Tensor, int]]]] = self._empty_staging()
-        # Undo log of the open transaction: (slot, {buffer: rows}) before each in-place change.
-        self._undo: list[tuple[int, dict[str, torch.Tensor]]] = []
+        # Undo log of the open transaction: what each in-place change overwrote, in order (an entry is
+        # logged before its write, so an exception between the two still finds it).
+        self._undo: list[_SlotUndo | _RowsUndo] = []
         self._base: _GDNSavepoint | None = None
-        self._prepared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._committed = False
+        self._index_cache: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -166,11 +184,9 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         return snap.conv_tails, snap.recurrent
 
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> GDNSnapshot:
-        """A cheap copy of one sequence's current state (staged changes included)."""
+        """A cheap copy of one sequence's current state (an open transaction's changes included)."""
         slot = self.slots.check(seq)
-        tails, rec = (torch.stack([self._staged_row(getattr(self, name)[i], self._staged[name][i], slot)
-                                   for i in range(self.num_layers)]).clone() for name in self._SLOT_NAMES)
-        return GDNSnapshot(seq, position, tails, rec)
+        return GDNSnapshot(seq, position, self.conv_state[:, slot].clone(), self.recurrent_state[:, slot].clone())
 
     def restore(self, seq: SeqHandle, state: GDNSnapshot | bytes) -> None:
         """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
@@ -198,7 +214,8 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
              weight: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
         """The GDN's causal depthwise conv (dilation 1) of a packed step: ``[T, conv_dim]`` -> ``[T, conv_dim]``,
-        through ``hebrus::ple_conv``; stages the new tails.
+        through ``hebrus::ple_conv_slots`` on the tail pool in place (``hebrus::ple_conv`` and a write-back
+        when x is narrower than the tails or the output must carry autograd history).
 
         Args:
             layer: GDN layer index (see :meth:`layer_index`).
@@ -232,25 +249,45 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
             raise HebrusError(f"GDNState.conv: layer {layer} weight must be [conv_dim, K] = {list(want)} (or "
                               f"transformers' [conv_dim, 1, K]), got {got}")
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
-        state = self._gather(self.conv_state[layer], self._staged["conv_state"][layer], slots).to(x.dtype)
-        y, new_state = ple_ops.ple_conv(x, weight, cu_seqlens, state, 1, act)
+        pool = self.conv_state[layer]
+        index = self._slot_index(slots, pool.device)
+        in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         with atomic(self):
-            self._stage(self._staged["conv_state"][layer], slots, new_state.detach().to(self.conv_state.dtype))
+            self._log_rows("conv_state", layer, pool, index)   # before the write: see _log_rows
+            if in_place:
+                # hebrus::ple_conv_slots reads and rewrites the tails in the pool (and refuses before writing).
+                return ple_ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, 1, act)
+            # x narrower than the tails, or an output that must carry autograd history: gather, op, write back.
+            y, new_state = ple_ops.ple_conv(x, weight, cu_seqlens, pool.index_select(0, index).to(x.dtype), 1, act)
+            with torch.no_grad():
+                pool.index_copy_(0, index.long(), new_state.detach().to(pool.dtype))
         return y
 
     def delta_rule(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, q: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                   start_pos: Sequence[int | None] | None = None) -> torch.Tensor:
         """The gated delta rule (qk l2-norm, q scaled by Dk**-0.5) of a packed step from each sequence's
-        recurrent state; stages the new states. Bitwise chunk-invariant (see ``gated_delta_rule``).
+        recurrent state, updated in place in ``recurrent_state[layer]`` by ``hebrus::gdn_delta_rule_slots``
+        (its bits are ``gdn_delta_rule``'s on the gathered states). Bitwise chunk-invariant (see
+        ``gated_delta_rule``).
 
         Args:
             layer: GDN layer index; seqs: one handle per packed row; cu_seqlens: Tensor[B+1] int32.
             q, k: Tensor[T, Hk, Dk]; v: Tensor[T, Hv, Dv]; g (log decay), beta: Tensor[T, Hv].
+            start_pos: per row, the absolute position of its first token for the rows that run the chunked
+                form (``hebrus::gdn_chunk_delta_rule_slots``: the whole chunks of 64 aligned positions a row
+                covers in the WY form, its partial chunks with ``gdn_delta_rule``'s bits), None for the rows
+                that run the recurrent form; None: every row recurrent. Bitwise chunk-invariant for callers
+                that cut a row's stream only at multiples of 64 below where it runs chunked (the engine's
+                scheduler; docs/semantics.md for other cuts).
 
         Returns:
             Tensor[T, Hv, Dv] in v's dtype.
         """
         self._check_layer(layer)
+        if start_pos is not None and len(start_pos) != len(seqs):
+            raise HebrusError(f"GDNState.delta_rule: start_pos must have one entry per row ({len(seqs)}), "
+                              f"got {len(start_pos)}")
         tensors = {"q": as_tensor("GDNState.delta_rule: q", q), "k": as_tensor("GDNState.delta_rule: k", k),
                    "v": as_tensor("GDNState.delta_rule: v", v), "g": as_tensor("GDNState.delta_rule: g", g),
                    "beta": as_tensor("GDNState.delta_rule: beta", beta)}
@@ -265,90 +302,76 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
                 raise HebrusError(f"GDNState.delta_rule: {name} is on {t.device}, the state on "
                                   f"{self.recurrent_state.device}")
         slots = self._slots_of(seqs, cu_seqlens, T, "delta_rule")
-        state = self._gather(self.recurrent_state[layer], self._staged["recurrent_state"][layer], slots)
-        out, new_state = gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, inplace=True)  # state: a private gather
+        pool = self.recurrent_state[layer]
+        index = self._slot_index(slots, pool.device)
         with atomic(self):
-            self._stage(self._staged["recurrent_state"][layer], slots, new_state.detach())
-        return out
+            self._log_rows("recurrent_state", layer, pool, index)   # before the write: see _log_rows
+            if start_pos is None or all(p is None for p in start_pos):
+                return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
+            return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
 
     # ----------------------------------------------------------------------------- transactions
-    def _empty_staging(self) -> dict[str, list[dict[int, tuple[torch.Tensor, int]]]]:
-        return {name: [{} for _ in range(self.num_layers)] for name in self._SLOT_NAMES}
-
     def _txn_begin(self) -> None:
         self._reset_staging()
         self._base = self._txn_savepoint()
 
     def _reset_staging(self) -> None:
-        self._staged = self._empty_staging()
         self._undo = []
-        self._prepared = None
-        self._committed = False
         self._base = None
 
-    def _txn_prepare(self) -> None:
-        """Every allocation of the commit before anything is published: per layer and op output that staged
-        rows, the destination slots, the rows to copy and the rows they replace."""
-        plan = []
-        for name in self._SLOT_NAMES:
-            buffer = getattr(self, name)
-            for layer, staged in enumerate(self._staged[name]):
-                by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-                for slot, (source, row) in staged.items():
-                    entry = by_source.setdefault(id(source), (source, [], []))
-                    entry[1].append(slot)
-                    entry[2].append(row)
-                for source, slots, rows in by_source.values():
-                    dst = torch.tensor(slots, dtype=torch.int64, device=buffer.device)
-                    if rows != list(range(source.shape[0])):
-                        source = source.index_select(0, torch.tensor(rows, dtype=torch.int64, device=source.device))
-                    plan.append((buffer[layer], dst, source, buffer[layer].index_select(0, dst)))
-        self._prepared = plan
-
     def _txn_commit(self) -> None:
-        """One in-place index_copy_ per prepared entry; should one fail, the rows already written are put back."""
-        if self._prepared is None:
-            self._txn_prepare()
-        done = 0
-        try:
-            for target, dst, source, _ in self._prepared:
-                target.index_copy_(0, dst, source)
-                done += 1
-        except BaseException:
-            self._unpublish(self._prepared[:done + 1])
-            raise
-        self._committed = True
+        """Nothing to publish: every change of the block is already in the buffers. Until ``_txn_finish``
+        the undo log is kept, so a rollback (another holder's commit failing) still undoes the block."""
 
     def _txn_finish(self) -> None:
         self._reset_staging()
 
-    def _unpublish(self, entries) -> None:
-        for target, dst, _, old in reversed(entries):
-            target.index_copy_(0, dst, old)
-
     def _txn_rollback(self) -> None:
-        if self._committed:
-            self._unpublish(self._prepared)
         if self._base is not None:
             self._txn_restore(self._base)
         self._reset_staging()
 
     def _txn_savepoint(self) -> _GDNSavepoint:
-        return _GDNSavepoint(len(self._undo), {n: [dict(s) for s in layers] for n, layers in self._staged.items()},
-                             self.slots.generation.tolist(), self.slots.live.tolist())
+        generation, live = self.slots.lists()
+        return _GDNSavepoint(len(self._undo), generation, live)
 
     def _txn_restore(self, sp: _GDNSavepoint) -> None:
-        for slot, rows in reversed(self._undo[sp.undo_len:]):
-            for name, value in rows.items():
-                getattr(self, name)[:, slot] = value
+        for entry in reversed(self._undo[sp.undo_len:]):
+            self._apply_undo(entry)
         del self._undo[sp.undo_len:]
-        self._staged = {n: [dict(s) for s in layers] for n, layers in sp.staged.items()}
         self.slots.load(sp.generation, sp.live)
         self._sync_slot_buffers()
 
+    def _apply_undo(self, entry: _SlotUndo | _RowsUndo) -> None:
+        with torch.no_grad():
+            if isinstance(entry, _SlotUndo):
+                for name, rows in entry.rows.items():
+                    getattr(self, name)[:, entry.slot] = rows
+            else:
+                getattr(self, entry.name)[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
+
+    def _log_rows(self, name: str, layer: int, pool: torch.Tensor, index: torch.Tensor) -> None:
+        """Log the pool rows a step's in-place op is about to overwrite. Called inside ``atomic(self)``
+        BEFORE the op: should anything raise after the op has written (between the write and the end of
+        the call), the rollback finds the entry and restores the rows; a refused op wrote nothing, so
+        restoring its rows changes nothing either. (Logging after the op, as PLEState does, issue 27,
+        would leave such a write in place.)"""
+        self._undo.append(_RowsUndo(name, layer, index, pool.index_select(0, index)))
+
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
-        self._undo.append((slot, {name: getattr(self, name)[:, slot].clone() for name in self._SLOT_NAMES}))
+        self._undo.append(_SlotUndo(slot, {name: getattr(self, name)[:, slot].clone() for name in self._SLOT_NAMES}))
+
+    def _slot_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """``slots`` as an int32 tensor on ``device`` (what the slot ops take), reused while the sequences stay
+        the same (every layer of a step, most steps of a decode). Nothing writes it."""
+        key = (tuple(slots), device)
+        cached = self._index_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        index = torch.tensor(slots, dtype=torch.int32, device=device)
+        self._index_cache = (key, index)
+        return index
 
     # ----------------------------------------------------------------------------- device / dtype moves
     def _check_apply(self, fn) -> None:
@@ -374,7 +397,7 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     # ----------------------------------------------------------------------------- whole-holder state
     def digest(self, seq: SeqHandle | None = None) -> str:
         """sha256 of the public state: config, every slot's generation and live flag, and each live sequence's
-        tails and recurrent states (staged changes included).
+        tails and recurrent states (an open transaction's changes included).
 
         With ``seq``, of that sequence's tails and recurrent states only (not its slot), so two sequences
         with equal state have equal digests. Free slots' rows are not state.
@@ -520,44 +543,44 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
                               f"got {cu}")
         return slots
 
-    @staticmethod
-    def _staged_row(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slot: int) -> torch.Tensor:
-        if slot in staged:
-            source, row = staged[slot]
-            return source[row]
-        return published[slot]
-
-    @staticmethod
-    def _gather(published: torch.Tensor, staged: dict[int, tuple[torch.Tensor, int]], slots: list[int]) -> torch.Tensor:
-        out = published.index_select(0, torch.tensor(slots, dtype=torch.int64, device=published.device))
-        for i, s in enumerate(slots):
-            if s in staged:
-                source, row = staged[s]
-                out[i] = source[row]
-        return out
-
-    @staticmethod
-    def _stage(staged: dict[int, tuple[torch.Tensor, int]], slots: list[int], rows: torch.Tensor) -> None:
-        for i, s in enumerate(slots):
-            staged[s] = (rows, i)
-
     def _clear_slot(self, slot: int) -> None:
         self._log_slot(slot)
-        self._drop_staged(slot)
         self.conv_state[:, slot] = 0
         self.recurrent_state[:, slot] = 0
 
     def _write_slot(self, slot: int, tails: torch.Tensor, rec: torch.Tensor) -> None:
         self._log_slot(slot)
-        self._drop_staged(slot)
         self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
         self.recurrent_state[:, slot] = rec.detach().to(self.recurrent_state.device, torch.float32)
-
-    def _drop_staged(self, slot: int) -> None:
-        for layers in self._staged.values():
-            for staged in layers:
-                staged.pop(slot, None)
 
     def _sync_slot_buffers(self) -> None:
         self.generation.copy_(self.slots.generation)
         self.live.copy_(self.slots.live)
+
+
+def _mixed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: torch.Tensor, pool: torch.Tensor, slots: list[int],
+                      start_pos: list[int | None]) -> torch.Tensor:
+    """The rows with a start position through the chunked op, the others through the recurrent one, each
+    group's rows packed on their own; both update ``pool`` [S, Hv, Dk, Dv] in place at the rows' slots."""
+    dev = pool.device
+    if all(p is not None for p in start_pos):
+        return chunk_gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, torch.tensor(start_pos, dtype=torch.int64,
+                                                                                        device=dev),
+                                            pool, torch.tensor(slots, dtype=torch.int32, device=dev))
+    cu = cu_seqlens.tolist()
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for chunked in (True, False):
+        rows = [b for b, p in enumerate(start_pos) if (p is not None) == chunked]
+        sub_cu = [0]
+        for b in rows:
+            sub_cu.append(sub_cu[-1] + cu[b + 1] - cu[b])
+        ix = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in rows])
+        part = (q[ix], k[ix], v[ix], g[ix], beta[ix], torch.tensor(sub_cu, dtype=torch.int32, device=dev))
+        sub_slots = torch.tensor([slots[b] for b in rows], dtype=torch.int32, device=dev)
+        if chunked:
+            starts = torch.tensor([start_pos[b] for b in rows], dtype=torch.int64, device=dev)
+            out[ix] = chunk_gated_delta_rule_slots(*part[:5], part[5], starts, pool, sub_slots)
+        else:
+            out[ix] = gated_delta_rule_slots(*part, pool, sub_slots)
+    return out
