@@ -13,8 +13,8 @@ namespace {
 
 Tensor gdn_delta_rule_mps(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                           const Tensor& cu_seqlens, Tensor& state, double scale, bool use_qk_l2norm) {
-  const hebrus::glue::Call call =
-      hebrus::glue::gdn_delta_rule(q, k, v, g, beta, cu_seqlens, state, scale, use_qk_l2norm, c10::DeviceType::MPS);
+  const hebrus::glue::Call call = hebrus::glue::gdn_delta_rule(q, k, v, g, beta, cu_seqlens, state, scale,
+                                                               use_qk_l2norm, c10::DeviceType::MPS);
   encode("gdn_delta_rule", call);
   return hebrus::glue::gdn_result(call, v);
 }
