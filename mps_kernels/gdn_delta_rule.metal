@@ -46,6 +46,7 @@ inline void gdn_delta_rule_run(device const T* q, device const T* k, device cons
   constexpr int COLS = HEBRUS_GDN_COLS;
   constexpr int TILE = HEBRUS_GDN_TILE;
   constexpr int DKMAX = DKPL * HEBRUS_SIMD_WIDTH;
+  static_assert(NSG * HEBRUS_SIMD_WIDTH == HEBRUS_GDN_TG && NSG * COLS == HEBRUS_GDN_TG_COLS, "layout");
   const long hv = p.value_heads, dk = p.key_dim, dv = p.value_dim;
   const long block = long(item) % p.col_blocks;
   const long bh = long(item) / p.col_blocks;

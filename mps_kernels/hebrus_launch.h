@@ -50,8 +50,8 @@
 // q and k tiles 2 x 8 x DKMAX x 4 B (16 KiB at k256) + 2 x 8 x 4 B.
 #define HEBRUS_GDN_SIMD_GROUPS 4
 #define HEBRUS_GDN_COLS 4
-#define HEBRUS_GDN_TG (HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH)
-#define HEBRUS_GDN_TG_COLS (HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS)
+#define HEBRUS_GDN_TG 128       // HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH (a literal: the kernels' max_total_threads)
+#define HEBRUS_GDN_TG_COLS 16   // HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS
 #define HEBRUS_GDN_TILE 8
 
 #ifndef __METAL_VERSION__
@@ -69,6 +69,8 @@ static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
 static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
 static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-bit, float, int");
+static_assert(HEBRUS_GDN_TG == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH, "gdn threadgroup");
+static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "gdn columns per threadgroup");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {

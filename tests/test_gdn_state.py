@@ -780,3 +780,22 @@ def test_one_transaction_over_a_ple_state_and_a_gdn_state_rolls_both_back():
             ple.conv(0, [h], torch.randn(3, 8), cu_of([3]))
             ple.conv(0, [h], torch.randn(3, 9), cu_of([3]))        # refused: wrong channel count
     assert (ple.digest(), gdn.digest()) == before
+
+
+def test_undo_buffers_are_reused_and_still_restore_bitwise():
+    """A finished transaction's undo rows are reused by the next (no fresh allocation per decode step);
+    a rollback of that next transaction still restores every row it overwrote."""
+    state = make_state()
+    a, b = state.new_sequence(), state.new_sequence()
+    run_step(state, [a, b], [seq_inputs(1, 1), seq_inputs(1, 2)])
+    first = {t.data_ptr() for t in sum(state._undo_spare.values(), [])}
+    assert first and not state._undo_used
+    run_step(state, [a, b], [seq_inputs(1, 3), seq_inputs(1, 4)])
+    assert {t.data_ptr() for t in sum(state._undo_spare.values(), [])} == first   # the same buffers again
+    before = state.digest()
+    with pytest.raises(RuntimeError, match="abort"):
+        with ht.transaction(state):
+            run_step(state, [a, b], [seq_inputs(1, 5), seq_inputs(1, 6)], txn=False)
+            run_step(state, [b, a], [seq_inputs(2, 7), seq_inputs(1, 8)], txn=False)   # more buffers than spares
+            raise RuntimeError("abort")
+    assert state.digest() == before

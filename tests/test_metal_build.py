@@ -32,13 +32,20 @@ EXPECTED = {
     "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES}
     | {"qsa_attention_check_cells"},
+    "gdn_delta_rule": {f"{op}_k{d}_{t}" for op in ("gdn_delta_rule", "gdn_delta_rule_slots") for d in (32, 64, 128, 256)
+                       for t in TYPES} | {"gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"},
 }
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
-                 "qsa_attention_check_cells"}
+                 "qsa_attention_check_cells", "gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
+    "gdn_delta_rule": ("k32", "k64", "k128", "k256"),
 }
+# Files holding the kernels of several ops (one templated body): the ops, as the host names them.
+FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots")}
+# The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order.
+GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule"))}
 
 
 def stem(path: str) -> str:
@@ -56,7 +63,8 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     variants = VARIANTS.get(stem(path), ("",))
     ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots")
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
-    host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
+    host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),)) for v in variants
+            for d in dtypes}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
 
@@ -108,7 +116,7 @@ def test_mm_glue_typechecks_as_cpp():
     if os.path.exists(stamp):
         return
     results = check_mm_syntax.check_all(jobs=2, bfloat_off_files=1)
-    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 8
+    assert len(results) == len(check_mm_syntax.mm_files()) + 1 >= 9  # every .mm, and one without bfloat
     failed = [f"{name}\n{out}" for name, ok, out in results if not ok]
     assert not failed, "\n".join(failed)
     os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
@@ -144,13 +152,16 @@ def test_glue_binds_buffers_in_kernel_order(path):
     # Each launch of the glue binds its tensors as [[buffer(0..n-1)]], then the stream's error buffer
     # (buffer(n), `err`), then the parameter block (buffer(n + 1), `p`), in the kernel's order.
     kernels = _kernel_buffers(path)
-    main = kernels[stem(path)]
-    (glue,) = [g for g in _glue_buffers(stem(path)) if len(g) > 1]
-    assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
-    for g, k in zip(glue, main):
-        assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
+    fn, mains = GLUE_FN.get(stem(path), (stem(path), (stem(path),)))
+    glues = [g for g in _glue_buffers(fn) if len(g) > 1]
+    assert len(glues) == len(mains)
+    for glue, main_name in zip(glues, mains):
+        main = kernels[main_name]
+        assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
+        for g, k in zip(glue, main):
+            assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
     for name, params in kernels.items():
-        if name != stem(path):  # the check kernels: their inputs, the error buffer, the parameter block
+        if name not in mains:  # the check kernels: their inputs, the error buffer, the parameter block
             assert len(params) >= 3 and params[-2:] == ["err", "p"], (name, params)
 
 
@@ -182,3 +193,11 @@ def test_kernels_built_by_clang_agree_with_gxx():
     for dtype in (torch.float32, torch.bfloat16):
         args = attention_inputs(5, 8, 2, 40, 24, 60, 33, dtype, "scattered")
         assert torch.equal(hebrus_emu.qsa_attention(*args), hebrus_emu.qsa_attention(*args, cxx=msl_emu.CLANG))
+    from test_metal_gdn_delta_rule import make as gdn_inputs
+
+    a = gdn_inputs([9, 0, 2], 2, 4, 33, 20, torch.float16)
+    outs = []
+    for cxx in ("g++", msl_emu.CLANG):
+        pool = a["state_pool"].clone()
+        outs.append((hebrus_emu.gdn_delta_rule_slots(*list(a.values())[:6], pool, a["slots"], 0.2, True, cxx=cxx), pool))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -14,6 +14,13 @@ comparison with the CPU kernel are what must see a wrong access):
 * a pool row one slot off (the pool's guard page stops the launch at the last slot);
 * token threads reading the state that their row's thread updates in place (a race: a schedule that
   runs the row threads first gives other bits).
+
+And for the gated delta rule (gdn_delta_rule.metal), whose state lives in registers and whose token
+tiles go through threadgroup memory: either barrier of the tile loop dropped (a SIMD-group reads a tile
+before it is complete, or refills it while others still read it), the fill's barrier without
+mem_threadgroup, a wrong SIMD-group reduction (simd_max for a sum, the l2norm's sum of squares left
+lane-local), the GQA head repeat off by one or interleaved (h % Hk instead of h / (Hv / Hk)), and the
+pool row one slot off.
 """
 
 from __future__ import annotations
@@ -105,6 +112,20 @@ def ngram_slots_check(**emu):
     assert torch.equal(ids, want_ids) and torch.equal(got, want_pool)
 
 
+def gdn_check(**emu):
+    """The slot form against the CPU kernel (tolerance) under the forward schedule and two others, which
+    must give the same bits (a race between SIMD-groups shows as a difference). Rows longer than a token
+    tile, GQA repeat 2, odd head dims, every slot read (the pool's first and last too)."""
+    from test_metal_gdn_delta_rule import assert_close, cpu_slots, emu_slots, make
+
+    a = make([10, 3, 9], 2, 4, 33, 20, torch.float32, pool_slots=5, seed=21)
+    base = emu_slots(a, **emu)
+    assert_close(base, cpu_slots(a), torch.float32)
+    for sched, seed in (("reverse", 0), ("random", 5)):
+        other = emu_slots(a, sched=sched, seed=seed)
+        assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1])
+
+
 def test_unmutated_kernels_pass_the_checks():
     attention_check()
     select_check()
@@ -112,6 +133,7 @@ def test_unmutated_kernels_pass_the_checks():
     for sched in ("forward", "reverse"):
         conv_slots_check(sched=sched)
         ngram_slots_check(sched=sched)
+    gdn_check()
 
 
 # ---- barriers without mem_threadgroup ---------------------------------------------------------------------
@@ -228,3 +250,38 @@ def test_token_threads_racing_the_in_place_update_are_caught(tmp_path, use, stem
     with pytest.raises(AssertionError):
         check(sched="reverse")  # ... the row threads first: the tail was already shifted
 
+
+
+# ---- the gated delta rule -----------------------------------------------------------------------------
+
+GDN_FILL_BARRIER = "    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is complete\n"
+GDN_REUSE_BARRIER = "    threadgroup_barrier(mem_flags::mem_threadgroup);  // every SIMD-group is done with the tile\n"
+
+
+@pytest.mark.parametrize("old,new", [
+    (GDN_FILL_BARRIER, ""),                                                             # tile read before complete
+    (GDN_REUSE_BARRIER, ""),                                                            # tile refilled while read
+    (GDN_FILL_BARRIER, GDN_FILL_BARRIER.replace("mem_threadgroup", "mem_none")),        # stores not made visible
+    ("const float sk = simd_sum(part);", "const float sk = simd_max(part);"),          # wrong reduction
+    ("        qss = simd_sum(qss);\n", ""),                                              # l2norm over one lane's dims
+    ("const long kh = h / p.rep;", "const long kh = (h + 1) / p.rep;"),                 # head repeat off by one
+    ("const long kh = h / p.rep;", "const long kh = h % p.key_heads;"),                 # heads interleaved
+], ids=["no-fill-barrier", "no-reuse-barrier", "fill-barrier-mem-none", "simd-max", "lane-local-norm",
+        "head-off-by-one", "head-interleaved"])
+def test_gdn_mutations_are_caught(tmp_path, use, old, new):
+    use("gdn_delta_rule", mutated(tmp_path, "gdn_delta_rule", "gdn_delta_rule.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        gdn_check()
+
+
+def test_gdn_pool_row_one_slot_off_hits_the_guard_page(tmp_path, use):
+    use("gdn_delta_rule", mutated(tmp_path, "gdn_delta_rule", "gdn_delta_rule.metal", "    row = slots[b];\n",
+                                  "    row = long(slots[b]) + 1;\n"))
+    with pytest.raises(msl_emu.MSLError, match=r"past the end"):
+        gdn_check()
+
+
+@pytest.mark.parametrize("old", ["precise::exp(g[t * hv + h])", "precise::sqrt(qss + HEBRUS_GDN_L2_EPS)"])
+def test_gdn_fast_math_is_refused(tmp_path, old):
+    with pytest.raises(msl_emu.MSLError, match=r"fast::\w+ is refused by the emulator"):
+        mutated(tmp_path, "gdn_delta_rule", "gdn_delta_rule.metal", old, old.replace("precise::", "fast::"))

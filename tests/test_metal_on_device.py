@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.metal, pytest.mark.mps,
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ("ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool", "qsa_select",
-       "qsa_attention")
+       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots")
 
 
 def mps(*tensors):
@@ -293,3 +293,52 @@ def test_qsa_attention_head_dim_limit():
     q, k, v, tc, scale = attention_inputs(torch.float32, dv=320)
     with pytest.raises(HebrusError, match="head dims up to 256"):
         hebrus_torch.qsa_attention(*mps(q, k, v, tc), scale)
+
+
+# ---- gdn_delta_rule / gdn_delta_rule_slots ------------------------------------------------------------
+
+def gdn_inputs(dtype, lengths=(3, 0, 10, 1), hk=2, hv=4, dk=128, dv=128, pool_slots=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    return dict(q=torch.randn(T, hk, dk, generator=g).to(dtype), k=torch.randn(T, hk, dk, generator=g).to(dtype),
+                v=torch.randn(T, hv, dv, generator=g).to(dtype), g=(-torch.rand(T, hv, generator=g) * 0.5).to(dtype),
+                beta=torch.rand(T, hv, generator=g).to(dtype),
+                cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+                state_pool=torch.randn(pool_slots, hv, dk, dv, generator=g) * 0.3,
+                slots=torch.tensor([6, 0, 3, 2], dtype=torch.int32)[: len(lengths)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_delta_rule_slots_matches_the_cpu_kernel(dtype):
+    a = gdn_inputs(dtype)
+    want_pool = a["state_pool"].clone()
+    want = hebrus_torch.gdn.gated_delta_rule_slots(**{**a, "state_pool": want_pool})  # the CPU kernel
+    got_pool = a["state_pool"].to("mps")
+    got = hebrus_torch.gdn.gated_delta_rule_slots(**{**{k: t.to("mps") for k, t in a.items()}, "state_pool": got_pool})
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_pool.cpu(), want_pool, atol=2e-5, rtol=2e-5)
+    for s in (1, 4, 5):  # untouched slots
+        assert torch.equal(got_pool[s].cpu(), a["state_pool"][s])
+
+
+def test_gdn_delta_rule_chunk_invariance_on_device():
+    a = {k: t.to("mps") for k, t in gdn_inputs(torch.bfloat16, lengths=(19,), hk=2, hv=4, dk=128, dv=64).items()}
+    one = a["state_pool"].clone()
+    out_one = hebrus_torch.gdn.gated_delta_rule_slots(**{**a, "state_pool": one})
+    pool = a["state_pool"].clone()
+    outs = []
+    for lo, hi in ((0, 1), (1, 3), (3, 4), (4, 11), (11, 19)):
+        part = {k: a[k][lo:hi] for k in ("q", "k", "v", "g", "beta")}
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32, device="mps")
+        outs.append(hebrus_torch.gdn.gated_delta_rule_slots(**part, cu_seqlens=cu, state_pool=pool, slots=a["slots"]))
+    assert torch.equal(torch.cat(outs).cpu(), out_one.cpu()) and torch.equal(pool.cpu(), one.cpu())
+
+
+def test_gdn_delta_rule_slots_duplicate_slot_raises_at_synchronize():
+    a = {k: t.to("mps") for k, t in gdn_inputs(torch.float32, dk=16, dv=8).items()}
+    a["slots"] = torch.tensor([6, 0, 3, 0], dtype=torch.int32, device="mps")
+    hebrus_torch.gdn.gated_delta_rule_slots(**a)
+    with pytest.raises(torch.AcceleratorError, match=r"slot 0 appears twice in one batch \(rows 1 and 3\)"):
+        torch.mps.synchronize()
+    torch.mps.synchronize()

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "gdn_checks.h"
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
 #include "op_checks.h"
@@ -356,6 +357,85 @@ inline Call qsa_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& 
                                       plan.dispatch));
   call.outputs = {out};
   return call;
+}
+
+// ---- gdn_delta_rule / gdn_delta_rule_slots ---------------------------------------------------------
+// One kernel body for both (mps_kernels/gdn_delta_rule.metal). The state (pool) is bound as it is,
+// contiguous and checked by gdn_checks.h, and updated in place; cu_seqlens and the slot ids are the
+// kernel's to check. The kernel runs in q's dtype when q, k and v share it; otherwise q, k and v are
+// widened to fp32 (exact) and the fp32 output is narrowed to v's dtype by gdn_result, the one rounding
+// the CPU kernel does too. g and beta are read as fp32 (widened here: [T, Hv], exact).
+
+inline Call gdn_delta_rule_launches(const char* op, bool with_slots, const Tensor& q_in, const Tensor& k_in,
+                                    const Tensor& v_in, const Tensor& g_in, const Tensor& beta_in,
+                                    const Tensor& cu_in, const Tensor& state, const Tensor* slots_in,
+                                    const GdnSizes& sz, double scale, bool use_qk_l2norm) {
+  const bool same = q_in.scalar_type() == v_in.scalar_type();
+  const at::ScalarType kernel_dtype = same ? v_in.scalar_type() : at::kFloat;
+  const char* type = metal_type(op, kernel_dtype);
+  const auto plan = hebrus::metal::plan_gdn_delta_rule(sz.total, sz.batch, sz.hk, sz.hv, sz.dk, sz.dv, sz.pool,
+                                                       scale, use_qk_l2norm);
+  check_plan(op, plan.error);
+  const char* stem = "gdn_delta_rule";  // both ops' kernels live in mps_kernels/gdn_delta_rule.metal
+  Call call;
+  if (sz.batch == 0) {  // no threadgroup would look at cu_seqlens (or the slots): the check kernel does
+    if (with_slots) {
+      Launch l = check_slots_launch(op, cu_in, *slots_in, nullptr, sz.total, sz.pool);
+      l.stem = stem;
+      call.launches.push_back(std::move(l));
+    } else {
+      call.launches.push_back(check_cu_launch(op, cu_in, sz.total));
+    }
+    call.outputs = {at::empty({sz.total, sz.hv, sz.dv}, v_in.options().dtype(kernel_dtype))};
+    return call;
+  }
+  const Tensor q = q_in.to(kernel_dtype).contiguous(), k = k_in.to(kernel_dtype).contiguous();
+  const Tensor v = v_in.to(kernel_dtype).contiguous();
+  const Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  const Tensor cu = cu_in.contiguous();
+  Tensor out = at::empty({sz.total, sz.hv, sz.dv}, v.options());
+  const std::string name = hebrus::metal::kernel_name(op, plan.variant, type);
+  if (with_slots) {
+    const Tensor slots = slots_in->contiguous();
+    call.launches.push_back(make_launch(stem, name,
+                                        {q, k, v, g, beta, cu, state, slots, out},
+                                        {false, false, false, false, false, false, true, false, true}, plan.params,
+                                        plan.dispatch, {false, false, false, false, false, false, true, false, false}));
+  } else {
+    call.launches.push_back(make_launch(stem, name, {q, k, v, g, beta, cu, state, out},
+                                        {false, false, false, false, false, false, true, true}, plan.params,
+                                        plan.dispatch, {false, false, false, false, false, false, true, false}));
+  }
+  call.outputs = {out};
+  return call;
+}
+
+inline Call gdn_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                           const Tensor& cu_seqlens, const Tensor& state, double scale, bool use_qk_l2norm,
+                           c10::DeviceType device) {
+  const char* op = "gdn_delta_rule";
+  check_on_device(op, device, {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
+                               {"cu_seqlens", &cu_seqlens}, {"state", &state}});
+  const GdnSizes sz = check_gdn_delta_rule_args(q, k, v, g, beta, cu_seqlens, state);
+  return gdn_delta_rule_launches(op, false, q, k, v, g, beta, cu_seqlens, state, nullptr, sz, scale, use_qk_l2norm);
+}
+
+inline Call gdn_delta_rule_slots(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& cu_seqlens, const Tensor& state_pool,
+                                 const Tensor& slots, double scale, bool use_qk_l2norm, c10::DeviceType device) {
+  const char* op = "gdn_delta_rule_slots";
+  check_on_device(op, device, {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta},
+                               {"cu_seqlens", &cu_seqlens}, {"state_pool", &state_pool}, {"slots", &slots}});
+  const GdnSizes sz = check_gdn_delta_rule_slots_args(q, k, v, g, beta, cu_seqlens, state_pool, slots);
+  return gdn_delta_rule_launches(op, true, q, k, v, g, beta, cu_seqlens, state_pool, &slots, sz, scale,
+                                 use_qk_l2norm);
+}
+
+// The op's result once the launches ran: the kernel's output in v's dtype (a copy only where the
+// kernel ran in fp32 for mixed dtypes).
+inline Tensor gdn_result(const Call& call, const Tensor& v) {
+  const Tensor& out = call.outputs[0];
+  return out.scalar_type() == v.scalar_type() ? out : out.to(v.scalar_type());
 }
 
 }  // namespace hebrus::glue

@@ -131,6 +131,12 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         self._undo: list[_SlotUndo | _RowsUndo] = []
         self._base: _GDNSavepoint | None = None
         self._index_cache: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
+        # The step undo entries' row buffers: those of the open transaction, and spares from finished ones
+        # by (shape, dtype, device), reused by the next (a decode step's undo of 64 rows is 32 MiB per
+        # layer at Hv = 8, Dk = Dv = 128: a fresh allocation of that size costs more in page faults than
+        # the copy itself).
+        self._undo_used: list[torch.Tensor] = []
+        self._undo_spare: dict[tuple, list[torch.Tensor]] = {}
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -318,6 +324,9 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     def _reset_staging(self) -> None:
         self._undo = []
         self._base = None
+        for buf in self._undo_used:   # no entry refers to them any more
+            self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+        self._undo_used = []
 
     def _txn_commit(self) -> None:
         """Nothing to publish: every change of the block is already in the buffers. Until ``_txn_finish``
@@ -356,7 +365,12 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         the call), the rollback finds the entry and restores the rows; a refused op wrote nothing, so
         restoring its rows changes nothing either. (Logging after the op, as PLEState does, issue 27,
         would leave such a write in place.)"""
-        self._undo.append(_RowsUndo(name, layer, index, pool.index_select(0, index)))
+        key = ((index.shape[0], *pool.shape[1:]), pool.dtype, pool.device)
+        spare = self._undo_spare.get(key)
+        rows = spare.pop() if spare else torch.empty(key[0], dtype=pool.dtype, device=pool.device)
+        self._undo_used.append(rows)
+        torch.index_select(pool, 0, index, out=rows)
+        self._undo.append(_RowsUndo(name, layer, index, rows))
 
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
@@ -383,6 +397,7 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
     def _apply(self, fn, recurse: bool = True):
         # The recurrent state stays float32 (what the delta rule accumulates in): it only follows moves.
         self._check_apply(fn)
+        self._undo_spare = {}
         rec = self._buffers.pop("recurrent_state")
         try:
             device = fn(torch.empty(0, device=rec.device)).device

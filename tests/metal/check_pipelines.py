@@ -34,6 +34,9 @@ KERNELS = {
     "qsa_select": {f"qsa_select_{v}_{t}": 256 for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {**{f"qsa_attention_{v}_{t}": 256 for v in ATTN for t in TYPES},
                       "qsa_attention_check_cells": 256},
+    "gdn_delta_rule": {**{f"{op}_k{d}_{t}": 128 for op in ("gdn_delta_rule", "gdn_delta_rule_slots")
+                          for d in (32, 64, 128, 256) for t in TYPES},
+                       "gdn_delta_rule_check_cu": 256, "gdn_delta_rule_slots_check": 256},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

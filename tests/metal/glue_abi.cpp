@@ -62,5 +62,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("qsa_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tc,
                             double scale) { return to_py(hebrus::glue::qsa_attention(q, k, v, tc, scale, kCpu)); });
+  // The state (pool) is updated in place: the launch binds the caller's tensor itself.
+  m.def("gdn_delta_rule", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta, const at::Tensor& cu, const at::Tensor& state, double scale,
+                             bool l2) {
+    return to_py(hebrus::glue::gdn_delta_rule(q, k, v, g, beta, cu, state, scale, l2, kCpu));
+  });
+  m.def("gdn_delta_rule_slots", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                   const at::Tensor& beta, const at::Tensor& cu, const at::Tensor& pool,
+                                   const at::Tensor& slots, double scale, bool l2) {
+    return to_py(hebrus::glue::gdn_delta_rule_slots(q, k, v, g, beta, cu, pool, slots, scale, l2, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -243,6 +243,20 @@ def qsa_attention(q, k, v, token_cells, scale, **emu):
     return run("qsa_attention", q, k, v, token_cells, float(scale), **emu)[0]
 
 
+def gdn_delta_rule(q, k, v, g, beta, cu_seqlens, state, scale, use_qk_l2norm, **emu):
+    """hebrus::gdn_delta_rule: returns out in v's dtype; state is updated in place (the glue's
+    gdn_result: the fp32 output of a mixed-dtype call narrowed to v's dtype)."""
+    out = run("gdn_delta_rule", q, k, v, g, beta, cu_seqlens, state, float(scale), bool(use_qk_l2norm), **emu)[0]
+    return out if out.dtype == v.dtype else out.to(v.dtype)
+
+
+def gdn_delta_rule_slots(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale, use_qk_l2norm, **emu):
+    """hebrus::gdn_delta_rule_slots: returns out; state_pool's rows at slots are updated in place."""
+    out = run("gdn_delta_rule_slots", q, k, v, g, beta, cu_seqlens, state_pool, slots, float(scale),
+              bool(use_qk_l2norm), **emu)[0]
+    return out if out.dtype == v.dtype else out.to(v.dtype)
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
