@@ -358,4 +358,100 @@ inline Call qsa_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& 
   return call;
 }
 
+// ---- gdn_chunk_delta_rule_slots ----------------------------------------------------------------------
+// The gated delta rule in the chunked form aligned to absolute positions (hebrus_torch/gdn/chunked.py),
+// row b reading and updating state_pool[slots[b]] in place. The grid is sized from shapes (B, Hv, Dv);
+// cu_seqlens, start_pos and the slots are the kernel's to check (nothing is read here).
+struct GdnChunkSizes {
+  int64_t tokens, batch, key_heads, key_dim, value_heads, value_dim, pool;
+};
+
+inline GdnChunkSizes check_gdn_chunk_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& g, const Tensor& beta, const Tensor& cu,
+                                          const Tensor& start_pos, const Tensor& pool, const Tensor& slots) {
+  check_dims(op, q, 3, "q");
+  check_dims(op, k, 3, "k");
+  check_dims(op, v, 3, "v");
+  GdnChunkSizes sz{};
+  sz.tokens = q.size(0);
+  sz.key_heads = q.size(1);
+  sz.key_dim = q.size(2);
+  sz.value_heads = v.size(1);
+  sz.value_dim = v.size(2);
+  HEBRUS_CHECK(k.sizes() == q.sizes(), HebrusError, "hebrus::", op, ": k must have q's shape ", shape_str(q.sizes()),
+               ", got ", shape_str(k.sizes()));
+  HEBRUS_CHECK(v.size(0) == sz.tokens, HebrusError, "hebrus::", op, ": v has ", v.size(0), " tokens, q has ",
+               sz.tokens);
+  HEBRUS_CHECK(sz.key_heads >= 1 && sz.key_dim >= 1 && sz.value_heads >= 1 && sz.value_dim >= 1 &&
+                   sz.value_heads % sz.key_heads == 0,
+               HebrusError, "hebrus::", op, ": value heads (", sz.value_heads,
+               ") must be a positive multiple of key heads (", sz.key_heads, ") and Dk, Dv >= 1");
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"g", &g}, {"beta", &beta}}) {
+    HEBRUS_CHECK(t->dim() == 2 && t->size(0) == sz.tokens && t->size(1) == sz.value_heads, HebrusError, "hebrus::",
+                 op, ": ", name, " must be [T, Hv] = [", sz.tokens, ", ", sz.value_heads, "], got ",
+                 shape_str(t->sizes()));
+  }
+  check_float(op, q, "q");
+  check_same_dtype(op, k, "k", q, "q");
+  check_same_dtype(op, v, "v", q, "q");
+  check_float(op, g, "g");
+  check_same_dtype(op, beta, "beta", g, "g");
+  HEBRUS_CHECK(g.scalar_type() == q.scalar_type() || g.scalar_type() == at::kFloat, HebrusError, "hebrus::", op,
+               " on MPS: g and beta must have q's dtype or float32, got ", dtype_name(g.scalar_type()));
+  sz.batch = check_cu_meta(op, cu);
+  check_dims(op, start_pos, 1, "start_pos");
+  check_dtype(op, start_pos, at::kLong, "start_pos");
+  HEBRUS_CHECK(start_pos.size(0) == sz.batch, HebrusError, "hebrus::", op,
+               ": start_pos must have one entry per row (B = ", sz.batch, "), got ", start_pos.size(0));
+  check_slots_meta(op, slots, sz.batch);
+  check_dims(op, pool, 4, "state_pool");
+  check_dtype(op, pool, at::kFloat, "state_pool");
+  HEBRUS_CHECK(pool.size(1) == sz.value_heads && pool.size(2) == sz.key_dim && pool.size(3) == sz.value_dim,
+               HebrusError, "hebrus::", op, ": state_pool must be [S, Hv, Dk, Dv] = [S, ", sz.value_heads, ", ",
+               sz.key_dim, ", ", sz.value_dim, "], got ", shape_str(pool.sizes()));
+  sz.pool = pool.size(0);
+  check_pool_writable(op, pool, "state_pool",
+                      {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu},
+                       {"start_pos", &start_pos}, {"slots", &slots}});
+  return sz;
+}
+
+inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& g_in,
+                                       const Tensor& beta_in, const Tensor& cu_in, const Tensor& start_pos_in,
+                                       const Tensor& pool, const Tensor& slots_in, double scale, bool use_qk_l2norm,
+                                       c10::DeviceType device) {
+  const char* op = "gdn_chunk_delta_rule_slots";
+  const char* stem = "gdn_chunk_delta_rule";  // mps_kernels/gdn_chunk_delta_rule.metal
+  check_on_device(op, device, {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"g", &g_in}, {"beta", &beta_in},
+                               {"cu_seqlens", &cu_in}, {"start_pos", &start_pos_in}, {"state_pool", &pool},
+                               {"slots", &slots_in}});
+  const GdnChunkSizes sz = check_gdn_chunk_args(op, q_in, k_in, v_in, g_in, beta_in, cu_in, start_pos_in, pool,
+                                                slots_in);
+  const char* type = metal_type(op, q_in.scalar_type());
+  const char* variant = g_in.scalar_type() != q_in.scalar_type() ? "gf32" : "";
+  Call call;
+  if (sz.batch == 0) {  // no threadgroup would look at cu_seqlens: the check kernel does (T must be 0)
+    const auto check = hebrus::metal::plan_check_slots(sz.tokens, 0, sz.pool, 0);
+    check_plan(op, check.error);
+    call.launches.push_back(make_launch(stem, std::string(op) + "_check", {cu_in.contiguous(), slots_in.contiguous()},
+                                        {false, false}, check.params, check.dispatch));
+    call.outputs = {at::empty_like(v_in, at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_gdn_chunk_delta_rule_slots(
+      sz.tokens, sz.batch, sz.key_heads, sz.value_heads, sz.key_dim, sz.value_dim, sz.pool, scale, use_qk_l2norm);
+  check_plan(op, plan.error);
+  const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const Tensor g = g_in.contiguous(), beta = beta_in.contiguous(), cu = cu_in.contiguous();
+  const Tensor start_pos = start_pos_in.contiguous(), slots = slots_in.contiguous();
+  Tensor out = at::empty_like(v);
+  call.launches.push_back(make_launch(stem, hebrus::metal::kernel_name(op, variant, type),
+                                      {q, k, v, g, beta, cu, start_pos, pool, slots, out},
+                                      {false, false, false, false, false, false, false, true, false, true},
+                                      plan.params, plan.dispatch,
+                                      {false, false, false, false, false, false, false, true, false, false}));
+  call.outputs = {out};
+  return call;
+}
+
 }  // namespace hebrus::glue

@@ -62,5 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("qsa_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tc,
                             double scale) { return to_py(hebrus::glue::qsa_attention(q, k, v, tc, scale, kCpu)); });
+  m.def("gdn_chunk_delta_rule_slots", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu,
+                                         const at::Tensor& start_pos, const at::Tensor& pool, const at::Tensor& slots,
+                                         double scale, bool l2norm) {
+    return to_py(hebrus::glue::gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu, start_pos, pool, slots, scale, l2norm,
+                                                          kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -243,6 +243,13 @@ def qsa_attention(q, k, v, token_cells, scale, **emu):
     return run("qsa_attention", q, k, v, token_cells, float(scale), **emu)[0]
 
 
+def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, scale, use_qk_l2norm,
+                               **emu):
+    """hebrus::gdn_chunk_delta_rule_slots: returns out; state_pool's rows at slots are updated in place."""
+    return run("gdn_chunk_delta_rule_slots", q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, float(scale),
+               bool(use_qk_l2norm), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
