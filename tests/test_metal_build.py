@@ -32,9 +32,13 @@ EXPECTED = {
     "qsa_select": {f"qsa_select_{v}_{t}" for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {f"qsa_attention_h{h}_d{d}_{t}" for h in (1, 2, 4, 8) for d in (64, 128, 256) for t in TYPES}
     | {"qsa_attention_check_cells"},
+    "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
+    | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
 }
+# The op of a kernel file whose stem is not the op's name.
+OP_OF = {"gdn_chunk_delta_rule": "gdn_chunk_delta_rule_slots"}
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
-                 "qsa_attention_check_cells"}
+                 "qsa_attention_check_cells", "gdn_chunk_delta_rule_slots_check"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
@@ -56,7 +60,10 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     variants = VARIANTS.get(stem(path), ("",))
     ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots")
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
-    host = {hebrus_emu.kernel_name(stem(path), v, d) for v in variants for d in dtypes}
+    op = OP_OF.get(stem(path), stem(path))
+    host = {hebrus_emu.kernel_name(op, v, d) for v in variants for d in dtypes}
+    if op == "gdn_chunk_delta_rule_slots":  # g and beta in float32 with 16-bit q, k, v
+        host |= {hebrus_emu.kernel_name(op, "gf32", d) for d in dtypes[1:]}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
 
@@ -108,7 +115,7 @@ def test_mm_glue_typechecks_as_cpp():
     if os.path.exists(stamp):
         return
     results = check_mm_syntax.check_all(jobs=2, bfloat_off_files=1)
-    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 8
+    assert len(results) == len(check_mm_syntax.mm_files()) + 1 == 9
     failed = [f"{name}\n{out}" for name, ok, out in results if not ok]
     assert not failed, "\n".join(failed)
     os.makedirs(msl_emu.BUILD_DIR, exist_ok=True)
@@ -144,13 +151,14 @@ def test_glue_binds_buffers_in_kernel_order(path):
     # Each launch of the glue binds its tensors as [[buffer(0..n-1)]], then the stream's error buffer
     # (buffer(n), `err`), then the parameter block (buffer(n + 1), `p`), in the kernel's order.
     kernels = _kernel_buffers(path)
-    main = kernels[stem(path)]
-    (glue,) = [g for g in _glue_buffers(stem(path)) if len(g) > 1]
+    op = OP_OF.get(stem(path), stem(path))
+    main = kernels[op]
+    (glue,) = [g for g in _glue_buffers(op) if len(g) > 1]
     assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
     for g, k in zip(glue, main):
         assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
     for name, params in kernels.items():
-        if name != stem(path):  # the check kernels: their inputs, the error buffer, the parameter block
+        if name != op:  # the check kernels: their inputs, the error buffer, the parameter block
             assert len(params) >= 3 and params[-2:] == ["err", "p"], (name, params)
 
 

@@ -416,6 +416,14 @@ inline GdnChunkSizes check_gdn_chunk_args(const char* op, const Tensor& q, const
   return sz;
 }
 
+// gdn_chunk_delta_rule_slots_check (B == 0): cu_seqlens must be [0] and T == 0.
+inline Launch gdn_chunk_check_launch(const Tensor& cu, const Tensor& slots, int64_t total, int64_t pool) {
+  const auto plan = hebrus::metal::plan_check_slots(total, cu.size(0) - 1, pool, 0);
+  check_plan("gdn_chunk_delta_rule_slots", plan.error);
+  return make_launch("gdn_chunk_delta_rule", "gdn_chunk_delta_rule_slots_check", {cu.contiguous(), slots.contiguous()},
+                     {false, false}, plan.params, plan.dispatch);
+}
+
 inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& g_in,
                                        const Tensor& beta_in, const Tensor& cu_in, const Tensor& start_pos_in,
                                        const Tensor& pool, const Tensor& slots_in, double scale, bool use_qk_l2norm,
@@ -431,10 +439,7 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
   const char* variant = g_in.scalar_type() != q_in.scalar_type() ? "gf32" : "";
   Call call;
   if (sz.batch == 0) {  // no threadgroup would look at cu_seqlens: the check kernel does (T must be 0)
-    const auto check = hebrus::metal::plan_check_slots(sz.tokens, 0, sz.pool, 0);
-    check_plan(op, check.error);
-    call.launches.push_back(make_launch(stem, std::string(op) + "_check", {cu_in.contiguous(), slots_in.contiguous()},
-                                        {false, false}, check.params, check.dispatch));
+    call.launches.push_back(gdn_chunk_check_launch(cu_in, slots_in, sz.tokens, sz.pool));
     call.outputs = {at::empty_like(v_in, at::MemoryFormat::Contiguous)};
     return call;
   }
