@@ -34,6 +34,9 @@ KERNELS = {
     "qsa_select": {f"qsa_select_{v}_{t}": 256 for v in ("k512", "k2048") for t in TYPES},
     "qsa_attention": {**{f"qsa_attention_{v}_{t}": 256 for v in ATTN for t in TYPES},
                       "qsa_attention_check_cells": 256},
+    "gdn_chunk_delta_rule": {**{f"gdn_chunk_delta_rule_slots_{t}": 128 for t in TYPES},
+                             **{f"gdn_chunk_delta_rule_slots_gf32_{t}": 128 for t in TYPES[1:]},
+                             "gdn_chunk_delta_rule_slots_check": 256},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768
