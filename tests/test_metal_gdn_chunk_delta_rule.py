@@ -4,9 +4,9 @@ hebrus::gdn_chunk_delta_rule_slots against ``hebrus_torch.gdn.chunked.chunk_delt
 Dk = Dv = 128 with Hv / Hk = 2 (float32), small odd sizes (Dk, Dv not multiples of 8, a partial
 block of value columns) in every dtype, g and beta in float32 with 16-bit q, k, v, start positions
 0 / 1 / 63 / 64 / 65 and rows of 0 tokens; the pool's rows not named by the slots bitwise
-untouched; the same bits under every fiber schedule, both guard sides and either SIMD-group order
-seed's call (within tolerance across seeds); bitwise invariance under cuts at multiples of 64 and
-under other rows in the batch; bad cu_seqlens, start_pos and slots raised at synchronization with
+untouched; the same bits under every fiber schedule and both guard sides, with FMA contraction and
+with clang, and within tolerance under other orders of the tile products (simd_seed); bitwise
+invariance under cuts at multiples of 64 and under other rows in the batch; bad cu_seqlens, start_pos and slots raised at synchronization with
 nothing written for the faulty rows; metadata errors before any launch. The emulator's runtime
 grows with Dk * Dv * chunks: the shapes are kept to a few chunks.
 """
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal"))
 import hebrus_emu  # noqa: E402
+import msl_emu  # noqa: E402
 
 from hebrus_torch.errors import HebrusError  # noqa: E402
 from hebrus_torch.gdn.chunked import chunk_delta_rule_reference  # noqa: E402
@@ -123,6 +124,18 @@ def test_same_bits_under_every_schedule_and_guard_side(sched, guard):
     a = emu(*args)
     b = emu(*args, sched=sched, seed=3, guard=guard)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_same_bits_with_fp_contraction_and_with_clang():
+    # The kernel pins contraction off; built with -ffp-contract=fast -mfma -O2 it gives the same bits,
+    # and so does a clang build (a second compiler's view: no undefined behaviour either hides).
+    args = make(**SMALL)
+    a = emu(*args)
+    b = emu(*args, contract="fast")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    if msl_emu.have_clang():
+        c = emu(*args, cxx=msl_emu.CLANG)
+        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
 
 
 @pytest.mark.parametrize("simd_seed", [0, 5])
