@@ -109,6 +109,14 @@ def test_without_l2norm():
     assert_matches((q * 0.3, k * 0.3, v, g, beta, cu, sp, pool, slots), l2norm=False)
 
 
+@pytest.mark.parametrize("gate,beta", [(5.0, 1.0), (0.0, 1.0), (0.01, 0.0)], ids=["strong_decay", "no_decay", "beta0"])
+def test_gate_and_beta_extremes(gate, beta):
+    # e^G underflowing across a chunk, no decay with beta = 1 (I + L farthest from I), beta = 0
+    q, k, v, g, b, cu, sp, pool, slots = make([140, 64], [0, 64], dk=32, dv=16, seed=12)
+    g = -torch.rand(g.shape, generator=torch.Generator().manual_seed(1)) * gate
+    assert_matches((q, k, v, g, torch.full_like(b, beta), cu, sp, pool, slots))
+
+
 def test_decode_rows():
     # one token per row: only the recurrent form; positions in every part of a chunk
     args = make([1] * 5, [0, 63, 64, 100, 7], hv=2, dk=24, dv=16, seed=5)
