@@ -217,6 +217,16 @@ def test_bad_values_are_reported_and_write_nothing_for_their_rows(what, edit, me
             assert torch.equal(pool[slots[b]], args[7][slots[b]])  # the faulty row's state: untouched
 
 
+def test_only_empty_rows_leave_the_pool_alone():
+    args = make([0, 0], [3, 64], dk=8, dv=8, seed=10)
+    out, pool = emu(*args)
+    assert out.shape == (0, 2, 8) and torch.equal(pool, args[7])
+    bad = list(args)
+    bad[6] = torch.tensor([3, -1])
+    with pytest.raises(torch.AcceleratorError, match=r"start_pos\[1\] = -1 is negative"):
+        emu(*bad)
+
+
 def test_no_rows_runs_the_check_kernel():
     q = torch.zeros(0, 1, 8)
     v = torch.zeros(0, 2, 8)
