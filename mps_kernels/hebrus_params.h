@@ -15,7 +15,7 @@
 #define HEBRUS_CPU_MAX_TOP_K 4096        // qsa_select: top_k
 #define HEBRUS_MPS_MAX_KEEP 2048         // qsa_select: min(top_k, maxG), the k2048 variant's capacity
 #define HEBRUS_MPS_ATTN_MAX_DIM 256      // qsa_attention: max(Dh, Dv), the d256 variants
-#define HEBRUS_MPS_GDN_MAX_KEY_DIM 128   // gdn_chunk_delta_rule_slots: Dk (state tiles in registers)
+#define HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM 128   // gdn_chunk_delta_rule_slots: Dk (state tiles in registers)
 
 #ifdef __METAL_VERSION__
 typedef long hebrus_i64;
