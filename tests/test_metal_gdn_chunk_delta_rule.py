@@ -2,7 +2,8 @@
 
 hebrus::gdn_chunk_delta_rule_slots against ``hebrus_torch.gdn.chunked.chunk_delta_rule_reference``:
 Dk = Dv = 128 with Hv / Hk = 2 (float32), small odd sizes (Dk, Dv not multiples of 8, a partial
-block of value columns) in every dtype, g and beta in float32 with 16-bit q, k, v, start positions
+block of value columns) in every dtype, g and beta in float32 with 16-bit q, k, v, mixed dtypes as
+the CPU op takes them (run in fp32), start positions
 0 / 1 / 63 / 64 / 65 and rows of 0 tokens; the pool's rows not named by the slots bitwise
 untouched; the same bits under every fiber schedule and both guard sides, with FMA contraction and
 with clang, and within tolerance under other orders of the tile products (simd_seed); bitwise
@@ -102,6 +103,29 @@ def test_float32_gates_with_16_bit_inputs(dtype):
     (launch,) = hebrus_emu.launches("gdn_chunk_delta_rule_slots", *args, 0.5, True)
     assert launch["kernel"].startswith("gdn_chunk_delta_rule_slots_gf32_")
     assert_matches(args)
+
+
+@pytest.mark.parametrize("qdtype,vdtype,gdtype,bdtype", [
+    (torch.float32, torch.bfloat16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.float16, torch.float32),
+    (torch.float16, torch.float32, torch.bfloat16, torch.bfloat16),
+])
+def test_mixed_dtypes_run_in_fp32(qdtype, vdtype, gdtype, bdtype):
+    # What the CPU op accepts: v's dtype apart from q's (the kernel then runs in fp32 and the output is
+    # narrowed to v's dtype), g and beta of any float dtypes (widened to fp32, variant gf32).
+    q, k, v, g, beta, cu, sp, pool, slots = make([66, 4], [0, 62], dk=12, dv=8, seed=13)
+    args = (q.to(qdtype), k.to(qdtype), v.to(vdtype), g.to(gdtype), beta.to(bdtype), cu, sp, pool, slots)
+    (launch,) = hebrus_emu.launches("gdn_chunk_delta_rule_slots", *args, 0.5, True)
+    kt = qdtype if qdtype == vdtype else torch.float32
+    assert launch["kernel"] == hebrus_emu.kernel_name("gdn_chunk_delta_rule_slots",
+                                                      "" if gdtype == bdtype == kt or kt == torch.float32 else "gf32",
+                                                      kt)
+    out, new_pool = emu(*args)
+    want, want_pool = ref(*args)
+    assert out.dtype == vdtype
+    tol = TOL[vdtype if kt == torch.float32 else qdtype] * max(1.0, float(want.float().abs().max()))
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=tol)
+    torch.testing.assert_close(new_pool, want_pool, rtol=0, atol=1e-5 * max(1.0, float(want_pool.abs().max())))
 
 
 def test_without_l2norm():
@@ -246,10 +270,10 @@ def test_no_rows_runs_the_check_kernel():
     (lambda a: a.__setitem__(0, torch.zeros(3, 1, 136)), r"k must have q's shape"),
     (lambda a: (a.__setitem__(0, torch.zeros(3, 1, 136)), a.__setitem__(1, torch.zeros(3, 1, 136)),
                 a.__setitem__(7, torch.zeros(2, 2, 136, 8))), r"on MPS: the Metal kernel takes key dims up to 128"),
-    (lambda a: a.__setitem__(3, a[3].half()), r"beta dtype torch.float32 must match g dtype torch.float16"),
+    (lambda a: a.__setitem__(3, a[3].int()), r"g must have dtype torch.float32 or torch.float16 or torch.bfloat16"),
     (lambda a: a.__setitem__(6, a[6].int()), r"start_pos must have dtype torch.int64"),
     (lambda a: a.__setitem__(7, a[7].double()), r"state_pool must have dtype torch.float32"),
-    (lambda a: a.__setitem__(7, a[7][:, :1]), r"state_pool must be \[S, Hv, Dk, Dv\]"),
+    (lambda a: a.__setitem__(7, a[7][:, :1]), r"state_pool must have shape \(S, Hv, Dk, Dv\)"),
 ])
 def test_metadata_errors_raise_before_any_launch(edit, message):
     args = list(make([3], [0], dk=8, dv=8, seed=9))
