@@ -13,6 +13,7 @@ CPU_MAX_TOP_K = 4096        # qsa_select: top_k                    (HEBRUS_CPU_M
 MPS_MAX_KEEP = 2048         # qsa_select: min(top_k, maxG)         (HEBRUS_MPS_MAX_KEEP)
 MPS_ATTN_MAX_DIM = 256      # qsa_attention: max(Dh, Dv)           (HEBRUS_MPS_ATTN_MAX_DIM)
 MPS_GDN_MAX_KEY_DIM = 256   # gdn_delta_rule(_slots): Dk           (HEBRUS_MPS_GDN_MAX_KEY_DIM)
+MPS_GDN_CHUNK_MAX_KEY_DIM = 128   # gdn_chunk_delta_rule_slots: Dk       (HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM)
 
 # Per device type: the indexer sizes ("dim": D, "heads": Hq, "top_k") past which qsa_select refuses.
 INDEXER_LIMITS: dict[str, dict[str, int]] = {

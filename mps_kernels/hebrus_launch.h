@@ -54,6 +54,18 @@
 #define HEBRUS_GDN_TG_COLS 16   // HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS
 #define HEBRUS_GDN_TILE 8
 
+// gdn_chunk_delta_rule_slots: one threadgroup of 4 SIMD-groups per (row, value head, block of 32 value
+// columns); SIMD-group s owns columns [8s, 8s + 8) of the block. Whole chunks of 64 tokens run the
+// chunked (WY) form in 8x8 simdgroup tiles, Dk <= 128 in tiles of 8 (zero padded). Threadgroup
+// memory: the chunk's 64 x 64 matrix (L, then A; the state block [128, 32] between chunks) 16 KiB,
+// a [64, 32] block (V'; the K and Q slabs [64, 16] while they stream) 8 KiB, the inverted 8x8
+// diagonal blocks of I + L 2 KiB, gates and norms 1 KiB: 27 KiB.
+#define HEBRUS_GDN_CHUNK 64
+#define HEBRUS_GDN_CHUNK_TG 128
+#define HEBRUS_GDN_CHUNK_DVB 32
+#define HEBRUS_GDN_CHUNK_MAX_DK HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM
+#define HEBRUS_GDN_CHUNK_SLAB 16
+
 #ifndef __METAL_VERSION__
 #include <cmath>
 #include <cstdint>
@@ -328,6 +340,33 @@ inline GdnDeltaRulePlan plan_gdn_delta_rule(int64_t tokens, int64_t batch, int64
       static_cast<uint64_t>(batch) * static_cast<uint64_t>(value_heads) * static_cast<uint64_t>(p.col_blocks);
   if (groups * HEBRUS_GDN_TG > kMaxThreads) plan.error = "more than 2^32-1 threads (B * Hv * ceil(Dv / 16) * 128)";
   plan.dispatch = {groups * HEBRUS_GDN_TG, HEBRUS_GDN_TG};
+  return plan;
+}
+
+using GdnChunkPlan = LaunchPlan<GdnChunkParams>;
+
+// Called with Hk, Dk, Hv, Dv >= 1 and B >= 1 (B == 0 runs the check kernel).
+inline GdnChunkPlan plan_gdn_chunk_delta_rule_slots(int64_t tokens, int64_t batch, int64_t key_heads,
+                                                    int64_t value_heads, int64_t key_dim, int64_t value_dim,
+                                                    int64_t pool, double scale, bool l2norm) {
+  static_assert(sizeof(GdnChunkParams) == 9 * 8, "GdnChunkParams: 8 x 64-bit, float, int");
+  GdnChunkPlan plan;
+  GdnChunkParams& p = plan.params;
+  p.tokens = tokens;
+  p.batch = batch;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  p.dv_blocks = static_cast<int64_t>(ceil_div(static_cast<uint64_t>(value_dim), HEBRUS_GDN_CHUNK_DVB));
+  p.pool = pool;
+  p.scale = static_cast<float>(scale);
+  p.l2norm = l2norm ? 1 : 0;
+  if (key_dim > HEBRUS_GDN_CHUNK_MAX_DK) plan.error = "the Metal kernel takes key dims up to 128 (Dk <= 128)";
+  const uint64_t groups = static_cast<uint64_t>(batch) * static_cast<uint64_t>(value_heads) *
+                          static_cast<uint64_t>(p.dv_blocks);
+  if (groups * HEBRUS_GDN_CHUNK_TG > kMaxThreads) plan.error = "more than 2^32-1 threads (B * Hv * ceil(Dv / 32) * 128)";
+  plan.dispatch = {groups * HEBRUS_GDN_CHUNK_TG, HEBRUS_GDN_CHUNK_TG};
   return plan;
 }
 

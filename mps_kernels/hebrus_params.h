@@ -16,6 +16,7 @@
 #define HEBRUS_MPS_MAX_KEEP 2048         // qsa_select: min(top_k, maxG), the k2048 variant's capacity
 #define HEBRUS_MPS_ATTN_MAX_DIM 256      // qsa_attention: max(Dh, Dv), the d256 variants
 #define HEBRUS_MPS_GDN_MAX_KEY_DIM 256   // gdn_delta_rule(_slots): Dk, the k256 variants (Dv: any)
+#define HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM 128   // gdn_chunk_delta_rule_slots: Dk (state tiles in registers)
 
 #ifdef __METAL_VERSION__
 typedef long hebrus_i64;
@@ -189,3 +190,21 @@ struct HebrusSlotsCheckParams {
   hebrus_i64 pool;    // S
   hebrus_i64 heads;   // entries of vocab_sizes (ple_ngram_ids_slots), 0 for ple_conv_slots
 };
+
+// hebrus::gdn_chunk_delta_rule_slots. Threads: batch x value_heads x dv_blocks threadgroups of
+// HEBRUS_GDN_CHUNK_TG, one per (row, value head, block of HEBRUS_GDN_CHUNK_DVB value columns); each
+// runs its row's pieces in order (whole aligned chunks of 64 in the chunked form with simdgroup 8x8
+// tiles, partial chunks in the recurrent form) with its block of the state on chip.
+struct GdnChunkParams {
+  hebrus_i64 tokens;       // T
+  hebrus_i64 batch;        // B
+  hebrus_i64 key_heads;    // Hk
+  hebrus_i64 value_heads;  // Hv (a multiple of Hk)
+  hebrus_i64 key_dim;      // Dk <= HEBRUS_GDN_CHUNK_MAX_DK
+  hebrus_i64 value_dim;    // Dv
+  hebrus_i64 dv_blocks;    // ceil(Dv / HEBRUS_GDN_CHUNK_DVB)
+  hebrus_i64 pool;         // S: slots must lie in [0, S) and be distinct
+  float scale;             // q scale
+  hebrus_i32 l2norm;       // 1: q, k l2-normalised first
+};
+

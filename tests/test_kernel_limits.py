@@ -26,11 +26,13 @@ def test_python_limits_are_the_headers():
     header = header_limits()
     assert header == {"CPU_MAX_HEAD_DIM": _limits.CPU_MAX_HEAD_DIM, "CPU_MAX_QUERY_HEADS": _limits.CPU_MAX_QUERY_HEADS,
                       "CPU_MAX_TOP_K": _limits.CPU_MAX_TOP_K, "MPS_MAX_KEEP": _limits.MPS_MAX_KEEP,
-                      "MPS_ATTN_MAX_DIM": _limits.MPS_ATTN_MAX_DIM, "MPS_GDN_MAX_KEY_DIM": _limits.MPS_GDN_MAX_KEY_DIM}
+                      "MPS_ATTN_MAX_DIM": _limits.MPS_ATTN_MAX_DIM, "MPS_GDN_MAX_KEY_DIM": _limits.MPS_GDN_MAX_KEY_DIM,
+                      "MPS_GDN_CHUNK_MAX_KEY_DIM": _limits.MPS_GDN_CHUNK_MAX_KEY_DIM}
     launch = (HEADER.parent / "hebrus_launch.h").read_text()     # the Metal variants take theirs from the header
     assert "#define HEBRUS_QSA_SELECT_K2048_KMAX HEBRUS_MPS_MAX_KEEP" in launch
     assert "#define HEBRUS_QSA_ATTN_MAX_DIM HEBRUS_MPS_ATTN_MAX_DIM" in launch
     assert "key_dim > HEBRUS_MPS_GDN_MAX_KEY_DIM" in launch
+    assert "#define HEBRUS_GDN_CHUNK_MAX_DK HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM" in launch
 
 
 @pytest.mark.skipif(not has_native_kernel("qsa_select", "cpu"), reason="no native CPU kernel")

@@ -34,18 +34,24 @@ EXPECTED = {
     | {"qsa_attention_check_cells"},
     "gdn_delta_rule": {f"{op}_k{d}_{t}" for op in ("gdn_delta_rule", "gdn_delta_rule_slots") for d in (32, 64, 128, 256)
                        for t in TYPES} | {"gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"},
+    "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
+    | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
 }
+# The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
-                 "qsa_attention_check_cells", "gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"}
+                 "qsa_attention_check_cells", "gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check",
+                 "gdn_chunk_delta_rule_slots_check"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
     "gdn_delta_rule": ("k32", "k64", "k128", "k256"),
 }
 # Files holding the kernels of several ops (one templated body): the ops, as the host names them.
-FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots")}
+FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
+            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",)}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order.
-GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule"))}
+GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
+           "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",))}
 
 
 def stem(path: str) -> str:
@@ -65,6 +71,8 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),)) for v in variants
             for d in dtypes}
+    if "gdn_chunk_delta_rule_slots" in FILE_OPS.get(stem(path), ()):  # g and beta in float32 with 16-bit q, k, v
+        host |= {hebrus_emu.kernel_name("gdn_chunk_delta_rule_slots", "gf32", d) for d in dtypes[1:]}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
 

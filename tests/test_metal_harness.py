@@ -13,6 +13,7 @@ import os
 import struct
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,3 +208,69 @@ def test_simd_sum_order_is_a_random_tree(mod):
         mod.dispatch("simd_order_assumed", [x, same], grid=(32,), tg=(32,), simd_seed=seed)
         seen.add(int(same))
     assert 0 in seen  # a kernel that assumes lane order is caught
+
+
+# ---- simdgroup_matrix (shim: simdgroup_matrix<T, 8, 8>, mat_multiply, mat_load, mat_store) ----------------
+
+@pytest.mark.parametrize("transpose_b", [0, 1])
+@pytest.mark.parametrize("sched", msl_emu.SCHEDULES)
+def test_simdgroup_matrix_gemm16(mod, transpose_b, sched):
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    c = torch.full((16, 16), float("nan"))
+    mod.dispatch("mat_gemm16", [a, b, c, u32(transpose_b)], grid=(1,), tg=(32,), threads=False, sched=sched, seed=2)
+    ref = a.double().numpy() @ (b.double().numpy().T if transpose_b else b.double().numpy())
+    assert np.allclose(c.double().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_simdgroup_matrix_half_and_thread_elements(mod):
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(8, 8, generator=g).half(), torch.randn(8, 8, generator=g).half()
+    d, elems = torch.zeros(8, 8, dtype=torch.half), torch.zeros(64, dtype=torch.half)
+    mod.dispatch("mat_half", [a, b, d, elems], grid=(1,), tg=(32,), threads=False, simd_seed=0)
+    # lane order, every product and partial sum rounded to half (the accumulator is the element type)
+    ref = torch.zeros(8, 8, dtype=torch.half)
+    for k in range(8):
+        ref = (ref.float() + (a[:, k:k + 1].float() * b[k:k + 1, :].float()).half().float()).half()
+    assert torch.equal(d, ref)
+    lane = np.arange(32)
+    row = (lane // 4 & 4) + (lane // 2) % 4
+    col = (lane // 4 & 2) * 2 + (lane % 2) * 2
+    want = torch.stack([d[row, col], d[row, col + 1]], 1).reshape(-1)
+    assert torch.equal(elems, want)  # thread_elements(): lane l holds (row, col) and (row, col + 1)
+
+
+def test_simdgroup_matrix_divergent(mod):
+    with pytest.raises(msl_emu.MSLError, match=f"SIMD-group function at .*bad_kernels.metal:"
+                                               f"{line_of('if (lane < 16) simdgroup_multiply_accumulate')} "
+                                               r"called in divergent control flow"):
+        mod.dispatch("mat_divergent", [torch.randn(64), torch.zeros(64)], grid=(1,), tg=(32,), threads=False)
+
+
+@pytest.mark.parametrize("guard", ["end", "start"])
+def test_simdgroup_load_out_of_bounds(mod, guard):
+    a = torch.randn(10 * 8)
+    mod.dispatch("mat_load_oob", [a, torch.zeros(64), u32(2)], grid=(1,), tg=(32,), threads=False, guard=guard)
+    with pytest.raises(msl_emu.MSLError, match=r"buffer\(0\) holds 320 bytes, accessed at byte offset 320 \(past the end\)"):
+        mod.dispatch("mat_load_oob", [a, torch.zeros(64), u32(3)], grid=(1,), tg=(32,), threads=False)
+    with pytest.raises(msl_emu.MSLError, match=r"threadgroup pointer access at element 64 out of bounds \[0, 64\)"):
+        mod.dispatch("mat_tg_oob", [torch.zeros(64)], grid=(1,), tg=(32,), threads=False)
+
+
+def test_simdgroup_load_arguments_must_be_uniform(mod):
+    with pytest.raises(msl_emu.MSLError, match=r"simdgroup_load at .*differ between the lanes"):
+        mod.dispatch("mat_nonuniform", [torch.randn(80), torch.zeros(64)], grid=(1,), tg=(32,), threads=False)
+
+
+def test_simdgroup_multiply_order_is_a_random_tree(mod):
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(8, 8, generator=g) * torch.logspace(-4, 4, 8)).float()
+    b = torch.randn(8, 8, generator=g)
+    same = torch.zeros(1, dtype=torch.int32)
+    mod.dispatch("mat_order_assumed", [a, b, same], grid=(1,), tg=(32,), threads=False, simd_seed=0)
+    assert int(same) == 1  # lane order: bitwise the products summed in index order
+    seen = set()
+    for seed in range(1, 6):
+        mod.dispatch("mat_order_assumed", [a, b, same], grid=(1,), tg=(32,), threads=False, simd_seed=seed)
+        seen.add(int(same))
+    assert 0 in seen  # a kernel that assumes an order is caught

@@ -126,6 +126,14 @@ def gdn_check(**emu):
         assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1])
 
 
+
+def gdn_chunk_check(**emu):
+    from test_metal_gdn_chunk_delta_rule import assert_matches, make
+
+    # a whole chunk between partial ones, Dk of two slabs (the second partial), slots 0 and S - 1
+    assert_matches(make([150, 3], [40, 64], dk=20, dv=12, seed=11), **emu)
+
+
 def test_unmutated_kernels_pass_the_checks():
     attention_check()
     select_check()
@@ -134,6 +142,8 @@ def test_unmutated_kernels_pass_the_checks():
         conv_slots_check(sched=sched)
         ngram_slots_check(sched=sched)
     gdn_check()
+    for sched in ("forward", "reverse", "random"):
+        gdn_chunk_check(sched=sched, seed=1)
 
 
 # ---- barriers without mem_threadgroup ---------------------------------------------------------------------
@@ -167,6 +177,7 @@ def test_barrier_with_device_flag_only_is_caught(tmp_path, use):
     ("qsa_pool", "precise::cos(angle)"),
     ("qsa_pool", "precise::rsqrt("),
     ("qsa_attention", "precise::exp(s - m_sub)"),
+    ("gdn_chunk_delta_rule", "precise::exp(glast)"),
 ])
 def test_fast_math_is_refused(tmp_path, stem, old):
     with pytest.raises(msl_emu.MSLError, match=r"fast::\w+ is refused by the emulator"):
@@ -285,3 +296,50 @@ def test_gdn_pool_row_one_slot_off_hits_the_guard_page(tmp_path, use):
 def test_gdn_fast_math_is_refused(tmp_path, old):
     with pytest.raises(msl_emu.MSLError, match=r"fast::\w+ is refused by the emulator"):
         mutated(tmp_path, "gdn_delta_rule", "gdn_delta_rule.metal", old, old.replace("precise::", "fast::"))
+
+
+# ---- gdn_chunk_delta_rule: barriers and tiles ---------------------------------------------------------------
+
+GDN = "gdn_chunk_delta_rule"
+# The barrier between staging the K / Q slabs and the SIMD-groups' tile loads of pass A.
+GDN_SLAB_BARRIER = ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n        for (long tt = 0; tt < 2; ++tt) {\n"
+                    "          const long d = sl * 2 + tt;\n          if (d >= dkt) {\n            break;\n          }\n"
+                    "          simdgroup_float8x8 kt[8];")
+# The barrier that publishes the inverted diagonal blocks before the solve reads them.
+GDN_TINV_BARRIER = ("          tinv[I * 64 + r * 8 + c] = acc;\n        }\n      }\n"
+                    "      threadgroup_barrier(mem_flags::mem_threadgroup);")
+
+
+@pytest.mark.parametrize("old,new", [
+    (GDN_SLAB_BARRIER, GDN_SLAB_BARRIER.replace("        threadgroup_barrier(mem_flags::mem_threadgroup);\n", "", 1)),
+    (GDN_TINV_BARRIER, GDN_TINV_BARRIER.replace("mem_flags::mem_threadgroup", "mem_flags::mem_none")),
+], ids=["dropped", "mem_none"])
+def test_gdn_chunk_barrier_mutations_are_caught(tmp_path, use, old, new):
+    use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        for sched in ("forward", "reverse", "random"):
+            gdn_chunk_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    # pass A: K_J^T from the slab's first 8 key dims for both tile columns
+    ("simdgroup_load(kt[J], kslab + J * 8 * GDN_SLAB + tt * 8, GDN_SLAB, ulong2(0, 0), true);",
+     "simdgroup_load(kt[J], kslab + J * 8 * GDN_SLAB, GDN_SLAB, ulong2(0, 0), true);"),
+    # the solve: the tile of M at (J, I) instead of (I, J)
+    ("simdgroup_load(mij, matp + I * 8 * GDN_C + J * 8, GDN_C);",
+     "simdgroup_load(mij, matp + J * 8 * GDN_C + I * 8, GDN_C);"),
+    # pass B: K^T not transposed
+    ("simdgroup_load(kt, kslab + I * 8 * GDN_SLAB + tt * 8, GDN_SLAB, ulong2(0, 0), true);",
+     "simdgroup_load(kt, kslab + I * 8 * GDN_SLAB + tt * 8, GDN_SLAB);"),
+], ids=["slab_origin", "transposed_tile", "no_transpose"])
+def test_gdn_chunk_wrong_tiles_are_caught(tmp_path, use, old, new):
+    use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        gdn_chunk_check()
+
+
+def test_gdn_chunk_state_one_slot_off_hits_the_guard_page(tmp_path, use):
+    use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", "state_pool + (long(slots[b]) * hv + h) * dk * dv;",
+                     "state_pool + ((long(slots[b]) + 1) * hv + h) * dk * dv;"))
+    with pytest.raises(msl_emu.MSLError, match=r"past the end"):
+        gdn_chunk_check()

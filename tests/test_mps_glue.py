@@ -26,8 +26,9 @@ pytestmark = [pytest.mark.metal,
 
 MPS_DIR = os.path.join(msl_emu.REPO, "csrc", "mps")
 OPS = ("ple_conv", "ple_ngram_ids", "ple_conv_slots", "ple_ngram_ids_slots", "qsa_pool", "qsa_select",
-       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots")
-MM_FILE = {"gdn_delta_rule_slots": "gdn_delta_rule"}  # ops whose .mm another op's file is
+       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots")
+# csrc/mps/<file>.mm of an op, where not its name
+MM_FILE = {"gdn_delta_rule_slots": "gdn_delta_rule", "gdn_chunk_delta_rule_slots": "gdn_chunk_delta_rule"}
 
 # What a host read of a device tensor, or a wait for the GPU, looks like in C++ / Objective-C++.
 HOST_READS = {
@@ -93,9 +94,8 @@ def test_mm_only_encodes_what_the_glue_decides(op):
     assert statements[0].startswith(f"const hebrus::glue::Call call = hebrus::glue::{op}(")
     assert statements[0].endswith("c10::DeviceType::MPS)")
     assert statements[1] == f'encode("", call)'  # literals are blanked by strip_comments
-    # the kernel's output as it is, or the glue's gdn_result (the fp32 output of mixed dtypes narrowed)
-    assert statements[2].startswith("return") and ("call.outputs" in statements[2]
-                                                   or statements[2] == "return hebrus::glue::gdn_result(call, v)")
+    # the outputs, or the glue's <op>_result(call, ...) of them (a dtype narrowing after the launches)
+    assert statements[2].startswith("return") and ("call.outputs" in statements[2] or "_result(call" in statements[2])
 
 
 def test_encode_is_setarg_error_buffer_and_dispatch_only():

@@ -168,3 +168,108 @@ kernel void simd_order_assumed(device const float* in [[buffer(0)]], device uint
   }
   if (lane == 0) same[0] = s == seq ? 1u : 0u;
 }
+
+// ---- simdgroup_matrix --------------------------------------------------------------------------------
+
+// Correct: C[16, 16] = A[16, 16] B[16, 16] (or A B^T with transpose_b) in 8x8 tiles, one SIMD-group. A
+// is read from device memory through matrix_origin, B staged through threadgroup memory and read
+// through pointer offsets; C stored to device memory.
+kernel void mat_gemm16(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                       device float* c [[buffer(2)]], constant uint& transpose_b [[buffer(3)]],
+                       uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float bt[256];
+  for (uint i = lane; i < 256; i += 32) bt[i] = b[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const float* bp = bt;
+  for (uint ti = 0; ti < 2; ++ti) {
+    for (uint tj = 0; tj < 2; ++tj) {
+      simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint tk = 0; tk < 2; ++tk) {
+        simdgroup_float8x8 x, y;
+        simdgroup_load(x, a, 16, ulong2(tk * 8, ti * 8));
+        if (transpose_b != 0u) {
+          simdgroup_load(y, bp + tj * 8 * 16 + tk * 8, 16, ulong2(0, 0), true);
+        } else {
+          simdgroup_load(y, bp + tk * 8 * 16 + tj * 8, 16);
+        }
+        simdgroup_multiply_accumulate(acc, x, y, acc);
+      }
+      simdgroup_store(acc, c + ti * 8 * 16 + tj * 8, 16);
+    }
+  }
+}
+
+// Correct: D = A B (no accumulator) in half, stored through thread_elements() read back.
+kernel void mat_half(device const half* a [[buffer(0)]], device const half* b [[buffer(1)]],
+                     device half* d [[buffer(2)]], device half* elems [[buffer(3)]],
+                     uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_half8x8 x, y, z;
+  simdgroup_load(x, a);
+  simdgroup_load(y, b);
+  simdgroup_multiply(z, x, y);
+  simdgroup_store(z, d);
+  elems[lane * 2] = z.thread_elements()[0];
+  elems[lane * 2 + 1] = z.thread_elements()[1];
+}
+
+// BUG: a multiply-accumulate that only half of the lanes reach.
+kernel void mat_divergent(device const float* a [[buffer(0)]], device float* c [[buffer(1)]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 x, acc = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  simdgroup_load(x, a);
+  if (lane < 16) simdgroup_multiply_accumulate(acc, x, x, acc);
+  simdgroup_store(acc, c);
+}
+
+// BUG: an 8x8 tile read from a buffer of rows * 8 floats at row `row0`: past the end when row0 > rows - 8.
+kernel void mat_load_oob(device const float* a [[buffer(0)]], device float* c [[buffer(1)]],
+                         constant uint& row0 [[buffer(2)]]) {
+  simdgroup_float8x8 x;
+  simdgroup_load(x, a + row0 * 8);
+  simdgroup_store(x, c);
+}
+
+// BUG: an 8x8 tile read from threadgroup memory one row past a 64-float array.
+kernel void mat_tg_oob(device float* c [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float t[64];
+  t[lane] = 1.0f;
+  t[lane + 32] = 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const float* tp = t;
+  simdgroup_float8x8 x;
+  simdgroup_load(x, tp + 8);
+  simdgroup_store(x, c);
+}
+
+// BUG: a tile pointer that differs between lanes (must be uniform over the SIMD-group).
+kernel void mat_nonuniform(device const float* a [[buffer(0)]], device float* c [[buffer(1)]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 x;
+  simdgroup_load(x, a + (lane / 16) * 8);
+  simdgroup_store(x, c);
+}
+
+// A tile product compared bitwise with the products summed in index order: true only on hardware
+// that adds in that order; the emulator's tree is random (simd_seed).
+kernel void mat_order_assumed(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]],
+                              device uint* same [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 x, y, z;
+  simdgroup_load(x, a);
+  simdgroup_load(y, b);
+  simdgroup_multiply(z, x, y);
+  threadgroup float t[64];
+  threadgroup float* tp = t;
+  simdgroup_store(z, tp);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) {
+    uint ok = 1u;
+    for (uint i = 0; i < 8; ++i) {
+      for (uint j = 0; j < 8; ++j) {
+        float s = a[i * 8] * b[j];
+        for (uint k = 1; k < 8; ++k) s = s + a[i * 8 + k] * b[k * 8 + j];
+        ok = ok & (s == t[i * 8 + j] ? 1u : 0u);
+      }
+    }
+    same[0] = ok;
+  }
+}

@@ -37,6 +37,9 @@ KERNELS = {
     "gdn_delta_rule": {**{f"{op}_k{d}_{t}": 128 for op in ("gdn_delta_rule", "gdn_delta_rule_slots")
                           for d in (32, 64, 128, 256) for t in TYPES},
                        "gdn_delta_rule_check_cu": 256, "gdn_delta_rule_slots_check": 256},
+    "gdn_chunk_delta_rule": {**{f"gdn_chunk_delta_rule_slots_{t}": 128 for t in TYPES},
+                             **{f"gdn_chunk_delta_rule_slots_gf32_{t}": 128 for t in TYPES[1:]},
+                             "gdn_chunk_delta_rule_slots_check": 256},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

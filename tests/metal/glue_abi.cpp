@@ -73,5 +73,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                    const at::Tensor& slots, double scale, bool l2) {
     return to_py(hebrus::glue::gdn_delta_rule_slots(q, k, v, g, beta, cu, pool, slots, scale, l2, kCpu));
   });
+  m.def("gdn_chunk_delta_rule_slots", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu,
+                                         const at::Tensor& start_pos, const at::Tensor& pool, const at::Tensor& slots,
+                                         double scale, bool l2norm) {
+    return to_py(hebrus::glue::gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu, start_pos, pool, slots, scale, l2norm,
+                                                          kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

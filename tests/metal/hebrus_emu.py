@@ -257,6 +257,15 @@ def gdn_delta_rule_slots(q, k, v, g, beta, cu_seqlens, state_pool, slots, scale,
     return out if out.dtype == v.dtype else out.to(v.dtype)
 
 
+
+def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, scale, use_qk_l2norm,
+                               **emu):
+    """hebrus::gdn_chunk_delta_rule_slots: returns out; state_pool's rows at slots are updated in place."""
+    out = run("gdn_chunk_delta_rule_slots", q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, float(scale),
+              bool(use_qk_l2norm), **emu)[0]
+    return out.to(v.dtype)  # hebrus_glue.h gdn_chunk_result: the fp32 output of mixed dtypes narrowed to v's
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

@@ -262,6 +262,7 @@ class Module:
         r = subprocess.run([tool, "-e", self.path, "-i", hex(int(m.group(1), 16))], capture_output=True, text=True)
         where = [ln for ln in r.stdout.split() if ln and not ln.startswith("??")]
         kernel_lines = [w for w in where if w.split(":")[0].endswith((".metal", ".h"))]
+        kernel_lines.sort(key=lambda w: os.path.dirname(w.split(":")[0]) == SHIM)  # the kernel's own line first
         if where:
             msg = msg.replace(m.group(0), "at " + (kernel_lines or where)[0])
         return msg

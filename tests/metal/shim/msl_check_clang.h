@@ -53,6 +53,31 @@ template <class T> T simd_prefix_inclusive_sum(T); template <class T> T simd_pre
 template <class T> T simd_shuffle(T, ushort); template <class T> T simd_shuffle_down(T, ushort); template <class T> T simd_shuffle_up(T, ushort);
 template <class T> T simd_shuffle_xor(T, ushort); template <class T> T simd_broadcast(T, ushort); template <class T> T simd_broadcast_first(T);
 bool simd_all(bool); bool simd_any(bool); bool simd_is_first();
+// simdgroup_matrix (MSL 2.3+): loads and stores from device or threadgroup memory only.
+template <class T, int Cols, int Rows> struct simdgroup_matrix { vec<T, 2>& thread_elements(); };
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+template <class T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(const T value);
+template <class T, int C, int R> void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const device T* src,
+                                                     ulong elements_per_row = C, ulong2 matrix_origin = 0,
+                                                     bool transpose_matrix = false);
+template <class T, int C, int R> void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const threadgroup T* src,
+                                                     ulong elements_per_row = C, ulong2 matrix_origin = 0,
+                                                     bool transpose_matrix = false);
+template <class T, int C, int R> void simdgroup_store(thread simdgroup_matrix<T, C, R> a, device T* dst,
+                                                      ulong elements_per_row = C, ulong2 matrix_origin = 0,
+                                                      bool transpose_matrix = false);
+template <class T, int C, int R> void simdgroup_store(thread simdgroup_matrix<T, C, R> a, threadgroup T* dst,
+                                                      ulong elements_per_row = C, ulong2 matrix_origin = 0,
+                                                      bool transpose_matrix = false);
+template <class T, int C, int R, int K> void simdgroup_multiply(thread simdgroup_matrix<T, C, R>& d,
+                                                                thread const simdgroup_matrix<T, K, R>& a,
+                                                                thread const simdgroup_matrix<T, C, K>& b);
+template <class T, int C, int R, int K> void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, C, R>& d,
+                                                                           thread const simdgroup_matrix<T, K, R>& a,
+                                                                           thread const simdgroup_matrix<T, C, K>& b,
+                                                                           thread const simdgroup_matrix<T, C, R>& c);
 // Atomics exist for device and threadgroup objects only, as in MSL.
 enum memory_order { memory_order_relaxed };
 // C11 _Atomic (a clang extension in C++): a scalar type, so threadgroup atomics need no constructor.
@@ -80,5 +105,6 @@ template <class A> int atomic_load_explicit(const volatile threadgroup A* o, mem
 #define uint2(...) ::metal::make<::metal::uint2>(__VA_ARGS__)
 #define uint3(...) ::metal::make<::metal::uint3>(__VA_ARGS__)
 #define uint4(...) ::metal::make<::metal::uint4>(__VA_ARGS__)
+#define ulong2(...) ::metal::make<::metal::ulong2>(__VA_ARGS__)
 #define double msl_error_double_is_not_supported_in_MSL
 #define std msl_error_namespace_std_does_not_exist_in_MSL__use_metal

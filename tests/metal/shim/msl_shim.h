@@ -10,7 +10,9 @@
 //   * strict mode: a barrier or SIMD-group function that not every live thread of the threadgroup /
 //     every launched lane of the SIMD-group reaches at the same call site is an error;
 //   * a small assembly context switch on x86-64 (ucontext elsewhere), ~30x faster than swapcontext.
-// Covers the compute subset the hebrus kernels use (no textures, samplers, simdgroup_matrix).
+//   * simdgroup_matrix<T, 8, 8> (float, half, bfloat): loads, stores and products as SIMD-group functions,
+//     each lane holding its two elements, the 8 products of an element summed in a random binary tree.
+// Covers the compute subset the hebrus kernels use (no textures, samplers).
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -829,6 +831,154 @@ template <class T> inline T simd_broadcast_first(T v, MSL_SIMD_ARGS) { auto& f =
 inline bool simd_all(bool b, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(b, file, line); for (int l = 0; l < msl_rt::SIMD; l++) if ((f.view_mask >> l & 1) && !msl_rt::lane_val<bool>(f, l)) return false; return true; }
 inline bool simd_any(bool b, MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(b, file, line); for (int l = 0; l < msl_rt::SIMD; l++) if ((f.view_mask >> l & 1) && msl_rt::lane_val<bool>(f, l)) return true; return false; }
 inline bool simd_is_first(MSL_SIMD_ARGS) { auto& f = msl_rt::exchange(0, file, line); return int(msl_rt::me().lin % msl_rt::SIMD) == __builtin_ctz(f.view_mask); }
+}  // namespace metal
+
+// ---- simdgroup_matrix<T, 8, 8> ------------------------------------------------------------------------
+// An 8x8 matrix spread over the 32 lanes of a SIMD-group: each lane holds two elements, (row, col) and
+// (row, col + 1) of simd_matrix_coord() (the layout MLX's steel kernels assume for Apple GPUs; only the
+// hardware is authoritative, so a kernel that touches thread_elements() depends on it). Every
+// function below is a SIMD-group function: it exchanges the lanes' elements (or arguments) through
+// the SIMD-group exchange, so in strict mode every lane must reach the same call site, and a load or
+// store whose pointer, elements_per_row, origin or transpose flag differ between lanes is refused.
+// Loads and stores go through the lane's own pointer (device: guard-paged buffers; threadgroup: the
+// bounds-checked tgptr), each lane touching its two elements. A default-constructed matrix is poison
+// (NaN), as uninitialised registers would be. The 8 products of an output element (and, for
+// multiply_accumulate, the addend c) are summed in a random binary tree drawn from simd_seed and the
+// call site (lane order when simd_seed is 0), each product and sum rounded to T: a kernel whose bits
+// depend on the hardware's order, or that assumes a wider accumulator than T, shows.
+namespace metal {
+template <class T, int Cols, int Rows> struct simdgroup_matrix;
+template <class T> struct simdgroup_matrix<T, 8, 8> {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat>,
+                "MSL: simdgroup_matrix element types are float, half and bfloat");
+  vec<T, 2> e;
+  simdgroup_matrix() { std::memset((void*)&e, 0xFF, sizeof e); }
+  vec<T, 2>& thread_elements() { return e; }
+  const vec<T, 2>& thread_elements() const { return e; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+}  // namespace metal
+namespace msl_rt {
+// (row, first column) of the two elements lane `lane` holds.
+inline void simd_matrix_coord(uint lane, uint& row, uint& col) {
+  const uint qid = lane / 4;
+  row = (qid & 4u) + (lane / 2) % 4;
+  col = (qid & 2u) * 2 + (lane % 2) * 2;
+}
+inline float mat_f(float x) { return x; }
+inline float mat_f(half x) { return float(x); }
+inline float mat_f(bfloat x) { return float(x); }
+template <class T> inline T mat_t(float x) { return T(x); }
+// Arguments of a load / store, deposited in the exchange so every lane can compare them.
+struct MatArgs { uint64_t ptr; uint64_t epr; uint64_t ox, oy; uint32_t transpose; uint32_t kind; };
+inline void check_uniform_args(const Fiber& f, const char* what) {
+  const MatArgs mine = lane_val<MatArgs>(f, int(me().lin % SIMD));
+  for (int l = 0; l < SIMD; l++) {
+    if (!(f.view_mask >> l & 1)) continue;
+    const MatArgs o = lane_val<MatArgs>(f, l);
+    if (std::memcmp(&o, &mine, sizeof o) != 0)
+      fail(fmt("%s at %s:%d: its arguments (pointer, elements_per_row, matrix_origin, transpose) differ between the "
+               "lanes of the SIMD-group (lane %d vs lane %u); they must be uniform", what, f.file, f.line, l,
+               me().lin % SIMD));
+  }
+}
+// The source / destination element of matrix element (r, c).
+inline uint64_t mat_index(uint r, uint c, uint64_t epr, uint64_t ox, uint64_t oy, bool transpose) {
+  return transpose ? (oy + c) * epr + ox + r : (oy + r) * epr + ox + c;
+}
+inline uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z += 0x9E3779B97F4A7C15ull; z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// The merge sequence of the random binary tree over n leaves (in order) at a call site: step s merges
+// the partial results at positions m[s] and m[s] + 1 (as tree_reduce does).
+inline void mat_tree(const Fiber& f, int n, uint salt, int* m) {
+  if (G->L->simd_seed == 0) { for (int s = 0; s < n - 1; s++) m[s] = 0; return; }
+  uint64_t h = G->L->simd_seed * 0x9E3779B97F4A7C15ull ^ uint64_t(f.line) * 0xC2B2AE3D27D4EB4Full ^ salt;
+  for (const char* c = f.file; c && *c; ++c) h = h * 1099511628211ull ^ uint64_t((unsigned char)*c);
+  for (int s = 0, left = n; s < n - 1; s++, left--) { h = mix64(h); m[s] = int(h % uint64_t(left - 1)); }
+}
+template <class T> inline T mat_tree_sum(T* v, int n, const int* m) {
+  for (int s = 0, left = n; s < n - 1; s++, left--) {
+    const int i = m[s];
+    v[i] = mat_t<T>(mat_f(v[i]) + mat_f(v[i + 1]));
+    for (int k = i + 1; k + 1 < left; k++) v[k] = v[k + 1];
+  }
+  return v[0];
+}
+template <class T> struct MatOps { vec<T, 2> a, b, c; };
+// D = A B (+ C): every lane gathers A, B (and C) from the exchange and computes its own two elements.
+template <class T> inline void mat_multiply(metal::simdgroup_matrix<T, 8, 8>& d, const metal::simdgroup_matrix<T, 8, 8>& a,
+                                            const metal::simdgroup_matrix<T, 8, 8>& b, const metal::simdgroup_matrix<T, 8, 8>* c,
+                                            const char* file, int line) {
+  MatOps<T> mine{a.e, b.e, c ? c->e : vec<T, 2>(T(0))};
+  auto& f = exchange(mine, file, line);
+  if (f.view_mask != 0xFFFFFFFFu) fail(fmt("simdgroup_multiply at %s:%d with %d of 32 lanes of the SIMD-group", file, line, __builtin_popcount(f.view_mask)));
+  T A[8][8], B[8][8], C[8][8];
+  for (uint l = 0; l < uint(SIMD); l++) {
+    const MatOps<T> o = lane_val<MatOps<T>>(f, int(l));
+    uint r, col; simd_matrix_coord(l, r, col);
+    for (int k = 0; k < 2; k++) { A[r][col + k] = o.a[k]; B[r][col + k] = o.b[k]; C[r][col + k] = o.c[k]; }
+  }
+  const int n = c ? 9 : 8;
+  int m[8]; mat_tree(f, n, c ? 0x5A5Au : 0xA5A5u, m);
+  uint r, col; simd_matrix_coord(me().lin % SIMD, r, col);
+  vec<T, 2> out;
+  for (int k = 0; k < 2; k++) {
+    T v[9]; int i = 0;
+    if (c) v[i++] = C[r][col + k];
+    for (int j = 0; j < 8; j++) v[i++] = mat_t<T>(mat_f(A[r][j]) * mat_f(B[j][col + k]));
+    out[k] = mat_tree_sum(v, n, m);
+  }
+  d.e = out;
+}
+template <class P> inline uint64_t mat_ptr_id(const P* p) { return (uint64_t)(uintptr_t)p; }
+template <class P> inline uint64_t mat_ptr_id(const tgptr<P>& p) { return (uint64_t)(uintptr_t)(p.base + p.off); }
+template <class T, class P> inline void mat_load(metal::simdgroup_matrix<T, 8, 8>& d, const P& src, uint64_t epr, metal::ulong2 o,
+                                                 bool transpose, const char* file, int line) {
+  MatArgs args{mat_ptr_id(src), epr, (uint64_t)o.x, (uint64_t)o.y, uint32_t(transpose), 1u};
+  auto& f = exchange(args, file, line);
+  check_uniform_args(f, "simdgroup_load");
+  uint r, c; simd_matrix_coord(me().lin % SIMD, r, c);
+  for (uint k = 0; k < 2; k++) d.e[k] = src[mat_index(r, c + k, epr, o.x, o.y, transpose)];
+}
+template <class T, class P> inline void mat_store(const metal::simdgroup_matrix<T, 8, 8>& s, const P& dst, uint64_t epr, metal::ulong2 o,
+                                                  bool transpose, const char* file, int line) {
+  MatArgs args{mat_ptr_id(dst), epr, (uint64_t)o.x, (uint64_t)o.y, uint32_t(transpose), 2u};
+  auto& f = exchange(args, file, line);
+  check_uniform_args(f, "simdgroup_store");
+  uint r, c; simd_matrix_coord(me().lin % SIMD, r, c);
+  for (uint k = 0; k < 2; k++) dst[mat_index(r, c + k, epr, o.x, o.y, transpose)] = s.e[k];
+}
+}  // namespace msl_rt
+namespace metal {
+template <class T, int C, int R> inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(const T value) {
+  simdgroup_matrix<T, C, R> m; m.e = vec<T, 2>(value); return m; }
+// device memory (the guarded buffers)
+template <class T> inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const T* src, ulong elements_per_row = 8,
+                                              ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, MSL_SIMD_ARGS) {
+  msl_rt::mat_load(d, src, elements_per_row, matrix_origin, transpose_matrix, file, line); }
+template <class T> inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& s, T* dst, ulong elements_per_row = 8,
+                                               ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, MSL_SIMD_ARGS) {
+  msl_rt::mat_store(s, dst, elements_per_row, matrix_origin, transpose_matrix, file, line); }
+// threadgroup memory (bounds-checked pointers)
+template <class T, class P, std::enable_if_t<std::is_same_v<std::remove_const_t<P>, T>, int> = 0>
+inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const msl_rt::tgptr<P>& src, ulong elements_per_row = 8,
+                           ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, MSL_SIMD_ARGS) {
+  msl_rt::mat_load(d, src, elements_per_row, matrix_origin, transpose_matrix, file, line); }
+template <class T>
+inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& s, const msl_rt::tgptr<T>& dst, ulong elements_per_row = 8,
+                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, MSL_SIMD_ARGS) {
+  msl_rt::mat_store(s, dst, elements_per_row, matrix_origin, transpose_matrix, file, line); }
+template <class T> inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                                                  const simdgroup_matrix<T, 8, 8>& b, MSL_SIMD_ARGS) {
+  msl_rt::mat_multiply<T>(d, a, b, nullptr, file, line); }
+template <class T> inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                                                             const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c,
+                                                             MSL_SIMD_ARGS) {
+  msl_rt::mat_multiply(d, a, b, &c, file, line); }
 }  // namespace metal
 
 // =====================================================================================================
