@@ -16,7 +16,7 @@ Tensor gdn_chunk_delta_rule_slots_mps(const Tensor& q, const Tensor& k, const Te
   const hebrus::glue::Call call = hebrus::glue::gdn_chunk_delta_rule_slots(
       q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, scale, use_qk_l2norm, c10::DeviceType::MPS);
   encode("gdn_chunk_delta_rule_slots", call);
-  return hebrus::glue::gdn_chunk_result(call, v);
+  return hebrus::glue::gdn_result(call, v);
 }
 
 }  // namespace

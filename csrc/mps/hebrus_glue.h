@@ -497,13 +497,6 @@ inline GdnChunkSizes check_gdn_chunk_args(const char* op, const Tensor& q, const
   return sz;
 }
 
-// The op's result once the launches ran: the kernel's output in v's dtype (a copy only where the kernel
-// ran in fp32 for mixed dtypes).
-inline Tensor gdn_chunk_result(const Call& call, const Tensor& v) {
-  const Tensor& out = call.outputs[0];
-  return out.scalar_type() == v.scalar_type() ? out : out.to(v.scalar_type());
-}
-
 // gdn_chunk_delta_rule_slots_check (B == 0): cu_seqlens must be [0] and T == 0.
 inline Launch gdn_chunk_check_launch(const Tensor& cu, const Tensor& slots, int64_t total, int64_t pool) {
   const auto plan = hebrus::metal::plan_check_slots(total, cu.size(0) - 1, pool, 0);

@@ -263,7 +263,7 @@ def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_po
     """hebrus::gdn_chunk_delta_rule_slots: returns out; state_pool's rows at slots are updated in place."""
     out = run("gdn_chunk_delta_rule_slots", q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots, float(scale),
               bool(use_qk_l2norm), **emu)[0]
-    return out.to(v.dtype)  # hebrus_glue.h gdn_chunk_result: the fp32 output of mixed dtypes narrowed to v's
+    return out.to(v.dtype)  # hebrus_glue.h gdn_result: the fp32 output of mixed dtypes narrowed to v's
 
 
 def launches(op: str, *args):
