@@ -69,7 +69,7 @@ VIEW_OPS = frozenset({
 SYNC_OPS = frozenset({
     "_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
     "masked_select", "equal", "is_nonzero", "allclose", "bincount", "_assert_async", "argwhere",
-    "_assert_scalar", "histc",
+    "_assert_scalar",
 })
 
 
