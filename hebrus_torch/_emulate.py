@@ -206,7 +206,7 @@ class _Dispatch(TorchDispatchMode):
             kwargs = dict(kwargs, device=torch.device("cpu"))
         if not on_dev and base in ("_to_copy", "lift_fresh_copy"):
             _report("upload", base)
-        elif self._is_sync(func, base, args):
+        elif self._is_sync(func, base, args, kwargs):
             _report("sync", base)
         elif base not in VIEW_OPS:
             _report("dispatch", f"hebrus.{base}" if func.namespace == "hebrus" else base)
@@ -218,14 +218,13 @@ class _Dispatch(TorchDispatchMode):
         return return_and_correct_aliasing(func, args, kwargs, out) if on_dev else out
 
     @staticmethod
-    def _is_sync(func, base: str, args) -> bool:
+    def _is_sync(func, base: str, args, kwargs) -> bool:
         if base in SYNC_OPS:
             return True
         if base in ("index", "index_put") and len(args) > 1:
             return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
-        if base == "repeat_interleave":
-            return func._overloadname in ("Tensor", "self_Tensor") and len(args) > 0 and isinstance(
-                args[-1] if func._overloadname == "Tensor" else args[1], torch.Tensor)
+        if base == "repeat_interleave":            # tensor repeats without output_size: the host sums them
+            return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
         return False
 
 
@@ -299,7 +298,7 @@ class _Inner(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         base = func.overloadpacket.__name__.rstrip("_")
-        if _Dispatch._is_sync(func, base, args):
+        if _Dispatch._is_sync(func, base, args, kwargs or {}):
             _report("sync", base)
         elif base not in VIEW_OPS:
             _report("dispatch", base)
