@@ -78,9 +78,9 @@ def main() -> None:
     with torch.no_grad(), _emulate.emulate(args.device) as dev:
         engine = Engine(model.to(dev), config)
         for p in prompts:
-            engine.add_request(p, max_new_tokens=4)
+            engine.add_request(p, max_new_tokens=64)
         prefill = count_step(engine)                     # request 0's prompt: one chunk of --prompt tokens
-        for _ in range(args.batch - 1):
+        while any(not r.generated for r in engine.requests.values()):
             engine.step()                                # the others' prompts
         decode = count_step(engine)                      # every request decodes one token
     print_counts(f"prefill chunk: 1 request x {args.prompt} tokens", prefill, not args.no_sites)

@@ -73,11 +73,14 @@ class StepCounts:
         return rows
 
 
+_SKIP = frozenset({__file__, _emulate.__file__})
+
+
 def _site() -> str:
     """The innermost frame outside the emulator and this module: where the sync was asked for."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         name = frame.filename.replace("\\", "/")
-        if name.endswith(("_emulate.py", "step_counts.py")) or "/torch/" in name or "/contextlib.py" in name:
+        if frame.filename in _SKIP or "/torch/" in name or name.endswith("/contextlib.py"):
             continue
         short = name.split("hebrus_torch/", 1)[-1] if "hebrus_torch/" in name else name.rsplit("/", 2)[-1]
         return f"{short}:{frame.lineno}"
