@@ -50,8 +50,10 @@ ENV = "HEBRUS_EMULATE_DEVICE"
 NATIVE_OPS: dict[str, frozenset[str]] = {
     "mps": frozenset({"ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
                       "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots"}),
-    "cuda": frozenset(),
 }
+# (Only MPS: CUDA's runtime queries, torch.cuda.get_device_capability in transformers' MoE and the CUDA
+# graphs, rule out tensors that merely claim the device; benchmarks/profile_decode.py --emulate-cuda
+# patches CUDA's branches instead.)
 
 # Ops that only change metadata or allocate: no work is launched on the device.
 VIEW_OPS = frozenset({
@@ -86,7 +88,7 @@ def emulated_device_type() -> str | None:
 
 
 def from_env() -> str | None:
-    """``HEBRUS_EMULATE_DEVICE`` (``"mps"``, ``"cuda"``) or None: what scripts pass to :func:`emulate`."""
+    """``HEBRUS_EMULATE_DEVICE`` (``"mps"``) or None: what scripts pass to :func:`emulate`."""
     value = os.environ.get(ENV, "").strip().lower()
     return value or None
 
@@ -210,8 +212,14 @@ class _Dispatch(TorchDispatchMode):
             _report("sync", base)
         elif base not in VIEW_OPS:
             _report("dispatch", f"hebrus.{base}" if func.namespace == "hebrus" else base)
-        out = func(*tree_map(lambda x: x.inner if _is_dev(x) else x, args),
-                   **tree_map(lambda x: x.inner if _is_dev(x) else x, kwargs))
+        inner_args = tree_map(lambda x: x.inner if _is_dev(x) else x, args)
+        inner_kwargs = tree_map(lambda x: x.inner if _is_dev(x) else x, kwargs)
+        if base == "histc" and not inner_args[0].is_floating_point():
+            # CUDA's histc takes integers, the CPU kernel only floats: count in fp32 (exact below 2**24)
+            dtype = inner_args[0].dtype
+            out = func(inner_args[0].float(), *inner_args[1:], **inner_kwargs).to(dtype)
+        else:
+            out = func(*inner_args, **inner_kwargs)
         if base == "_local_scalar_dense" or not isinstance(out, (torch.Tensor, tuple, list)):
             return out
         out = self._wrap(out)
@@ -233,6 +241,9 @@ def _reenter(mode: _Dispatch) -> Iterator[None]:
     with mode:
         yield
 
+
+# What PyTorch says where a binding or a device-type switch needs the real device before dispatching.
+_UNREACHABLE = ("not linked with support", "unexpected device type", "not compiled with CUDA")
 
 _SCALAR_READS = (torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__bool__,
                  torch.Tensor.__index__, torch.Tensor.__complex__)
@@ -274,10 +285,19 @@ class _Entry(TorchFunctionMode):
                 return host
             _report("upload", func.__name__)
             return EmulatedTensor(host.clone() if func is not torch.tensor else host, self.mode.device)
+        target = _as_device(kwargs.get("device"))
+        if target is not None and target.type == dev_type and not any(_is_dev(x) for x in tree_flatten(args)[0]):
+            # A factory for the device: bindings such as torch.arange initialise the device's runtime
+            # before dispatching (CUDA), so make it on CPU and wrap it.
+            out = func(*args, **dict(kwargs, device="cpu"))
+            name = getattr(func, "__name__", str(func))
+            if name not in VIEW_OPS:
+                _report("dispatch", name)
+            return self.mode._wrap(out)
         try:
             return func(*args, **kwargs)
-        except RuntimeError as err:
-            if "not linked with support" not in str(err):
+        except (RuntimeError, AssertionError) as err:
+            if not any(m in str(err) for m in _UNREACHABLE):
                 raise
         # A binding that takes a device guard before dispatching (indexing, copy_): run it on the CPU
         # tensors underneath, every op it dispatches counted as the device's, the results re-wrapped.
