@@ -268,8 +268,9 @@ class _Entry(TorchFunctionMode):
             _report("sync", func.__name__.strip("_"))
             return func(args[0].inner, *args[1:], **kwargs)
         if func is torch.Tensor.to and args:
-            copy = bool(kwargs.pop("copy", False))
-            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            copy = bool(kwargs.get("copy", False))
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
+                                                                      if k != "copy"})
             x = args[0]
             if device is not None and device.type == dev_type:
                 if dtype is not None and dtype != x.dtype:
@@ -304,7 +305,7 @@ class _Entry(TorchFunctionMode):
         unwrap = lambda x: x.inner if _is_dev(x) else x  # noqa: E731
         with _Inner(self.mode):
             out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        if isinstance(out, torch.Tensor) and out is args[0].inner if args and _is_dev(args[0]) else False:
+        if args and _is_dev(args[0]) and out is args[0].inner:       # an in-place method returns self
             return args[0]
         return self.mode._wrap(out)
 
