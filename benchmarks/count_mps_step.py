@@ -66,7 +66,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default=_emulate.from_env() or "mps", help="device type to emulate")
     parser.add_argument("--no-sites", action="store_true", help="do not list the syncs by source line")
+    parser.add_argument("--fallback", action="append", default=[], metavar="OP",
+                        help="count hebrus op OP as not native (its reference runs), e.g. gdn_delta_rule as on "
+                             "MPS before its Metal kernel")
     args = parser.parse_args()
+    if args.fallback:
+        _emulate.NATIVE_OPS[args.device] = _emulate.NATIVE_OPS[args.device] - set(args.fallback)
     torch.set_num_threads(args.threads)
     model = real_size_model(args.layers, hidden=args.hidden)
     gen = torch.Generator().manual_seed(1)
@@ -74,7 +79,8 @@ def main() -> None:
     config = EngineConfig(capacity_tokens=args.batch * (args.prompt + 16) + 64, max_sequences=args.batch,
                           max_batch_tokens=args.prompt, allow_block_sharing=False)
     print(f"emulating {args.device} on CPU (torch {torch.__version__}, {args.threads} threads): {args.layers} layers "
-          f"{list(model.config.layer_types)}, hidden {args.hidden}, fp32, greedy")
+          f"{list(model.config.layer_types)}, hidden {args.hidden}, fp32, greedy; native: "
+          f"{sorted(_emulate.NATIVE_OPS[args.device])}")
     with torch.no_grad(), _emulate.emulate(args.device) as dev:
         engine = Engine(model.to(dev), config)
         for p in prompts:

@@ -238,7 +238,9 @@ class _Dispatch(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _reenter(mode: _Dispatch) -> Iterator[None]:
-    with mode:
+    """Both modes again, for a reference that runs op by op from inside a handler (where PyTorch has
+    taken them off their stacks)."""
+    with mode, _Entry(mode):
         yield
 
 

@@ -91,7 +91,8 @@ def count_step(engine) -> StepCounts:
     """Run ``engine.step()`` once and count what it dispatched and where the host waited.
 
     The engine's model must be on the device being emulated (``hebrus_torch._emulate.emulate``).
-    Returns the counts; the step's outputs are in ``counts.outputs``.
+    Returns the counts; the step's outputs are in ``counts.outputs``. Raises ``EmulationError`` when the
+    step failed (the engine retries and fails requests rather than raising; such counts mean nothing).
     """
     if _emulate.emulated_device_type() is None:
         raise _emulate.EmulationError("count_step: run it inside `with hebrus_torch._emulate.emulate(...)`")
@@ -115,9 +116,13 @@ def count_step(engine) -> StepCounts:
         elif kind == "fallback":
             counts.fallbacks[(label, name)] += 1
 
+    failed = engine.counters.failed_steps
     try:
         with _emulate.observe(observe):
             counts.outputs = engine.step()
     finally:
         runner.parts = saved
+    if engine.counters.failed_steps != failed:      # the engine caught it: the counts are of a broken step
+        errors = sorted({o.request.error for o in counts.outputs if o.request.error})
+        raise _emulate.EmulationError(f"count_step: the step failed under emulation: {errors}")
     return counts
