@@ -8,8 +8,13 @@ Then ``--steps`` decode steps are timed without hooks, each path on a copy of th
 paths interleaved ``--repeat`` times (min and median per path). On CUDA the patched path also runs with
 ``HEBRUS_CUDA_GRAPHS=0``.
 
-``--emulate-cuda`` on CPU takes the path CUDA takes (device-side checks, no native kernels) so the counts
-can be read without a GPU. Prints only; nothing is written to RESULTS.md.
+``--emulate mps`` (or ``HEBRUS_EMULATE_DEVICE=mps``) runs on CPU inside ``hebrus_torch._emulate.emulate``:
+the tensors report device "mps", so every branch MPS takes is taken (the Metal-kernel ops native, the
+others as their reference) and the launches counted are the emulator's dispatches. ``--emulate-cuda``
+on CPU takes the path CUDA takes (device-side checks, no native kernels) by patching those choices:
+CUDA's runtime queries (transformers' MoE asks ``torch.cuda.get_device_capability``, CUDA graphs) rule
+out tensors that claim the device. Either way the timings are CPU timings of that path. Prints only;
+nothing is written to RESULTS.md.
 
     python benchmarks/profile_decode.py --device cuda --tokens 2048 --steps 64
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import os
 import statistics
@@ -29,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench_model import build
 from common import sync
 
+from hebrus_torch import _emulate
 from hebrus_torch.integrations import transformers as htx
 
 _VIEWS = {"view", "_unsafe_view", "reshape", "expand", "squeeze", "unsqueeze", "transpose", "permute", "t",
@@ -48,9 +55,23 @@ class LaunchCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__.rstrip("_")
         if name not in _VIEWS:
-            self.counts[self.stack[-1]] += 1
-            self.ops[self.stack[-1]][name] += 1
+            self.record(name)
         return func(*args, **(kwargs or {}))
+
+    def record(self, name: str) -> None:
+        self.counts[self.stack[-1]] += 1
+        self.ops[self.stack[-1]][name] += 1
+
+    @contextlib.contextmanager
+    def counting(self, emulated: bool):
+        """Count the ops of the block: as this dispatch mode, or (emulating) from the emulator's dispatches,
+        which count a hebrus op without a native kernel as the ops of its reference."""
+        if not emulated:
+            with self:
+                yield
+            return
+        with _emulate.observe(lambda kind, name: self.record(name) if kind in ("dispatch", "upload") else None):
+            yield
 
 
 def hook_modules(model, counter: LaunchCount):
@@ -72,6 +93,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--emulate", choices=sorted(_emulate.NATIVE_OPS), default=_emulate.from_env(),
+                        help="emulate this device type on CPU (default: $HEBRUS_EMULATE_DEVICE)")
     parser.add_argument("--emulate-cuda", action="store_true")
     parser.add_argument("--ops", action="store_true", help="list the ops of every module")
     args = parser.parse_args()
@@ -85,14 +108,22 @@ def main() -> None:
         for op in ("qsa_pool", "qsa_select", "qsa_attention", "ple_conv", "ple_ngram_ids"):
             setattr(hebrus_torch, op, getattr(reference, op))  # what CUDA runs instead of the C++ kernels
         _extension.has_native_kernel = indexer.has_native_kernel = ple.has_native_kernel = lambda *a, **k: False
-    dev = args.device
-    model = build(dev, args.layers)
+    model = build("cpu" if args.emulate else args.device, args.layers)
+    with (_emulate.emulate(args.emulate) if args.emulate else contextlib.nullcontext(None)) as emulated:
+        run(args, model if emulated is None else model.to(emulated), emulated)
+
+
+def run(args, model, emulated: torch.device | None) -> None:
+    dev = emulated if emulated is not None else args.device
+    host = "cpu" if emulated is not None else args.device            # what common.sync waits on
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 32000, (1, args.tokens), generator=gen).to(dev)
     steps = torch.randint(4, 32000, (1, args.steps + 1), generator=gen).to(dev)
     paths = {"transformers": (False, "1"), "patched": (True, "1")}
     if dev == "cuda":
         paths = {"transformers": (False, "1"), "patched, no CUDA graphs": (True, "0"), "patched": (True, "1")}
+    elif emulated is not None:
+        paths = {"transformers": (False, "0"), "patched": (True, "0")}       # no CUDA graphs on CPU
     counters, times = {}, {name: [] for name in paths}
     with torch.no_grad():
         htx.apply(model)
@@ -104,7 +135,7 @@ def main() -> None:
             handles = hook_modules(model, counter)
             c = copy.deepcopy(cache)
             model(steps[:, :1], past_key_values=c, use_cache=True)          # warm (and capture)
-            with counter:
+            with counter.counting(emulated is not None):
                 model(steps[:, 1:2], past_key_values=c, use_cache=True)
             for h in handles:
                 h.remove()
@@ -113,11 +144,11 @@ def main() -> None:
                 (htx.apply if patched else htx.revert)(model)
                 os.environ["HEBRUS_CUDA_GRAPHS"] = graphs
                 c = copy.deepcopy(cache)
-                sync(dev)
+                sync(host)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
                     model(steps[:, i:i + 1], past_key_values=c, use_cache=True)
-                sync(dev)
+                sync(host)
                 times[name].append((time.perf_counter() - t0) / args.steps)
     htx.revert(model)
     os.environ.pop("HEBRUS_CUDA_GRAPHS", None)

@@ -87,6 +87,13 @@ if _fallback_library is not None:
 
 
 def has_native_kernel(op: str, device_type: str) -> bool:
-    """True when ``hebrus::<op>`` has a compiled kernel for ``device_type`` ("cpu", "mps", ...)."""
+    """True when ``hebrus::<op>`` has a compiled kernel for ``device_type`` ("cpu", "mps", ...).
+
+    While the device type is emulated on CPU (``hebrus_torch._emulate``), the answer is the emulated
+    device's list (``_emulate.NATIVE_OPS``), what a build for that device has."""
+    from . import _emulate
+
+    if device_type == _emulate.emulated_device_type():
+        return op in _emulate.NATIVE_OPS[device_type]
     key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}.get(device_type, device_type.upper())
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"hebrus::{op}", key))

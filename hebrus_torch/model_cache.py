@@ -17,6 +17,7 @@ from .qsa.cache import MAX_POSITION, QSACache, QSAPlan
 from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable, generation_problem
+from .state.host_mirror import host_ints, mirror
 from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
 
@@ -88,15 +89,17 @@ class Batch:
             token_rows.append(row.to(torch.int64).reshape(-1))
         if device is None:
             device = token_rows[0].device if token_rows else "cpu"
-        lengths = torch.tensor([0] + [t.numel() for t in token_rows], dtype=torch.int64)
-        cu = lengths.cumsum(0).to(torch.int32).to(device)
+        bounds = [0]
+        for t in token_rows:
+            bounds.append(bounds[-1] + t.numel())
+        cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)   # bounds known here: no read back
         tokens = torch.cat(token_rows).to(device) if token_rows else torch.empty(0, dtype=torch.int64, device=device)
         firsts = [(first_positions or {}).get(s) for s in seqs]
         return cls(seqs, tokens, cu, firsts)
 
     @property
     def counts(self) -> list[int]:
-        cu = self.cu_seqlens.tolist()
+        cu = host_ints(self.cu_seqlens)
         return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
@@ -121,10 +124,13 @@ class ChunkStep:
         if cache.qsa is not None:
             self.chunk = cache.qsa.reserve(batch.seqs, batch.counts, batch.first_positions or None)
             # A sequence whose PLE state is fresh gets its origin from its first token (SPEC §4).
-            starts = self.chunk.cu_seqlens[:-1].tolist()
-            for seq, start, count in zip(batch.seqs, starts, batch.counts):
+            # (the rows' first positions, as the QSA cache planned them on the host: no read back)
+            firsts = self.chunk._starts if self.chunk._starts is not None else [
+                int(self.chunk.positions[i]) if n else 0
+                for i, n in zip(host_ints(self.chunk.cu_seqlens)[:-1], batch.counts)]
+            for seq, first, count in zip(batch.seqs, firsts, batch.counts):
                 if count and cache._origin.get(seq.slot) is None:
-                    cache._origin[seq.slot] = int(self.chunk.positions[start])
+                    cache._origin[seq.slot] = int(first)
 
     @property
     def positions(self) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ from ..state.handles import SeqHandle
 from .prefix import PrefixIndex
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
-from .sampling import BadRequestError, SamplingParams, sample_next
+from .sampling import BadRequestError, SamplingParams, sample_rows
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 __all__ = ["Engine", "EngineConfig", "StepOutput", "BadRequestError"]
@@ -358,7 +358,9 @@ class Engine:
                 self.counters.retried_steps += 1
         self.counters.steps += 1
         outputs: list[StepOutput] = []
-        row = 0
+        sampled = [c.request for c in chunks if c.needs_logits]
+        picks = iter(sample_rows(logits, [r.sampling for r in sampled], [r.tokens for r in sampled],
+                                 [r.generator for r in sampled]))           # the step's one read of the device
         now = time.perf_counter()
         for chunk in chunks:
             req = chunk.request
@@ -375,8 +377,7 @@ class Engine:
                 self.on_prompt_done(req)
             if not needs_logits:
                 continue
-            token, logprob = sample_next(logits[row], req.sampling, req.tokens, req.generator)
-            row += 1
+            token, logprob = next(picks)
             req.generated.append(token)
             if logprob is not None:
                 req.logprobs.append(logprob)

@@ -88,17 +88,32 @@ class ModelRunner:
         self.timings: collections.Counter | None = None
         """Set to a Counter to accumulate seconds per part of the step (ple, gdn, attention, moe, other):
         host wall time, so only meaningful where the ops run synchronously (CPU)."""
+        self.parts: list[str] | None = None
+        """Set to a list to have the part of the step now running pushed on it (``engine.step_counts``)."""
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
-        if self.timings is None:
+        with self._part(part):
+            if self.timings is None:
+                yield
+                return
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.timings[part] += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _part(self, part: str) -> Iterator[None]:
+        """Names a part of the step for ``parts`` only (not timed)."""
+        if self.parts is None:
             yield
             return
-        t0 = time.perf_counter()
+        self.parts.append(part)
         try:
             yield
         finally:
-            self.timings[part] += time.perf_counter() - t0
+            self.parts.pop()
 
     @property
     def device(self) -> torch.device:
@@ -121,7 +136,7 @@ class ModelRunner:
         counts = [len(r) for r in rows]
         ends = torch.tensor([sum(counts[:i + 1]) - 1 for i, want in enumerate(logit_rows) if want],
                             dtype=torch.int64, device=device)
-        with self.cache.transaction(batch) as step:
+        with self._part("transaction"), self.cache.transaction(batch) as step:
             if chunked is not None and any(chunked):
                 step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]
             pos = step.positions
@@ -129,8 +144,9 @@ class ModelRunner:
                 pos = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(positions, counts)]
                                 ).to(device) if counts else torch.empty(0, dtype=torch.int64, device=device)
             last = max((p + n - 1 for p, n in zip(positions, counts) if n), default=0)
-            hidden = self._forward(step, batch, pos, last)
-            logits = self.lm_head(hidden.index_select(0, ends)).float()
+            with self._part("other"):
+                hidden = self._forward(step, batch, pos, last)
+                logits = self.lm_head(hidden.index_select(0, ends)).float()
         return logits
 
     # ------------------------------------------------------------------ the model, packed

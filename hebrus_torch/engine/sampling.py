@@ -15,7 +15,7 @@ import torch
 
 from ..errors import HebrusError
 
-__all__ = ["SamplingParams", "BadRequestError", "sample_next"]
+__all__ = ["SamplingParams", "BadRequestError", "sample_next", "sample_rows"]
 
 
 class BadRequestError(HebrusError):
@@ -125,11 +125,33 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, history: Sequence[
     Returns:
         (token id, its log-probability under the processed distribution, or None unless asked).
     """
-    scores = _process(logits.float(), params, history)
-    if params.do_sample:
-        probs = scores.softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    else:
-        token = int(torch.argmax(scores))
-    logprob = float(scores.log_softmax(-1)[token]) if params.logprobs else None
-    return token, logprob
+    return sample_rows(logits[None], [params], [history], [generator])[0]
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                generators: Sequence[torch.Generator | None]) -> list[tuple[int, float | None]]:
+    """Pick the next token of every row, each row with its own parameters, history and generator.
+
+    Row i gives what ``sample_next(logits[i], params[i], histories[i], generators[i])`` gives; the
+    tokens (and log-probabilities) of all rows reach the host in one read, the step's one wait for
+    the device.
+
+    Args:
+        logits: Tensor[n, V] (any float dtype).
+
+    Returns:
+        n (token id, log-probability or None) pairs, in row order.
+    """
+    picks: list[torch.Tensor] = []           # per row: [token, logprob] float64 on the logits' device
+    for i, p in enumerate(params):
+        scores = _process(logits[i].float(), p, histories[i])
+        if p.do_sample:
+            token = torch.multinomial(scores.softmax(-1), 1, generator=generators[i])[0]
+        else:
+            token = torch.argmax(scores)
+        logprob = scores.log_softmax(-1)[token] if p.logprobs else torch.zeros((), device=scores.device)
+        picks.append(torch.stack((token.double(), logprob.double())))    # ids < 2**53, fp32 exact in fp64
+    if not picks:
+        return []
+    values = torch.stack(picks).tolist()
+    return [(int(tok), lp if p.logprobs else None) for (tok, lp), p in zip(values, params)]

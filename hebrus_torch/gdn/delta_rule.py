@@ -14,6 +14,7 @@ import torch
 
 from .. import _validate
 from ..errors import HebrusError, translated
+from ..state.host_mirror import host_ints
 
 _OP = "hebrus_torch.gdn.gated_delta_rule"
 
@@ -65,7 +66,7 @@ def check_delta_rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     T, hk, dk, hv, dv, batch = _check_inputs(_OP, tensors)
     _check(tuple(state.shape) == (batch, hv, dk, dv) and state.dtype == torch.float32,
            f"state must be [B, Hv, Dk, Dv] = {[batch, hv, dk, dv]} float32, got {list(state.shape)} {state.dtype}")
-    cu = cu_seqlens.tolist()
+    cu = host_ints(cu_seqlens)   # Batch.pack's host copy: no read back
     _check(cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu[:-1], cu[1:])),
            f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu}")
     return cu

@@ -12,6 +12,7 @@ from ..ple import ops as ple_ops
 from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
+from ..state.host_mirror import host_ints
 from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
 from .chunked import chunk_gated_delta_rule_slots
@@ -552,7 +553,7 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != len(slots) + 1:
             raise HebrusError(f"GDNState.{op}: cu_seqlens must be int32 with {len(slots) + 1} entries for "
                               f"{len(slots)} sequences, got shape {list(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        cu = cu_seqlens.tolist()
+        cu = host_ints(cu_seqlens)   # Batch.pack's host copy: no read back
         if cu[0] != 0 or cu[-1] != tokens or any(a > b for a, b in zip(cu[:-1], cu[1:])):
             raise HebrusError(f"GDNState.{op}: cu_seqlens must rise from 0 to T = {tokens} without decreasing, "
                               f"got {cu}")

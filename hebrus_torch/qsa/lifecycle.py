@@ -16,6 +16,7 @@ import torch
 from ..errors import HebrusError, HoleError, NonSuccessorError
 from ..state.args import as_int
 from ..state.handles import SeqHandle
+from ..state.host_mirror import mirror
 from .planning import ReservedChunk
 from .runs import MAX_POSITION, _Run, _Vec, first_hole, window_start
 
@@ -229,7 +230,9 @@ class _Lifecycle:
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
             n_groups: list[int] = []
-            bounds = cu.tolist()
+            bounds = [0]
+            for c in counts:
+                bounds.append(bounds[-1] + c)      # = cu, from the host's counts (no read back)
             for i, (slot, run) in enumerate(zip(slots, runs)):
                 grown = _Run(run.p0, run.n + counts[i], run.cells.extend(cells[bounds[i]:bounds[i + 1]]), run.groups)
                 new_runs.append(grown)
@@ -246,7 +249,7 @@ class _Lifecycle:
             if rows.numel():
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
             self._txn.evict.update(evict)
-            return ReservedChunk(tuple(seqs), cu.to(torch.int32), cells, positions, id(self), self._txn.token,
+            return ReservedChunk(tuple(seqs), mirror(cu.to(torch.int32), bounds), cells, positions, id(self), self._txn.token,
                                  tuple(starts), tuple(anchors))
 
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import HebrusError, HoleError
 from ..state.handles import SeqHandle
+from ..state.host_mirror import host_ints
 from .ops import qsa_select
 from .runs import first_hole, group_and_tail_offsets, window_starts
 
@@ -43,7 +44,8 @@ class ReservedChunk:
 
     @property
     def counts(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        cu = host_ints(self.cu_seqlens)      # reserve's host copy: no read back
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 @dataclass(frozen=True, eq=False)

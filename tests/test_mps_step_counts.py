@@ -1,0 +1,138 @@
+"""The engine's step on MPS, counted on CPU (issue 25): ``hebrus_torch._emulate`` takes every branch the
+MPS device takes, ``engine.step_counts`` counts what a step dispatches and where the host waits.
+
+A step of the GDN + PLE + MoE path waits for the device once (the sampled tokens) and dispatches the
+same number of ops for a 16-token and a 64-token prefill chunk (no loop over tokens); a `.item()` or a
+per-token loop added to a hot path breaks these tests. The QSA holder's own syncs (docs/engine.md,
+"The step on MPS") are bounded, not yet removed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import random_model
+
+import hebrus_torch.gdn.forward as gdn_forward
+from hebrus_torch import _emulate
+from hebrus_torch._extension import has_native_kernel
+from hebrus_torch.engine import Engine, EngineConfig
+from hebrus_torch.engine.step_counts import PARTS, count_step
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_QSA = dict(layer_types=["linear_attention"] * 2, ple_layer_ids=[1, 2], num_hidden_layers=2)
+
+
+def engine_counts(prompt_len: int, *, batch: int = 1, **overrides):
+    """(prefill counts of request 0's whole prompt, decode counts with ``batch`` requests decoding)."""
+    model = random_model(0, **overrides)
+    prompts = [[4 + (7 * i + 3 * j) % 57 for i in range(prompt_len)] for j in range(batch)]
+    config = EngineConfig(capacity_tokens=batch * (prompt_len + 8) + 32, max_sequences=batch,
+                          max_batch_tokens=prompt_len, allow_block_sharing=False)
+    with torch.no_grad(), _emulate.emulate("mps") as dev:
+        engine = Engine(model.to(dev), config)
+        for p in prompts:
+            engine.add_request(p, max_new_tokens=32)
+        prefill = count_step(engine)
+        while any(not r.generated for r in engine.requests.values()):   # the other prompts
+            engine.step()
+        decode = count_step(engine)
+    assert prefill.outputs and decode.outputs and len(decode.outputs) == batch
+    return prefill, decode
+
+
+def non_qsa_syncs(counts) -> int:
+    return sum(n for (_, _, site), n in counts.sync_sites.items() if not site.startswith("qsa/")
+               and "engine.py" not in site)
+
+
+def test_emulated_tensors_report_mps_and_host_reads_are_syncs():
+    seen = []
+    with _emulate.emulate("mps") as dev, _emulate.observe(lambda kind, name: seen.append((kind, name))):
+        host = torch.arange(4)
+        x = host.to(dev)
+        assert x.device.type == "mps" and host.device.type == "cpu"
+        y = (x * 2).sum()
+        assert int(y) == 12 and x.tolist() == [0, 1, 2, 3] and host.tolist() == [0, 1, 2, 3]
+        assert torch.equal(x.cpu(), host)
+        x[x > 1]                                                             # boolean mask: its size is data
+        torch.repeat_interleave(x, x, output_size=6)                         # size given: no wait
+        with pytest.raises(_emulate.EmulationError, match="host tensor"):
+            x + torch.ones(4)
+        assert has_native_kernel("gdn_delta_rule", "mps") and not has_native_kernel("gdn_delta_rule", "cuda")
+    kinds = [k for k, _ in seen]
+    assert kinds.count("upload") == 1
+    assert [n for k, n in seen if k == "sync"] == ["int", "tolist", "to_cpu", "index"]
+    assert ("dispatch", "mul") in seen and ("dispatch", "repeat_interleave") in seen
+
+
+def test_native_list_covers_the_macos_workflow():
+    text = (ROOT / ".github" / "workflows" / "macos.yml").read_text()
+    listed = re.search(r"ops=\(([^)]*)\)", text).group(1)
+    ops = {o.strip().strip("'\"") for o in listed.split(",") if o.strip()}
+    assert ops and ops <= _emulate.NATIVE_OPS["mps"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gdn_ple_moe_step_waits_once(batch):
+    prefill, decode = engine_counts(16, batch=batch, **NO_QSA)
+    for counts in (prefill, decode):
+        assert counts.total_syncs == 1, counts.sync_sites              # the sampled tokens, nothing else
+        assert counts.sync_sites[(PARTS["engine"], "tolist", "engine/sampling.py:" + _line_of_read())] == 1
+        assert not counts.fallbacks                                   # gdn_delta_rule is native on MPS
+        assert counts.ops[PARTS["gdn"]]["hebrus.gdn_delta_rule"] == 2    # one dispatch per GDN layer
+        assert counts.ops[PARTS["ple"]]["hebrus.ple_conv_slots"] == 2        # the slot forms, native
+        assert counts.ops[PARTS["ple"]]["hebrus.ple_ngram_ids_slots"] == 2
+
+
+def _line_of_read() -> str:
+    import hebrus_torch.engine.sampling as sampling
+
+    lines = Path(sampling.__file__).read_text().splitlines()
+    return str(next(i + 1 for i, line in enumerate(lines) if "torch.stack(picks).tolist()" in line))
+
+
+def test_prefill_dispatches_do_not_grow_with_the_chunk():
+    short, _ = engine_counts(16, **NO_QSA)
+    long, _ = engine_counts(64, **NO_QSA)
+    assert short.total_dispatches == long.total_dispatches
+    assert short.dispatches == long.dispatches
+
+
+def test_full_model_outside_qsa_waits_once_and_qsa_stays_bounded():
+    short, decode = engine_counts(16, batch=2)
+    long, _ = engine_counts(64)
+    for counts in (short, long, decode):
+        assert non_qsa_syncs(counts) == 1, counts.sync_sites
+        assert counts.total_syncs <= 60            # QSA's own syncs (documented; was 73 before issue 25)
+    for part in ("gdn", "ple", "moe", "hyper-connections", "other"):
+        assert short.dispatches[PARTS[part]] == long.dispatches[PARTS[part]], part
+
+
+def test_an_added_item_is_caught(monkeypatch):
+    real = gdn_forward._softplus
+
+    def softplus_with_a_read(x):
+        float(x.abs().max())                           # what a stray `.item()` in a hot path does
+        return real(x)
+
+    monkeypatch.setattr(gdn_forward, "_softplus", softplus_with_a_read)
+    prefill, decode = engine_counts(16, **NO_QSA)
+    assert prefill.total_syncs == 3 and decode.total_syncs == 3           # one per GDN layer, plus the tokens
+    assert any("test_mps_step_counts" in site for (_, _, site) in prefill.sync_sites), prefill.sync_sites
+
+
+def test_an_added_token_loop_is_caught(monkeypatch):
+    real = gdn_forward._sigmoid
+
+    def sigmoid_per_token(x):
+        return torch.stack([real(x[t]) for t in range(x.shape[0])])
+
+    monkeypatch.setattr(gdn_forward, "_sigmoid", sigmoid_per_token)
+    short, _ = engine_counts(16, **NO_QSA)
+    long, _ = engine_counts(64, **NO_QSA)
+    assert long.dispatches[PARTS["gdn"]] > short.dispatches[PARTS["gdn"]]
