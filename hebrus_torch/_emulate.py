@@ -45,11 +45,12 @@ __all__ = ["NATIVE_OPS", "EmulatedTensor", "EmulationError", "emulate", "emulate
 ENV = "HEBRUS_EMULATE_DEVICE"
 
 # The hebrus ops with a Metal kernel (csrc/mps + mps_kernels), what has_native_kernel(op, "mps") answers on a
-# Mac build. The macOS workflow checks these are registered; gdn_delta_rule and its slot form come with
-# their Metal kernel (the emulation treats them as native already).
+# Mac build. The macOS workflow checks that these are registered there (tests/test_mps_step_counts.py
+# checks this list against the workflow's).
 NATIVE_OPS: dict[str, frozenset[str]] = {
     "mps": frozenset({"ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
-                      "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots"}),
+                      "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots",
+                      "gdn_chunk_delta_rule_slots"}),
 }
 # (Only MPS: CUDA's runtime queries, torch.cuda.get_device_capability in transformers' MoE and the CUDA
 # graphs, rule out tensors that merely claim the device; benchmarks/profile_decode.py --emulate-cuda
