@@ -14,17 +14,20 @@ transformers-facing manager (``hebrus_torch.engine.manager``) runs the same loop
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..errors import CapacityError, HebrusError
+from ..errors import CapacityError, CorruptStateError, HebrusError
 from ..model_cache import ModelCache
 from ..state.handles import SeqHandle
-from .prefix import PrefixIndex
+from .prefix import PrefixHit, PrefixIndex
+from .prompt_cache import PromptCacheStore, fingerprint
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
 from .sampling import BadRequestError, SamplingParams, sample_next
@@ -51,6 +54,12 @@ class EngineConfig:
             while the kept sequences hold at most this many cache cells (None: half the capacity;
             0: keep nothing). Kept state yields to running requests: it is evicted before any
             request is preempted.
+        prompt_cache_dir: a directory where every finished request's state is also written (one file
+            per request, at finish), so that a later request, in this process or the next one, whose
+            prompt extends a stored request's tokens is restored from it and prefills only the rest
+            (``engine/prompt_cache.py``; one engine process per directory). None: no files.
+        prompt_cache_max_bytes: the files of ``prompt_cache_dir`` stay within this many bytes (least
+            recently used deleted first).
     """
 
     capacity_tokens: int = 16384
@@ -61,6 +70,8 @@ class EngineConfig:
     block_size: int = 64
     step_retries: int = 1
     prefix_cache_tokens: int | None = None
+    prompt_cache_dir: str | os.PathLike | None = None
+    prompt_cache_max_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -71,6 +82,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
+        if self.prompt_cache_dir is not None and not isinstance(self.prompt_cache_dir, (str, os.PathLike)):
+            raise HebrusError(f"EngineConfig: prompt_cache_dir must be None or a path, got {self.prompt_cache_dir!r}")
+        value = self.prompt_cache_max_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HebrusError(f"EngineConfig: prompt_cache_max_bytes must be an int >= 1, got {value!r}")
 
 
 @dataclass
@@ -94,6 +110,15 @@ class EngineCounters:
     prefix_evictions: int = 0      # kept sequences evicted from the prefix cache
     step_seconds: float = 0.0
     model_seconds: float = 0.0
+    # the prompt cache's files (EngineConfig.prompt_cache_dir; engine/prompt_cache.py)
+    prompt_cache_hits: int = 0          # requests restored from a file
+    prompt_cache_misses: int = 0        # admitted requests that no file served (memory may have)
+    prompt_cache_hit_tokens: int = 0    # prompt tokens restored from files (also in prefix_hit_tokens)
+    prompt_cache_writes: int = 0        # files written
+    prompt_cache_evictions: int = 0     # files deleted for the size cap
+    prompt_cache_skipped_files: int = 0  # files skipped as corrupt, truncated, foreign or of another version
+    prompt_cache_write_errors: int = 0
+    prompt_cache_seconds: float = 0.0   # saving, writing, reading and restoring files
 
 
 class Engine:
@@ -105,12 +130,23 @@ class Engine:
         generation_config: defaults for requests (max_new_tokens, eos, sampling); the model's own if None.
         tokenizer: decodes outputs for stop strings (optional).
         cache: a ModelCache to use instead of building one from ``model``.
+        prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
+
+    Raises:
+        HebrusError: ``prompt_cache_dir`` is held by another engine (one process per directory).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
-                 generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None):
+                 generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None,
+                 prompt_cache_dir: str | os.PathLike | None = None):
         self.model = model
         self.config = config or EngineConfig()
+        if prompt_cache_dir is not None:
+            held = self.config.prompt_cache_dir
+            if held is not None and os.fspath(held) != os.fspath(prompt_cache_dir):
+                raise HebrusError(f"Engine: prompt_cache_dir={prompt_cache_dir!r} differs from the config's "
+                                  f"{held!r}")
+            self.config = dataclasses.replace(self.config, prompt_cache_dir=prompt_cache_dir)
         cfg = self.config
         self.text_config = find_text_model(model).config
         self.vocab_size = int(self.text_config.vocab_size)
@@ -139,6 +175,10 @@ class Engine:
         self.on_prompt_done: Callable[[Request], None] | None = None
         """Called after the step in which a request's prompt entered the cache (its state is then the
         state after its prompt: what the chunk-invariance tests digest)."""
+        self.prompt_cache: PromptCacheStore | None = None
+        if cfg.prompt_cache_dir is not None:
+            self.prompt_cache = PromptCacheStore(cfg.prompt_cache_dir, fingerprint(model, self.cache),
+                                                 cfg.prompt_cache_max_bytes, counters=self.counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
@@ -251,8 +291,11 @@ class Engine:
         hit = None
         if self.prefix is not None:
             hit = self.prefix.lookup(req.tokens, req.num_tokens - 1)
+        stored = self._from_prompt_cache(req, hit) if self.prompt_cache is not None else None
         try:
-            if hit is not None:
+            if stored is not None:     # restored from a file: the request continues from its frontier
+                seq, hit = stored.seq, stored
+            elif hit is not None:
                 if hit.seq in self._kept:
                     self._kept.move_to_end(hit.seq)
                 seq = self.cache.fork(hit.seq)
@@ -388,8 +431,10 @@ class Engine:
         req.error = error
         req.finished_time = time.perf_counter()
         self.scheduler.remove(req)
-        if status is RequestStatus.FINISHED and req.seq is not None and self._keep(req):
-            return
+        if status is RequestStatus.FINISHED and req.seq is not None:
+            self._to_prompt_cache(req)
+            if self._keep(req):
+                return
         self._release_state(req)
 
     # ------------------------------------------------------------------ the prefix cache
@@ -417,6 +462,63 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         while self._kept:
             self._evict_kept()
+
+    # ------------------------------------------------------------------ the prompt cache (files)
+    def _from_prompt_cache(self, req: Request, hit: PrefixHit | None) -> PrefixHit | None:
+        """A new sequence restored from the longest stored prefix of ``req`` that is longer than the
+        in-memory ``hit``, or None (no such file; the files that fail their checks are skipped, each
+        with one warning; no slot or cells: memory or a fresh prefill serve the request instead).
+
+        The restored sequence is the request's own (as a fork of a kept sequence would be): it uses
+        cells of the request's own admission budget and no extra slot, so it takes nothing from
+        running work."""
+        store = self.prompt_cache
+        if req.num_computed:
+            return None
+        t0 = time.perf_counter()
+        try:
+            floor = hit.tokens if hit is not None else 0
+            while True:
+                entry = store.lookup(req.tokens, req.num_tokens - 1, min_tokens=floor + 1)
+                if entry is None:
+                    break
+                data = store.read(entry)
+                if data is None:
+                    continue
+                try:
+                    seq = self.cache.restore(data)
+                except CorruptStateError as err:
+                    store.skip(entry, str(err))
+                    continue
+                except CapacityError:
+                    break
+                self.counters.prompt_cache_hits += 1
+                self.counters.prompt_cache_hit_tokens += len(entry.tokens)
+                return PrefixHit(seq, len(entry.tokens))
+            self.counters.prompt_cache_misses += 1
+            return None
+        finally:
+            self.counters.prompt_cache_seconds += time.perf_counter() - t0
+
+    def _to_prompt_cache(self, req: Request) -> None:
+        """Write a finished request's state (at its frontier, ``num_computed`` tokens) to the files.
+        A failure is counted and warned about once per file; it never reaches the request."""
+        if self.prompt_cache is None or req.num_computed < 1:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.prompt_cache.put(req.tokens[:req.num_computed], self.cache.save(req.seq))
+        except HebrusError:   # (OSError is the store's own: counted and warned there)
+            self.counters.prompt_cache_write_errors += 1
+        finally:
+            self.counters.prompt_cache_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Release the prompt cache's directory (another engine may then open it); idempotent. The
+        engine still runs, without files."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
+            self.prompt_cache = None
 
     def _make_room(self) -> None:
         """Evict kept prefixes while running requests or the next waiting one would lack cells or a slot."""
