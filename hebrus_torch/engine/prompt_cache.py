@@ -247,7 +247,7 @@ class PromptCacheStore:
 
     def close(self) -> None:
         """Release the directory (idempotent)."""
-        lock, self._lock = self._lock, None
+        lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()
 
