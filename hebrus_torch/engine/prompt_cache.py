@@ -51,7 +51,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no lock (one process per directory is then the user's rule)
     fcntl = None
 
-__all__ = ["PromptCacheStore", "StoredPrefix", "fingerprint", "KIND", "VERSION", "SUFFIX"]
+__all__ = ["PromptCacheStore", "StoredPrefix", "fingerprint", "check_directory", "KIND", "VERSION", "SUFFIX"]
 
 KIND = "hebrus_torch.PromptCacheEntry"
 VERSION = 1
@@ -334,6 +334,17 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_directory(directory: str | os.PathLike) -> str | None:
+    """Why a store could not open ``directory`` now (it cannot be created, or another engine holds
+    it), or None: a server's check at start, before its engine (built on the first request) opens it."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        _lock(Path(directory)).close()
+    except (OSError, HebrusError) as err:
+        return str(err)
+    return None
 
 
 def _lock(directory: Path):
