@@ -132,13 +132,20 @@ def _flip(path: Path, where: float) -> None:
     path.write_bytes(bytes(data))
 
 
-def _repack(path: Path, **meta_changes) -> None:
-    meta, tensors = blob.unpack(path.read_bytes(), pc.KIND)
+def _flipped(path: Path) -> bytes:
+    """The entry's ModelCache blob with one byte of its payload flipped (its own checksum now wrong)."""
+    state = bytearray(pc.decode(path.read_bytes())[1])
+    state[len(state) // 2] ^= 0x01
+    return bytes(state)
+
+
+def _repack(path: Path, state: bytes | None = None, **meta_changes) -> None:
+    """Rewrite an entry file with a consistent header (checksums right) but other metadata or state."""
+    meta, old = pc.decode(path.read_bytes())
+    state = old if state is None else state
+    meta = {k: v for k, v in meta.items() if k not in ("state_bytes", "state_sha256")}
     meta.update(meta_changes)
-    state = tensors.pop("state")
-    if "state" in meta_changes:
-        state = torch.frombuffer(bytearray(meta.pop("state")), dtype=torch.uint8)
-    path.write_bytes(blob.pack(pc.KIND, meta, {"state": state}))
+    path.write_bytes(pc.encode_header(meta, state) + state)
 
 
 CORRUPTIONS = {
@@ -149,7 +156,8 @@ CORRUPTIONS = {
     "empty": lambda p: p.write_bytes(b""),
     "another entry version": lambda p: _repack(p, version=2),
     "another fingerprint": lambda p: _repack(p, fingerprint="0" * 64),
-    "a valid file holding a bad state": lambda p: _repack(p, state=b"not a ModelCache blob"),
+    "a valid file holding a bad state": lambda p: _repack(p, state=b"not a ModelCache blob, 32 bytes or more"),
+    "state bytes flipped, header rewritten to match": lambda p: _repack(p, state=_flipped(p)),
 }
 
 

@@ -5,12 +5,14 @@ cells and K/V, PLE history and tails, GDN state and conv tails, as ``ModelCache.
 with the tokens it is the state after. A later request whose prompt starts with those tokens is
 restored from the file and prefills only the rest, in this process or the next one.
 
-File format: one ``hebrus_torch.state.blob`` of kind ``hebrus_torch.PromptCacheEntry`` (magic, blob
-format version, JSON header, raw bytes, sha256 over all of it); its metadata holds the entry format
-``version``, the ``fingerprint`` of the model and holders it was written for (:func:`fingerprint`) and
-the ``tokens``; its one tensor, ``state``, is the ModelCache blob (itself checksummed). The file is
-named by a hash of fingerprint and tokens and written atomically (a temporary file in the directory,
-fsync, ``os.replace``).
+File format: two ``hebrus_torch.state.blob``s back to back (each: magic, blob format version, JSON
+header, raw bytes, sha256 over all of it; no pickle). The first, of kind
+``hebrus_torch.PromptCacheEntry`` and without tensors, is the entry's header: the entry format
+``version``, the ``fingerprint`` of the model and holders it was written for (:func:`fingerprint`),
+the ``tokens``, and the length and trailing sha256 of the second, the ModelCache blob
+(``ModelCache.save``), which ``ModelCache.restore`` verifies. The file is named by a hash of
+fingerprint and tokens and written atomically (a temporary file in the directory, fsync,
+``os.replace``).
 
 On start the directory is scanned: each file's prefix and header are read (not its payload) and
 checked (kind, versions, fingerprint, name, length); the whole file's checksums are verified when it
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import time
@@ -170,23 +173,21 @@ class PromptCacheStore:
         return best
 
     def read(self, entry: StoredPrefix) -> bytes | None:
-        """The ModelCache blob of ``entry`` after checking the whole file, or None (the file is then
-        skipped with its one warning and no longer offered)."""
+        """The ModelCache blob of ``entry`` after checking the file's header (whose checksum binds the
+        blob's own), or None (the file is then skipped with its one warning and no longer offered).
+        ``ModelCache.restore`` verifies the blob itself."""
         try:
-            data = entry.path.read_bytes()
-            meta, tensors = blob.unpack(data, KIND)
+            meta, state = decode(entry.path.read_bytes())
             problem = self._meta_problem(meta, entry.path.name)
             if problem is None and tuple(meta["tokens"]) != entry.tokens:
                 problem = "its tokens changed since the directory was scanned"
-            if problem is None and set(tensors) != {"state"}:
-                problem = f"it holds tensors {sorted(tensors)}, expected ['state']"
             if problem is not None:
                 raise CorruptStateError(problem)
         except (OSError, CorruptStateError) as err:
             self.skip(entry, str(err))
             return None
         self.touch(entry)
-        return tensors["state"].numpy().tobytes()
+        return state
 
     # ------------------------------------------------------------------ changes
     def put(self, tokens: Sequence[int], state: bytes) -> bool:
@@ -194,18 +195,19 @@ class PromptCacheStore:
         than the cap, or the write failed: one warning, counted in ``write_errors``)."""
         tokens = tuple(int(t) for t in tokens)
         name = self._name(tokens)
-        data = blob.pack(KIND, {"version": VERSION, "fingerprint": self.fingerprint, "tokens": list(tokens)},
-                         {"state": torch.frombuffer(bytearray(state), dtype=torch.uint8)})
-        if len(data) > self.max_bytes:
+        head = encode_header({"version": VERSION, "fingerprint": self.fingerprint, "tokens": list(tokens)}, state)
+        nbytes = len(head) + len(state)
+        if nbytes > self.max_bytes:
             return False
         self._forget(name)
-        while self.total_bytes + len(data) > self.max_bytes and self._evict_one():
+        while self.total_bytes + nbytes > self.max_bytes and self._evict_one():
             pass
         path = self.directory / name
         tmp = self.directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.write(head)
+                f.write(state)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -217,7 +219,7 @@ class PromptCacheStore:
                 tmp.unlink()
             return False
         now = time.time()
-        self._entries[name] = StoredPrefix(path, tokens, len(data), now)
+        self._entries[name] = StoredPrefix(path, tokens, nbytes, now)
         self._count("writes")
         return True
 
@@ -274,6 +276,9 @@ class PromptCacheStore:
         tokens = meta.get("tokens")
         if not (isinstance(tokens, list) and tokens and all(type(t) is int and t >= 0 for t in tokens)):
             return "its tokens are not a non-empty list of token ids"
+        size, digest = meta.get("state_bytes"), meta.get("state_sha256")
+        if not (type(size) is int and size >= 0 and isinstance(digest, str)):
+            return "its header lacks the state's length and checksum"
         if name != self._name(tuple(tokens)):
             return "its name does not match its tokens"
         return None
@@ -291,10 +296,11 @@ class PromptCacheStore:
             try:
                 st = path.stat()
                 with open(path, "rb") as f:
-                    meta, length = blob.peek(f, KIND, st.st_size)
+                    meta, head = blob.peek(f, KIND, st.st_size)
                 problem = self._meta_problem(meta, name)
-                if problem is None and length != st.st_size:
-                    problem = f"truncated or extended: {st.st_size} bytes, its header says {length}"
+                if problem is None and head + meta["state_bytes"] != st.st_size:
+                    problem = (f"truncated or extended: {st.st_size} bytes, its header says "
+                               f"{head + meta['state_bytes']}")
             except (OSError, CorruptStateError) as err:
                 problem = str(err)
             if problem is None:
@@ -334,6 +340,28 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def encode_header(meta: dict[str, Any], state: bytes) -> bytes:
+    """The header blob of an entry file whose ModelCache blob is ``state`` (``meta``: version,
+    fingerprint, tokens; the state's length and trailing sha256 are added)."""
+    meta = dict(meta, state_bytes=len(state), state_sha256=bytes(state[-32:]).hex())
+    return blob.pack(KIND, meta, {})
+
+
+def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """(header metadata, ModelCache blob) of an entry file's bytes, the header's checksum verified and the
+    blob's length and trailing checksum matched against it; CorruptStateError naming what is wrong."""
+    meta, head = blob.peek(io.BytesIO(data), KIND, len(data))
+    meta, tensors = blob.unpack(data[:head], KIND)
+    blob.expect(KIND, not tensors, f"the header holds tensors {sorted(tensors)}")
+    state = data[head:]
+    size, digest = meta.get("state_bytes"), meta.get("state_sha256")
+    blob.expect(KIND, size == len(state), f"truncated or extended: the state has {len(state)} bytes, its "
+                                          f"header says {blob.short(size)}")
+    blob.expect(KIND, len(state) >= 32 and digest == state[-32:].hex(),
+                "the state's checksum differs from the one its header recorded")
+    return meta, state
 
 
 def check_directory(directory: str | os.PathLike) -> str | None:

@@ -89,8 +89,11 @@ def pack(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> b
         chunks.append(data)
         offset += len(data)
     header = json.dumps({"kind": kind, "meta": meta, "tensors": entries}, sort_keys=True).encode()
-    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + b"".join(chunks)
-    return body + hashlib.sha256(body).digest()
+    pieces = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)), header, *chunks]
+    h = hashlib.sha256()
+    for piece in pieces:      # (one copy of the payload, into the result: the body is not built twice)
+        h.update(piece)
+    return b"".join(pieces + [h.digest()])
 
 
 def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -105,14 +108,14 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise CorruptStateError(f"{kind} blob has a wrong magic number (not a hebrus_torch saved state)")
     if version != FORMAT_VERSION:
         raise CorruptStateError(f"{kind} blob has format version {version}; this build reads {FORMAT_VERSION}")
-    body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+    body, digest = memoryview(blob)[:-_DIGEST], blob[-_DIGEST:]    # (a view: the payload is copied once, below)
     if hashlib.sha256(body).digest() != digest:
         raise CorruptStateError(f"{kind} blob checksum mismatch: truncated or modified")
     payload_start = _PREFIX.size + header_len
     if payload_start > len(body):
         raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob")
     try:
-        header = json.loads(body[_PREFIX.size:payload_start].decode())
+        header = json.loads(bytes(body[_PREFIX.size:payload_start]).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError: JSONDecodeError, or an integer of more digits than Python converts.
         raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
