@@ -98,7 +98,8 @@ def main() -> None:
                          f"{med['cold'] / med['warm']:.1f}x", f"{med['memory'] * 1e3:.1f} ms",
                          f"{hits['warm']} / {hits['memory']}", f"{file_bytes / 2**20:.2f} MiB",
                          f"{statistics.median(write_s) * 1e3:.1f} ms",
-                         f"{statistics.median(starts['warm']) * 1e3:.0f} / {statistics.median(starts['cold']) * 1e3:.0f} ms"])
+                         f"{statistics.median(starts['warm']) * 1e3:.0f} / "
+                         f"{statistics.median(starts['cold']) * 1e3:.0f} ms"])
             print(rows[-1], flush=True)
     params = sum(p.numel() for p in model.parameters())
     text = (f"`python benchmarks/bench_prompt_cache.py --lengths {args.lengths} --repeat {args.repeat} --threads "

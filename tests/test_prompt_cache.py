@@ -16,14 +16,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
-from test_engine import EOS, SHAPES, eager_experts, make_model, prompts_for, reference_tokens, row_invariant  # noqa: F401
+from test_engine import (EOS, SHAPES, eager_experts, make_model, prompts_for, reference_tokens,  # noqa: F401
+                         row_invariant)
 
 from hebrus_torch import HebrusError
 from hebrus_torch.engine import Engine, EngineConfig, RequestStatus
 from hebrus_torch.engine import prompt_cache as pc
-from hebrus_torch.state import blob
 
 CFG = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
 NEW = [7, 8, 9, 10, 11]     # turn 2's new message

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..errors import CapacityError, CorruptStateError, HebrusError
+from ..errors import CapacityError, HebrusError
 from ..model_cache import ModelCache
 from ..state.handles import SeqHandle
 from .prefix import PrefixHit, PrefixIndex
@@ -487,11 +487,11 @@ class Engine:
                     continue
                 try:
                     seq = self.cache.restore(data)
-                except CorruptStateError as err:
-                    store.skip(entry, str(err))
-                    continue
                 except CapacityError:
                     break
+                except HebrusError as err:    # CorruptStateError, or any other refusal of this file's state
+                    store.skip(entry, str(err))
+                    continue
                 self.counters.prompt_cache_hits += 1
                 self.counters.prompt_cache_hit_tokens += len(entry.tokens)
                 return PrefixHit(seq, len(entry.tokens))
@@ -502,7 +502,8 @@ class Engine:
 
     def _to_prompt_cache(self, req: Request) -> None:
         """Write a finished request's state (at its frontier, ``num_computed`` tokens) to the files.
-        A failure is counted and warned about once per file; it never reaches the request."""
+        A failure is counted in ``prompt_cache_write_errors`` (an I/O error is also warned about, once
+        per file); it never reaches the request."""
         if self.prompt_cache is None or req.num_computed < 1:
             return
         t0 = time.perf_counter()
