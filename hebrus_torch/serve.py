@@ -60,6 +60,9 @@ class HebrusServeSettings:
         debug: mount ``POST /hebrus/debug/kill_engine``.
         api_key: when set, every ``/v1/*`` and ``/hebrus/*`` request must carry ``Authorization: Bearer
             <api_key>`` (else 401 with an OpenAI-style error body); ``/health`` stays open.
+        prompt_cache_dir: finished requests' states are also written there and read back by the next
+            server (``EngineConfig.prompt_cache_dir``); one server per directory.
+        prompt_cache_max_bytes: the size cap of ``prompt_cache_dir`` (None: the engine's default, 4 GiB).
     """
 
     capacity_tokens: int | None = None
@@ -68,6 +71,8 @@ class HebrusServeSettings:
     block_sharing: bool = True
     debug: bool = False
     api_key: str | None = None
+    prompt_cache_dir: str | None = None
+    prompt_cache_max_bytes: int | None = None
 
 
 SHUTDOWN_GRACE_S = 5.0     # uvicorn's wait for open connections after SIGTERM, once every request was ended
@@ -107,7 +112,9 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         gen = generation_config if generation_config is not None else self.generation_config
         overrides = {k: v for k, v in dict(capacity_tokens=_SETTINGS.capacity_tokens,
                                            max_sequences=_SETTINGS.max_sequences,
-                                           prefix_cache_tokens=_SETTINGS.prefix_cache_tokens).items()
+                                           prefix_cache_tokens=_SETTINGS.prefix_cache_tokens,
+                                           prompt_cache_dir=_SETTINGS.prompt_cache_dir,
+                                           prompt_cache_max_bytes=_SETTINGS.prompt_cache_max_bytes).items()
                      if v is not None}
         if not _SETTINGS.block_sharing:
             overrides["allow_block_sharing"] = False
@@ -630,6 +637,10 @@ def _hebrus_parser() -> argparse.ArgumentParser:
                    help="cells kept for finished requests' prefixes (default: half the capacity; 0: off)")
     p.add_argument("--hebrus-no-prefix-sharing", action="store_true",
                    help="no shared prefixes between requests and no prefix cache")
+    p.add_argument("--prompt-cache-dir", default=None,
+                   help="write finished requests' states to DIR and read them back after a restart")
+    p.add_argument("--prompt-cache-max-bytes", type=int, default=None,
+                   help="size cap of --prompt-cache-dir, least recently used files deleted first (default 4 GiB)")
     p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /hebrus/* (default: ${API_KEY_ENV})")
@@ -646,6 +657,9 @@ hebrus options:
   --hebrus-max-sequences N        requests in flight at once (default: 32)
   --hebrus-prefix-cache-tokens N  cells kept for finished requests (default: half the capacity; 0: off)
   --hebrus-no-prefix-sharing      no shared prefixes between requests and no prefix cache
+  --prompt-cache-dir DIR          write finished requests' states to DIR (one file each) and read them back
+                                  after a restart: a conversation's next turn prefills only its new tokens
+  --prompt-cache-max-bytes N      size cap of DIR, least recently used files deleted first (default: 4 GiB)
   --hebrus-debug                  mount POST /hebrus/debug/kill_engine
   --api-key KEY                   require `Authorization: Bearer KEY` on /v1/* and /hebrus/* (/health stays
                                   open); default: the HEBRUS_API_KEY environment variable
@@ -664,11 +678,21 @@ def main(argv: list[str] | None = None) -> None:
             _run_serve(["--help"])
             return
         raise SystemExit(2)
+    if ns.prompt_cache_max_bytes is not None and ns.prompt_cache_max_bytes < 1:
+        raise SystemExit(f"--prompt-cache-max-bytes must be >= 1, got {ns.prompt_cache_max_bytes}")
+    if ns.prompt_cache_dir is not None:
+        from hebrus_torch.engine.prompt_cache import check_directory
+
+        problem = check_directory(ns.prompt_cache_dir)
+        if problem is not None:
+            raise SystemExit(f"--prompt-cache-dir: {problem}")
     patch_transformers_serve(HebrusServeSettings(capacity_tokens=ns.hebrus_capacity_tokens,
                                                  max_sequences=ns.hebrus_max_sequences,
                                                  prefix_cache_tokens=ns.hebrus_prefix_cache_tokens,
                                                  block_sharing=not ns.hebrus_no_prefix_sharing,
                                                  debug=ns.hebrus_debug,
+                                                 prompt_cache_dir=ns.prompt_cache_dir,
+                                                 prompt_cache_max_bytes=ns.prompt_cache_max_bytes,
                                                  api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):
         rest.append("--continuous-batching")

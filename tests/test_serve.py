@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -559,3 +560,75 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     serve.main(["model-dir"])
     serve.main(["model-dir", "--api-key", "from-flag"])
     assert seen == [None, "from-env", "from-flag"]
+
+
+# ------------------------------------------------------------------------------------------------ prompt cache
+def two_turn_chat(model, tokenizer, seed: int):
+    """(messages1, text1, ids1, gen1, messages2, text2, ids2): a two-turn chat away from near ties whose
+    second prompt extends the first turn's tokens."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        first = clear_chats(model, tokenizer, 1, seed=rng.randrange(10**6), plain=True)[0]
+        messages2 = first[0] + [{"role": "assistant", "content": first[1]},
+                                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(7))}]
+        text2, ids2, _, gap2 = reference(model, tokenizer, messages2)
+        if gap2 >= 1e-3:
+            return (*first, messages2, text2, ids2)
+    pytest.fail("no two-turn chat away from near ties")
+
+
+@pytest.fixture(scope="module")
+def warm_prompt_cache(checkpoint, tmp_path_factory):
+    """A prompt-cache directory after a server answered a chat's first turn and was stopped (SIGTERM)."""
+    path, model, tokenizer = checkpoint
+    chat = two_turn_chat(model, tokenizer, seed=8)
+    directory = tmp_path_factory.mktemp("prompt-cache")
+    with Server(path, "--cb-block-size", "16", "--prompt-cache-dir", str(directory),
+                log=directory.parent / "turn1.log") as srv:
+        assert srv.chat(chat[0]).choices[0].message.content == chat[1]
+        stats = srv.settled_stats()
+        assert stats["counters"]["prompt_cache_writes"] == 1 and stats["prompt_cache_files"] == 1
+        with pytest.raises(AssertionError, match="in use by another engine"):   # one server per directory
+            with Server(path, "--prompt-cache-dir", str(directory), log=directory.parent / "second.log"):
+                pass
+    return directory, chat
+
+
+def test_after_a_restart_the_second_turn_prefills_only_its_new_tokens_from_the_files(checkpoint, warm_prompt_cache,
+                                                                                     tmp_path):
+    path, _, _ = checkpoint
+    directory, (messages1, text1, ids1, gen1, messages2, text2, ids2) = warm_prompt_cache
+    work = tmp_path / "cache"
+    shutil.copytree(directory, work)
+    with Server(path, "--cb-block-size", "16", "--prompt-cache-dir", str(work), log=tmp_path / "turn2.log") as srv:
+        reply = srv.chat(messages2)
+        stats = srv.settled_stats()
+    assert reply.choices[0].message.content == text2
+    reused = len(ids1) + len(gen1) - 1
+    c = stats["counters"]
+    assert (c["prompt_cache_hits"], c["prompt_cache_hit_tokens"], c["prompt_cache_skipped_files"]) == (1, reused, 0)
+    assert c["prefill_tokens"] == len(ids2) - reused
+
+
+def test_a_corrupted_prompt_cache_is_skipped_with_one_warning_and_changes_no_answer(checkpoint, warm_prompt_cache,
+                                                                                    tmp_path):
+    path, _, _ = checkpoint
+    directory, (*_, messages2, text2, ids2) = warm_prompt_cache
+    work = tmp_path / "cache"
+    shutil.copytree(directory, work)
+    entry, = work.glob("*.hpc")
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0x01                      # one flipped bit in the saved state
+    entry.write_bytes(bytes(data))
+    (work / "garbage.hpc").write_bytes(b"\0" * 100)
+    log = tmp_path / "corrupt.log"
+    with Server(path, "--cb-block-size", "16", "--prompt-cache-dir", str(work), log=log) as srv:
+        reply = srv.chat(messages2)
+        again = srv.chat(messages2)
+        stats = srv.settled_stats()
+    assert reply.choices[0].message.content == again.choices[0].message.content == text2
+    c = stats["counters"]
+    assert c["prompt_cache_hits"] == 0 and c["prompt_cache_skipped_files"] == 2
+    text = log.read_text(errors="replace")
+    for name in (entry.name, "garbage.hpc"):
+        assert text.count(f"skipping {work / name}") == 1, text[-3000:]

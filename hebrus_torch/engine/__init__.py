@@ -4,6 +4,7 @@
 - ``runner.py``: executes a step on the model's own modules inside one ModelCache transaction;
 - ``sampling.py``: per-request sampling as ``GenerationConfig`` describes it;
 - ``prefix.py``: the prefix index for block sharing;
+- ``prompt_cache.py``: kept prefixes as files that survive restarts (``prompt_cache_dir``);
 - ``engine.py``: ``Engine`` ties them together (``add_request``, ``step``);
 - ``manager.py``: the transformers-facing manager (``init_continuous_batching``, ``generate_batch``).
 """

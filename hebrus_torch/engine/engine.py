@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import dataclasses
 import itertools
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -29,7 +31,8 @@ from ..errors import CapacityError, HebrusError
 from ..gdn.chunked import CHUNK
 from ..model_cache import ModelCache
 from ..state.handles import SeqHandle
-from .prefix import PrefixIndex
+from .prefix import PrefixHit, PrefixIndex
+from .prompt_cache import PromptCacheStore, fingerprint
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
 from .sampling import BadRequestError, SamplingParams, sample_rows
@@ -61,6 +64,12 @@ class EngineConfig:
             cuts prefill chunks at multiples of 64 below a prompt's last whole chunk (docs/engine.md: the
             alignment rule). It needs ``max_batch_tokens`` None or >= 64 (a smaller budget never feeds a
             whole chunk in one step): below that, and with False, the recurrent form runs throughout.
+        prompt_cache_dir: a directory where every finished request's state is also written (one file
+            per request, at finish), so that a later request, in this process or the next one, whose
+            prompt extends a stored request's tokens is restored from it and prefills only the rest
+            (``engine/prompt_cache.py``; one engine process per directory). None: no files.
+        prompt_cache_max_bytes: the files of ``prompt_cache_dir`` stay within this many bytes (least
+            recently used deleted first).
     """
 
     capacity_tokens: int = 16384
@@ -72,6 +81,8 @@ class EngineConfig:
     step_retries: int = 1
     prefix_cache_tokens: int | None = None
     chunked_prefill: bool = True
+    prompt_cache_dir: str | os.PathLike | None = None
+    prompt_cache_max_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -84,6 +95,11 @@ class EngineConfig:
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
         if not isinstance(self.chunked_prefill, bool):
             raise HebrusError(f"EngineConfig: chunked_prefill must be a bool, got {self.chunked_prefill!r}")
+        if self.prompt_cache_dir is not None and not isinstance(self.prompt_cache_dir, (str, os.PathLike)):
+            raise HebrusError(f"EngineConfig: prompt_cache_dir must be None or a path, got {self.prompt_cache_dir!r}")
+        value = self.prompt_cache_max_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HebrusError(f"EngineConfig: prompt_cache_max_bytes must be an int >= 1, got {value!r}")
 
 
 @dataclass
@@ -107,6 +123,15 @@ class EngineCounters:
     prefix_evictions: int = 0      # kept sequences evicted from the prefix cache
     step_seconds: float = 0.0
     model_seconds: float = 0.0
+    # the prompt cache's files (EngineConfig.prompt_cache_dir; engine/prompt_cache.py)
+    prompt_cache_hits: int = 0          # requests restored from a file
+    prompt_cache_misses: int = 0        # admitted requests that no file served (memory may have)
+    prompt_cache_hit_tokens: int = 0    # prompt tokens restored from files (also in prefix_hit_tokens)
+    prompt_cache_writes: int = 0        # files written
+    prompt_cache_evictions: int = 0     # files deleted for the size cap
+    prompt_cache_skipped_files: int = 0  # files skipped as corrupt, truncated, foreign or of another version
+    prompt_cache_write_errors: int = 0
+    prompt_cache_seconds: float = 0.0   # saving, writing, reading and restoring files
 
 
 class Engine:
@@ -118,12 +143,23 @@ class Engine:
         generation_config: defaults for requests (max_new_tokens, eos, sampling); the model's own if None.
         tokenizer: decodes outputs for stop strings (optional).
         cache: a ModelCache to use instead of building one from ``model``.
+        prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
+
+    Raises:
+        HebrusError: ``prompt_cache_dir`` is held by another engine (one process per directory).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
-                 generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None):
+                 generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None,
+                 prompt_cache_dir: str | os.PathLike | None = None):
         self.model = model
         self.config = config or EngineConfig()
+        if prompt_cache_dir is not None:
+            held = self.config.prompt_cache_dir
+            if held is not None and os.fspath(held) != os.fspath(prompt_cache_dir):
+                raise HebrusError(f"Engine: prompt_cache_dir={prompt_cache_dir!r} differs from the config's "
+                                  f"{held!r}")
+            self.config = dataclasses.replace(self.config, prompt_cache_dir=prompt_cache_dir)
         cfg = self.config
         self.text_config = find_text_model(model).config
         self.vocab_size = int(self.text_config.vocab_size)
@@ -157,6 +193,13 @@ class Engine:
         self.on_prompt_done: Callable[[Request], None] | None = None
         """Called after the step in which a request's prompt entered the cache (its state is then the
         state after its prompt: what the chunk-invariance tests digest)."""
+        self.prompt_cache: PromptCacheStore | None = None
+        if cfg.prompt_cache_dir is not None:
+            # The chunk alignment is part of what the states mean: an engine with the chunked GDN form off
+            # (or on) must not continue another's (docs/engine.md: the alignment rule).
+            self.prompt_cache = PromptCacheStore(cfg.prompt_cache_dir,
+                                                 f"{fingerprint(model, self.cache)}-chunk{self.chunk_align}",
+                                                 cfg.prompt_cache_max_bytes, counters=self.counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
@@ -271,8 +314,11 @@ class Engine:
         if self.prefix is not None:
             hit = self.prefix.lookup(req.tokens, req.num_tokens - 1,
                                      accept=lambda seq, n: self._shareable(seq, n, extent))
+        stored = self._from_prompt_cache(req, hit) if self.prompt_cache is not None else None
         try:
-            if hit is not None:
+            if stored is not None:     # restored from a file: the request continues from its frontier
+                seq, hit = stored.seq, stored
+            elif hit is not None:
                 if hit.seq in self._kept:
                     self._kept.move_to_end(hit.seq)
                 seq = self.cache.fork(hit.seq)
@@ -298,15 +344,17 @@ class Engine:
             req.first_scheduled_time = time.perf_counter()
         return True
 
-    def _shareable(self, seq: SeqHandle, n: int, extent: int) -> bool:
+    def _shareable(self, seq: SeqHandle | None, n: int, extent: int, theirs: int | None = None) -> bool:
         """Whether a request of chunk extent ``extent`` may start from ``seq``'s state after ``n`` tokens with
         the bits of its own unshared path (docs/engine.md): the state must have run the same whole chunks
         chunked (those below min(C floor(n / C), extent)), and the request must be able to continue from n
-        (n a multiple of C, or at or past its extent, where everything runs recurrently)."""
+        (n a multiple of C, or at or past its extent, where everything runs recurrently). ``theirs``: the
+        chunk extent of the request that computed the state (default: ``seq``'s)."""
         c = self.chunk_align
         if not c:
             return True
-        theirs = self._extent.get(seq)
+        if theirs is None:
+            theirs = self._extent.get(seq)
         whole = n // c * c
         return theirs is not None and (n % c == 0 or n >= extent) and min(whole, theirs) == min(whole, extent)
 
@@ -423,8 +471,10 @@ class Engine:
         req.error = error
         req.finished_time = time.perf_counter()
         self.scheduler.remove(req)
-        if status is RequestStatus.FINISHED and req.seq is not None and self._keep(req):
-            return
+        if status is RequestStatus.FINISHED and req.seq is not None:
+            self._to_prompt_cache(req)
+            if self._keep(req):
+                return
         self._release_state(req)
 
     # ------------------------------------------------------------------ the prefix cache
@@ -456,6 +506,90 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         while self._kept:
             self._evict_kept()
+
+    # ------------------------------------------------------------------ the prompt cache (files)
+    def _from_prompt_cache(self, req: Request, hit: PrefixHit | None) -> PrefixHit | None:
+        """A new sequence restored from the longest stored prefix of ``req`` that is longer than the
+        in-memory ``hit``, or None (no such file; the files that fail their checks are skipped, each
+        with one warning; no slot or cells: memory or a fresh prefill serve the request instead).
+
+        The restored sequence is the request's own (as a fork of a kept sequence would be): it uses
+        cells of the request's own admission budget and no extra slot, so it takes nothing from
+        running work."""
+        store = self.prompt_cache
+        if req.num_computed:
+            return None
+        t0 = time.perf_counter()
+        try:
+            floor = hit.tokens if hit is not None else 0
+            while True:
+                extent = self.scheduler.chunk_extent(req)
+                entry = store.lookup(req.tokens, req.num_tokens - 1, min_tokens=floor + 1,
+                                     accept=lambda e: self._shareable(None, len(e.tokens), extent, e.chunk_extent))
+                if entry is None:
+                    break
+                data = store.read(entry)
+                if data is None:
+                    continue
+                try:
+                    seq = self.cache.restore(data)
+                except CapacityError:
+                    break
+                except HebrusError as err:    # CorruptStateError, or any other refusal of this file's state
+                    store.skip(entry, str(err))
+                    continue
+                self.counters.prompt_cache_hits += 1
+                self.counters.prompt_cache_hit_tokens += len(entry.tokens)
+                return PrefixHit(seq, len(entry.tokens))
+            self.counters.prompt_cache_misses += 1
+            return None
+        finally:
+            self.counters.prompt_cache_seconds += time.perf_counter() - t0
+
+    def _to_prompt_cache(self, req: Request) -> None:
+        """Write a finished request's state to the files: at its frontier (``num_computed`` tokens), or,
+        with the chunked GDN form, at the last multiple of C within its whole prompt chunks that has a
+        snapshot. A request restored from the frontier would continue with the bits of a request whose
+        outputs ran recurrently where its own prompt runs them chunked (the rule ``_shareable`` applies to
+        kept sequences); from an aligned position below the writer's chunk extent any request that extends
+        the tokens continues with its own bits. A failure is counted in ``prompt_cache_write_errors`` (an
+        I/O error is also warned about, once per file); it never reaches the request."""
+        n = req.num_computed
+        if self.prompt_cache is None or n < 1:
+            return
+        t0 = time.perf_counter()
+        try:
+            c = self.chunk_align
+            if not c:
+                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq))
+                return
+            extent = self._extent.get(req.seq, 0)
+            if n // c * c <= extent:        # the frontier: the requests that may continue it (_shareable)
+                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq), extent)
+                return
+            aligned = extent                # a multiple of c below n: any request extending it may
+            seq = self.cache.fork(req.seq)
+            try:
+                for p in range(aligned, 0, -c):
+                    try:
+                        self.cache.rewind(seq, p)     # refused (nothing changes) without a snapshot at p
+                    except HebrusError:
+                        continue
+                    self.prompt_cache.put(req.tokens[:p], self.cache.save(seq), extent)
+                    return
+            finally:
+                self.cache.free(seq)
+        except HebrusError:   # (OSError is the store's own: counted and warned there)
+            self.counters.prompt_cache_write_errors += 1
+        finally:
+            self.counters.prompt_cache_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Release the prompt cache's directory (another engine may then open it); idempotent. The
+        engine still runs, without files."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
+            self.prompt_cache = None
 
     def _make_room(self) -> None:
         """Evict kept prefixes while the running requests and the next waiting one would lack a slot (the

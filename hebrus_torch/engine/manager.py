@@ -162,6 +162,8 @@ class HebrusBatchingManager:
         if keep_for_next_session:
             self.model._cached_continuous_batching_manager = self
         elif not self.is_running():
+            if self.engine is not None:
+                self.engine.close()     # its prompt cache directory, for a later engine
             self.batch_processor = None
             self.engine = None
 
@@ -447,6 +449,9 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
         "kept_sequences": len(engine.kept_sequences()),
         "kept_tokens": sum(engine._kept.values()),
         "prefix_cache_tokens": engine.prefix_cache_tokens,
+        "prompt_cache_dir": (str(engine.prompt_cache.directory) if engine.prompt_cache is not None else None),
+        "prompt_cache_files": len(engine.prompt_cache) if engine.prompt_cache is not None else 0,
+        "prompt_cache_bytes": engine.prompt_cache.total_bytes if engine.prompt_cache is not None else 0,
         "counters": dataclasses.asdict(engine.counters),
     }
 

@@ -14,7 +14,7 @@ import json
 import math
 import reprlib
 import struct
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -89,8 +89,11 @@ def pack(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> b
         chunks.append(data)
         offset += len(data)
     header = json.dumps({"kind": kind, "meta": meta, "tensors": entries}, sort_keys=True).encode()
-    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + b"".join(chunks)
-    return body + hashlib.sha256(body).digest()
+    pieces = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)), header, *chunks]
+    h = hashlib.sha256()
+    for piece in pieces:      # (one copy of the payload, into the result: the body is not built twice)
+        h.update(piece)
+    return b"".join(pieces + [h.digest()])
 
 
 def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -105,14 +108,14 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise CorruptStateError(f"{kind} blob has a wrong magic number (not a hebrus_torch saved state)")
     if version != FORMAT_VERSION:
         raise CorruptStateError(f"{kind} blob has format version {version}; this build reads {FORMAT_VERSION}")
-    body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+    body, digest = memoryview(blob)[:-_DIGEST], blob[-_DIGEST:]    # (a view: the payload is copied once, below)
     if hashlib.sha256(body).digest() != digest:
         raise CorruptStateError(f"{kind} blob checksum mismatch: truncated or modified")
     payload_start = _PREFIX.size + header_len
     if payload_start > len(body):
         raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob")
     try:
-        header = json.loads(body[_PREFIX.size:payload_start].decode())
+        header = json.loads(bytes(body[_PREFIX.size:payload_start]).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError: JSONDecodeError, or an integer of more digits than Python converts.
         raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
@@ -153,6 +156,40 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     if end != len(payload):
         raise CorruptStateError(f"{kind} blob has {len(payload) - end} unexpected trailing bytes")
     return meta, tensors
+
+
+def peek(f: BinaryIO, kind: str, size: int) -> tuple[dict[str, Any], int]:
+    """The metadata of a blob of ``kind`` read from the binary file ``f`` (at its start, ``size`` bytes
+    long), and the length the whole blob must have, from its prefix and header only: what an index reads
+    without loading the tensors. Nothing is checksummed here (``unpack`` of the whole blob still validates
+    everything). CorruptStateError if the prefix or header is wrong or runs past ``size``."""
+    head = f.read(_PREFIX.size)
+    if len(head) < _PREFIX.size:
+        raise CorruptStateError(f"{kind} blob is truncated: {len(head)} bytes")
+    magic, version, header_len = _PREFIX.unpack_from(head)
+    if magic != MAGIC:
+        raise CorruptStateError(f"{kind} blob has a wrong magic number (not a hebrus_torch saved state)")
+    if version != FORMAT_VERSION:
+        raise CorruptStateError(f"{kind} blob has format version {version}; this build reads {FORMAT_VERSION}")
+    if _PREFIX.size + header_len + _DIGEST > size:
+        raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob ({size} bytes)")
+    raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
+    if _too_deep(header, _MAX_DEPTH):
+        raise CorruptStateError(f"{kind} blob header nests deeper than {_MAX_DEPTH} levels")
+    if not isinstance(header, dict) or not same(header.get("kind"), kind):
+        got = header.get("kind") if isinstance(header, dict) else None
+        raise CorruptStateError(f"blob holds {short(got)} state, expected {kind!r}")
+    meta, entries = header.get("meta"), header.get("tensors")
+    if not isinstance(meta, dict) or not isinstance(entries, list):
+        raise CorruptStateError(f"{kind} blob header lacks meta or tensors")
+    sizes = [e.get("nbytes") if isinstance(e, dict) else None for e in entries]
+    if not all(type(n) is int and n >= 0 for n in sizes):
+        raise CorruptStateError(f"{kind} blob has a malformed tensor entry")
+    return meta, _PREFIX.size + header_len + sum(sizes) + _DIGEST
 
 
 def known_entries(kind: str, state_dict: dict, expected: set, strict: bool) -> tuple[dict, list]:
