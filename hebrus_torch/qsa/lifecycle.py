@@ -249,8 +249,8 @@ class _Lifecycle:
             if rows.numel():
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
             self._txn.evict.update(evict)
-            return ReservedChunk(tuple(seqs), mirror(cu.to(torch.int32), bounds), cells, positions, id(self), self._txn.token,
-                                 tuple(starts), tuple(anchors))
+            return ReservedChunk(tuple(seqs), mirror(cu.to(torch.int32), bounds), cells, positions, id(self),
+                                 self._txn.token, tuple(starts), tuple(anchors))
 
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
         """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
