@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.metal, pytest.mark.mps,
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ("ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool", "qsa_select",
-       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots")
+       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots")
 
 
 def mps(*tensors):
