@@ -124,3 +124,16 @@ def test_engine_with_a_tight_budget_and_decodes_completes(row_invariant):
     ref, _ = run_engine(model, prompts, max_new_tokens=12, max_batch_tokens=None, capacity_tokens=2048)
     got, _ = run_engine(model, prompts, max_new_tokens=12, max_batch_tokens=64, capacity_tokens=2048)
     assert got == ref
+
+
+@needs_kernel
+def test_many_requests_through_two_slots_keep_the_bits(row_invariant):
+    """More requests than 2 x max_sequences: the engine forgets freed sequences' extents (and kept
+    prefixes come and go) without changing a bit."""
+    model = eager_experts(make_model("lin-idx", seed=7))
+    prompts = long_prompts(7)
+    ref_tokens, ref_states = run_engine(model, prompts, max_new_tokens=4, max_batch_tokens=None,
+                                        allow_block_sharing=False, capacity_tokens=4096)
+    tokens, states = run_engine(model, prompts, max_new_tokens=4, max_batch_tokens=100, max_sequences=2,
+                                capacity_tokens=4096)
+    assert tokens == ref_tokens and states == ref_states

@@ -334,6 +334,9 @@ class Engine:
             return False
         req.seq = seq
         self._extent[seq] = extent
+        if len(self._extent) > 2 * self.config.max_sequences:     # forget the freed sequences
+            live = {r.seq for r in self.scheduler.running} | set(self._kept) | {seq}
+            self._extent = {s: e for s, e in self._extent.items() if s in live}
         if hit is not None:
             req.num_computed = hit.tokens
             req.prefix_hit_tokens += hit.tokens
