@@ -50,7 +50,7 @@
 // q and k tiles 2 x 8 x DKMAX x 4 B (16 KiB at k256) + 2 x 8 x 4 B.
 #define HEBRUS_GDN_SIMD_GROUPS 4
 #define HEBRUS_GDN_COLS 4
-#define HEBRUS_GDN_TG 128       // HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH (a literal: the kernels' max_total_threads)
+#define HEBRUS_GDN_TG 128       // SIMD_GROUPS * SIMD_WIDTH, a literal for max_total_threads_per_threadgroup
 #define HEBRUS_GDN_TG_COLS 16   // HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS
 #define HEBRUS_GDN_TILE 8
 

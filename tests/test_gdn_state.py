@@ -469,7 +469,8 @@ def test_untouched_slots_are_bitwise_unchanged():
     touched = {seqs[0].slot, seqs[2].slot}
     for slot in range(state.slots.capacity):
         for now, then in ((state.conv_state, conv_before), (state.recurrent_state, rec_before)):
-            same = torch.equal(now[:, slot].contiguous().view(torch.uint8), then[:, slot].contiguous().view(torch.uint8))
+            now_b, then_b = (t[:, slot].contiguous().view(torch.uint8) for t in (now, then))
+            same = torch.equal(now_b, then_b)
             assert same == (slot not in touched), slot
 
 
