@@ -36,7 +36,7 @@ import torch
 
 from .. import _validate
 from ..errors import translated
-from .delta_rule import l2norm, recurrent_delta_rule
+from .delta_rule import prepared_qk, recurrent_delta_rule
 
 CHUNK = 64
 
@@ -55,15 +55,8 @@ def row_pieces(start: int, length: int, chunk: int = CHUNK) -> list[tuple[int, i
 
 
 def _prepare(q, k, v, g, beta, use_qk_l2norm: bool, scale: float):
-    """fp32 q, k (normed, q scaled, heads repeated to Hv), v, g, beta."""
-    hk, hv = q.shape[1], v.shape[1]
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = qf * scale
-    if hv != hk:
-        qf = qf.repeat_interleave(hv // hk, dim=1)
-        kf = kf.repeat_interleave(hv // hk, dim=1)
+    """fp32 q, k (as :func:`.delta_rule.prepared_qk`), v, g, beta."""
+    qf, kf = prepared_qk(q, k, v.shape[1], use_qk_l2norm, scale)
     return qf, kf, v.float(), g.float(), beta.float()
 
 

@@ -177,17 +177,25 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return out.to(v.dtype)
 
 
-def _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale) -> None:
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1:]
-    dev = q.device
+def prepared_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int, use_qk_l2norm: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q, k [T, Hv, Dk] as the rule reads them: l2-normalised when asked, q scaled, the Hk heads
+    repeated ``Hv // Hk`` times (as transformers does)."""
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
     qf = qf * scale
-    if hv != hk:
-        qf = qf.repeat_interleave(hv // hk, dim=1)
-        kf = kf.repeat_interleave(hv // hk, dim=1)
+    if value_heads != q.shape[1]:
+        qf = qf.repeat_interleave(value_heads // q.shape[1], dim=1)
+        kf = kf.repeat_interleave(value_heads // q.shape[1], dim=1)
+    return qf, kf
+
+
+def _run(q, k, v, g, beta, cu, lengths, rows, new_state, out, use_qk_l2norm, scale) -> None:
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    dev = q.device
+    qf, kf = prepared_qk(q, k, hv, use_qk_l2norm, scale)
     decay = g.float().exp()
 
     R = len(rows)

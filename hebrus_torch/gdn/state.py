@@ -377,17 +377,6 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
         self._undo.append(_SlotUndo(slot, {name: getattr(self, name)[:, slot].clone() for name in self._SLOT_NAMES}))
 
-    def _slot_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
-        """``slots`` as an int32 tensor on ``device`` (what the slot ops take), reused while the sequences stay
-        the same (every layer of a step, most steps of a decode). Nothing writes it."""
-        key = (tuple(slots), device)
-        cached = self._index_cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        index = torch.tensor(slots, dtype=torch.int32, device=device)
-        self._index_cache = (key, index)
-        return index
-
     # ----------------------------------------------------------------------------- device / dtype moves
     def _check_apply(self, fn) -> None:
         """What ``_apply`` refuses before anything changes (a ModelCache checks every holder first)."""

@@ -411,18 +411,6 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
             cache = self._pool_cache = (state, state.data_ptr(), views)
         return cache[2][layer]
 
-    def _slot_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
-        """``slots`` as an int32 tensor on ``device`` (what the slot ops take): the last chunk's is reused
-        while the sequences stay the same (every layer of a step, and most steps of a decode), so that
-        the common case builds no tensor. Nothing writes it: the ops and the undo log only read it."""
-        key = (tuple(slots), device)
-        cached = self._index_cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        index = torch.tensor(slots, dtype=torch.int32, device=device)
-        self._index_cache = (key, index)
-        return index
-
     def _log_slot(self, slot: int) -> None:
         """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
         self._undo.append(_SlotUndo(slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))

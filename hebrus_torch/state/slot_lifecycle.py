@@ -7,6 +7,8 @@ changes nothing; what a holder must define is listed on :class:`SlotLifecycle`.
 
 from __future__ import annotations
 
+import torch
+
 from .handles import SeqHandle, SlotTable
 from .transaction import atomic
 
@@ -24,6 +26,20 @@ class SlotLifecycle:
 
     def _drop_staged(self, slot: int) -> None:
         """Forget the open transaction's staged changes of a slot (none by default)."""
+
+    _index_cache: tuple | None = None
+
+    def _slot_index(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """``slots`` as an int32 tensor on ``device`` (what the slot ops take): the last chunk's is reused
+        while the sequences stay the same (every layer of a step, and most steps of a decode), so that
+        the common case builds no tensor. Nothing writes it: the ops and the undo log only read it."""
+        key = (tuple(slots), device)
+        cached = self._index_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        index = torch.tensor(slots, dtype=torch.int32, device=device)
+        self._index_cache = (key, index)
+        return index
 
     # ------------------------------------------------------------------ the lifecycle
     def new_sequence(self, handle: SeqHandle | None = None) -> SeqHandle:
