@@ -17,7 +17,7 @@ Nothing here is a server: :func:`patch_transformers_serve` replaces four names t
   each request's own sampling values, ``eos_token_id`` and ``stop`` reach the engine (transformers passes
   only ``max_new_tokens`` and EOS and samples every request with the first request's settings), the result
   handler is registered before the request is queued, a sampled request's ``seed`` seeds its own generator,
-  and a non-streaming request whose task is cancelled cancels its engine request.
+  and a non-streaming request whose task is cancelled, or whose client disconnects, cancels its engine request.
 - ``serving.chat_completion.ChatCompletionHandler`` and ``serving.completion.CompletionHandler``: the body
   is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``) before the
   model is touched, so a bad request is a 400 rather than a 500.
@@ -83,6 +83,8 @@ _MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the hebrus managers th
 _REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
 # What runs when an HTTP request's ASGI call ends, however it ends (set per request by _RequestEnd).
 _ON_REQUEST_END: contextvars.ContextVar[list | None] = contextvars.ContextVar("hebrus_on_request_end", default=None)
+# Callbacks run when the client of the current HTTP request disconnects before its response is complete.
+_ON_DISCONNECT: contextvars.ContextVar[list | None] = contextvars.ContextVar("hebrus_on_disconnect", default=None)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -313,6 +315,11 @@ def _cb_manager_class():
 
             cb.register_result_handler(request_id, _on_result)
             cb.add_request(input_ids, request_id=request_id, streaming=False, **kwargs)
+            # A client that goes away before the reply: nothing would notice until the reply is sent (a
+            # non-streaming handler is not cancelled by Starlette), so the request would decode to its end.
+            on_disconnect = _ON_DISCONNECT.get()
+            if on_disconnect is not None:
+                on_disconnect.append(lambda: None if future.done() else cb.cancel_request(request_id))
             try:
                 result = await future
             except asyncio.CancelledError:   # the task was cancelled (shutdown): free the request's state
@@ -432,9 +439,23 @@ def _checked_handler(base, kind: str):
 
 
 # ----------------------------------------------------------------------------------------------- the app
+def _run_callbacks(callbacks: list, what: str) -> None:
+    for fn in callbacks:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a cleanup must not mask the request's own outcome
+            logging.getLogger(__name__).exception("hebrus serve: a %s callback failed", what)
+
+
 class _RequestEnd:
     """ASGI middleware: the callbacks a request registers in ``_ON_REQUEST_END`` run when its ASGI call ends
-    (response complete, client gone, or error)."""
+    (response complete, client gone, or error), those in ``_ON_DISCONNECT`` as soon as its client
+    disconnects before that.
+
+    The client's messages are read by one pump task and handed to the app in order (``receive`` has one
+    reader): after the body, the pump waits for ``http.disconnect``, which the server sends when the
+    connection closes; the app reads it too (a streaming response listens for it) and, once it came, every
+    later read returns it again."""
 
     def __init__(self, app):
         self.app = app
@@ -443,16 +464,35 @@ class _RequestEnd:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
         callbacks: list = []
+        on_disconnect: list = []
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+
+        async def pump() -> None:
+            while True:
+                message = await receive()
+                messages.put_nowait(message)
+                if message.get("type") == "http.disconnect":
+                    gone.set()
+                    _run_callbacks(on_disconnect, "disconnect")
+                    return
+
+        async def app_receive():
+            if gone.is_set() and messages.empty():
+                return {"type": "http.disconnect"}
+            return await messages.get()
+
         token = _ON_REQUEST_END.set(callbacks)
+        token_disconnect = _ON_DISCONNECT.set(on_disconnect)
+        pump_task = asyncio.create_task(pump())
         try:
-            return await self.app(scope, receive, send)
+            return await self.app(scope, app_receive, send)
         finally:
+            on_disconnect.clear()          # a disconnect after the response is no one's concern
+            pump_task.cancel()
             _ON_REQUEST_END.reset(token)
-            for fn in callbacks:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - a cleanup must not mask the request's own outcome
-                    logging.getLogger(__name__).exception("hebrus serve: a request-end callback failed")
+            _ON_DISCONNECT.reset(token_disconnect)
+            _run_callbacks(callbacks, "request-end")
 
 
 def _build_server_wrapper():

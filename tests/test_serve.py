@@ -351,6 +351,33 @@ def test_streams_closed_right_after_the_headers_are_all_cancelled(server, checkp
     assert after["live_sequences"] == after["kept_sequences"] <= before["kept_sequences"], (before, after)
 
 
+def test_a_non_streaming_request_whose_client_goes_away_is_cancelled(server, checkpoint):
+    """Issue 27: a non-streaming request whose client disconnects before the reply decoded to its end (nothing
+    cancels a non-streaming handler); it is cancelled when the disconnect arrives and its state freed."""
+    import http.client
+
+    rng = random.Random(9)
+    server.chat(user_message(rng, 3))                         # the engine exists
+    before = server.settled_stats()
+    body = json.dumps({"model": server.model_dir, "messages": user_message(rng, 6), "max_tokens": 1500,
+                       "temperature": 0, "generation_config": json.dumps({"eos_token_id": -1, "pad_token_id": 0})})
+    conns = []
+    for _ in range(4):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT)
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        conns.append(conn)
+    deadline = time.monotonic() + 60
+    while server.stats()["running_requests"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)                                      # (the requests are in the engine)
+    for conn in conns:                                        # the clients go away without reading a byte
+        conn.sock.close()
+        conn.close()
+    after = server.settled_stats(timeout=120)
+    assert after["cancelled_requests"] - before["cancelled_requests"] == 4, (before, after)
+    assert after["counters"]["decode_tokens"] - before["counters"]["decode_tokens"] < 4 * 1499
+    assert after["live_sequences"] == after["kept_sequences"] <= before["kept_sequences"], (before, after)
+
+
 def test_a_second_chat_turn_prefills_only_its_new_tokens_and_equals_a_cold_start(server, checkpoint):
     _, model, tokenizer = checkpoint
     rng = random.Random(5)
