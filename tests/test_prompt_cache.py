@@ -153,7 +153,7 @@ CORRUPTIONS = {
     "truncated": lambda p: p.write_bytes(p.read_bytes()[:-100]),
     "garbage": lambda p: p.write_bytes(bytes(range(256)) * 40),
     "empty": lambda p: p.write_bytes(b""),
-    "another entry version": lambda p: _repack(p, version=2),
+    "another entry version": lambda p: _repack(p, version=pc.VERSION + 1),
     "another fingerprint": lambda p: _repack(p, fingerprint="0" * 64),
     "a valid file holding a bad state": lambda p: _repack(p, state=b"not a ModelCache blob, 32 bytes or more"),
     "state bytes flipped, header rewritten to match": lambda p: _repack(p, state=_flipped(p)),
@@ -305,3 +305,22 @@ def test_tokens_and_state_after_a_restored_prompt_do_not_depend_on_cut_cap_or_or
         assert engine.counters.prompt_cache_hits == len(turn2), s
         assert tokens == ref_tokens, s
         assert states == ref_states, s
+
+
+def test_with_the_chunked_gdn_prefill_files_hold_aligned_states_that_keep_the_bits(tmp_path, row_invariant):
+    """Prompts of whole GDN chunks (chunked prefill on: max_batch_tokens >= 64): a finished request's frontier
+    lies past its last whole prompt chunk, where a continuing request's own path runs the chunked form, so the
+    file holds the state at that chunk's end (a multiple of 64); turn 2 continues from there, with the state
+    and tokens of an engine that never stopped and of a cold engine without files or sharing."""
+    model = eager_experts(make_model("lin-idx", seed=24))
+    turn1 = prompts_for(24, lengths=(100, 140))
+    cfg = dict(max_batch_tokens=64)
+    first, tokens1, _ = serve(model, turn1, prompt_cache_dir=tmp_path, **cfg)
+    assert first.chunk_align == 64 and first.counters.prompt_cache_writes == 2
+    turn2 = turn_two(turn1, tokens1)
+    second, tokens2, states2 = serve(model, turn2, prompt_cache_dir=tmp_path, **cfg)
+    assert [second.requests[f"r{i}"].prefix_hit_tokens for i in range(2)] == [64, 128]
+    assert second.counters.prompt_cache_hits == 2
+    cold, tokens_cold, states_cold = serve(model, turn2, allow_block_sharing=False, **cfg)
+    assert cold.counters.prefix_hit_tokens == 0
+    assert states2 == states_cold and tokens2 == tokens_cold

@@ -195,10 +195,7 @@ class Engine:
         state after its prompt: what the chunk-invariance tests digest)."""
         self.prompt_cache: PromptCacheStore | None = None
         if cfg.prompt_cache_dir is not None:
-            # The chunk alignment is part of what the states mean: an engine with the chunked GDN form off
-            # (or on) must not continue another's (docs/engine.md: the alignment rule).
-            self.prompt_cache = PromptCacheStore(cfg.prompt_cache_dir,
-                                                 f"{fingerprint(model, self.cache)}-chunk{self.chunk_align}",
+            self.prompt_cache = PromptCacheStore(cfg.prompt_cache_dir, fingerprint(model, self.cache),
                                                  cfg.prompt_cache_max_bytes, counters=self.counters)
 
     # ------------------------------------------------------------------ requests
@@ -360,6 +357,15 @@ class Engine:
             theirs = self._extent.get(seq)
         whole = n // c * c
         return theirs is not None and (n % c == 0 or n >= extent) and min(whole, theirs) == min(whole, extent)
+
+    def _file_shareable(self, entry, extent: int) -> bool:
+        """``_shareable`` for a file, whose writer (this engine or another, with the chunked form on or off)
+        ran its positions below ``entry.chunk_extent`` chunked: with the chunked form off here, only a state
+        that ran no whole chunk chunked continues with this engine's bits."""
+        n = len(entry.tokens)
+        if not self.chunk_align:
+            return min(n // CHUNK * CHUNK, entry.chunk_extent) == 0
+        return self._shareable(None, n, extent, entry.chunk_extent)
 
     def _leader_prefilling(self, req: Request) -> bool:
         """Another running request is prefilling a prompt that shares at least one whole block with
@@ -528,7 +534,7 @@ class Engine:
             while True:
                 extent = self.scheduler.chunk_extent(req)
                 entry = store.lookup(req.tokens, req.num_tokens - 1, min_tokens=floor + 1,
-                                     accept=lambda e: self._shareable(None, len(e.tokens), extent, e.chunk_extent))
+                                     accept=lambda e: self._file_shareable(e, extent))
                 if entry is None:
                     break
                 data = store.read(entry)
@@ -551,11 +557,11 @@ class Engine:
 
     def _to_prompt_cache(self, req: Request) -> None:
         """Write a finished request's state to the files: at its frontier (``num_computed`` tokens), or,
-        with the chunked GDN form, at the last multiple of C within its whole prompt chunks that has a
-        snapshot. A request restored from the frontier would continue with the bits of a request whose
-        outputs ran recurrently where its own prompt runs them chunked (the rule ``_shareable`` applies to
-        kept sequences); from an aligned position below the writer's chunk extent any request that extends
-        the tokens continues with its own bits. A failure is counted in ``prompt_cache_write_errors`` (an
+        with the chunked GDN form and a frontier at or past C, at the last multiple of C within its whole
+        prompt chunks that has a snapshot. A request restored from such a frontier would continue with the
+        bits of a request whose outputs ran recurrently where its own prompt runs them chunked (the rule
+        ``_shareable`` applies to kept sequences); from an aligned position within the writer's whole
+        prompt chunks any request that extends the tokens continues with its own bits. A failure is counted in ``prompt_cache_write_errors`` (an
         I/O error is also warned about, once per file); it never reaches the request."""
         n = req.num_computed
         if self.prompt_cache is None or n < 1:
@@ -567,10 +573,13 @@ class Engine:
                 self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq))
                 return
             extent = self._extent.get(req.seq, 0)
-            if n // c * c <= extent:        # the frontier: the requests that may continue it (_shareable)
+            if n < c:       # the frontier: requests whose prompts stay below C may continue it (_shareable)
                 self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq), extent)
                 return
-            aligned = extent                # a multiple of c below n: any request extending it may
+            aligned = min(extent, n // c * c)   # a multiple of C: any request that extends it may continue it
+            if aligned == n:
+                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq), extent)
+                return
             seq = self.cache.fork(req.seq)
             try:
                 for p in range(aligned, 0, -c):
