@@ -20,9 +20,9 @@ positions below ``A = C * floor(len(prompt) / C)`` (its whole prompt chunks) are
 of C: a chunk there ends at a multiple of C or at the prompt's end, never past the prompt (after a
 preemption, the recomputed outputs ran recurrently the first time and are fed in later steps). A chunk
 that cannot reach the next multiple of C within the step's budget or free cells waits (0 tokens), and
-holds the rest of the step's budget: no later request prefills and none is admitted in that step, so
-the decodes drain and the waiting request gets a budget of at least C (docs/engine.md: the alignment
-rule, and why it always progresses).
+holds the rest of the step's budget: no later request prefills and none is admitted in that step; in
+the next step it goes first, before the decodes, with the whole budget (>= C), so it advances by a chunk
+(docs/engine.md: the alignment rule, and why it always progresses).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
+        self._held: Request | None = None   # the prefill that waited for an aligned cut last step
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -171,6 +172,16 @@ class Scheduler:
             plan.preempted.append(victim)
 
         planned: dict[int, int] = {}      # id(request) -> tokens this step
+        # A prefill that waited for an aligned cut last step goes first: with the decodes first, a budget
+        # near C would never leave it the C tokens it needs while any request decodes.
+        first, self._held = self._held, None
+        if first is not None and first in self.running and first.remaining > 1 and budget >= 1:
+            n = self._chunk(first, min(budget, free_cells)) if room_for(first, min(first.remaining, budget)) else 0
+            if n > 0:
+                plan.chunks.append(ScheduledChunk(first, n))
+                planned[id(first)] = n
+                budget -= n
+                free_cells -= n
         for req in decoding:
             if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
@@ -181,13 +192,14 @@ class Scheduler:
 
         held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:
-            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1:
+            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or id(req) in planned:
                 continue
             if not room_for(req, min(req.remaining, budget)) and free_cells < 1:
                 continue
             n = self._chunk(req, min(budget, free_cells))
             if n == 0:
                 held = True
+                self._held = req
                 break
             plan.chunks.append(ScheduledChunk(req, n))
             planned[id(req)] = n
@@ -223,6 +235,7 @@ class Scheduler:
                 free_cells -= n
             reserved += req.remaining - n + 1
             if n == 0:        # admitted, waits for an aligned cut (or cells): holds the rest of the budget
+                self._held = req
                 break
         return plan
 
