@@ -399,6 +399,18 @@ def _check_body(body: Any, kind: str) -> None:
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                             and all(isinstance(s, str) for s in stop))):
         raise _http_error(400, "`stop` must be a string or a list of strings")
+    for name, default in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not (value is None or (default is None and not value) or (default is not None and value == default)):
+            raise _http_error(400, f"`{name}` = {value!r} is not supported by this server (transformers serve "
+                                   f"would ignore it); see docs/serving.md for the parameters it honours")
+
+
+# OpenAI parameters whose non-default values the serving path would otherwise ignore silently (transformers
+# serve logs them once and answers as if they were absent): refused with a 400 instead. name -> the value
+# that means "not asked for" (None: any falsy value).
+_UNSUPPORTED: dict[str, Any] = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "logit_bias": None,
+                                "presence_penalty": 0, "echo": None, "suffix": None}
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")

@@ -659,3 +659,21 @@ def test_a_corrupted_prompt_cache_is_skipped_with_one_warning_and_changes_no_ans
     text = log.read_text(errors="replace")
     for name in (entry.name, "garbage.hpc"):
         assert text.count(f"skipping {work / name}") == 1, text[-3000:]
+
+
+def test_parameters_the_server_would_ignore_are_refused(server):
+    """transformers serve logs `n`, `logprobs`, `top_logprobs`, `logit_bias`, `presence_penalty`, `best_of`,
+    `echo` once and answers as if they were absent (one choice, no log probabilities): a client asking for them
+    gets a 400 naming the parameter instead. Their default values pass."""
+    base = {"model": server.model_dir, "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
+    for extra in ({"n": 2}, {"logprobs": True}, {"top_logprobs": 3}, {"logit_bias": {"5": 10}},
+                  {"presence_penalty": 0.5}):
+        r = http("POST", f"{server.url}/v1/chat/completions", dict(base, **extra))
+        assert r.status_code == 400 and f"`{next(iter(extra))}`" in r.text, (extra, r.status_code, r.text)
+    for extra in ({"best_of": 2}, {"echo": True}, {"logprobs": 2}):
+        r = http("POST", f"{server.url}/v1/completions",
+                 {"model": server.model_dir, "prompt": "w1 w2", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and f"`{next(iter(extra))}`" in r.text, (extra, r.status_code, r.text)
+    r = http("POST", f"{server.url}/v1/chat/completions",
+             dict(base, n=1, logprobs=False, logit_bias={}, presence_penalty=0))
+    assert r.status_code == 200, r.text
