@@ -96,26 +96,20 @@ def pack(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> b
     return b"".join(pieces + [h.digest()])
 
 
-def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Validate and decode a blob of ``kind``. Raises CorruptStateError naming what is wrong."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise CorruptStateError(f"{kind} blob must be bytes, got {type(blob).__name__}")
-    blob = bytes(blob)
-    if len(blob) < _PREFIX.size + _DIGEST:
-        raise CorruptStateError(f"{kind} blob is truncated: {len(blob)} bytes")
-    magic, version, header_len = _PREFIX.unpack_from(blob)
+def _header_length(head: bytes, kind: str) -> int:
+    """The header length a blob's prefix records, after checking its magic number and format version."""
+    magic, version, header_len = _PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise CorruptStateError(f"{kind} blob has a wrong magic number (not a hebrus_torch saved state)")
     if version != FORMAT_VERSION:
         raise CorruptStateError(f"{kind} blob has format version {version}; this build reads {FORMAT_VERSION}")
-    body, digest = memoryview(blob)[:-_DIGEST], blob[-_DIGEST:]    # (a view: the payload is copied once, below)
-    if hashlib.sha256(body).digest() != digest:
-        raise CorruptStateError(f"{kind} blob checksum mismatch: truncated or modified")
-    payload_start = _PREFIX.size + header_len
-    if payload_start > len(body):
-        raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob")
+    return header_len
+
+
+def _header(raw: bytes, kind: str) -> tuple[Any, Any]:
+    """(meta, tensor entries) of a blob's JSON header, its structure checked (CorruptStateError)."""
     try:
-        header = json.loads(bytes(body[_PREFIX.size:payload_start]).decode())
+        header = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError: JSONDecodeError, or an integer of more digits than Python converts.
         raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
@@ -127,6 +121,24 @@ def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     meta, entries = header.get("meta"), header.get("tensors")
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise CorruptStateError(f"{kind} blob header lacks meta or tensors")
+    return meta, entries
+
+
+def unpack(blob: bytes, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Validate and decode a blob of ``kind``. Raises CorruptStateError naming what is wrong."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptStateError(f"{kind} blob must be bytes, got {type(blob).__name__}")
+    blob = bytes(blob)
+    if len(blob) < _PREFIX.size + _DIGEST:
+        raise CorruptStateError(f"{kind} blob is truncated: {len(blob)} bytes")
+    header_len = _header_length(blob, kind)
+    body, digest = memoryview(blob)[:-_DIGEST], blob[-_DIGEST:]    # (a view: the payload is copied once, below)
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptStateError(f"{kind} blob checksum mismatch: truncated or modified")
+    payload_start = _PREFIX.size + header_len
+    if payload_start > len(body):
+        raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob")
+    meta, entries = _header(bytes(body[_PREFIX.size:payload_start]), kind)
     payload = body[payload_start:]
     tensors: dict[str, torch.Tensor] = {}
     end = 0
@@ -166,26 +178,10 @@ def peek(f: BinaryIO, kind: str, size: int) -> tuple[dict[str, Any], int]:
     head = f.read(_PREFIX.size)
     if len(head) < _PREFIX.size:
         raise CorruptStateError(f"{kind} blob is truncated: {len(head)} bytes")
-    magic, version, header_len = _PREFIX.unpack_from(head)
-    if magic != MAGIC:
-        raise CorruptStateError(f"{kind} blob has a wrong magic number (not a hebrus_torch saved state)")
-    if version != FORMAT_VERSION:
-        raise CorruptStateError(f"{kind} blob has format version {version}; this build reads {FORMAT_VERSION}")
+    header_len = _header_length(head, kind)
     if _PREFIX.size + header_len + _DIGEST > size:
         raise CorruptStateError(f"{kind} blob header length {header_len} exceeds the blob ({size} bytes)")
-    raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptStateError(f"{kind} blob header is not valid JSON: {short(str(exc))}") from None
-    if _too_deep(header, _MAX_DEPTH):
-        raise CorruptStateError(f"{kind} blob header nests deeper than {_MAX_DEPTH} levels")
-    if not isinstance(header, dict) or not same(header.get("kind"), kind):
-        got = header.get("kind") if isinstance(header, dict) else None
-        raise CorruptStateError(f"blob holds {short(got)} state, expected {kind!r}")
-    meta, entries = header.get("meta"), header.get("tensors")
-    if not isinstance(meta, dict) or not isinstance(entries, list):
-        raise CorruptStateError(f"{kind} blob header lacks meta or tensors")
+    meta, entries = _header(f.read(header_len), kind)
     sizes = [e.get("nbytes") if isinstance(e, dict) else None for e in entries]
     if not all(type(n) is int and n >= 0 for n in sizes):
         raise CorruptStateError(f"{kind} blob has a malformed tensor entry")
