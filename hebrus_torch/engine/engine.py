@@ -121,6 +121,7 @@ class EngineCounters:
     decode_tokens: int = 0
     prefix_hit_tokens: int = 0     # prompt tokens taken from a shared prefix instead
     prefix_evictions: int = 0      # kept sequences evicted from the prefix cache
+    forked_choices: int = 0        # choices forked from another request's prompt (Request.forks): not prefilled
     step_seconds: float = 0.0
     model_seconds: float = 0.0
     # the prompt cache's files (EngineConfig.prompt_cache_dir; engine/prompt_cache.py)
@@ -249,6 +250,10 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise BadRequestError(f"engine: request {rid!r}: sampling must be SamplingParams, got "
                                   f"{type(sampling).__name__}")
+        outside = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise BadRequestError(f"engine: request {rid!r}: logit_bias token ids {outside[:5]} lie outside the "
+                                  f"vocabulary [0, {self.vocab_size})")
         if eos_token_id is None:
             eos_token_id = getattr(gen, "eos_token_id", None)
             if eos_token_id is None:
@@ -263,7 +268,15 @@ class Engine:
                        user_data=user_data)
 
     def submit(self, request: Request) -> None:
+        """Queue a request made by :meth:`make_request`, with its ``forks`` (the other choices of its prompt,
+        each made by ``make_request`` with the same prompt): they are registered here, and forked from its
+        sequence once its prompt is in the cache."""
+        if any(f.prompt != request.prompt for f in request.forks):
+            raise BadRequestError(f"engine: request {request.request_id!r}: its forks must have its prompt")
         self.requests[request.request_id] = request
+        for fork in request.forks:
+            self.requests[fork.request_id] = fork
+            fork.status = RequestStatus.WAITING
         self.scheduler.add(request)
 
     def cancel(self, request_id: str) -> None:
@@ -416,8 +429,13 @@ class Engine:
         self.counters.steps += 1
         outputs: list[StepOutput] = []
         sampled = [c.request for c in chunks if c.needs_logits]
+        rows = list(range(len(sampled)))
+        forked = self._fork_choices([c for c in chunks if c.needs_logits])   # (row, fork): choices of a prompt
+        rows += [row for row, _ in forked]
+        sampled += [fork for _, fork in forked]
         picks = iter(sample_rows(logits, [r.sampling for r in sampled], [r.tokens for r in sampled],
-                                 [r.generator for r in sampled]))           # the step's one read of the device
+                                 [r.generator for r in sampled], rows=rows,
+                                 generated=[r.generated for r in sampled]))   # the step's one read of the device
         now = time.perf_counter()
         for chunk in chunks:
             req = chunk.request
@@ -432,25 +450,58 @@ class Engine:
             self._record_prefix(req)
             if self.on_prompt_done is not None and before < len(req.prompt) <= end:
                 self.on_prompt_done(req)
-            if not needs_logits:
-                continue
-            token, logprob = next(picks)
-            req.generated.append(token)
-            if logprob is not None:
-                req.logprobs.append(logprob)
-            if req.first_token_time < 0:
-                req.first_token_time = now
-            if req.record_timestamps:
-                req.timestamps.append(now)
-            req.status = RequestStatus.DECODING
-            out = StepOutput(req, [token])
-            reason = self._stop_reason(req)
-            if reason is not None:
-                req.finish_reason = reason
-                self._finish(req, RequestStatus.FINISHED)
-                out.finished = True
-            outputs.append(out)
+            if needs_logits:
+                outputs.append(self._take(req, next(picks), now))
+        outputs += [self._take(fork, next(picks), now) for _, fork in forked]
         return outputs
+
+    def _take(self, req: Request, pick, now: float) -> StepOutput:
+        """Append a sampled token (a ``sampling.Pick``) to ``req``; finish it if it stops there."""
+        req.generated.append(pick.token)
+        if pick.logprob is not None:
+            req.logprobs.append(pick.logprob)
+            if req.sampling.top_logprobs:
+                req.top_logprobs.append(pick.top)
+        if req.first_token_time < 0:
+            req.first_token_time = now
+        if req.record_timestamps:
+            req.timestamps.append(now)
+        req.status = RequestStatus.DECODING
+        out = StepOutput(req, [pick.token])
+        reason = self._stop_reason(req)
+        if reason is not None:
+            req.finish_reason = reason
+            self._finish(req, RequestStatus.FINISHED)
+            out.finished = True
+        return out
+
+    def _fork_choices(self, sampled: list[ScheduledChunk]) -> list[tuple[int, Request]]:
+        """For each chunk of ``sampled`` (row i: the logits row its request samples from) that ended its
+        request's prompt in this step (the step ran; the sequence holds the state after the prompt): fork its sequence for each of its pending ``forks``, which join the running
+        requests at the end of the prompt and sample their first token from the same row. A fork that gets
+        no sequence slot (even after evicting kept prefixes) is queued instead and prefills on its own."""
+        out: list[tuple[int, Request]] = []
+        for row, chunk in enumerate(sampled):
+            req = chunk.request
+            if not req.forks or req.generated or chunk.start + chunk.num_tokens != len(req.prompt):
+                continue
+            forks, req.forks = [f for f in req.forks if not f.status.is_done], []
+            for fork in forks:
+                while self._kept and len(self.cache.slots.live_handles()) >= self.config.max_sequences:
+                    self._evict_kept()
+                try:
+                    seq = self.cache.fork(req.seq)
+                except CapacityError:
+                    self.scheduler.add(fork)
+                    continue
+                fork.seq, fork.num_computed = seq, len(req.prompt)
+                self._extent[seq] = self._extent.get(req.seq, self.scheduler.chunk_extent(fork))
+                fork.generator = fork.sampling.generator(self.runner.device)
+                fork.first_scheduled_time = time.perf_counter()
+                self.scheduler.join(fork)
+                self.counters.forked_choices += 1
+                out.append((row, fork))
+        return out
 
     def _record_prefix(self, req: Request) -> None:
         """At a block boundary inside the prompt: snapshot the recurrent state and index the prefix."""
@@ -480,6 +531,10 @@ class Engine:
         req.error = error
         req.finished_time = time.perf_counter()
         self.scheduler.remove(req)
+        forks, req.forks = req.forks, []
+        for fork in forks:             # ended before its prompt did: the other choices run on their own
+            if not fork.status.is_done:
+                self.scheduler.add(fork)
         if status is RequestStatus.FINISHED and req.seq is not None:
             self._to_prompt_cache(req)
             if self._keep(req):

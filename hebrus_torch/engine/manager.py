@@ -34,7 +34,7 @@ from .engine import Engine, EngineConfig, StepOutput, _token_ids
 from .requests import Request, RequestStatus
 from .sampling import BadRequestError, SamplingParams
 
-__all__ = ["HebrusBatchingManager", "install", "uninstall", "engine_config_from"]
+__all__ = ["HebrusBatchingManager", "install", "uninstall", "engine_config_from", "choice_seed"]
 
 logger = logging.getLogger(__name__)
 _INSTALLED = "_hebrus_cb_installed"
@@ -183,12 +183,17 @@ class HebrusBatchingManager:
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
-                    **logit_processor_kwargs: Any) -> str | None:
+                    num_return_sequences: int | None = None, **logit_processor_kwargs: Any) -> str | None:
         """Queue one request (plus its ``num_return_sequences - 1`` children); returns its id.
 
+        The children ``<id>__child#<i>`` (choice i + 1; the request itself is choice 0) are forks of the
+        request: its prompt is prefilled once, and each child samples from there with its own generator,
+        seeded from ``seed`` and its choice index (:func:`choice_seed`) when a seed is given.
         Sampling values in ``logit_processor_kwargs`` (temperature, top_k, top_p, repetition_penalty,
-        do_sample, seed) override the generation config for this request; ``stop_strings`` need the
-        manager's tokenizer.
+        do_sample, seed, logprobs, top_logprobs, logit_bias (a mapping of token id -> bias),
+        presence_penalty, frequency_penalty) override the generation config for this request;
+        ``stop_strings`` need the manager's tokenizer. ``num_return_sequences`` overrides the generation
+        config's.
         """
         denial = self.background_thread_status.can_accept_new_requests()
         if denial is not None:
@@ -199,17 +204,23 @@ class HebrusBatchingManager:
                 request_id = f"req_{self._counter}"
                 self._counter += 1
         engine = self._ensure_engine()
-        ids = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)] + [request_id]
-        for rid in ids:
-            try:
-                sampling = self._sampling(logit_processor_kwargs)
-                req = engine.make_request(input_ids, request_id=rid, max_new_tokens=max_new_tokens,
-                                          sampling=sampling, eos_token_id=eos_token_id, stop_strings=stop_strings,
-                                          streaming=streaming, record_timestamps=record_timestamps)
-            except HebrusError as err:
+        n = self.num_return_sequences if num_return_sequences is None else num_return_sequences
+        ids = [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)]
+        try:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise BadRequestError(f"num_return_sequences must be an int >= 1, got {n!r}")
+            seed = logit_processor_kwargs.get("seed")
+            reqs = [engine.make_request(input_ids, request_id=rid, max_new_tokens=max_new_tokens,
+                                        sampling=self._sampling({**logit_processor_kwargs,
+                                                                 "seed": choice_seed(seed, i)}),
+                                        eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
+                                        record_timestamps=record_timestamps) for i, rid in enumerate(ids)]
+        except HebrusError as err:
+            for rid in ids[:n] if isinstance(n, int) and n >= 1 else ids[:1]:
                 self.output_router.deliver(self._failed_output(rid, input_ids, str(err)))
-                continue
-            self.input_queue.put(req)
+            return request_id
+        reqs[0].forks = reqs[1:]
+        self.input_queue.put(reqs[0])
         self._wake.set()
         return request_id
 
@@ -238,6 +249,7 @@ class HebrusBatchingManager:
                 tokenizer). Servers answer it with a 4xx before they register anything.
         """
         engine = self._ensure_engine()
+        logit_processor_kwargs.pop("num_return_sequences", None)
         engine.make_request(input_ids, request_id="__check__", max_new_tokens=max_new_tokens,
                             sampling=self._sampling(logit_processor_kwargs), eos_token_id=eos_token_id,
                             stop_strings=stop_strings)
@@ -386,9 +398,11 @@ class HebrusBatchingManager:
                 pending.append(self.input_queue.get_nowait())
             except queue.Empty:
                 break
+        pending += [f for r in pending for f in r.forks]
         if engine is not None:
-            pending += list(engine.scheduler.requests())
-            for req in list(engine.scheduler.requests()):
+            running = list(engine.scheduler.requests())
+            pending += running + [f for r in running for f in r.forks if not f.status.is_done]
+            for req in running:
                 try:
                     engine._finish(req, RequestStatus.FAILED, message)
                 except Exception:  # noqa: BLE001 - the engine may be what failed
@@ -399,8 +413,14 @@ class HebrusBatchingManager:
 
     # ------------------------------------------------------------------ conversions
     def _sampling(self, kwargs: dict[str, Any]) -> SamplingParams:
-        known = {k: kwargs[k] for k in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        known = {k: kwargs[k] for k in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+                                        "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty")
                  if k in kwargs}
+        bias = kwargs.get("logit_bias")
+        if bias:
+            if not isinstance(bias, dict):
+                raise BadRequestError(f"logit_bias must be a mapping of token id -> bias, got {bias!r:.80}")
+            known["logit_bias"] = tuple(sorted(bias.items()))
         try:
             return SamplingParams.from_generation_config(self.generation_config, **known)
         except (TypeError, ValueError) as err:
@@ -415,11 +435,15 @@ class HebrusBatchingManager:
                   RequestStatus.FINISHED: tf_requests.RequestStatus.FINISHED,
                   RequestStatus.FAILED: tf_requests.RequestStatus.FAILED,
                   RequestStatus.CANCELLED: tf_requests.RequestStatus.FAILED}[req.status]
-        return tf_requests.GenerationOutput(
+        out = tf_requests.GenerationOutput(
             request_id=req.request_id, prompt_ids=list(req.prompt), generated_tokens=list(req.generated),
             logprobs=list(req.logprobs), error=req.error, status=status, created_time=req.created_time,
             lifespan=(req.first_scheduled_time, req.finished_time),
             timestamps=list(req.timestamps) if req.record_timestamps else None)
+        # (beyond transformers' fields) the top alternatives per token, and why the request finished
+        out.top_logprobs = list(req.top_logprobs)
+        out.finish_reason = req.finish_reason.value if req.finish_reason is not None else None
+        return out
 
     def _failed_output(self, request_id: str, prompt: Any, message: str):
         _, tf_requests = _tf()
@@ -429,6 +453,18 @@ class HebrusBatchingManager:
             prompt_ids = []
         return tf_requests.GenerationOutput(request_id=request_id, prompt_ids=prompt_ids, error=message,
                                             status=tf_requests.RequestStatus.FAILED)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded with ``seed``: ``seed`` itself for choice 0 (so
+    choice 0 of ``n`` choices is the reply to the same request with one), a 63-bit mix of both otherwise
+    (splitmix64's finaliser: nearby seeds and indices give unrelated streams). None stays None."""
+    if seed is None or index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
 
 
 def engine_stats(engine: Engine) -> dict[str, Any]:

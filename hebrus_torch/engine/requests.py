@@ -54,6 +54,11 @@ class Request:
             transformers does).
         stop_strings: generation stops once the decoded output contains one (needs the engine's tokenizer).
         streaming: deliver an output after every token, not only at the end.
+        logprobs, top_logprobs: per generated token, its log-probability and the most likely alternatives
+            (when ``sampling.logprobs`` / ``sampling.top_logprobs`` ask for them).
+        forks: requests with this one's prompt (other choices of one prompt) that are forked from this
+            request's sequence once its prompt is in the cache, and sample their first token from its logits
+            there: the prompt is prefilled once. They run on their own if this request ends first.
     """
 
     request_id: str
@@ -67,6 +72,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    forks: list["Request"] = field(default_factory=list, repr=False)
     error: str | None = None
     finish_reason: FinishReason | None = None
     seq: SeqHandle | None = None

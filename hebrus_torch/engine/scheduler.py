@@ -118,6 +118,14 @@ class Scheduler:
         yield from self.running
         yield from self.waiting
 
+    def join(self, request: Request) -> None:
+        """Run a request whose sequence the engine made outside ``schedule`` (a fork of another request's
+        prompt: it decodes from the next step on)."""
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.DECODING
+        self.running.append(request)
+
     def preempt(self, request: Request) -> None:
         """Back to the front of the queue, to recompute from scratch (its state must be freed first)."""
         self.running.remove(request)
