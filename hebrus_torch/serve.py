@@ -80,7 +80,8 @@ SHUTDOWN_GRACE_S = 5.0     # uvicorn's wait for open connections after SIGTERM, 
 _SETTINGS = HebrusServeSettings()
 _ORIGINALS: dict[str, Any] = {}
 _MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the hebrus managers this process built
-_REQUEST_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hebrus_request_seed", default=None)
+# The OpenAI parameters of the current HTTP request that transformers does not carry (serve_choices.Options).
+_REQUEST_OPTIONS: contextvars.ContextVar[Any] = contextvars.ContextVar("hebrus_request_options", default=None)
 # What runs when an HTTP request's ASGI call ends, however it ends (set per request by _RequestEnd).
 _ON_REQUEST_END: contextvars.ContextVar[list | None] = contextvars.ContextVar("hebrus_on_request_end", default=None)
 # Callbacks run when the client of the current HTTP request disconnects before its response is complete.
@@ -214,7 +215,8 @@ def _http_error(status: int, message: str):
 
 
 def _request_kwargs(gen_config: Any) -> dict[str, Any]:
-    """What one request's GenerationConfig asks of the engine (sampling values only when sampling)."""
+    """What one request's GenerationConfig and OpenAI options ask of the engine (sampling values only when
+    sampling)."""
     kwargs: dict[str, Any] = {"max_new_tokens": gen_config.max_new_tokens, "eos_token_id": gen_config.eos_token_id,
                               "do_sample": bool(gen_config.do_sample)}
     if gen_config.do_sample:
@@ -224,9 +226,11 @@ def _request_kwargs(gen_config: Any) -> dict[str, Any]:
     stops = getattr(gen_config, "stop_strings", None)
     if stops:
         kwargs["stop_strings"] = [stops] if isinstance(stops, str) else list(stops)
-    seed = _REQUEST_SEED.get()
-    if seed is not None and gen_config.do_sample:
-        kwargs["seed"] = seed     # the request's own generator (transformers only reseeds torch globally)
+    options = _REQUEST_OPTIONS.get()
+    if options is not None:
+        kwargs.update(options.engine_kwargs())
+        if options.seed is not None and gen_config.do_sample:
+            kwargs["seed"] = options.seed   # the request's own generator (transformers only reseeds torch globally)
     return kwargs
 
 
@@ -249,25 +253,58 @@ def _cb_manager_class():
                     from err
             self._cb = cb
 
-        def _checked(self, input_ids: list[int], gen_config: Any, request_id: str) -> dict[str, Any]:
+        def _begin(self, inputs: dict, gen_config: Any, request_id: str) -> tuple[Any, list[int], dict[str, Any]]:
+            """(manager, prompt ids, engine kwargs) of a request the engine accepts; a 400 naming the problem
+            for one it would refuse, before anything is registered or queued."""
             from hebrus_torch.errors import HebrusError
 
+            cb = self._cb
+            if cb is None:
+                raise RuntimeError("CB manager not initialized. Call `init_cb()` first.")
             self._check_alive(request_id)
+            input_ids = inputs["input_ids"]
             kwargs = _request_kwargs(gen_config)
-            checker = getattr(self._cb, "check_request", None)
+            checker = getattr(cb, "check_request", None)
             if checker is not None:
                 try:
                     checker(input_ids, **kwargs)
                 except HebrusError as err:
                     raise _http_error(400, str(err).replace("__check__", request_id)) from None
-            return kwargs
+            return cb, input_ids, kwargs
+
+        def generate_choices(self, inputs: dict, gen_config: Any, request_id: str, n: int, streaming: bool):
+            """Queue the request's ``n`` choices (``request_id`` and its children ``<id>__child#<i>``, forks of
+            its prompt); returns an asyncio queue of ``(choice index, GenerationOutput)`` (every output when
+            streaming, else each choice's final one) and the prompt ids. The unfinished choices are cancelled
+            when the HTTP request ends (streaming) or its client disconnects (not streaming)."""
+            cb, input_ids, kwargs = self._begin(inputs, gen_config, request_id)
+            ids = [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)]
+            queue: asyncio.Queue = asyncio.Queue()
+            finished: set[int] = set()
+
+            def handler(index: int):
+                def on_output(output) -> None:
+                    if output.is_finished() or output.error is not None:
+                        finished.add(index)
+                    queue.put_nowait((index, output))
+                return on_output
+
+            for i, rid in enumerate(ids):
+                cb.register_result_handler(rid, handler(i))     # before the request can produce anything
+            cb.add_request(input_ids, request_id=request_id, streaming=streaming, **kwargs)
+
+            def cancel_unfinished() -> None:
+                for i, rid in enumerate(ids):
+                    if i not in finished:
+                        cb.cancel_request(rid)
+
+            hooks = (_ON_REQUEST_END if streaming else _ON_DISCONNECT).get()
+            if hooks is not None:
+                hooks.append(cancel_unfinished)
+            return queue, input_ids, cancel_unfinished
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
-            cb = self._cb
-            if cb is None:
-                raise RuntimeError("CB manager not initialized. Call `init_cb()` first.")
-            input_ids = inputs["input_ids"]
-            kwargs = self._checked(input_ids, gen_config, request_id)
+            cb, input_ids, kwargs = self._begin(inputs, gen_config, request_id)
             loop = asyncio.get_running_loop()
             text_queue: asyncio.Queue = asyncio.Queue()
             rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
@@ -301,11 +338,7 @@ def _cb_manager_class():
             return text_queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-            cb = self._cb
-            if cb is None:
-                raise RuntimeError("CB manager not initialized. Call `init_cb()` first.")
-            input_ids = inputs["input_ids"]
-            kwargs = self._checked(input_ids, gen_config, request_id)
+            cb, input_ids, kwargs = self._begin(inputs, gen_config, request_id)
             loop = asyncio.get_running_loop()
             future = loop.create_future()
 
@@ -360,8 +393,9 @@ def _generation_state_class():
 
 
 # -------------------------------------------------------------------------------------------- validation
-def _check_body(body: Any, kind: str) -> None:
-    """A 400 naming the problem for a body transformers would answer with a 500 (or accept silently)."""
+def _check_body(body: Any, kind: str):
+    """The request's :class:`~hebrus_torch.serve_choices.Options`, or a 400 naming the problem for a body
+    transformers would answer with a 500 (or accept silently)."""
     if not isinstance(body, dict):
         raise _http_error(400, "the request body must be a JSON object")
     if kind == "chat":
@@ -404,13 +438,69 @@ def _check_body(body: Any, kind: str) -> None:
         if not (value is None or (default is None and not value) or (default is not None and value == default)):
             raise _http_error(400, f"`{name}` = {value!r} is not supported by this server (transformers serve "
                                    f"would ignore it); see docs/serving.md for the parameters it honours")
+    return _options(body, kind)
 
 
 # OpenAI parameters whose non-default values the serving path would otherwise ignore silently (transformers
 # serve logs them once and answers as if they were absent): refused with a 400 instead. name -> the value
 # that means "not asked for" (None: any falsy value).
-_UNSUPPORTED: dict[str, Any] = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "logit_bias": None,
-                                "presence_penalty": 0, "echo": None, "suffix": None}
+_UNSUPPORTED: dict[str, Any] = {"best_of": 1, "echo": None, "suffix": None}
+MAX_CHOICES = 16                # the most choices (`n`) one request may ask for
+MAX_LEGACY_LOGPROBS = 5         # OpenAI's cap on the legacy completions' `logprobs`
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _options(body: dict, kind: str):
+    """n, logprobs, top_logprobs, logit_bias, presence_penalty, frequency_penalty and seed, checked."""
+    from hebrus_torch.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+    from hebrus_torch.serve_choices import Options
+
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise _http_error(400, f"`n` must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "chat":
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise _http_error(400, f"`logprobs` must be a boolean, got {logprobs!r}")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise _http_error(400, f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        if top and not logprobs:
+            raise _http_error(400, f"`top_logprobs` = {top} needs `logprobs` = true")
+        want, top = bool(logprobs), int(top or 0)
+    else:
+        if top is not None:
+            raise _http_error(400, "`top_logprobs` is not a parameter of /v1/completions (use `logprobs`: 0..5)")
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LEGACY_LOGPROBS):
+            raise _http_error(400, f"`logprobs` must be an integer in [0, {MAX_LEGACY_LOGPROBS}], got {logprobs!r}")
+        want, top = logprobs is not None, int(logprobs or 0)
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise _http_error(400, f"`logit_bias` must be an object mapping token ids to biases, got {bias!r:.60}")
+    bad_keys = [k for k in bias if not (isinstance(k, str) and k.isascii() and k.isdigit())]
+    if bad_keys:
+        raise _http_error(400, f"`logit_bias` keys must be token ids (strings of digits), got {bad_keys[:5]!r:.120}")
+    bad_values = {k: v for k, v in bias.items() if not _is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+    if bad_values:
+        raise _http_error(400, f"`logit_bias` values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                               f"got {dict(list(bad_values.items())[:5])!r:.120}")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and (not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise _http_error(400, f"`{name}` must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        penalties[name] = float(value or 0)
+    return Options(n=n, logprobs=want, top_logprobs=top, logit_bias={int(k): float(v) for k, v in bias.items()},
+                   seed=body.get("seed"), **penalties)
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -437,14 +527,57 @@ def _check_content_part(part: Any, where: str) -> None:
 
 
 def _checked_handler(base, kind: str):
+    """transformers' chat or completions handler whose body is checked first and whose responses on the
+    batching path are built by :mod:`hebrus_torch.serve_choices` (n choices, log-probabilities, stop strings
+    cut off); the sequential path (``--no-continuous-batching``) stays transformers' and refuses what it
+    would ignore."""
+    import inspect
+
+    from hebrus_torch import serve_choices
+
+    signatures = {name: inspect.signature(getattr(base, name)) for name in ("_streaming", "_non_streaming")}
+
     class Checked(base):
         async def handle_request(self, body: dict, request_id: str):
-            _check_body(body, kind)
-            token = _REQUEST_SEED.set(body.get("seed"))
+            token = _REQUEST_OPTIONS.set(_check_body(body, kind))
             try:
                 return await super().handle_request(body, request_id)
             finally:
-                _REQUEST_SEED.reset(token)
+                _REQUEST_OPTIONS.reset(token)
+
+        def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+            # OpenAI's frequency_penalty and logit_bias are the engine's (transformers would map the first to a
+            # repetition penalty, which is not OpenAI's, and the second to a sequence bias the engine has not)
+            body = {k: v for k, v in body.items() if k not in ("frequency_penalty", "logit_bias")}
+            return super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+
+        def _call(self, name: str, args: tuple, kwargs: dict):
+            """The call's serve_choices.Call on the batching path, else None (after refusing what transformers'
+            sequential path would ignore)."""
+            bound = signatures[name].bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            options = _REQUEST_OPTIONS.get() or serve_choices.Options()
+            if not hasattr(a["gen_manager"], "generate_choices"):
+                beyond = options.beyond_transformers
+                if beyond:
+                    raise _http_error(400, f"`{beyond[0]}` needs continuous batching (this server runs "
+                                           f"--no-continuous-batching)")
+                return None
+            return serve_choices.Call(kind, self, a["request_id"], a["model"], a["processor"], a["model_id"],
+                                      a["inputs"], a["gen_config"], a["gen_manager"], options, a.get("tools"))
+
+        def _streaming(self, *args, **kwargs):
+            call = self._call("_streaming", args, kwargs)
+            if call is None:
+                return super()._streaming(*args, **kwargs)
+            return serve_choices.stream_response(call)
+
+        async def _non_streaming(self, *args, **kwargs):
+            call = self._call("_non_streaming", args, kwargs)
+            if call is None:
+                return await super()._non_streaming(*args, **kwargs)
+            return await serve_choices.full_response(call)
 
     Checked.__name__ = Checked.__qualname__ = f"Hebrus{base.__name__}"
     return Checked

@@ -245,7 +245,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], historie
     if not picks:
         return []
     size = 2 + 2 * width
-    values = torch.stack([torch.nn.functional.pad(x, (0, size - x.numel())) for x in picks]).tolist()
+    picks = [torch.nn.functional.pad(x, (0, size - x.numel())) if x.numel() < size else x for x in picks]
+    values = torch.stack(picks).tolist()
     out = []
     for row, p in zip(values, params):
         if not p.logprobs:
