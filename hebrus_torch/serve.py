@@ -19,8 +19,11 @@ Nothing here is a server: :func:`patch_transformers_serve` replaces four names t
   handler is registered before the request is queued, a sampled request's ``seed`` seeds its own generator,
   and a non-streaming request whose task is cancelled, or whose client disconnects, cancels its engine request.
 - ``serving.chat_completion.ChatCompletionHandler`` and ``serving.completion.CompletionHandler``: the body
-  is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``) before the
-  model is touched, so a bad request is a 400 rather than a 500.
+  is checked (``messages``/``prompt``, ``max_tokens`` >= 1, ranges of ``temperature``/``top_p``, and the
+  OpenAI parameters transformers does not carry: ``n``, ``logprobs``, ``top_logprobs``, ``logit_bias``,
+  ``presence_penalty``, ``frequency_penalty``) before the model is touched, so a bad request is a 400 rather
+  than a 500; on the batching path the response (``n`` choices, log-probabilities, stop strings cut off) is
+  built by :mod:`hebrus_torch.serve_choices`.
 - ``serving.server.build_server``: transformers' app, plus ``GET /hebrus/stats`` (capacity, occupancy and
   engine counters), ``POST /hebrus/prefix_cache/clear`` and, with ``--hebrus-debug``, ``POST
   /hebrus/debug/kill_engine`` (the engine thread dies at its next step: ``/health`` then answers 503).

@@ -131,8 +131,10 @@ class Choice:
         pieces, offsets = [], []
         rust = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
         for token in new:
-            offsets.append(self.text_length)
             piece = self._stream.step(rust, token)
+            text = self.token_text(token)
+            # where the token's own text starts (after a separator the decoder put before it, e.g. a space)
+            offsets.append(self.text_length + (len(piece) - len(text) if piece and piece.endswith(text) else 0))
             if piece:
                 pieces.append(piece)
                 self.text_length += len(piece)
