@@ -211,3 +211,30 @@ def test_the_manager_runs_num_return_sequences_as_forks_and_validates_it():
         assert all("logit_bias" in f.error for f in failed)
     finally:
         manager.stop(block=True, timeout=30)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_choices_on_tiny_capacities_always_end_and_free_everything(seed):
+    """Several requests of several choices on a cache too small for all of them (preemption, forks that find
+    no slot and prefill on their own, cancellations): every choice ends, and nothing is left behind."""
+    import random
+
+    from test_engine import _drive
+
+    rng = random.Random(seed)
+    model = make_model("lin-idx", seed=25)
+    engine = Engine(model, EngineConfig(capacity_tokens=96, max_sequences=5, max_batch_tokens=16, block_size=4,
+                                        prefix_cache_tokens=24))
+    groups = []
+    for g in range(4):
+        prompt = [rng.randrange(4, 50) for _ in range(rng.randrange(3, 30))]
+        groups.append(_choices(engine, prompt, rng.randrange(1, 5), lambda i: SamplingParams(
+            do_sample=bool(i % 2), seed=i), max_new_tokens=rng.randrange(1, 12), prefix=f"g{g}_"))
+    cancelled = rng.choice(groups)[-1]
+    _drive(engine, max_steps=2000, seconds=120, arrivals=[(3, lambda: engine.cancel(cancelled.request_id))])
+    for reqs in groups:
+        for r in reqs:
+            assert r.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED), (r.request_id, r.status, r.error)
+            assert r.status is RequestStatus.CANCELLED or 1 <= len(r.generated) <= r.max_new_tokens
+    engine.clear_prefix_cache()
+    assert len(engine.cache.slots.live_handles()) == 0 and engine._free_cells() == engine.config.capacity_tokens
