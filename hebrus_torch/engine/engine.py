@@ -35,7 +35,7 @@ from .prefix import PrefixHit, PrefixIndex
 from .prompt_cache import PromptCacheStore, fingerprint
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
-from .sampling import BadRequestError, SamplingParams, sample_rows
+from .sampling import BadRequestError, Pick, SamplingParams, sample_rows
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 __all__ = ["Engine", "EngineConfig", "StepOutput", "BadRequestError"]
@@ -455,7 +455,7 @@ class Engine:
         outputs += [self._take(fork, next(picks), now) for _, fork in forked]
         return outputs
 
-    def _take(self, req: Request, pick, now: float) -> StepOutput:
+    def _take(self, req: Request, pick: Pick, now: float) -> StepOutput:
         """Append a sampled token (a ``sampling.Pick``) to ``req``; finish it if it stops there."""
         req.generated.append(pick.token)
         if pick.logprob is not None:
@@ -477,9 +477,10 @@ class Engine:
 
     def _fork_choices(self, sampled: list[ScheduledChunk]) -> list[tuple[int, Request]]:
         """For each chunk of ``sampled`` (row i: the logits row its request samples from) that ended its
-        request's prompt in this step (the step ran; the sequence holds the state after the prompt): fork its sequence for each of its pending ``forks``, which join the running
-        requests at the end of the prompt and sample their first token from the same row. A fork that gets
-        no sequence slot (even after evicting kept prefixes) is queued instead and prefills on its own."""
+        request's prompt in this step (the step ran: the sequence holds the state after the prompt), fork
+        the sequence for each of the request's pending ``forks``; they join the running requests at the end
+        of the prompt and sample their first token from the same row. A fork that gets no sequence slot
+        (even after evicting kept prefixes) is queued instead and prefills on its own."""
         out: list[tuple[int, Request]] = []
         for row, chunk in enumerate(sampled):
             req = chunk.request
