@@ -137,3 +137,29 @@ def test_an_added_token_loop_is_caught(monkeypatch):
     short, _ = engine_counts(16, **NO_QSA)
     long, _ = engine_counts(64, **NO_QSA)
     assert long.dispatches[PARTS["gdn"]] > short.dispatches[PARTS["gdn"]]
+
+
+def test_openai_sampling_and_forked_choices_still_wait_once():
+    """logprobs with top alternatives, logit_bias, presence/frequency penalties and the forks of a prompt's
+    other choices (issue 27) add no wait: the tokens, log-probabilities and alternatives of every row come
+    back in the one read."""
+    from hebrus_torch.engine import SamplingParams
+
+    model = random_model(0, **NO_QSA)
+    prompt = [4 + (7 * i) % 57 for i in range(16)]
+    params = SamplingParams(logprobs=True, top_logprobs=5, logit_bias=((9, 2.5), (11, -1.0)),
+                            presence_penalty=0.4, frequency_penalty=0.7)
+    with torch.no_grad(), _emulate.emulate("mps") as dev:
+        engine = Engine(model.to(dev), EngineConfig(capacity_tokens=128, max_sequences=3, max_batch_tokens=16,
+                                                    allow_block_sharing=False))
+        reqs = [engine.make_request(prompt, request_id=f"c{i}", max_new_tokens=8, sampling=params) for i in range(3)]
+        reqs[0].forks = reqs[1:]
+        engine.submit(reqs[0])
+        prefill = count_step(engine)             # the prompt, and the two forks' first tokens from its row
+        engine.step()
+        decode = count_step(engine)              # three choices decoding, with penalties over their outputs
+    assert len(prefill.outputs) == 3 and len(decode.outputs) == 3
+    for counts in (prefill, decode):
+        assert counts.total_syncs == 1, counts.sync_sites
+        assert counts.sync_sites[(PARTS["engine"], "tolist", "engine/sampling.py:" + _line_of_read())] == 1
+    assert all(len(r.top_logprobs[-1]) == 5 for r in reqs)

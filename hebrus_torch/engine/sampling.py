@@ -235,7 +235,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], historie
         parts = [token.double()[None]]
         if p.logprobs:
             lp = scores.log_softmax(-1)
-            parts.append(lp[token].double()[None])
+            parts.append(lp.gather(0, token.view(1)).double())     # (lp[token] reads the index on the host)
             if width:
                 top = torch.topk(lp, min(p.top_logprobs, lp.numel()))
                 pad = width - top.values.numel()
