@@ -18,6 +18,7 @@ import torch
 
 from ..state.handles import SeqHandle
 from .sampling import SamplingParams
+from .speculative import SpecState, SpeculativeConfig
 
 __all__ = ["Request", "RequestStatus", "FinishReason"]
 
@@ -54,6 +55,7 @@ class Request:
             transformers does).
         stop_strings: generation stops once the decoded output contains one (needs the engine's tokenizer).
         streaming: deliver an output after every token, not only at the end.
+        speculative: how it speculates (``engine/speculative.py``; off by default).
     """
 
     request_id: str
@@ -81,6 +83,8 @@ class Request:
     timestamps: list[float] = field(default_factory=list)
     generator: torch.Generator | None = field(default=None, repr=False)
     user_data: Any = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    spec: SpecState = field(default_factory=SpecState)   # drafts, adaptive length and counters
 
     @property
     def tokens(self) -> list[int]:
