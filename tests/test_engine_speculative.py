@@ -42,10 +42,11 @@ def oracle(reference: dict[str, list[int]], seed: int, error_rate: float = 0.35,
     return draft
 
 
-def run(model, prompts, *, spec=0, drafter=None, max_new_tokens=12, sampling=None, digests=None, **config):
+def run(model, prompts, *, spec=None, drafter=None, draft_model=None, max_new_tokens=12, sampling=None,
+        digests=None, **config):
     cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
     cfg.update(config)
-    engine = Engine(model, EngineConfig(**cfg), drafter=drafter)
+    engine = Engine(model, EngineConfig(**cfg), drafter=drafter, draft_model=draft_model)
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS,
                            speculative=spec, sampling=sampling)
@@ -342,10 +343,67 @@ def test_a_second_turn_after_a_speculating_one_reuses_its_kept_state(row_invaria
         engine.add_request(prompt, request_id="r0", max_new_tokens=9, eos_token_id=-1, speculative=spec)
         engine.run()
         turn2 = prompt + engine.requests["r0"].generated + [11, 12, 13]
-        engine.add_request(turn2, request_id="t2", max_new_tokens=6, eos_token_id=-1)
+        engine.add_request(turn2, request_id="t2", max_new_tokens=6, eos_token_id=-1, speculative=0)
         engine.run()
         if spec == 0:
             want = engine.requests["t2"].generated
         else:
             assert engine.requests["t2"].prefix_hit_tokens > len(prompt)
             assert engine.requests["t2"].generated == want
+
+
+# ------------------------------------------------------------------------------------------ a draft model
+def test_a_draft_model_gives_greedy_requests_the_plain_tokens():
+    model = make_model("lin-idx", seed=21)
+    prompts = prompts_for(21, lengths=(14, 6, 21))
+    ref, _ = run(model, prompts, max_new_tokens=12)
+    same, engine = run(model, prompts, max_new_tokens=12, draft_model=make_model("lin-idx", seed=21))
+    assert same == ref
+    c = engine.counters
+    assert c.spec_accepted_tokens == c.spec_drafted_tokens > 0          # the target itself drafts
+    assert c.steps < sum(len(t) for t in ref.values())
+    other, engine = run(model, prompts, max_new_tokens=12, draft_model=make_model("idx-lin-idx-lin", seed=3))
+    assert other == ref
+    assert engine.counters.spec_drafted_tokens > 0
+    assert engine.drafter.cache.slots.live_handles() == []               # every draft sequence released
+
+
+def test_a_draft_model_with_sampling_is_reproducible_and_releases_its_sequences():
+    model = make_model("lin-idx", seed=22)
+    prompts = prompts_for(22, lengths=(9, 15))
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=3)
+    draft = make_model("lin-idx", seed=23)
+    a, ea = run(model, prompts, sampling=sampling, max_new_tokens=10, draft_model=draft)
+    b, _ = run(model, prompts, sampling=sampling, max_new_tokens=10, draft_model=draft)
+    assert a == b and ea.counters.spec_verify_rows > 0
+    assert ea.drafter.cache.slots.live_handles() == []
+
+
+def test_generate_batch_honours_prompt_lookup_and_assistant_model():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from hebrus_torch.integrations import transformers as htx
+
+    model = make_model("lin-idx", seed=24)
+    prompts = [p + p for p in prompts_for(24, lengths=(7, 12))]
+    cb = ContinuousBatchingConfig(max_batch_tokens=32, page_size=4)
+    htx.apply(model)
+    try:
+        outs, counters = [], []
+        for extra in ({}, {"prompt_lookup_num_tokens": 4}, {"assistant_model": make_model("lin-idx", seed=24)}):
+            gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+                                  **{k: v for k, v in extra.items() if k != "assistant_model"})
+            if "assistant_model" in extra:
+                gc.assistant_model = extra["assistant_model"]
+            out = model.generate_batch(prompts, gc, continuous_batching_config=cb, persistent_manager=True)
+            manager = model._cached_continuous_batching_manager
+            counters.append(manager.engine.counters)
+            outs.append({k: o.generated_tokens for k, o in out.items()})
+            manager.destroy()
+            del model._cached_continuous_batching_manager
+        assert outs[1] == outs[0] and outs[2] == outs[0]
+        assert counters[0].spec_verify_rows == 0
+        assert counters[1].spec_drafted_tokens > 0 and counters[2].spec_accepted_tokens > 0
+    finally:
+        htx.revert(model)

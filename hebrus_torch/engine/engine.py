@@ -38,7 +38,7 @@ from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
 from .sampling import BadRequestError, SamplingParams, sample_rows
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
-from .speculative import NgramIndex, SpeculativeConfig, verify_rows
+from .speculative import MAX_DRAFT_TOKENS, NgramIndex, SpeculativeConfig, verify_rows
 
 __all__ = ["Engine", "EngineConfig", "StepOutput", "BadRequestError"]
 
@@ -160,8 +160,12 @@ class Engine:
         cache: a ModelCache to use instead of building one from ``model``.
         prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
         drafter: for requests that speculate, ``drafter(request, k)`` gives up to k draft tokens to follow
-            the request's stream (``request.tokens``) instead of prompt lookup (a draft model, or a test's
-            oracle). Called on the engine's thread before each step is planned.
+            the request's stream (``request.tokens``) instead of prompt lookup (a test's oracle, or a
+            ``DraftModelDrafter``, whose ``propose_batch``, ``draft_probs`` and ``release`` the engine also
+            uses when present). Called on the engine's thread before each step is planned.
+        draft_model: a small Qwen4Exp with the same tokenizer: ``drafter`` becomes a ``DraftModelDrafter``
+            over it (``engine/draft_model.py``), and requests speculate by default with the generation
+            config's ``num_assistant_tokens`` (5 when unset).
 
     Raises:
         HebrusError: ``prompt_cache_dir`` is held by another engine (one process per directory).
@@ -170,7 +174,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
                  generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None,
                  prompt_cache_dir: str | os.PathLike | None = None,
-                 drafter: Callable[[Request, int], Sequence[int]] | None = None):
+                 drafter: Callable[[Request, int], Sequence[int]] | None = None,
+                 draft_model: torch.nn.Module | None = None):
         self.model = model
         self.drafter = drafter
         self.config = config or EngineConfig()
@@ -189,6 +194,13 @@ class Engine:
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
         self.runner = ModelRunner(model, self.cache)
+        if draft_model is not None:
+            if drafter is not None:
+                raise HebrusError("Engine: pass a drafter or a draft_model, not both")
+            from .draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(draft_model, vocab_size=self.vocab_size,
+                                             capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences)
         has_gdn = "linear_attention" in list(self.text_config.layer_types) and self.cache.gdn is not None
         self.chunk_align = (CHUNK if cfg.chunked_prefill and has_gdn and
                             (cfg.max_batch_tokens is None or cfg.max_batch_tokens >= CHUNK) else None)
@@ -290,10 +302,13 @@ class Engine:
         if value is None:
             value = self.config.speculative
         if value is None:
-            value = getattr(self.generation_config, "prompt_lookup_num_tokens", None) or 0
-            if value:
-                return SpeculativeConfig(int(value), max_ngram=int(
-                    getattr(self.generation_config, "max_matching_ngram_size", None) or 3))
+            gen = self.generation_config
+            value = getattr(gen, "prompt_lookup_num_tokens", None) or 0
+            if value and self.drafter is None:
+                return SpeculativeConfig(min(int(value), MAX_DRAFT_TOKENS), max_ngram=int(
+                    getattr(gen, "max_matching_ngram_size", None) or 3))
+            if self.drafter is not None:
+                value = min(int(getattr(gen, "num_assistant_tokens", None) or value or 5), MAX_DRAFT_TOKENS)
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, bool) or not isinstance(value, int):
@@ -420,9 +435,10 @@ class Engine:
         return False
 
     def _propose_drafts(self) -> None:
-        """Draft tokens for every decoding request that speculates (prompt lookup over its own stream),
-        as many as its adaptive length, its ``max_new_tokens`` and the cache allow."""
+        """Draft tokens for every decoding request that speculates (prompt lookup over its own stream, or the
+        engine's drafter), as many as its adaptive length, its ``max_new_tokens`` and the cache allow."""
         cap = self.config.capacity_tokens
+        asking: list[tuple[Request, int]] = []
         for req in self.scheduler.running:
             spec, cfg = req.spec, req.speculative
             spec.draft = []
@@ -431,16 +447,24 @@ class Engine:
             k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, cap - req.num_tokens - 1)
             if k <= 0:
                 continue
-            if self.drafter is not None:
-                spec.draft = _token_ids(self.drafter(req, k), f"engine: the drafter for {req.request_id!r}")[:k]
-                bad = [t for t in spec.draft if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise HebrusError(f"engine: the drafter proposed token ids {bad[:5]} outside the vocabulary "
-                                      f"[0, {self.vocab_size}) for {req.request_id!r}")
-                continue
-            if spec.lookup is None:
-                spec.lookup = NgramIndex(cfg.max_ngram, cfg.min_ngram)
-            spec.draft = spec.lookup.propose(req.tokens, k)
+            if self.drafter is None:
+                if spec.lookup is None:
+                    spec.lookup = NgramIndex(cfg.max_ngram, cfg.min_ngram)
+                spec.draft = spec.lookup.propose(req.tokens, k)
+            else:
+                asking.append((req, k))
+        if not asking:
+            return
+        batch = getattr(self.drafter, "propose_batch", None)
+        found = (batch([r for r, _ in asking], [k for _, k in asking]) if batch is not None
+                 else [self.drafter(r, k) for r, k in asking])
+        for (req, k), draft in zip(asking, found):
+            draft = _token_ids(draft, f"engine: the drafter for {req.request_id!r}")[:k]
+            bad = [t for t in draft if not 0 <= t < self.vocab_size]
+            if bad:
+                raise HebrusError(f"engine: the drafter proposed token ids {bad[:5]} outside the vocabulary "
+                                  f"[0, {self.vocab_size}) for {req.request_id!r}")
+            req.spec.draft = draft
 
     def _run_plan(self, plan: StepPlan) -> list[StepOutput]:
         attempts = 0
@@ -547,8 +571,10 @@ class Engine:
         verdicts = {}
         if spec:
             sreqs = [c.request for c in spec]
+            probs = getattr(self.drafter, "draft_probs", None)
+            q = [probs(c.request, len(c.drafts)) if probs is not None else None for c in spec]
             found = verify_rows(logits, offsets, [c.drafts for c in spec], [r.sampling for r in sreqs],
-                                [r.tokens for r in sreqs], [r.generator for r in sreqs])
+                                [r.tokens for r in sreqs], [r.generator for r in sreqs], q)
             verdicts = {id(c): v for c, v in zip(spec, found)}
         return picks, verdicts
 
@@ -622,6 +648,9 @@ class Engine:
         req.error = error
         req.finished_time = time.perf_counter()
         self.scheduler.remove(req)
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
         if status is RequestStatus.FINISHED and req.seq is not None:
             self._to_prompt_cache(req)
             if self._keep(req):
@@ -810,6 +839,9 @@ class Engine:
         return self._fail([req], f"{type(err).__name__}: {err}")
 
     def _release_state(self, req: Request) -> None:
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
         if req.seq is None:
             return
         if self.prefix is not None:
