@@ -18,6 +18,7 @@ from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable, generation_problem
 from .state.host_mirror import host_ints, mirror
+from .state.replay import ReplayLog
 from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
 
@@ -53,6 +54,16 @@ class CacheSnapshot:
         position = self.position if position is None else position
         return CacheSnapshot(handle, position, {k: dataclasses.replace(v, handle=handle, position=position)
                                                 for k, v in self.parts.items()})
+
+
+@dataclass
+class StepRecording:
+    """What :meth:`ModelCache.recording` kept of one step (see :meth:`ModelCache.truncate`)."""
+
+    starts: dict[SeqHandle, int | None]     # each sequence's first position in the step (None: no QSA cache)
+    fed: dict[SeqHandle, int]               # tokens the step feeds it
+    snapshots: dict[SeqHandle, CacheSnapshot]
+    log: ReplayLog
 
 
 @dataclass
@@ -473,6 +484,60 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
                                              for s in self._snapshots.get(seq.slot, [])]
                 if self._origin.get(seq.slot) is not None:   # (no position is below 0)
                     self._origin[seq.slot] = max(self._origin[seq.slot] + moved, 0)
+
+    # ----------------------------------------------------------------------------- cutting a step short
+    @contextlib.contextmanager
+    def recording(self, rows: Mapping[SeqHandle, int]) -> Iterator["StepRecording"]:
+        """Around one step that feeds ``rows[seq]`` tokens to each of these sequences: afterwards
+        :meth:`truncate` can keep only the first n of them (speculative decoding's verification step).
+
+        The recurrent state of each sequence is snapshotted here, and the recurrent holders' state ops
+        record their inputs for these rows while the block runs (``state/replay.py``); nothing is copied
+        for other rows. The recording is only valid for the one step run inside the block."""
+        for seq in rows:
+            self.slots.check(seq)
+        rec = StepRecording({seq: self._next_position(seq) for seq in rows}, dict(rows),
+                            {seq: self._snapshot(seq, None) for seq in rows} if self._recurrent else {},
+                            ReplayLog(list(rows)))
+        for _, holder in self._recurrent:
+            holder.replay_log = rec.log
+        try:
+            yield rec
+        finally:
+            for _, holder in self._recurrent:
+                holder.replay_log = None
+
+    def truncate(self, rec: "StepRecording", keep: Mapping[SeqHandle, int]) -> None:
+        """After the recorded step committed: keep only the first ``keep[seq]`` (>= 1) of the tokens it fed
+        each sequence. Every holder is then bitwise as if the step had fed only those: the recurrent state is
+        restored from the snapshot and its state ops run again on the kept tokens' recorded inputs (not the
+        model), the QSA cache drops the positions past them. One atomic operation: it changes all or
+        nothing."""
+        todo: dict[SeqHandle, int] = {}
+        for seq, n in keep.items():
+            if seq not in rec.fed:
+                raise HebrusError(f"ModelCache.truncate: {seq} was not recorded")
+            self.slots.check(seq)
+            n = as_int("ModelCache.truncate: keep", n)
+            if not 1 <= n <= rec.fed[seq]:
+                raise HebrusError(f"ModelCache.truncate: {seq} was fed {rec.fed[seq]} tokens; keep must be in "
+                                  f"[1, {rec.fed[seq]}], got {n}")
+            if n < rec.fed[seq]:
+                todo[seq] = n
+        if not todo:
+            return
+        with self._atomic():
+            for seq in todo:
+                for name, holder in self._recurrent:
+                    holder.restore(seq, rec.snapshots[seq].parts[name])
+            rec.log.replay(todo)
+            for seq, n in todo.items():
+                start = rec.starts[seq]
+                if self.qsa is not None and start is not None:
+                    self.qsa.rewind(seq, start + n)
+                    kept = [s for s in self._snapshots.get(seq.slot, []) if s.position <= start + n]
+                    if kept or seq.slot in self._snapshots:
+                        self._snapshots[seq.slot] = kept
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence of every holder as bytes (no pickle; see hebrus_torch.state.blob)."""

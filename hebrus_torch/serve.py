@@ -66,6 +66,10 @@ class HebrusServeSettings:
         prompt_cache_dir: finished requests' states are also written there and read back by the next
             server (``EngineConfig.prompt_cache_dir``); one server per directory.
         prompt_cache_max_bytes: the size cap of ``prompt_cache_dir`` (None: the engine's default, 4 GiB).
+        speculative_tokens: every request speculates with prompt lookup drafting up to this many tokens per
+            step (``EngineConfig.speculative``), or with ``draft_model`` when one is given; None/0: off.
+        draft_model: a directory with a small Qwen4Exp checkpoint of the same tokenizer: the drafts come
+            from it (``engine/draft_model.py``).
     """
 
     capacity_tokens: int | None = None
@@ -76,6 +80,8 @@ class HebrusServeSettings:
     api_key: str | None = None
     prompt_cache_dir: str | None = None
     prompt_cache_max_bytes: int | None = None
+    speculative_tokens: int | None = None
+    draft_model: str | None = None
 
 
 SHUTDOWN_GRACE_S = 5.0     # uvicorn's wait for open connections after SIGTERM, once every request was ended
@@ -124,9 +130,18 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
                      if v is not None}
         if not _SETTINGS.block_sharing:
             overrides["allow_block_sharing"] = False
+        draft = None
+        if _SETTINGS.speculative_tokens:
+            from hebrus_torch.engine.speculative import SpeculativeConfig
+
+            overrides["speculative"] = SpeculativeConfig(_SETTINGS.speculative_tokens)
+        if _SETTINGS.draft_model:
+            from transformers import AutoModelForCausalLM
+
+            draft = AutoModelForCausalLM.from_pretrained(_SETTINGS.draft_model, dtype=self.dtype).to(self.device)
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
         manager = mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
-                                            engine_config=engine_config, tokenizer=tokenizer)
+                                            engine_config=engine_config, tokenizer=tokenizer, draft_model=draft)
         _MANAGERS.add(manager)
         return manager
 
@@ -830,6 +845,10 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-max-bytes", type=int, default=None,
                    help="size cap of --prompt-cache-dir, least recently used files deleted first (default 4 GiB)")
     p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="speculative decoding: draft up to N tokens per step (prompt lookup, or --draft-model)")
+    p.add_argument("--draft-model", default=None,
+                   help="a small Qwen4Exp checkpoint with the same tokenizer that drafts for speculation")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /hebrus/* (default: ${API_KEY_ENV})")
     return p
@@ -849,6 +868,10 @@ hebrus options:
                                   after a restart: a conversation's next turn prefills only its new tokens
   --prompt-cache-max-bytes N      size cap of DIR, least recently used files deleted first (default: 4 GiB)
   --hebrus-debug                  mount POST /hebrus/debug/kill_engine
+  --speculative-tokens N          speculative decoding: every request drafts up to N tokens per step (prompt
+                                  lookup over its prompt and output, or --draft-model) and the engine verifies
+                                  them in the packed step; greedy output is unchanged (docs/engine.md)
+  --draft-model DIR               a small Qwen4Exp checkpoint (same tokenizer) that drafts instead
   --api-key KEY                   require `Authorization: Bearer KEY` on /v1/* and /hebrus/* (/health stays
                                   open); default: the HEBRUS_API_KEY environment variable
 
@@ -866,6 +889,10 @@ def main(argv: list[str] | None = None) -> None:
             _run_serve(["--help"])
             return
         raise SystemExit(2)
+    if ns.speculative_tokens is not None and not 0 <= ns.speculative_tokens <= 32:
+        raise SystemExit(f"--speculative-tokens must be in [0, 32], got {ns.speculative_tokens}")
+    if ns.draft_model is not None and not os.path.isdir(ns.draft_model):
+        raise SystemExit(f"--draft-model: {ns.draft_model!r} is not a directory")
     if ns.prompt_cache_max_bytes is not None and ns.prompt_cache_max_bytes < 1:
         raise SystemExit(f"--prompt-cache-max-bytes must be >= 1, got {ns.prompt_cache_max_bytes}")
     if ns.prompt_cache_dir is not None:
@@ -881,6 +908,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  debug=ns.hebrus_debug,
                                                  prompt_cache_dir=ns.prompt_cache_dir,
                                                  prompt_cache_max_bytes=ns.prompt_cache_max_bytes,
+                                                 speculative_tokens=ns.speculative_tokens,
+                                                 draft_model=ns.draft_model,
                                                  api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):
         rest.append("--continuous-batching")

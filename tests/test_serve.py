@@ -671,3 +671,30 @@ def test_parameters_the_server_would_ignore_are_refused(server):
     r = http("POST", f"{server.url}/v1/completions",
              {"model": server.model_dir, "prompt": "w1 w2", "max_tokens": 2, "best_of": 1, "echo": False})
     assert r.status_code == 200, r.text
+
+
+def test_speculative_serving_gives_the_plain_replies_and_counts_its_drafts(checkpoint, tmp_path):
+    """--speculative-tokens (prompt lookup) and --draft-model: greedy replies equal generate's; the stats
+    count drafted, accepted and verified tokens."""
+    path, model, tokenizer = checkpoint
+    chats = [(messages, text) for messages, text, _, _ in clear_chats(model, tokenizer, 4, seed=9)]
+    for args in (("--speculative-tokens", "4"), ("--speculative-tokens", "3", "--draft-model", str(path))):
+        with Server(path, *args, "--cb-block-size", "16", "--hebrus-capacity-tokens", "2048",
+                    log=tmp_path / "server.log") as srv:
+            with ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(lambda c: srv.chat(c[0]), chats))
+            for (messages, text), reply in zip(chats, replies):
+                assert reply.choices[0].message.content == text, (args, messages)
+            counters = srv.settled_stats()["counters"]
+            assert counters["spec_verify_rows"] > 0 and counters["spec_drafted_tokens"] > 0, counters
+            if "--draft-model" in args:          # the target drafts for itself: every draft is accepted
+                assert counters["spec_accepted_tokens"] == counters["spec_drafted_tokens"], counters
+
+
+def test_bad_speculative_flags_are_refused():
+    from hebrus_torch import serve
+
+    for argv, match in ((["m", "--speculative-tokens", "40"], "speculative-tokens"),
+                        (["m", "--draft-model", "/nonexistent/dir"], "draft-model")):
+        with pytest.raises(SystemExit, match=match):
+            serve.main(argv)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import itertools
 import operator
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -35,8 +36,9 @@ from .prefix import PrefixHit, PrefixIndex
 from .prompt_cache import PromptCacheStore, fingerprint
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, find_text_model
-from .sampling import BadRequestError, Pick, SamplingParams, sample_rows
+from .sampling import BadRequestError, Pick, SamplingParams, sample_rows_reading
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .speculative import MAX_DRAFT_TOKENS, NgramIndex, SpeculativeConfig, Verdict, verification
 
 __all__ = ["Engine", "EngineConfig", "StepOutput", "BadRequestError"]
 
@@ -70,6 +72,9 @@ class EngineConfig:
             (``engine/prompt_cache.py``; one engine process per directory). None: no files.
         prompt_cache_max_bytes: the files of ``prompt_cache_dir`` stay within this many bytes (least
             recently used deleted first).
+        speculative: how requests speculate unless they say otherwise (``add_request(speculative=)``):
+            prompt lookup drafts (``engine/speculative.py``); None: from the generation config's
+            ``prompt_lookup_num_tokens`` (off when it is unset).
     """
 
     capacity_tokens: int = 16384
@@ -83,6 +88,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     prompt_cache_dir: str | os.PathLike | None = None
     prompt_cache_max_bytes: int = 4 << 30
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -100,6 +106,9 @@ class EngineConfig:
         value = self.prompt_cache_max_bytes
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise HebrusError(f"EngineConfig: prompt_cache_max_bytes must be an int >= 1, got {value!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise HebrusError(f"EngineConfig: speculative must be None or a SpeculativeConfig, got "
+                              f"{self.speculative!r}")
 
 
 @dataclass
@@ -133,6 +142,12 @@ class EngineCounters:
     prompt_cache_skipped_files: int = 0  # files skipped as corrupt, truncated, foreign or of another version
     prompt_cache_write_errors: int = 0
     prompt_cache_seconds: float = 0.0   # saving, writing, reading and restoring files
+    # speculative decoding (engine/speculative.py)
+    spec_drafted_tokens: int = 0        # drafted tokens fed for verification
+    spec_accepted_tokens: int = 0       # of them, accepted
+    spec_verify_rows: int = 0           # verification rows (one per speculating request and step)
+    spec_steps: int = 0                 # steps with at least one verification row
+    spec_rollbacks: int = 0             # rows cut short after verification (ModelCache.truncate)
 
 
 class Engine:
@@ -145,6 +160,13 @@ class Engine:
         tokenizer: decodes outputs for stop strings (optional).
         cache: a ModelCache to use instead of building one from ``model``.
         prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
+        drafter: for requests that speculate, ``drafter(request, k)`` gives up to k draft tokens to follow
+            the request's stream (``request.tokens``) instead of prompt lookup (a test's oracle, or a
+            ``DraftModelDrafter``, whose ``propose_batch``, ``draft_probs`` and ``release`` the engine also
+            uses when present). Called on the engine's thread before each step is planned.
+        draft_model: a small Qwen4Exp with the same tokenizer: ``drafter`` becomes a ``DraftModelDrafter``
+            over it (``engine/draft_model.py``), and requests speculate by default with the generation
+            config's ``num_assistant_tokens`` (5 when unset).
 
     Raises:
         HebrusError: ``prompt_cache_dir`` is held by another engine (one process per directory).
@@ -152,8 +174,11 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, *,
                  generation_config: Any = None, tokenizer: Any = None, cache: ModelCache | None = None,
-                 prompt_cache_dir: str | os.PathLike | None = None):
+                 prompt_cache_dir: str | os.PathLike | None = None,
+                 drafter: Callable[[Request, int], Sequence[int]] | None = None,
+                 draft_model: torch.nn.Module | None = None):
         self.model = model
+        self.drafter = drafter
         self.config = config or EngineConfig()
         if prompt_cache_dir is not None:
             held = self.config.prompt_cache_dir
@@ -170,6 +195,13 @@ class Engine:
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
         self.runner = ModelRunner(model, self.cache)
+        if draft_model is not None:
+            if drafter is not None:
+                raise HebrusError("Engine: pass a drafter or a draft_model, not both")
+            from .draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(draft_model, vocab_size=self.vocab_size,
+                                             capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences)
         has_gdn = "linear_attention" in list(self.text_config.layer_types) and self.cache.gdn is not None
         self.chunk_align = (CHUNK if cfg.chunked_prefill and has_gdn and
                             (cfg.max_batch_tokens is None or cfg.max_batch_tokens >= CHUNK) else None)
@@ -203,8 +235,10 @@ class Engine:
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
                     max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                     eos_token_id: int | Iterable[int] | None = None, stop_strings: Sequence[str] | None = None,
-                    streaming: bool = False, record_timestamps: bool = False, user_data: Any = None) -> str:
-        """Queue a request; returns its id.
+                    streaming: bool = False, record_timestamps: bool = False, user_data: Any = None,
+                    speculative: SpeculativeConfig | int | None = None) -> str:
+        """Queue a request; returns its id. ``speculative``: a SpeculativeConfig, or the number of tokens
+        prompt lookup drafts per step (0: off); None: the engine's default (``EngineConfig.speculative``).
 
         Raises:
             BadRequestError: the prompt or a parameter is invalid; nothing is queued.
@@ -212,14 +246,15 @@ class Engine:
         request = self.make_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
                                     sampling=sampling, eos_token_id=eos_token_id, stop_strings=stop_strings,
                                     streaming=streaming, record_timestamps=record_timestamps,
-                                    user_data=user_data)
+                                    user_data=user_data, speculative=speculative)
         self.submit(request)
         return request.request_id
 
     def make_request(self, prompt: Sequence[int], *, request_id: str | None = None,
                      max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                      eos_token_id: int | Iterable[int] | None = None, stop_strings: Sequence[str] | None = None,
-                     streaming: bool = False, record_timestamps: bool = False, user_data: Any = None) -> Request:
+                     streaming: bool = False, record_timestamps: bool = False, user_data: Any = None,
+                     speculative: SpeculativeConfig | int | None = None) -> Request:
         """A validated Request (BadRequestError naming the problem otherwise)."""
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
@@ -264,8 +299,26 @@ class Engine:
             stops = (stop_strings,)
         if stops and self.tokenizer is None:
             raise BadRequestError(f"engine: request {rid!r}: stop strings need the engine's tokenizer")
+        spec = self._speculative_config(speculative, f"engine: request {rid!r}")
         return Request(rid, tokens, max_new_tokens, sampling, eos, stops, streaming, record_timestamps,
-                       user_data=user_data)
+                       user_data=user_data, speculative=spec)
+
+    def _speculative_config(self, value: SpeculativeConfig | int | None, what: str) -> SpeculativeConfig:
+        if value is None:
+            value = self.config.speculative
+        if value is None:
+            gen = self.generation_config
+            value = getattr(gen, "prompt_lookup_num_tokens", None) or 0
+            if value and self.drafter is None:
+                return SpeculativeConfig(min(int(value), MAX_DRAFT_TOKENS), max_ngram=int(
+                    getattr(gen, "max_matching_ngram_size", None) or 3))
+            if self.drafter is not None:
+                value = min(int(getattr(gen, "num_assistant_tokens", None) or value or 5), MAX_DRAFT_TOKENS)
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequestError(f"{what}: speculative must be a SpeculativeConfig, an int or None, got {value!r}")
+        return SpeculativeConfig(value)
 
     def submit(self, request: Request) -> None:
         """Queue a request made by :meth:`make_request`, with its ``forks`` (the other choices of its prompt,
@@ -292,6 +345,7 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
         self._make_room()
+        self._propose_drafts()
         plan = self.scheduler.schedule(self._free_cells(), admit=self._admit, release=self._release_state,
                                        reclaim=self._reclaim, cells_needed=self._cells_needed)
         self.counters.preemptions += len(plan.preempted)
@@ -393,17 +447,52 @@ class Engine:
                 return True
         return False
 
+    def _propose_drafts(self) -> None:
+        """Draft tokens for every decoding request that speculates (prompt lookup over its own stream, or the
+        engine's drafter), as many as its adaptive length, its ``max_new_tokens`` and the cache allow."""
+        cap = self.config.capacity_tokens
+        asking: list[tuple[Request, int]] = []
+        for req in self.scheduler.running:
+            spec, cfg = req.spec, req.speculative
+            spec.draft = []
+            if not cfg.enabled or req.remaining != 1 or not req.generated or req.sampling.top_logprobs:
+                continue          # (top_logprobs: the alternatives of verified tokens are not computed)
+            k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, cap - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            if self.drafter is None:
+                if spec.lookup is None:
+                    spec.lookup = NgramIndex(cfg.max_ngram, cfg.min_ngram)
+                spec.draft = spec.lookup.propose(req.tokens, k)
+            else:
+                asking.append((req, k))
+        if not asking:
+            return
+        batch = getattr(self.drafter, "propose_batch", None)
+        found = (batch([r for r, _ in asking], [k for _, k in asking]) if batch is not None
+                 else [self.drafter(r, k) for r, k in asking])
+        for (req, k), draft in zip(asking, found):
+            draft = _token_ids(draft, f"engine: the drafter for {req.request_id!r}")[:k]
+            bad = [t for t in draft if not 0 <= t < self.vocab_size]
+            if bad:
+                raise HebrusError(f"engine: the drafter proposed token ids {bad[:5]} outside the vocabulary "
+                                  f"[0, {self.vocab_size}) for {req.request_id!r}")
+            req.spec.draft = draft
+
     def _run_plan(self, plan: StepPlan) -> list[StepOutput]:
         attempts = 0
         while True:
             chunks = plan.chunks
+            verifying = {c.request.seq: c.width for c in chunks if c.drafts}
             try:
                 t0 = time.perf_counter()
                 if self._fault_hook is not None:
                     self._fault_hook(plan)
-                logits = self.runner.execute([c.request.seq for c in chunks], [c.tokens for c in chunks],
-                                             [c.needs_logits for c in chunks], [c.start for c in chunks],
-                                             [c.start < self.scheduler.chunk_extent(c.request) for c in chunks])
+                with (self.cache.recording(verifying) if verifying else contextlib.nullcontext()) as recording:
+                    logits = self.runner.execute([c.request.seq for c in chunks], [c.tokens for c in chunks],
+                                                 [c.width if c.drafts else c.needs_logits for c in chunks],
+                                                 [c.start for c in chunks],
+                                                 [c.start < self.scheduler.chunk_extent(c.request) for c in chunks])
                 self.counters.model_seconds += time.perf_counter() - t0
                 break
             except CapacityError as err:
@@ -427,30 +516,35 @@ class Engine:
                     return self._fail([c.request for c in chunks], f"{type(err).__name__}: {err}")
                 self.counters.retried_steps += 1
         self.counters.steps += 1
+        plain = [c for c in chunks if c.needs_logits and not c.drafts]
+        forked = self._fork_choices(plain)          # (index in plain, fork): the choices of a prompt
+        picks, verified = self._pick(chunks, logits, forked)
+        recomputing = self._keep_verified(chunks, verified, recording) if verified else set()
         outputs: list[StepOutput] = []
-        sampled = [c.request for c in chunks if c.needs_logits]
-        rows = list(range(len(sampled)))
-        forked = self._fork_choices([c for c in chunks if c.needs_logits])   # (row, fork): choices of a prompt
-        rows += [row for row, _ in forked]
-        sampled += [fork for _, fork in forked]
-        picks = iter(sample_rows(logits, [r.sampling for r in sampled], [r.tokens for r in sampled],
-                                 [r.generator for r in sampled], rows=rows,
-                                 generated=[r.generated for r in sampled]))   # the step's one read of the device
         now = time.perf_counter()
         for chunk in chunks:
             req = chunk.request
-            needs_logits = chunk.needs_logits
+            needs_logits = chunk.needs_logits      # (before num_computed moves)
             end = chunk.start + chunk.num_tokens
-            if end <= len(req.prompt):
+            if chunk.drafts:
+                new_tokens, logprobs = verified[id(chunk)]
+                # the step's first token and the kept drafts (none if the request must recompute)
+                end = 0 if id(req) in recomputing else chunk.start + len(new_tokens)
+                self.counters.decode_tokens += chunk.width
+            elif end <= len(req.prompt):
                 self.counters.prefill_tokens += chunk.num_tokens
             else:
                 self.counters.decode_tokens += chunk.num_tokens
-            req.prefilled_tokens += chunk.num_tokens
+            req.prefilled_tokens += chunk.width
             before, req.num_computed = req.num_computed, end
             self._record_prefix(req)
             if self.on_prompt_done is not None and before < len(req.prompt) <= end:
                 self.on_prompt_done(req)
-            if needs_logits:
+            if not needs_logits:
+                continue
+            if chunk.drafts:
+                outputs.append(self._take_verified(req, new_tokens, logprobs, now, id(req) not in recomputing))
+            else:
                 outputs.append(self._take(req, next(picks), now))
         outputs += [self._take(fork, next(picks), now) for _, fork in forked]
         return outputs
@@ -504,6 +598,99 @@ class Engine:
                 out.append((row, fork))
         return out
 
+    def _take_verified(self, req: Request, tokens: list[int], logprobs: list[float] | None, now: float,
+                       running: bool) -> StepOutput:
+        """Append a verification row's tokens to ``req`` (``running``: False when it must recompute); finish it
+        if it stops at the last."""
+        req.generated.extend(tokens)
+        if logprobs is not None:
+            req.logprobs.extend(logprobs)
+        if req.first_token_time < 0:
+            req.first_token_time = now
+        if req.record_timestamps:
+            req.timestamps.extend([now] * len(tokens))
+        if running:
+            req.status = RequestStatus.DECODING
+        out = StepOutput(req, list(tokens))
+        reason = self._stop_reason(req)
+        if reason is not None:
+            req.finish_reason = reason
+            self._finish(req, RequestStatus.FINISHED)
+            out.finished = True
+        return out
+
+    def _pick(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
+              forked: list[tuple[int, Request]]) -> tuple[Iterator[Pick], dict[int, Verdict]]:
+        """The step's tokens, in one read of the device: an iterator over the Picks of the rows that sample
+        one (then of the ``forked`` choices, which sample from their parent's row), and per verification
+        row (by ``id(chunk)``) its Verdict."""
+        rows, offsets, at = [], [], 0
+        for c in chunks:
+            if c.drafts:
+                offsets.append(at)
+                at += c.width
+            elif c.needs_logits:
+                rows.append(at)
+                at += 1
+        reqs = [c.request for c in chunks if c.needs_logits and not c.drafts]
+        rows += [rows[i] for i, _ in forked]
+        reqs += [fork for _, fork in forked]
+        spec = [c for c in chunks if c.drafts]
+        also, finish = None, None
+        if spec:
+            sreqs = [c.request for c in spec]
+            probs = getattr(self.drafter, "draft_probs", None)
+            q = [probs(r, len(c.drafts)) if probs is not None else None for c, r in zip(spec, sreqs)]
+            also, finish = verification(logits, offsets, [c.drafts for c in spec], [r.sampling for r in sreqs],
+                                        [r.tokens for r in sreqs], [r.generated for r in sreqs],
+                                        [r.generator for r in sreqs], q)
+        picks, values = sample_rows_reading(logits, [r.sampling for r in reqs], [r.tokens for r in reqs],
+                                            [r.generator for r in reqs], rows=rows,
+                                            generated=[r.generated for r in reqs], also=also)  # the step's one read
+        return iter(picks), ({id(c): v for c, v in zip(spec, finish(values))} if spec else {})
+
+    def _keep_verified(self, chunks: Sequence[ScheduledChunk], verdicts: dict, recording) -> set[int]:
+        """Turn each verification row's Verdict into the tokens it emits (cut at the first that stops the
+        request) and cut the step short for the rows that keep fewer tokens than they fed; ``verdicts``
+        then maps ``id(chunk)`` to (tokens, logprobs or None). Returns the ids of the requests whose
+        state could not be cut (freed instead: they recompute, keeping their tokens)."""
+        cut: dict[SeqHandle, int] = {}
+        for chunk in chunks:
+            if not chunk.drafts:
+                continue
+            req, verdict = chunk.request, verdicts[id(chunk)]
+            emitted = verdict.emitted(chunk.drafts)
+            base, n = len(req.generated), 0
+            for token in emitted:                   # stop where decoding token by token would have stopped
+                req.generated.append(token)
+                n += 1
+                if self._stop_reason(req) is not None:
+                    break
+            del req.generated[base:]
+            req.spec.update(req.speculative, len(chunk.drafts), verdict.accepted)
+            self.counters.spec_verify_rows += 1
+            self.counters.spec_drafted_tokens += len(chunk.drafts)
+            self.counters.spec_accepted_tokens += verdict.accepted
+            verdicts[id(chunk)] = (emitted[:n], None if verdict.logprobs is None else verdict.logprobs[:n])
+            if n < chunk.width:                     # the cache keeps the step's first token and n - 1 drafts
+                cut[req.seq] = n
+        self.counters.spec_steps += 1
+        if not cut:
+            return set()
+        try:
+            self.cache.truncate(recording, cut)
+            self.counters.spec_rollbacks += len(cut)
+            return set()
+        except Exception:  # noqa: BLE001 - never expected; the requests recompute rather than run on a bad state
+            failed = set()
+            for chunk in chunks:
+                if chunk.request.seq in cut:
+                    failed.add(id(chunk.request))
+                    self._release_state(chunk.request)
+                    self.scheduler.preempt(chunk.request)
+                    self.counters.preemptions += 1
+            return failed
+
     def _record_prefix(self, req: Request) -> None:
         """At a block boundary inside the prompt: snapshot the recurrent state and index the prefix."""
         if self.prefix is None:
@@ -536,6 +723,9 @@ class Engine:
         for fork in forks:             # ended before its prompt did: the other choices run on their own
             if not fork.status.is_done:
                 self.scheduler.add(fork)
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
         if status is RequestStatus.FINISHED and req.seq is not None:
             self._to_prompt_cache(req)
             if self._keep(req):
@@ -724,6 +914,9 @@ class Engine:
         return self._fail([req], f"{type(err).__name__}: {err}")
 
     def _release_state(self, req: Request) -> None:
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
         if req.seq is None:
             return
         if self.prefix is not None:

@@ -93,16 +93,22 @@ class HebrusBatchingManager:
         workload_hints: transformers' ``WorkloadHints`` (sizes the cache when ``num_blocks`` is unset).
         engine_config: an explicit ``EngineConfig`` (overrides the two above).
         tokenizer: for stop strings.
+        draft_model: a small Qwen4Exp that drafts for speculative decoding (default: the generation config's
+            ``assistant_model`` attribute, transformers' name for it; ``prompt_lookup_num_tokens`` there
+            turns on prompt lookup instead).
     """
 
     def __init__(self, model: torch.nn.Module, generation_config: Any = None, continuous_batching_config: Any = None,
-                 workload_hints: Any = None, *, engine_config: EngineConfig | None = None, tokenizer: Any = None):
+                 workload_hints: Any = None, *, engine_config: EngineConfig | None = None, tokenizer: Any = None,
+                 draft_model: torch.nn.Module | None = None):
         continuous_api, _ = _tf()
         self.model = model.eval()
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.continuous_batching_config = continuous_batching_config
         self.engine_config = engine_config or engine_config_from(model, continuous_batching_config, workload_hints)
         self.tokenizer = tokenizer
+        self.draft_model = (draft_model if draft_model is not None
+                            else getattr(self.generation_config, "assistant_model", None))
         n = getattr(self.generation_config, "num_return_sequences", None)
         self.num_return_sequences = n if n is not None else 1
         self.background_thread_status = continuous_api.BackgroundThreadStatus()
@@ -125,7 +131,7 @@ class HebrusBatchingManager:
     def _ensure_engine(self) -> Engine:
         if self.engine is None:
             self.engine = Engine(self.model, self.engine_config, generation_config=self.generation_config,
-                                 tokenizer=self.tokenizer)
+                                 tokenizer=self.tokenizer, draft_model=self.draft_model)
             self.batch_processor = _BatchProcessor(self.engine)
         return self.engine
 

@@ -18,6 +18,7 @@ import torch
 
 from ..state.handles import SeqHandle
 from .sampling import SamplingParams
+from .speculative import SpecState, SpeculativeConfig
 
 __all__ = ["Request", "RequestStatus", "FinishReason"]
 
@@ -59,6 +60,7 @@ class Request:
         forks: requests with this one's prompt (other choices of one prompt) that are forked from this
             request's sequence once its prompt is in the cache, and sample their first token from its logits
             there: the prompt is prefilled once. They run on their own if this request ends first.
+        speculative: how it speculates (``engine/speculative.py``; off by default).
     """
 
     request_id: str
@@ -88,6 +90,8 @@ class Request:
     timestamps: list[float] = field(default_factory=list)
     generator: torch.Generator | None = field(default=None, repr=False)
     user_data: Any = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    spec: SpecState = field(default_factory=SpecState)   # drafts, adaptive length and counters
 
     @property
     def tokens(self) -> list[int]:

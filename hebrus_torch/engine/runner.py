@@ -120,22 +120,28 @@ class ModelRunner:
         return self.text.embed_tokens.weight.device
 
     @torch.no_grad()
-    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool],
+    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool | int],
                 positions: Sequence[int], chunked: Sequence[bool] | None = None) -> torch.Tensor:
         """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``;
         the GDN layers run row i in the chunked form where ``chunked[i]`` (its whole chunks of 64 aligned
         positions; the caller cuts rows at aligned positions), else in the recurrent form.
 
+        ``logit_rows[i]``: how many of row i's last tokens want logits (True: 1, False: 0; a speculative
+        verification row wants all of its tokens').
+
         Returns:
-            Tensor[n, vocab] float32: the logits at the last token of every row whose ``logit_rows`` is
-            True, in row order.
+            Tensor[n, vocab] float32: the logits at those tokens, row after row, in token order.
         """
         device = self.device
         batch = Batch.pack({s: torch.tensor(list(r), dtype=torch.int64) for s, r in zip(seqs, rows)},
                            first_positions={s: p for s, p in zip(seqs, positions)}, device=device)
         counts = [len(r) for r in rows]
-        ends = torch.tensor([sum(counts[:i + 1]) - 1 for i, want in enumerate(logit_rows) if want],
-                            dtype=torch.int64, device=device)
+        picked: list[int] = []
+        end = 0
+        for n, want in zip(counts, logit_rows):
+            end += n
+            picked.extend(range(end - int(want), end))
+        ends = torch.tensor(picked, dtype=torch.int64, device=device)
         with self._part("transaction"), self.cache.transaction(batch) as step:
             if chunked is not None and any(chunked):
                 step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]

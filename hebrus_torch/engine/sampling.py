@@ -22,8 +22,8 @@ import torch
 
 from ..errors import HebrusError
 
-__all__ = ["SamplingParams", "BadRequestError", "Pick", "sample_next", "sample_rows", "MAX_TOP_LOGPROBS",
-           "MAX_LOGIT_BIAS"]
+__all__ = ["SamplingParams", "BadRequestError", "Pick", "sample_next", "sample_rows", "sample_rows_reading",
+           "MAX_TOP_LOGPROBS", "MAX_LOGIT_BIAS"]
 
 MAX_TOP_LOGPROBS = 20      # OpenAI's cap on top_logprobs
 MAX_LOGIT_BIAS = 100.0     # OpenAI's range of a logit_bias value: [-100, 100]
@@ -220,6 +220,19 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], historie
     Returns:
         one :class:`Pick` per request, in order.
     """
+    return sample_rows_reading(logits, params, histories, generators, rows=rows, generated=generated)[0]
+
+
+def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                        generators: Sequence[torch.Generator | None], *, rows: Sequence[int] | None = None,
+                        generated: Sequence[Sequence[int]] | None = None,
+                        also: torch.Tensor | None = None) -> tuple[list[Pick], list[float]]:
+    """``sample_rows``, with the values of ``also`` (a 1-D float64 tensor on the logits' device: another
+    reader's results, e.g. speculative verification) brought to the host in the same one read.
+
+    Returns:
+        (the picks, ``also``'s values as floats; [] without it).
+    """
     if rows is None:
         rows = range(len(params))
     width = max((p.top_logprobs for p in params), default=0)
@@ -243,10 +256,16 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], historie
                           top.values.double(), scores.new_zeros(pad, dtype=torch.float64)]
         picks.append(torch.cat(parts) if len(parts) > 1 else parts[0])   # ids < 2**53, fp32 exact in fp64
     if not picks:
-        return []
+        return [], (also.tolist() if also is not None else [])
     size = 2 + 2 * width
     picks = [torch.nn.functional.pad(x, (0, size - x.numel())) if x.numel() < size else x for x in picks]
-    values = torch.stack(picks).tolist()
+    extra: list[float] = []
+    if also is None:
+        values = torch.stack(picks).tolist()
+    else:
+        flat = torch.cat((torch.stack(picks).flatten(), also)).tolist()
+        extra = flat[len(picks) * size:]
+        values = [flat[i * size:(i + 1) * size] for i in range(len(picks))]
     out = []
     for row, p in zip(values, params):
         if not p.logprobs:
@@ -255,4 +274,4 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], historie
         k = p.top_logprobs
         top = tuple(zip((int(t) for t in row[2:2 + k]), row[2 + width:2 + width + k]))
         out.append(Pick(int(row[0]), row[1], top))
-    return out
+    return out, extra

@@ -2,7 +2,8 @@
 
 Policy (vLLM v1 and transformers' own continuous-batching scheduler order work the same way):
 
-1. every decoding request gets its one token, oldest first;
+1. every decoding request gets its one token, oldest first (a speculating one also its drafted tokens,
+   as many as the budget and the free cells allow);
 2. requests part-way through their prompt continue, oldest first, each with as many tokens as the
    budget (``max_batch_tokens``) has left;
 3. waiting requests are admitted in arrival order while a sequence slot, the request cap
@@ -42,6 +43,13 @@ class ScheduledChunk:
 
     request: Request
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)
+    """Drafted tokens fed after the stream's (a speculative verification row: ``engine/speculative.py``)."""
+
+    @property
+    def width(self) -> int:
+        """Tokens the step feeds: the stream's and the drafts."""
+        return self.num_tokens + len(self.drafts)
 
     @property
     def start(self) -> int:
@@ -54,7 +62,7 @@ class ScheduledChunk:
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.pending_tokens(self.num_tokens)
+        return self.request.pending_tokens(self.num_tokens) + self.drafts
 
 
 @dataclass
@@ -65,7 +73,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.width for c in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -193,10 +201,13 @@ class Scheduler:
         for req in decoding:
             if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
-            plan.chunks.append(ScheduledChunk(req, 1))
+            # a speculating request's drafts ride along, as many as the budget and the cells allow
+            extra = int(min(len(req.spec.draft), budget - 1, free_cells - 1))
+            chunk = ScheduledChunk(req, 1, list(req.spec.draft[:extra]))
+            plan.chunks.append(chunk)
             planned[id(req)] = 1
-            budget -= 1
-            free_cells -= 1
+            budget -= chunk.width
+            free_cells -= chunk.width
 
         held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:

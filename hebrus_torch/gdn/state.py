@@ -13,6 +13,7 @@ from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.host_mirror import host_ints
+from ..state.replay import ReplayLog
 from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
 from .chunked import chunk_gated_delta_rule_slots
@@ -130,6 +131,8 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         # Undo log of the open transaction: what each in-place change overwrote, in order (an entry is
         # logged before its write, so an exception between the two still finds it).
         self._undo: list[_SlotUndo | _RowsUndo] = []
+        self.replay_log: ReplayLog | None = None
+        """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
         self._base: _GDNSavepoint | None = None
         self._index_cache: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
         # The step undo entries' row buffers: those of the open transaction, and spares from finished ones
@@ -258,6 +261,9 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
         pool = self.conv_state[layer]
         index = self._slot_index(slots, pool.device)
+        if self.replay_log is not None:
+            self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x}, weight=weight,
+                                   activation=activation)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         with atomic(self):
             self._log_rows("conv_state", layer, pool, index)   # before the write: see _log_rows
@@ -311,6 +317,13 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         slots = self._slots_of(seqs, cu_seqlens, T, "delta_rule")
         pool = self.recurrent_state[layer]
         index = self._slot_index(slots, pool.device)
+        if self.replay_log is not None:
+            if start_pos is not None and any(p is not None and s in self.replay_log.seqs
+                                             for p, s in zip(start_pos, seqs)):
+                raise HebrusError("GDNState.delta_rule: a row that may be cut short (speculative decoding) must run "
+                                  "the recurrent form (its replay does)")
+            self.replay_log.record(self, "delta_rule", layer, seqs, cu_seqlens,
+                                   {"q": q, "k": k, "v": v, "g": g, "beta": beta})
         with atomic(self):
             self._log_rows("recurrent_state", layer, pool, index)   # before the write: see _log_rows
             if start_pos is None or all(p is None for p in start_pos):

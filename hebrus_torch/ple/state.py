@@ -12,6 +12,7 @@ from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
 from ..state.handles import SeqHandle, SlotTable, generation_problem
 from ..state.protocol import StateDictProtocol
+from ..state.replay import ReplayLog
 from ..state.slot_lifecycle import SlotLifecycle
 from ..state.transaction import Transactional, atomic
 from . import ops
@@ -165,11 +166,13 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         # step, runs the same sequences (see _slot_index). And views of conv_state per layer (_tail_pools).
         self._index_cache: tuple | None = None
         self._pool_cache: tuple | None = None
+        self.replay_log: ReplayLog | None = None
+        """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
 
     # Bookkeeping attributes, set on every transaction and chunk, that are never parameters, buffers or
     # modules: set as plain attributes, which nn.Module.__setattr__ ends with after its checks (seven of
     # those per decode-step transaction cost ~0.1 ms with cold caches).
-    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache"})
+    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in PLEState._PLAIN_ATTRS:
@@ -251,6 +254,8 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         p = self.hash_params(layer)
         pool = self.history[layer]
         index = self._slot_index(slots, pool.device)
+        if self.replay_log is not None:
+            self.replay_log.record(self, "ngram_ids", layer, seqs, cu_seqlens, {"tokens": tokens})
         with atomic(self):
             # In place by slot (hebrus::ple_ngram_ids_slots). The undo entry (the rows' whole old histories,
             # so applying it is right whether or not the op wrote) is logged before the write: an exception
@@ -293,6 +298,8 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
             weight = weight.to(device=x.device, dtype=x.dtype)
         pool, first = self._tail_pools(layer)
         index = self._slot_index(slots, pool.device)
+        if self.replay_log is not None:
+            self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x}, weight=weight)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         if in_place:
             # hebrus::ple_conv_slots updates the tails in the pool, and refuses before writing anything. Outside

@@ -1,0 +1,155 @@
+"""Speculative decoding (issue 26): the engine with and without it, side by side in one process.
+
+Workloads, at 1, 8 and 64 requests arriving at once, greedy, prompt lookup drafting up to ``--k`` tokens:
+
+- **copy**: a model whose answer repeats a passage its prompt quotes. Random weights never repeat
+  text, so this is bench_engine.py's small Qwen4Exp with the outputs of its mixing paths (attention
+  ``o_proj``, GDN ``out_proj``, MoE ``down_proj``, PLE ``value_proj``) scaled by 0.1: every path still
+  runs, but the next token depends mostly on the last few. Each prompt is ``P + A + P``, A being the
+  model's own greedy answer to a random P of 64 tokens (a conversation that asks again: the answer
+  quotes the first one); the measured answer is 64 tokens.
+- **random**: the same model on random prompts of 192 tokens: drafts only from chance n-gram matches.
+- **never**: the same, with a drafter whose drafts are always rejected: what verification, rollback and
+  the back-off cost where nothing is accepted.
+- **random-model**: bench_engine.py's small model as it is (unscaled) on random prompts of 192 tokens.
+
+Per row: tokens/s of the plain engine and with speculation (generated tokens / wall time of the whole
+run), their ratio, median time to first token, acceptance (accepted / drafted), tokens per
+verification row (accepted drafts + the target's token, per row), engine steps. Each configuration
+runs ``--repeat`` times, plain and speculative interleaved; medians. The greedy tokens of both paths
+are asserted equal. Results go to benchmarks/RESULTS.md.
+
+    python benchmarks/bench_speculative.py [--counts 1,8,64] [--k 8] [--repeat 3] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, table, write_section  # noqa: E402
+
+from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
+from hebrus_torch.engine.speculative import SpeculativeConfig  # noqa: E402
+
+
+LOCAL_SCALE = 0.03
+
+
+def local_model() -> torch.nn.Module:
+    """bench_engine.py's small model with its mixing paths' outputs scaled by LOCAL_SCALE."""
+    from bench_engine import small_model
+
+    model = small_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("o_proj", "out_proj", "down_proj", "value_proj")):
+                p.mul_(LOCAL_SCALE)
+    return model
+
+
+def never_accepted(vocab: int):
+    def draft(req, k):
+        return [(req.tokens[-1] + 7 + j) % vocab for j in range(k)]
+    return draft
+
+
+def run(model, prompts, new: int, spec: SpeculativeConfig | None, drafter=None) -> dict:
+    cfg = EngineConfig(capacity_tokens=65536, max_sequences=max(8, len(prompts)), max_batch_tokens=512,
+                       speculative=spec or SpeculativeConfig(0))
+    engine = Engine(model, cfg, drafter=drafter)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)
+    engine.run()
+    wall = time.perf_counter() - t0
+    reqs = list(engine.requests.values())
+    c = engine.counters
+    return {"wall": wall, "tokens": sum(len(r.generated) for r in reqs),
+            "ttft": statistics.median(r.first_token_time - t0 for r in reqs),
+            "drafted": c.spec_drafted_tokens, "accepted": c.spec_accepted_tokens, "rows": c.spec_verify_rows,
+            "steps": c.steps, "out": {r.request_id: r.generated for r in reqs}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--counts", default="1,8,64")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workloads", default="copy,random,never,random-model")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="Speculative decoding (issue 26)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from bench_engine import small_model
+
+    copier = local_model()
+    vocab = copier.config.vocab_size
+    counts = [int(x) for x in args.counts.split(",")]
+    spec = SpeculativeConfig(args.k)
+    rows = []
+    g = torch.Generator().manual_seed(7)
+    random_model = None
+    for workload in args.workloads.split(","):
+        for n in counts:
+            drafter = None
+            model, new = copier, 64
+            if workload == "copy":
+                questions = [torch.randint(4, vocab, (64,), generator=g).tolist() for _ in range(n)]
+                with torch.inference_mode():
+                    answers = run(copier, questions, new, None)["out"]
+                prompts = [q + answers[f"r{i}"] + q for i, q in enumerate(questions)]
+            elif workload in ("random", "never"):
+                prompts = [torch.randint(4, vocab, (192,), generator=g).tolist() for _ in range(n)]
+                drafter = never_accepted(vocab) if workload == "never" else None
+            else:
+                random_model = random_model or small_model()
+                model = random_model
+                prompts = [torch.randint(4, vocab, (192,), generator=g).tolist() for _ in range(n)]
+            with torch.inference_mode():
+                run(model, prompts[:1], 4, spec, drafter)                            # warm-up
+                results = {"plain": [], "spec": []}
+                for _ in range(args.repeat):
+                    results["plain"].append(run(model, prompts, new, None))
+                    results["spec"].append(run(model, prompts, new, spec, drafter))
+            plain, sp = results["plain"], results["spec"]
+            assert all(r["out"] == plain[0]["out"] for r in plain + sp), "speculation changed greedy tokens"
+            tps = {k: statistics.median(r["tokens"] / r["wall"] for r in v) for k, v in results.items()}
+            ttft = {k: statistics.median(r["ttft"] for r in v) for k, v in results.items()}
+            last = sp[-1]
+            acc = last["accepted"] / last["drafted"] if last["drafted"] else 0.0
+            per_row = (last["accepted"] + last["rows"]) / last["rows"] if last["rows"] else 0.0
+            rows.append([workload, str(n), f"{tps['plain']:.1f}", f"{tps['spec']:.1f}",
+                         f"{tps['spec'] / tps['plain']:.2f}x", f"{ttft['plain'] * 1e3:.0f} / {ttft['spec'] * 1e3:.0f} ms",
+                         f"{acc:.2f} ({last['accepted']} / {last['drafted']})", f"{per_row:.2f}",
+                         f"{plain[-1]['steps']} / {last['steps']}"])
+            print(rows[-1], flush=True)
+    text = (f"`python benchmarks/bench_speculative.py --counts {args.counts} --k {args.k} --repeat {args.repeat} "
+            f"--threads {args.threads}`, {time.strftime('%Y-%m-%d')}: {machine()}, load average at the end "
+            f"{os.getloadavg()[0]:.1f}.\n"
+            f"Models: bench_engine.py's small random Qwen4Exp (4 layers: GDN, indexed attention, PLE, 8 experts; "
+            f"vocab 4096, fp32), for copy / random / never with its mixing paths' outputs scaled by "
+            f"{LOCAL_SCALE} (the module docstring says why), for random-model as it is. Copy prompts: P + A + P "
+            f"(P random, 64 tokens; A the model's greedy answer to P, 64 tokens); random prompts: 192 random "
+            f"tokens; 64 tokens generated per request. Engine: capacity 65536, max_batch_tokens 512, greedy, "
+            f"prompt lookup up to {args.k} drafts per step with the adaptive length (never = a drafter whose "
+            f"drafts are always rejected). Every request arrives at once; tokens/s = generated tokens / wall time "
+            f"of the whole run, median of {args.repeat} runs, plain and speculative interleaved; TTFT median over "
+            f"requests; acceptance and tokens per verification row from the last speculative run; steps = engine "
+            f"steps plain / speculative. The greedy tokens of both paths are asserted equal in every run.\n\n")
+    text += table(["workload", "requests", "plain tok/s", "spec tok/s", "spec / plain", "TTFT plain / spec",
+                   "acceptance", "tokens per verification", "steps"], rows)
+    print(text)
+    if not args.no_write:
+        write_section(args.section, text)
+
+
+if __name__ == "__main__":
+    main()

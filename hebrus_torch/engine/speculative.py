@@ -1,0 +1,285 @@
+"""Speculative decoding: drafting, the adaptive draft length, and verification of a packed step's rows.
+
+A speculating request's decode chunk is its last token plus k drafted tokens; the step returns the
+logits at all k + 1 positions. Verification keeps the longest accepted prefix of the drafts and one
+more token from the target model, so every verification step yields 1 to k + 1 tokens:
+
+- greedy requests accept a draft while it equals the argmax of the (processed) target distribution at
+  its position, and then take that argmax: exactly the tokens of decoding without speculation;
+- sampled requests use speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft
+  ``d`` proposed with probability ``q(d)`` is accepted with probability ``min(1, p(d) / q(d))``; at the
+  first rejection the token is drawn from ``max(p - q, 0)`` normalised; after k acceptances from ``p``
+  at the last position. Every emitted token is distributed as ``p``, the target's processed
+  distribution (logit bias and penalties, temperature, top-k, top-p: ``target_scores``). Prompt lookup
+  proposes deterministically (``q`` is one-hot at the draft).
+
+The engine then cuts the step short for the rows that did not keep all their tokens
+(``ModelCache.truncate``: every holder exactly as if only the kept tokens had been fed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .sampling import BadRequestError, SamplingParams, _penalised, _truncated
+
+__all__ = ["SpeculativeConfig", "SpecState", "NgramIndex", "prompt_lookup", "Verdict", "verification", "verify_rows",
+           "target_scores"]
+
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How one request speculates.
+
+    Attributes:
+        num_draft_tokens: the most tokens drafted per verification step (transformers'
+            ``prompt_lookup_num_tokens`` / ``num_assistant_tokens``); 0 turns speculation off.
+        max_ngram: prompt lookup matches the stream's last n tokens, n from ``max_ngram`` down to
+            ``min_ngram`` (transformers' ``max_matching_ngram_size``), at their latest earlier occurrence.
+        min_ngram: the shortest suffix matched.
+        adaptive: the draft length follows the request's recent acceptance (see ``SpecState``); False
+            drafts ``num_draft_tokens`` whenever a draft is found.
+    """
+
+    num_draft_tokens: int = 0
+    max_ngram: int = 3
+    min_ngram: int = 1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        def bad_int(v, lo, hi):
+            return isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi
+
+        if bad_int(self.num_draft_tokens, 0, MAX_DRAFT_TOKENS):
+            raise BadRequestError(f"SpeculativeConfig: num_draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}], "
+                                  f"got {self.num_draft_tokens!r}")
+        if bad_int(self.min_ngram, 1, 64) or bad_int(self.max_ngram, self.min_ngram if isinstance(self.min_ngram, int)
+                                                     else 1, 64):
+            raise BadRequestError(f"SpeculativeConfig: need 1 <= min_ngram <= max_ngram <= 64, got "
+                                  f"{self.min_ngram!r}, {self.max_ngram!r}")
+        if not isinstance(self.adaptive, bool):
+            raise BadRequestError(f"SpeculativeConfig: adaptive must be a bool, got {self.adaptive!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_draft_tokens > 0
+
+
+@dataclass
+class SpecState:
+    """A request's speculation bookkeeping and counters.
+
+    The adaptive draft length: after a verification that accepted a of k drafts, the next draft has
+    ``min(K, k + 2)`` tokens when all were accepted, else ``max(1, a + 1)``; after n verifications in a
+    row that accepted nothing, the request drafts nothing for ``2**n - 1`` decode steps (at most 63), so a
+    request whose drafts are never accepted runs about one verification in 64 decode steps.
+    """
+
+    length: int = 0                 # tokens to draft next time (0: not yet set)
+    misses: int = 0                 # verifications in a row that accepted nothing
+    pause: int = 0                  # decode steps left without drafting
+    draft: list[int] = field(default_factory=list)      # the drafts of the step being planned
+    lookup: NgramIndex | None = None                     # prompt lookup over the request's stream
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+
+    def next_length(self, config: SpeculativeConfig) -> int:
+        if not config.adaptive:
+            return config.num_draft_tokens
+        if self.length == 0:
+            self.length = config.num_draft_tokens
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return self.length
+
+    def update(self, config: SpeculativeConfig, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verify_steps += 1
+        if not config.adaptive:
+            return
+        if accepted == drafted:
+            self.length = min(config.num_draft_tokens, drafted + 2)
+        else:
+            self.length = max(1, accepted + 1)
+        if accepted == 0:
+            self.misses += 1
+            self.pause = 2 ** min(self.misses, 6) - 1
+        else:
+            self.misses = 0
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the stream's last n tokens (n from
+    ``max_ngram`` down to ``min_ngram``; the first n that occurs wins); [] when none occurs. (What
+    :class:`NgramIndex` gives incrementally; this is its plain definition.)
+
+    transformers' ``PromptLookupCandidateGenerator`` takes the earliest occurrence instead; the latest one
+    follows the text the model is copying now when a passage occurs more than once."""
+    n_tok = len(tokens)
+    if k <= 0 or n_tok < 2:
+        return []
+    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+        suffix = list(tokens[n_tok - n:])
+        for i in range(n_tok - n - 1, -1, -1):
+            if list(tokens[i:i + n]) == suffix:
+                return list(tokens[i + n:i + n + k])
+    return []
+
+
+class NgramIndex:
+    """Prompt lookup over a growing token stream in time proportional to the tokens added: for each n in
+    [min_ngram, max_ngram], the n-gram ending at each position e (exclusive) maps to the latest such e
+    with a token after it. ``propose(tokens, k)`` equals ``prompt_lookup(tokens, k, ...)`` for any stream
+    that only grows (tested)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._latest: dict[tuple[int, ...], int] = {}
+        self._indexed = 0            # n-grams ending before this position are in the index
+        self._tokens: list[int] = []
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < len(self._tokens) or list(tokens[:len(self._tokens)]) != self._tokens:
+            self._latest, self._indexed, self._tokens = {}, 0, []      # not an extension: start over
+        self._tokens.extend(tokens[len(self._tokens):])
+        toks = self._tokens
+        for e in range(max(self._indexed, 1), len(toks)):    # n-grams ending at e with a token at e
+            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
+                self._latest[tuple(toks[e - n:e])] = e
+        self._indexed = max(self._indexed, len(toks))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < 2:
+            return []
+        self._extend(tokens)
+        toks, n_tok = self._tokens, len(self._tokens)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            e = self._latest.get(tuple(toks[n_tok - n:]))
+            if e is not None:
+                return toks[e:e + k]
+        return []
+
+
+@dataclass
+class Verdict:
+    """One row's verification: the first ``accepted`` drafts are kept, then ``token``.
+
+    Attributes:
+        accepted: drafts kept (0..k).
+        token: the token after them (the target's correction, or its next token after all k).
+        logprobs: per emitted token (accepted drafts then ``token``), the log-probability under the processed
+            distribution, when the request asked for them; else None.
+    """
+
+    accepted: int
+    token: int
+    logprobs: list[float] | None = None
+
+    def emitted(self, drafts: Sequence[int]) -> list[int]:
+        return list(drafts[:self.accepted]) + [self.token]
+
+
+def target_scores(logits: torch.Tensor, params: SamplingParams, history: Sequence[int],
+                  generated: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``sample_rows`` does to one row of logits: Tensor[V] -> (the scores greedy takes the argmax of and
+    log-probabilities are read from: bias and penalties, divided by the temperature when sampling; the
+    scores sampling draws from: those with top-k / top-p applied)."""
+    scores = _penalised(logits.float(), params, history, generated)
+    if not params.do_sample:
+        return scores, scores
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    return scores, _truncated(scores, params)
+
+
+def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                 generated: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+                 draft_probs: Sequence[torch.Tensor | None] | None = None
+                 ) -> tuple[torch.Tensor | None, Callable[[list[float]], list[Verdict]]]:
+    """Verify every speculating row of a step, on the device: (a float64 tensor of the results, and the function
+    that turns its values, read on the host, into one Verdict per row). ``verify_rows`` does both; the engine
+    reads the tensor with the step's sampled tokens (``sampling.sample_rows_reading``): one read per step.
+
+    Args:
+        logits: Tensor[N, V], the step's logits rows; row r's k_r + 1 positions start at ``offsets[r]``
+            (position j predicts the token after the last token and drafts[:j]).
+        drafts: per row, its k_r drafted tokens.
+        params, histories, generated, generators: per row, the request's sampling parameters, its tokens
+            (prompt and generated, the step's first token included) and its generated tokens (the
+            penalties' histories), its generator.
+        draft_probs: per row, Tensor[k_r, V] the draft distributions q (a draft model), or None for
+            deterministic drafts (prompt lookup: q one-hot).
+    """
+    packed: list[torch.Tensor] = []
+    for r, (off, d, p) in enumerate(zip(offsets, drafts, params)):
+        k = len(d)
+        dev = logits.device
+        d_t = torch.tensor(list(d), dtype=torch.int64).to(dev) if k else torch.zeros(0, dtype=torch.int64, device=dev)
+        both = [target_scores(logits[off + j], p, list(histories[r]) + list(d[:j]), list(generated[r]) + list(d[:j]))
+                for j in range(k + 1)]
+        scores = torch.stack([b[0] for b in both])                                     # [k+1, V]
+        logp = scores.log_softmax(-1)
+        if not p.do_sample:
+            picks = scores.argmax(-1)                                                   # [k+1]
+            accept = (picks[:k] == d_t).double() if k else torch.zeros(0, dtype=torch.float64, device=dev)
+            cand = picks
+        else:
+            gen = generators[r]
+            probs = torch.stack([b[1] for b in both]).softmax(-1)
+            q = draft_probs[r] if draft_probs is not None and draft_probs[r] is not None else None
+            if k:
+                p_d = probs[:k].gather(1, d_t[:, None])[:, 0]
+                q_full = (torch.zeros_like(probs[:k]).scatter_(1, d_t[:, None], 1.0) if q is None
+                          else q.float())
+                q_d = q_full.gather(1, d_t[:, None])[:, 0]
+                u = torch.rand(k, generator=gen, device=dev, dtype=torch.float32)
+                accept = (u * q_d < p_d).double()        # u < p/q without dividing (q_d > 0 for a proposed d)
+                residual = (probs[:k] - q_full).clamp_min(0)
+                total = residual.sum(-1, keepdim=True)
+                residual = torch.where(total > 0, residual, probs[:k])   # p == q: never rejected, any row works
+                fixes = torch.multinomial(residual, 1, generator=gen)[:, 0]
+            else:
+                accept = torch.zeros(0, dtype=torch.float64, device=dev)
+                fixes = torch.zeros(0, dtype=torch.int64, device=dev)
+            last = torch.multinomial(probs[k], 1, generator=gen)
+            cand = torch.cat((fixes, last))
+        lp_cand = logp.gather(1, cand[:, None])[:, 0]
+        lp_draft = logp[:k].gather(1, d_t[:, None])[:, 0] if k else lp_cand[:0]
+        packed.append(torch.cat((cand.double(), accept, lp_cand.double(), lp_draft.double())))
+
+    def finish(values: list[float]) -> list[Verdict]:
+        out: list[Verdict] = []
+        at = 0
+        for d, p in zip(drafts, params):
+            k = len(d)
+            cand = values[at:at + k + 1]
+            accept = values[at + k + 1:at + 2 * k + 1]
+            lp_cand = values[at + 2 * k + 1:at + 3 * k + 2]
+            lp_draft = values[at + 3 * k + 2:at + 4 * k + 2]
+            at += 4 * k + 2
+            m = next((j for j in range(k) if accept[j] < 0.5), k)
+            lps = (lp_draft[:m] + [lp_cand[m]]) if p.logprobs else None
+            out.append(Verdict(m, int(cand[m]), lps))
+        return out
+
+    return (torch.cat(packed) if packed else None), finish
+
+
+def verify_rows(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                generators: Sequence[torch.Generator | None],
+                draft_probs: Sequence[torch.Tensor | None] | None = None,
+                generated: Sequence[Sequence[int]] | None = None) -> list[Verdict]:
+    """``verification`` and its one read: one Verdict per row (``generated`` defaults to none)."""
+    generated = generated if generated is not None else [()] * len(drafts)
+    values, finish = verification(logits, offsets, drafts, params, histories, generated, generators, draft_probs)
+    return finish(values.tolist() if values is not None else [])

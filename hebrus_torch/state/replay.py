@@ -1,0 +1,77 @@
+"""What a step gave the recurrent holders' in-place ops, kept so the step can be cut short afterwards.
+
+Speculative decoding feeds a sequence its last token plus k drafted ones in one step and keeps only
+the accepted prefix. The recurrent state (PLE n-gram history and conv tails, GDN conv tails and
+recurrent state) cannot be recomputed backwards, and re-running the model on the accepted tokens
+would cost what speculation saves. Instead, while a :class:`ReplayLog` is attached to a holder, each
+of its in-place state ops (``PLEState.ngram_ids`` / ``conv``, ``GDNState.conv`` / ``delta_rule``)
+records the packed inputs it was given (references, no copy). :meth:`ReplayLog.replay` calls the
+same ops again on the first n tokens of chosen rows, from the state those rows had before the step:
+every op is bitwise chunk- and batch-invariant (the recurrent form), so the state it leaves is the
+state that feeding only those n tokens would have left. Only the state ops run again, never the
+model's projections, attention or MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .handles import SeqHandle
+from .host_mirror import host_ints, mirror
+
+__all__ = ["ReplayLog"]
+
+
+@dataclass
+class _Record:
+    holder: Any
+    method: str
+    layer: int
+    seqs: tuple[SeqHandle, ...]
+    bounds: tuple[int, ...]                 # the call's row boundaries (cu_seqlens, on the host)
+    packed: dict[str, torch.Tensor]         # inputs with one row per packed token
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class ReplayLog:
+    """The inputs of one step's in-place state ops for the rows of ``seqs`` (other steps' rows are not kept).
+
+    Args:
+        seqs: the sequences whose rows the step may cut short.
+    """
+
+    def __init__(self, seqs: Sequence[SeqHandle]):
+        self.seqs = frozenset(seqs)
+        self.records: list[_Record] = []
+
+    def record(self, holder: Any, method: str, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor,
+               packed: Mapping[str, torch.Tensor], **kwargs: Any) -> None:
+        """Called by a holder's op before it writes: ``holder.method(layer, seqs, cu_seqlens=..., **packed,
+        **kwargs)`` is what :meth:`replay` calls again."""
+        if self.seqs.isdisjoint(seqs):
+            return
+        self.records.append(_Record(holder, method, layer, tuple(seqs), tuple(host_ints(cu_seqlens)),
+                                    dict(packed), kwargs))
+
+    def replay(self, keep: Mapping[SeqHandle, int]) -> None:
+        """Run every recorded op again on the first ``keep[seq]`` tokens of each listed sequence's row (the
+        holders must hold those sequences' state from before the step; the caller restores it)."""
+        for rec in self.records:
+            rows = [(i, s) for i, s in enumerate(rec.seqs) if s in keep]
+            if not rows:
+                continue
+            index: list[int] = []
+            bounds = [0]
+            for i, seq in rows:
+                start = rec.bounds[i]
+                n = min(int(keep[seq]), rec.bounds[i + 1] - start)
+                index.extend(range(start, start + n))
+                bounds.append(bounds[-1] + n)
+            device = next(iter(rec.packed.values())).device
+            picked = torch.tensor(index, dtype=torch.int64).to(device)          # uploads, no wait
+            cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)
+            packed = {name: t.index_select(0, picked) for name, t in rec.packed.items()}
+            getattr(rec.holder, rec.method)(rec.layer, [s for _, s in rows], cu_seqlens=cu, **packed, **rec.kwargs)

@@ -1,0 +1,409 @@
+"""Speculative decoding in the engine (issue 26): drafting, verification in the packed step, exact rollback.
+
+- ``ModelCache.truncate``: a step that fed n tokens and kept m is, in every holder, bitwise the step that fed m;
+- greedy requests get exactly the tokens of the plain engine, and with the row-invariant layers of
+  test_engine.py bitwise the same holder digests at every frontier both runs reach, whatever the
+  drafts (an oracle drafter that proposes the true continuation with errors at random places, so
+  every accepted length occurs), the budget, and what else shares the step;
+- rejection sampling keeps the target distribution (``verify_rows`` on a small vocabulary);
+- faults, preemption, cancellation and the prefix cache keep working with speculation on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_models import modeling  # noqa: F401  (skips without transformers)
+from test_engine import EOS, eager_experts, make_model, prompts_for, row_invariant  # noqa: F401
+
+from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
+from hebrus_torch.engine.speculative import (NgramIndex, SpecState, SpeculativeConfig, prompt_lookup, target_scores,
+                                              verify_rows)
+from hebrus_torch.errors import HebrusError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
+
+
+def oracle(reference: dict[str, list[int]], seed: int, error_rate: float = 0.35, vocab: int = 50, key=None):
+    """A drafter that proposes each request's true continuation (from a plain run; ``key`` maps a request id
+    to its reference's) with errors at random positions, so that every number of accepted drafts occurs."""
+    rng = random.Random(seed)
+
+    def draft(req, k):
+        rid = req.request_id if key is None else key(req.request_id)
+        truth = reference[rid][len(req.generated):len(req.generated) + k]
+        return [t if rng.random() > error_rate else (t + 1 + rng.randrange(vocab - 1)) % vocab for t in truth]
+    return draft
+
+
+def run(model, prompts, *, spec=None, drafter=None, draft_model=None, max_new_tokens=12, sampling=None,
+        digests=None, **config):
+    cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
+    cfg.update(config)
+    engine = Engine(model, EngineConfig(**cfg), drafter=drafter, draft_model=draft_model)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS,
+                           speculative=spec, sampling=sampling)
+    while engine.has_unfinished():
+        engine.step()
+        if digests is not None:
+            for req in engine.scheduler.running:
+                if req.seq is not None:
+                    digests[(req.request_id, req.num_computed)] = tuple(h.digest(req.seq) for h in engine.cache.holders)
+    assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values()), \
+        [(r.request_id, r.error) for r in engine.requests.values()]
+    return {rid: r.generated for rid, r in engine.requests.items()}, engine
+
+
+# ------------------------------------------------------------------------------------------ drafting
+def test_ngram_index_equals_prompt_lookup_on_growing_streams():
+    rng = random.Random(0)
+    for trial in range(30):
+        index = NgramIndex(max_ngram=3, min_ngram=1)
+        stream = [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        for _ in range(40):
+            k = rng.randrange(0, 5)
+            assert index.propose(stream, k) == prompt_lookup(stream, k, 3, 1), (trial, stream, k)
+            stream += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_prompt_lookup_follows_the_latest_occurrence():
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], 2) == [4, 7]
+    assert prompt_lookup([5, 6, 7], 3) == []
+    assert prompt_lookup([1, 2, 1], 2) == [2, 1]
+
+
+def test_adaptive_length_backs_off_after_misses():
+    cfg = SpeculativeConfig(6)
+    st = SpecState()
+    assert st.next_length(cfg) == 6
+    st.update(cfg, 6, 2)
+    assert st.next_length(cfg) == 3
+    st.update(cfg, 3, 3)
+    assert st.next_length(cfg) == 5
+    drafted_steps = 0
+    for _ in range(200):                          # never accepted: ever rarer verifications
+        k = st.next_length(cfg)
+        if k:
+            drafted_steps += 1
+            st.update(cfg, k, 0)
+    assert drafted_steps <= 10
+
+
+@pytest.mark.parametrize("bad", [dict(num_draft_tokens=-1), dict(num_draft_tokens=33), dict(num_draft_tokens=True),
+                                 dict(num_draft_tokens=2, min_ngram=0), dict(num_draft_tokens=2, max_ngram=0),
+                                 dict(num_draft_tokens=2, adaptive=1)])
+def test_bad_speculative_configs_are_refused(bad):
+    with pytest.raises(BadRequestError, match="SpeculativeConfig"):
+        SpeculativeConfig(**bad)
+
+
+# ------------------------------------------------------------------------------------------ the cache
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_truncate_leaves_every_holder_as_if_only_the_kept_tokens_were_fed(shape, row_invariant):
+    model = eager_experts(make_model(shape, seed=11))
+    prompt = prompts_for(11, lengths=(13,))[0]
+    extra = [7, 19, 23, 5, 41, 8]
+    for keep in range(1, len(extra) + 1):
+        engines = [Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=None))
+                   for _ in range(2)]
+        seqs = []
+        for engine in engines:
+            seq = engine.cache.new_sequence()
+            engine.runner.execute([seq], [prompt], [True], [0])
+            seqs.append(seq)
+        (a, sa), (b, sb) = (engines[0], seqs[0]), (engines[1], seqs[1])
+        with a.cache.recording({sa: len(extra)}) as rec:
+            a.runner.execute([sa], [extra], [len(extra)], [len(prompt)])
+        a.cache.truncate(rec, {sa: keep})
+        b.runner.execute([sb], [extra[:keep]], [True], [len(prompt)])
+        assert [h.digest(sa) for h in a.cache.holders] == [h.digest(sb) for h in b.cache.holders], keep
+        # and both continue alike
+        la = a.runner.execute([sa], [[9, 9]], [2], [len(prompt) + keep])
+        lb = b.runner.execute([sb], [[9, 9]], [2], [len(prompt) + keep])
+        assert torch.equal(la, lb), keep
+
+
+def test_truncate_refuses_bad_arguments_and_changes_nothing():
+    model = make_model("lin-idx", seed=12)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=3, max_batch_tokens=None))
+    s1, s2 = engine.cache.new_sequence(), engine.cache.new_sequence()
+    engine.runner.execute([s1, s2], [[5, 6, 7], [8, 9]], [True, True], [0, 0])
+    with engine.cache.recording({s1: 3}) as rec:
+        engine.runner.execute([s1, s2], [[10, 11, 12], [13]], [3, True], [3, 2])
+    before = engine.cache.digest()
+    for keep, match in (({s1: 0}, "keep must be in"), ({s1: 4}, "keep must be in"), ({s2: 1}, "not recorded")):
+        with pytest.raises(HebrusError, match=match):
+            engine.cache.truncate(rec, keep)
+        assert engine.cache.digest() == before
+
+
+# ------------------------------------------------------------------------------------------ greedy exactness
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin", "lin-lin-idx"])
+def test_greedy_speculation_gives_the_plain_tokens_and_state(shape, row_invariant):
+    model = eager_experts(make_model(shape, seed=13))
+    prompts = prompts_for(13, lengths=(14, 6, 21, 3))
+    plain_digests: dict = {}
+    ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
+    for seed, budget, k in ((0, 16, 4), (1, 7, 6), (2, None, 3), (3, 32, 8)):
+        digests: dict = {}
+        tokens, engine = run(model, prompts, spec=k, drafter=oracle(ref, seed), digests=digests,
+                             max_batch_tokens=budget, max_new_tokens=14)
+        assert tokens == ref, (seed, budget, k)
+        c = engine.counters
+        assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
+        assert c.spec_rollbacks > 0
+        common = set(digests) & set(plain_digests)
+        assert len(common) >= len(digests) // 2
+        for key in common:
+            assert digests[key] == plain_digests[key], (seed, key)
+
+
+def test_greedy_prompt_lookup_gives_the_plain_tokens():
+    model = make_model("lin-idx", seed=14)
+    base = prompts_for(14, lengths=(10, 16))
+    prompts = [p + p[:6] + p for p in base]                      # passages that repeat: lookups find drafts
+    ref, _ = run(model, prompts, max_new_tokens=16)
+    tokens, engine = run(model, prompts, spec=5, max_new_tokens=16)
+    assert tokens == ref
+    assert engine.counters.spec_drafted_tokens > 0
+
+
+def test_a_request_whose_drafts_are_never_accepted_soon_stops_drafting(row_invariant):
+    model = eager_experts(make_model("lin-idx", seed=15))
+    prompts = prompts_for(15, lengths=(9,))
+    ref, _ = run(model, prompts, max_new_tokens=40)
+    tokens, engine = run(model, prompts, spec=4, drafter=oracle(ref, 0, error_rate=1.0), max_new_tokens=40)
+    assert tokens == ref
+    assert engine.counters.spec_accepted_tokens == 0
+    assert engine.counters.spec_verify_rows <= 6      # after misses 1, 2, 3, ...: pauses of 1, 3, 7, 15 steps
+
+
+def test_speculation_mixed_with_prefills_and_plain_decodes(row_invariant):
+    model = eager_experts(make_model("idx-lin-idx-lin", seed=16))
+    prompts = prompts_for(16, lengths=(5, 30, 12, 25, 8))
+    ref, _ = run(model, prompts, max_new_tokens=10)
+    rng = random.Random(3)
+    cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=12, block_size=4)
+    late = {}
+    engine = Engine(model, EngineConfig(**cfg), drafter=oracle(ref, 5, key=lambda rid: late.get(rid, rid)))
+    mixed = 0
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=10, eos_token_id=EOS, speculative=4 if i % 2 else 0)
+    while engine.has_unfinished():
+        before = engine.counters.spec_verify_rows
+        prefilling = any(r.num_computed < len(r.prompt) for r in engine.scheduler.running)
+        engine.step()
+        mixed += prefilling and engine.counters.spec_verify_rows > before
+        if rng.random() < 0.2 and len(engine.requests) < 8:     # arrivals while others speculate
+            n = len(engine.requests)
+            late[f"late{n}"] = f"r{n % len(prompts)}"
+            engine.add_request(prompts[n % len(prompts)], request_id=f"late{n}", max_new_tokens=10,
+                               eos_token_id=EOS, speculative=3)
+    assert mixed > 0
+    for rid, req in engine.requests.items():
+        assert req.generated == ref[late.get(rid, rid)], rid
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def _distribution(samples: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(samples), minlength=vocab).double() / len(samples)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(with_q):
+    """Drafts from q (a draft model: sampled from q; prompt lookup: a fixed draft, q one-hot): the first
+    emitted token is distributed as the target p_0, the second (after an accepted first) as p_1, and the
+    first draft is accepted with probability sum(min(p_0, q_0))."""
+    vocab, k, trials = 6, 2, 12000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=5)
+    history = [1, 2]
+    q = torch.softmax(torch.randn(k, vocab, generator=g), -1) if with_q else None
+    p = [torch.softmax(target_scores(logits[j], params, history, ())[1], -1).double() for j in range(k + 1)]
+    first, second = [], []
+    gens = [torch.Generator().manual_seed(1000 + t) for t in range(trials)]
+    batch = 500
+    for t0 in range(0, trials, batch):
+        n = min(batch, trials - t0)
+        drafts = (torch.stack([torch.multinomial(q, 1, generator=g)[:, 0] for _ in range(n)]).tolist()
+                  if q is not None else [[2, 4]] * n)
+        verdicts = verify_rows(logits.repeat(n, 1), [i * (k + 1) for i in range(n)], drafts, [params] * n,
+                               [history] * n, gens[t0:t0 + n], [q] * n if q is not None else None)
+        for v, d in zip(verdicts, drafts):
+            emitted = v.emitted(d)
+            first.append(emitted[0])
+            if v.accepted >= 1:
+                second.append(emitted[1])
+    tv0 = 0.5 * (_distribution(first, vocab) - p[0]).abs().sum()
+    tv1 = 0.5 * (_distribution(second, vocab) - p[1]).abs().sum()
+    assert tv0 < 0.03 and tv1 < 0.05, (tv0, tv1)
+    qd = q[0].double() if q is not None else torch.nn.functional.one_hot(torch.tensor(2), vocab).double()
+    assert abs(len(second) / trials - torch.minimum(p[0], qd).sum()) < 0.03
+
+
+def test_greedy_verification_accepts_exactly_the_argmax_prefix():
+    logits = torch.tensor([[0., 5, 1], [4, 0, 1], [0, 1, 3]])
+    v = verify_rows(logits, [0], [[1, 0]], [SamplingParams()], [[2]], [None])[0]
+    assert (v.accepted, v.token) == (2, 2)
+    v = verify_rows(logits, [0], [[1, 2]], [SamplingParams()], [[2]], [None])[0]
+    assert (v.accepted, v.token) == (1, 0)
+    v = verify_rows(logits, [0], [[0, 0]], [SamplingParams()], [[2]], [None])[0]
+    assert (v.accepted, v.token) == (0, 1)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible():
+    model = make_model("lin-idx", seed=17)
+    prompts = [p + p for p in prompts_for(17, lengths=(8, 12))]
+    sampling = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=5)
+    a, ea = run(model, prompts, spec=4, sampling=sampling, max_new_tokens=16)
+    b, _ = run(model, prompts, spec=4, sampling=sampling, max_new_tokens=16)
+    assert a == b
+    assert all(len(t) == 16 or t[-1] == EOS for t in a.values())
+
+
+# ------------------------------------------------------------------------------------------ the engine around it
+@pytest.mark.parametrize("target", ["ple_conv", "delta_rule", "hook", "truncate"])
+def test_faults_with_speculation_roll_back_and_every_request_completes(target, monkeypatch):
+    model = make_model("lin-idx", seed=18)
+    prompts = prompts_for(18, lengths=(10, 4, 15))
+    ref, _ = run(model, prompts, max_batch_tokens=7, max_new_tokens=10)
+    for k in ((1, 2, 4) if target == "truncate" else (2, 5, 9)):
+        calls = {"n": 0}
+
+        def fault(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == k:
+                raise RuntimeError(f"injected fault at call {k}")
+
+        cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4)
+        engine = Engine(model, EngineConfig(**cfg), drafter=oracle(ref, k))
+        if target == "hook":
+            engine._fault_hook = lambda plan: fault()
+        elif target == "truncate":
+            original = engine.cache.truncate
+
+            def failing(*args, _orig=original, **kwargs):
+                fault()
+                return _orig(*args, **kwargs)
+            monkeypatch.setattr(engine.cache, "truncate", failing)
+        else:
+            holder = engine.cache.ple if target == "ple_conv" else engine.cache.gdn
+            name = "conv" if target == "ple_conv" else "delta_rule"
+            original = getattr(holder, name)
+
+            def faulty(*args, _orig=original, **kwargs):
+                fault()
+                return _orig(*args, **kwargs)
+            monkeypatch.setattr(holder, name, faulty)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=10, eos_token_id=EOS, speculative=4)
+        engine.run()
+        assert calls["n"] >= k
+        assert {r: q.generated for r, q in engine.requests.items()} == ref, (target, k)
+        assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values())
+
+
+def test_speculation_under_preemption_and_cancellation():
+    model = make_model("lin-idx", seed=19)
+    prompts = prompts_for(19, lengths=(20, 18, 22, 16))
+    ref, _ = run(model, prompts, max_new_tokens=12, capacity_tokens=4096)
+    tokens, engine = run(model, prompts, spec=4, drafter=oracle(ref, 1), max_new_tokens=12, capacity_tokens=90,
+                         max_batch_tokens=32)
+    assert tokens == ref
+    assert engine.counters.preemptions > 0 and engine.counters.spec_verify_rows > 0
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=4, max_batch_tokens=32),
+                    drafter=oracle(ref, 2))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=12, eos_token_id=EOS, speculative=4)
+    for _ in range(4):
+        engine.step()
+    engine.cancel("r1")
+    engine.run()
+    assert engine.requests["r1"].status is RequestStatus.CANCELLED
+    assert {r: q.generated for r, q in engine.requests.items() if r != "r1"} == {r: t for r, t in ref.items()
+                                                                                 if r != "r1"}
+    assert len(engine.cache.slots.live_handles()) == len(engine.kept_sequences())
+
+
+def test_a_second_turn_after_a_speculating_one_reuses_its_kept_state(row_invariant):
+    model = eager_experts(make_model("lin-idx", seed=20))
+    prompt = prompts_for(20, lengths=(12,))[0]
+    ref, _ = run(model, [prompt], max_new_tokens=9)
+    for spec in (0, 4):
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=4, max_batch_tokens=16, block_size=4),
+                        drafter=oracle(ref, 4))
+        engine.add_request(prompt, request_id="r0", max_new_tokens=9, eos_token_id=-1, speculative=spec)
+        engine.run()
+        turn2 = prompt + engine.requests["r0"].generated + [11, 12, 13]
+        engine.add_request(turn2, request_id="t2", max_new_tokens=6, eos_token_id=-1, speculative=0)
+        engine.run()
+        if spec == 0:
+            want = engine.requests["t2"].generated
+        else:
+            assert engine.requests["t2"].prefix_hit_tokens > len(prompt)
+            assert engine.requests["t2"].generated == want
+
+
+# ------------------------------------------------------------------------------------------ a draft model
+def test_a_draft_model_gives_greedy_requests_the_plain_tokens():
+    model = make_model("lin-idx", seed=21)
+    prompts = prompts_for(21, lengths=(14, 6, 21))
+    ref, _ = run(model, prompts, max_new_tokens=12)
+    same, engine = run(model, prompts, max_new_tokens=12, draft_model=make_model("lin-idx", seed=21))
+    assert same == ref
+    c = engine.counters
+    assert c.spec_accepted_tokens == c.spec_drafted_tokens > 0          # the target itself drafts
+    assert c.steps < sum(len(t) for t in ref.values())
+    other, engine = run(model, prompts, max_new_tokens=12, draft_model=make_model("idx-lin-idx-lin", seed=3))
+    assert other == ref
+    assert engine.counters.spec_drafted_tokens > 0
+    assert engine.drafter.cache.slots.live_handles() == []               # every draft sequence released
+
+
+def test_a_draft_model_with_sampling_is_reproducible_and_releases_its_sequences():
+    model = make_model("lin-idx", seed=22)
+    prompts = prompts_for(22, lengths=(9, 15))
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=3)
+    draft = make_model("lin-idx", seed=23)
+    a, ea = run(model, prompts, sampling=sampling, max_new_tokens=10, draft_model=draft)
+    b, _ = run(model, prompts, sampling=sampling, max_new_tokens=10, draft_model=draft)
+    assert a == b and ea.counters.spec_verify_rows > 0
+    assert ea.drafter.cache.slots.live_handles() == []
+
+
+def test_generate_batch_honours_prompt_lookup_and_assistant_model():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from hebrus_torch.integrations import transformers as htx
+
+    model = make_model("lin-idx", seed=24)
+    prompts = [p + p for p in prompts_for(24, lengths=(7, 12))]
+    cb = ContinuousBatchingConfig(max_batch_tokens=32, page_size=4)
+    htx.apply(model)
+    try:
+        outs, counters = [], []
+        for extra in ({}, {"prompt_lookup_num_tokens": 4}, {"assistant_model": make_model("lin-idx", seed=24)}):
+            gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+                                  **{k: v for k, v in extra.items() if k != "assistant_model"})
+            if "assistant_model" in extra:
+                gc.assistant_model = extra["assistant_model"]
+            out = model.generate_batch(prompts, gc, continuous_batching_config=cb, persistent_manager=True)
+            manager = model._cached_continuous_batching_manager
+            counters.append(manager.engine.counters)
+            outs.append({k: o.generated_tokens for k, o in out.items()})
+            manager.destroy()
+            del model._cached_continuous_batching_manager
+        assert outs[1] == outs[0] and outs[2] == outs[0]
+        assert counters[0].spec_verify_rows == 0
+        assert counters[1].spec_drafted_tokens > 0 and counters[2].spec_accepted_tokens > 0
+    finally:
+        htx.revert(model)
