@@ -39,7 +39,7 @@ from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
 from hebrus_torch.engine.speculative import SpeculativeConfig  # noqa: E402
 
 
-LOCAL_SCALE = 0.03
+LOCAL_SCALE = 0.01
 
 
 def local_model() -> torch.nn.Module:
