@@ -407,3 +407,21 @@ def test_generate_batch_honours_prompt_lookup_and_assistant_model():
         assert counters[1].spec_drafted_tokens > 0 and counters[2].spec_accepted_tokens > 0
     finally:
         htx.revert(model)
+
+
+def test_any_causal_lm_with_the_same_vocabulary_can_draft():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = make_model("lin-idx", seed=25)
+    prompts = prompts_for(25, lengths=(10, 17))
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    ref, _ = run(model, prompts, max_new_tokens=12)
+    tokens, engine = run(model, prompts, max_new_tokens=12, draft_model=llama)
+    assert tokens == ref
+    assert type(engine.drafter).__name__ == "CausalLMDrafter" and engine.counters.spec_drafted_tokens > 0
+    sampling = SamplingParams(do_sample=True, temperature=0.8, seed=2)
+    a, _ = run(model, prompts, max_new_tokens=12, draft_model=llama, sampling=sampling)
+    b, engine = run(model, prompts, max_new_tokens=12, draft_model=llama, sampling=sampling)
+    assert a == b and engine.drafter._drafts == {}

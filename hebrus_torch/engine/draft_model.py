@@ -28,12 +28,25 @@ from .requests import Request
 from .runner import ModelRunner, find_text_model
 from .speculative import MAX_DRAFT_TOKENS, target_scores
 
-__all__ = ["DraftModelDrafter"]
+__all__ = ["DraftModelDrafter", "CausalLMDrafter", "drafter_for"]
+
+
+def drafter_for(model: torch.nn.Module, *, vocab_size: int, capacity_tokens: int, max_sequences: int):
+    """The drafter of a draft model: ``DraftModelDrafter`` for a Qwen4Exp (batched, the engine's own
+    cache), ``CausalLMDrafter`` for any other transformers causal LM with the same tokenizer."""
+    try:
+        qwen4exp = str(getattr(find_text_model(model).config, "model_type", "")).startswith("qwen4_exp")
+    except HebrusError:
+        qwen4exp = False
+    if not qwen4exp:
+        return CausalLMDrafter(model, vocab_size=vocab_size)
+    return DraftModelDrafter(model, vocab_size=vocab_size, capacity_tokens=capacity_tokens,
+                             max_sequences=max_sequences)
 
 
 @dataclass
 class _Draft:
-    seq: SeqHandle
+    seq: SeqHandle | None
     tokens: list[int] = field(default_factory=list)      # what the draft cache holds, in order
     generator: torch.Generator | None = None
     probs: torch.Tensor | None = None                    # [k, V] q of the last round's drafts (sampled requests)
@@ -150,3 +163,92 @@ class DraftModelDrafter:
                 common = 0
             d.tokens = d.tokens[:common]
         return tokens[common:]
+
+
+class CausalLMDrafter:
+    """Drafts with any transformers causal LM of the target's tokenizer (a Llama, a Qwen, ...): one
+    ``DynamicCache`` per request, cropped to the stream's accepted part before each round, one forward
+    per drafted token and request (not batched across requests: the generic path; a Qwen4Exp draft
+    model gets ``DraftModelDrafter``). Greedy requests draft its argmax; sampled ones sample from its
+    distribution processed with their own parameters (``draft_probs`` gives it to verification).
+
+    Args:
+        model: the draft model (its vocabulary must cover the target's).
+        vocab_size: the target's vocabulary size.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int):
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        have = getattr(getattr(model, "config", None), "vocab_size", None)
+        if have is None or int(have) < vocab_size:
+            raise HebrusError(f"CausalLMDrafter: the draft model's vocabulary ({have}) does not cover the target's "
+                              f"({vocab_size}); it must use the same tokenizer")
+        self.vocab_size = vocab_size
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self._drafts: dict[int, _Draft] = {}
+        self._caches: dict[int, object] = {}
+        self.steps = 0
+
+    def __call__(self, request: Request, k: int) -> list[int]:
+        return self.propose_batch([request], [k])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(requests, lengths):
+            out.append(self._propose(req, k) if k > 0 else [])
+        return out
+
+    def _propose(self, req: Request, k: int) -> list[int]:
+        key = id(req)
+        d, cache = self._drafts.get(key), self._caches.get(key)
+        if d is None:
+            gen = None
+            if req.sampling.do_sample:
+                gen = torch.Generator(device=self.model.device)
+                seed = req.sampling.seed
+                gen.manual_seed(seed + 1 if seed is not None else torch.seed())
+            d, cache = _Draft(None, [], gen), self._new_cache()
+            self._drafts[key], self._caches[key] = d, cache
+        tokens = req.tokens
+        common = 0
+        limit = min(len(d.tokens), len(tokens) - 1)
+        while common < limit and d.tokens[common] == tokens[common]:
+            common += 1
+        if common < len(d.tokens):
+            if getattr(cache, "is_croppable", True):
+                cache.crop(common - len(d.tokens))     # (transformers 5: a negative count of tokens to drop)
+            else:                       # (a recurrent draft model's cache cannot be cut: start it over)
+                cache = self._caches[key] = self._new_cache()
+                common = 0
+            d.tokens = d.tokens[:common]
+        feed = tokens[common:]
+        drafted: list[int] = []
+        probs = []
+        for _ in range(k):
+            ids = torch.tensor([feed], dtype=torch.int64, device=self.model.device)
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            self.steps += 1
+            d.tokens.extend(feed)
+            scores, sampled = target_scores(logits[:self.vocab_size], req.sampling, tokens + drafted,
+                                            req.generated + drafted)
+            if req.sampling.do_sample:
+                q = sampled.softmax(-1)
+                probs.append(q)
+                token = int(torch.multinomial(q, 1, generator=d.generator)[0])
+            else:
+                token = int(scores.argmax())
+            drafted.append(token)
+            feed = [token]
+        d.probs = torch.stack(probs) if probs else None
+        return drafted
+
+    def draft_probs(self, request: Request, n: int) -> torch.Tensor | None:
+        d = self._drafts.get(id(request))
+        return None if d is None or d.probs is None else d.probs[:n]
+
+    def release(self, request: Request) -> None:
+        self._drafts.pop(id(request), None)
+        self._caches.pop(id(request), None)

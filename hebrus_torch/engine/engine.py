@@ -164,9 +164,10 @@ class Engine:
             the request's stream (``request.tokens``) instead of prompt lookup (a test's oracle, or a
             ``DraftModelDrafter``, whose ``propose_batch``, ``draft_probs`` and ``release`` the engine also
             uses when present). Called on the engine's thread before each step is planned.
-        draft_model: a small Qwen4Exp with the same tokenizer: ``drafter`` becomes a ``DraftModelDrafter``
-            over it (``engine/draft_model.py``), and requests speculate by default with the generation
-            config's ``num_assistant_tokens`` (5 when unset).
+        draft_model: a smaller model with the same tokenizer: ``drafter`` becomes a ``DraftModelDrafter``
+            over it for a Qwen4Exp (batched, its own ModelCache), a ``CausalLMDrafter`` for any other
+            transformers causal LM (``engine/draft_model.py``); requests speculate by default with the
+            generation config's ``num_assistant_tokens`` (5 when unset).
 
     Raises:
         HebrusError: ``prompt_cache_dir`` is held by another engine (one process per directory).
@@ -198,10 +199,10 @@ class Engine:
         if draft_model is not None:
             if drafter is not None:
                 raise HebrusError("Engine: pass a drafter or a draft_model, not both")
-            from .draft_model import DraftModelDrafter
+            from .draft_model import drafter_for
 
-            self.drafter = DraftModelDrafter(draft_model, vocab_size=self.vocab_size,
-                                             capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences)
+            self.drafter = drafter_for(draft_model, vocab_size=self.vocab_size, capacity_tokens=cfg.capacity_tokens,
+                                       max_sequences=cfg.max_sequences)
         has_gdn = "linear_attention" in list(self.text_config.layer_types) and self.cache.gdn is not None
         self.chunk_align = (CHUNK if cfg.chunked_prefill and has_gdn and
                             (cfg.max_batch_tokens is None or cfg.max_batch_tokens >= CHUNK) else None)
