@@ -2,13 +2,14 @@
 
 Policy (vLLM v1 and transformers' own continuous-batching scheduler order work the same way):
 
-1. every decoding request gets its one token, oldest first (a speculating one also its drafted tokens,
-   as many as the budget and the free cells allow);
+1. every decoding request gets its one token, oldest first;
 2. requests part-way through their prompt continue, oldest first, each with as many tokens as the
    budget (``max_batch_tokens``) has left;
 3. waiting requests are admitted in arrival order while a sequence slot, the request cap
    (``max_requests_per_batch``), the token budget and the cache's free cells allow, the cells a
-   request takes counted beside what the running ones still need.
+   request takes counted beside what the running ones still need;
+4. speculating decodes get their drafted tokens (``engine/speculative.py``), oldest first, from what the
+   budget leaves and the cells beyond what the running requests keep.
 
 Cells held by state no running request needs (the engine's kept prefixes) are reclaimed first,
 whenever any of the three lacks cells. When the decodes alone need more cells than are free, or no
@@ -139,6 +140,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
+        request.spec.draft = []
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ one step
@@ -201,13 +203,10 @@ class Scheduler:
         for req in decoding:
             if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
-            # a speculating request's drafts ride along, as many as the budget and the cells allow
-            extra = int(min(len(req.spec.draft), budget - 1, free_cells - 1))
-            chunk = ScheduledChunk(req, 1, list(req.spec.draft[:extra]))
-            plan.chunks.append(chunk)
+            plan.chunks.append(ScheduledChunk(req, 1))
             planned[id(req)] = 1
-            budget -= chunk.width
-            free_cells -= chunk.width
+            budget -= 1
+            free_cells -= 1
 
         held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:
@@ -256,6 +255,16 @@ class Scheduler:
             if n == 0:        # admitted, waits for an aligned cut (or cells): holds the rest of the budget
                 self._held = req
                 break
+        # Drafts last: they take what the budget leaves after every prefill and admission (speculation never
+        # delays another request's first token), and only cells beyond what the running requests keep.
+        spare = int(min(budget, free_cells - reserved))
+        for chunk in plan.chunks:
+            if spare < 1:
+                break
+            draft = chunk.request.spec.draft
+            if draft and chunk.num_tokens == 1 and chunk.request.remaining == 1:
+                chunk.drafts = list(draft[:spare])
+                spare -= len(chunk.drafts)
         return plan
 
     def chunk_extent(self, req: Request) -> int:
