@@ -116,9 +116,10 @@ def main() -> None:
             with torch.inference_mode():
                 run(model, prompts[:1], 4, spec, drafter)                            # warm-up
                 results = {"plain": [], "spec": []}
-                for _ in range(args.repeat):
-                    results["plain"].append(run(model, prompts, new, None))
-                    results["spec"].append(run(model, prompts, new, spec, drafter))
+                for i in range(args.repeat):            # the order alternates: neither path always goes first
+                    for path in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+                        results[path].append(run(model, prompts, new, spec if path == "spec" else None,
+                                                 drafter if path == "spec" else None))
             plain, sp = results["plain"], results["spec"]
             assert all(r["out"] == plain[0]["out"] for r in plain + sp), "speculation changed greedy tokens"
             tps = {k: statistics.median(r["tokens"] / r["wall"] for r in v) for k, v in results.items()}
@@ -141,7 +142,7 @@ def main() -> None:
             f"tokens; 64 tokens generated per request. Engine: capacity 65536, max_batch_tokens 512, greedy, "
             f"prompt lookup up to {args.k} drafts per step with the adaptive length (never = a drafter whose "
             f"drafts are always rejected). Every request arrives at once; tokens/s = generated tokens / wall time "
-            f"of the whole run, median of {args.repeat} runs, plain and speculative interleaved; TTFT median over "
+            f"of the whole run, median of {args.repeat} runs, plain and speculative interleaved (which goes first alternates); TTFT median over "
             f"requests; acceptance and tokens per verification row from the last speculative run; steps = engine "
             f"steps plain / speculative. The greedy tokens of both paths are asserted equal in every run.\n\n")
     text += table(["workload", "requests", "plain tok/s", "spec tok/s", "spec / plain", "TTFT plain / spec",
