@@ -142,7 +142,8 @@ def main() -> None:
             f"tokens; 64 tokens generated per request. Engine: capacity 65536, max_batch_tokens 512, greedy, "
             f"prompt lookup up to {args.k} drafts per step with the adaptive length (never = a drafter whose "
             f"drafts are always rejected). Every request arrives at once; tokens/s = generated tokens / wall time "
-            f"of the whole run, median of {args.repeat} runs, plain and speculative interleaved (which goes first alternates); TTFT median over "
+            f"of the whole run, median of {args.repeat} runs, plain and speculative interleaved (which goes first "
+            f"alternates); TTFT median over "
             f"requests; acceptance and tokens per verification row from the last speculative run; steps = engine "
             f"steps plain / speculative. The greedy tokens of both paths are asserted equal in every run.\n\n")
     text += table(["workload", "requests", "plain tok/s", "spec tok/s", "spec / plain", "TTFT plain / spec",

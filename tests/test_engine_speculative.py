@@ -425,3 +425,14 @@ def test_any_causal_lm_with_the_same_vocabulary_can_draft():
     a, _ = run(model, prompts, max_new_tokens=12, draft_model=llama, sampling=sampling)
     b, engine = run(model, prompts, max_new_tokens=12, draft_model=llama, sampling=sampling)
     assert a == b and engine.drafter._drafts == {}
+
+
+def test_speculation_on_device_gives_the_plain_tokens(device):
+    """cpu here; mps on the macOS workflow's required job (the slot ops, the replay and the QSA rewind on
+    Metal): greedy speculation with an oracle drafter gives that device's plain tokens."""
+    model = make_model("idx-lin-idx-lin", seed=26).to(device)
+    prompts = prompts_for(26, lengths=(14, 6, 21))
+    ref, _ = run(model, prompts, max_new_tokens=10)
+    tokens, engine = run(model, prompts, spec=4, drafter=oracle(ref, 7), max_new_tokens=10)
+    assert tokens == ref
+    assert engine.counters.spec_rollbacks > 0 and engine.counters.spec_accepted_tokens > 0
