@@ -46,6 +46,13 @@ publishing for a ModelCache). Pooled groups are always re-derived where they are
 restore, on load and after ``.to(device/dtype)``, so they equal a full rebuild on the device they
 live on. Positions are 1-D text positions (Qwen4Exp's multimodal 3-D positions are not supported).
 
+The device holds the keys, K/V planes and pooled rows (buffers: ``.to`` moves them). ``cell_pos``,
+``cell_ref``, ``group_ref``, the transaction flags and the runs are host bookkeeping (CPU tensors on any
+device, the same tensors as the device's on a CPU cache): allocation, the SPEC §4 checks and planning
+decide from them without waiting for the device, and the kernels get the index tensors they need
+uploaded (``_dev``, ``_upload``). A ``ReservedChunk`` carries its cells and positions on the device and,
+privately, on the host.
+
 Layout
 ------
 ``QSACache`` is a thin composition of one module per concern, each a mixin over the same buffers:
@@ -333,8 +340,8 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         g, r = gcells.shape
         flat = gcells.reshape(-1)
         local = torch.arange(g * r, dtype=torch.int32).reshape(g, r)
-        return qsa_pool(keys.index_select(0, self._dev(flat)), self._dev(cell_pos[flat]), self._dev(local),
-                        self._dev(gpos), self.norm_weight[layer], self.eps, self.inv_freq)
+        flat, pos, gpos, local = self._upload(flat, cell_pos[flat], gpos, local)
+        return qsa_pool(keys.index_select(0, flat), pos, local, gpos, self.norm_weight[layer], self.eps, self.inv_freq)
 
     def _check_apply(self, fn) -> None:
         """What ``_apply`` refuses before anything changes (ModelCache checks both holders first)."""
