@@ -54,7 +54,7 @@ class _Allocator:
         old = self.group_capacity
         new = max(2 * old, old + needed)
 
-        def grown(t: torch.Tensor, dim: int, fill: Any) -> torch.Tensor:      # (t's own device)
+        def grown(t: torch.Tensor, dim: int, fill: Any) -> torch.Tensor:
             shape = list(t.shape)
             shape[dim] = new - old
             pad = torch.full(shape, fill, dtype=t.dtype, device=t.device)
