@@ -112,9 +112,10 @@ class _Buf:
 
 
 class _Vec:
-    """An immutable view ``buf.data[start:start+n]`` (host int64: a QSACache keeps its runs on the host). ``extend`` appends in place (amortised O(k)) when
-    this view ends where the buffer's claimed region ends, and copies otherwise, so views shared by
-    several runs (fork, savepoints) never see each other's appends."""
+    """An immutable view ``buf.data[start:start+n]`` (host int64: a QSACache keeps its runs on the
+    host). ``extend`` appends in place (amortised O(k)) when this view ends where the buffer's claimed
+    region ends, and copies otherwise, so views shared by several runs (fork, savepoints) never see
+    each other's appends."""
 
     __slots__ = ("buf", "start", "n")
 
