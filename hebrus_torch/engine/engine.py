@@ -369,7 +369,7 @@ class Engine:
         qsa = self.cache.qsa
         if qsa is None:
             return self.config.capacity_tokens
-        return int((qsa.cell_ref == 0).sum())
+        return qsa.free_cells()          # host bookkeeping: no wait for the device
 
     def _admit(self, req: Request) -> bool | None:
         if self.prefix is not None and req.num_computed == 0 and self._leader_prefilling(req):

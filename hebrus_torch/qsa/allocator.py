@@ -4,7 +4,9 @@ Cells: ``cell_pos`` Tensor[C] int64 (-1 when free), ``cell_ref`` Tensor[C] int32
 the cell; shared after copy/fork). Group rows: ``group_ref`` Tensor[G] int32, the pooled row pool grows
 on demand (derived state, never a reason for a CapacityError). Allocation prefers cells and rows whose
 content no rollback may need back (``_freed_cells`` / ``_freed_rows`` Tensor bool), and records in the
-undo log whatever it overwrites.
+undo log whatever it overwrites. Every one of these is host bookkeeping (CPU tensors whatever the
+cache's device) and so is every cell or row index the allocator returns: it decides without waiting
+for the device; only the logged content of device tensors (keys, K/V, pooled) takes an uploaded index.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class _Allocator:
     def _pick(self, free: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor:
         idx = torch.nonzero(free).flatten()
         if self._alloc_generator is not None:
-            perm = torch.randperm(idx.numel(), generator=self._alloc_generator).to(idx.device)
+            perm = torch.randperm(idx.numel(), generator=self._alloc_generator)
             idx = idx[perm]
         else:
             idx = torch.cat((idx[idx >= head], idx[idx < head]))
@@ -34,7 +36,7 @@ class _Allocator:
 
     def _alloc_cells(self, count: int) -> torch.Tensor:
         if count == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return torch.empty(0, dtype=torch.int64)
         free = self.cell_ref == 0
         nfree = int(free.sum())
         if nfree < count:
@@ -67,7 +69,7 @@ class _Allocator:
 
     def _alloc_rows(self, count: int) -> torch.Tensor:
         if count == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return torch.empty(0, dtype=torch.int64)
         free = self.group_ref == 0
         nfree = int(free.sum())
         if nfree < count:
@@ -77,9 +79,9 @@ class _Allocator:
         pre = chosen[self._freed_rows[chosen]]
         if pre.numel():
             txn = self._txn
-            for name in ("pooled", "_pending"):
-                t = getattr(self, name)
-                txn.log.append((t, (slice(None), pre), t[:, pre].clone()))
+            at = self._dev(pre)
+            txn.log.append((self.pooled, (slice(None), at), self.pooled[:, at].clone()))
+            txn.log.append((self._pending, (slice(None), pre), self._pending[:, pre].clone()))
         self._row_head = (int(chosen[-1]) + 1) % self.group_capacity
         self._set(self.group_ref, chosen, 1)
         return chosen

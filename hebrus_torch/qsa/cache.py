@@ -46,6 +46,13 @@ publishing for a ModelCache). Pooled groups are always re-derived where they are
 restore, on load and after ``.to(device/dtype)``, so they equal a full rebuild on the device they
 live on. Positions are 1-D text positions (Qwen4Exp's multimodal 3-D positions are not supported).
 
+The device holds the keys, K/V planes and pooled rows (buffers: ``.to`` moves them). ``cell_pos``,
+``cell_ref``, ``group_ref``, the transaction flags and the runs are host bookkeeping (CPU tensors on any
+device, the same tensors as the device's on a CPU cache): allocation, the SPEC §4 checks and planning
+decide from them without waiting for the device, and the kernels get the index tensors they need
+uploaded (``_dev``, ``_upload``). A ``ReservedChunk`` carries its cells and positions on the device and,
+privately, on the host.
+
 Layout
 ------
 ``QSACache`` is a thin composition of one module per concern, each a mixin over the same buffers:
@@ -73,7 +80,7 @@ from .ops import qsa_pool, qsa_select  # noqa: F401  (qsa_pool is called here; q
 from .persistence import _HOLDER_FORMAT, _HOLDER_VERSION, _SEQ_KIND, _Persistence  # noqa: F401
 from .planning import QSAPlan, ReservedChunk, _Planning
 from .pooling import _Pooling
-from .runs import MAX_POSITION, HoleInSavedStateError, _Buf, _Run, _Vec  # noqa: F401
+from .runs import MAX_POSITION, HoleInSavedStateError, _Buf, _Run, _Vec  # noqa: F401  (re-exported)
 from .transactions import _STATE_TENSORS, _Savepoint, _Transactions, _Txn  # noqa: F401
 
 __all__ = ["QSACache", "QSAPlan", "ReservedChunk", "HoleInSavedStateError", "MAX_POSITION"]
@@ -165,8 +172,7 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         L, C = self.num_layers, self.capacity
         self.register_buffer("norm_weight", nw.to(device=device, dtype=torch.float32).clone(), persistent=False)
         self.register_buffer("inv_freq", inv_freq.to(device=device).clone(), persistent=False)
-        self.register_buffer("cell_pos", torch.full((C,), -1, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("cell_ref", torch.zeros(C, dtype=torch.int32, device=device), persistent=False)
+        # Device data: keys, K/V planes and pooled rows (buffers: ``.to`` moves them).
         self.register_buffer("keys", torch.zeros((L, C, head_dim), dtype=dtype, device=device), persistent=False)
         if kv_heads is not None:
             self.register_buffer("k_cache", torch.zeros((L, C, kv_heads, kv_head_dim), dtype=dtype, device=device),
@@ -177,14 +183,20 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
             self.k_cache = None
             self.v_cache = None
         self.register_buffer("pooled", torch.zeros((L, gcap, head_dim), dtype=dtype, device=device), persistent=False)
-        self.register_buffer("group_ref", torch.zeros(gcap, dtype=torch.int32, device=device), persistent=False)
+        # Bookkeeping: on the host whatever the device (plain attributes, so ``.to`` leaves them there).
+        # The allocator and the SPEC §4 checks decide from these without reading the device back; a
+        # kernel that needs an index gets it uploaded (``_dev``). On a CPU cache they are the only copy.
+        host = torch.device("cpu")
+        self.cell_pos = torch.full((C,), -1, dtype=torch.int64, device=host)
+        self.cell_ref = torch.zeros(C, dtype=torch.int32, device=host)
+        self.group_ref = torch.zeros(gcap, dtype=torch.int32, device=host)
         # Transaction-only bookkeeping (all False / unused outside a transaction).
-        self.register_buffer("_unwritten", torch.zeros((L, C), dtype=torch.bool, device=device), persistent=False)
-        self.register_buffer("_pending", torch.zeros((L, gcap), dtype=torch.bool, device=device), persistent=False)
-        self.register_buffer("_pend_cells", torch.zeros((gcap, r), dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("_pend_pos", torch.zeros(gcap, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("_freed_cells", torch.zeros(C, dtype=torch.bool, device=device), persistent=False)
-        self.register_buffer("_freed_rows", torch.zeros(gcap, dtype=torch.bool, device=device), persistent=False)
+        self._unwritten = torch.zeros((L, C), dtype=torch.bool, device=host)
+        self._pending = torch.zeros((L, gcap), dtype=torch.bool, device=host)
+        self._pend_cells = torch.zeros((gcap, r), dtype=torch.int64, device=host)
+        self._pend_pos = torch.zeros(gcap, dtype=torch.int64, device=host)
+        self._freed_cells = torch.zeros(C, dtype=torch.bool, device=host)
+        self._freed_rows = torch.zeros(gcap, dtype=torch.bool, device=host)
         self.slots = SlotTable(max_sequences, "QSACache")
         self._runs: dict[int, _Run] = {}
         self._cell_head = 0
@@ -245,7 +257,36 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
 
     @property
     def device(self) -> torch.device:
-        return self.cell_pos.device
+        """Where the keys, K/V planes and pooled rows live (the bookkeeping is on the host)."""
+        return self.keys.device
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor (an index, positions) where a device tensor needs it: uploaded (the host does
+        not wait for the copy), or ``t`` itself on a CPU cache."""
+        return t if t.device == self.keys.device else t.to(self.keys.device)
+
+    def _upload(self, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Host tensors where the device needs them: one host-to-device copy per dtype, returned as views
+        of it in their shapes (nothing waits); on a CPU cache the tensors themselves."""
+        dev = self.keys.device
+        if dev.type == "cpu":
+            return host
+        out: list[torch.Tensor | None] = [None] * len(host)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(host):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = torch.cat([host[i].reshape(-1) for i in idx]).to(dev)
+            at = 0
+            for i in idx:
+                n = host[i].numel()
+                out[i] = flat[at:at + n].view(host[i].shape)
+                at += n
+        return tuple(out)
+
+    def free_cells(self) -> int:
+        """Cells no sequence references (host bookkeeping: no read of the device)."""
+        return int((self.cell_ref == 0).sum())
 
     @property
     def has_kv(self) -> bool:
@@ -278,14 +319,29 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         return layer
 
     def _arange(self, n: int) -> torch.Tensor:
-        return torch.arange(n, dtype=torch.int64, device=self.device)
+        """Host int64 [0, n)."""
+        return torch.arange(n, dtype=torch.int64)
 
     def _pool(self, layer: int, gcells: torch.Tensor, gpos: torch.Tensor, *, keys: torch.Tensor | None = None,
               cell_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled keys of groups ``gcells`` [G, r] at ``gpos`` [G] for one layer (of the published keys and
-        positions, or of ``keys`` [C, D] and ``cell_pos`` [C] not published yet)."""
-        return qsa_pool(self.keys[layer] if keys is None else keys, self.cell_pos if cell_pos is None else cell_pos,
-                        gcells.to(torch.int32), gpos, self.norm_weight[layer], self.eps, self.inv_freq)
+        """Pooled keys (on the device) of groups ``gcells`` [G, r] at ``gpos`` [G] (host int64) for one layer,
+        of the published keys and positions, or of ``keys`` [C, D] (device) and ``cell_pos`` [C] (host) not
+        published yet.
+
+        On a CPU cache the kernel reads the pool directly. Elsewhere the positions are host data: the
+        groups' keys are gathered into [G*r, D] and the kernel gets their positions uploaded (it checks
+        each group's contiguity from them as before) and local cell indices; it reads the same values,
+        so the pooled keys are the same bitwise."""
+        keys = self.keys[layer] if keys is None else keys
+        cell_pos = self.cell_pos if cell_pos is None else cell_pos
+        if keys.device == cell_pos.device:
+            return qsa_pool(keys, cell_pos, gcells.to(torch.int32), gpos, self.norm_weight[layer], self.eps,
+                            self.inv_freq)
+        g, r = gcells.shape
+        flat = gcells.reshape(-1)
+        local = torch.arange(g * r, dtype=torch.int32).reshape(g, r)
+        flat, pos, gpos, local = self._upload(flat, cell_pos[flat], gpos, local)
+        return qsa_pool(keys.index_select(0, flat), pos, local, gpos, self.norm_weight[layer], self.eps, self.inv_freq)
 
     def _check_apply(self, fn) -> None:
         """What ``_apply`` refuses before anything changes (ModelCache checks both holders first)."""
@@ -298,19 +354,11 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         nw, inv = self.norm_weight, self.inv_freq
         old_dtype, old_device = self.keys.dtype, self.keys.device
         super()._apply(fn, recurse)
-        dev = self.cell_pos.device
+        dev = self.keys.device
         self.norm_weight = nw.to(dev)
         self.inv_freq = inv.to(dev)
         self.dtype = self.keys.dtype
-        moved: dict[int, _Buf] = {}
-
-        def mv(vec: _Vec) -> _Vec:
-            buf = moved.get(id(vec.buf))
-            if buf is None:
-                buf = moved[id(vec.buf)] = _Buf(vec.buf.data.to(dev), vec.buf.claimed)
-            return _Vec(buf, vec.start, vec.n)
-
-        self._runs = {s: _Run(run.p0, run.n, mv(run.cells), mv(run.groups)) for s, run in self._runs.items()}
+        # (the bookkeeping and the runs' cells and rows stay on the host)
         if self.dtype != old_dtype or dev != old_device:
             # Pooled groups are derived state: re-derive them where (and in the dtype) they now live, so they
             # keep equalling a rebuild on this device bitwise (kernels of two devices round differently).
@@ -318,8 +366,9 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
             if rows:
                 rows = torch.unique(torch.cat(rows))
                 if rows.numel():
+                    at = self._dev(rows)
                     for layer in range(self.num_layers):
-                        self.pooled[layer, rows] = self._pool(layer, self._pend_cells[rows], self._pend_pos[rows])
+                        self.pooled[layer, at] = self._pool(layer, self._pend_cells[rows], self._pend_pos[rows])
         return self
 
     def extra_repr(self) -> str:

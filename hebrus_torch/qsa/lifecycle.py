@@ -3,7 +3,9 @@ remove/rewind/shift/copy/fork/keep, and the read accessors of one sequence's run
 
 A run is positions ``[p0, p0 + n)`` over cells (Tensor[n] int64, position order) with ``n // r`` group
 rows (Tensor[n // r] int64) anchored at p0 (:class:`hebrus_torch.qsa.runs._Run`). Every operation builds
-the new run first and publishes it only when it is one contiguous run (SPEC §3, §4).
+the new run first and publishes it only when it is one contiguous run (SPEC §3, §4). Runs, positions and
+every check live on the host (the cache's bookkeeping); the device gets the chunk's cells and positions
+uploaded once per ``reserve`` and the keys written into them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class _Lifecycle:
         r = self.compress_ratio
         if k >= run.n:
             self._release_run(run)
-            return _Run(run.p0 + run.n, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            return _Run(run.p0 + run.n, 0, _Vec.empty(), _Vec.empty())
         self._release_cells(run.cells.tensor()[:k])
         cells = run.cells.drop_front(k)
         if k % r == 0:
@@ -46,7 +48,7 @@ class _Lifecycle:
             return run
         if keep <= 0:
             self._release_run(run)
-            return _Run(run.p0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            return _Run(run.p0, 0, _Vec.empty(), _Vec.empty())
         g = keep // self.compress_ratio
         self._release_rows(run.groups.tensor()[g:])
         self._release_cells(run.cells.tensor()[keep:])
@@ -92,7 +94,7 @@ class _Lifecycle:
         and generation (how a ModelCache makes its holders share handles)."""
         with self._op():
             handle = self.slots.claim(handle)
-            self._runs[handle.slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            self._runs[handle.slot] = _Run(0, 0, _Vec.empty(), _Vec.empty())
             return handle
 
     def free(self, seq: SeqHandle) -> None:
@@ -111,7 +113,7 @@ class _Lifecycle:
             self._release_run(self._runs[slot])
             self.slots.release(seq)
             handle = self.slots.claim(SeqHandle(slot, int(self.slots.generation[slot])))
-            self._runs[slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+            self._runs[slot] = _Run(0, 0, _Vec.empty(), _Vec.empty())
             return handle
 
     def run(self, seq: SeqHandle) -> tuple[int, int]:
@@ -121,20 +123,22 @@ class _Lifecycle:
         return r.p0, r.n
 
     def cells_of(self, seq: SeqHandle) -> torch.Tensor:
-        """Tensor[n] int64: the physical cell of each position of the run, in position order."""
-        return self._view(self._slot(seq)).cells.tensor().clone()
+        """Tensor[n] int64 (on the cache's device): the physical cell of each position of the run, in position
+        order."""
+        return self._dev(self._view(self._slot(seq)).cells.tensor().clone())
 
     def groups_of(self, seq: SeqHandle) -> torch.Tensor:
-        """Tensor[n // r] int64: the pooled row (in ``pooled[layer]``) of each complete group, in order."""
-        return self._view(self._slot(seq)).groups.tensor().clone()
+        """Tensor[n // r] int64 (on the cache's device): the pooled row (in ``pooled[layer]``) of each complete
+        group, in order."""
+        return self._dev(self._view(self._slot(seq)).groups.tensor().clone())
 
     def pooled_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
         """Tensor[n // r, D]: the pooled keys of the sequence's complete groups for ``layer``."""
-        return self.pooled[self._layer(layer)][self._view(self._slot(seq)).groups.tensor()].clone()
+        return self.pooled[self._layer(layer)][self._dev(self._view(self._slot(seq)).groups.tensor())].clone()
 
     def keys_of(self, seq: SeqHandle, layer: int) -> torch.Tensor:
         """Tensor[n, D]: the raw keys of the run for ``layer`` in position order."""
-        return self.keys[self._layer(layer)][self._view(self._slot(seq)).cells.tensor()].clone()
+        return self.keys[self._layer(layer)][self._dev(self._view(self._slot(seq)).cells.tensor())].clone()
 
     def sequences(self) -> list[SeqHandle]:
         """Live handles, in slot order."""
@@ -214,13 +218,13 @@ class _Lifecycle:
                 anchors.append(run.p0)
             total = sum(counts)
             cells = self._alloc_cells(total)
-            counts_t = torch.tensor(counts, dtype=torch.int64, device=self.device)
-            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64, device=self.device)
+            counts_t = torch.tensor(counts, dtype=torch.int64)
+            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
             if seqs:
                 cu[1:] = torch.cumsum(counts_t, 0)
             # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
             # no position, so any start in range will do)
-            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64, device=self.device)
+            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
             offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
             positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
             if total:
@@ -249,8 +253,9 @@ class _Lifecycle:
             if rows.numel():
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
             self._txn.evict.update(evict)
-            return ReservedChunk(tuple(seqs), mirror(cu.to(torch.int32), bounds), cells, positions, id(self),
-                                 self._txn.token, tuple(starts), tuple(anchors))
+            dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu.to(torch.int32))
+            return ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
+                                 self._txn.token, tuple(starts), tuple(anchors), cells, positions)
 
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
         """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
@@ -267,12 +272,13 @@ class _Lifecycle:
             raise HebrusError(f"QSACache.{what}: the chunk was not reserved by this cache")
         slots = [self._slot(h) for h in chunk.handles]
         if chunk.num_tokens:
-            pos_now = self.cell_pos[chunk.cells]
-            bad = (pos_now != chunk.positions) | (self.cell_ref[chunk.cells] <= 0)
+            cells, positions = chunk._host()
+            pos_now = self.cell_pos[cells]
+            bad = (pos_now != positions) | (self.cell_ref[cells] <= 0)
             if bool(bad.any()):
                 i = int(torch.nonzero(bad)[0])
-                raise HoleError(f"QSACache.{what}: chunk token {i} (position {int(chunk.positions[i])}) is no longer "
-                                f"held by cell {int(chunk.cells[i])} (cell holds {int(pos_now[i])}): the run changed "
+                raise HoleError(f"QSACache.{what}: chunk token {i} (position {int(positions[i])}) is no longer "
+                                f"held by cell {int(cells[i])} (cell holds {int(pos_now[i])}): the run changed "
                                 f"since reserve")
         return slots
 
@@ -308,19 +314,20 @@ class _Lifecycle:
                 raise HebrusError("QSACache.write: this cache keeps no K/V planes (construct it with kv_heads)")
             if t == 0:
                 return
-            cells = chunk.cells
+            cells, dev_cells = chunk._host()[0], chunk.cells
             written = cells[~self._unwritten[layer, cells]]   # a rewrite: keep the old content for undo
             if written.numel():
                 txn = self._txn
+                at = self._dev(written)
                 for name in ("keys", "k_cache", "v_cache"):
                     tt = getattr(self, name)
                     if tt is not None:
-                        txn.log.append((tt, (layer, written), tt[layer, written].clone()))
+                        txn.log.append((tt, (layer, at), tt[layer, at].clone()))
             # The cache carries no autograd history: activations that require grad are stored detached.
-            self.keys[layer].index_copy_(0, cells, keys.detach().to(device=self.device, dtype=self.dtype))
+            self.keys[layer].index_copy_(0, dev_cells, keys.detach().to(device=self.device, dtype=self.dtype))
             if self.has_kv:
-                self.k_cache[layer].index_copy_(0, cells, k.detach().to(device=self.device, dtype=self.dtype))
-                self.v_cache[layer].index_copy_(0, cells, v.detach().to(device=self.device, dtype=self.dtype))
+                self.k_cache[layer].index_copy_(0, dev_cells, k.detach().to(device=self.device, dtype=self.dtype))
+                self.v_cache[layer].index_copy_(0, dev_cells, v.detach().to(device=self.device, dtype=self.dtype))
             if written.numel():
                 self._repool_touching(layer, written)
             self._set(self._unwritten, (layer, cells), False)
@@ -401,10 +408,11 @@ class _Lifecycle:
             positions = s + delta + self._arange(run.n)
             if bool((self.cell_ref[cells] > 1).any()):
                 fresh = self._alloc_cells(run.n)
+                to, frm = self._dev(fresh), self._dev(cells)
                 for name in ("keys", "k_cache", "v_cache"):
                     t = getattr(self, name)
                     if t is not None:
-                        t[:, fresh] = t[:, cells]       # fresh cells: invisible until published below
+                        t[:, to] = t[:, frm]            # fresh cells: invisible until published below
                 self._set(self._unwritten, (slice(None), fresh), self._unwritten[:, cells])
                 self._txn.new_cells.append(fresh)
                 self._release_cells(cells)

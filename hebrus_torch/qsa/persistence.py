@@ -47,10 +47,11 @@ class _Persistence(StateDictProtocol):
         self._check_clean("save", [run])
         self._check_run(seq, run, "save")
         cells = run.cells.tensor()
-        tensors = {"positions": self.cell_pos[cells], "keys": self.keys[:, cells]}
+        at = self._dev(cells)
+        tensors = {"positions": self._dev(self.cell_pos[cells]), "keys": self.keys[:, at]}
         if self.has_kv:
-            tensors["k"] = self.k_cache[:, cells]
-            tensors["v"] = self.v_cache[:, cells]
+            tensors["k"] = self.k_cache[:, at]
+            tensors["v"] = self.v_cache[:, at]
         meta = {"config": self._seq_config(), "p0": run.p0, "n": run.n}
         return _blob.pack(_SEQ_KIND, meta, tensors)
 
@@ -102,18 +103,19 @@ class _Persistence(StateDictProtocol):
                     self._settle(seq.slot)
                     run = self._runs[seq.slot]
                     self._release_run(run)
-                    self._runs[seq.slot] = _Run(0, 0, _Vec.empty(self.device), _Vec.empty(self.device))
+                    self._runs[seq.slot] = _Run(0, 0, _Vec.empty(), _Vec.empty())
                 else:
                     seq = self.new_sequence(seq)
             cells = self._alloc_cells(n)
             dev = self.device
             if n:
-                self._set(self.cell_pos, cells, expected.to(dev))
-                self.keys[:, cells] = tensors["keys"].to(dev)
+                self._set(self.cell_pos, cells, expected)
+                at = self._dev(cells)
+                self.keys[:, at] = tensors["keys"].to(dev)
                 if self.has_kv:
-                    self.k_cache[:, cells] = tensors["k"].to(dev)
-                    self.v_cache[:, cells] = tensors["v"].to(dev)
-            run = _Run(p0, n, _Vec.of(cells), _Vec.empty(dev))
+                    self.k_cache[:, at] = tensors["k"].to(dev)
+                    self.v_cache[:, at] = tensors["v"].to(dev)
+            run = _Run(p0, n, _Vec.of(cells), _Vec.empty())
             self._runs[seq.slot] = self._rebuild(run)
             return seq
 
@@ -130,19 +132,20 @@ class _Persistence(StateDictProtocol):
             seq_p0[slot], seq_n[slot] = run.p0, run.n
             cells.append(run.cells.tensor().cpu())
             rows.append(run.groups.tensor().cpu())
-        free = self.cell_ref == 0
+        # (the bookkeeping entries on the cache's device, as they were when it lived there)
+        free = self._dev(torch.nonzero(self.cell_ref == 0).flatten())
         keys = self.keys.clone()
         keys[:, free] = 0
-        out = {"cell_pos": self.cell_pos.clone(), "cell_ref": self.cell_ref.clone(), "keys": keys}
+        out = {"cell_pos": self._dev(self.cell_pos.clone()), "cell_ref": self._dev(self.cell_ref.clone()), "keys": keys}
         if self.has_kv:
             k, v = self.k_cache.clone(), self.v_cache.clone()
             k[:, free] = 0
             v[:, free] = 0
             out["k_cache"], out["v_cache"] = k, v
         pooled = self.pooled.clone()
-        pooled[:, self.group_ref == 0] = 0
+        pooled[:, self._dev(torch.nonzero(self.group_ref == 0).flatten())] = 0
         out.update({
-            "pooled": pooled, "group_ref": self.group_ref.clone(),
+            "pooled": pooled, "group_ref": self._dev(self.group_ref.clone()),
             "generation": self.slots.generation.clone(), "live": self.slots.live.clone(),
             "seq_p0": seq_p0, "seq_n": seq_n,
             "seq_cells": torch.cat(cells) if cells else torch.empty(0, dtype=torch.int64),
@@ -271,25 +274,27 @@ class _Persistence(StateDictProtocol):
         L, C = self.num_layers, self.capacity
         dev = self.device
 
-        def fresh(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t)
+        def fresh(t: torch.Tensor, where: torch.device) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=where).copy_(t)
 
-        new = {name: fresh(tensors[name]) for name in ("cell_pos", "cell_ref", "keys", "pooled", "group_ref")}
+        host = torch.device("cpu")
+        new = {name: fresh(tensors[name], dev) for name in ("keys", "pooled")}
+        new.update({name: fresh(tensors[name], host) for name in ("cell_pos", "cell_ref", "group_ref")})
         if self.has_kv:
-            new["k_cache"], new["v_cache"] = fresh(tensors["k_cache"]), fresh(tensors["v_cache"])
-        new["_pending"] = torch.zeros((L, gcap), dtype=torch.bool, device=dev)
-        new["_pend_cells"] = row_def_cells.clamp(min=0).to(dev)
-        new["_pend_pos"] = row_def_pos.clamp(min=0).to(dev)
-        new["_freed_rows"] = torch.zeros(gcap, dtype=torch.bool, device=dev)
-        new["_unwritten"] = torch.zeros((L, C), dtype=torch.bool, device=dev)
-        new["_freed_cells"] = torch.zeros(C, dtype=torch.bool, device=dev)
-        used = torch.nonzero(row_def_pos >= 0).flatten().to(dev)
+            new["k_cache"], new["v_cache"] = fresh(tensors["k_cache"], dev), fresh(tensors["v_cache"], dev)
+        new["_pending"] = torch.zeros((L, gcap), dtype=torch.bool)
+        new["_pend_cells"] = row_def_cells.clamp(min=0)
+        new["_pend_pos"] = row_def_pos.clamp(min=0)
+        new["_freed_rows"] = torch.zeros(gcap, dtype=torch.bool)
+        new["_unwritten"] = torch.zeros((L, C), dtype=torch.bool)
+        new["_freed_cells"] = torch.zeros(C, dtype=torch.bool)
+        used = torch.nonzero(row_def_pos >= 0).flatten()
         if used.numel():
-            new["pooled"][:, used] = torch.stack(
+            new["pooled"][:, self._dev(used)] = torch.stack(
                 [self._pool(layer, new["_pend_cells"][used], new["_pend_pos"][used], keys=new["keys"][layer],
                             cell_pos=new["cell_pos"]) for layer in range(L)])
         return {"tensors": new, "generation": [int(g) for g in gen.tolist()], "live": [bool(v) for v in live.tolist()],
-                "runs": {slot: _Run(p0, n, _Vec.of(cells.to(dev)), _Vec.of(rows.to(dev)))
+                "runs": {slot: _Run(p0, n, _Vec.of(cells), _Vec.of(rows))
                          for slot, (p0, n, cells, rows) in runs.items()},
                 "heads": (heads[0] % C, heads[1] % gcap)}
 
@@ -309,15 +314,15 @@ class _Persistence(StateDictProtocol):
     def _run_parts(self, tag: str, run: _Run) -> list[tuple[str, Any]]:
         cells, rows = run.cells.tensor(), run.groups.tensor()
         parts: list[tuple[str, Any]] = [(f"{tag}.run", [run.p0, run.n]), (f"{tag}.pos", self.cell_pos[cells])]
-        unwritten = self._unwritten[:, cells]
+        at, unwritten = self._dev(cells), self._dev(self._unwritten[:, cells])
         for name in ("keys", "k_cache", "v_cache"):
             t = getattr(self, name)
             if t is not None:
-                c = t[:, cells]
+                c = t[:, at]
                 mask = unwritten.reshape(*unwritten.shape, *([1] * (c.dim() - 2)))
                 parts.append((f"{tag}.{name}", torch.where(mask, torch.zeros((), dtype=c.dtype), c)))
-        pooled = self.pooled[:, rows]
-        pending = self._pending[:, rows][..., None]
+        pooled = self.pooled[:, self._dev(rows)]
+        pending = self._dev(self._pending[:, rows])[..., None]
         parts.append((f"{tag}.pooled", torch.where(pending, torch.zeros((), dtype=pooled.dtype), pooled)))
         return parts
 

@@ -37,6 +37,16 @@ class ReservedChunk:
     _txn: object = field(default=None, repr=False, compare=False)
     _starts: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _anchors: tuple[int, ...] | None = field(default=None, repr=False, compare=False)   # row p0 at reserve
+    # The host copies of cells and positions (the same tensors on a CPU cache): what the checks read.
+    _host_cells: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _host_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def _host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cells, positions) on the host: reserve's copies; a chunk built by hand has none and is read
+        back from the device."""
+        if self._host_cells is not None and self._host_positions is not None:
+            return self._host_cells, self._host_positions
+        return self.cells.cpu(), self.positions.cpu()
 
     @property
     def num_tokens(self) -> int:
@@ -142,12 +152,15 @@ class _Planning:
             raise HebrusError(f"QSACache.plan: q must be [T={t}, Hq, D={self.head_dim}], got {list(q.shape)}")
         r = self.compress_ratio
         dev = self.device
-        if bool(self._unwritten[layer, chunk.cells].any()):
+        # Everything up to the selection is decided on the host bookkeeping (runs, cell_pos, the chunk's
+        # host cells and positions); the kernels get their index tensors uploaded, none read back.
+        cells_h, pos_h = chunk._host()
+        if bool(self._unwritten[layer, cells_h].any()):
             raise HebrusError(f"QSACache.plan: layer {layer} keys of this chunk are not written yet; call write first")
         counts = chunk.counts
         b = len(slots)
         starts = list(chunk._starts) if chunk._starts is not None else \
-            [int(chunk.positions[o]) if c else 0 for o, c in zip(chunk.cu_seqlens[:-1].tolist(), counts)]
+            [int(pos_h[o]) if c else 0 for o, c in zip(host_ints(chunk.cu_seqlens)[:-1], counts)]
         p0_list, nvis_list, vis, grp = [], [], [], []
         for i, slot in enumerate(slots):
             run = self._runs[slot]
@@ -167,20 +180,20 @@ class _Planning:
                            chunk.positions.clone(), none, r, int(top_k))
         # Contiguity of every visible run, all rows at once.
         vis_cells = torch.cat(vis)
-        nv = torch.tensor(nvis_list, dtype=torch.int64, device=dev)
-        p0s = torch.tensor(p0_list, dtype=torch.int64, device=dev)
+        nv = torch.tensor(nvis_list, dtype=torch.int64)
+        p0s = torch.tensor(p0_list, dtype=torch.int64)
         base = torch.cumsum(nv, 0) - nv
         got = self.cell_pos[vis_cells]
         j = first_hole(got, p0s, nv)
         if j is not None:
-            i = int(torch.searchsorted(base, torch.tensor([j], device=dev), right=True)[0]) - 1
+            i = int(torch.searchsorted(base, torch.tensor([j]), right=True)[0]) - 1
             raise HoleError(f"QSACache.plan: {chunk.handles[i]} run starting at {p0_list[i]} has cell "
                             f"{int(vis_cells[j])} at position {int(got[j])} where {p0_list[i] + j - int(base[i])} is "
                             f"required (a hole inside the run is not padding)")
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=dev)
-        q_rows = torch.repeat_interleave(torch.arange(b, device=dev), counts_t, output_size=t)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        q_rows = torch.repeat_interleave(torch.arange(b), counts_t, output_size=t)
         q_base, row_p0 = base[q_rows], p0s[q_rows]
-        if bool((vis_cells[q_base + chunk.positions - row_p0] != chunk.cells).any()):
+        if bool((vis_cells[q_base + pos_h - row_p0] != cells_h).any()):
             raise HoleError("QSACache.plan: the chunk's cells no longer match its sequences' runs")
         # Each query's own visible run [q_p0, p] (SPEC §3): with a window, whole groups past the row's
         # anchor are evicted until at most `window` positions remain.
@@ -188,14 +201,14 @@ class _Planning:
             q_p0 = row_p0
         else:
             anchors = list(chunk._anchors) if chunk._anchors is not None else p0_list
-            anchor = torch.tensor(anchors, dtype=torch.int64, device=dev)[q_rows]
-            q_p0 = window_starts(anchor, chunk.positions, self.window, r)
+            anchor = torch.tensor(anchors, dtype=torch.int64)[q_rows]
+            q_p0 = window_starts(anchor, pos_h, self.window, r)
             lost = (q_p0 < row_p0) | ((q_p0 - row_p0) % r != 0)
             if bool(lost.any()):
                 j = int(torch.nonzero(lost)[0])
                 i = int(q_rows[j])
                 raise HoleError(f"QSACache.plan: the query of {chunk.handles[i]} at position "
-                                f"{int(chunk.positions[j])} sees [{int(q_p0[j])}, {int(chunk.positions[j])}] but the "
+                                f"{int(pos_h[j])} sees [{int(q_p0[j])}, {int(pos_h[j])}] but the "
                                 f"run now starts at {p0_list[i]} (evicted or moved since reserve: plan a windowed "
                                 f"chunk in the transaction that reserved it)")
         q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
@@ -203,13 +216,13 @@ class _Planning:
         gcounts = [g.numel() for g in grp]
         flat = torch.cat(grp)
         max_g = max(gcounts + [1])
-        seq_groups = torch.full((b, max_g), -1, dtype=torch.int64, device=dev)
+        seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
         if flat.numel():
             if bool(self._pending[layer, flat].any()):
                 raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
                                   f"earlier chunk not written for this layer)")
-            gc = torch.tensor(gcounts, dtype=torch.int64, device=dev)
-            g_rows = torch.repeat_interleave(torch.arange(b, device=dev), gc, output_size=flat.numel())
+            gc = torch.tensor(gcounts, dtype=torch.int64)
+            g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
             g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
                                                                           output_size=flat.numel())
             seq_groups[g_rows, g_cols] = flat
@@ -219,15 +232,17 @@ class _Planning:
         cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
         sel_groups = torch.where(cols < max_g, seq_groups[(pairs // (max_g + 1))[:, None], cols.clamp(max=max_g - 1)],
                                  -1)
-        nvis_q = chunk.positions - q_p0 + 1
+        nvis_q = pos_h - q_p0 + 1
         q_groups = (nvis_q // r).to(torch.int32)
-        selected = qsa_select(q, self.pooled[layer], sel_groups.to(torch.int32), sel_row.to(torch.int32), q_groups,
-                              int(top_k))
+        # Padding reads a -1 appended to the visible cells: one gather, no masking pass after it.
+        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32)))
+        first = q_base + q_p0 - row_p0          # where each query's visible run starts in vis_cells
+        sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows = self._upload(
+            sel_groups.to(torch.int32), sel_row.to(torch.int32), q_groups, cells32, nvis_q, first, q_p0, q_rows)
+        selected = qsa_select(q, self.pooled[layer], sel_groups, sel_row, q_groups, int(top_k))
         # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
         offs = group_and_tail_offsets(selected.to(torch.int64), q_groups, nvis_q, r)
-        # Padding reads a -1 appended to the visible cells: one gather, no masking pass after it.
-        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32, device=dev)))
-        at = torch.where(offs >= 0, (q_base + q_p0 - row_p0)[:, None] + offs, vis_cells.numel())
+        at = torch.where(offs >= 0, first[:, None] + offs, vis_cells.numel())
         return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=cells32[at], token_offsets=offs,
                        run_starts=q_p0, positions=chunk.positions.clone(), q_rows=q_rows, compress_ratio=r,
                        top_k=int(top_k))

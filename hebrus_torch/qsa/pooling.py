@@ -4,7 +4,8 @@ Group g of a run anchored at p0 is the r cells of positions ``[p0 + r*g, p0 + r*
 (row ``pooled[l, row]``, Tensor[D] per layer) is ``hebrus::qsa_pool`` of those raw keys (``QSACache._pool``).
 ``_pend_cells`` Tensor[G, r] int64 and ``_pend_pos`` Tensor[G] int64 define each row's group; a group with
 a cell not written yet for a layer is pending for that layer (``_pending`` Tensor[L, G] bool) and pooled
-by the ``write`` that completes it.
+by the ``write`` that completes it. Those four are host bookkeeping: which groups are ready or pending
+is decided on the host, and only the pooled rows (device) take an uploaded row index.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class _Pooling:
             ready = ~unwritten
             if bool(ready.any()):
                 r_rows = rows[ready]
-                self.pooled[layer, r_rows] = self._pool(layer, gcells[ready], gpos[ready])
+                self.pooled[layer, self._dev(r_rows)] = self._pool(layer, gcells[ready], gpos[ready])
             if bool(unwritten.any()):
                 p_rows = rows[unwritten]
                 self._set(self._pending, (layer, p_rows), True)
@@ -50,14 +51,14 @@ class _Pooling:
         r_rows = rows[ready]
         if r_rows.numel():
             pooled = self._pool(layer, self._pend_cells[r_rows], self._pend_pos[r_rows])
-            self.pooled[layer, r_rows] = pooled        # pending rows: content invisible, no undo needed
+            self.pooled[layer, self._dev(r_rows)] = pooled        # pending rows: content invisible, no undo needed
             self._set(self._pending, (layer, r_rows), False)
         txn.pending[layer] = [rows[~ready]] if bool((~ready).any()) else []
 
     def _groups_for(self, run: _Run, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.compress_ratio
         gcells = run.cells.tensor()[r * g0:r * g1].reshape(-1, r)
-        gpos = run.p0 + r * torch.arange(g0, g1, dtype=torch.int64, device=self.device)
+        gpos = run.p0 + r * torch.arange(g0, g1, dtype=torch.int64)
         return gcells, gpos
 
     def _rebuild(self, run: _Run) -> _Run:
@@ -72,7 +73,7 @@ class _Pooling:
     def _repool_touching(self, layer: int, cells: torch.Tensor) -> None:
         """After a rewrite of already written cells, re-pool (with undo) every live group of this layer
         that contains one of them."""
-        mark = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        mark = torch.zeros(self.capacity, dtype=torch.bool)
         mark[cells] = True
         rows = []
         for run in self._runs.values():

@@ -112,9 +112,10 @@ class _Buf:
 
 
 class _Vec:
-    """An immutable view ``buf.data[start:start+n]``. ``extend`` appends in place (amortised O(k)) when
-    this view ends where the buffer's claimed region ends, and copies otherwise, so views shared by
-    several runs (fork, savepoints) never see each other's appends."""
+    """An immutable view ``buf.data[start:start+n]`` (host int64: a QSACache keeps its runs on the
+    host). ``extend`` appends in place (amortised O(k)) when this view ends where the buffer's claimed
+    region ends, and copies otherwise, so views shared by several runs (fork, savepoints) never see
+    each other's appends."""
 
     __slots__ = ("buf", "start", "n")
 
@@ -122,8 +123,8 @@ class _Vec:
         self.buf, self.start, self.n = buf, start, n
 
     @staticmethod
-    def empty(device: torch.device) -> "_Vec":
-        return _Vec(_Buf(torch.empty(0, dtype=torch.int64, device=device), 0), 0, 0)
+    def empty() -> "_Vec":
+        return _Vec(_Buf(torch.empty(0, dtype=torch.int64), 0), 0, 0)
 
     @staticmethod
     def of(t: torch.Tensor) -> "_Vec":

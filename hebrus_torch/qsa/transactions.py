@@ -5,6 +5,8 @@ Every mutation of a bookkeeping tensor or of content visible to ``digest()`` goe
 the slot table and the tensor references) can be returned to bitwise. ``_txn_prepare`` does the fallible
 part of a commit: settle pending window evictions, zero-fill cells never written for a layer (keys
 Tensor[L, C, D], K/V Tensor[L, C, Hkv, Dh|Dv]) and pool every pending group (pooled Tensor[L, G, D]).
+The decisions (which cells, which rows) are made on the host bookkeeping; a device tensor's entry in
+the log holds the uploaded index, so undoing it needs no read of the device either.
 """
 
 from __future__ import annotations
@@ -50,21 +52,29 @@ class _Transactions:
     """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
 
     def _set(self, tensor: torch.Tensor, idx: Any, value: Any) -> None:
-        """``tensor[idx] = value`` with the old values recorded in the undo log."""
+        """``tensor[idx] = value`` with the old values recorded in the undo log. ``idx`` and ``value`` are
+        host data; for a device tensor their tensors are uploaded first."""
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
+        if tensor.device.type != "cpu":
+            idx = tuple(self._dev(i) if isinstance(i, torch.Tensor) else i for i in idx) \
+                if isinstance(idx, tuple) else (self._dev(idx) if isinstance(idx, torch.Tensor) else idx)
+            if isinstance(value, torch.Tensor) and value.dim():
+                value = self._dev(value)
         txn.log.append((tensor, idx, tensor[idx].clone()))
         tensor[idx] = value
 
     def _log_content(self, cells: torch.Tensor) -> None:
-        """Record every layer's content of ``cells`` (keys, K, V, unwritten flags) in the undo log."""
+        """Record every layer's content of ``cells`` (host int64; keys, K, V, unwritten flags) in the undo log."""
         if cells.numel() == 0:
             return
         txn = self._txn
-        for name in ("keys", "k_cache", "v_cache", "_unwritten"):
+        at = self._dev(cells)
+        for name in ("keys", "k_cache", "v_cache"):
             t = getattr(self, name)
             if t is not None:
-                txn.log.append((t, (slice(None), cells), t[:, cells].clone()))
+                txn.log.append((t, (slice(None), at), t[:, at].clone()))
+        txn.log.append((self._unwritten, (slice(None), cells), self._unwritten[:, cells].clone()))
 
     def _savepoint(self) -> _Savepoint:
         txn = self._txn
@@ -113,10 +123,11 @@ class _Transactions:
             for layer in range(self.num_layers):
                 miss = live[self._unwritten[layer, live]]
                 if miss.numel():
+                    at = self._dev(miss)
                     for name in ("keys", "k_cache", "v_cache"):
                         t = getattr(self, name)
                         if t is not None:
-                            self._set(t, (layer, miss), 0)
+                            self._set(t, (layer, at), 0)
         pooled: list[tuple[int, torch.Tensor]] = []
         for layer in range(self.num_layers):
             if txn.pending[layer]:
