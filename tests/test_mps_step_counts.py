@@ -90,7 +90,7 @@ def _line_of_read() -> str:
     import hebrus_torch.engine.sampling as sampling
 
     lines = Path(sampling.__file__).read_text().splitlines()
-    return str(next(i + 1 for i, line in enumerate(lines) if "torch.stack(picks).tolist()" in line))
+    return str(next(i + 1 for i, line in enumerate(lines) if ".tolist()   # the step's one read of the device" in line))
 
 
 @pytest.mark.parametrize("lengths", [(16, 48), (64, 192)])   # recurrent GDN form / whole chunks of 64 (chunked)
@@ -168,3 +168,37 @@ def test_openai_sampling_and_forked_choices_still_wait_once():
         assert counts.total_syncs == 1, counts.sync_sites
         assert counts.sync_sites[(PARTS["engine"], "tolist", "engine/sampling.py:" + _line_of_read())] == 1
     assert all(len(r.top_logprobs[-1]) == 5 for r in reqs)
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_a_speculating_step_waits_once(accept):
+    """A decode step whose rows verify drafts (all rejected: every row is cut back and its state ops
+    replayed; or all accepted): the verification is read with the sampled tokens, and the recording,
+    the snapshot, the replay and the QSA rewind wait for nothing."""
+    model = random_model(0)
+    prompts = [[4 + (7 * i + 3 * j) % 57 for i in range(20)] for j in range(3)]
+    truth: dict[str, list[int]] = {}
+
+    def drafter(req, k):
+        g = len(req.generated)
+        want = truth.get(req.request_id, [])[g:g + k]
+        return want if accept else [(t + 1) % 60 for t in want] or [5] * k
+
+    with torch.no_grad(), _emulate.emulate("mps") as dev:
+        model = model.to(dev)
+        for spec in (0, 4):
+            engine = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=4, max_batch_tokens=64,
+                                                allow_block_sharing=False), drafter=drafter)
+            for j, p in enumerate(prompts):
+                engine.add_request(p, request_id=f"r{j}", max_new_tokens=12, speculative=spec)
+            if spec == 0:
+                engine.run()
+                truth = {rid: r.generated for rid, r in engine.requests.items()}
+                continue
+            engine.step()                              # the prompts, and a first token each
+            assert engine.counters.spec_verify_rows == 0
+            counts = count_step(engine)                # verification rows
+            assert engine.counters.spec_verify_rows == 3
+            assert (engine.counters.spec_rollbacks == 0) == accept
+            assert counts.total_syncs == 1, counts.sync_sites
+            assert counts.sync_sites[_sampling_site()] == 1

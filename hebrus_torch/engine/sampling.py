@@ -255,17 +255,14 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
                 parts += [top.indices.double(), scores.new_zeros(pad, dtype=torch.float64),
                           top.values.double(), scores.new_zeros(pad, dtype=torch.float64)]
         picks.append(torch.cat(parts) if len(parts) > 1 else parts[0])   # ids < 2**53, fp32 exact in fp64
-    if not picks:
-        return [], (also.tolist() if also is not None else [])
     size = 2 + 2 * width
     picks = [torch.nn.functional.pad(x, (0, size - x.numel())) if x.numel() < size else x for x in picks]
-    extra: list[float] = []
-    if also is None:
-        values = torch.stack(picks).tolist()
-    else:
-        flat = torch.cat((torch.stack(picks).flatten(), also)).tolist()
-        extra = flat[len(picks) * size:]
-        values = [flat[i * size:(i + 1) * size] for i in range(len(picks))]
+    parts = ([torch.stack(picks).flatten()] if picks else []) + ([also] if also is not None else [])
+    if not parts:
+        return [], []
+    flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()   # the step's one read of the device
+    values = [flat[i * size:(i + 1) * size] for i in range(len(picks))]
+    extra = flat[len(picks) * size:]
     out = []
     for row, p in zip(values, params):
         if not p.logprobs:

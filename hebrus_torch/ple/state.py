@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -167,12 +168,14 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         self._index_cache: tuple | None = None
         self._pool_cache: tuple | None = None
         self.replay_log: ReplayLog | None = None
+        self._own_snapshots: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # id -> a snapshot taken here
         """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
 
     # Bookkeeping attributes, set on every transaction and chunk, that are never parameters, buffers or
     # modules: set as plain attributes, which nn.Module.__setattr__ ends with after its checks (seven of
     # those per decode-step transaction cost ~0.1 ms with cold caches).
-    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log"})
+    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log",
+                              "_own_snapshots"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in PLEState._PLAIN_ATTRS:
@@ -222,7 +225,9 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
     def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
         """A cheap copy of one sequence's current state (changes of an open transaction included)."""
         slot = self.slots.check(seq)
-        return PLESnapshot(seq, position, self.history[:, slot].clone(), self.conv_state[:, slot].clone())
+        snap = PLESnapshot(seq, position, self.history[:, slot].clone(), self.conv_state[:, slot].clone())
+        self._own_snapshots[id(snap)] = snap
+        return snap
 
     def restore(self, seq: SeqHandle, state: PLESnapshot | bytes) -> None:
         """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
@@ -232,7 +237,9 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         slot = self.slots.check(seq)
         if isinstance(state, PLESnapshot):
             history, tails = state.history, state.conv_tails
-            self._validate_seq_state(history, tails, HebrusError)
+            if self._own_snapshots.get(id(state)) is not state or history.device != self.history.device:
+                # (a snapshot this holder took holds ids it held: checking them again would read the device)
+                self._validate_seq_state(history, tails, HebrusError)
         else:
             history, tails = self._decode(state)
         with atomic(self):
