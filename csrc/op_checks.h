@@ -74,6 +74,28 @@ inline void check_float(const char* op, const at::Tensor& t, const char* name) {
                dtype_name(t.scalar_type()));
 }
 
+// A tensor's rank, then its dtype (kAnyFloat: float32, float16 or bfloat16), for each of `kinds` in order
+// (_validate.py's _ranks_and_dtypes).
+constexpr at::ScalarType kAnyFloat = at::ScalarType::Undefined;
+
+struct TensorKind {
+  const char* name;
+  const at::Tensor* t;
+  int64_t dims;
+  at::ScalarType dtype;
+};
+
+inline void check_kinds(const char* op, std::initializer_list<TensorKind> kinds) {
+  for (const auto& k : kinds) {
+    check_dims(op, *k.t, k.dims, k.name);
+    if (k.dtype == kAnyFloat) {
+      check_float(op, *k.t, k.name);
+    } else {
+      check_dtype(op, *k.t, k.dtype, k.name);
+    }
+  }
+}
+
 // t (named `name`) must have the dtype of ref (named `ref_name`).
 inline void check_same_dtype(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
                              const char* ref_name) {
@@ -312,18 +334,9 @@ inline QsaPoolSizes check_qsa_pool_args(const at::Tensor& keys, const at::Tensor
                                         const at::Tensor& group_cells, const at::Tensor& group_pos,
                                         const at::Tensor& norm_weight, double eps, const at::Tensor& inv_freq) {
   const char* op = "qsa_pool";
-  check_dims(op, keys, 2, "keys");
-  check_float(op, keys, "keys");
-  check_dims(op, cell_pos, 1, "cell_pos");
-  check_dtype(op, cell_pos, at::kLong, "cell_pos");
-  check_dims(op, group_cells, 2, "group_cells");
-  check_dtype(op, group_cells, at::kInt, "group_cells");
-  check_dims(op, group_pos, 1, "group_pos");
-  check_dtype(op, group_pos, at::kLong, "group_pos");
-  check_dims(op, norm_weight, 1, "norm_weight");
-  check_float(op, norm_weight, "norm_weight");
-  check_dims(op, inv_freq, 1, "inv_freq");
-  check_dtype(op, inv_freq, at::kFloat, "inv_freq");
+  check_kinds(op, {{"keys", &keys, 2, kAnyFloat}, {"cell_pos", &cell_pos, 1, at::kLong},
+                   {"group_cells", &group_cells, 2, at::kInt}, {"group_pos", &group_pos, 1, at::kLong},
+                   {"norm_weight", &norm_weight, 1, kAnyFloat}, {"inv_freq", &inv_freq, 1, at::kFloat}});
   const int64_t cells = keys.size(0), dim = keys.size(1);
   const int64_t groups = group_cells.size(0), r = group_cells.size(1), half = inv_freq.size(0);
   HEBRUS_CHECK(cell_pos.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
@@ -353,16 +366,9 @@ inline QsaSelectSizes check_qsa_select_args(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& seq_groups, const at::Tensor& q_row,
                                             const at::Tensor& q_groups, int64_t top_k) {
   const char* op = "qsa_select";
-  check_dims(op, q, 3, "q");
-  check_float(op, q, "q");
-  check_dims(op, pooled, 2, "pooled");
-  check_float(op, pooled, "pooled");
-  check_dims(op, seq_groups, 2, "seq_groups");
-  check_dtype(op, seq_groups, at::kInt, "seq_groups");
-  check_dims(op, q_row, 1, "q_row");
-  check_dtype(op, q_row, at::kInt, "q_row");
-  check_dims(op, q_groups, 1, "q_groups");
-  check_dtype(op, q_groups, at::kInt, "q_groups");
+  check_kinds(op, {{"q", &q, 3, kAnyFloat}, {"pooled", &pooled, 2, kAnyFloat},
+                   {"seq_groups", &seq_groups, 2, at::kInt}, {"q_row", &q_row, 1, at::kInt},
+                   {"q_groups", &q_groups, 1, at::kInt}});
   const int64_t tq = q.size(0), hq = q.size(1), dim = q.size(2);
   const int64_t rows = pooled.size(0), batch = seq_groups.size(0), max_groups = seq_groups.size(1);
   HEBRUS_CHECK(dim == pooled.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim, " must equal pooled dim ",
