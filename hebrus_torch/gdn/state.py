@@ -62,6 +62,7 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
 
     _STATE_OWNER = "GDNState"
     _KIND = _KIND
+    _SNAPSHOT = GDNSnapshot
     # The pools, per layer and slot (updated in place, undo-logged); the state dict adds generation, live.
     _SEQ_PARTS = (SeqPart("conv_state", "conv_tails", "conv_tails", "conv tails", False),
                   SeqPart("recurrent_state", "recurrent", "recurrent", "recurrent states", True))
@@ -161,32 +162,18 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
 
     # ----------------------------------------------------------------------------- lifecycle
     # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below.
-    def _snapshot_parts(self, snap: GDNSnapshot) -> tuple[torch.Tensor, torch.Tensor]:
-        return snap.conv_tails, snap.recurrent
-
-    def snapshot(self, seq: SeqHandle, position: int | None = None) -> GDNSnapshot:
-        """A cheap copy of one sequence's current state (an open transaction's changes included)."""
-        slot = self.slots.check(seq)
-        return GDNSnapshot(seq, position, self.conv_state[:, slot].clone(), self.recurrent_state[:, slot].clone())
-
+    # snapshot, restore (a GDNSnapshot or the bytes of save), save: SlotPoolHolder, over conv_tails, recurrent.
     def restore(self, seq: SeqHandle, state: GDNSnapshot | bytes) -> None:
-        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
+        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save` (SlotPoolHolder's),
+        refusing anything else with HebrusError.
 
         Everything is validated first; a bad snapshot (HebrusError) or blob (CorruptStateError) changes nothing.
         """
-        slot = self.slots.check(seq)
-        if isinstance(state, GDNSnapshot):
-            tails, rec = state.conv_tails, state.recurrent
-            self._validate_seq_state((tails, rec), HebrusError)
-        elif isinstance(state, (bytes, bytearray, memoryview)):
-            tails, rec = self._decode(state)
-        else:
+        if not isinstance(state, (GDNSnapshot, bytes, bytearray, memoryview)):
+            self.slots.check(seq)
             raise HebrusError(f"GDNState.restore: expected a GDNSnapshot or the bytes of save, got "
                               f"{type(state).__name__}")
-        with atomic(self):
-            self._write_slot(slot, tails, rec)
-
-    # save: SlotPoolHolder (conv_tails, recurrent).
+        super().restore(seq, state)
 
     # ----------------------------------------------------------------------------- step execution
     def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -82,6 +82,7 @@ class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
 
     _STATE_OWNER = "PLEState"
     _KIND = _KIND
+    _SNAPSHOT = PLESnapshot
     # The pools, per layer and slot (updated in place, undo-logged); the state dict adds generation, live.
     _SEQ_PARTS = (SeqPart("history", "history", "history", "history", True),
                   SeqPart("conv_state", "conv_tails", "tails", "conv tails", False))
@@ -188,29 +189,7 @@ class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
     # ----------------------------------------------------------------------------- lifecycle
     # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below
     # (a fresh slot: history all EOS, zero tails).
-    def _snapshot_parts(self, snap: PLESnapshot) -> tuple[torch.Tensor, torch.Tensor]:
-        return snap.history, snap.conv_tails
-
-    def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
-        """A cheap copy of one sequence's current state (changes of an open transaction included)."""
-        slot = self.slots.check(seq)
-        return PLESnapshot(seq, position, self.history[:, slot].clone(), self.conv_state[:, slot].clone())
-
-    def restore(self, seq: SeqHandle, state: PLESnapshot | bytes) -> None:
-        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
-
-        Everything is validated first; a bad snapshot or blob raises and changes nothing.
-        """
-        slot = self.slots.check(seq)
-        if isinstance(state, PLESnapshot):
-            history, tails = state.history, state.conv_tails
-            self._validate_seq_state((history, tails), HebrusError)
-        else:
-            history, tails = self._decode(state)
-        with atomic(self):
-            self._write_slot(slot, history, tails)
-
-    # save: SlotPoolHolder (history, conv_tails).
+    # snapshot, restore (a PLESnapshot or the bytes of save), save: SlotPoolHolder, over history, conv_tails.
 
     # ----------------------------------------------------------------------------- chunk execution
     def ngram_ids(self, layer: int, seqs: Sequence[SeqHandle], tokens: torch.Tensor,

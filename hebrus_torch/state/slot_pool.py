@@ -10,8 +10,8 @@ and defines:
 * ``_STATE_OWNER`` (its class name, in messages), ``_KIND`` (the format of its blobs and state dicts)
   and ``_SEQ_PARTS``: one :class:`SeqPart` per pool buffer ``[layers, S, ...]``, in the order of a
   snapshot's parts (``_snapshot_parts``, ``_write_slot``);
-* ``snapshot(seq)``, ``_snapshot_parts(snap)`` and ``_config_meta()`` (JSON-like, with
-  ``max_sequences``);
+* ``_SNAPSHOT``, its snapshot dataclass (``handle``, ``position``, then a field per part named as the
+  part's blob tensor), and ``_config_meta()`` (JSON-like, with ``max_sequences``);
 * where it differs from the defaults: ``_fresh_value(pool)`` (what a fresh slot holds, 0),
   ``_check_seq_values(parts, error)`` / ``_check_state_values(sd)`` (value checks of a loaded
   sequence / state dict), ``_seq_meta(meta)`` (a blob's metadata as this build compares it),
@@ -31,6 +31,7 @@ from .args import check_cast
 from .handles import SeqHandle, SlotTable, generation_problem
 from .protocol import StateDictProtocol
 from .slot_lifecycle import SlotLifecycle
+from .transaction import atomic
 
 __all__ = ["SeqPart", "SlotPoolHolder", "SlotUndo", "RowsUndo", "PoolSavepoint"]
 
@@ -77,6 +78,7 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
     (see the module docstring for what the holder defines)."""
 
     _KIND = "hebrus_torch.holder"
+    _SNAPSHOT: type                    # the snapshot dataclass: handle, position, one field per SeqPart.blob
     _SEQ_PARTS: tuple[SeqPart, ...] = ()
     _STATE_NAMES: tuple[str, ...] = ("generation", "live")   # the state dict's tensors, checksummed in this order
     _undo: list
@@ -183,6 +185,31 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
         check_cast(self._STATE_OWNER, fn, pool.dtype, pool.device)
 
     # ------------------------------------------------------------------ one sequence
+    def _snapshot_parts(self, snap: Any) -> tuple[torch.Tensor, ...]:
+        """A snapshot's tensors in ``_SEQ_PARTS`` order (its fields are named as the blob's tensors)."""
+        return tuple(getattr(snap, p.blob) for p in self._SEQ_PARTS)
+
+    def snapshot(self, seq: SeqHandle, position: int | None = None) -> Any:
+        """A cheap copy of one sequence's current state (an open transaction's changes included): the
+        holder's ``_SNAPSHOT`` (``handle``, ``position``, then one ``[layers, ...]`` copy per pool).
+        ``position`` is the caller's label for the next position the sequence would consume."""
+        slot = self.slots.check(seq)
+        return self._SNAPSHOT(seq, position, *(getattr(self, p.pool)[:, slot].clone() for p in self._SEQ_PARTS))
+
+    def restore(self, seq: SeqHandle, state: Any) -> None:
+        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
+
+        Everything is validated first; a bad snapshot (HebrusError) or blob (CorruptStateError) changes nothing.
+        """
+        slot = self.slots.check(seq)
+        if isinstance(state, self._SNAPSHOT):
+            parts = self._snapshot_parts(state)
+            self._validate_seq_state(parts, HebrusError)
+        else:
+            parts = self._decode(state)
+        with atomic(self):
+            self._write_slot(slot, *parts)
+
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
         parts = self._snapshot_parts(self.snapshot(seq))
