@@ -3,7 +3,13 @@
 // and the MPS glue (csrc/mps/*.mm). Each check_<op>_args checks dims, dtypes, shapes and scalar
 // arguments in the order and with the messages of hebrus_torch/_validate.py, and returns the sizes
 // its callers need. What stays with each backend: the device check (run before these), limits of
-// that backend (CPU scratch sizes, MPS launch plans), and value checks that read tensor data.
+// that backend (CPU scratch sizes, MPS launch plans), and value checks that read tensor data
+// (check_cu_values, check_slot_values: the CPU kernels' only).
+//
+// A slot form (ple_conv_slots, ple_ngram_ids_slots, gdn_*_slots) is its plain op's checks with the
+// slots [B] int32 checked after cu_seqlens and the state pool [S, ...] written in place: contiguous and
+// sharing no memory with an input. The slot ids are distinct (two rows writing one slot would race)
+// and inside the pool.
 //
 // Plain C++ (no Objective-C), header-only: the .mm files also type-check as C++ on Linux.
 #include <ATen/MemoryOverlap.h>
@@ -15,6 +21,7 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "hebrus_check.h"
 
@@ -67,6 +74,28 @@ inline void check_float(const char* op, const at::Tensor& t, const char* name) {
                dtype_name(t.scalar_type()));
 }
 
+// A tensor's rank, then its dtype (kAnyFloat: float32, float16 or bfloat16), for each of `kinds` in order
+// (_validate.py's _ranks_and_dtypes).
+constexpr at::ScalarType kAnyFloat = at::ScalarType::Undefined;
+
+struct TensorKind {
+  const char* name;
+  const at::Tensor* t;
+  int64_t dims;
+  at::ScalarType dtype;
+};
+
+inline void check_kinds(const char* op, std::initializer_list<TensorKind> kinds) {
+  for (const auto& k : kinds) {
+    check_dims(op, *k.t, k.dims, k.name);
+    if (k.dtype == kAnyFloat) {
+      check_float(op, *k.t, k.name);
+    } else {
+      check_dtype(op, *k.t, k.dtype, k.name);
+    }
+  }
+}
+
 // t (named `name`) must have the dtype of ref (named `ref_name`).
 inline void check_same_dtype(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
                              const char* ref_name) {
@@ -80,85 +109,6 @@ inline int64_t check_cu_meta(const char* op, const at::Tensor& cu_seqlens) {
   check_dtype(op, cu_seqlens, at::kInt, "cu_seqlens");
   HEBRUS_CHECK(cu_seqlens.size(0) >= 1, HebrusError, "hebrus::", op, ": cu_seqlens must have B+1 >= 1 entries");
   return cu_seqlens.size(0) - 1;
-}
-
-// ---- ple_ngram_ids ----------------------------------------------------------------------------------
-
-struct PleNgramIdsSizes {
-  int64_t batch;  // B
-  int64_t n;      // N (ngram size)
-  int64_t ctx;    // N - 1
-  int64_t heads;  // (N-1)*H
-  int64_t total;  // T
-};
-
-inline PleNgramIdsSizes check_ple_ngram_ids_args(const at::Tensor& tokens, const at::Tensor& cu_seqlens,
-                                                 const at::Tensor& history, const at::Tensor& multipliers,
-                                                 const at::Tensor& vocab_sizes, const at::Tensor& offsets, int64_t eos,
-                                                 int64_t vocab) {
-  const char* op = "ple_ngram_ids";
-  check_dtype(op, tokens, at::kLong, "tokens");
-  check_dtype(op, history, at::kLong, "history");
-  check_dtype(op, multipliers, at::kLong, "multipliers");
-  check_dtype(op, vocab_sizes, at::kLong, "vocab_sizes");
-  check_dtype(op, offsets, at::kLong, "offsets");
-  check_dims(op, tokens, 1, "tokens");
-  check_dims(op, multipliers, 1, "multipliers");
-  check_dims(op, vocab_sizes, 1, "vocab_sizes");
-  check_dims(op, offsets, 1, "offsets");
-  check_dims(op, history, 2, "history");
-  const int64_t batch = check_cu_meta(op, cu_seqlens);
-  const int64_t n = multipliers.size(0);
-  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
-  const int64_t ctx = n - 1;
-  const int64_t heads = vocab_sizes.size(0);
-  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
-               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
-  HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
-               " entries like vocab_sizes, got ", offsets.size(0));
-  HEBRUS_CHECK(history.size(0) == batch && history.size(1) == ctx, HebrusError, "hebrus::", op,
-               ": history must have shape (B, N-1) = (", batch, ", ", ctx, "), got ", shape_str(history.sizes()));
-  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
-  // eos is any int64 (SPEC §2): it is only ever compared with token ids.
-  (void)eos;
-  return {batch, n, ctx, heads, tokens.size(0)};
-}
-
-// ---- ple_conv ---------------------------------------------------------------------------------------
-
-struct PleConvSizes {
-  int64_t batch;      // B
-  int64_t total;      // T
-  int64_t channels;   // C
-  int64_t width;      // K
-  int64_t state_len;  // (K-1)*dilation
-  bool silu;          // activation == "silu" (else "none")
-};
-
-inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
-                                        const at::Tensor& state, int64_t dilation, c10::string_view activation,
-                                        const char* op = "ple_conv") {
-  check_dims(op, x, 2, "x");
-  check_dims(op, weight, 2, "weight");
-  check_dims(op, state, 3, "state");
-  check_float(op, x, "x");
-  check_same_dtype(op, weight, "weight", x, "x");
-  check_same_dtype(op, state, "state", x, "x");
-  const int64_t batch = check_cu_meta(op, cu_seqlens);
-  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
-  const bool silu = activation == "silu";
-  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
-               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
-  const int64_t channels = x.size(1), width = weight.size(1);
-  HEBRUS_CHECK(weight.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
-               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_str(weight.sizes()));
-  int64_t state_len = 0;
-  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
-  HEBRUS_CHECK(len_ok && state.size(0) == batch && state.size(1) == state_len && state.size(2) == channels,
-               HebrusError, "hebrus::", op, ": state must have shape (B, (K-1)*dilation, C) = (", batch, ", ",
-               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
-               channels, "), got ", shape_str(state.sizes()));
-  return {batch, x.size(0), channels, width, state_len, silu};
 }
 
 // Whether two tensors may share memory. at::get_overlap_status answers exactly for dense tensors and
@@ -177,6 +127,170 @@ inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto [a0, a1] = span(a);
   const auto [b0, b1] = span(b);
   return a0 < b1 && b0 < a1;
+}
+
+// slots: 1-D int32 with B entries.
+inline void check_slots_meta(const char* op, const at::Tensor& slots, int64_t batch) {
+  check_dims(op, slots, 1, "slots");
+  check_dtype(op, slots, at::kInt, "slots");
+  HEBRUS_CHECK(slots.size(0) == batch, HebrusError, "hebrus::", op, ": slots must have one entry per row (B = ", batch,
+               "), got ", slots.size(0));
+}
+
+// pool is written in place: contiguous, and no input may share its memory.
+inline void check_pool_writable(const char* op, const at::Tensor& pool, const char* pool_name,
+                                std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  HEBRUS_CHECK(pool.is_contiguous(), HebrusError, "hebrus::", op, ": ", pool_name,
+               " must be contiguous (it is updated in place)");
+  for (const auto& [name, t] : inputs) {
+    HEBRUS_CHECK(!may_overlap(pool, *t), HebrusError, "hebrus::", op, ": ", pool_name, " shares memory with ", name,
+                 "; the pool is written in place and must not overlap the inputs");
+  }
+}
+
+// Slot values, read on the host: every slot in [0, S), no slot twice. Returns the contiguous host copy.
+inline at::Tensor check_slot_values(const char* op, const at::Tensor& slots, int64_t pool_slots) {
+  at::Tensor s = slots.is_cpu() ? slots.contiguous() : slots.to(at::kCPU).contiguous();
+  const int32_t* p = s.data_ptr<int32_t>();
+  const int64_t batch = s.size(0);
+  std::vector<int64_t> first(static_cast<size_t>(pool_slots), -1);
+  for (int64_t row = 0; row < batch; ++row) {
+    HEBRUS_CHECK(p[row] >= 0 && p[row] < pool_slots, HebrusError, "hebrus::", op, ": slots[", row, "] = ", p[row],
+                 " is outside [0, S=", pool_slots, ")");
+    int64_t& seen = first[static_cast<size_t>(p[row])];
+    HEBRUS_CHECK(seen < 0, HebrusError, "hebrus::", op, ": slot ", p[row], " appears twice in one batch (rows ", seen,
+                 " and ", row, "); each row updates its slot in place");
+    seen = row;
+  }
+  return s;
+}
+
+// ---- ple_ngram_ids ----------------------------------------------------------------------------------
+
+struct PleNgramIdsSizes {
+  int64_t batch;  // B
+  int64_t n;      // N (ngram size)
+  int64_t ctx;    // N - 1
+  int64_t heads;  // (N-1)*H
+  int64_t total;  // T
+  int64_t pool;   // S, the history pool's rows (the slot form); B for the plain op
+};
+
+// hebrus::ple_ngram_ids (slots == nullptr: history [B, N-1]) and hebrus::ple_ngram_ids_slots (history_pool
+// [S, N-1], written in place at the rows' slots), in the order of _validate.py's _ple_ngram_ids.
+inline PleNgramIdsSizes check_ngram_ids_args(const char* op, const at::Tensor& tokens, const at::Tensor& cu_seqlens,
+                                             const at::Tensor& history, const at::Tensor* slots,
+                                             const at::Tensor& multipliers, const at::Tensor& vocab_sizes,
+                                             const at::Tensor& offsets, int64_t vocab) {
+  const char* history_name = slots != nullptr ? "history_pool" : "history";
+  check_dtype(op, tokens, at::kLong, "tokens");
+  check_dtype(op, history, at::kLong, history_name);
+  check_dtype(op, multipliers, at::kLong, "multipliers");
+  check_dtype(op, vocab_sizes, at::kLong, "vocab_sizes");
+  check_dtype(op, offsets, at::kLong, "offsets");
+  check_dims(op, tokens, 1, "tokens");
+  check_dims(op, multipliers, 1, "multipliers");
+  check_dims(op, vocab_sizes, 1, "vocab_sizes");
+  check_dims(op, offsets, 1, "offsets");
+  check_dims(op, history, 2, history_name);
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  if (slots != nullptr) check_slots_meta(op, *slots, batch);
+  const int64_t n = multipliers.size(0);
+  HEBRUS_CHECK(n >= 2, HebrusError, "hebrus::", op, ": multipliers must have N >= 2 entries (ngram_size), got ", n);
+  const int64_t ctx = n - 1;
+  const int64_t heads = vocab_sizes.size(0);
+  HEBRUS_CHECK(heads >= ctx && heads % ctx == 0, HebrusError, "hebrus::", op,
+               ": vocab_sizes must have (N-1)*H entries for N=", n, ", got ", heads);
+  HEBRUS_CHECK(offsets.size(0) == heads, HebrusError, "hebrus::", op, ": offsets must have ", heads,
+               " entries like vocab_sizes, got ", offsets.size(0));
+  HEBRUS_CHECK((slots != nullptr || history.size(0) == batch) && history.size(1) == ctx, HebrusError, "hebrus::", op,
+               ": ", history_name, " must have shape (", slots != nullptr ? "S" : "B", ", N-1) = (",
+               slots != nullptr ? std::string("S") : std::to_string(batch), ", ", ctx, "), got ",
+               shape_str(history.sizes()));
+  HEBRUS_CHECK(vocab > 0, HebrusError, "hebrus::", op, ": vocab must be positive, got ", vocab);
+  if (slots != nullptr)
+    check_pool_writable(op, history, history_name,
+                        {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"slots", slots},
+                         {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes}, {"offsets", &offsets}});
+  return {batch, n, ctx, heads, tokens.size(0), history.size(0)};
+}
+
+inline PleNgramIdsSizes check_ple_ngram_ids_args(const at::Tensor& tokens, const at::Tensor& cu_seqlens,
+                                                 const at::Tensor& history, const at::Tensor& multipliers,
+                                                 const at::Tensor& vocab_sizes, const at::Tensor& offsets, int64_t eos,
+                                                 int64_t vocab) {
+  // eos is any int64 (SPEC §2): it is only ever compared with token ids.
+  (void)eos;
+  return check_ngram_ids_args("ple_ngram_ids", tokens, cu_seqlens, history, nullptr, multipliers, vocab_sizes,
+                              offsets, vocab);
+}
+
+inline PleNgramIdsSizes check_ple_ngram_ids_slots_args(const at::Tensor& tokens, const at::Tensor& cu_seqlens,
+                                                       const at::Tensor& history_pool, const at::Tensor& slots,
+                                                       const at::Tensor& multipliers, const at::Tensor& vocab_sizes,
+                                                       const at::Tensor& offsets, int64_t vocab) {
+  return check_ngram_ids_args("ple_ngram_ids_slots", tokens, cu_seqlens, history_pool, &slots, multipliers,
+                              vocab_sizes, offsets, vocab);
+}
+
+// ---- ple_conv ---------------------------------------------------------------------------------------
+
+struct PleConvSizes {
+  int64_t batch;      // B
+  int64_t total;      // T
+  int64_t channels;   // C
+  int64_t width;      // K
+  int64_t state_len;  // (K-1)*dilation
+  int64_t pool;       // S, the state pool's rows (the slot form); B for the plain op
+  bool silu;          // activation == "silu" (else "none")
+};
+
+// hebrus::ple_conv (slots == nullptr: state [B, L, C]) and hebrus::ple_conv_slots (state_pool [S, L, C],
+// written in place at the rows' slots), in the order of _validate.py's _ple_conv.
+inline PleConvSizes check_conv_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& state, const at::Tensor* slots,
+                                    int64_t dilation, c10::string_view activation) {
+  const char* state_name = slots != nullptr ? "state_pool" : "state";
+  check_dims(op, x, 2, "x");
+  check_dims(op, weight, 2, "weight");
+  check_dims(op, state, 3, state_name);
+  check_float(op, x, "x");
+  check_same_dtype(op, weight, "weight", x, "x");
+  check_same_dtype(op, state, state_name, x, "x");
+  const int64_t batch = check_cu_meta(op, cu_seqlens);
+  if (slots != nullptr) check_slots_meta(op, *slots, batch);
+  HEBRUS_CHECK(dilation >= 1, HebrusError, "hebrus::", op, ": dilation must be >= 1, got ", dilation);
+  const bool silu = activation == "silu";
+  HEBRUS_CHECK(silu || activation == "none", HebrusError, "hebrus::", op,
+               ": activation must be one of ('silu', 'none'), got '", std::string(activation), "'");
+  const int64_t channels = x.size(1), width = weight.size(1);
+  HEBRUS_CHECK(weight.size(0) == channels && width >= 1, HebrusError, "hebrus::", op,
+               ": weight must have shape (C, K) with C = ", channels, " and K >= 1, got ", shape_str(weight.sizes()));
+  int64_t state_len = 0;
+  const bool len_ok = !__builtin_mul_overflow(width - 1, dilation, &state_len);
+  HEBRUS_CHECK(len_ok && (slots != nullptr || state.size(0) == batch) && state.size(1) == state_len &&
+                   state.size(2) == channels,
+               HebrusError, "hebrus::", op, ": ", state_name, " must have shape (", slots != nullptr ? "S" : "B",
+               ", (K-1)*dilation, C) = (", slots != nullptr ? std::string("S") : std::to_string(batch), ", ",
+               len_ok ? std::to_string(state_len) : std::to_string(width - 1) + "*" + std::to_string(dilation), ", ",
+               channels, "), got ", shape_str(state.sizes()));
+  if (slots != nullptr)
+    check_pool_writable(op, state, state_name,
+                        {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"slots", slots}});
+  return {batch, x.size(0), channels, width, state_len, state.size(0), silu};
+}
+
+inline PleConvSizes check_ple_conv_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cu_seqlens,
+                                        const at::Tensor& state, int64_t dilation, c10::string_view activation,
+                                        const char* op = "ple_conv") {
+  return check_conv_args(op, x, weight, cu_seqlens, state, nullptr, dilation, activation);
+}
+
+inline PleConvSizes check_ple_conv_slots_args(const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& cu_seqlens, const at::Tensor& state_pool,
+                                              const at::Tensor& slots, int64_t dilation,
+                                              c10::string_view activation) {
+  return check_conv_args("ple_conv_slots", x, weight, cu_seqlens, state_pool, &slots, dilation, activation);
 }
 
 // The buffers ple_conv_into writes: y like x and new_state like state (shape and dtype), contiguous,
@@ -220,18 +334,9 @@ inline QsaPoolSizes check_qsa_pool_args(const at::Tensor& keys, const at::Tensor
                                         const at::Tensor& group_cells, const at::Tensor& group_pos,
                                         const at::Tensor& norm_weight, double eps, const at::Tensor& inv_freq) {
   const char* op = "qsa_pool";
-  check_dims(op, keys, 2, "keys");
-  check_float(op, keys, "keys");
-  check_dims(op, cell_pos, 1, "cell_pos");
-  check_dtype(op, cell_pos, at::kLong, "cell_pos");
-  check_dims(op, group_cells, 2, "group_cells");
-  check_dtype(op, group_cells, at::kInt, "group_cells");
-  check_dims(op, group_pos, 1, "group_pos");
-  check_dtype(op, group_pos, at::kLong, "group_pos");
-  check_dims(op, norm_weight, 1, "norm_weight");
-  check_float(op, norm_weight, "norm_weight");
-  check_dims(op, inv_freq, 1, "inv_freq");
-  check_dtype(op, inv_freq, at::kFloat, "inv_freq");
+  check_kinds(op, {{"keys", &keys, 2, kAnyFloat}, {"cell_pos", &cell_pos, 1, at::kLong},
+                   {"group_cells", &group_cells, 2, at::kInt}, {"group_pos", &group_pos, 1, at::kLong},
+                   {"norm_weight", &norm_weight, 1, kAnyFloat}, {"inv_freq", &inv_freq, 1, at::kFloat}});
   const int64_t cells = keys.size(0), dim = keys.size(1);
   const int64_t groups = group_cells.size(0), r = group_cells.size(1), half = inv_freq.size(0);
   HEBRUS_CHECK(cell_pos.size(0) == cells, HebrusError, "hebrus::qsa_pool: cell_pos must have one entry per cell (",
@@ -261,16 +366,9 @@ inline QsaSelectSizes check_qsa_select_args(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& seq_groups, const at::Tensor& q_row,
                                             const at::Tensor& q_groups, int64_t top_k) {
   const char* op = "qsa_select";
-  check_dims(op, q, 3, "q");
-  check_float(op, q, "q");
-  check_dims(op, pooled, 2, "pooled");
-  check_float(op, pooled, "pooled");
-  check_dims(op, seq_groups, 2, "seq_groups");
-  check_dtype(op, seq_groups, at::kInt, "seq_groups");
-  check_dims(op, q_row, 1, "q_row");
-  check_dtype(op, q_row, at::kInt, "q_row");
-  check_dims(op, q_groups, 1, "q_groups");
-  check_dtype(op, q_groups, at::kInt, "q_groups");
+  check_kinds(op, {{"q", &q, 3, kAnyFloat}, {"pooled", &pooled, 2, kAnyFloat},
+                   {"seq_groups", &seq_groups, 2, at::kInt}, {"q_row", &q_row, 1, at::kInt},
+                   {"q_groups", &q_groups, 1, at::kInt}});
   const int64_t tq = q.size(0), hq = q.size(1), dim = q.size(2);
   const int64_t rows = pooled.size(0), batch = seq_groups.size(0), max_groups = seq_groups.size(1);
   HEBRUS_CHECK(dim == pooled.size(1), HebrusError, "hebrus::qsa_select: q head dim ", dim, " must equal pooled dim ",

@@ -32,6 +32,13 @@ def _dtype(t: torch.Tensor, dtypes, op: str, name: str) -> None:
     check(t.dtype in dtypes, op, f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
 
 
+def _ranks_and_dtypes(op: str, *specs) -> None:
+    """``(name, tensor, rank, dtype or dtypes)`` each: its rank, then its dtype (csrc/op_checks.h check_kinds)."""
+    for name, t, n, dtypes in specs:
+        _dims(t, n, op, name)
+        _dtype(t, dtypes, op, name)
+
+
 def _same_device(op: str, **tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     first_name, first = next(iter(devices.items()))
@@ -47,8 +54,15 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, op: str) -> int:
     return cu_seqlens.shape[0] - 1
 
 
-def _ngram_inputs(op: str, tokens, history, history_name: str, multipliers, vocab_sizes, offsets) -> None:
-    """dtypes and ranks of the n-gram ops' tensors (the plain op's history or the slot op's pool)."""
+def _ple_ngram_ids(op: str, tokens, cu_seqlens, history, slots, multipliers, vocab_sizes, offsets, eos,
+                   vocab) -> tuple[int, int]:
+    """hebrus::ple_ngram_ids (``slots`` None: ``history`` [B, N-1]) and hebrus::ple_ngram_ids_slots (``history``
+    the pool [S, N-1], written in place at the rows' ``slots``); returns (N, number of hash heads)."""
+    history_name = "history" if slots is None else "history_pool"
+    tensors = {"tokens": tokens, "cu_seqlens": cu_seqlens, history_name: history}
+    if slots is not None:
+        tensors["slots"] = slots
+    _same_device(op, **tensors, multipliers=multipliers, vocab_sizes=vocab_sizes, offsets=offsets)
     for name, t in (("tokens", tokens), (history_name, history), ("multipliers", multipliers),
                     ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
         _dtype(t, torch.int64, op, name)
@@ -57,49 +71,53 @@ def _ngram_inputs(op: str, tokens, history, history_name: str, multipliers, voca
     _dims(vocab_sizes, 1, op, "vocab_sizes")
     _dims(offsets, 1, op, "offsets")
     _dims(history, 2, op, history_name)
-
-
-def _ngram_tables(op: str, multipliers, vocab_sizes, offsets) -> tuple[int, int]:
-    """The hash tables' sizes agree; returns (N, number of hash heads)."""
+    batch = check_cu_seqlens(cu_seqlens, op)
+    if slots is not None:
+        _slots(slots, batch, op)
     n = multipliers.shape[0]
     check(n >= 2, op, f"multipliers must have N >= 2 entries (ngram_size), got {n}")
     heads = vocab_sizes.shape[0]
     check(heads >= n - 1 and heads % (n - 1) == 0, op,
           f"vocab_sizes must have (N-1)*H entries for N={n}, got {heads}")
     check(offsets.shape[0] == heads, op, f"offsets must have {heads} entries like vocab_sizes, got {offsets.shape[0]}")
-    return n, heads
-
-
-def _ngram_scalars(op: str, eos: int, vocab: int) -> None:
+    rows = "B" if slots is None else "S"
+    check((slots is not None or history.shape[0] == batch) and history.shape[1] == n - 1, op,
+          f"{history_name} must have shape ({rows}, N-1) = ({batch if slots is None else 'S'}, {n - 1}), "
+          f"got {tuple(history.shape)}")
     check(vocab > 0, op, f"vocab must be positive, got {vocab}")
     # eos is any int64 (SPEC §2: transformers' generation tests put it outside the vocabulary); it is
     # only ever compared with token ids.
     check(-(1 << 63) <= eos < (1 << 63), op, f"eos {eos} must be an int64")
-
-
-def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab) -> tuple[int, int]:
-    """Returns (N, number of hash heads)."""
-    op = "ple_ngram_ids"
-    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history=history, multipliers=multipliers,
-                 vocab_sizes=vocab_sizes, offsets=offsets)
-    _ngram_inputs(op, tokens, history, "history", multipliers, vocab_sizes, offsets)
-    batch = check_cu_seqlens(cu_seqlens, op)
-    n, heads = _ngram_tables(op, multipliers, vocab_sizes, offsets)
-    check(tuple(history.shape) == (batch, n - 1), op,
-          f"history must have shape (B, N-1) = ({batch}, {n - 1}), got {tuple(history.shape)}")
-    _ngram_scalars(op, eos, vocab)
+    if slots is not None:
+        _pool_writable(op, history, history_name,
+                       {"tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "multipliers": multipliers,
+                        "vocab_sizes": vocab_sizes, "offsets": offsets})
     return n, heads
 
 
-def ple_conv(x, weight, cu_seqlens, state, dilation, activation, op: str = "ple_conv") -> None:
-    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state=state)
+def ple_ngram_ids(tokens, cu_seqlens, history, multipliers, vocab_sizes, offsets, eos, vocab) -> tuple[int, int]:
+    """Metadata of hebrus::ple_ngram_ids; returns (N, number of hash heads)."""
+    return _ple_ngram_ids("ple_ngram_ids", tokens, cu_seqlens, history, None, multipliers, vocab_sizes, offsets,
+                          eos, vocab)
+
+
+def _ple_conv(op: str, x, weight, cu_seqlens, state, slots, dilation, activation) -> None:
+    """hebrus::ple_conv (``slots`` None: ``state`` [B, (K-1)*dilation, C]) and hebrus::ple_conv_slots (``state``
+    the pool [S, (K-1)*dilation, C], written in place at the rows' ``slots``)."""
+    state_name = "state" if slots is None else "state_pool"
+    tensors = {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, state_name: state}
+    if slots is not None:
+        tensors["slots"] = slots
+    _same_device(op, **tensors)
     _dims(x, 2, op, "x")
     _dims(weight, 2, op, "weight")
-    _dims(state, 3, op, "state")
+    _dims(state, 3, op, state_name)
     _dtype(x, FLOAT_DTYPES, op, "x")
     check(weight.dtype == x.dtype, op, f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
-    check(state.dtype == x.dtype, op, f"state dtype {state.dtype} must match x dtype {x.dtype}")
+    check(state.dtype == x.dtype, op, f"{state_name} dtype {state.dtype} must match x dtype {x.dtype}")
     batch = check_cu_seqlens(cu_seqlens, op)
+    if slots is not None:
+        _slots(slots, batch, op)
     check(dilation >= 1, op, f"dilation must be >= 1, got {dilation}")
     check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     channels = x.shape[1]
@@ -107,8 +125,17 @@ def ple_conv(x, weight, cu_seqlens, state, dilation, activation, op: str = "ple_
     check(weight.shape[0] == channels and width >= 1, op,
           f"weight must have shape (C, K) with C = {channels} and K >= 1, got {tuple(weight.shape)}")
     state_len = (width - 1) * dilation
-    check(tuple(state.shape) == (batch, state_len, channels), op,
-          f"state must have shape (B, (K-1)*dilation, C) = ({batch}, {state_len}, {channels}), got {tuple(state.shape)}")
+    rows = "B" if slots is None else "S"
+    check((slots is not None or state.shape[0] == batch) and tuple(state.shape[1:]) == (state_len, channels), op,
+          f"{state_name} must have shape ({rows}, (K-1)*dilation, C) = ({batch if slots is None else 'S'}, "
+          f"{state_len}, {channels}), got {tuple(state.shape)}")
+    if slots is not None:
+        _pool_writable(op, state, state_name, {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "slots": slots})
+
+
+def ple_conv(x, weight, cu_seqlens, state, dilation, activation, op: str = "ple_conv") -> None:
+    """Metadata of hebrus::ple_conv (and of ple_conv_into's inputs, under ``op``)."""
+    _ple_conv(op, x, weight, cu_seqlens, state, None, dilation, activation)
 
 
 def ple_conv_into(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
@@ -169,65 +196,24 @@ def _pool_writable(op: str, pool, pool_name: str, inputs: dict) -> None:
 
 def ple_conv_slots(x, weight, cu_seqlens, state_pool, slots, dilation, activation) -> int:
     """Metadata of hebrus::ple_conv_slots; returns S (the pool's slot count)."""
-    op = "ple_conv_slots"
-    _same_device(op, x=x, weight=weight, cu_seqlens=cu_seqlens, state_pool=state_pool, slots=slots)
-    _dims(x, 2, op, "x")
-    _dims(weight, 2, op, "weight")
-    _dims(state_pool, 3, op, "state_pool")
-    _dtype(x, FLOAT_DTYPES, op, "x")
-    check(weight.dtype == x.dtype, op, f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
-    check(state_pool.dtype == x.dtype, op, f"state_pool dtype {state_pool.dtype} must match x dtype {x.dtype}")
-    batch = check_cu_seqlens(cu_seqlens, op)
-    _slots(slots, batch, op)
-    check(dilation >= 1, op, f"dilation must be >= 1, got {dilation}")
-    check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    channels = x.shape[1]
-    width = weight.shape[1]
-    check(weight.shape[0] == channels and width >= 1, op,
-          f"weight must have shape (C, K) with C = {channels} and K >= 1, got {tuple(weight.shape)}")
-    state_len = (width - 1) * dilation
-    check(state_pool.shape[1] == state_len and state_pool.shape[2] == channels, op,
-          f"state_pool must have shape (S, (K-1)*dilation, C) = (S, {state_len}, {channels}), "
-          f"got {tuple(state_pool.shape)}")
-    _pool_writable(op, state_pool, "state_pool", {"x": x, "weight": weight, "cu_seqlens": cu_seqlens, "slots": slots})
+    _ple_conv("ple_conv_slots", x, weight, cu_seqlens, state_pool, slots, dilation, activation)
     return state_pool.shape[0]
 
 
 def ple_ngram_ids_slots(tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes, offsets, eos,
                         vocab) -> tuple[int, int]:
     """Metadata of hebrus::ple_ngram_ids_slots; returns (N, number of hash heads)."""
-    op = "ple_ngram_ids_slots"
-    _same_device(op, tokens=tokens, cu_seqlens=cu_seqlens, history_pool=history_pool, slots=slots,
-                 multipliers=multipliers, vocab_sizes=vocab_sizes, offsets=offsets)
-    _ngram_inputs(op, tokens, history_pool, "history_pool", multipliers, vocab_sizes, offsets)
-    batch = check_cu_seqlens(cu_seqlens, op)
-    _slots(slots, batch, op)
-    n, heads = _ngram_tables(op, multipliers, vocab_sizes, offsets)
-    check(history_pool.shape[1] == n - 1, op,
-          f"history_pool must have shape (S, N-1) = (S, {n - 1}), got {tuple(history_pool.shape)}")
-    _ngram_scalars(op, eos, vocab)
-    _pool_writable(op, history_pool, "history_pool",
-                   {"tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "multipliers": multipliers,
-                    "vocab_sizes": vocab_sizes, "offsets": offsets})
-    return n, heads
+    return _ple_ngram_ids("ple_ngram_ids_slots", tokens, cu_seqlens, history_pool, slots, multipliers, vocab_sizes,
+                          offsets, eos, vocab)
 
 
 def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq) -> None:
     op = "qsa_pool"
     _same_device(op, keys=keys, cell_pos=cell_pos, group_cells=group_cells, group_pos=group_pos,
                  norm_weight=norm_weight, inv_freq=inv_freq)
-    _dims(keys, 2, op, "keys")
-    _dtype(keys, FLOAT_DTYPES, op, "keys")
-    _dims(cell_pos, 1, op, "cell_pos")
-    _dtype(cell_pos, torch.int64, op, "cell_pos")
-    _dims(group_cells, 2, op, "group_cells")
-    _dtype(group_cells, torch.int32, op, "group_cells")
-    _dims(group_pos, 1, op, "group_pos")
-    _dtype(group_pos, torch.int64, op, "group_pos")
-    _dims(norm_weight, 1, op, "norm_weight")
-    _dtype(norm_weight, FLOAT_DTYPES, op, "norm_weight")
-    _dims(inv_freq, 1, op, "inv_freq")
-    _dtype(inv_freq, torch.float32, op, "inv_freq")
+    _ranks_and_dtypes(op, ("keys", keys, 2, FLOAT_DTYPES), ("cell_pos", cell_pos, 1, torch.int64),
+                      ("group_cells", group_cells, 2, torch.int32), ("group_pos", group_pos, 1, torch.int64),
+                      ("norm_weight", norm_weight, 1, FLOAT_DTYPES), ("inv_freq", inv_freq, 1, torch.float32))
     cells, dim = keys.shape
     check(cell_pos.shape[0] == cells, op, f"cell_pos must have one entry per cell ({cells}), got {cell_pos.shape[0]}")
     check(group_cells.shape[1] >= 1, op, "group_cells must have r >= 1 columns")
@@ -241,16 +227,9 @@ def qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
 def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k) -> None:
     op = "qsa_select"
     _same_device(op, q=q, pooled=pooled, seq_groups=seq_groups, q_row=q_row, q_groups=q_groups)
-    _dims(q, 3, op, "q")
-    _dtype(q, FLOAT_DTYPES, op, "q")
-    _dims(pooled, 2, op, "pooled")
-    _dtype(pooled, FLOAT_DTYPES, op, "pooled")
-    _dims(seq_groups, 2, op, "seq_groups")
-    _dtype(seq_groups, torch.int32, op, "seq_groups")
-    _dims(q_row, 1, op, "q_row")
-    _dtype(q_row, torch.int32, op, "q_row")
-    _dims(q_groups, 1, op, "q_groups")
-    _dtype(q_groups, torch.int32, op, "q_groups")
+    _ranks_and_dtypes(op, ("q", q, 3, FLOAT_DTYPES), ("pooled", pooled, 2, FLOAT_DTYPES),
+                      ("seq_groups", seq_groups, 2, torch.int32), ("q_row", q_row, 1, torch.int32),
+                      ("q_groups", q_groups, 1, torch.int32))
     check(q.shape[2] == pooled.shape[1], op, f"q head dim {q.shape[2]} must equal pooled dim {pooled.shape[1]}")
     check(q_row.shape[0] == q.shape[0] and q_groups.shape[0] == q.shape[0], op,
           f"q_row and q_groups must have Tq = {q.shape[0]} entries, got {q_row.shape[0]} and {q_groups.shape[0]}")

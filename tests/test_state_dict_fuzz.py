@@ -1,8 +1,9 @@
 """Untrusted state dicts and blobs: every malformed input is a CorruptStateError and changes nothing (SPEC §4).
 
-Each entry of each holder's state dict (PLEState, QSACache, ModelCache) is replaced in turn by a 0-dim
+Each entry of each holder's state dict (PLEState, GDNState, QSACache, ModelCache) is replaced in turn by a 0-dim
 tensor, a meta tensor of the right shape and dtype, the right shape in a wrong dtype, a sparse tensor and
-non-tensor values; the load must refuse it with CorruptStateError before reading the entry's bytes.
+non-tensor values; the load must refuse it with CorruptStateError before reading the entry's bytes. The
+slot-pool holders (PLEState, GDNState: one SlotPoolHolder) also refuse each other's state dicts and blobs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hebrus_torch as ht
 from hebrus_torch.errors import CorruptStateError
 
 from hf_models import modeling, tiny_config  # skips without transformers
+from test_gdn_state import advance as gdn_advance, make_state as make_gdn
 from test_ple_state import make_state, stream as ple_stream
 from test_qsa_cache import make_cache as make_qsa, stream as qsa_stream
 
@@ -56,13 +58,16 @@ def _build_holders():
         for layer in range(ple.num_layers):
             ple.ngram_ids(layer, [a], tokens, cu)
             ple.conv(layer, [a], torch.randn(9, ple.channels), cu)
+    gdn = make_gdn()
+    c = gdn.new_sequence()
+    gdn_advance(gdn, c, 5, 1)
     qsa = make_qsa(kv=True)
     b = qsa.new_sequence()
     keys, k, v = qsa_stream(11, kv=True)
     qsa.append(b, keys, first_position=2, k=k, v=v)
     mc = _model_cache()
     _fill_model_cache(mc)
-    return {"PLEState": ple, "QSACache": qsa, "ModelCache": mc}
+    return {"PLEState": ple, "GDNState": gdn, "QSACache": qsa, "ModelCache": mc}
 
 
 def _bad_values(t):
@@ -93,7 +98,7 @@ def test_every_malformed_state_dict_entry_is_refused(holder, key, bad):
     assert target.digest() == before
 
 
-@pytest.mark.parametrize("holder", ["PLEState", "QSACache"])
+@pytest.mark.parametrize("holder", ["PLEState", "GDNState", "QSACache"])
 def test_check_state_dict_refuses_malformed_entries_too(holder):
     target = _holders()[holder]
     sd = target.state_dict()
@@ -101,6 +106,30 @@ def test_check_state_dict_refuses_malformed_entries_too(holder):
         for bad, v in _bad_values(value).items():
             with pytest.raises(CorruptStateError):
                 target.check_state_dict(dict(sd, **{key: v}))
+
+
+@pytest.mark.parametrize("holder,other", [("PLEState", "GDNState"), ("GDNState", "PLEState")])
+def test_slot_pool_holders_refuse_each_others_state_dicts_and_blobs(holder, other):
+    """One SlotPoolHolder validates both: the other's state dict (same keys but one, a different format),
+    that state dict with this holder's format claimed, with this holder's entries in the other's metadata,
+    and the other's blobs are CorruptStateError, and change nothing."""
+    target, source = _holders()[holder], _holders()[other]
+    sd, foreign = target.state_dict(), source.state_dict()
+    mine = {k: v for k, v in sd.items() if k != "_extra_state"}
+    claimed = dict(foreign, _extra_state=dict(foreign["_extra_state"], format=sd["_extra_state"]["format"]))
+    mixed = dict(mine, _extra_state=foreign["_extra_state"])
+    before = target.digest()
+    for bad in (foreign, claimed, mixed):
+        for load in (target.load_state_dict, target.check_state_dict,
+                     lambda d: target.load_state_dict(d, strict=False)):
+            with pytest.raises(CorruptStateError):
+                load(bad)
+            assert target.digest() == before
+    seq = target.slots.live_handles()[0]
+    for data in (source.save(source.slots.live_handles()[0]), target.save(seq)[:-1]):
+        with pytest.raises(CorruptStateError):
+            target.restore(seq, data)
+        assert target.digest() == before
 
 
 def test_a_foreign_blob_into_a_full_model_cache_is_corrupt_not_capacity():

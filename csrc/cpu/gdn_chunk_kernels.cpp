@@ -1,7 +1,8 @@
 // CPU kernel of hebrus::gdn_chunk_delta_rule_slots: the gated delta rule of packed rows in the chunked
 // (WY) form, aligned to absolute positions; row b's state is state_pool[slots[b]], updated in place.
-// hebrus_torch/gdn/chunked.py (chunk_delta_rule_reference) is the spec; the checks are
-// hebrus_torch/_validate.py's gdn_chunk_delta_rule_slots, same order and messages.
+// hebrus_torch/gdn/chunked.py (chunk_delta_rule_reference) is the spec; the metadata checks are
+// csrc/gdn_checks.h's (shared with the MPS glue), mirrored in hebrus_torch/_validate.py's
+// gdn_chunk_delta_rule_slots with the same order and messages.
 //
 // Work item: one (row, value head), its pieces (row_pieces) in order. A piece that covers part of an
 // aligned chunk of 64 positions runs gdn::run_recurrent, the code (and bits) of hebrus::gdn_delta_rule.
@@ -19,7 +20,6 @@
 // (V' = Tm beta V - Tm (beta exp(G) K) S is the reference's U - W S.)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,11 +27,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "gdn_checks.h"
 #include "gdn_recurrent.h"
 #include "hebrus_check.h"
 #include "hebrus_simd.h"
 #include "op_checks.h"
-#include "ple_slots_checks.h"
 
 namespace hebrus {
 namespace {
@@ -323,52 +323,6 @@ void run_row_head(CpuCapability isa, const gdn::Packed& r, float* s, int64_t h, 
 
 // ---- the op -----------------------------------------------------------------------------------------
 
-struct ChunkSizes {
-  int64_t total, hk, dk, hv, dv, batch, pool;
-};
-
-// Metadata checks, in the order and with the messages of hebrus_torch/_validate.py
-// (gdn_chunk_delta_rule_slots).
-ChunkSizes check_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                      const Tensor& cu_seqlens, const Tensor& start_pos, const Tensor& state_pool,
-                      const Tensor& slots) {
-  const char* op = kName;
-  check_dims(op, q, 3, "q");
-  check_dims(op, k, 3, "k");
-  check_dims(op, v, 3, "v");
-  check_dims(op, g, 2, "g");
-  check_dims(op, beta, 2, "beta");
-  check_float(op, q, "q");
-  check_float(op, v, "v");
-  check_float(op, g, "g");
-  check_float(op, beta, "beta");
-  check_same_dtype(op, k, "k", q, "q");
-  const int64_t T = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
-  HEBRUS_CHECK(k.sizes() == q.sizes(), HebrusError, "hebrus::", op, ": k must have q's shape ", shape_str(q.sizes()),
-               ", got ", shape_str(k.sizes()));
-  HEBRUS_CHECK(v.size(0) == T, HebrusError, "hebrus::", op, ": v has ", v.size(0), " tokens, q has ", T);
-  HEBRUS_CHECK(hk >= 1 && dk >= 1 && hv >= 1 && dv >= 1 && hv % hk == 0, HebrusError, "hebrus::", op,
-               ": value heads (", hv, ") must be a positive multiple of key heads (", hk, "), with Dk, Dv >= 1");
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"g", &g}, {"beta", &beta}})
-    HEBRUS_CHECK(t->size(0) == T && t->size(1) == hv, HebrusError, "hebrus::", op, ": ", name,
-                 " must have shape (T, Hv) = (", T, ", ", hv, "), got ", shape_str(t->sizes()));
-  const int64_t batch = check_cu_meta(op, cu_seqlens);
-  check_dims(op, start_pos, 1, "start_pos");
-  check_dtype(op, start_pos, at::kLong, "start_pos");
-  HEBRUS_CHECK(start_pos.size(0) == batch, HebrusError, "hebrus::", op,
-               ": start_pos must have one entry per row (B = ", batch, "), got ", start_pos.size(0));
-  check_slots_meta(op, slots, batch);
-  check_dims(op, state_pool, 4, "state_pool");
-  check_dtype(op, state_pool, at::kFloat, "state_pool");
-  HEBRUS_CHECK(state_pool.size(1) == hv && state_pool.size(2) == dk && state_pool.size(3) == dv, HebrusError,
-               "hebrus::", op, ": state_pool must have shape (S, Hv, Dk, Dv) = (S, ", hv, ", ", dk, ", ", dv,
-               "), got ", shape_str(state_pool.sizes()));
-  check_pool_writable(op, state_pool, "state_pool",
-                      {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu_seqlens},
-                       {"start_pos", &start_pos}, {"slots", &slots}});
-  return {T, hk, dk, hv, dv, batch, state_pool.size(0)};
-}
-
 Tensor gdn_chunk_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                       const Tensor& beta, const Tensor& cu_seqlens, const Tensor& start_pos,
                                       Tensor& state_pool, const Tensor& slots, double scale, bool use_qk_l2norm) {
@@ -376,7 +330,8 @@ Tensor gdn_chunk_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Te
   check_on_device(op, at::kCPU,
                   {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu_seqlens},
                    {"start_pos", &start_pos}, {"state_pool", &state_pool}, {"slots", &slots}});
-  const ChunkSizes sz = check_args(q, k, v, g, beta, cu_seqlens, start_pos, state_pool, slots);
+  const GdnSizes sz = check_gdn_chunk_delta_rule_slots_args(q, k, v, g, beta, cu_seqlens, start_pos, state_pool,
+                                                                slots);
   const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
   const Tensor pos_t = start_pos.contiguous();
   const int64_t* pos = pos_t.data_ptr<int64_t>();
@@ -386,13 +341,8 @@ Tensor gdn_chunk_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Te
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int32_t* slot = slot_t.data_ptr<int32_t>();
 
-  const Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
-  const Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
-  const Tensor bf = beta.to(at::kFloat).contiguous();
-  Tensor out = at::empty({sz.total, sz.hv, sz.dv}, v.options().dtype(at::kFloat));
-  const gdn::Packed r{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
-                      bf.data_ptr<float>(), out.data_ptr<float>(), sz.hk, sz.hv, sz.dk, sz.dv,
-                      static_cast<float>(scale), use_qk_l2norm};
+  const gdn::PackedCall call(q, k, v, g, beta, sz.hk, sz.hv, sz.dk, sz.dv, scale, use_qk_l2norm);
+  const gdn::Packed& r = call.r;
   float* pool = state_pool.data_ptr<float>();
   const int64_t hv = sz.hv, head = sz.dk * sz.dv;
   const CpuCapability isa = cpu_capability();
@@ -404,7 +354,7 @@ Tensor gdn_chunk_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Te
         run_row_head(isa, r, pool + (static_cast<int64_t>(slot[b]) * hv + h) * head, h, cu[b], cu[b + 1], pos[b], w);
     }
   });
-  return v.scalar_type() == at::kFloat ? out : out.to(v.scalar_type());
+  return call.result(v.scalar_type());
 }
 
 }  // namespace

@@ -10,7 +10,6 @@
 // other rows of the step, on how the row's tokens were cut into steps or on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -22,7 +21,6 @@
 #include "gdn_recurrent.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
-#include "ple_slots_checks.h"
 
 namespace hebrus {
 namespace {
@@ -43,13 +41,8 @@ void run_head(const gdn::Packed& r, float* state, const int32_t* slots, int64_t 
 Tensor run_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                       const int32_t* cu, Tensor& state, const int32_t* slots, const GdnSizes& sz, double scale,
                       bool use_qk_l2norm) {
-  const Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
-  const Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
-  const Tensor bf = beta.to(at::kFloat).contiguous();
-  Tensor out = at::empty({sz.total, sz.hv, sz.dv}, v.options().dtype(at::kFloat));
-  const gdn::Packed r{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
-                      bf.data_ptr<float>(), out.data_ptr<float>(), sz.hk, sz.hv, sz.dk, sz.dv,
-                      static_cast<float>(scale), use_qk_l2norm};
+  const gdn::PackedCall call(q, k, v, g, beta, sz.hk, sz.hv, sz.dk, sz.dv, scale, use_qk_l2norm);
+  const gdn::Packed& r = call.r;
   float* pool = state.data_ptr<float>();
   const int64_t batch = sz.batch, hv = sz.hv, dk = sz.dk, dv = sz.dv;
   at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
@@ -59,7 +52,7 @@ Tensor run_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const T
       if (cu[b + 1] > cu[b]) run_head(r, pool, slots, b, h, cu[b], cu[b + 1], buf);
     }
   });
-  return v.scalar_type() == at::kFloat ? out : out.to(v.scalar_type());
+  return call.result(v.scalar_type());
 }
 
 Tensor gdn_delta_rule_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,

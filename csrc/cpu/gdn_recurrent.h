@@ -4,6 +4,9 @@
 // so that both give the same bits: per token, every sum over Dk adds dk = 0, 1, ... in ascending order,
 // one Dv column per element, with separate multiplies and adds (-ffp-contract=off). Plain C++ (not
 // inside a target_clones function: the compiler may vectorise over Dv, which changes no bits).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -34,6 +37,25 @@ struct Packed {
   int64_t hk, hv, dk, dv;
   float scale;
   bool l2;
+};
+
+// One call's inputs widened to contiguous fp32, its fp32 output [T, Hv, Dv], and the Packed view of
+// them: both CPU kernels run on these, so their inputs round the same way.
+struct PackedCall {
+  at::Tensor q, k, v, g, beta, out;
+  Packed r;
+
+  PackedCall(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+             const at::Tensor& beta_in, int64_t hk, int64_t hv, int64_t dk, int64_t dv, double scale, bool l2)
+      : q(q_in.to(at::kFloat).contiguous()), k(k_in.to(at::kFloat).contiguous()),
+        v(v_in.to(at::kFloat).contiguous()), g(g_in.to(at::kFloat).contiguous()),
+        beta(beta_in.to(at::kFloat).contiguous()),
+        out(at::empty({q_in.size(0), hv, dv}, v_in.options().dtype(at::kFloat))),
+        r{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+          beta.data_ptr<float>(), out.data_ptr<float>(), hk, hv, dk, dv, static_cast<float>(scale), l2} {}
+
+  // The op's result: the output in v's dtype (the one rounding of a 16-bit call).
+  at::Tensor result(at::ScalarType v_dtype) const { return v_dtype == at::kFloat ? out : out.to(v_dtype); }
 };
 
 // Tokens [t0, t1) (packed indices) of value head h through its state s [Dk, Dv], updated in place.

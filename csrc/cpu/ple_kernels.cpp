@@ -21,7 +21,6 @@
 #include "cpu/hebrus_simd.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
-#include "ple_slots_checks.h"
 
 // Vector values only live inside always_inline helpers of one clone; no ABI crosses them.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -700,7 +699,7 @@ Tensor ple_ngram_ids_slots_cpu(const Tensor& tokens, const Tensor& cu_seqlens, T
                   {{"tokens", &tokens}, {"cu_seqlens", &cu_seqlens}, {"history_pool", &history_pool},
                    {"slots", &slots}, {"multipliers", &multipliers}, {"vocab_sizes", &vocab_sizes},
                    {"offsets", &offsets}});
-  const PleNgramIdsSlotsSizes sz = check_ple_ngram_ids_slots_args(tokens, cu_seqlens, history_pool, slots,
+  const PleNgramIdsSizes sz = check_ple_ngram_ids_slots_args(tokens, cu_seqlens, history_pool, slots,
                                                                   multipliers, vocab_sizes, offsets, vocab);
   const int64_t batch = sz.batch, n = sz.n, ctx = sz.ctx, heads = sz.heads, total = sz.total;
   const Tensor cu_t = check_cu_values(op, cu_seqlens, total);
@@ -753,7 +752,7 @@ Tensor ple_conv_slots_cpu(const Tensor& x, const Tensor& weight, const Tensor& c
   check_on_device(op, at::kCPU,
                   {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state_pool", &state_pool},
                    {"slots", &slots}});
-  const PleConvSlotsSizes sz =
+  const PleConvSizes sz =
       check_ple_conv_slots_args(x, weight, cu_seqlens, state_pool, slots, dilation, activation);
   const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
   const Tensor slot_t = check_slot_values(op, slots, sz.pool);

@@ -40,7 +40,6 @@
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
 #include "op_checks.h"
-#include "ple_slots_checks.h"
 
 namespace hebrus::glue {
 
@@ -214,7 +213,7 @@ inline Call ple_conv_slots(const Tensor& x_in, const Tensor& weight_in, const Te
   const char* op = "ple_conv_slots";
   check_on_device(op, device, {{"x", &x_in}, {"weight", &weight_in}, {"cu_seqlens", &cu_in}, {"state_pool", &pool},
                                {"slots", &slots_in}});
-  const PleConvSlotsSizes sz = check_ple_conv_slots_args(x_in, weight_in, cu_in, pool, slots_in, dilation, activation);
+  const PleConvSizes sz = check_ple_conv_slots_args(x_in, weight_in, cu_in, pool, slots_in, dilation, activation);
   const char* type = metal_type(op, x_in.scalar_type());
   Call call;
   if (sz.batch == 0 || sz.channels == 0) {  // no conv thread would look at cu_seqlens or slots: the check kernel does
@@ -242,7 +241,7 @@ inline Call ple_ngram_ids_slots(const Tensor& tokens_in, const Tensor& cu_in, co
   check_on_device(op, device, {{"tokens", &tokens_in}, {"cu_seqlens", &cu_in}, {"history_pool", &pool},
                                {"slots", &slots_in}, {"multipliers", &multipliers_in},
                                {"vocab_sizes", &vocab_sizes_in}, {"offsets", &offsets_in}});
-  const PleNgramIdsSlotsSizes sz = check_ple_ngram_ids_slots_args(tokens_in, cu_in, pool, slots_in, multipliers_in,
+  const PleNgramIdsSizes sz = check_ple_ngram_ids_slots_args(tokens_in, cu_in, pool, slots_in, multipliers_in,
                                                                   vocab_sizes_in, offsets_in, vocab);
   Call call;
   if (sz.batch == 0) {  // no row threads: the check kernel looks at cu_seqlens (T must be 0) and vocab_sizes
@@ -441,61 +440,8 @@ inline Tensor gdn_result(const Call& call, const Tensor& v) {
 // ---- gdn_chunk_delta_rule_slots ----------------------------------------------------------------------
 // The gated delta rule in the chunked form aligned to absolute positions (hebrus_torch/gdn/chunked.py),
 // row b reading and updating state_pool[slots[b]] in place. The grid is sized from shapes (B, Hv, Dv);
-// cu_seqlens, start_pos and the slots are the kernel's to check (nothing is read here).
-struct GdnChunkSizes {
-  int64_t tokens, batch, key_heads, key_dim, value_heads, value_dim, pool;
-};
-
-// Metadata checks in the order and with the messages of the CPU kernel (csrc/cpu/gdn_chunk_kernels.cpp,
-// hebrus_torch/_validate.py); values are the kernel's.
-inline GdnChunkSizes check_gdn_chunk_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const Tensor& g, const Tensor& beta, const Tensor& cu,
-                                          const Tensor& start_pos, const Tensor& pool, const Tensor& slots) {
-  check_dims(op, q, 3, "q");
-  check_dims(op, k, 3, "k");
-  check_dims(op, v, 3, "v");
-  check_dims(op, g, 2, "g");
-  check_dims(op, beta, 2, "beta");
-  check_float(op, q, "q");
-  check_float(op, v, "v");
-  check_float(op, g, "g");
-  check_float(op, beta, "beta");
-  check_same_dtype(op, k, "k", q, "q");
-  GdnChunkSizes sz{};
-  sz.tokens = q.size(0);
-  sz.key_heads = q.size(1);
-  sz.key_dim = q.size(2);
-  sz.value_heads = v.size(1);
-  sz.value_dim = v.size(2);
-  HEBRUS_CHECK(k.sizes() == q.sizes(), HebrusError, "hebrus::", op, ": k must have q's shape ", shape_str(q.sizes()),
-               ", got ", shape_str(k.sizes()));
-  HEBRUS_CHECK(v.size(0) == sz.tokens, HebrusError, "hebrus::", op, ": v has ", v.size(0), " tokens, q has ",
-               sz.tokens);
-  HEBRUS_CHECK(sz.key_heads >= 1 && sz.key_dim >= 1 && sz.value_heads >= 1 && sz.value_dim >= 1 &&
-                   sz.value_heads % sz.key_heads == 0,
-               HebrusError, "hebrus::", op, ": value heads (", sz.value_heads,
-               ") must be a positive multiple of key heads (", sz.key_heads, "), with Dk, Dv >= 1");
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"g", &g}, {"beta", &beta}}) {
-    HEBRUS_CHECK(t->size(0) == sz.tokens && t->size(1) == sz.value_heads, HebrusError, "hebrus::", op, ": ", name,
-                 " must have shape (T, Hv) = (", sz.tokens, ", ", sz.value_heads, "), got ", shape_str(t->sizes()));
-  }
-  sz.batch = check_cu_meta(op, cu);
-  check_dims(op, start_pos, 1, "start_pos");
-  check_dtype(op, start_pos, at::kLong, "start_pos");
-  HEBRUS_CHECK(start_pos.size(0) == sz.batch, HebrusError, "hebrus::", op,
-               ": start_pos must have one entry per row (B = ", sz.batch, "), got ", start_pos.size(0));
-  check_slots_meta(op, slots, sz.batch);
-  check_dims(op, pool, 4, "state_pool");
-  check_dtype(op, pool, at::kFloat, "state_pool");
-  HEBRUS_CHECK(pool.size(1) == sz.value_heads && pool.size(2) == sz.key_dim && pool.size(3) == sz.value_dim,
-               HebrusError, "hebrus::", op, ": state_pool must have shape (S, Hv, Dk, Dv) = (S, ", sz.value_heads,
-               ", ", sz.key_dim, ", ", sz.value_dim, "), got ", shape_str(pool.sizes()));
-  sz.pool = pool.size(0);
-  check_pool_writable(op, pool, "state_pool",
-                      {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"cu_seqlens", &cu},
-                       {"start_pos", &start_pos}, {"slots", &slots}});
-  return sz;
-}
+// cu_seqlens, start_pos and the slots are the kernel's to check (nothing is read here); the metadata
+// checks are gdn_checks.h's, the CPU kernel's.
 
 // gdn_chunk_delta_rule_slots_check (B == 0): cu_seqlens must be [0] and T == 0.
 inline Launch gdn_chunk_check_launch(const Tensor& cu, const Tensor& slots, int64_t total, int64_t pool) {
@@ -514,8 +460,8 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
   check_on_device(op, device, {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}, {"g", &g_in}, {"beta", &beta_in},
                                {"cu_seqlens", &cu_in}, {"start_pos", &start_pos_in}, {"state_pool", &pool},
                                {"slots", &slots_in}});
-  const GdnChunkSizes sz = check_gdn_chunk_args(op, q_in, k_in, v_in, g_in, beta_in, cu_in, start_pos_in, pool,
-                                                slots_in);
+  const GdnSizes sz = check_gdn_chunk_delta_rule_slots_args(q_in, k_in, v_in, g_in, beta_in, cu_in, start_pos_in,
+                                                            pool, slots_in);
   // The kernel runs in q's dtype when v shares it, else in fp32 (q, k, v widened: exact; the fp32 output
   // is narrowed to v's dtype by the caller, the one rounding the CPU kernel does too). g and beta are
   // read in the kernel's dtype when both have it, else as fp32 (widened: exact; variant gf32).
@@ -525,12 +471,12 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
   const char* variant = gt != kt ? "gf32" : "";
   Call call;
   if (sz.batch == 0) {  // no threadgroup would look at cu_seqlens: the check kernel does (T must be 0)
-    call.launches.push_back(gdn_chunk_check_launch(cu_in, slots_in, sz.tokens, sz.pool));
-    call.outputs = {at::empty({sz.tokens, sz.value_heads, sz.value_dim}, v_in.options().dtype(kt))};
+    call.launches.push_back(gdn_chunk_check_launch(cu_in, slots_in, sz.total, sz.pool));
+    call.outputs = {at::empty({sz.total, sz.hv, sz.dv}, v_in.options().dtype(kt))};
     return call;
   }
   const auto plan = hebrus::metal::plan_gdn_chunk_delta_rule_slots(
-      sz.tokens, sz.batch, sz.key_heads, sz.value_heads, sz.key_dim, sz.value_dim, sz.pool, scale, use_qk_l2norm);
+      sz.total, sz.batch, sz.hk, sz.hv, sz.dk, sz.dv, sz.pool, scale, use_qk_l2norm);
   check_plan(op, plan.error);
   const Tensor q = q_in.to(kt).contiguous(), k = k_in.to(kt).contiguous(), v = v_in.to(kt).contiguous();
   const Tensor g = g_in.to(gt).contiguous(), beta = beta_in.to(gt).contiguous(), cu = cu_in.contiguous();

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ..errors import CorruptStateError, HebrusError
+from ..errors import HebrusError
 from ..ple import ops as ple_ops
-from ..state import blob
-from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
-from ..state.handles import SeqHandle, SlotTable, generation_problem
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor
+from ..state.handles import SeqHandle, SlotTable
 from ..state.host_mirror import host_ints
 from ..state.replay import ReplayLog
-from ..state.slot_lifecycle import SlotLifecycle
+from ..state.slot_pool import RowsUndo, SeqPart, SlotPoolHolder, SlotUndo
 from ..state.transaction import Transactional, atomic
 from .chunked import chunk_gated_delta_rule_slots
 from .delta_rule import gated_delta_rule_slots
@@ -37,34 +36,7 @@ class GDNSnapshot:
     recurrent: torch.Tensor    # [layers, Hv, Dk, Dv] float32
 
 
-@dataclass(frozen=True)
-class _GDNSavepoint:
-    """A point inside an open transaction to return to (see ``GDNState._txn_restore``)."""
-
-    undo_len: int
-    generation: list[int]
-    live: list[bool]
-
-
-@dataclass(frozen=True)
-class _SlotUndo:
-    """A lifecycle op's undo: every layer's tails and recurrent state of one slot, as they were."""
-
-    slot: int
-    rows: dict[str, torch.Tensor]   # buffer name -> [layers, ...] of the slot
-
-
-@dataclass(frozen=True)
-class _RowsUndo:
-    """A step's undo: the rows of one layer's pool that the in-place op is about to overwrite."""
-
-    name: str                  # "conv_state" or "recurrent_state"
-    layer: int
-    slots: torch.Tensor        # [B] int32, the index the op runs with
-    rows: torch.Tensor         # [B, ...] the pool rows before the op
-
-
-class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
+class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
     """Owns, per sequence slot and GDN layer, the conv tail ``[K-1, conv_dim]`` and the recurrent state
     ``[Hv, Dk, Dv]`` of Qwen4Exp's ``linear_attention`` layers (transformers' ``Qwen4ExpTextGatedDeltaNet``).
 
@@ -89,8 +61,12 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         activation: the conv's activation, ``"silu"`` (Qwen4Exp) or ``"none"``.
     """
 
-    _STATE_NAMES = ("conv_state", "recurrent_state", "generation", "live")
-    _SLOT_NAMES = ("conv_state", "recurrent_state")   # per layer and slot; updated in place, undo-logged
+    _STATE_OWNER = "GDNState"
+    _KIND = _KIND
+    _SNAPSHOT = GDNSnapshot
+    # The pools, per layer and slot (updated in place, undo-logged); the state dict adds generation, live.
+    _SEQ_PARTS = (SeqPart("conv_state", "conv_tails", "conv_tails", "conv tails", False),
+                  SeqPart("recurrent_state", "recurrent", "recurrent", "recurrent states", True))
 
     def __init__(self, num_layers: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int = 4, max_sequences: int = 64,
@@ -122,18 +98,17 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
                                                        dtype=dtype, device=device))
         self.register_buffer("recurrent_state", torch.zeros((num_layers, max_sequences, hv, dk, dv),
                                                             dtype=torch.float32, device=device))
-        self.register_buffer("generation", self.slots.generation.to(device))
-        self.register_buffer("live", self.slots.live.to(device))
+        self._register_slot_buffers(device)
         if conv_weights is not None and len(conv_weights) != num_layers:
             raise HebrusError(f"GDNState: conv_weights has {len(conv_weights)} entries for {num_layers} layers")
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
         self.layer_ids: list[int] | None = None
         # Undo log of the open transaction: what each in-place change overwrote, in order (an entry is
         # logged before its write, so an exception between the two still finds it).
-        self._undo: list[_SlotUndo | _RowsUndo] = []
+        self._undo: list[SlotUndo | RowsUndo] = []
         self.replay_log: ReplayLog | None = None
         """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
-        self._base: _GDNSavepoint | None = None
+        self._base = None
         self._index_cache: tuple[tuple[tuple[int, ...], torch.device], torch.Tensor] | None = None
         # The step undo entries' row buffers: those of the open transaction, and spares from finished ones
         # by (shape, dtype, device), reused by the next (a decode step's undo of 64 rows is 32 MiB per
@@ -190,35 +165,18 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
 
     # ----------------------------------------------------------------------------- lifecycle
     # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below.
-    def _snapshot_parts(self, snap: GDNSnapshot) -> tuple[torch.Tensor, torch.Tensor]:
-        return snap.conv_tails, snap.recurrent
-
-    def snapshot(self, seq: SeqHandle, position: int | None = None) -> GDNSnapshot:
-        """A cheap copy of one sequence's current state (an open transaction's changes included)."""
-        slot = self.slots.check(seq)
-        return GDNSnapshot(seq, position, self.conv_state[:, slot].clone(), self.recurrent_state[:, slot].clone())
-
+    # snapshot, restore (a GDNSnapshot or the bytes of save), save: SlotPoolHolder, over conv_tails, recurrent.
     def restore(self, seq: SeqHandle, state: GDNSnapshot | bytes) -> None:
-        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
+        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save` (SlotPoolHolder's),
+        refusing anything else with HebrusError.
 
         Everything is validated first; a bad snapshot (HebrusError) or blob (CorruptStateError) changes nothing.
         """
-        slot = self.slots.check(seq)
-        if isinstance(state, GDNSnapshot):
-            tails, rec = state.conv_tails, state.recurrent
-            self._validate_seq_state(tails, rec, HebrusError)
-        elif isinstance(state, (bytes, bytearray, memoryview)):
-            tails, rec = self._decode(state)
-        else:
+        if not isinstance(state, (GDNSnapshot, bytes, bytearray, memoryview)):
+            self.slots.check(seq)
             raise HebrusError(f"GDNState.restore: expected a GDNSnapshot or the bytes of save, got "
                               f"{type(state).__name__}")
-        with atomic(self):
-            self._write_slot(slot, tails, rec)
-
-    def save(self, seq: SeqHandle) -> bytes:
-        """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
-        snap = self.snapshot(seq)
-        return blob.pack(_KIND, self._seq_config_meta(), {"conv_tails": snap.conv_tails, "recurrent": snap.recurrent})
+        super().restore(seq, state)
 
     # ----------------------------------------------------------------------------- step execution
     def conv(self, layer: int, seqs: Sequence[SeqHandle], x: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -331,47 +289,12 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
             return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
 
     # ----------------------------------------------------------------------------- transactions
-    def _txn_begin(self) -> None:
-        self._reset_staging()
-        self._base = self._txn_savepoint()
-
+    # The undo log's hooks (_txn_begin ... _txn_restore, _apply_undo, _log_slot): SlotPoolHolder.
     def _reset_staging(self) -> None:
-        self._undo = []
-        self._base = None
+        super()._reset_staging()
         for buf in self._undo_used:   # no entry refers to them any more
             self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
         self._undo_used = []
-
-    def _txn_commit(self) -> None:
-        """Nothing to publish: every change of the block is already in the buffers. Until ``_txn_finish``
-        the undo log is kept, so a rollback (another holder's commit failing) still undoes the block."""
-
-    def _txn_finish(self) -> None:
-        self._reset_staging()
-
-    def _txn_rollback(self) -> None:
-        if self._base is not None:
-            self._txn_restore(self._base)
-        self._reset_staging()
-
-    def _txn_savepoint(self) -> _GDNSavepoint:
-        generation, live = self.slots.lists()
-        return _GDNSavepoint(len(self._undo), generation, live)
-
-    def _txn_restore(self, sp: _GDNSavepoint) -> None:
-        for entry in reversed(self._undo[sp.undo_len:]):
-            self._apply_undo(entry)
-        del self._undo[sp.undo_len:]
-        self.slots.load(sp.generation, sp.live)
-        self._sync_slot_buffers()
-
-    def _apply_undo(self, entry: _SlotUndo | _RowsUndo) -> None:
-        with torch.no_grad():
-            if isinstance(entry, _SlotUndo):
-                for name, rows in entry.rows.items():
-                    getattr(self, name)[:, entry.slot] = rows
-            else:
-                getattr(self, entry.name)[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
 
     def _log_rows(self, name: str, layer: int, pool: torch.Tensor, index: torch.Tensor) -> None:
         """Log the pool rows a step's in-place op is about to overwrite. Called inside ``atomic(self)``
@@ -384,19 +307,10 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         rows = spare.pop() if spare else torch.empty(key[0], dtype=pool.dtype, device=pool.device)
         self._undo_used.append(rows)
         torch.index_select(pool, 0, index, out=rows)
-        self._undo.append(_RowsUndo(name, layer, index, rows))
-
-    def _log_slot(self, slot: int) -> None:
-        """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
-        self._undo.append(_SlotUndo(slot, {name: getattr(self, name)[:, slot].clone() for name in self._SLOT_NAMES}))
+        self._undo.append(RowsUndo(name, layer, index, rows))
 
     # ----------------------------------------------------------------------------- device / dtype moves
-    def _check_apply(self, fn) -> None:
-        """What ``_apply`` refuses before anything changes (a ModelCache checks every holder first)."""
-        if self.in_transaction:
-            raise HebrusError("GDNState: cannot move or cast the state inside a transaction (its changes are staged)")
-        check_cast("GDNState", fn, self.conv_state.dtype, self.conv_state.device)
-
+    # _check_apply: SlotPoolHolder.
     def _apply(self, fn, recurse: bool = True):
         # The recurrent state stays float32 (what the delta rule accumulates in): it only follows moves.
         self._check_apply(fn)
@@ -413,103 +327,8 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
         return result
 
     # ----------------------------------------------------------------------------- whole-holder state
-    def digest(self, seq: SeqHandle | None = None) -> str:
-        """sha256 of the public state: config, every slot's generation and live flag, and each live sequence's
-        tails and recurrent states (an open transaction's changes included).
-
-        With ``seq``, of that sequence's tails and recurrent states only (not its slot), so two sequences
-        with equal state have equal digests. Free slots' rows are not state.
-        """
-        if seq is not None:
-            snap = self.snapshot(seq)
-            return blob.digest_of([("conv_tails", snap.conv_tails), ("recurrent", snap.recurrent)])
-        parts: list[tuple[str, Any]] = [("config", self._config_meta()), ("generation", self.slots.generation),
-                                        ("live", self.slots.live)]
-        for h in self.slots.live_handles():
-            parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
-        return blob.digest_of(parts)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 (nn.Module hook)
-        if self.in_transaction:
-            raise HebrusError("GDNState.state_dict cannot run inside a transaction (its changes are staged)")
-        for name in self._STATE_NAMES:
-            destination[prefix + name] = getattr(self, name).detach().clone()
-        destination[prefix + "_extra_state"] = self.get_extra_state()
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
-                "checksum": blob.digest_of([(n, getattr(self, n)) for n in self._STATE_NAMES])}
-
-    def set_extra_state(self, state: Any) -> None:
-        raise HebrusError("GDNState: load the whole holder with load_state_dict")
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Validate format, config, shapes, dtypes, slot table and checksum first; CorruptStateError and
-        nothing changed otherwise. ``strict=False`` leaves unknown keys out and returns them."""
-        sd = self._as_dict(state_dict)
-        sd, unexpected = blob.known_entries("GDNState.load_state_dict", sd, self._state_keys(), strict)
-        self.check_state_dict(sd)
-        self.publish_state_dict(sd)
-        return torch.nn.modules.module._IncompatibleKeys([], unexpected)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if self.__dict__.pop("_loaded_by_owner", False):
-            return
-        self.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-
-    def _state_keys(self) -> set[str]:
-        return {*self._STATE_NAMES, "_extra_state"}
-
-    def _as_dict(self, state_dict: Any) -> dict[str, Any]:
-        if self.in_transaction:
-            raise HebrusError("GDNState.load_state_dict cannot run inside a transaction")
-        if not isinstance(state_dict, Mapping):
-            raise CorruptStateError(f"GDNState.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        return dict(state_dict)
-
-    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Everything ``load_state_dict`` (strict) validates, without changing anything (CorruptStateError)."""
-        sd = self._as_dict(state_dict)
-        blob.known_entries("GDNState.load_state_dict", sd, self._state_keys(), strict=True)
-        expect = blob.expect
-        extra = sd.get("_extra_state")
-        expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
-               "state dict lacks GDNState metadata")
-        expect(_KIND, blob.same(extra.get("version"), blob.FORMAT_VERSION),
-               f"unsupported version {blob.short(extra.get('version'))}")
-        expect(_KIND, blob.same(extra.get("config"), self._config_meta()),
-               f"state dict was saved with config {blob.short(extra.get('config'))}, this holder has "
-               f"{self._config_meta()!r}")
-        for name in self._STATE_NAMES:
-            mine = getattr(self, name)
-            t = sd.get(name)
-            expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
-            blob.check_tensors(_KIND, {name: t})
-            expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
-                   f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
-        checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
-        expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
-        problem = generation_problem(sd["generation"].tolist(), sd["live"].tolist())
-        expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
-
-    def publish_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Publish a state dict that ``check_state_dict`` accepted."""
-        self._swap_state_dict(self._prepare_state_dict(state_dict))
-
-    def _prepare_state_dict(self, state_dict: Mapping[str, Any]) -> tuple:
-        buffers = {name: torch.empty_like(getattr(self, name)).copy_(state_dict[name].detach())
-                   for name in self._STATE_NAMES}
-        generation = [int(g) for g in state_dict["generation"].tolist()]
-        live = [bool(v) for v in state_dict["live"].tolist()]
-        return buffers, generation, live
-
-    def _swap_state_dict(self, prepared: tuple) -> None:
-        buffers, generation, live = prepared
-        for name, tensor in buffers.items():
-            setattr(self, name, tensor)
-        self.slots.assign(generation, live)
-        self._reset_staging()
+    # digest, state_dict / load_state_dict / check_state_dict / publish_state_dict and their checks:
+    # SlotPoolHolder (over StateDictProtocol).
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:
@@ -517,30 +336,6 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
                 "key_head_dim": self.key_head_dim, "value_head_dim": self.value_head_dim,
                 "kernel": self.conv_kernel_size, "conv_dim": self.conv_dim, "dtype": str(self.conv_state.dtype),
                 "max_sequences": self.slots.capacity}
-
-    def _seq_config_meta(self) -> dict[str, Any]:
-        meta = self._config_meta()
-        del meta["max_sequences"]
-        return meta
-
-    def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        meta, tensors = blob.unpack(data, _KIND)
-        blob.expect(_KIND, blob.same(meta, self._seq_config_meta()),
-                    f"blob was saved with config {blob.short(meta)}, this holder has {self._seq_config_meta()!r}")
-        blob.expect(_KIND, set(tensors) == {"conv_tails", "recurrent"}, f"blob holds tensors {sorted(tensors)}")
-        self._validate_seq_state(tensors["conv_tails"], tensors["recurrent"], CorruptStateError)
-        return tensors["conv_tails"], tensors["recurrent"]
-
-    def _validate_seq_state(self, tails: torch.Tensor, rec: torch.Tensor, error: type) -> None:
-        want_tails = (self.num_layers, self.state_len, self.conv_dim)
-        want_rec = (self.num_layers, self.num_value_heads, self.key_head_dim, self.value_head_dim)
-        if not isinstance(tails, torch.Tensor) or tuple(tails.shape) != want_tails \
-                or tails.dtype != self.conv_state.dtype:
-            got = f"{list(tails.shape)} {tails.dtype}" if isinstance(tails, torch.Tensor) else type(tails).__name__
-            raise error(f"GDNState: conv tails must be {list(want_tails)} {self.conv_state.dtype}, got {got}")
-        if not isinstance(rec, torch.Tensor) or tuple(rec.shape) != want_rec or rec.dtype != torch.float32:
-            got = f"{list(rec.shape)} {rec.dtype}" if isinstance(rec, torch.Tensor) else type(rec).__name__
-            raise error(f"GDNState: recurrent states must be {list(want_rec)} float32, got {got}")
 
     def _check_layer(self, layer: int) -> None:
         layer = as_int("GDNState: layer", layer)
@@ -560,20 +355,6 @@ class GDNState(SlotLifecycle, torch.nn.Module, Transactional):
             raise HebrusError(f"GDNState.{op}: cu_seqlens must rise from 0 to T = {tokens} without decreasing, "
                               f"got {cu}")
         return slots
-
-    def _clear_slot(self, slot: int) -> None:
-        self._log_slot(slot)
-        self.conv_state[:, slot] = 0
-        self.recurrent_state[:, slot] = 0
-
-    def _write_slot(self, slot: int, tails: torch.Tensor, rec: torch.Tensor) -> None:
-        self._log_slot(slot)
-        self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
-        self.recurrent_state[:, slot] = rec.detach().to(self.recurrent_state.device, torch.float32)
-
-    def _sync_slot_buffers(self) -> None:
-        self.generation.copy_(self.slots.generation)
-        self.live.copy_(self.slots.live)
 
 
 def _mixed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ..errors import CorruptStateError, HebrusError
+from ..errors import HebrusError
 from ..state import blob
-from ..state.args import FLOAT_DTYPES, as_int, as_tensor, check_cast
-from ..state.handles import SeqHandle, SlotTable, generation_problem
-from ..state.protocol import StateDictProtocol
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor
+from ..state.handles import SeqHandle, SlotTable
 from ..state.replay import ReplayLog
-from ..state.slot_lifecycle import SlotLifecycle
+from ..state.slot_pool import RowsUndo, SeqPart, SlotPoolHolder, SlotUndo
 from ..state.transaction import Transactional, atomic
 from . import ops
 
@@ -33,33 +31,6 @@ class PLESnapshot:
     position: int | None
     history: torch.Tensor      # [layers, N-1] int64
     conv_tails: torch.Tensor   # [layers, L, C]
-
-
-@dataclass(frozen=True)
-class _PLESavepoint:
-    """A point inside an open transaction to return to (see ``PLEState._txn_restore``)."""
-
-    undo_len: int
-    generation: list[int]
-    live: list[bool]
-
-
-@dataclass(frozen=True)
-class _SlotUndo:
-    """A lifecycle op's undo: every layer's history and tails of one slot, as they were."""
-
-    slot: int
-    history: torch.Tensor      # [layers, N-1]
-    tails: torch.Tensor        # [layers, L, C]
-
-
-@dataclass(frozen=True)
-class _HistoryUndo:
-    """ngram_ids' undo: the histories of the rows' slots before the in-place update."""
-
-    layer: int
-    slots: torch.Tensor        # [B] int32 (the index the op ran with)
-    rows: torch.Tensor         # [B, N-1]
 
 
 @dataclass(frozen=True)
@@ -84,7 +55,7 @@ class PLEHashParams:
     offsets: torch.Tensor      # [(N-1)*H] int64, ngram_heads_offsets
 
 
-class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional):
+class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
     """Owns, per sequence slot and PLE layer, the n-gram history ``[N-1]`` and the conv tail ``[L, C]``.
 
     Buffers (``state_dict``): ``history`` [layers, S, N-1] int64 (each layer carries its own, as
@@ -111,6 +82,11 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
     """
 
     _STATE_OWNER = "PLEState"
+    _KIND = _KIND
+    _SNAPSHOT = PLESnapshot
+    # The pools, per layer and slot (updated in place, undo-logged); the state dict adds generation, live.
+    _SEQ_PARTS = (SeqPart("history", "history", "history", "history", True),
+                  SeqPart("conv_state", "conv_tails", "tails", "conv tails", False))
 
     def __init__(self, num_layers: int, channels: int, *, vocab_size: int, eos_token_id: int,
                  ngram_size: int = 3, conv_kernel_size: int = 4, dilation: int | None = None,
@@ -147,8 +123,7 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
                                                    dtype=torch.int64, device=device))
         self.register_buffer("conv_state", torch.zeros((num_layers, max_sequences, self.state_len, channels),
                                                        dtype=dtype, device=device))
-        self.register_buffer("generation", self.slots.generation.to(device))
-        self.register_buffer("live", self.slots.live.to(device))
+        self._register_slot_buffers(device)
         if hash_params is not None and len(hash_params) != num_layers:
             raise HebrusError(f"PLEState: hash_params has {len(hash_params)} entries for {num_layers} layers")
         if conv_weights is not None and len(conv_weights) != num_layers:
@@ -161,21 +136,19 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         self._conv_weights = list(conv_weights) if conv_weights is not None else None
         # Every change is made in place (the slot ops update the pool rows by slot id; lifecycle ops write
         # slots); the undo log of the open transaction holds what each change overwrote, in order.
-        self._undo: list[_SlotUndo | _HistoryUndo | _TailUndo] = []
-        self._base: _PLESavepoint | None = None
+        self._undo: list[SlotUndo | RowsUndo | _TailUndo] = []
+        self._base = None
         # The slot index of the last chunk, (key, int32 tensor): every layer of a step, and usually the next
         # step, runs the same sequences (see _slot_index). And views of conv_state per layer (_tail_pools).
         self._index_cache: tuple | None = None
         self._pool_cache: tuple | None = None
         self.replay_log: ReplayLog | None = None
-        self._own_snapshots: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # id -> a snapshot taken here
         """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
 
     # Bookkeeping attributes, set on every transaction and chunk, that are never parameters, buffers or
     # modules: set as plain attributes, which nn.Module.__setattr__ ends with after its checks (seven of
     # those per decode-step transaction cost ~0.1 ms with cold caches).
-    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log",
-                              "_own_snapshots"})
+    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in PLEState._PLAIN_ATTRS:
@@ -219,36 +192,7 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
     # ----------------------------------------------------------------------------- lifecycle
     # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below
     # (a fresh slot: history all EOS, zero tails).
-    def _snapshot_parts(self, snap: PLESnapshot) -> tuple[torch.Tensor, torch.Tensor]:
-        return snap.history, snap.conv_tails
-
-    def snapshot(self, seq: SeqHandle, position: int | None = None) -> PLESnapshot:
-        """A cheap copy of one sequence's current state (changes of an open transaction included)."""
-        slot = self.slots.check(seq)
-        snap = PLESnapshot(seq, position, self.history[:, slot].clone(), self.conv_state[:, slot].clone())
-        self._own_snapshots[id(snap)] = snap
-        return snap
-
-    def restore(self, seq: SeqHandle, state: PLESnapshot | bytes) -> None:
-        """Overwrite a live sequence's state with a snapshot or the bytes of :meth:`save`.
-
-        Everything is validated first; a bad snapshot or blob raises and changes nothing.
-        """
-        slot = self.slots.check(seq)
-        if isinstance(state, PLESnapshot):
-            history, tails = state.history, state.conv_tails
-            if self._own_snapshots.get(id(state)) is not state or history.device != self.history.device:
-                # (a snapshot this holder took holds ids it held: checking them again would read the device)
-                self._validate_seq_state(history, tails, HebrusError)
-        else:
-            history, tails = self._decode(state)
-        with atomic(self):
-            self._write_slot(slot, history, tails)
-
-    def save(self, seq: SeqHandle) -> bytes:
-        """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
-        snap = self.snapshot(seq)
-        return blob.pack(_KIND, self._seq_config_meta(), {"history": snap.history, "conv_tails": snap.conv_tails})
+    # snapshot, restore (a PLESnapshot or the bytes of save), save: SlotPoolHolder, over history, conv_tails.
 
     # ----------------------------------------------------------------------------- chunk execution
     def ngram_ids(self, layer: int, seqs: Sequence[SeqHandle], tokens: torch.Tensor,
@@ -267,7 +211,7 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
             # In place by slot (hebrus::ple_ngram_ids_slots). The undo entry (the rows' whole old histories,
             # so applying it is right whether or not the op wrote) is logged before the write: an exception
             # after the write (a KeyboardInterrupt, a fault in a wrapper) is still undone.
-            self._undo.append(_HistoryUndo(layer, index, pool.index_select(0, index)))
+            self._undo.append(RowsUndo("history", layer, index, pool.index_select(0, index)))
             return ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index, p.multipliers,
                                            p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
 
@@ -339,63 +283,30 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
         return y
 
     # ----------------------------------------------------------------------------- transactions
-    def _txn_begin(self) -> None:
-        self._reset_staging()
-        self._base = self._txn_savepoint()
-
-    def _reset_staging(self) -> None:
-        self._undo = []
-        self._base = None
-
-    def _txn_commit(self) -> None:
-        """Nothing to publish: every change of the block is already in the buffers. Until ``_txn_finish``
-        the undo log is kept, so a rollback (another holder's commit failing) still undoes the block."""
-
-    def _txn_finish(self) -> None:
-        self._reset_staging()
-
-    def _txn_rollback(self) -> None:
-        if self._base is not None:
-            self._txn_restore(self._base)
-        self._reset_staging()
-
-    def _txn_savepoint(self) -> "_PLESavepoint":
-        generation, live = self.slots.lists()
-        return _PLESavepoint(len(self._undo), generation, live)
-
-    def _txn_restore(self, sp: "_PLESavepoint") -> None:
-        for entry in reversed(self._undo[sp.undo_len:]):
-            self._apply_undo(entry)
-        del self._undo[sp.undo_len:]
-        self.slots.load(sp.generation, sp.live)
-        self._sync_slot_buffers()
-
+    # The undo log's hooks (_txn_begin ... _txn_restore, _log_slot): SlotPoolHolder; conv's undo entries
+    # (_TailUndo) are applied here.
     def _apply_undo(self, entry) -> None:
+        if not isinstance(entry, _TailUndo):
+            return super()._apply_undo(entry)
         with torch.no_grad():
-            if isinstance(entry, _SlotUndo):
-                self.history[:, entry.slot] = entry.history
-                self.conv_state[:, entry.slot] = entry.tails
-            elif isinstance(entry, _HistoryUndo):
-                self.history[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
+            pool = self.conv_state[entry.layer]
+            slots = entry.slots.long()
+            rows = entry.rows.to(pool.dtype)
+            if entry.kept is None:
+                old = rows
             else:
-                pool = self.conv_state[entry.layer]
-                slots = entry.slots.long()
-                rows = entry.rows.to(pool.dtype)
-                if entry.kept is None:
-                    old = rows
-                else:
-                    # old[b, j] = rows[b, j] for j < kept[b], else current[b, j - kept[b]]: rows of
-                    # rows ++ current picked by index_select, which keeps every bit (gather turned the NaN
-                    # payloads of 16-bit tails into 0xFFFF).
-                    current = pool.index_select(0, slots)
-                    batch, width, length = rows.shape[0], rows.shape[1], self.state_len
-                    j = torch.arange(length, device=pool.device)[None, :]
-                    kept = torch.tensor(entry.kept, dtype=torch.int64, device=pool.device)[:, None]
-                    src = torch.where(j < kept, j, width + j - kept)
-                    src = src + torch.arange(batch, device=pool.device)[:, None] * (width + length)
-                    both = torch.cat([rows, current], dim=1).reshape(batch * (width + length), pool.shape[2])
-                    old = both.index_select(0, src.reshape(-1)).reshape(batch, length, pool.shape[2])
-                pool.index_copy_(0, slots, old)
+                # old[b, j] = rows[b, j] for j < kept[b], else current[b, j - kept[b]]: rows of
+                # rows ++ current picked by index_select, which keeps every bit (gather turned the NaN
+                # payloads of 16-bit tails into 0xFFFF).
+                current = pool.index_select(0, slots)
+                batch, width, length = rows.shape[0], rows.shape[1], self.state_len
+                j = torch.arange(length, device=pool.device)[None, :]
+                kept = torch.tensor(entry.kept, dtype=torch.int64, device=pool.device)[:, None]
+                src = torch.where(j < kept, j, width + j - kept)
+                src = src + torch.arange(batch, device=pool.device)[:, None] * (width + length)
+                both = torch.cat([rows, current], dim=1).reshape(batch * (width + length), pool.shape[2])
+                old = both.index_select(0, src.reshape(-1)).reshape(batch, length, pool.shape[2])
+            pool.index_copy_(0, slots, old)
 
     def _tail_undo(self, layer: int, pool: torch.Tensor, first: torch.Tensor, index: torch.Tensor,
                    cu_seqlens: torch.Tensor, whole: bool = False) -> _TailUndo:
@@ -425,105 +336,36 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
             cache = self._pool_cache = (state, state.data_ptr(), views)
         return cache[2][layer]
 
-    def _log_slot(self, slot: int) -> None:
-        """Lifecycle ops change published rows in place: record the slot's rows for an undo."""
-        self._undo.append(_SlotUndo(slot, self.history[:, slot].clone(), self.conv_state[:, slot].clone()))
-
     # ----------------------------------------------------------------------------- device / dtype moves
-    def _check_apply(self, fn) -> None:
-        """What ``_apply`` refuses before anything changes (ModelCache checks both holders first)."""
-        if self.in_transaction:
-            raise HebrusError("PLEState: cannot move or cast the state inside a transaction (its changes are staged)")
-        check_cast("PLEState", fn, self.conv_state.dtype, self.conv_state.device)
-
+    # _check_apply: SlotPoolHolder.
     def _apply(self, fn, recurse: bool = True):
         self._check_apply(fn)
         self._index_cache = self._pool_cache = None   # (they would keep the old tensors alive)
         return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------------------- whole-holder state
-    def digest(self, seq: SeqHandle | None = None) -> str:
-        """sha256 of the public state: config, every slot's generation and live flag (free slots' too: they
-        decide the next handles), and each live sequence's history and tails.
-
-        With ``seq``, of that sequence's history and tails only (not its slot), so two sequences
-        with equal state have equal digests. Free slots' history and tails are not state.
-        """
-        if seq is not None:
-            snap = self.snapshot(seq)
-            return blob.digest_of([("history", snap.history), ("tails", snap.conv_tails)])
-        parts: list[tuple[str, Any]] = [("config", self._config_meta()), ("generation", self.slots.generation),
-                                        ("live", self.slots.live)]
-        for h in self.slots.live_handles():
-            parts += [("handle", [h.slot, h.generation]), ("sequence", self.digest(h))]
-        return blob.digest_of(parts)
-
-    def _state_tensors(self) -> dict[str, torch.Tensor]:
-        # Copies, as QSACache's: a state dict kept while decoding goes on stays what it was.
-        if self.in_transaction:
-            raise HebrusError("PLEState.state_dict cannot run inside a transaction (its changes are staged)")
-        return {name: getattr(self, name).detach().clone() for name in self._STATE_NAMES}
-
-    def _extra_state_for(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return {"format": _KIND, "version": blob.FORMAT_VERSION, "config": self._config_meta(),
-                "checksum": blob.digest_of([(n, tensors[n]) for n in self._STATE_NAMES])}
-
-    _STATE_NAMES = ("history", "conv_state", "generation", "live")
-
-    def _state_keys(self) -> set[str]:
-        """The keys of this holder's state dict."""
-        return {*self._STATE_NAMES, "_extra_state"}
-
-    def _as_dict(self, state_dict: Any) -> dict[str, Any]:
-        if self.in_transaction:
-            raise HebrusError("PLEState.load_state_dict cannot run inside a transaction")
-        return super()._as_dict(state_dict)
-
-    def _validate_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
-        """Format, config, entry types, shapes, dtypes, checksum, slot table and ids (CorruptStateError);
-        the candidate is the state dict itself."""
-        blob.known_entries("PLEState.load_state_dict", sd, self._state_keys(), strict=True)
-        expect = blob.expect
-        extra = sd.get("_extra_state")
-        expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
-               "state dict lacks PLEState metadata")
-        expect(_KIND, blob.same(extra.get("version"), blob.FORMAT_VERSION),
-               f"unsupported version {blob.short(extra.get('version'))}")
-        expect(_KIND, blob.same(extra.get("config"), self._config_meta()),
-               f"state dict was saved with config {blob.short(extra.get('config'))}, this holder has "
-               f"{self._config_meta()!r}")
-        for name in self._STATE_NAMES:
-            mine = getattr(self, name)
-            t = sd.get(name)
-            expect(_KIND, isinstance(t, torch.Tensor), f"state dict lacks tensor {name!r}")
-            blob.check_tensors(_KIND, {name: t})
-            expect(_KIND, t.shape == mine.shape and t.dtype == mine.dtype,
-                   f"{name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(mine.shape)} {mine.dtype}")
-        checksum = blob.digest_of([(n, sd[n]) for n in self._STATE_NAMES])
-        expect(_KIND, extra.get("checksum") == checksum, "checksum mismatch: state dict was modified or truncated")
-        problem = generation_problem(sd["generation"].tolist(), sd["live"].tolist())
-        expect(_KIND, problem is None, f"the slot table is invalid: {problem}")
+    # digest, state_dict / load_state_dict / check_state_dict / publish_state_dict and their checks:
+    # SlotPoolHolder (over StateDictProtocol), with the value checks below.
+    def _check_state_values(self, sd: dict[str, Any]) -> None:
         tokens_ok = ((sd["history"] >= 0) & (sd["history"] < self.vocab_size)) | (sd["history"] == self.eos_token_id)
-        expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size}) that are not the EOS id")
-        return sd
+        blob.expect(_KIND, bool(tokens_ok.all()), f"history ids outside [0, {self.vocab_size}) that are not the EOS id")
 
-    def _prepare_candidate(self, state_dict: Mapping[str, Any]) -> tuple:
-        """The fallible part of publishing a checked state dict: fresh buffers (laid out as the current
-        ones) and the slot table, built before anything is published."""
-        buffers = {name: torch.empty_like(getattr(self, name)).copy_(state_dict[name].detach())
-                   for name in self._STATE_NAMES}
-        generation = [int(g) for g in state_dict["generation"].tolist()]
-        live = [bool(v) for v in state_dict["live"].tolist()]
-        return buffers, generation, live
+    def _check_seq_values(self, parts: tuple[torch.Tensor, ...], error: type) -> None:
+        history = parts[0]
+        if bool((((history < 0) | (history >= self.vocab_size)) & (history != self.eos_token_id)).any()):
+            raise error(f"PLEState: history ids {history.tolist()} outside [0, {self.vocab_size}) that are not "
+                        f"the EOS id {self.eos_token_id}")
 
-    def _swap_state_dict(self, prepared: tuple) -> None:
-        """Publish what ``_prepare_candidate`` built: reference assignments only, nothing that can fail."""
-        buffers, generation, live = prepared
+    def _seq_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        if type(meta.get("max_sequences")) is int:   # blobs of earlier builds record it: restorable into any slot count
+            meta = {k: v for k, v in meta.items() if k != "max_sequences"}
+        return meta
+
+    def _fresh_value(self, pool: str) -> int:
+        return self.eos_token_id if pool == "history" else 0   # a fresh slot: history all EOS, zero tails
+
+    def _drop_caches(self) -> None:
         self._index_cache = self._pool_cache = None
-        for name, tensor in buffers.items():
-            setattr(self, name, tensor)
-        self.slots.assign(generation, live)
-        self._reset_staging()
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:
@@ -531,36 +373,6 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
                 "state_len": self.state_len, "kernel": self.conv_kernel_size, "dilation": self.dilation,
                 "eos": self.eos_token_id, "vocab": self.vocab_size, "dtype": str(self.conv_state.dtype),
                 "max_sequences": self.slots.capacity}
-
-    def _seq_config_meta(self) -> dict[str, Any]:
-        """The config a one-sequence blob records: not the slot count, which a sequence's state does not
-        depend on (as QSACache's blobs)."""
-        meta = self._config_meta()
-        del meta["max_sequences"]
-        return meta
-
-    def _decode(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        meta, tensors = blob.unpack(data, _KIND)
-        if type(meta.get("max_sequences")) is int:   # blobs of earlier builds record it: restorable into any slot count
-            meta = {k: v for k, v in meta.items() if k != "max_sequences"}
-        blob.expect(_KIND, blob.same(meta, self._seq_config_meta()),
-                    f"blob was saved with config {blob.short(meta)}, this holder has {self._seq_config_meta()!r}")
-        blob.expect(_KIND, set(tensors) == {"history", "conv_tails"}, f"blob holds tensors {sorted(tensors)}")
-        self._validate_seq_state(tensors["history"], tensors["conv_tails"], CorruptStateError)
-        return tensors["history"], tensors["conv_tails"]
-
-    def _validate_seq_state(self, history: torch.Tensor, tails: torch.Tensor, error: type) -> None:
-        want_tails = (self.num_layers, self.state_len, self.channels)
-        want_history = (self.num_layers, self.ngram_size - 1)
-        if tuple(history.shape) != want_history or history.dtype != torch.int64:
-            raise error(f"PLEState: history must be {list(want_history)} int64, "
-                        f"got {list(history.shape)} {history.dtype}")
-        if tuple(tails.shape) != want_tails or tails.dtype != self.conv_state.dtype:
-            raise error(f"PLEState: conv tails must be {list(want_tails)} {self.conv_state.dtype}, "
-                        f"got {list(tails.shape)} {tails.dtype}")
-        if bool((((history < 0) | (history >= self.vocab_size)) & (history != self.eos_token_id)).any()):
-            raise error(f"PLEState: history ids {history.tolist()} outside [0, {self.vocab_size}) that are not "
-                        f"the EOS id {self.eos_token_id}")
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -574,17 +386,3 @@ class PLEState(SlotLifecycle, StateDictProtocol, torch.nn.Module, Transactional)
             raise HebrusError(f"PLEState: cu_seqlens must have {len(slots) + 1} entries for {len(slots)} sequences, "
                               f"got shape {tuple(cu_seqlens.shape)}")
         return slots
-
-    def _clear_slot(self, slot: int) -> None:
-        self._log_slot(slot)
-        self.history[:, slot] = self.eos_token_id
-        self.conv_state[:, slot] = 0
-
-    def _write_slot(self, slot: int, history: torch.Tensor, tails: torch.Tensor) -> None:
-        self._log_slot(slot)
-        self.history[:, slot] = history.detach().to(self.history.device)
-        self.conv_state[:, slot] = tails.detach().to(self.conv_state.device, self.conv_state.dtype)
-
-    def _sync_slot_buffers(self) -> None:
-        self.generation.copy_(self.slots.generation)
-        self.live.copy_(self.slots.live)

@@ -1,4 +1,4 @@
-"""One state-dict protocol for every state holder (PLEState, QSACache, ModelCache, and new ones).
+"""One state-dict protocol for every state holder (PLEState, GDNState, QSACache, ModelCache, and new ones).
 
 A holder's state dict comes from an untrusted file as easily as from ``state_dict()``: loading it
 validates everything first and publishes in two steps, so nothing changes unless all of it is good.
@@ -28,10 +28,12 @@ transaction when its state is staged) and ``_extra_state_for(tensors) -> dict`` 
 version, config, a checksum of ``tensors``); the protocol's ``_save_to_state_dict`` writes both under
 the module's prefix (``_extra_state`` last), and ``get_extra_state`` returns the metadata.
 
-A new holder (e.g. a GDN state) subclasses ``StateDictProtocol`` before ``torch.nn.Module``::
+A holder that keeps each sequence in a slot of per-layer pools (PLEState, GDNState) subclasses
+:class:`hebrus_torch.state.slot_pool.SlotPoolHolder`, which implements all of this over the pools it
+names. Any other new holder subclasses ``StateDictProtocol`` before ``torch.nn.Module``::
 
-    class GDNState(StateDictProtocol, torch.nn.Module, Transactional):
-        _STATE_OWNER = "GDNState"
+    class NewState(StateDictProtocol, torch.nn.Module, Transactional):
+        _STATE_OWNER = "NewState"
         def _state_keys(self): return {"conv", "recurrent", "generation", "live", "_extra_state"}
         def _state_tensors(self): ...
         def _extra_state_for(self, tensors): ...
