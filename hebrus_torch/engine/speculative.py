@@ -74,10 +74,11 @@ class SpeculativeConfig:
 class SpecState:
     """A request's speculation bookkeeping and counters.
 
-    The adaptive draft length: after a verification that accepted a of k drafts, the next draft has
-    ``min(K, k + 2)`` tokens when all were accepted, else ``max(1, a + 1)``; after n verifications in a
-    row that accepted nothing, the request drafts nothing for ``2**n - 1`` decode steps (at most 63), so a
-    request whose drafts are never accepted runs about one verification in 64 decode steps.
+    The adaptive draft length: a request's first draft has ``min(K, 2)`` tokens; after a verification
+    that accepted a of k drafts, the next has ``min(K, 2 k)`` when all were accepted, else
+    ``max(1, a + 1)``; after n verifications in a row that accepted nothing, the request drafts nothing
+    for ``2**n - 1`` decode steps (at most 63), so a request whose drafts are never accepted runs about
+    one verification in 64 decode steps, of 1 or 2 drafts.
     """
 
     length: int = 0                 # tokens to draft next time (0: not yet set)
@@ -93,7 +94,7 @@ class SpecState:
         if not config.adaptive:
             return config.num_draft_tokens
         if self.length == 0:
-            self.length = config.num_draft_tokens
+            self.length = min(config.num_draft_tokens, 2)
         if self.pause > 0:
             self.pause -= 1
             return 0
@@ -106,7 +107,7 @@ class SpecState:
         if not config.adaptive:
             return
         if accepted == drafted:
-            self.length = min(config.num_draft_tokens, drafted + 2)
+            self.length = min(config.num_draft_tokens, 2 * drafted)
         else:
             self.length = max(1, accepted + 1)
         if accepted == 0:
