@@ -18,33 +18,12 @@ import torch
 
 from test_serve import (EOS, MAX_TOKENS, REQUEST_TIMEOUT, Server, WORDS, clear_chats, http,  # noqa: F401
                         make_model, make_tokenizer, prompt_ids, reference, save_checkpoint, user_message)
+from test_serve import _one_thread, checkpoint, server  # noqa: F401  (its fixtures: one server per module)
 
 import openai  # noqa: E402
 
 SAMPLED = {"generation_config": json.dumps({"do_sample": True, "eos_token_id": EOS, "pad_token_id": 0})}
 NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1, "pad_token_id": 0})}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen4exp-tiny-openai")
-    model, tokenizer = make_model(), make_tokenizer()
-    save_checkpoint(path, model, tokenizer)
-    return path, model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    path, _, _ = checkpoint
-    log = tmp_path_factory.mktemp("serve-openai-log") / "server.log"
-    with Server(path, "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--hebrus-capacity-tokens", "2048",
-                log=log) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """(conftest's one_thread for every test here)"""
 
 
 def chat(server, messages, **kwargs):

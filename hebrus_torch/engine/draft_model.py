@@ -52,6 +52,25 @@ class _Draft:
     probs: torch.Tensor | None = None                    # [k, V] q of the last round's drafts (sampled requests)
 
 
+def _draft_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """A sampled request's draft generator: seeded from its seed + 1 (reproducible), else at random."""
+    if not request.sampling.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    seed = request.sampling.seed
+    gen.manual_seed(seed + 1 if seed is not None else torch.seed())
+    return gen
+
+
+def _held_prefix(held: Sequence[int], tokens: Sequence[int]) -> int:
+    """How much of what a draft cache holds is still the request's stream (never its last token, which the
+    next round feeds)."""
+    common, limit = 0, min(len(held), len(tokens) - 1)
+    while common < limit and held[common] == tokens[common]:
+        common += 1
+    return common
+
+
 class DraftModelDrafter:
     """Drafts tokens for the engine's speculating requests with a small Qwen4Exp model.
 
@@ -135,13 +154,8 @@ class DraftModelDrafter:
     def _draft_of(self, request: Request) -> _Draft:
         d = self._drafts.get(id(request))
         if d is None:
-            seq = self.cache.new_sequence()
-            gen = None
-            if request.sampling.do_sample:
-                gen = torch.Generator(device=self.runner.device)
-                seed = request.sampling.seed
-                gen.manual_seed(seed + 1 if seed is not None else torch.seed())
-            d = self._drafts[id(request)] = _Draft(seq, [], gen)
+            d = self._drafts[id(request)] = _Draft(self.cache.new_sequence(), [],
+                                                   _draft_generator(request, self.runner.device))
         return d
 
     def _catch_up(self, request: Request) -> list[int]:
@@ -149,10 +163,7 @@ class DraftModelDrafter:
         snapshot; a fresh sequence if there is none) and return the tokens it still has to be fed."""
         tokens = request.tokens
         d = self._draft_of(request)
-        common = 0
-        limit = min(len(d.tokens), len(tokens) - 1)
-        while common < limit and d.tokens[common] == tokens[common]:
-            common += 1
+        common = _held_prefix(d.tokens, tokens)
         if common < len(d.tokens):
             try:
                 self.cache.rewind(d.seq, common)
@@ -205,18 +216,10 @@ class CausalLMDrafter:
         key = id(req)
         d, cache = self._drafts.get(key), self._caches.get(key)
         if d is None:
-            gen = None
-            if req.sampling.do_sample:
-                gen = torch.Generator(device=self.model.device)
-                seed = req.sampling.seed
-                gen.manual_seed(seed + 1 if seed is not None else torch.seed())
-            d, cache = _Draft(None, [], gen), self._new_cache()
+            d, cache = _Draft(None, [], _draft_generator(req, self.model.device)), self._new_cache()
             self._drafts[key], self._caches[key] = d, cache
         tokens = req.tokens
-        common = 0
-        limit = min(len(d.tokens), len(tokens) - 1)
-        while common < limit and d.tokens[common] == tokens[common]:
-            common += 1
+        common = _held_prefix(d.tokens, tokens)
         if common < len(d.tokens):
             if getattr(cache, "is_croppable", True):
                 cache.crop(common - len(d.tokens))     # (transformers 5: a negative count of tokens to drop)

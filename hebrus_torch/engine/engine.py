@@ -544,7 +544,7 @@ class Engine:
             if not needs_logits:
                 continue
             if chunk.drafts:
-                outputs.append(self._take_verified(req, new_tokens, logprobs, now, id(req) not in recomputing))
+                outputs.append(self._append(req, new_tokens, logprobs, None, now, id(req) not in recomputing))
             else:
                 outputs.append(self._take(req, next(picks), now))
         outputs += [self._take(fork, next(picks), now) for _, fork in forked]
@@ -552,17 +552,25 @@ class Engine:
 
     def _take(self, req: Request, pick: Pick, now: float) -> StepOutput:
         """Append a sampled token (a ``sampling.Pick``) to ``req``; finish it if it stops there."""
-        req.generated.append(pick.token)
-        if pick.logprob is not None:
-            req.logprobs.append(pick.logprob)
-            if req.sampling.top_logprobs:
-                req.top_logprobs.append(pick.top)
+        return self._append(req, [pick.token], None if pick.logprob is None else [pick.logprob],
+                            [pick.top] if pick.logprob is not None and req.sampling.top_logprobs else None, now)
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[float] | None,
+                tops: list[tuple] | None, now: float, running: bool = True) -> StepOutput:
+        """Append a step's tokens to ``req`` (``running``: False when it must recompute: its status stays);
+        finish it if it stops at the last."""
+        req.generated.extend(tokens)
+        if logprobs is not None:
+            req.logprobs.extend(logprobs)
+        if tops is not None:
+            req.top_logprobs.extend(tops)
         if req.first_token_time < 0:
             req.first_token_time = now
         if req.record_timestamps:
-            req.timestamps.append(now)
-        req.status = RequestStatus.DECODING
-        out = StepOutput(req, [pick.token])
+            req.timestamps.extend([now] * len(tokens))
+        if running:
+            req.status = RequestStatus.DECODING
+        out = StepOutput(req, list(tokens))
         reason = self._stop_reason(req)
         if reason is not None:
             req.finish_reason = reason
@@ -597,27 +605,6 @@ class Engine:
                 self.scheduler.join(fork)
                 self.counters.forked_choices += 1
                 out.append((row, fork))
-        return out
-
-    def _take_verified(self, req: Request, tokens: list[int], logprobs: list[float] | None, now: float,
-                       running: bool) -> StepOutput:
-        """Append a verification row's tokens to ``req`` (``running``: False when it must recompute); finish it
-        if it stops at the last."""
-        req.generated.extend(tokens)
-        if logprobs is not None:
-            req.logprobs.extend(logprobs)
-        if req.first_token_time < 0:
-            req.first_token_time = now
-        if req.record_timestamps:
-            req.timestamps.extend([now] * len(tokens))
-        if running:
-            req.status = RequestStatus.DECODING
-        out = StepOutput(req, list(tokens))
-        reason = self._stop_reason(req)
-        if reason is not None:
-            req.finish_reason = reason
-            self._finish(req, RequestStatus.FINISHED)
-            out.finished = True
         return out
 
     def _pick(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
