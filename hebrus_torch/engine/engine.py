@@ -711,12 +711,10 @@ class Engine:
         for fork in forks:             # ended before its prompt did: the other choices run on their own
             if not fork.status.is_done:
                 self.scheduler.add(fork)
-        release = getattr(self.drafter, "release", None)
-        if release is not None:
-            release(req)
         if status is RequestStatus.FINISHED and req.seq is not None:
             self._to_prompt_cache(req)
             if self._keep(req):
+                self._release_draft(req)
                 return
         self._release_state(req)
 
@@ -901,10 +899,14 @@ class Engine:
                             f"outside the engine's requests")
         return self._fail([req], f"{type(err).__name__}: {err}")
 
-    def _release_state(self, req: Request) -> None:
+    def _release_draft(self, req: Request) -> None:
+        """Free what the drafter holds for ``req`` (a draft model's sequence)."""
         release = getattr(self.drafter, "release", None)
         if release is not None:
             release(req)
+
+    def _release_state(self, req: Request) -> None:
+        self._release_draft(req)
         if req.seq is None:
             return
         if self.prefix is not None:
