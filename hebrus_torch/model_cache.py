@@ -62,7 +62,7 @@ class StepRecording:
 
     starts: dict[SeqHandle, int | None]     # each sequence's first position in the step (None: no QSA cache)
     fed: dict[SeqHandle, int]               # tokens the step feeds it
-    snapshots: dict[SeqHandle, CacheSnapshot]
+    rows: dict[str, tuple[torch.Tensor, ...]]   # per recurrent holder, its snapshot_rows of ``fed``'s sequences
     log: ReplayLog
 
 
@@ -491,14 +491,16 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         """Around one step that feeds ``rows[seq]`` tokens to each of these sequences: afterwards
         :meth:`truncate` can keep only the first n of them (speculative decoding's verification step).
 
-        The recurrent state of each sequence is snapshotted here, and the recurrent holders' state ops
-        record their inputs for these rows while the block runs (``state/replay.py``); nothing is copied
-        for other rows. The recording is only valid for the one step run inside the block."""
+        The recurrent state of these sequences is snapshotted here (one gather per pool for all of them),
+        and the recurrent holders' state ops record their inputs for these rows while the block runs
+        (``state/replay.py``); nothing is copied for other rows. The recording is only valid for the one
+        step run inside the block."""
         for seq in rows:
             self.slots.check(seq)
-        rec = StepRecording({seq: self._next_position(seq) for seq in rows}, dict(rows),
-                            {seq: self._snapshot(seq, None) for seq in rows} if self._recurrent else {},
-                            ReplayLog(list(rows)))
+        seqs = list(rows)
+        rec = StepRecording({seq: self._next_position(seq) for seq in seqs}, dict(rows),
+                            {name: holder.snapshot_rows(seqs) for name, holder in self._recurrent},
+                            ReplayLog(seqs))
         for _, holder in self._recurrent:
             holder.replay_log = rec.log
         try:
@@ -527,9 +529,9 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         if not todo:
             return
         with self._atomic():
-            for seq in todo:
-                for name, holder in self._recurrent:
-                    holder.restore(seq, rec.snapshots[seq].parts[name])
+            columns = {seq: i for i, seq in enumerate(rec.fed)}      # the snapshot's order
+            for name, holder in self._recurrent:
+                holder.restore_rows(list(todo), rec.rows[name], [columns[seq] for seq in todo])
             rec.log.replay(todo)
             for seq, n in todo.items():
                 start = rec.starts[seq]

@@ -29,10 +29,8 @@ def mirror(t: torch.Tensor, values: Sequence[int]) -> torch.Tensor:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:          # inference tensors track no version
-        return None
+    # inference tensors track no version (reading it raises, and a raise costs ~6 us a call)
+    return None if t.is_inference() else t._version
 
 
 def host_ints(t: torch.Tensor) -> list[int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -59,10 +59,11 @@ class PoolSavepoint:
 
 @dataclass(frozen=True)
 class SlotUndo:
-    """A lifecycle op's undo: every layer's rows of one slot in each pool, as they were."""
+    """A lifecycle op's undo: every layer's rows of one slot (or of several: an index tensor) in each pool,
+    as they were."""
 
-    slot: int
-    rows: dict[str, torch.Tensor]   # pool name -> [layers, ...] of the slot
+    slot: int | torch.Tensor        # a slot, or Tensor[n] int64 on the pools' device
+    rows: dict[str, torch.Tensor]   # pool name -> [layers, ...] of the slot ([layers, n, ...] of several)
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,31 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
             parts = self._decode(state)
         with atomic(self):
             self._write_slot(slot, *parts)
+
+    # ------------------------------------------------------------------ several sequences at once
+    def _seq_index(self, seqs: Sequence[SeqHandle]) -> torch.Tensor:
+        """The slots of live ``seqs`` as Tensor[n] int64 on the pools' device (built on the host and uploaded:
+        no wait; not ``_slot_index``, whose one cached index is the steps')."""
+        slots = [self.slots.check(seq) for seq in seqs]
+        return torch.tensor(slots, dtype=torch.int64).to(getattr(self, self._CAST_POOL).device)
+
+    def snapshot_rows(self, seqs: Sequence[SeqHandle]) -> tuple[torch.Tensor, ...]:
+        """A copy of several live sequences' state in one gather per pool: ``_SEQ_PARTS`` order, each
+        ``[layers, len(seqs), ...]``. What :meth:`restore_rows` puts back (ModelCache.recording's snapshot
+        of a step's verification rows)."""
+        index = self._seq_index(seqs)
+        return tuple(getattr(self, p.pool).index_select(1, index) for p in self._SEQ_PARTS)
+
+    def restore_rows(self, seqs: Sequence[SeqHandle], rows: tuple[torch.Tensor, ...], columns: Sequence[int]) -> None:
+        """Overwrite live ``seqs[i]`` with column ``columns[i]`` of ``rows`` (:meth:`snapshot_rows` of this
+        holder, unchecked: a caller's own copy), in one scatter per pool and one undo entry."""
+        index = self._seq_index(seqs)
+        pick = torch.tensor(list(columns), dtype=torch.int64).to(index.device)
+        with atomic(self):
+            self._undo.append(SlotUndo(index, {p.pool: getattr(self, p.pool).index_select(1, index)
+                                               for p in self._SEQ_PARTS}))
+            for p, part in zip(self._SEQ_PARTS, rows):
+                getattr(self, p.pool).index_copy_(1, index, part.index_select(1, pick))
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
