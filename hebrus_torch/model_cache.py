@@ -62,8 +62,12 @@ class StepRecording:
 
     starts: dict[SeqHandle, int | None]     # each sequence's first position in the step (None: no QSA cache)
     fed: dict[SeqHandle, int]               # tokens the step feeds it
-    rows: dict[str, tuple[torch.Tensor, ...]]   # per recurrent holder, its snapshot_rows of ``fed``'s sequences
     log: ReplayLog
+
+    def release(self) -> None:
+        """Done with the recording (after :meth:`ModelCache.truncate`, or when nothing is cut): the holders take
+        back the undo buffers it kept (else they are freed with it and allocated again)."""
+        self.log.release()
 
 
 @dataclass
@@ -491,16 +495,13 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         """Around one step that feeds ``rows[seq]`` tokens to each of these sequences: afterwards
         :meth:`truncate` can keep only the first n of them (speculative decoding's verification step).
 
-        The recurrent state of these sequences is snapshotted here (one gather per pool for all of them),
-        and the recurrent holders' state ops record their inputs for these rows while the block runs
-        (``state/replay.py``); nothing is copied for other rows. The recording is only valid for the one
-        step run inside the block."""
+        While the block runs, the recurrent holders' state ops record, for the calls with these rows, their
+        inputs and the pool rows their undo log copied before writing (``state/replay.py``: references, no
+        copy of the state; PLE's conv tails are copied). The recording is only valid for the one step run
+        inside the block; :meth:`StepRecording.release` hands the rows back when done."""
         for seq in rows:
             self.slots.check(seq)
-        seqs = list(rows)
-        rec = StepRecording({seq: self._next_position(seq) for seq in seqs}, dict(rows),
-                            {name: holder.snapshot_rows(seqs) for name, holder in self._recurrent},
-                            ReplayLog(seqs))
+        rec = StepRecording({seq: self._next_position(seq) for seq in rows}, dict(rows), ReplayLog(list(rows)))
         for _, holder in self._recurrent:
             holder.replay_log = rec.log
         try:
@@ -512,8 +513,8 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
     def truncate(self, rec: "StepRecording", keep: Mapping[SeqHandle, int]) -> None:
         """After the recorded step committed: keep only the first ``keep[seq]`` (>= 1) of the tokens it fed
         each sequence. Every holder is then bitwise as if the step had fed only those: the recurrent state is
-        restored from the snapshot and its state ops run again on the kept tokens' recorded inputs (not the
-        model), the QSA cache drops the positions past them. One atomic operation: it changes all or
+        restored from the recorded rows and its state ops run again on the kept tokens' recorded inputs (not
+        the model), the QSA cache drops the positions past them. One atomic operation: it changes all or
         nothing."""
         todo: dict[SeqHandle, int] = {}
         for seq, n in keep.items():
@@ -529,9 +530,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         if not todo:
             return
         with self._atomic():
-            columns = {seq: i for i, seq in enumerate(rec.fed)}      # the snapshot's order
-            for name, holder in self._recurrent:
-                holder.restore_rows(list(todo), rec.rows[name], [columns[seq] for seq in todo])
+            rec.log.rewind(todo)
             rec.log.replay(todo)
             for seq, n in todo.items():
                 start = rec.starts[seq]

@@ -132,6 +132,30 @@ def test_truncate_leaves_every_holder_as_if_only_the_kept_tokens_were_fed(shape,
         assert torch.equal(la, lb), keep
 
 
+def test_truncate_after_other_sequences_ran_a_step(row_invariant):
+    """The recorded rows are the GDN undo log's own buffers: the holder must not recycle them for a later step
+    before the recording is released (a step of other sequences in between overwrote them when it did)."""
+    model = eager_experts(make_model("lin-idx", seed=16))
+    prompt, other = prompts_for(16, lengths=(11, 11))
+    extra = [7, 19, 23, 5]
+    engines = [Engine(model, EngineConfig(capacity_tokens=256, max_sequences=3, max_batch_tokens=None))
+               for _ in range(2)]
+    seqs = []
+    for engine in engines:
+        s, o = engine.cache.new_sequence(), engine.cache.new_sequence()
+        engine.runner.execute([s, o], [prompt, other], [True, True], [0, 0])
+        seqs.append((s, o))
+    (a, (sa, oa)), (b, (sb, ob)) = (engines[0], seqs[0]), (engines[1], seqs[1])
+    with a.cache.recording({sa: len(extra)}) as rec:
+        a.runner.execute([sa], [extra], [len(extra)], [len(prompt)])
+    a.runner.execute([oa], [[3, 4]], [True], [len(other)])          # its undo log wants buffers of sa's shape
+    a.cache.truncate(rec, {sa: 2})
+    rec.release()
+    b.runner.execute([sb], [extra[:2]], [True], [len(prompt)])
+    b.runner.execute([ob], [[3, 4]], [True], [len(other)])
+    assert a.cache.digest() == b.cache.digest()
+
+
 def test_truncate_refuses_bad_arguments_and_changes_nothing():
     model = make_model("lin-idx", seed=12)
     engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=3, max_batch_tokens=None))

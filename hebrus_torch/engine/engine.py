@@ -521,6 +521,8 @@ class Engine:
         forked = self._fork_choices(plain)          # (index in plain, fork): the choices of a prompt
         picks, verified = self._pick(chunks, logits, forked)
         recomputing = self._keep_verified(chunks, verified, recording) if verified else set()
+        if recording is not None:
+            recording.release()
         outputs: list[StepOutput] = []
         now = time.perf_counter()
         for chunk in chunks:

@@ -219,12 +219,12 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
         weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
         pool = self.conv_state[layer]
         index = self._slot_index(slots, pool.device)
-        if self.replay_log is not None:
-            self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x}, weight=weight,
-                                   activation=activation)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         with atomic(self):
-            self._log_rows("conv_state", layer, pool, index)   # before the write: see _log_rows
+            old = self._log_rows("conv_state", layer, pool, index)   # before the write: see _log_rows
+            if self.replay_log is not None:
+                self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x}, ("conv_state", old),
+                                       weight=weight, activation=activation)
             if in_place:
                 # hebrus::ple_conv_slots reads and rewrites the tails in the pool (and refuses before writing).
                 return ple_ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, 1, act)
@@ -280,10 +280,11 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
                                              for p, s in zip(start_pos, seqs)):
                 raise HebrusError("GDNState.delta_rule: a row that may be cut short (speculative decoding) must run "
                                   "the recurrent form (its replay does)")
-            self.replay_log.record(self, "delta_rule", layer, seqs, cu_seqlens,
-                                   {"q": q, "k": k, "v": v, "g": g, "beta": beta})
         with atomic(self):
-            self._log_rows("recurrent_state", layer, pool, index)   # before the write: see _log_rows
+            old = self._log_rows("recurrent_state", layer, pool, index)   # before the write: see _log_rows
+            if self.replay_log is not None:
+                self.replay_log.record(self, "delta_rule", layer, seqs, cu_seqlens,
+                                       {"q": q, "k": k, "v": v, "g": g, "beta": beta}, ("recurrent_state", old))
             if start_pos is None or all(p is None for p in start_pos):
                 return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
             return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
@@ -292,11 +293,17 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
     # The undo log's hooks (_txn_begin ... _txn_restore, _apply_undo, _log_slot): SlotPoolHolder.
     def _reset_staging(self) -> None:
         super()._reset_staging()
-        for buf in self._undo_used:   # no entry refers to them any more
-            self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+        log = self.replay_log
+        for buf in self._undo_used:   # no entry refers to them any more (but a replay log's record may)
+            if log is None or not log.holds(buf):
+                self.recycle_undo_rows(buf)
         self._undo_used = []
 
-    def _log_rows(self, name: str, layer: int, pool: torch.Tensor, index: torch.Tensor) -> None:
+    def recycle_undo_rows(self, buf: torch.Tensor) -> None:
+        """Take back an undo buffer nobody refers to any more (a ReplayLog's, once released)."""
+        self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+
+    def _log_rows(self, name: str, layer: int, pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Log the pool rows a step's in-place op is about to overwrite. Called inside ``atomic(self)``
         BEFORE the op: should anything raise after the op has written (between the write and the end of
         the call), the rollback finds the entry and restores the rows; a refused op wrote nothing, so
@@ -308,6 +315,7 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
         self._undo_used.append(rows)
         torch.index_select(pool, 0, index, out=rows)
         self._undo.append(RowsUndo(name, layer, index, rows))
+        return rows
 
     # ----------------------------------------------------------------------------- device / dtype moves
     # _check_apply: SlotPoolHolder.

@@ -205,13 +205,14 @@ class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
         p = self.hash_params(layer)
         pool = self.history[layer]
         index = self._slot_index(slots, pool.device)
-        if self.replay_log is not None:
-            self.replay_log.record(self, "ngram_ids", layer, seqs, cu_seqlens, {"tokens": tokens})
         with atomic(self):
             # In place by slot (hebrus::ple_ngram_ids_slots). The undo entry (the rows' whole old histories,
             # so applying it is right whether or not the op wrote) is logged before the write: an exception
             # after the write (a KeyboardInterrupt, a fault in a wrapper) is still undone.
-            self._undo.append(RowsUndo("history", layer, index, pool.index_select(0, index)))
+            old = pool.index_select(0, index)
+            self._undo.append(RowsUndo("history", layer, index, old))
+            if self.replay_log is not None:
+                self.replay_log.record(self, "ngram_ids", layer, seqs, cu_seqlens, {"tokens": tokens}, ("history", old))
             return ops.ple_ngram_ids_slots(tokens, cu_seqlens, pool, index, p.multipliers,
                                            p.vocab_sizes, p.offsets, self.eos_token_id, self.vocab_size)
 
@@ -249,8 +250,9 @@ class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
             weight = weight.to(device=x.device, dtype=x.dtype)
         pool, first = self._tail_pools(layer)
         index = self._slot_index(slots, pool.device)
-        if self.replay_log is not None:
-            self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x}, weight=weight)
+        if self.replay_log is not None:     # (the undo entry below keeps only what a decode drops: copy the tails)
+            self.replay_log.record(self, "conv", layer, seqs, cu_seqlens, {"x": x},
+                                   ("conv_state", pool.index_select(0, index)), weight=weight)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         if in_place:
             # hebrus::ple_conv_slots updates the tails in the pool, and refuses before writing anything. Outside

@@ -5,11 +5,13 @@ the accepted prefix. The recurrent state (PLE n-gram history and conv tails, GDN
 recurrent state) cannot be recomputed backwards, and re-running the model on the accepted tokens
 would cost what speculation saves. Instead, while a :class:`ReplayLog` is attached to a holder, each
 of its in-place state ops (``PLEState.ngram_ids`` / ``conv``, ``GDNState.conv`` / ``delta_rule``)
-records the packed inputs it was given (references, no copy). :meth:`ReplayLog.replay` calls the
-same ops again on the first n tokens of chosen rows, from the state those rows had before the step:
-every op is bitwise chunk- and batch-invariant (the recurrent form), so the state it leaves is the
-state that feeding only those n tokens would have left. Only the state ops run again, never the
-model's projections, attention or MoE.
+records the packed inputs it was given and the rows of its pool it was about to overwrite: the rows
+its transaction's undo log copied anyway (references, no copy; PLE's conv, whose undo entry keeps
+only what a decode drops, copies its rows' small tails). :meth:`ReplayLog.rewind` writes those rows
+back for chosen sequences, and :meth:`ReplayLog.replay` calls the same ops again on the first n
+tokens of their rows: every op is bitwise chunk- and batch-invariant (the recurrent form), so the
+state it leaves is the state that feeding only those n tokens would have left. Only the state ops run
+again, never the model's projections, attention or MoE.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class _Record:
     bounds: tuple[int, ...]                 # the call's row boundaries (cu_seqlens, on the host)
     packed: dict[str, torch.Tensor]         # inputs with one row per packed token
     kwargs: dict[str, Any] = field(default_factory=dict)
+    pool: str = ""                          # the holder's pool the op writes (layer ``layer`` of it) ...
+    before: torch.Tensor | None = None      # ... and its rows of ``seqs`` before the op, [B, ...]
 
 
 class ReplayLog:
@@ -48,17 +52,40 @@ class ReplayLog:
         self.records: list[_Record] = []
 
     def record(self, holder: Any, method: str, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor,
-               packed: Mapping[str, torch.Tensor], **kwargs: Any) -> None:
+               packed: Mapping[str, torch.Tensor], before: tuple[str, torch.Tensor], **kwargs: Any) -> None:
         """Called by a holder's op before it writes: ``holder.method(layer, seqs, cu_seqlens=..., **packed,
-        **kwargs)`` is what :meth:`replay` calls again."""
+        **kwargs)`` is what :meth:`replay` calls again; ``before`` = (pool, rows): the op writes layer
+        ``layer`` of ``holder.<pool>``, whose rows of ``seqs`` were ``rows`` (nobody may write them later)."""
         if self.seqs.isdisjoint(seqs):
             return
         self.records.append(_Record(holder, method, layer, tuple(seqs), tuple(host_ints(cu_seqlens)),
-                                    dict(packed), kwargs))
+                                    dict(packed), kwargs, before[0], before[1]))
+
+    def holds(self, rows: torch.Tensor) -> bool:
+        """Whether a record refers to ``rows`` (a holder recycling its undo buffers must keep those)."""
+        return any(rec.before is rows for rec in self.records)
+
+    def rewind(self, keep: Mapping[SeqHandle, int]) -> None:
+        """Write back the rows every recorded op found for the listed sequences: the latest record first, so
+        that a sequence's rows end as the first op of the step found them (its state before the step)."""
+        for rec in reversed(self.records):
+            rows = [i for i, s in enumerate(rec.seqs) if s in keep]
+            if rows:
+                picked = torch.tensor(rows, dtype=torch.int64).to(rec.before.device)      # an upload, no wait
+                rec.holder.write_layer_rows(rec.pool, rec.layer, [rec.seqs[i] for i in rows],
+                                            rec.before.index_select(0, picked))
+
+    def release(self) -> None:
+        """Forget the records; a holder that recycles its undo buffers takes back those the records held."""
+        for rec in self.records:
+            recycle = getattr(rec.holder, "recycle_undo_rows", None)
+            if recycle is not None and rec.before is not None:
+                recycle(rec.before)
+        self.records = []
 
     def replay(self, keep: Mapping[SeqHandle, int]) -> None:
         """Run every recorded op again on the first ``keep[seq]`` tokens of each listed sequence's row (the
-        holders must hold those sequences' state from before the step; the caller restores it)."""
+        holders must hold those sequences' state from before the step: :meth:`rewind`)."""
         for rec in self.records:
             rows = [(i, s) for i, s in enumerate(rec.seqs) if s in keep]
             if not rows:

@@ -59,11 +59,10 @@ class PoolSavepoint:
 
 @dataclass(frozen=True)
 class SlotUndo:
-    """A lifecycle op's undo: every layer's rows of one slot (or of several: an index tensor) in each pool,
-    as they were."""
+    """A lifecycle op's undo: every layer's rows of one slot in each pool, as they were."""
 
-    slot: int | torch.Tensor        # a slot, or Tensor[n] int64 on the pools' device
-    rows: dict[str, torch.Tensor]   # pool name -> [layers, ...] of the slot ([layers, n, ...] of several)
+    slot: int
+    rows: dict[str, torch.Tensor]   # pool name -> [layers, ...] of the slot
 
 
 @dataclass(frozen=True)
@@ -227,30 +226,15 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
         with atomic(self):
             self._write_slot(slot, *parts)
 
-    # ------------------------------------------------------------------ several sequences at once
-    def _seq_index(self, seqs: Sequence[SeqHandle]) -> torch.Tensor:
-        """The slots of live ``seqs`` as Tensor[n] int64 on the pools' device (built on the host and uploaded:
-        no wait; not ``_slot_index``, whose one cached index is the steps')."""
+    def write_layer_rows(self, pool: str, layer: int, seqs: Sequence[SeqHandle], rows: torch.Tensor) -> None:
+        """Overwrite layer ``layer``'s rows of live ``seqs`` in ``pool`` with ``rows`` ``[len(seqs), ...]``, as
+        one undo-logged scatter (unchecked values: the rows a step's op logged, ``state/replay.py``)."""
         slots = [self.slots.check(seq) for seq in seqs]
-        return torch.tensor(slots, dtype=torch.int64).to(getattr(self, self._CAST_POOL).device)
-
-    def snapshot_rows(self, seqs: Sequence[SeqHandle]) -> tuple[torch.Tensor, ...]:
-        """A copy of several live sequences' state in one gather per pool: ``_SEQ_PARTS`` order, each
-        ``[layers, len(seqs), ...]``. What :meth:`restore_rows` puts back (ModelCache.recording's snapshot
-        of a step's verification rows)."""
-        index = self._seq_index(seqs)
-        return tuple(getattr(self, p.pool).index_select(1, index) for p in self._SEQ_PARTS)
-
-    def restore_rows(self, seqs: Sequence[SeqHandle], rows: tuple[torch.Tensor, ...], columns: Sequence[int]) -> None:
-        """Overwrite live ``seqs[i]`` with column ``columns[i]`` of ``rows`` (:meth:`snapshot_rows` of this
-        holder, unchecked: a caller's own copy), in one scatter per pool and one undo entry."""
-        index = self._seq_index(seqs)
-        pick = torch.tensor(list(columns), dtype=torch.int64).to(index.device)
+        target = getattr(self, pool)[layer]
+        index = torch.tensor(slots, dtype=torch.int64).to(target.device)     # an upload: no wait
         with atomic(self):
-            self._undo.append(SlotUndo(index, {p.pool: getattr(self, p.pool).index_select(1, index)
-                                               for p in self._SEQ_PARTS}))
-            for p, part in zip(self._SEQ_PARTS, rows):
-                getattr(self, p.pool).index_copy_(1, index, part.index_select(1, pick))
+            self._undo.append(RowsUndo(pool, layer, index, target.index_select(0, index)))
+            target.index_copy_(0, index, rows.to(target.dtype))
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
