@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -199,6 +200,38 @@ def test_greedy_prompt_lookup_gives_the_plain_tokens():
     tokens, engine = run(model, prompts, spec=5, max_new_tokens=16)
     assert tokens == ref
     assert engine.counters.spec_drafted_tokens > 0
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_logprobs_and_top_alternatives_of_verified_tokens_are_the_plain_ones(do_sample, row_invariant):
+    """A request asking for top_logprobs speculates too: every emitted token (accepted drafts and the target's
+    own) gets the log-probability and the alternatives that decoding token by token gives it."""
+    model = eager_experts(make_model("lin-idx", seed=17))
+    prompts = prompts_for(17, lengths=(9, 14))
+    kw = dict(do_sample=True, temperature=0.8, top_k=20, seed=5) if do_sample else {}
+    sampling = SamplingParams(logprobs=True, top_logprobs=4, **kw)
+    _, plain = run(model, prompts, max_new_tokens=14, sampling=sampling)
+    ref = {rid: r.generated for rid, r in plain.requests.items()}
+    drafting = dict(draft_model=model) if do_sample else dict(drafter=oracle(ref, 3))    # (the target drafts for
+    _, spec = run(model, prompts, max_new_tokens=14, sampling=sampling, spec=4, **drafting)   # itself: q = p)
+    assert spec.counters.spec_accepted_tokens > 0
+    for i, (rid, req) in enumerate(spec.requests.items()):
+        assert len(req.logprobs) == len(req.top_logprobs) == len(req.generated)
+        if not do_sample:
+            want = plain.requests[rid]
+            assert req.generated == want.generated and req.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+        else:                  # another stream of draws: decode each of its tokens alone, from the same prefix
+            tops = []
+            for j in range(len(req.generated)):
+                _, one = run(model, [prompts[i] + req.generated[:j]], max_new_tokens=1, sampling=sampling)
+                tops.append(one.requests["r0"].top_logprobs[0])
+            want = SimpleNamespace(top_logprobs=tops, logprobs=[dict(t).get(tok) for t, tok in zip(tops, req.generated)])
+        assert [[t for t, _ in top] for top in req.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]
+        assert [v for top in req.top_logprobs for _, v in top] == \
+            pytest.approx([v for top in want.top_logprobs for _, v in top], abs=1e-6)
+        for lp, lp_want in zip(req.logprobs, want.logprobs):
+            if lp_want is not None:              # (a sampled token outside the top 4 has no reference here)
+                assert lp == pytest.approx(lp_want, abs=1e-6)
 
 
 def test_a_request_whose_drafts_are_never_accepted_soon_stops_drafting(row_invariant):

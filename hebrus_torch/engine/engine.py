@@ -456,8 +456,8 @@ class Engine:
         for req in self.scheduler.running:
             spec, cfg = req.spec, req.speculative
             spec.draft = []
-            if not cfg.enabled or req.remaining != 1 or not req.generated or req.sampling.top_logprobs:
-                continue          # (top_logprobs: the alternatives of verified tokens are not computed)
+            if not cfg.enabled or req.remaining != 1 or not req.generated:
+                continue
             k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, cap - req.num_tokens - 1)
             if k <= 0:
                 continue
@@ -530,7 +530,7 @@ class Engine:
             needs_logits = chunk.needs_logits      # (before num_computed moves)
             end = chunk.start + chunk.num_tokens
             if chunk.drafts:
-                new_tokens, logprobs = verified[id(chunk)]
+                new_tokens, logprobs, tops = verified[id(chunk)]
                 # the step's first token and the kept drafts (none if the request must recompute)
                 end = 0 if id(req) in recomputing else chunk.start + len(new_tokens)
                 self.counters.decode_tokens += chunk.width
@@ -546,7 +546,7 @@ class Engine:
             if not needs_logits:
                 continue
             if chunk.drafts:
-                outputs.append(self._append(req, new_tokens, logprobs, None, now, id(req) not in recomputing))
+                outputs.append(self._append(req, new_tokens, logprobs, tops, now, id(req) not in recomputing))
             else:
                 outputs.append(self._take(req, next(picks), now))
         outputs += [self._take(fork, next(picks), now) for _, fork in forked]
@@ -642,8 +642,8 @@ class Engine:
     def _keep_verified(self, chunks: Sequence[ScheduledChunk], verdicts: dict, recording) -> set[int]:
         """Turn each verification row's Verdict into the tokens it emits (cut at the first that stops the
         request) and cut the step short for the rows that keep fewer tokens than they fed; ``verdicts``
-        then maps ``id(chunk)`` to (tokens, logprobs or None). Returns the ids of the requests whose
-        state could not be cut (freed instead: they recompute, keeping their tokens)."""
+        then maps ``id(chunk)`` to (tokens, logprobs or None, top alternatives or None). Returns the ids of
+        the requests whose state could not be cut (freed instead: they recompute, keeping their tokens)."""
         cut: dict[SeqHandle, int] = {}
         for chunk in chunks:
             if not chunk.drafts:
@@ -661,7 +661,8 @@ class Engine:
             self.counters.spec_verify_rows += 1
             self.counters.spec_drafted_tokens += len(chunk.drafts)
             self.counters.spec_accepted_tokens += verdict.accepted
-            verdicts[id(chunk)] = (emitted[:n], None if verdict.logprobs is None else verdict.logprobs[:n])
+            verdicts[id(chunk)] = (emitted[:n], None if verdict.logprobs is None else verdict.logprobs[:n],
+                                   None if verdict.tops is None else verdict.tops[:n])
             if n < chunk.width:                     # the cache keeps the step's first token and n - 1 drafts
                 cut[req.seq] = n
         self.counters.spec_steps += 1

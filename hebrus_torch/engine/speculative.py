@@ -181,11 +181,14 @@ class Verdict:
         token: the token after them (the target's correction, or its next token after all k).
         logprobs: per emitted token (accepted drafts then ``token``), the log-probability under the processed
             distribution, when the request asked for them; else None.
+        tops: per emitted token, the ``top_logprobs`` most likely ``(token, log-probability)`` pairs at its
+            position, most likely first (``sampling.Pick.top``), when the request asked for them; else None.
     """
 
     accepted: int
     token: int
     logprobs: list[float] | None = None
+    tops: list[tuple[tuple[int, float], ...]] | None = None
 
     def emitted(self, drafts: Sequence[int]) -> list[int]:
         return list(drafts[:self.accepted]) + [self.token]
@@ -224,6 +227,7 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
             deterministic drafts (prompt lookup: q one-hot).
     """
     packed: list[torch.Tensor] = []
+    vocab = logits.shape[-1]
     for r, (off, d, p) in enumerate(zip(offsets, drafts, params)):
         k = len(d)
         dev = logits.device
@@ -258,7 +262,11 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
             cand = torch.cat((fixes, last))
         lp_cand = logp.gather(1, cand[:, None])[:, 0]
         lp_draft = logp[:k].gather(1, d_t[:, None])[:, 0] if k else lp_cand[:0]
-        packed.append(torch.cat((cand.double(), accept, lp_cand.double(), lp_draft.double())))
+        parts = [cand.double(), accept, lp_cand.double(), lp_draft.double()]
+        if p.logprobs and p.top_logprobs:      # every position's alternatives ([k+1, t] ids, then log-probabilities)
+            top = logp.topk(min(p.top_logprobs, vocab), dim=-1)
+            parts += [top.indices.double().flatten(), top.values.double().flatten()]
+        packed.append(torch.cat(parts))
 
     def finish(values: list[float]) -> list[Verdict]:
         out: list[Verdict] = []
@@ -272,7 +280,14 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
             at += 4 * k + 2
             m = next((j for j in range(k) if accept[j] < 0.5), k)
             lps = (lp_draft[:m] + [lp_cand[m]]) if p.logprobs else None
-            out.append(Verdict(m, int(cand[m]), lps))
+            tops = None
+            if p.logprobs and p.top_logprobs:
+                t = min(p.top_logprobs, vocab)
+                ids, lp_top = values[at:at + (k + 1) * t], values[at + (k + 1) * t:at + 2 * (k + 1) * t]
+                at += 2 * (k + 1) * t
+                tops = [tuple(zip((int(i) for i in ids[j * t:(j + 1) * t]), lp_top[j * t:(j + 1) * t]))
+                        for j in range(m + 1)]
+            out.append(Verdict(m, int(cand[m]), lps, tops))
         return out
 
     return (torch.cat(packed) if packed else None), finish
