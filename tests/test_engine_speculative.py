@@ -276,15 +276,18 @@ def _distribution(samples: list[int], vocab: int) -> torch.Tensor:
     return torch.bincount(torch.tensor(samples), minlength=vocab).double() / len(samples)
 
 
+@pytest.mark.parametrize("processing", [dict(temperature=0.8, top_k=5),
+                                        dict(temperature=1.3, top_p=0.8, repetition_penalty=1.4)])
 @pytest.mark.parametrize("with_q", [False, True])
-def test_rejection_sampling_keeps_the_target_distribution(with_q):
+def test_rejection_sampling_keeps_the_target_distribution(with_q, processing):
     """Drafts from q (a draft model: sampled from q; prompt lookup: a fixed draft, q one-hot): the first
     emitted token is distributed as the target p_0, the second (after an accepted first) as p_1, and the
-    first draft is accepted with probability sum(min(p_0, q_0))."""
+    first draft is accepted with probability sum(min(p_0, q_0)); p is the processed distribution
+    (temperature, top-k or top-p, repetition penalty)."""
     vocab, k, trials = 6, 2, 12000
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(k + 1, vocab, generator=g) * 1.5
-    params = SamplingParams(do_sample=True, temperature=0.8, top_k=5)
+    params = SamplingParams(do_sample=True, **processing)
     history = [1, 2]
     q = torch.softmax(torch.randn(k, vocab, generator=g), -1) if with_q else None
     p = [torch.softmax(target_scores(logits[j], params, history, ())[1], -1).double() for j in range(k + 1)]
