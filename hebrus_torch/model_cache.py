@@ -532,11 +532,11 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         with self._atomic():
             rec.log.rewind(todo)
             rec.log.replay(todo)
-            for seq, n in todo.items():
-                start = rec.starts[seq]
-                if self.qsa is not None and start is not None:
-                    self.qsa.rewind(seq, start + n)
-                    kept = [s for s in self._snapshots.get(seq.slot, []) if s.position <= start + n]
+            ends = {seq: rec.starts[seq] + n for seq, n in todo.items() if rec.starts[seq] is not None}
+            if self.qsa is not None and ends:
+                self.qsa.rewind_many(ends)
+                for seq, end in ends.items():
+                    kept = [s for s in self._snapshots.get(seq.slot, []) if s.position <= end]
                     if kept or seq.slot in self._snapshots:
                         self._snapshots[seq.slot] = kept
 

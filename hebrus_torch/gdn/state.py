@@ -300,8 +300,12 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
         self._undo_used = []
 
     def recycle_undo_rows(self, buf: torch.Tensor) -> None:
-        """Take back an undo buffer nobody refers to any more (a ReplayLog's, once released)."""
-        self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+        """Take back an undo buffer nobody refers to any more (a ReplayLog's, once released). One still in the
+        open transaction's log is left to its end, and one already spare is not listed twice (two undo
+        entries would then share it)."""
+        spare = self._undo_spare.setdefault((tuple(buf.shape), buf.dtype, buf.device), [])
+        if not any(b is buf for b in self._undo_used) and not any(b is buf for b in spare):
+            spare.append(buf)
 
     def _log_rows(self, name: str, layer: int, pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Log the pool rows a step's in-place op is about to overwrite. Called inside ``atomic(self)``

@@ -86,20 +86,22 @@ class _Allocator:
         self._set(self.group_ref, chosen, 1)
         return chosen
 
-    def _release_cells(self, cells: torch.Tensor) -> None:
+    def _release_cells(self, cells: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Drop one reference to each of ``cells`` (distinct), or ``counts[i]`` to ``cells[i]``."""
         if cells.numel() == 0:
             return
-        self._set(self.cell_ref, cells, self.cell_ref[cells] - 1)
+        self._set(self.cell_ref, cells, self.cell_ref[cells] - (1 if counts is None else counts.to(torch.int32)))
         dead = cells[self.cell_ref[cells] == 0]
         if dead.numel():
             self._set(self.cell_pos, dead, -1)
             self._set(self._freed_cells, dead, True)
             self._set(self._unwritten, (slice(None), dead), False)
 
-    def _release_rows(self, rows: torch.Tensor) -> None:
+    def _release_rows(self, rows: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Drop one reference to each of ``rows`` (distinct), or ``counts[i]`` to ``rows[i]``."""
         if rows.numel() == 0:
             return
-        self._set(self.group_ref, rows, self.group_ref[rows] - 1)
+        self._set(self.group_ref, rows, self.group_ref[rows] - (1 if counts is None else counts.to(torch.int32)))
         dead = rows[self.group_ref[rows] == 0]
         if dead.numel():
             self._set(self._freed_rows, dead, True)

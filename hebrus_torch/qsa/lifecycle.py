@@ -11,7 +11,7 @@ uploaded once per ``reserve`` and the keys written into them.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -377,6 +377,30 @@ class _Lifecycle:
     def rewind(self, seq: SeqHandle, p: int) -> None:
         """Drop positions >= p (``remove(seq, p, -1)``)."""
         self.remove(seq, max(as_int("QSACache.rewind: p", p), 0), -1)
+
+    def rewind_many(self, positions: Mapping[SeqHandle, int]) -> None:
+        """``rewind(seq, p)`` of every ``seq: p`` as one atomic operation, the cells and group rows they drop
+        released together (one undo-logged update per table rather than per sequence: a speculative
+        verification step cuts many rows back at once)."""
+        with self._op():
+            cells: list[torch.Tensor] = []
+            rows: list[torch.Tensor] = []
+            for seq, p in positions.items():
+                p = max(as_int("QSACache.rewind: p", p), 0)
+                slot = self._slot(seq)
+                self._settle(slot)
+                run = self._runs[slot]
+                keep = max(p - run.p0, 0)
+                if keep >= run.n:
+                    continue
+                g = keep // self.compress_ratio
+                rows.append(run.groups.tensor()[g:])
+                cells.append(run.cells.tensor()[keep:])
+                self._runs[slot] = (_Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g)) if keep
+                                    else _Run(run.p0, 0, _Vec.empty(), _Vec.empty()))
+            if cells:       # (runs may share cells and rows after a fork: each holder drops its reference)
+                self._release_rows(*torch.cat(rows).unique(return_counts=True))
+                self._release_cells(*torch.cat(cells).unique(return_counts=True))
 
     def shift(self, seq: SeqHandle, p0: int, p1: int, delta: int) -> None:
         """llama.cpp ``seq_add``: add ``delta`` to positions in ``[p0, p1)`` (``p1 < 0``: to the end). Only a

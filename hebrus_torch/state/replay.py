@@ -35,9 +35,9 @@ class _Record:
     seqs: tuple[SeqHandle, ...]
     bounds: tuple[int, ...]                 # the call's row boundaries (cu_seqlens, on the host)
     packed: dict[str, torch.Tensor]         # inputs with one row per packed token
+    pool: str                               # the holder's pool the op writes (layer ``layer`` of it) ...
+    before: torch.Tensor                    # ... and its rows of ``seqs`` before the op, [B, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
-    pool: str = ""                          # the holder's pool the op writes (layer ``layer`` of it) ...
-    before: torch.Tensor | None = None      # ... and its rows of ``seqs`` before the op, [B, ...]
 
 
 class ReplayLog:
@@ -59,7 +59,7 @@ class ReplayLog:
         if self.seqs.isdisjoint(seqs):
             return
         self.records.append(_Record(holder, method, layer, tuple(seqs), tuple(host_ints(cu_seqlens)),
-                                    dict(packed), kwargs, before[0], before[1]))
+                                    dict(packed), before[0], before[1], kwargs))
 
     def holds(self, rows: torch.Tensor) -> bool:
         """Whether a record refers to ``rows`` (a holder recycling its undo buffers must keep those)."""
@@ -68,37 +68,46 @@ class ReplayLog:
     def rewind(self, keep: Mapping[SeqHandle, int]) -> None:
         """Write back the rows every recorded op found for the listed sequences: the latest record first, so
         that a sequence's rows end as the first op of the step found them (its state before the step)."""
+        picks: dict[tuple, tuple[list[SeqHandle], torch.Tensor]] = {}     # (the calls of a step share their rows)
         for rec in reversed(self.records):
-            rows = [i for i, s in enumerate(rec.seqs) if s in keep]
-            if rows:
-                picked = torch.tensor(rows, dtype=torch.int64).to(rec.before.device)      # an upload, no wait
-                rec.holder.write_layer_rows(rec.pool, rec.layer, [rec.seqs[i] for i in rows],
-                                            rec.before.index_select(0, picked))
+            key = (rec.seqs, rec.before.device)
+            if key not in picks:
+                rows = [i for i, s in enumerate(rec.seqs) if s in keep]
+                picks[key] = ([rec.seqs[i] for i in rows],
+                              torch.tensor(rows, dtype=torch.int64).to(rec.before.device))      # an upload, no wait
+            seqs, picked = picks[key]
+            if seqs:
+                rec.holder.write_layer_rows(rec.pool, rec.layer, seqs, rec.before.index_select(0, picked))
 
     def release(self) -> None:
         """Forget the records; a holder that recycles its undo buffers takes back those the records held."""
         for rec in self.records:
             recycle = getattr(rec.holder, "recycle_undo_rows", None)
-            if recycle is not None and rec.before is not None:
+            if recycle is not None:
                 recycle(rec.before)
         self.records = []
 
     def replay(self, keep: Mapping[SeqHandle, int]) -> None:
         """Run every recorded op again on the first ``keep[seq]`` tokens of each listed sequence's row (the
         holders must hold those sequences' state from before the step: :meth:`rewind`)."""
+        picks: dict[tuple, tuple[list[SeqHandle], torch.Tensor, torch.Tensor]] = {}   # (shared by a step's calls)
         for rec in self.records:
-            rows = [(i, s) for i, s in enumerate(rec.seqs) if s in keep]
-            if not rows:
-                continue
-            index: list[int] = []
-            bounds = [0]
-            for i, seq in rows:
-                start = rec.bounds[i]
-                n = min(int(keep[seq]), rec.bounds[i + 1] - start)
-                index.extend(range(start, start + n))
-                bounds.append(bounds[-1] + n)
             device = next(iter(rec.packed.values())).device
-            picked = torch.tensor(index, dtype=torch.int64).to(device)          # uploads, no wait
-            cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)
+            key = (rec.seqs, rec.bounds, device)
+            if key not in picks:
+                rows = [(i, s) for i, s in enumerate(rec.seqs) if s in keep]
+                index: list[int] = []
+                bounds = [0]
+                for i, seq in rows:
+                    start = rec.bounds[i]
+                    n = min(int(keep[seq]), rec.bounds[i + 1] - start)
+                    index.extend(range(start, start + n))
+                    bounds.append(bounds[-1] + n)
+                picked = torch.tensor(index, dtype=torch.int64).to(device)          # uploads, no wait
+                cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)
+                picks[key] = ([s for _, s in rows], picked, cu)
+            seqs, picked, cu = picks[key]
+            if not seqs:
+                continue
             packed = {name: t.index_select(0, picked) for name, t in rec.packed.items()}
-            getattr(rec.holder, rec.method)(rec.layer, [s for _, s in rows], cu_seqlens=cu, **packed, **rec.kwargs)
+            getattr(rec.holder, rec.method)(rec.layer, seqs, cu_seqlens=cu, **packed, **rec.kwargs)
