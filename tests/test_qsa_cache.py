@@ -712,6 +712,69 @@ def test_rewind_many_equals_one_rewind_after_another_with_shared_cells():
         check_invariants(many)
 
 
+def test_allocation_at_the_head_chooses_what_the_full_scan_chooses():
+    """The allocator's shortcut (the cells from the head on, when free and not precious) takes exactly the
+    cells and group rows the full scan takes: the same tables after every operation of a random workload
+    with forks, rewinds, frees, cells freed and taken again in one transaction, and rolled-back ones."""
+    rng = random.Random(5)
+    fast, slow = make_cache(48), make_cache(48)
+    slow._at_head = lambda *args: None
+    keys, _, _ = stream(64)
+    live: list[list[SeqHandle]] = [[], []]
+    for step in range(120):
+        op = rng.choice(["new", "append", "append", "rewind", "fork", "free", "abort", "redo", "redo"])
+        for c, seqs in zip((fast, slow), live):
+            r = random.Random(step)
+            try:
+                if op == "new" or not seqs:
+                    seqs.append(c.new_sequence())
+                elif op == "append":
+                    h = seqs[r.randrange(len(seqs))]
+                    n = r.randrange(1, 9)
+                    c.append(h, [kk[:n] for kk in keys])
+                elif op == "rewind":
+                    h = seqs[r.randrange(len(seqs))]
+                    p0, n = c.run(h)
+                    c.rewind(h, p0 + r.randrange(n + 1))
+                elif op == "fork":
+                    seqs.append(c.fork(seqs[r.randrange(len(seqs))]))
+                elif op == "free":
+                    c.free(seqs.pop(r.randrange(len(seqs))))
+                elif op == "redo":              # cells freed and taken in one transaction (precious ones)
+                    h = seqs[r.randrange(len(seqs))]
+                    p0, n = c.run(h)
+                    k = r.randrange(1, 9)
+                    with transaction(c):
+                        c.rewind(h, p0 + n // 2)
+                        c.append(h, [kk[:k] for kk in keys])
+                else:
+                    with pytest.raises(RuntimeError), transaction(c):
+                        c.append(seqs[r.randrange(len(seqs))], [kk[:3] for kk in keys])
+                        raise RuntimeError("abort")
+            except CapacityError:
+                pass
+        assert torch.equal(fast.cell_pos, slow.cell_pos) and torch.equal(fast.cell_ref, slow.cell_ref), step
+        assert torch.equal(fast.group_ref, slow.group_ref) and fast.digest() == slow.digest(), step
+    check_invariants(fast)
+
+
+def test_allocation_at_the_head_skips_cells_a_rollback_may_need():
+    """Cells freed in the open transaction lie at the head while other free cells do not: the shortcut must
+    leave them to the full scan, which takes the others (a rollback restores the freed cells' keys)."""
+    keys, _, _ = stream(8)
+    c = make_cache(16)
+    a, b, d = c.new_sequence(), c.new_sequence(), c.new_sequence()
+    c.append(a, [kk[:6] for kk in keys])                # cells 0..5
+    c.append(b, [kk[:4] for kk in keys])                # 6..9
+    c.free(b)                                           # 6..9 free (committed: nobody may need them back)
+    c.append(d, [kk[:6] for kk in keys])                # 10..15, the head wraps to 0
+    e = c.new_sequence()
+    with transaction(c):
+        c.rewind(a, 0)                                  # 0..5 free, but the transaction may restore them
+        c.append(e, [kk[:2] for kk in keys])
+        assert c.cells_of(e).tolist() == [6, 7]
+
+
 def test_rewind_many_is_atomic(cache):
     a, b = cache.new_sequence(), cache.new_sequence()
     keys, _, _ = stream(9)
