@@ -293,11 +293,11 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
     # The undo log's hooks (_txn_begin ... _txn_restore, _apply_undo, _log_slot): SlotPoolHolder.
     def _reset_staging(self) -> None:
         super()._reset_staging()
+        used, self._undo_used = self._undo_used, []
         log = self.replay_log
-        for buf in self._undo_used:   # no entry refers to them any more (but a replay log's record may)
+        for buf in used:              # no entry refers to them any more (but a replay log's record may)
             if log is None or not log.holds(buf):
                 self.recycle_undo_rows(buf)
-        self._undo_used = []
 
     def recycle_undo_rows(self, buf: torch.Tensor) -> None:
         """Take back an undo buffer nobody refers to any more (a ReplayLog's, once released). One still in the
