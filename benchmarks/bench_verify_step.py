@@ -32,11 +32,9 @@ STEPS = 40
 def decode_steps(model, prompts: list[list[int]], k: int) -> float:
     """Median seconds of STEPS decode steps (after the prefill and one decode step), k rejected drafts per
     request per step (k = 0: the plain engine)."""
-    vocab = model.config.vocab_size
+    from bench_speculative import never_accepted
 
-    def rejected(req, n):           # (bench_speculative's never-accepted drafts)
-        return [(req.tokens[-1] + 7 + j) % vocab for j in range(n)]
-
+    rejected = never_accepted(model.config.vocab_size)
     spec = SpeculativeConfig(k, adaptive=False) if k else SpeculativeConfig(0)
     engine = Engine(model, EngineConfig(capacity_tokens=65536, max_sequences=max(8, len(prompts)),
                                         max_batch_tokens=None, speculative=spec), drafter=rejected if k else None)

@@ -42,17 +42,23 @@ class _Lifecycle:
         moved = _Run(run.p0 + k, run.n - k, cells, run.groups)
         return self._rebuild(moved)
 
+    def _suffix_cut(self, run: _Run, keep: int) -> tuple[_Run, torch.Tensor, torch.Tensor]:
+        """The run's first ``keep`` (< n) positions (the anchor does not move: no rebuild), and the cells and
+        group rows past them (still referenced: the caller releases them)."""
+        if keep <= 0:
+            return _Run(run.p0, 0, _Vec.empty(), _Vec.empty()), run.cells.tensor(), run.groups.tensor()
+        g = keep // self.compress_ratio
+        return (_Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g)), run.cells.tensor()[keep:],
+                run.groups.tensor()[g:])
+
     def _drop_suffix(self, run: _Run, keep: int) -> _Run:
         """Keep the first ``keep`` positions (the anchor does not move: no rebuild)."""
         if keep >= run.n:
             return run
-        if keep <= 0:
-            self._release_run(run)
-            return _Run(run.p0, 0, _Vec.empty(), _Vec.empty())
-        g = keep // self.compress_ratio
-        self._release_rows(run.groups.tensor()[g:])
-        self._release_cells(run.cells.tensor()[keep:])
-        return _Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g))
+        cut, cells, rows = self._suffix_cut(run, keep)
+        self._release_rows(rows)
+        self._release_cells(cells)
+        return cut
 
     def _start_empty_run_at(self, seq: SeqHandle, p: int) -> None:
         """Make ``p`` the default first position of an empty sequence (ModelCache: after a rewind to a
@@ -393,11 +399,9 @@ class _Lifecycle:
                 keep = max(p - run.p0, 0)
                 if keep >= run.n:
                     continue
-                g = keep // self.compress_ratio
-                rows.append(run.groups.tensor()[g:])
-                cells.append(run.cells.tensor()[keep:])
-                self._runs[slot] = (_Run(run.p0, keep, run.cells.truncate(keep), run.groups.truncate(g)) if keep
-                                    else _Run(run.p0, 0, _Vec.empty(), _Vec.empty()))
+                self._runs[slot], dropped, dropped_rows = self._suffix_cut(run, keep)
+                cells.append(dropped)
+                rows.append(dropped_rows)
             if cells:       # (runs may share cells and rows after a fork: each holder drops its reference)
                 self._release_rows(*torch.cat(rows).unique(return_counts=True))
                 self._release_cells(*torch.cat(cells).unique(return_counts=True))
