@@ -123,6 +123,27 @@ def test_chat_logprobs_and_top_logprobs_are_the_models_log_softmax_streamed_or_n
     assert chat(server, messages, temperature=0).choices[0].logprobs is None
 
 
+def test_a_speculating_server_gives_the_models_logprobs_and_alternatives(checkpoint, tmp_path):
+    """With --draft-model (the target drafts for itself: every draft accepted), the tokens a verification
+    emits carry the log-probabilities and top alternatives of the model's log_softmax, as decoded tokens do."""
+    path, model, tokenizer = checkpoint
+    (messages, text, ids, gen), = clear_chats(model, tokenizer, 1, seed=35)
+    with Server(path, "--speculative-tokens", "3", "--draft-model", str(path), "--hebrus-capacity-tokens", "2048",
+                log=tmp_path / "server.log") as srv:
+        reply = chat(srv, messages, temperature=0, logprobs=True, top_logprobs=4)
+        counters = srv.settled_stats()["counters"]
+    assert counters["spec_accepted_tokens"] > 0, counters
+    assert reply.choices[0].message.content == text
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(gen)
+    want = model_logprobs(model, ids, gen)
+    for j, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(float(want[j][gen[j]]), abs=1e-4)
+        top = torch.topk(want[j], 4)
+        assert [tokenizer.convert_tokens_to_ids(t.token) for t in entry.top_logprobs] == top.indices.tolist()
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
 def test_sampled_logprobs_are_after_temperature(server, checkpoint):
     _, model, tokenizer = checkpoint
     messages = user_message(random.Random(34), 5)
