@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--emulate", choices=sorted(_emulate.NATIVE_OPS), default=_emulate.from_env(),
+    parser.add_argument("--emulate", choices=sorted(_emulate.EMULATED_DEVICE_TYPES), default=_emulate.from_env(),
                         help="emulate this device type on CPU (default: $HEBRUS_EMULATE_DEVICE)")
     parser.add_argument("--emulate-cuda", action="store_true")
     parser.add_argument("--ops", action="store_true", help="list the ops of every module")
@@ -102,8 +102,11 @@ def main() -> None:
     if args.emulate_cuda:
         from hebrus_torch import _extension, reference
         from hebrus_torch.integrations.qwen4_exp import indexer, ple
-        reference.checks_async = lambda device: True
-        reference._silu = torch.nn.functional.silu        # CUDA's SiLU (the CPU kernel's bits are CPU-only)
+        from hebrus_torch.reference import attention, checks, qsa
+        from hebrus_torch.reference import ple as ple_reference
+        for module in (reference, checks, ple_reference, qsa, attention):   # each family reads its own name
+            module.checks_async = lambda device: True
+        ple_reference._silu = torch.nn.functional.silu    # CUDA's SiLU (the CPU kernel's bits are CPU-only)
         import hebrus_torch
         for op in ("qsa_pool", "qsa_select", "qsa_attention", "ple_conv", "ple_ngram_ids"):
             setattr(hebrus_torch, op, getattr(reference, op))  # what CUDA runs instead of the C++ kernels

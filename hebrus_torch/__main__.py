@@ -16,6 +16,7 @@ import torch
 
 import hebrus_torch as ht
 from hebrus_torch import _extension
+from hebrus_torch._op_registry import OPS, has_native_kernel
 
 
 def available_devices() -> list[str]:
@@ -29,12 +30,13 @@ def available_devices() -> list[str]:
 
 def kernel_table() -> str:
     devices = available_devices()
-    lines = [f"{'op':<16}" + "".join(f"{d:>12}" for d in devices)]
-    for op in _extension.OP_NAMES:
-        cells = ["native" if _extension.has_native_kernel(op, d)
-                 else "native+copy" if op == "ple_conv_into" and _extension.has_native_kernel("ple_conv", d)
+    width = max(map(len, OPS)) + 2
+    lines = [f"{'op':<{width}}" + "".join(f"{d:>12}" for d in devices)]
+    for op, spec in OPS.items():
+        cells = ["native" if has_native_kernel(op, d)
+                 else "native+copy" if spec.composite_via and has_native_kernel(spec.composite_via, d)
                  else "reference" for d in devices]
-        lines.append(f"{op:<16}" + "".join(f"{c:>12}" for c in cells))
+        lines.append(f"{op:<{width}}" + "".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 
 

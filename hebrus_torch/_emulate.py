@@ -5,10 +5,11 @@ Inside the block, a tensor created for the emulated device (``torch.zeros(..., d
 reports ``device.type == "mps"``. So every ``device.type`` check in hebrus_torch, transformers and
 PyTorch takes the emulated device's branch without any of them knowing, and host tensors (plain CPU
 ones) stay distinguishable from device data, which is what makes a host read of device data (a
-sync) visible. Where a hebrus op is native on the emulated device (:data:`NATIVE_OPS`, the one list
-of the ops with Metal kernels) it runs as one dispatch of its CPU kernel; where it is not, its
-reference runs op by op on the emulated tensors, as the ``CompositeExplicitAutograd`` fallback does
-on the real device. ``_extension.has_native_kernel`` answers from the same list while emulating.
+sync) visible. Where a hebrus op is native on the emulated device (:data:`NATIVE_OPS`, the op
+registry's list of the ops with Metal kernels: ``hebrus_torch._op_registry``) it runs as one dispatch
+of its CPU kernel; where it is not, its composite (the reference) runs op by op on the emulated
+tensors, as the ``CompositeExplicitAutograd`` fallback does on the real device. ``has_native_kernel``
+answers from the same list while emulating.
 
 Every ATen or hebrus op that reaches the emulated device is reported to the observers
 (:func:`observe`) as one of:
@@ -37,24 +38,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import _op_registry
+from ._op_registry import NATIVE_OPS, emulated_device_type
 from .errors import HebrusError
 
-__all__ = ["NATIVE_OPS", "EmulatedTensor", "EmulationError", "emulate", "emulated_device_type", "from_env",
-           "observe", "SYNC_OPS", "VIEW_OPS"]
+__all__ = ["EMULATED_DEVICE_TYPES", "NATIVE_OPS", "EmulatedTensor", "EmulationError", "emulate",
+           "emulated_device_type", "from_env", "observe", "SYNC_OPS", "VIEW_OPS"]
 
 ENV = "HEBRUS_EMULATE_DEVICE"
 
-# The hebrus ops with a Metal kernel (csrc/mps + mps_kernels), what has_native_kernel(op, "mps") answers on a
-# Mac build. The macOS workflow checks that these are registered there (tests/test_mps_step_counts.py
-# checks this list against the workflow's).
-NATIVE_OPS: dict[str, frozenset[str]] = {
-    "mps": frozenset({"ple_ngram_ids", "ple_conv", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
-                      "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots",
-                      "gdn_chunk_delta_rule_slots"}),
-}
-# (Only MPS: CUDA's runtime queries, torch.cuda.get_device_capability in transformers' MoE and the CUDA
+# The device types that can be emulated; NATIVE_OPS[device] (the registry's) lists the hebrus ops native
+# there. (Only MPS: CUDA's runtime queries, torch.cuda.get_device_capability in transformers' MoE and the CUDA
 # graphs, rule out tensors that merely claim the device; benchmarks/profile_decode.py --emulate-cuda
 # patches CUDA's branches instead.)
+EMULATED_DEVICE_TYPES: tuple[str, ...] = ("mps",)
 
 # Ops that only change metadata or allocate: no work is launched on the device.
 VIEW_OPS = frozenset({
@@ -80,12 +77,7 @@ class EmulationError(HebrusError):
     """The code did something under emulation that the emulated device would refuse."""
 
 
-_state = threading.local()
-
-
-def emulated_device_type() -> str | None:
-    """The device type being emulated on this thread (``"mps"``), or None."""
-    return getattr(_state, "device_type", None)
+_state = threading.local()   # the thread's _Dispatch mode (the emulated device type is the registry's)
 
 
 def from_env() -> str | None:
@@ -192,10 +184,9 @@ class _Dispatch(TorchDispatchMode):
         on_dev = any(_is_dev(x) for x in flat)
         if func.namespace == "hebrus" and on_dev:
             if base not in self.native:
-                from ._extension import _COMPOSITE
                 _report("fallback", base)
                 with _reenter(self):
-                    return _COMPOSITE[name](*args, **kwargs)
+                    return _op_registry.OPS[name].composite(*args, **kwargs)
         elif not on_dev and (target is None or target.type != self.device.type):
             return func(*args, **kwargs)                      # host work: not the device's
         for x in flat:
@@ -332,14 +323,14 @@ class _Inner(TorchDispatchMode):
 @contextlib.contextmanager
 def emulate(device_type: str = "mps") -> Iterator[torch.device]:
     """Emulate ``device_type`` on CPU inside the block; yields the device to put models and tensors on."""
-    if device_type not in NATIVE_OPS:
-        raise HebrusError(f"emulate: can emulate {sorted(NATIVE_OPS)}, not {device_type!r}")
+    if device_type not in EMULATED_DEVICE_TYPES:
+        raise HebrusError(f"emulate: can emulate {sorted(EMULATED_DEVICE_TYPES)}, not {device_type!r}")
     if emulated_device_type() is not None:
         raise HebrusError("emulate: already emulating on this thread")
     mode = _Dispatch(device_type)
-    _state.device_type, _state.mode = device_type, mode
+    _state.mode = mode
     try:
-        with mode, _Entry(mode):
+        with _op_registry.emulating(device_type), mode, _Entry(mode):
             yield mode.device
     finally:
-        _state.device_type, _state.mode = None, None
+        _state.mode = None

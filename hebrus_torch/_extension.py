@@ -1,4 +1,7 @@
-"""Loads the compiled kernels and registers the reference kernel wherever no native one exists."""
+"""Loads the compiled kernels and registers each op's composite wherever no native kernel exists.
+
+Which ops exist, their schemas and composites are :mod:`hebrus_torch._op_registry`'s; ``has_native_kernel``
+and ``OP_NAMES`` are re-exported from there (callers import them from here)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ import warnings
 
 import torch
 
-from . import reference
-from ._schemas import SCHEMAS
+from ._op_registry import OP_NAMES, OPS, has_native_kernel
+
+__all__ = ["BUILD_INFO", "EXTENSION_ERROR", "OP_NAMES", "build_mismatch", "has_native_kernel"]
 
 _fallback_library: torch.library.Library | None = None  # the schemas, where no compiled extension defined them
 
@@ -48,25 +52,13 @@ except ImportError as exc:  # no build, or a build for another torch
     EXTENSION_ERROR = str(exc)
     if not hasattr(torch.ops.hebrus, "ple_conv"):  # the C++ registrars did not run
         _fallback_library = torch.library.Library("hebrus", "DEF")
-        for _schema in SCHEMAS.values():
-            _fallback_library.define(_schema)
-
-OP_NAMES = tuple(SCHEMAS)
-
-
-def _ple_conv_into_composite(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
-    """ple_conv_into where the device has no kernel of it: the device's ple_conv (its native kernel
-    where one is built, as on MPS; else the reference), then a copy into the buffers."""
-    reference.ple_conv_into_via(torch.ops.hebrus.ple_conv.default, x, weight, cu_seqlens, state, dilation,
-                                activation, y, new_state)
-
+        for _spec in OPS.values():
+            _fallback_library.define(_spec.schema)
 
 # CompositeExplicitAutograd covers every backend that has no kernel of its own, so a native CPU or
-# MPS kernel wins where it is registered and the reference runs everywhere else (CUDA, XPU, ...).
-_COMPOSITE = {name: getattr(reference, name) for name in OP_NAMES}
-_COMPOSITE["ple_conv_into"] = _ple_conv_into_composite
-for _name in OP_NAMES:
-    torch.library.impl(f"hebrus::{_name}", "CompositeExplicitAutograd")(_COMPOSITE[_name])
+# MPS kernel wins where it is registered and the composite runs everywhere else (CUDA, XPU, ...).
+for _spec in OPS.values():
+    torch.library.impl(f"hebrus::{_spec.name}", "CompositeExplicitAutograd")(_spec.composite)
 
 
 def _raise_no_backward(name: str):
@@ -77,23 +69,11 @@ def _raise_no_backward(name: str):
 
 if _fallback_library is not None:
     # What csrc/library.cpp registers for the compiled ops: backward through an op raises instead of
-    # giving no gradient. (ple_conv_into's composite writes with copy_, which autograd tracks itself.)
-    # (The slot ops mutate their pool and gdn_delta_rule its state: register_autograd does not take
-    # mutable ops; the composites' in-place writes are tracked by autograd itself.)
-    for _name in OP_NAMES:
-        if _name not in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "gdn_delta_rule",
-                         "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots"):
-            torch.library.register_autograd(f"hebrus::{_name}", _raise_no_backward(_name), lib=_fallback_library)
+    # giving no gradient. (register_autograd does not take mutable ops: ple_conv_into and the slot ops
+    # write their buffers or pool, gdn_delta_rule its state; autograd tracks their composites' in-place
+    # writes itself.)
+    for _spec in OPS.values():
+        if not _spec.mutates:
+            torch.library.register_autograd(f"hebrus::{_spec.name}", _raise_no_backward(_spec.name),
+                                            lib=_fallback_library)
 
-
-def has_native_kernel(op: str, device_type: str) -> bool:
-    """True when ``hebrus::<op>`` has a compiled kernel for ``device_type`` ("cpu", "mps", ...).
-
-    While the device type is emulated on CPU (``hebrus_torch._emulate``), the answer is the emulated
-    device's list (``_emulate.NATIVE_OPS``), what a build for that device has."""
-    from . import _emulate
-
-    if device_type == _emulate.emulated_device_type():
-        return op in _emulate.NATIVE_OPS[device_type]
-    key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}.get(device_type, device_type.upper())
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"hebrus::{op}", key))

@@ -1,5 +1,6 @@
-"""Registration: one schema per op, the Python mirror equals the compiled schemas, and the package
-imports and works with no compiled extension at all (the reference then runs everywhere)."""
+"""Registration: one schema per op, the op registry's (hebrus_torch._op_registry) equal the compiled
+schemas, and the package imports and works with no compiled extension at all (the reference then runs
+everywhere)."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ import torch
 
 import hebrus_torch
 from hebrus_torch import _extension
-from hebrus_torch._schemas import SCHEMAS
+from hebrus_torch._op_registry import SCHEMAS
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))

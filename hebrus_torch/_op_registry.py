@@ -1,0 +1,154 @@
+"""The one registry of the hebrus ops: which ``torch.ops.hebrus`` ops exist (each one's schema, as
+csrc/library.cpp declares it), which device types a build has a native kernel of each for, and each
+op's composite (the kernel of every device that has no native one: its pure-PyTorch reference, or
+for ``ple_conv_into`` the device's ``ple_conv`` and a copy).
+
+Its readers: :mod:`hebrus_torch._extension` defines the schemas from it where no compiled extension
+did and registers the composites; :mod:`hebrus_torch._emulate` runs an op natively or as its
+composite by it; :func:`has_native_kernel` (the drop-in's, the report's and the tests' question)
+answers from it. ``_extension`` and ``_emulate`` import this module, never each other
+(tests/test_op_registry.py checks both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import reference
+
+__all__ = ["OpSpec", "OPS", "OP_NAMES", "SCHEMAS", "NATIVE_OPS", "has_native_kernel", "emulated_device_type",
+           "emulating"]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One ``hebrus::`` op.
+
+    Attributes:
+        name: the op's name in ``torch.ops.hebrus``.
+        schema: its schema without the namespace, character for character csrc/library.cpp's
+            (tests/test_registration.py compares them with the compiled ones).
+        composite: the ``CompositeExplicitAutograd`` kernel, what every device without a native kernel
+            runs (CUDA, XPU, MPS for the ops without a Metal kernel, any device without the extension).
+        native: the device types a build has a kernel of its own for: ``"cpu"`` (C++, csrc/cpu/, every
+            build of the extension), ``"mps"`` (Metal, csrc/mps/ + mps_kernels/, macOS builds).
+        composite_via: the op whose device kernel the composite runs, where it runs one (``ple_conv_into``:
+            ``ple_conv``, then a copy into the buffers); None where the composite is the reference alone.
+    """
+
+    name: str
+    schema: str
+    composite: Callable[..., Any]
+    native: frozenset[str]
+    composite_via: str | None = None
+
+    @property
+    def mutates(self) -> bool:
+        """Whether the op writes an argument in place (a ``Tensor(a!)`` in its schema)."""
+        return "!)" in self.schema
+
+
+def _ple_conv_into_composite(x, weight, cu_seqlens, state, dilation, activation, y, new_state) -> None:
+    """ple_conv_into where the device has no kernel of it: the device's ple_conv (its native kernel
+    where one is built, as on MPS; else the reference), then a copy into the buffers."""
+    reference.ple_conv_into_via(torch.ops.hebrus.ple_conv.default, x, weight, cu_seqlens, state, dilation,
+                                activation, y, new_state)
+
+
+_CPU = frozenset({"cpu"})
+_CPU_MPS = frozenset({"cpu", "mps"})
+
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
+    OpSpec("ple_ngram_ids",
+           "ple_ngram_ids(Tensor tokens, Tensor cu_seqlens, Tensor history, Tensor multipliers, "
+           "Tensor vocab_sizes, Tensor offsets, int eos, int vocab) -> (Tensor, Tensor)",
+           reference.ple_ngram_ids, _CPU_MPS),
+    OpSpec("ple_conv",
+           "ple_conv(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
+           "str activation) -> (Tensor, Tensor)",
+           reference.ple_conv, _CPU_MPS),
+    OpSpec("ple_conv_into",
+           "ple_conv_into(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor state, int dilation, "
+           "str activation, Tensor(a!) y, Tensor(b!) new_state) -> ()",
+           _ple_conv_into_composite, _CPU, composite_via="ple_conv"),
+    OpSpec("ple_ngram_ids_slots",
+           "ple_ngram_ids_slots(Tensor tokens, Tensor cu_seqlens, Tensor(a!) history_pool, "
+           "Tensor slots, Tensor multipliers, Tensor vocab_sizes, Tensor offsets, int eos, "
+           "int vocab) -> Tensor",
+           reference.ple_ngram_ids_slots, _CPU_MPS),
+    OpSpec("ple_conv_slots",
+           "ple_conv_slots(Tensor x, Tensor weight, Tensor cu_seqlens, Tensor(a!) state_pool, "
+           "Tensor slots, int dilation, str activation) -> Tensor",
+           reference.ple_conv_slots, _CPU_MPS),
+    OpSpec("qsa_pool",
+           "qsa_pool(Tensor keys, Tensor cell_pos, Tensor group_cells, Tensor group_pos, "
+           "Tensor norm_weight, float eps, Tensor inv_freq) -> Tensor",
+           reference.qsa_pool, _CPU_MPS),
+    OpSpec("qsa_select",
+           "qsa_select(Tensor q, Tensor pooled, Tensor seq_groups, Tensor q_row, Tensor q_groups, "
+           "int top_k) -> Tensor",
+           reference.qsa_select, _CPU_MPS),
+    OpSpec("qsa_attention",
+           "qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor",
+           reference.qsa_attention, _CPU_MPS),
+    OpSpec("gdn_delta_rule",
+           "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+           "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor",
+           reference.gdn_delta_rule, _CPU_MPS),
+    OpSpec("gdn_delta_rule_slots",
+           "gdn_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+           "Tensor cu_seqlens, Tensor(a!) state_pool, Tensor slots, float scale, "
+           "bool use_qk_l2norm) -> Tensor",
+           reference.gdn_delta_rule_slots, _CPU_MPS),
+    OpSpec("gdn_chunk_delta_rule_slots",
+           "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+           "Tensor cu_seqlens, Tensor start_pos, Tensor(a!) state_pool, Tensor slots, "
+           "float scale, bool use_qk_l2norm) -> Tensor",
+           reference.gdn_chunk_delta_rule_slots, _CPU_MPS),
+)}
+
+OP_NAMES: tuple[str, ...] = tuple(OPS)
+SCHEMAS: dict[str, str] = {name: spec.schema for name, spec in OPS.items()}
+
+# The ops a build has native kernels of, per device type: what has_native_kernel(op, "mps") answers on a
+# Mac build (the macOS workflow checks that these are registered there; tests/test_mps_step_counts.py
+# checks this list against the workflow's) and while MPS is emulated. One dict, which benchmarks may edit
+# to count an op as a fallback (benchmarks/count_mps_step.py --fallback).
+NATIVE_OPS: dict[str, frozenset[str]] = {
+    device: frozenset(name for name, spec in OPS.items() if device in spec.native) for device in ("cpu", "mps")
+}
+
+_emulation = threading.local()
+
+
+def emulated_device_type() -> str | None:
+    """The device type being emulated on this thread (``"mps"``, inside ``hebrus_torch._emulate.emulate``),
+    or None."""
+    return getattr(_emulation, "device_type", None)
+
+
+@contextlib.contextmanager
+def emulating(device_type: str) -> Iterator[None]:
+    """Answer for ``device_type`` from :data:`NATIVE_OPS` on this thread while the block runs: the CPU
+    tensors of ``hebrus_torch._emulate`` stand in for that device, whose dispatcher has no kernels."""
+    _emulation.device_type = device_type
+    try:
+        yield
+    finally:
+        _emulation.device_type = None
+
+
+def has_native_kernel(op: str, device_type: str) -> bool:
+    """True when ``hebrus::<op>`` has a compiled kernel for ``device_type`` ("cpu", "mps", ...).
+
+    While the device type is emulated on CPU (``hebrus_torch._emulate``), the answer is the emulated
+    device's list (:data:`NATIVE_OPS`), what a build for that device has; otherwise the dispatcher's."""
+    if device_type == emulated_device_type():
+        return op in NATIVE_OPS[device_type]
+    key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}.get(device_type, device_type.upper())
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"hebrus::{op}", key))

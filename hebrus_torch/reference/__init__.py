@@ -1,0 +1,35 @@
+"""Pure-PyTorch reference implementations of every hebrus op: the executable form of SPEC.md.
+
+They run on any device, are vectorised over tokens, queries and sequences (the only Python loops
+are over sequences or fixed-size query blocks, never over tokens; qsa_select's scores also loop
+over the 16-dim chunks of D and over the heads, to fix their summation order), and are registered
+as the kernel of every device that has no native one (``hebrus_torch._op_registry``). fp32
+accumulation throughout.
+
+One module per op family; every name is re-exported here (``from hebrus_torch import reference``,
+``reference.qsa_select(...)``):
+
+- :mod:`.checks`: the value checks they share (raise at once on CPU, device-side asserts elsewhere);
+- :mod:`.ple`: ``ple_ngram_ids``, ``ple_conv``, ``ple_conv_into`` and the PLE slot forms;
+- :mod:`.uniform_rows`: the drop-in's fast paths of the PLE ops on rows of equal length (not ops);
+- :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores;
+- :mod:`.attention`: ``qsa_attention``;
+- :mod:`.gdn`: ``gdn_delta_rule``, its slot form and the chunked slot form.
+"""
+
+from .attention import check_token_cells_values, qsa_attention
+from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
+from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots
+from .ple import (_silu, ple_conv, ple_conv_into, ple_conv_into_via, ple_conv_slots, ple_ngram_ids,
+                  ple_ngram_ids_slots)
+from .qsa import _qsa_select_all, check_groups_contiguous, qsa_pool, qsa_scores, qsa_select, rotate_half
+from .uniform_rows import ple_conv_rows, ple_ngram_ids_rows
+
+__all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
+           "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots",
+           "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
+           "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
+           "ple_ngram_ids_rows", "qsa_scores", "rotate_half"]
+
+# (_silu and _qsa_select_all: private, re-exported for the tests and benchmarks that call them as
+# reference._silu / reference._qsa_select_all.)
