@@ -343,7 +343,8 @@ def test_a_duplicate_request_id_is_a_409_naming_it_and_the_first_request_complet
 @pytest.mark.parametrize("extra, name", [
     ({"top_logprobs": 3}, "top_logprobs"), ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"temperature": -1.0}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"input": []}, "input")])
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"input": []}, "input"),
+    ({"input": " ".join(["w1"] * 2100)}, "does not fit")])      # (the engine's refusal, before any event)
 def test_responses_refuse_what_they_would_ignore_or_cannot_take_with_a_400(server, extra, name):
     """/v1/responses accepted `top_logprobs` and `include: ["message.output_text.logprobs"]` and returned no
     log-probabilities, accepted a negative temperature, and answered fields outside its schema with 422."""

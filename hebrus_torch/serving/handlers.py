@@ -27,6 +27,7 @@ from .openai_format import (Choice, StopTrimmer, chat_body, chat_chunk, chat_log
                             completion_chunk, completion_logprobs, sse, usage)
 from .options import Options
 from .validation import check_body, check_responses_body, http_error
+from .validation import request_options as body_options
 
 __all__ = ["Call", "full_response", "stream_response", "HebrusChatCompletionHandler", "HebrusCompletionHandler",
            "HebrusResponseHandler"]
@@ -36,8 +37,8 @@ __all__ = ["Call", "full_response", "stream_response", "HebrusChatCompletionHand
 class Call:
     """What transformers' handler passes to its ``_streaming`` / ``_non_streaming``."""
 
-    kind: str                      # "chat" or "completion"
-    handler: Any                   # the ChatCompletionHandler / CompletionHandler
+    kind: str                      # "chat", "completion" or "responses"
+    handler: Any                   # the Hebrus*Handler
     request_id: str
     model: Any
     processor: Any
@@ -66,7 +67,8 @@ class Call:
 
 
 async def full_response(call: Call) -> Any:
-    """The JSON response with ``n`` choices, once every choice finished."""
+    """The JSON response with ``n`` choices, once every choice finished (a refused request is a 400, a failed
+    choice a 500, or a 503 when the engine died)."""
     from fastapi.responses import JSONResponse
     from transformers.cli.serving.utils import parse_assistant_message
 
@@ -110,8 +112,6 @@ async def stream_response(call: Call) -> Any:
     log-probabilities of the tokens it carries); each choice ends with a chunk holding its finish reason, the
     last of them with ``usage`` (all choices' tokens). The choices are queued before this returns (a request
     the engine refuses is a 400, not a stream)."""
-    import asyncio
-
     from fastapi.responses import StreamingResponse
     from transformers.cli.serving.utils import ReasoningText, ToolCall, response_events_to_chunks
 
@@ -200,7 +200,8 @@ class _Checked:
         super()._validate_request(body)
 
     def _options(self, body: dict) -> Options:
-        return check_body(body, self.kind)
+        """The request's OpenAI options (the body was checked by ``_validate_request``)."""
+        return body_options(body, self.kind)
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         options = self._options(body)
