@@ -49,8 +49,7 @@ def build_server(model_manager, chat_handler, *args, **kwargs):
         require_api_key(app, settings.api_key)
 
     def manager():
-        getter = getattr(state, "hebrus_manager", None)
-        return getter() if getter is not None else None
+        return state.hebrus_manager() if isinstance(state, HebrusGenerationState) else None
 
     @app.get("/hebrus/stats")
     def hebrus_stats():
@@ -83,7 +82,10 @@ def build_server(model_manager, chat_handler, *args, **kwargs):
             def dead_step(*_a, **_k):
                 raise RuntimeError("engine killed through /hebrus/debug/kill_engine")
 
-            m.engine.step = dead_step    # the manager's thread dies at its next step
+            try:    # the manager's thread dies at its next step
+                m.call_in_engine_thread(lambda engine: setattr(engine, "step", dead_step), timeout=10.0)
+            except Exception as err:  # noqa: BLE001
+                return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=409)
             return JSONResponse({"status": "ok"})
 
     return app
