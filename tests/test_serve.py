@@ -575,11 +575,12 @@ def test_an_api_key_is_required_on_the_api_but_not_on_health(checkpoint, tmp_pat
 
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     from hebrus_torch import serve
+    from hebrus_torch.serving import app, cli, settings
 
     seen = []
-    monkeypatch.setattr(serve, "_run_serve", lambda args: seen.append(serve._SETTINGS.api_key))
-    monkeypatch.setattr(serve, "patch_transformers_serve", lambda settings: setattr(serve, "_SETTINGS", settings))
-    monkeypatch.setattr(serve, "_SETTINGS", serve.HebrusServeSettings())
+    monkeypatch.setattr(cli, "_run_serve", lambda args: seen.append(settings.current().api_key))
+    monkeypatch.setattr(app, "patch_transformers_serve", settings.install)
+    monkeypatch.setattr(settings, "_current", serve.HebrusServeSettings())
     monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
     serve.main(["model-dir"])
     monkeypatch.setenv(serve.API_KEY_ENV, "from-env")

@@ -298,3 +298,72 @@ def test_the_sequential_path_refuses_what_it_would_ignore(checkpoint, tmp_path):
                 chat(srv, messages, temperature=0, **extra)
             assert f"`{name}` needs continuous batching" in err.value.response.text
         assert chat(srv, messages, temperature=0, n=1).choices[0].message.content == text
+
+
+# ------------------------------------------------------------------------------------ request ids, /v1/responses
+def post(url: str, body: dict, headers: dict, timeout: float = 30.0):
+    """``http`` with extra headers: (status, text)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_a_duplicate_request_id_is_a_409_naming_it_and_the_first_request_completes(server, checkpoint):
+    """Two requests with the same X-Request-ID: the second replaced the first's result handler and got a 500,
+    and the first never got its answer."""
+    _, model, tokenizer = checkpoint
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(model=server.model_dir, messages=user_message(random.Random(41), 6),
+                                            max_tokens=120, temperature=0, stream=True, extra_body=NO_EOS,
+                                            extra_headers={"X-Request-ID": "dup-41"})
+    texts, usages, second = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        if chunk.choices and chunk.choices[0].delta.content:
+            texts.append(chunk.choices[0].delta.content)
+            if second is None:      # the first is running: the same id again, streamed and not
+                second = [post(f"{server.url}/v1/chat/completions",
+                               {"model": server.model_dir, "messages": user_message(random.Random(42), 3),
+                                "max_tokens": 2, "stream": stream_it}, {"X-Request-ID": "dup-41"})
+                          for stream_it in (False, True)]
+    assert second is not None and all(status == 409 and "dup-41" in text for status, text in second), second
+    assert usages and usages[-1].completion_tokens == 120 and len(texts) >= 100
+    stats = server.settled_stats()
+    assert stats["fatal_error"] is None and stats["live_sequences"] == stats["kept_sequences"]
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"top_logprobs": 3}, "top_logprobs"), ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"input": []}, "input"),
+    ({"input": " ".join(["w1"] * 2100)}, "does not fit")])      # (the engine's refusal, before any event)
+def test_responses_refuse_what_they_would_ignore_or_cannot_take_with_a_400(server, extra, name):
+    """/v1/responses accepted `top_logprobs` and `include: ["message.output_text.logprobs"]` and returned no
+    log-probabilities, accepted a negative temperature, and answered fields outside its schema with 422."""
+    body = {"model": server.model_dir, "input": "w1 w2", "max_output_tokens": 2, **extra}
+    for stream in (False, True):
+        r = http("POST", f"{server.url}/v1/responses", dict(body, stream=stream))
+        assert r.status_code == 400 and f"{name}" in r.text, (extra, stream, r.status_code, r.text)
+
+
+def test_responses_serve_the_greedy_reply_streamed_or_not(server, checkpoint):
+    _, model, tokenizer = checkpoint
+    (messages, text, _, _), = clear_chats(model, tokenizer, 1, seed=43)
+    body = {"model": server.model_dir, "input": messages[0]["content"], "max_output_tokens": MAX_TOKENS,
+            "temperature": 0, "top_logprobs": 0, "include": []}
+    r = http("POST", f"{server.url}/v1/responses", dict(body, stream=False))
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == text
+    r = http("POST", f"{server.url}/v1/responses", dict(body, stream=True))
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][-1]["content"][0]["text"] == text

@@ -11,21 +11,29 @@ call, running the hebrus engine on one background thread.
 ``batch_processor.scheduler``) and delivers transformers' ``GenerationOutput`` objects. Only the
 manager's thread runs steps; other threads talk to it through queues.
 
-A request the engine refuses (empty prompt, ids outside the vocabulary, a prompt longer than the
-cache, bad sampling values) is answered at once with a FAILED ``GenerationOutput`` whose ``error``
-names the problem; the others are unaffected.
+The manager's queue is the only way from other threads to the engine: ``add_request`` and
+``open_request`` queue what they were given, and the engine thread validates it (``Engine.make_request``,
+which reads the engine's request table) and submits it between two steps. A request the engine refuses
+(empty prompt, ids outside the vocabulary, a prompt longer than the cache, bad sampling values) is
+answered there with a FAILED ``GenerationOutput`` whose ``error`` names the problem (``open_request``:
+its channel's ``refused``); the others are unaffected.
+
+Servers use :meth:`HebrusBatchingManager.open_request`: each request brings its own
+:class:`ResultChannel`, registered with the request in one step under the intake lock, so a request id
+already open is refused (:class:`DuplicateRequestError`) before anything of the first one is touched,
+and a manager that takes no more work refuses at once (:class:`ManagerStoppedError`) instead of leaving
+the caller waiting for outputs that never come.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
-import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -34,10 +42,50 @@ from .engine import Engine, EngineConfig, StepOutput, _token_ids
 from .requests import Request, RequestStatus
 from .sampling import BadRequestError, SamplingParams
 
-__all__ = ["HebrusBatchingManager", "install", "uninstall", "engine_config_from", "choice_seed"]
+__all__ = ["HebrusBatchingManager", "ResultChannel", "ManagerStoppedError", "DuplicateRequestError", "install",
+           "uninstall", "engine_config_from", "choice_seed"]
 
 logger = logging.getLogger(__name__)
 _INSTALLED = "_hebrus_cb_installed"
+
+
+class ManagerStoppedError(HebrusError):
+    """The manager takes no new work: it was stopped (or is stopping), or its thread died."""
+
+
+class DuplicateRequestError(BadRequestError):
+    """A request id that is already open on this manager (its first request is left untouched)."""
+
+
+class ResultChannel(Protocol):
+    """Where the outputs of one request (all its choices) go; the manager calls it on its own thread.
+
+    Exactly one of ``accepted`` / ``refused`` is called first, then (after ``accepted``) ``put`` with each
+    step's outputs, the last of each choice being final (``is_finished()``). Implementations must not
+    block or raise (hand the values to another thread or event loop).
+    """
+
+    def accepted(self) -> None: ...
+
+    def refused(self, error: HebrusError) -> None: ...
+
+    def put(self, outputs: list[tuple[int, Any]]) -> None:
+        """``(choice index, GenerationOutput)`` pairs of one step, in order."""
+
+
+@dataclass(eq=False)
+class _Intake:
+    """A request as a caller gave it, queued for the engine thread (which validates and submits it)."""
+
+    prompt: Any
+    ids: list[str]                  # the request's id, then its children's (choice 1, 2, ...)
+    num_return_sequences: Any
+    kwargs: dict[str, Any]          # make_request's keywords, sampling values among them
+    channel: ResultChannel | None   # None: outputs go to the output router (transformers' API)
+
+
+# make_request's own keywords among an intake's (the rest are sampling values, ``_sampling``'s)
+_REQUEST_FIELDS = ("max_new_tokens", "streaming", "record_timestamps", "eos_token_id", "stop_strings")
 
 
 def _tf():
@@ -113,7 +161,7 @@ class HebrusBatchingManager:
         self.num_return_sequences = n if n is not None else 1
         self.background_thread_status = continuous_api.BackgroundThreadStatus()
         self.output_router = continuous_api.OutputRouter()
-        self.input_queue: queue.Queue[Request] = queue.Queue()
+        self.input_queue: queue.Queue[_Intake] = queue.Queue()
         self.cancel_queue: queue.Queue[str] = queue.Queue()
         self.control_queue: queue.Queue[tuple[Callable[[Engine], Any], Future]] = queue.Queue()
         self.cancelled_requests = 0     # requests cancelled while queued or running (serving: disconnects)
@@ -125,6 +173,10 @@ class HebrusBatchingManager:
         self._lock = threading.Lock()
         self._stop_mode: str | None = None
         self._stop_reason = "the manager was stopped"
+        # Taken by whoever queues work (requests, engine calls) and by the thread when it stops for good: work
+        # is either refused or queued before the thread's last drain, never left in a queue nobody reads.
+        self._intake_lock = threading.Lock()
+        self._open: dict[str, tuple[_Intake, int]] = {}    # request id -> (its intake, its choice index)
         self.engine: Engine | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -156,12 +208,14 @@ class HebrusBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False, reason: str = "the manager was stopped") -> None:
         """Stop the thread after the queued requests finish (``hard_stop``: at once, failing them with
-        ``reason``)."""
+        ``reason``). From this call on, new requests are refused."""
         if self._thread is None:
             logger.warning("hebrus manager: not started")
             return
-        self._stop_reason = reason
-        self._stop_mode = "hard" if hard_stop else "flush"
+        with self._intake_lock:
+            self._stop_reason = reason
+            if self._stop_mode != "hard":
+                self._stop_mode = "hard" if hard_stop else "flush"
         self._wake.set()
         if block:
             self.join(timeout)
@@ -186,11 +240,31 @@ class HebrusBatchingManager:
             self.stop(block=True)
 
     # ------------------------------------------------------------------ requests
+    def _denial(self) -> str | None:
+        """Why no new work is taken now (None: it is). Call with the intake lock held."""
+        denial = self.background_thread_status.can_accept_new_requests()
+        if denial is None and self._stop_mode is not None:
+            denial = "The background thread is stopping."
+        return denial
+
+    def _intake(self, input_ids: Any, request_id: str | None, num_return_sequences: int | None,
+                channel: ResultChannel | None, kwargs: dict[str, Any]) -> _Intake:
+        if request_id is None:
+            with self._lock:
+                request_id = f"req_{self._counter}"
+                self._counter += 1
+        n = self.num_return_sequences if num_return_sequences is None else num_return_sequences
+        valid_n = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        ids = [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1 if valid_n else 0)]
+        return _Intake(input_ids, ids, n, kwargs, channel)
+
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
                     num_return_sequences: int | None = None, **logit_processor_kwargs: Any) -> str | None:
-        """Queue one request (plus its ``num_return_sequences - 1`` children); returns its id.
+        """Queue one request (plus its ``num_return_sequences - 1`` children); returns its id (None, with a
+        warning, when the manager takes no new work). Its outputs go to the output router
+        (``get_result``, ``register_result_handler``).
 
         The children ``<id>__child#<i>`` (choice i + 1; the request itself is choice 0) are forks of the
         request: its prompt is prefilled once, and each child samples from there with its own generator,
@@ -199,36 +273,53 @@ class HebrusBatchingManager:
         do_sample, seed, logprobs, top_logprobs, logit_bias (a mapping of token id -> bias),
         presence_penalty, frequency_penalty) override the generation config for this request;
         ``stop_strings`` need the manager's tokenizer. ``num_return_sequences`` overrides the generation
-        config's.
+        config's. The engine thread validates the request: one it refuses gets FAILED outputs naming why.
         """
-        denial = self.background_thread_status.can_accept_new_requests()
+        kwargs = dict(logit_processor_kwargs, max_new_tokens=max_new_tokens, streaming=streaming,
+                      record_timestamps=record_timestamps, eos_token_id=eos_token_id, stop_strings=stop_strings)
+        intake = self._intake(input_ids, request_id, num_return_sequences, None, kwargs)
+        with self._intake_lock:
+            denial = self._denial()
+            if denial is None:
+                for index, rid in enumerate(intake.ids):
+                    self._open.setdefault(rid, (intake, index))   # (a duplicate id is the engine's to refuse)
+                self.input_queue.put(intake)
         if denial is not None:
             logger.warning(f"{denial}; request dropped")
             return None
-        if request_id is None:
-            with self._lock:
-                request_id = f"req_{self._counter}"
-                self._counter += 1
-        engine = self._ensure_engine()
-        n = self.num_return_sequences if num_return_sequences is None else num_return_sequences
-        ids = [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)]
-        try:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise BadRequestError(f"num_return_sequences must be an int >= 1, got {n!r}")
-            seed = logit_processor_kwargs.get("seed")
-            reqs = [engine.make_request(input_ids, request_id=rid, max_new_tokens=max_new_tokens,
-                                        sampling=self._sampling({**logit_processor_kwargs,
-                                                                 "seed": choice_seed(seed, i)}),
-                                        eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
-                                        record_timestamps=record_timestamps) for i, rid in enumerate(ids)]
-        except HebrusError as err:
-            for rid in ids[:n] if isinstance(n, int) and n >= 1 else ids[:1]:
-                self.output_router.deliver(self._failed_output(rid, input_ids, str(err)))
-            return request_id
-        reqs[0].forks = reqs[1:]
-        self.input_queue.put(reqs[0])
         self._wake.set()
-        return request_id
+        return intake.ids[0]
+
+    def open_request(self, input_ids: Sequence[int], channel: ResultChannel, *, request_id: str,
+                     num_return_sequences: int | None = None, max_new_tokens: int | None = None,
+                     streaming: bool = False, eos_token_id: int | list[int] | None = None,
+                     stop_strings: list[str] | str | None = None, **sampling_kwargs: Any) -> list[str]:
+        """Queue a request whose outputs go to its own ``channel`` (what servers use); returns the ids of its
+        choices (``request_id`` and its children, as :meth:`add_request`).
+
+        The engine thread validates it and calls ``channel.accepted()`` or ``channel.refused(error)``
+        (a ``BadRequestError`` naming the problem), then ``channel.put`` with its outputs.
+
+        Raises:
+            ManagerStoppedError: the manager takes no new work (stopped, stopping, or its thread died);
+                nothing was registered.
+            DuplicateRequestError: one of the ids is already open (the open request is not touched).
+        """
+        kwargs = dict(sampling_kwargs, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=False,
+                      eos_token_id=eos_token_id, stop_strings=stop_strings)
+        intake = self._intake(input_ids, request_id, num_return_sequences, channel, kwargs)
+        with self._intake_lock:
+            denial = self._denial()
+            if denial is not None:
+                raise ManagerStoppedError(f"hebrus manager: request {request_id!r} refused: {denial}")
+            taken = [rid for rid in intake.ids if rid in self._open]
+            if taken:
+                raise DuplicateRequestError(f"request id {taken[0]!r} is already in flight")
+            for index, rid in enumerate(intake.ids):
+                self._open[rid] = (intake, index)
+            self.input_queue.put(intake)
+        self._wake.set()
+        return list(intake.ids)
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str]:
@@ -246,28 +337,43 @@ class HebrusBatchingManager:
 
     def check_request(self, input_ids: list[int], max_new_tokens: int | None = None,
                       eos_token_id: int | list[int] | None = None, stop_strings: list[str] | str | None = None,
-                      **logit_processor_kwargs: Any) -> None:
-        """Validate a request as :meth:`add_request` would, without queueing it.
+                      timeout: float | None = 10.0, **logit_processor_kwargs: Any) -> None:
+        """Validate a request as the engine would, without queueing it (on the engine's thread, through
+        :meth:`call_in_engine_thread`).
 
         Raises:
             BadRequestError: what the engine would refuse (empty prompt, ids outside the vocabulary, a prompt
                 longer than the cache, ``max_new_tokens`` < 1, bad sampling values, stop strings without a
-                tokenizer). Servers answer it with a 4xx before they register anything.
+                tokenizer).
+            ManagerStoppedError: the manager has no engine (stopped, or never started or warmed up).
         """
-        engine = self._ensure_engine()
         logit_processor_kwargs.pop("num_return_sequences", None)
-        engine.make_request(input_ids, request_id="__check__", max_new_tokens=max_new_tokens,
-                            sampling=self._sampling(logit_processor_kwargs), eos_token_id=eos_token_id,
-                            stop_strings=stop_strings)
+
+        def check(engine: Engine) -> None:
+            engine.make_request(input_ids, request_id="__check__", max_new_tokens=max_new_tokens,
+                                sampling=self._sampling(logit_processor_kwargs), eos_token_id=eos_token_id,
+                                stop_strings=stop_strings)
+        self.call_in_engine_thread(check, timeout=timeout)
 
     def call_in_engine_thread(self, fn: Callable[[Engine], Any], timeout: float | None = 10.0) -> Any:
         """Run ``fn(engine)`` on the manager's thread between two steps and return its result (or raise its
-        error); called directly when the thread is not running. The engine is never touched by two threads."""
-        engine = self._ensure_engine()
-        if not self.is_running():
-            return fn(engine)
+        error); called directly when no thread runs (before ``start``, or after the thread ended while its
+        engine is kept). The engine is never touched by two threads, and none is built here.
+
+        Raises:
+            ManagerStoppedError: there is no engine (the manager was stopped, or never started or warmed up).
+        """
         fut: Future = Future()
-        self.control_queue.put((fn, fut))
+        with self._intake_lock:
+            engine = self.engine
+            queued = self.is_running() and self.background_thread_status.local_status < \
+                self.background_thread_status.STOPPED
+            if queued:
+                self.control_queue.put((fn, fut))
+        if not queued:
+            if engine is None:
+                raise ManagerStoppedError("hebrus manager: no engine (the manager is stopped or not started)")
+            return fn(engine)
         self._wake.set()
         return fut.result(timeout=timeout)
 
@@ -349,25 +455,32 @@ class HebrusBatchingManager:
             self.background_thread_status.record_fatal_error(err)
             self._fail_remaining(engine, f"engine error: {type(err).__name__}: {err}")
         finally:
-            self.background_thread_status.mark_as_stopped()
-            while True:  # nobody will run these any more
-                try:
-                    _, fut = self.control_queue.get_nowait()
-                except queue.Empty:
-                    break
+            with self._intake_lock:     # nothing is queued after this: what is left is refused
+                self.background_thread_status.mark_as_stopped()
+                leftover = self._take_inputs()
+                calls = []
+                while True:
+                    try:
+                        calls.append(self.control_queue.get_nowait())
+                    except queue.Empty:
+                        break
+            for intake in leftover:
+                self._refuse(intake, ManagerStoppedError(f"hebrus manager: {self._stop_reason}"))
+            for _, fut in calls:   # nobody will run these any more
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(HebrusError("hebrus manager: the engine thread has stopped"))
 
-    def _drain_inputs(self, engine: Engine) -> None:
+    def _take_inputs(self) -> list[_Intake]:
+        taken = []
         while True:
             try:
-                req = self.input_queue.get_nowait()
+                taken.append(self.input_queue.get_nowait())
             except queue.Empty:
-                break
-            try:
-                engine.submit(req)
-            except HebrusError as err:
-                self.output_router.deliver(self._failed_output(req.request_id, req.prompt, str(err)))
+                return taken
+
+    def _drain_inputs(self, engine: Engine) -> None:
+        for intake in self._take_inputs():
+            self._admit(engine, intake)
         while True:
             try:
                 engine.cancel(self.cancel_queue.get_nowait())
@@ -384,6 +497,60 @@ class HebrusBatchingManager:
                 except Exception as err:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(err)
 
+    def _admit(self, engine: Engine, intake: _Intake) -> None:
+        """Validate and submit one queued request, on the engine thread (``make_request`` reads the engine's
+        request table, which only this thread writes)."""
+        n, kwargs = intake.num_return_sequences, intake.kwargs
+        try:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise BadRequestError(f"num_return_sequences must be an int >= 1, got {n!r}")
+            seed = kwargs.get("seed")
+            reqs = [engine.make_request(intake.prompt, request_id=rid,
+                                        sampling=self._sampling({**kwargs, "seed": choice_seed(seed, i)}),
+                                        **{k: kwargs.get(k) for k in _REQUEST_FIELDS})
+                    for i, rid in enumerate(intake.ids)]
+            reqs[0].forks = reqs[1:]
+            engine.submit(reqs[0])
+        except HebrusError as err:
+            self._refuse(intake, err)
+            return
+        if intake.channel is not None:
+            intake.channel.accepted()
+
+    def _close(self, intake: _Intake) -> None:
+        with self._intake_lock:
+            for rid in intake.ids:
+                if self._open.get(rid, (None,))[0] is intake:
+                    del self._open[rid]
+
+    def _refuse(self, intake: _Intake, err: HebrusError) -> None:
+        """Answer a request that never entered the engine: its channel's ``refused``, or FAILED outputs."""
+        self._close(intake)
+        if intake.channel is not None:
+            intake.channel.refused(err)
+        else:
+            for rid in intake.ids:
+                self.output_router.deliver(self._failed_output(rid, intake.prompt, str(err)))
+
+    def _route(self, outputs: list[Any]) -> None:
+        """Hand outputs to their requests' channels, the others to the output router; a final output closes its
+        choice."""
+        by_channel: dict[int, tuple[ResultChannel, list]] = {}
+        plain = []
+        with self._intake_lock:
+            for out in outputs:
+                intake, index = self._open.get(out.request_id, (None, 0))
+                if intake is not None and out.is_finished():
+                    del self._open[out.request_id]
+                if intake is None or intake.channel is None:
+                    plain.append(out)
+                else:
+                    by_channel.setdefault(id(intake), (intake.channel, []))[1].append((index, out))
+        for channel, items in by_channel.values():
+            channel.put(items)
+        if plain:
+            self.output_router.deliver_batch(plain)
+
     def _deliver(self, outputs: list[StepOutput]) -> None:
         ready = [self.to_generation_output(o.request) for o in outputs
                  if o.finished or o.request.streaming]
@@ -395,16 +562,12 @@ class HebrusBatchingManager:
                 if self.engine is not None and self.engine.requests.get(o.request.request_id) is o.request:
                     del self.engine.requests[o.request.request_id]
         if ready:
-            self.output_router.deliver_batch(ready)
+            self._route(ready)
 
     def _fail_remaining(self, engine: Engine | None, message: str) -> None:
+        for intake in self._take_inputs():     # queued, never validated: refused with the reason
+            self._refuse(intake, ManagerStoppedError(message) if intake.channel is not None else HebrusError(message))
         pending = []
-        while True:
-            try:
-                pending.append(self.input_queue.get_nowait())
-            except queue.Empty:
-                break
-        pending += [f for r in pending for f in r.forks]
         if engine is not None:
             running = list(engine.scheduler.requests())
             pending += running + [f for r in running for f in r.forks if not f.status.is_done]
@@ -415,7 +578,7 @@ class HebrusBatchingManager:
                     req.status, req.error = RequestStatus.FAILED, message
         for req in pending:
             req.status, req.error = RequestStatus.FAILED, message
-            self.output_router.deliver(self.to_generation_output(req))
+        self._route([self.to_generation_output(req) for req in pending])
 
     # ------------------------------------------------------------------ conversions
     def _sampling(self, kwargs: dict[str, Any]) -> SamplingParams:

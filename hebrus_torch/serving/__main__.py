@@ -1,0 +1,5 @@
+"""``python -m hebrus_torch.serving`` (the same as ``python -m hebrus_torch.serve``)."""
+
+from .cli import main
+
+main()

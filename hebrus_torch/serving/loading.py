@@ -1,0 +1,137 @@
+"""Loading the served model: a Qwen4Exp checkpoint becomes a patched text-only LLM whose continuous-batching
+manager is hebrus' (:class:`HebrusModelManager`, :func:`prepare_model`)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from transformers.cli.serving import model_manager as tf_model_manager
+from transformers.cli.serving import utils as tf_utils
+
+from . import settings as serve_settings
+from .settings import QWEN4_MODEL_TYPES
+from .shutdown import register_manager
+
+__all__ = ["prepare_model", "HebrusModelManager"]
+
+
+def prepare_model(model: Any, tokenizer: Any = None) -> Any:
+    """``apply`` the drop-in and make ``model.init_continuous_batching`` build a hebrus manager sized by the
+    serve settings (idempotent)."""
+    import hebrus_torch.integrations.transformers as hx
+    from hebrus_torch.engine import manager as mgr
+
+    if not hx.is_applied(model):
+        hx.apply(model)
+    mgr.install(model)   # apply() does it too once it is wired there; install is idempotent
+
+    ref = weakref.ref(model)     # (no self-reference: a dropped model must not outlive its last reference)
+
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        self = ref()
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, mgr.HebrusBatchingManager):
+            return cached
+        settings = serve_settings.current()
+        gen = generation_config if generation_config is not None else self.generation_config
+        overrides = {k: v for k, v in dict(capacity_tokens=settings.capacity_tokens,
+                                           max_sequences=settings.max_sequences,
+                                           prefix_cache_tokens=settings.prefix_cache_tokens,
+                                           prompt_cache_dir=settings.prompt_cache_dir,
+                                           prompt_cache_max_bytes=settings.prompt_cache_max_bytes).items()
+                     if v is not None}
+        if not settings.block_sharing:
+            overrides["allow_block_sharing"] = False
+        draft = None
+        if settings.speculative_tokens:
+            from hebrus_torch.engine.speculative import SpeculativeConfig
+
+            overrides["speculative"] = SpeculativeConfig(settings.speculative_tokens)
+        if settings.draft_model:
+            from transformers import AutoModelForCausalLM
+
+            draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=self.dtype).to(self.device)
+        engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
+        manager = mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
+                                            engine_config=engine_config, tokenizer=tokenizer, draft_model=draft)
+        register_manager(manager)
+        return manager
+
+    model.__dict__["init_continuous_batching"] = init_continuous_batching
+    return model
+
+
+def _model_type(model_id: str, revision: str, trust_remote_code: bool) -> str | None:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code).model_type
+    except Exception:  # noqa: BLE001 - let transformers' own loader report it
+        return None
+
+
+# transformers' own class (module attributes are replaced by patch_transformers_serve; this module is imported
+# before that, by the patching itself)
+_BaseModelManager = tf_model_manager.ModelManager
+
+
+class HebrusModelManager(_BaseModelManager):
+    """transformers' ModelManager; a Qwen4Exp checkpoint is served as a patched text-only LLM."""
+
+    def _is_qwen4(self, model_id_and_revision: str, gguf_file: str | None) -> bool:
+        if gguf_file is not None:
+            return False
+        model_id, revision = model_id_and_revision.split("@", 1)
+        return _model_type(model_id, revision, self.trust_remote_code) in QWEN4_MODEL_TYPES
+
+    def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
+        if not self._is_qwen4(model_id_and_revision, gguf_file):
+            return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+        from transformers import AutoTokenizer
+
+        model_id, revision = model_id_and_revision.split("@", 1)
+        return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None,
+                    gguf_file: str | None = None):
+        if not self._is_qwen4(model_id_and_revision, gguf_file):
+            return super()._load_model(model_id_and_revision, tqdm_class=tqdm_class,
+                                       progress_callback=progress_callback, gguf_file=gguf_file)
+        from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
+
+        model_id, revision = model_id_and_revision.split("@", 1)
+        kwargs = {"revision": revision, "attn_implementation": self.attn_implementation, "dtype": self.dtype,
+                  "device_map": self.device, "trust_remote_code": self.trust_remote_code,
+                  "tqdm_class": tqdm_class}
+        quantization_config = self.get_quantization_config()
+        if quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config
+        if progress_callback is not None:
+            progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "config"})
+        return Qwen4ExpForCausalLM.from_pretrained(model_id, **kwargs)
+
+    def load_model_and_processor(self, model_id_and_revision: str, progress_callback=None, tqdm_class=None,
+                                 gguf_file: str | None = None):
+        model, processor = super().load_model_and_processor(
+            model_id_and_revision, progress_callback=progress_callback, tqdm_class=tqdm_class,
+            gguf_file=gguf_file)
+        if type(model).__name__ == "Qwen4ExpForCausalLM" and not getattr(model, "_hebrus_served", False):
+            prepare_model(model, tokenizer=getattr(processor, "tokenizer", processor))
+            model._hebrus_served = True
+        return model, processor
+
+    @staticmethod
+    def get_model_modality(model, processor=None):
+        if type(model).__name__ == "Qwen4ExpForCausalLM":
+            return tf_utils.Modality.LLM
+        return _BaseModelManager.get_model_modality(model, processor=processor)
+
+    def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
+        try:
+            listed = list(_BaseModelManager.get_gen_models(cache_dir))
+        except Exception:  # noqa: BLE001 - no hub cache here: list the served model alone
+            listed = []
+        if self.force_model is not None and not any(m.get("id") == self.force_model for m in listed):
+            listed.insert(0, {"id": self.force_model, "object": "model", "created": 0, "owned_by": "local"})
+        return listed
