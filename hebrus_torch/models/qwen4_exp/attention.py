@@ -8,9 +8,12 @@ drop-in) and cos/sin with the same leading shape, so one formula serves both; ``
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep
 
 Rope = Callable[..., torch.Tensor]
 """transformers' ``apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1)``."""
@@ -63,8 +66,8 @@ def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -
     return attn.o_proj(out * torch.sigmoid(gate))
 
 
-def packed_indexed_attention(step, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor, rope: Rope) -> torch.Tensor:
+def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, rope: Rope) -> torch.Tensor:
     """``Qwen4ExpTextAttention.forward`` with its indexer on a ``ChunkStep``'s packed rows, over the QSA cache.
 
     x: Tensor[T, hidden_size]; cos, sin: Tensor[T, R] -> Tensor[T, hidden_size]. The raw indexer keys and K/V

@@ -11,7 +11,7 @@ through the step: PLE (:mod:`.ple`), the gated-delta-net layers (:mod:`.gdn`) an
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -20,6 +20,9 @@ from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
 from .ple import packed_ple
 from .rope import RopeRows
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep, ModelCache
 
 Timed = Callable[[str], ContextManager]
 """``timed(part)``: a context around one part of the step ("ple", "hyper-connections", "gdn", "attention",
@@ -63,7 +66,7 @@ class PackedQwen4Exp:
             when the model has indexed-attention layers, with a GDN holder when it has linear-attention ones.
     """
 
-    def __init__(self, text: torch.nn.Module, cache) -> None:
+    def __init__(self, text: torch.nn.Module, cache: ModelCache) -> None:
         self.text = text
         self.config = text.config
         types = list(self.config.layer_types)
@@ -88,7 +91,7 @@ class PackedQwen4Exp:
     def _layers(self) -> torch.nn.ModuleList:
         return self.text.layers[: self.config.num_hidden_layers]
 
-    def __call__(self, step, positions: torch.Tensor, last: int, timed: Timed = _untimed) -> torch.Tensor:
+    def __call__(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed) -> torch.Tensor:
         """The final hidden states of a step.
 
         Args:

@@ -3,9 +3,12 @@ rule through state operations the caller binds (a ``ChunkStep``'s, or a ``GDNSta
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep
 
 ConvOp = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
 """``conv(mixed [T, conv_dim], weight, activation) -> [T, conv_dim]``: the causal conv over the conv tails."""
@@ -66,7 +69,8 @@ def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
     return module.out_proj(out)
 
 
-def packed_gated_delta_net(step, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def packed_gated_delta_net(step: ChunkStep, layer_idx: int, module: torch.nn.Module,
+                           hidden: torch.Tensor) -> torch.Tensor:
     """:func:`gated_delta_net` of decoder layer ``layer_idx`` on a ``ChunkStep``'s batch (its GDN state ops)."""
     return gated_delta_net(module, hidden,
                            conv=lambda x, weight, activation: step.gdn_conv(layer_idx, x, weight, activation),

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep
 
-def packed_ple(step, layer_idx: int, ple: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+
+def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``Qwen4ExpTextPLELayer.forward`` on a ChunkStep's batch: h Tensor[T, hc * hidden] (the hyper-connection
     streams) -> what the layer adds to them, Tensor[T, hc * hidden].
 
