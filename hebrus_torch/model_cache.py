@@ -106,7 +106,8 @@ class Batch:
     def pack(cls, rows: Mapping[SeqHandle, torch.Tensor | Sequence[int]], *,
              first_positions: Mapping[SeqHandle, int] | None = None,
              device: torch.device | str | None = None) -> "Batch":
-        """Pack ``{handle: tokens}`` into one batch (insertion order = row order)."""
+        """Pack ``{handle: tokens}`` into one batch (insertion order = row order). A mapping holds one row per
+        sequence: pack parallel lists with :meth:`from_rows`, which refuses a sequence listed twice."""
         seqs = list(rows)
         token_rows = []
         for s in seqs:
