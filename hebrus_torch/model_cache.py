@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -70,6 +71,20 @@ class StepRecording:
         self.log.release()
 
 
+class DuplicateSequenceError(HebrusError):
+    """One sequence given two rows of one batch (each row reads and advances its sequence's state: a
+    second row of it would be lost or run from the wrong state)."""
+
+
+def _refuse_duplicates(seqs: Sequence[SeqHandle], who: str) -> None:
+    rows: dict[SeqHandle, int] = {}
+    for i, seq in enumerate(seqs):
+        if seq in rows:
+            raise DuplicateSequenceError(f"{who}: a sequence appears twice in one batch: {seq} (rows {rows[seq]} "
+                                         f"and {i})")
+        rows[seq] = i
+
+
 @dataclass
 class Batch:
     """A packed chunk of several sequences: rows in ``seqs`` order.
@@ -91,7 +106,8 @@ class Batch:
     def pack(cls, rows: Mapping[SeqHandle, torch.Tensor | Sequence[int]], *,
              first_positions: Mapping[SeqHandle, int] | None = None,
              device: torch.device | str | None = None) -> "Batch":
-        """Pack ``{handle: tokens}`` into one batch (insertion order = row order)."""
+        """Pack ``{handle: tokens}`` into one batch (insertion order = row order). A mapping holds one row per
+        sequence: pack parallel lists with :meth:`from_rows`, which refuses a sequence listed twice."""
         seqs = list(rows)
         token_rows = []
         for s in seqs:
@@ -112,6 +128,20 @@ class Batch:
         firsts = [(first_positions or {}).get(s) for s in seqs]
         return cls(seqs, tokens, cu, firsts)
 
+    @classmethod
+    def from_rows(cls, seqs: Sequence[SeqHandle], rows: Sequence[torch.Tensor | Sequence[int]],
+                  first_positions: Sequence[int] | None = None, *,
+                  device: torch.device | str | None = None) -> "Batch":
+        """:meth:`pack` of parallel lists: row i feeds ``rows[i]`` to ``seqs[i]`` (first position
+        ``first_positions[i]``). A sequence listed twice is a :class:`DuplicateSequenceError` (a mapping would
+        keep one of its rows and drop the other)."""
+        _refuse_duplicates(seqs, "Batch.from_rows")
+        if len(rows) != len(seqs) or (first_positions is not None and len(first_positions) != len(seqs)):
+            raise HebrusError(f"Batch.from_rows: {len(seqs)} sequences, {len(rows)} rows and "
+                              f"{'no' if first_positions is None else len(first_positions)} first positions")
+        return cls.pack(dict(zip(seqs, rows)), device=device,
+                        first_positions=None if first_positions is None else dict(zip(seqs, first_positions)))
+
     @property
     def counts(self) -> list[int]:
         cu = host_ints(self.cu_seqlens)
@@ -119,9 +149,12 @@ class Batch:
 
 
 class ChunkStep:
-    """What a model's layers call inside ``ModelCache.transaction(batch)``.
+    """The state operations of one step, what a model's layers call inside ``ModelCache.transaction(batch)``:
+    PLE (:meth:`ple_ngram_ids`, :meth:`ple_conv`), GDN (:meth:`gdn_conv`, :meth:`gdn_delta_rule`) and QSA
+    (:meth:`qsa_write`, :meth:`qsa_select`, :meth:`qsa_attention`). The model math around them is the
+    model's (Qwen4Exp's: :mod:`hebrus_torch.models.qwen4_exp`).
 
-    Layer indices are the model's decoder-layer indices; the step maps them to PLE and QSA layers.
+    Layer indices are the model's decoder-layer indices; the step maps them to PLE, GDN and QSA layers.
     Every call stages its state change; nothing is visible until the transaction commits.
     """
 
@@ -131,21 +164,7 @@ class ChunkStep:
         """Per row, the absolute position of its first token where its GDN layers may run the chunked
         form (``hebrus::gdn_chunk_delta_rule_slots``), None where a row runs the recurrent form; None:
         every row recurrent. Set by the engine's runner (chunks cut at aligned positions)."""
-        for seq in batch.seqs:
-            cache.slots.check(seq)
-        if len(set(batch.seqs)) != len(batch.seqs):
-            raise HebrusError(f"ModelCache: a sequence appears twice in one batch: {batch.seqs}")
-        self.chunk = None
-        if cache.qsa is not None:
-            self.chunk = cache.qsa.reserve(batch.seqs, batch.counts, batch.first_positions or None)
-            # A sequence whose PLE state is fresh gets its origin from its first token (SPEC §4).
-            # (the rows' first positions, as the QSA cache planned them on the host: no read back)
-            firsts = self.chunk._starts if self.chunk._starts is not None else [
-                int(self.chunk.positions[i]) if n else 0
-                for i, n in zip(host_ints(self.chunk.cu_seqlens)[:-1], batch.counts)]
-            for seq, first, count in zip(batch.seqs, firsts, batch.counts):
-                if count and cache._origin.get(seq.slot) is None:
-                    cache._origin[seq.slot] = int(first)
+        self.chunk = cache._reserve_step(batch)
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -165,16 +184,38 @@ class ChunkStep:
         return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.ple_conv: x", x),
                         self.batch.cu_seqlens, weight)
 
-    def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """A gated-delta-net layer (transformers' ``Qwen4ExpTextGatedDeltaNet``, its own submodules) on the
-        batch: hidden Tensor[T, hidden_size] -> Tensor[T, hidden_size]; conv tails and recurrent states
-        read by slot and staged (``hebrus_torch.gdn.gdn_forward``)."""
-        from .gdn.forward import gdn_forward
-
+    def gdn_conv(self, layer_idx: int, x: torch.Tensor, weight: torch.Tensor | None = None,
+                 activation: str | None = None) -> torch.Tensor:
+        """``GDNState.conv`` of a gated-delta-net layer's conv input x: Tensor[T, conv_dim] -> Tensor[T, conv_dim];
+        conv tails read by slot and staged."""
         gdn = self.cache._need("gdn")
-        return gdn_forward(module, gdn, self.cache._layer_index(gdn, layer_idx, "linear attention"),
-                           self.batch.seqs, as_tensor("ChunkStep.linear_attention: hidden", hidden),
-                           self.batch.cu_seqlens, start_pos=self.gdn_start_positions)
+        return gdn.conv(self.cache._gdn_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.gdn_conv: x", x),
+                        self.batch.cu_seqlens, weight, activation=activation)
+
+    def gdn_delta_rule(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> torch.Tensor:
+        """``GDNState.delta_rule`` of a gated-delta-net layer: q, k Tensor[T, Hk, Dk], v Tensor[T, Hv, Dv], g, beta
+        Tensor[T, Hv] -> Tensor[T, Hv, Dv]; recurrent states read by slot and staged. Rows run the chunked form
+        where :attr:`gdn_start_positions` says so."""
+        gdn = self.cache._need("gdn")
+        return gdn.delta_rule(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, q, k, v, g,
+                              beta, start_pos=self.gdn_start_positions)
+
+    def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Deprecated: the layer's math is ``hebrus_torch.models.qwen4_exp.gdn.packed_gated_delta_net(step,
+        layer_idx, module, hidden)`` (its state goes through :meth:`gdn_conv` and :meth:`gdn_delta_rule`).
+
+        A gated-delta-net layer (transformers' ``Qwen4ExpTextGatedDeltaNet``, its own submodules) on the
+        batch: hidden Tensor[T, hidden_size] -> Tensor[T, hidden_size]."""
+        warnings.warn("ChunkStep.linear_attention is deprecated: call hebrus_torch.models.qwen4_exp.gdn."
+                      "packed_gated_delta_net(step, layer_idx, module, hidden)", DeprecationWarning, stacklevel=2)
+        from .models.qwen4_exp.gdn import module_mismatch, packed_gated_delta_net
+
+        hidden = as_tensor("ChunkStep.linear_attention: hidden", hidden)
+        why = module_mismatch(module, self.cache._need("gdn"))
+        if why is not None:
+            raise HebrusError(f"gdn_forward: {why}")
+        return packed_gated_delta_net(self, layer_idx, module, hidden)
 
     def qsa_write(self, layer_idx: int, index_keys: torch.Tensor, k: torch.Tensor | None = None,
                   v: torch.Tensor | None = None) -> None:
@@ -308,9 +349,35 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
     def _qsa_layer(self, layer_idx: int) -> int:
         return self._layer_index(self.qsa, layer_idx, "indexer")
 
+    def _gdn_layer(self, layer_idx: int) -> int:
+        return self._layer_index(self.gdn, layer_idx, "linear attention")
+
     def _atomic(self):
         """One lifecycle operation over both holders, atomic even inside an open transaction."""
         return atomic(self)
+
+    def _reserve_step(self, batch: Batch):
+        """Begin one step's batch (what :class:`ChunkStep` starts with): check its handles, reserve its positions
+        in the QSA cache (the ``ReservedChunk``, or None without one) and give each sequence whose PLE state is
+        fresh its origin at its first token (SPEC §4)."""
+        for seq in batch.seqs:
+            self.slots.check(seq)
+        _refuse_duplicates(batch.seqs, "ModelCache")
+        if self.qsa is None:
+            return None
+        chunk = self.qsa.reserve(batch.seqs, batch.counts, batch.first_positions or None)
+        # (the rows' first positions, as the QSA cache planned them on the host: no read back)
+        firsts = chunk._starts if chunk._starts is not None else [
+            int(chunk.positions[i]) if n else 0 for i, n in zip(host_ints(chunk.cu_seqlens)[:-1], batch.counts)]
+        self._set_origins(batch.seqs, firsts, batch.counts)
+        return chunk
+
+    def _set_origins(self, seqs: Sequence[SeqHandle], firsts: Sequence[int], counts: Sequence[int]) -> None:
+        """A sequence fed ``counts[i] > 0`` tokens from position ``firsts[i]`` while its PLE state is fresh (no
+        origin) has its origin there."""
+        for seq, first, count in zip(seqs, firsts, counts):
+            if count and self._origin.get(seq.slot) is None:
+                self._origin[seq.slot] = int(first)
 
     # ----------------------------------------------------------------------------- transactions
     @contextlib.contextmanager

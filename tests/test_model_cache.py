@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hebrus_torch as ht
+from hebrus_torch import model_cache
 from hebrus_torch.errors import CorruptStateError, HebrusError, HoleError, NonSuccessorError, StaleHandleError
 from hebrus_torch.qsa.cache import QSACache
 from hebrus_torch.state import blob as blob_mod
@@ -797,6 +798,23 @@ def test_stale_handle_in_batch_changes_nothing(model):
     with pytest.raises(StaleHandleError):
         run_chunk(mc, tables, {a: torch.tensor([1, 2]), b: torch.tensor([3])})
     assert mc.digest() == before
+
+
+def test_batch_from_rows_packs_parallel_lists_and_refuses_a_sequence_listed_twice(model):
+    """The runner's rows are parallel lists; packing them as a mapping kept one row of a sequence listed
+    twice (issue 33). ``Batch.from_rows`` refuses that, naming the sequence and its rows."""
+    mc = make_cache(model)
+    a, b = mc.new_sequence(), mc.new_sequence()
+    batch = ht.Batch.from_rows([a, b], [[5, 6, 7], torch.tensor([8])], [0, 4])
+    want = ht.Batch.pack({a: [5, 6, 7], b: [8]}, first_positions={a: 0, b: 4})
+    assert batch.seqs == want.seqs and batch.first_positions == want.first_positions == [0, 4]
+    assert torch.equal(batch.tokens, want.tokens) and torch.equal(batch.cu_seqlens, want.cu_seqlens)
+    assert ht.Batch.from_rows([a], [[1]]).first_positions == [None]
+    with pytest.raises(model_cache.DuplicateSequenceError,
+                       match=re.escape(f"Batch.from_rows: a sequence appears twice in one batch: {b} (rows 1 and 2)")):
+        ht.Batch.from_rows([a, b, b], [[1], [2], [3]], [0, 0, 1])
+    with pytest.raises(HebrusError, match="2 sequences, 1 rows"):
+        ht.Batch.from_rows([a, b], [[1]])
 
 
 def test_step_attention_reads_only_selected_cells(model):

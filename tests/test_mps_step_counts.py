@@ -19,7 +19,7 @@ import torch
 
 from hf_models import random_model
 
-import hebrus_torch.gdn.forward as gdn_forward
+import hebrus_torch.models.qwen4_exp.gdn as gdn_forward
 from hebrus_torch import _emulate
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.engine import Engine, EngineConfig

@@ -1,4 +1,7 @@
-"""``gdn_forward``: a transformers ``Qwen4ExpTextGatedDeltaNet`` layer over a packed step, state in a GDNState."""
+"""``gdn_forward``: a transformers ``Qwen4ExpTextGatedDeltaNet`` layer over a packed step, state in a GDNState.
+
+The layer's math is :func:`hebrus_torch.models.qwen4_exp.gdn.gated_delta_net` (what the engine runs too);
+this binds it to a GDNState's conv and delta rule, outside a ``ModelCache``."""
 
 from __future__ import annotations
 
@@ -7,24 +10,11 @@ from typing import Sequence
 import torch
 
 from ..errors import HebrusError
+from ..models.qwen4_exp.gdn import _sigmoid, _softplus, gated_delta_net, module_mismatch  # noqa: F401 (their old home)
 from ..state.args import as_tensor
 from ..state.handles import SeqHandle
 from ..state.transaction import atomic
 from .state import GDNState
-
-
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``1 / (1 + exp(-x))`` in fp32. torch.sigmoid's CPU kernel rounds differently in the vectorised body
-    and the scalar tail of a loop, so a token's value would depend on where it sits in the packed step;
-    exp and division give every element the same bits wherever it sits."""
-    return 1.0 / (1.0 + torch.exp(-x.float()))
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    """``max(x, 0) + log(1 + exp(-|x|))`` in fp32 (softplus; ``F.softplus`` has torch.sigmoid's position
-    dependence through log1p). Differs from log1p's result by under 6e-8 absolute."""
-    x = x.float()
-    return x.clamp(min=0) + torch.log(1.0 + torch.exp(-x.abs()))
 
 
 def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequence[SeqHandle],
@@ -36,7 +26,7 @@ def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequ
     ``norm``, ``out_proj``; the conv weight ``conv1d.weight`` and ``A_log``, ``dt_bias``), never copies of
     their weights; the conv and the delta rule run through ``state`` (:meth:`GDNState.conv`,
     :meth:`GDNState.delta_rule`) for GDN layer ``layer`` (``state.layer_index(decoder_layer)``), staging
-    the new state. The two stagings are one atomic step: inside a transaction they publish at its
+    the new state. The call is one atomic step: inside a transaction its stagings publish at the
     commit; outside one, both publish or neither does.
 
     Args:
@@ -52,23 +42,12 @@ def gdn_forward(module: torch.nn.Module, state: GDNState, layer: int, seqs: Sequ
     hidden = as_tensor("gdn_forward: hidden", hidden)
     if hidden.dim() != 2:
         raise HebrusError(f"gdn_forward: hidden must be [T, hidden_size], got {list(hidden.shape)}")
-    T = hidden.shape[0]
-    hk, hv = state.num_key_heads, state.num_value_heads
-    dk, dv = state.key_head_dim, state.value_head_dim
-    for name, want in (("num_k_heads", hk), ("num_v_heads", hv), ("head_k_dim", dk), ("head_v_dim", dv)):
-        got = getattr(module, name, None)
-        if got != want:
-            raise HebrusError(f"gdn_forward: module.{name} is {got}, the GDNState has {want}")
-    mixed = module.in_proj_qkv(hidden)                                   # [T, conv_dim]
-    z = module.in_proj_z(hidden).reshape(T, hv, dv)
-    b = module.in_proj_b(hidden)
-    a = module.in_proj_a(hidden)
-    beta = _sigmoid(b).to(b.dtype)
-    g = -module.A_log.float().exp() * _softplus(a.float() + module.dt_bias)
+    why = module_mismatch(module, state)
+    if why is not None:
+        raise HebrusError(f"gdn_forward: {why}")
     with atomic(state):
-        mixed = state.conv(layer, seqs, mixed, cu_seqlens, module.conv1d.weight, activation=module.activation)
-        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
-        out = state.delta_rule(layer, seqs, cu_seqlens, q.reshape(T, hk, dk), k.reshape(T, hk, dk),
-                               v.reshape(T, hv, dv), g, beta, start_pos=start_pos)
-    out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
-    return module.out_proj(out)
+        return gated_delta_net(
+            module, hidden,
+            conv=lambda x, weight, activation: state.conv(layer, seqs, x, cu_seqlens, weight, activation=activation),
+            delta_rule=lambda q, k, v, g, beta: state.delta_rule(layer, seqs, cu_seqlens, q, k, v, g, beta,
+                                                                 start_pos=start_pos))

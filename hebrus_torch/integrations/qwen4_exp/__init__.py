@@ -10,4 +10,7 @@
 - :mod:`.cuda_graphs`: the decode calls on CUDA (no native kernels) as captured CUDA graphs
 - :mod:`.cache_layers`: lifecycle wrappers of transformers' indexed cache layers
 - :mod:`.stats`: counters and once-per-cause fallback warnings
+
+The projections, norms, RoPE and output gate it runs as transformers does are the engine's too
+(:mod:`hebrus_torch.models.qwen4_exp.attention`).
 """

@@ -8,6 +8,7 @@ import torch
 import hebrus_torch
 from hebrus_torch import _limits
 from hebrus_torch._extension import has_native_kernel
+from hebrus_torch.models.qwen4_exp.attention import attention_projections, gated_output
 
 from .common import _PATCH
 from .selection import _Selection, selection_mask
@@ -70,15 +71,11 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
     finally:
         ind_record["as_indices"] = False
 
-    # From here on transformers' Qwen4ExpTextAttention.forward (5.23.0), line for line.
+    # From here on transformers' Qwen4ExpTextAttention.forward (5.23.0): its projections and output gate are
+    # hebrus_torch.models.qwen4_exp.attention's (the engine's too), the rest line for line.
     position_embeddings = tuple(x[:, -hidden_states.shape[1]:, :] for x in position_embeddings)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(*input_shape, -1)
-    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
-    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query_states, key_states, value_states, gate = attention_projections(self, hidden_states)
+    query_states, key_states, value_states = (t.transpose(1, 2) for t in (query_states, key_states, value_states))
     cos, sin = position_embeddings
     query_states, key_states = record["rope"](query_states, key_states, cos, sin)
     if past_key_values is not None:
@@ -132,7 +129,4 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings, a
         attn_weights = None
         _STATS["sparse_attention_calls"] += 1
 
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = attn_output * torch.sigmoid(gate)
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
+    return gated_output(self, attn_output, gate), attn_weights

@@ -11,6 +11,7 @@ import hebrus_torch
 from hebrus_torch import _limits, reference
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.errors import HoleError
+from hebrus_torch.models.qwen4_exp.attention import index_queries_and_keys
 from hebrus_torch.qsa import runs
 
 from . import cuda_graphs
@@ -42,17 +43,12 @@ def _indexer_forward(self, hidden_states: torch.Tensor, position_embeddings, att
 
 
 def _queries_and_keys(self, hidden_states, position_embeddings, past_key_values):
-    """q [B, T, Hq, D] (normed, roped) and the full raw keys [B, K, D]: the same calls as transformers."""
+    """q [B, T, Hq, D] (normed, roped) and the full raw keys [B, K, D]: the same calls as transformers
+    (:func:`hebrus_torch.models.qwen4_exp.attention.index_queries_and_keys`, then the cache's update)."""
     full_cos, full_sin = position_embeddings
-    batch_size, seq_length, _ = hidden_states.shape
-    hidden_shape = (batch_size, seq_length, -1, self.index_head_dim)
-    current_cos, current_sin = full_cos[:, -seq_length:, :], full_sin[:, -seq_length:, :]
-    qk = self.index_qk_proj(hidden_states)
-    q, token_k = torch.split(
-        qk, [self.index_n_heads * self.index_head_dim, self.index_kv_heads * self.index_head_dim], dim=-1)
-    q, raw_keys = q.reshape(*hidden_shape), token_k.reshape(*hidden_shape).squeeze(2)
-    q = self.q_layernorm(q)
-    q = self.__dict__[_PATCH]["rope"](q, cos=current_cos, sin=current_sin, unsqueeze_dim=2)
+    seq_length = hidden_states.shape[1]
+    q, raw_keys = index_queries_and_keys(self, hidden_states, full_cos[:, -seq_length:, :],
+                                         full_sin[:, -seq_length:, :], self.__dict__[_PATCH]["rope"])
     if past_key_values is not None:
         raw_keys = past_key_values.update_indexer(raw_keys, self.layer_idx)
     return q, raw_keys

@@ -1,0 +1,83 @@
+"""Indexed attention (transformers' ``Qwen4ExpTextAttention`` with its ``Qwen4ExpTextQSAIndexer``): the
+projections both the engine and the drop-in run, and the engine's packed form over the QSA cache.
+
+The shared pieces take activations with any leading shape (``[T, ...]`` packed, ``[B, T, ...]`` in the
+drop-in) and cos/sin with the same leading shape, so one formula serves both; ``rope`` is transformers'
+``apply_rotary_pos_emb`` (resolved by the caller: the drop-in resolves it at patch time, outside traced code).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep
+
+Rope = Callable[..., torch.Tensor]
+"""transformers' ``apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1)``."""
+
+
+def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's queries and raw keys, as ``Qwen4ExpTextQSAIndexer.forward`` computes them.
+
+    Args:
+        indexer: the layer's ``self_attn.indexer``.
+        x: Tensor[..., hidden_size]; cos, sin: Tensor[..., R] at x's positions.
+
+    Returns:
+        q Tensor[..., Hq, D] (``q_layernorm``-ed, roped) and the raw (unnormed, unroped) keys Tensor[..., D]
+        (one index kv head).
+    """
+    d = indexer.index_head_dim
+    q, token_k = torch.split(indexer.index_qk_proj(x), [indexer.index_n_heads * d, indexer.index_kv_heads * d],
+                             dim=-1)
+    lead = x.shape[:-1]
+    q, raw_keys = q.reshape(*lead, -1, d), token_k.reshape(*lead, -1, d).squeeze(-2)
+    q = rope(indexer.q_layernorm(q), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
+    return q, raw_keys
+
+
+def attention_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the output gate of ``Qwen4ExpTextAttention.forward``, token-major and not roped.
+
+    Args:
+        attn: the layer's ``self_attn``; x: Tensor[..., hidden_size].
+
+    Returns:
+        q Tensor[..., H, Dh] (``q_norm``-ed), k Tensor[..., Hkv, Dh] (``k_norm``-ed), v Tensor[..., Hkv, Dh]
+        and the gate Tensor[..., H * Dh] (:func:`gated_output`).
+    """
+    lead, hd = x.shape[:-1], attn.head_dim
+    q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
+    gate = gate.reshape(*lead, -1)
+    q = attn.q_norm(q)
+    k = attn.k_norm(attn.k_proj(x).view(*lead, -1, hd))
+    v = attn.v_proj(x).view(*lead, -1, hd)
+    return q, k, v, gate
+
+
+def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention's output: ``o_proj(out * sigmoid(gate))``; out Tensor[..., H, Dv] (token-major), gate
+    from :func:`attention_projections` -> Tensor[..., hidden_size]."""
+    out = out.reshape(*gate.shape[:-1], -1).contiguous()
+    return attn.o_proj(out * torch.sigmoid(gate))
+
+
+def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """``Qwen4ExpTextAttention.forward`` with its indexer on a ``ChunkStep``'s packed rows, over the QSA cache.
+
+    x: Tensor[T, hidden_size]; cos, sin: Tensor[T, R] -> Tensor[T, hidden_size]. The raw indexer keys and K/V
+    are written to the cache (``qsa_write``), each query selects its groups (``qsa_select``) and attends to
+    exactly those cells (``qsa_attention``; a query whose history is within the budget attends to all of it).
+    """
+    t = x.shape[0]
+    q_index, raw_keys = index_queries_and_keys(attn.indexer, x, cos, sin, rope)
+    q, k, v, gate = attention_projections(attn, x)
+    q, k = rope(q, k, cos=cos, sin=sin)
+    step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
+    plan = step.qsa_select(layer_idx, q_index)
+    return gated_output(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)

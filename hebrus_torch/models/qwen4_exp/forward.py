@@ -1,0 +1,134 @@
+"""Qwen4Exp's packed forward: every decoder layer of a transformers Qwen4Exp text model over one step's
+packed rows, the state-carrying parts through a ``ChunkStep`` of the ``ModelCache``.
+
+Every module call is the model's own ``nn.Module`` (embeddings, projections, norms, MoE,
+hyper-connections): no weight is copied, so a user's quantized or LoRA-wrapped modules still run.
+Token-wise modules run on the packed ``[T, ...]`` activations as they are; what carries state goes
+through the step: PLE (:mod:`.ple`), the gated-delta-net layers (:mod:`.gdn`) and indexed attention
+(:mod:`.attention`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, ContextManager
+
+import torch
+
+from ...errors import HebrusError
+from .attention import packed_indexed_attention
+from .gdn import module_mismatch, packed_gated_delta_net
+from .ple import packed_ple
+from .rope import RopeRows
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep, ModelCache
+
+Timed = Callable[[str], ContextManager]
+"""``timed(part)``: a context around one part of the step ("ple", "hyper-connections", "gdn", "attention",
+"moe"), for the runner's timings and step counts."""
+
+LAYER_TYPES = ("indexed_attention", "linear_attention")
+
+
+def find_text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Qwen4Exp text model (embed_tokens, layers, rotary_emb) inside a causal-LM or multimodal model."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "layers") and hasattr(m, "rotary_emb") and hasattr(m, "embed_tokens"):
+            return m
+        for attr in ("model", "language_model", "text_model"):
+            if isinstance(getattr(m, attr, None), torch.nn.Module):
+                m = getattr(m, attr)
+                break
+        else:
+            break
+    raise HebrusError(f"engine: cannot find a Qwen4Exp text model in {type(model).__name__}")
+
+
+def _untimed(part: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _rope_function() -> Callable:
+    """transformers' ``apply_rotary_pos_emb`` (what the model's attention ropes with)."""
+    from ...integrations.qwen4_exp.common import _modeling
+
+    return _modeling().apply_rotary_pos_emb
+
+
+class PackedQwen4Exp:
+    """The packed forward of a transformers Qwen4Exp text model over a ``ModelCache``.
+
+    Args:
+        text: the text model (:func:`find_text_model`).
+        cache: the ``ModelCache`` its steps run in: with a QSA cache keeping K/V planes (``with_kv=True``)
+            when the model has indexed-attention layers, with a GDN holder when it has linear-attention ones.
+    """
+
+    def __init__(self, text: torch.nn.Module, cache: ModelCache) -> None:
+        self.text = text
+        self.config = text.config
+        types = list(self.config.layer_types)
+        if "indexed_attention" in types and (cache.qsa is None or not cache.qsa.has_kv):
+            raise HebrusError("engine: the model has indexed-attention layers; its ModelCache needs a QSA cache "
+                              "with K/V planes (with_kv=True)")
+        if "linear_attention" in types and cache.gdn is None:
+            raise HebrusError("engine: the model has linear-attention layers; its ModelCache needs a GDN holder")
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise HebrusError(f"engine: unsupported layer types {unknown}")
+        for idx, layer in enumerate(self._layers()):
+            if layer.layer_type == "linear_attention":
+                why = module_mismatch(layer.linear_attn, cache.gdn)
+                if why is not None:
+                    raise HebrusError(f"engine: decoder layer {idx}'s linear attention does not fit the "
+                                      f"ModelCache's GDN holder: {why}")
+        self.hc_count = int(self.config.hc_count)
+        self.rope_rows = RopeRows(text.rotary_emb)
+        self.rope = _rope_function() if "indexed_attention" in types else None
+
+    def _layers(self) -> torch.nn.ModuleList:
+        return self.text.layers[: self.config.num_hidden_layers]
+
+    def __call__(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed) -> torch.Tensor:
+        """The final hidden states of a step.
+
+        Args:
+            step: the ``ChunkStep`` of the open transaction (its batch: the packed tokens).
+            positions: Tensor[T] int64, every packed token's position; last: the largest of them (host int).
+            timed: see :data:`Timed`.
+
+        Returns:
+            Tensor[T, hidden_size]: the hyper-connection mixer's output (what ``lm_head`` reads).
+        """
+        text = self.text
+        embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
+        cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
+        h = embeds.repeat(1, self.hc_count)                                            # [T, hc * hidden]
+        for idx, layer in enumerate(self._layers()):
+            if layer.ple is not None:
+                with timed("ple"):
+                    h = h + packed_ple(step, idx, layer.ple, h)
+            with timed("hyper-connections"):
+                x, hyper, inject = layer.attn_hyper_connection(h)
+            if layer.layer_type == "linear_attention":
+                with timed("gdn"):
+                    out = packed_gated_delta_net(step, idx, layer.linear_attn, x)
+            else:
+                with timed("attention"):
+                    out = packed_indexed_attention(step, idx, layer.self_attn, x, cos, sin, self.rope)
+            with timed("hyper-connections"):
+                h = _inject(hyper, out, inject)
+                x, hyper, inject = layer.mlp_hyper_connection(h)
+            with timed("moe"):
+                out = layer.mlp(x[None])[0]
+            with timed("hyper-connections"):
+                h = _inject(hyper, out, inject)
+        return text.hyper_connection_mixer(h)
+
+
+def _inject(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output added back into every stream: hyper Tensor[T, hc * hidden] + out Tensor[T, hidden]
+    weighted per stream by inject Tensor[T, hc]."""
+    return hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

@@ -1,0 +1,77 @@
+"""The gated-delta-net layer (transformers' ``Qwen4ExpTextGatedDeltaNet``) on packed rows, its conv and delta
+rule through state operations the caller binds (a ``ChunkStep``'s, or a ``GDNState``'s in ``gdn_forward``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ...model_cache import ChunkStep
+
+ConvOp = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+"""``conv(mixed [T, conv_dim], weight, activation) -> [T, conv_dim]``: the causal conv over the conv tails."""
+DeltaRuleOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``delta_rule(q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv], beta [T, Hv]) -> [T, Hv, Dv]``."""
+
+_HEADS = (("num_k_heads", "num_key_heads"), ("num_v_heads", "num_value_heads"), ("head_k_dim", "key_head_dim"),
+          ("head_v_dim", "value_head_dim"))
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in fp32. torch.sigmoid's CPU kernel rounds differently in the vectorised body
+    and the scalar tail of a loop, so a token's value would depend on where it sits in the packed step;
+    exp and division give every element the same bits wherever it sits."""
+    return 1.0 / (1.0 + torch.exp(-x.float()))
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """``max(x, 0) + log(1 + exp(-|x|))`` in fp32 (softplus; ``F.softplus`` has torch.sigmoid's position
+    dependence through log1p). Differs from log1p's result by under 6e-8 absolute."""
+    x = x.float()
+    return x.clamp(min=0) + torch.log(1.0 + torch.exp(-x.abs()))
+
+
+def module_mismatch(module: torch.nn.Module, state) -> str | None:
+    """Why ``module`` (a ``Qwen4ExpTextGatedDeltaNet``) does not fit the GDNState ``state`` (its head counts
+    and head dims), or None."""
+    for name, attr in _HEADS:
+        got, want = getattr(module, name, None), getattr(state, attr)
+        if got != want:
+            return f"module.{name} is {got}, the GDNState has {want}"
+    return None
+
+
+def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
+                    delta_rule: DeltaRuleOp) -> torch.Tensor:
+    """``Qwen4ExpTextGatedDeltaNet.forward`` on packed rows: hidden Tensor[T, hidden_size] -> Tensor[T, hidden_size].
+
+    Calls the module's own submodules (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``norm``,
+    ``out_proj``; ``conv1d.weight``, ``A_log``, ``dt_bias``), never copies of their weights; what carries state
+    (the conv over the tails, the delta rule over the recurrent states) goes through ``conv`` and
+    ``delta_rule``, which stage it. The beta gate and the log decay are computed in fp32 with every token's
+    bits independent of where it sits in the step (:func:`_sigmoid`, :func:`_softplus`).
+    """
+    T = hidden.shape[0]
+    hk, hv = module.num_k_heads, module.num_v_heads
+    dk, dv = module.head_k_dim, module.head_v_dim
+    mixed = module.in_proj_qkv(hidden)                                   # [T, conv_dim]
+    z = module.in_proj_z(hidden).reshape(T, hv, dv)
+    b = module.in_proj_b(hidden)
+    a = module.in_proj_a(hidden)
+    beta = _sigmoid(b).to(b.dtype)
+    g = -module.A_log.float().exp() * _softplus(a.float() + module.dt_bias)
+    mixed = conv(mixed, module.conv1d.weight, module.activation)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    out = delta_rule(q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
+    out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
+    return module.out_proj(out)
+
+
+def packed_gated_delta_net(step: ChunkStep, layer_idx: int, module: torch.nn.Module,
+                           hidden: torch.Tensor) -> torch.Tensor:
+    """:func:`gated_delta_net` of decoder layer ``layer_idx`` on a ``ChunkStep``'s batch (its GDN state ops)."""
+    return gated_delta_net(module, hidden,
+                           conv=lambda x, weight, activation: step.gdn_conv(layer_idx, x, weight, activation),
+                           delta_rule=lambda q, k, v, g, beta: step.gdn_delta_rule(layer_idx, q, k, v, g, beta))
