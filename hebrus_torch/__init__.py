@@ -7,8 +7,8 @@ everywhere else. ``hebrus_torch.engine`` runs continuous batching on the state h
 
 from . import _extension
 from . import errors
-from .errors import (CapacityError, CorruptStateError, HebrusError, HoleError, NonSuccessorError,
-                     StaleHandleError)
+from .errors import (CapacityError, CorruptStateError, DuplicateSequenceError, HebrusError, HoleError,
+                     NonSuccessorError, StaleHandleError)
 from .ple.ops import ple_conv, ple_ngram_ids
 from .qsa.ops import qsa_pool, qsa_select
 from .qsa.attention import qsa_attention
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
-    "CorruptStateError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
+    "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
 ]

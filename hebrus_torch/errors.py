@@ -36,6 +36,11 @@ class CorruptStateError(HebrusError):
     """A saved blob or state dict is truncated, tampered with or of another format."""
 
 
+class DuplicateSequenceError(HebrusError):
+    """One sequence given two rows of one batch (each row reads and advances its sequence's state: a
+    second row of it would be lost or run from the wrong state)."""
+
+
 _BY_NAME = {
     cls.__name__: cls
     for cls in (HebrusError, HoleError, NonSuccessorError, StaleHandleError, CapacityError, CorruptStateError)

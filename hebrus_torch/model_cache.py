@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import HebrusError
+from .errors import DuplicateSequenceError, HebrusError
 from .gdn.state import GDNSnapshot, GDNState
 from .ple.state import PLESnapshot, PLEState
 from .qsa.attention import qsa_attention
@@ -69,11 +69,6 @@ class StepRecording:
         """Done with the recording (after :meth:`ModelCache.truncate`, or when nothing is cut): the holders take
         back the undo buffers it kept (else they are freed with it and allocated again)."""
         self.log.release()
-
-
-class DuplicateSequenceError(HebrusError):
-    """One sequence given two rows of one batch (each row reads and advances its sequence's state: a
-    second row of it would be lost or run from the wrong state)."""
 
 
 def _refuse_duplicates(seqs: Sequence[SeqHandle], who: str) -> None:
