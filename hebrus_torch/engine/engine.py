@@ -148,6 +148,7 @@ class EngineCounters:
     spec_verify_rows: int = 0           # verification rows (one per speculating request and step)
     spec_steps: int = 0                 # steps with at least one verification row
     spec_rollbacks: int = 0             # rows cut short after verification (ModelCache.truncate)
+    spec_drafter_errors: int = 0        # requests that stopped speculating: their drafter raised or proposed junk
 
 
 class Engine:
@@ -456,7 +457,7 @@ class Engine:
         for req in self.scheduler.running:
             spec, cfg = req.spec, req.speculative
             spec.draft = []
-            if not cfg.enabled or req.remaining != 1 or not req.generated:
+            if not cfg.enabled or req.remaining != 1 or not req.generated or spec.error is not None:
                 continue
             k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, cap - req.num_tokens - 1)
             if k <= 0:
@@ -469,16 +470,45 @@ class Engine:
                 asking.append((req, k))
         if not asking:
             return
-        batch = getattr(self.drafter, "propose_batch", None)
-        found = (batch([r for r, _ in asking], [k for _, k in asking]) if batch is not None
-                 else [self.drafter(r, k) for r, k in asking])
-        for (req, k), draft in zip(asking, found):
-            draft = _token_ids(draft, f"engine: the drafter for {req.request_id!r}")[:k]
-            bad = [t for t in draft if not 0 <= t < self.vocab_size]
-            if bad:
-                raise HebrusError(f"engine: the drafter proposed token ids {bad[:5]} outside the vocabulary "
-                                  f"[0, {self.vocab_size}) for {req.request_id!r}")
+        for (req, k), draft in zip(asking, self._ask_drafter(asking)):
             req.spec.draft = draft
+
+    def _ask_drafter(self, asking: list[tuple[Request, int]]) -> list[list[int]]:
+        """The drafter's tokens for each ``(request, k)``, at most k each. A failure stays with its request: a
+        batched call that raises is repeated one request at a time, and a request whose drafter raises or
+        proposes something other than token ids of the vocabulary stops speculating (``spec.error`` says why;
+        its tokens are those of plain decoding) while the others go on."""
+        batch = getattr(self.drafter, "propose_batch", None)
+        found: list[Any] | None = None
+        if batch is not None:
+            try:
+                found = list(batch([r for r, _ in asking], [k for _, k in asking]))
+            except Exception:  # noqa: BLE001 - which request it failed for is unknown: ask them one by one
+                found = None
+            if found is not None and len(found) != len(asking):
+                found = None
+        out = []
+        for i, (req, k) in enumerate(asking):
+            try:
+                draft = found[i] if found is not None else self.drafter(req, k)
+                draft = _token_ids(draft, f"engine: the drafter for {req.request_id!r}")[:k]
+                bad = [t for t in draft if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise HebrusError(f"engine: the drafter proposed token ids {bad[:5]} outside the vocabulary "
+                                      f"[0, {self.vocab_size}) for {req.request_id!r}")
+            except Exception as err:  # noqa: BLE001 - only this request stops speculating
+                self._stop_speculating(req, f"{type(err).__name__}: {err}")
+                draft = []
+            out.append(draft)
+        return out
+
+    def _stop_speculating(self, req: Request, why: str) -> None:
+        req.spec.error = why
+        self.counters.spec_drafter_errors += 1
+        try:
+            self._release_draft(req)
+        except Exception:  # noqa: BLE001 - the drafter's own bookkeeping; the request goes on without it
+            pass
 
     def _run_plan(self, plan: StepPlan) -> list[StepOutput]:
         attempts = 0

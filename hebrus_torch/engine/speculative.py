@@ -89,6 +89,7 @@ class SpecState:
     pause: int = 0                  # decode steps left without drafting
     draft: list[int] = field(default_factory=list)      # the drafts of the step being planned
     lookup: NgramIndex | None = None                     # prompt lookup over the request's stream
+    error: str | None = None        # why the drafter failed for this request (it then speculates no more)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0

@@ -1,0 +1,92 @@
+"""Failures of one request or one step that must not spread (issue 33).
+
+- a drafter that raises or proposes a token outside the vocabulary for one request: that request stops
+  speculating (its tokens stay the plain ones), every other request goes on speculating;
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_models import modeling  # noqa: F401  (skips without transformers)
+from test_engine import EOS, make_model, prompts_for
+from test_engine_speculative import oracle, run
+
+from hebrus_torch.engine import Engine, EngineConfig, RequestStatus
+from hebrus_torch.engine.draft_model import DraftModelDrafter
+from hebrus_torch.errors import CapacityError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
+
+
+def _finish_all(engine: Engine, max_steps: int = 500) -> None:
+    """Step until done, tolerating raising steps (the code before the fix raised); bounded."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        try:
+            engine.step()
+        except Exception:  # noqa: BLE001 - what the assertions after it judge
+            pass
+    raise AssertionError("the engine did not finish")
+
+
+# ------------------------------------------------------------------------------------------ drafters
+@pytest.mark.parametrize("fault", ["outside_vocabulary", "raises", "raises_in_batch"])
+def test_a_drafter_failing_for_one_request_stops_only_its_speculation(fault):
+    model = make_model("lin-idx", seed=30)
+    prompts = prompts_for(30, lengths=(11, 14))
+    ref, _ = run(model, prompts, max_new_tokens=10)
+    good = oracle(ref, 3, error_rate=0.0)
+
+    def drafter(req, k):
+        if req.request_id == "r1":
+            if fault == "outside_vocabulary":
+                return [model.config.vocab_size + 7] * k
+            raise CapacityError("the draft cache is out of slots")
+        return good(req, k)
+
+    if fault == "raises_in_batch":      # a batched drafter raising for the whole batch because of one request
+        class Batched:
+            def __call__(self, req, k):
+                return drafter(req, k)
+
+            def propose_batch(self, reqs, lengths):
+                if any(r.request_id == "r1" for r in reqs):
+                    raise CapacityError("the draft cache is out of slots")
+                return [drafter(r, k) for r, k in zip(reqs, lengths)]
+        use = Batched()
+    else:
+        use = drafter
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4),
+                    drafter=use)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=10, eos_token_id=EOS, speculative=4)
+    _finish_all(engine)
+    reqs = engine.requests
+    assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), {k: r.error for k, r in reqs.items()}
+    assert {k: r.generated for k, r in reqs.items()} == ref
+    assert reqs["r0"].spec.accepted_tokens > 0                  # the other request kept speculating
+    assert reqs["r1"].spec.verify_steps == 0 and reqs["r1"].spec.error is not None
+    assert engine.counters.spec_drafter_errors == 1             # once: r1 stopped asking
+
+
+def test_a_draft_model_out_of_sequences_for_one_request_fails_nobody():
+    model = make_model("lin-idx", seed=31)
+    prompts = prompts_for(31, lengths=(9, 13, 6))
+    ref, _ = run(model, prompts, max_new_tokens=8)
+    drafter = DraftModelDrafter(make_model("lin-idx", seed=31), vocab_size=model.config.vocab_size,
+                                capacity_tokens=512, max_sequences=1)
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=64, block_size=4),
+                    drafter=drafter)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS, speculative=3)
+    _finish_all(engine)
+    reqs = engine.requests
+    assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), {k: r.error for k, r in reqs.items()}
+    assert {k: r.generated for k, r in reqs.items()} == ref
+    assert engine.counters.spec_accepted_tokens > 0 and engine.counters.spec_drafter_errors >= 1
+    assert drafter.cache.slots.live_handles() == []
