@@ -2,6 +2,9 @@
 
 - a drafter that raises or proposes a token outside the vocabulary for one request: that request stops
   speculating (its tokens stay the plain ones), every other request goes on speculating;
+- an exception after the model ran (picking the logits, sampling, verification), injected once: the step
+  is undone as a whole and retried, so every request completes with the tokens of a clean run (seeded
+  sampling included); injected for good, the step's requests fail and the engine goes on.
 """
 
 from __future__ import annotations
@@ -9,10 +12,11 @@ from __future__ import annotations
 import pytest
 
 from hf_models import modeling  # noqa: F401  (skips without transformers)
-from test_engine import EOS, make_model, prompts_for
+from test_engine import EOS, make_model, prompts_for, reference_tokens
 from test_engine_speculative import oracle, run
 
-from hebrus_torch.engine import Engine, EngineConfig, RequestStatus
+from hebrus_torch.engine import Engine, EngineConfig, RequestStatus, SamplingParams
+from hebrus_torch.engine import engine as engine_module
 from hebrus_torch.engine.draft_model import DraftModelDrafter
 from hebrus_torch.errors import CapacityError
 
@@ -90,3 +94,66 @@ def test_a_draft_model_out_of_sequences_for_one_request_fails_nobody():
     assert {k: r.generated for k, r in reqs.items()} == ref
     assert engine.counters.spec_accepted_tokens > 0 and engine.counters.spec_drafter_errors >= 1
     assert drafter.cache.slots.live_handles() == []
+
+
+# ------------------------------------------------------------------------------------------ after the model ran
+def _once(monkeypatch, name: str, calls: dict, at: int = 1):
+    original = getattr(engine_module, name)
+
+    def faulty(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise RuntimeError(f"injected fault in {name}")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(engine_module, name, faulty)
+
+
+@pytest.mark.parametrize("where", ["sample_rows_reading", "verification"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_fault_after_the_model_ran_undoes_the_step_and_every_request_completes(where, do_sample, monkeypatch):
+    model = make_model("lin-idx", seed=32)
+    prompts = prompts_for(32, lengths=(10, 15))
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=5) if do_sample else None
+    plain, _ = run(model, prompts, max_new_tokens=8, sampling=sampling)
+
+    def engine_for():
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4),
+                        drafter=oracle(plain, 9))
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS, sampling=sampling,
+                               speculative=3 if where == "verification" else 0)
+        return engine
+    engine = engine_for()
+    engine.run()
+    clean = {k: r.generated for k, r in engine.requests.items()}      # (sampled speculation draws otherwise)
+    for at in (1, 2, 3):
+        calls = {"n": 0}
+        with monkeypatch.context() as m:
+            _once(m, where, calls, at)
+            engine = engine_for()
+            _finish_all(engine)
+        assert calls["n"] >= at
+        reqs = engine.requests
+        assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), \
+            (where, at, {k: r.error for k, r in reqs.items()})
+        assert {k: r.generated for k, r in reqs.items()} == clean, (where, at)
+        assert engine.counters.retried_steps == 1
+        engine.clear_prefix_cache()
+        assert engine.cache.slots.live_handles() == []
+
+
+def test_a_persistent_fault_after_the_model_ran_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    model = make_model("lin-idx", seed=33)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64))
+    engine.add_request([5, 6, 7], request_id="doomed", max_new_tokens=3, eos_token_id=-1)
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "sample_rows_reading",
+                  lambda *a, **k: (_ for _ in ()).throw(RuntimeError("persistent")))
+        engine.step()
+    assert engine.requests["doomed"].status is RequestStatus.FAILED
+    assert "persistent" in engine.requests["doomed"].error
+    engine.add_request([5, 6, 7], request_id="next", max_new_tokens=3, eos_token_id=-1)
+    engine.run()
+    assert engine.requests["next"].generated == reference_tokens(model, [5, 6, 7], 3)[:3]
+    engine.clear_prefix_cache()
+    assert engine.cache.slots.live_handles() == []

@@ -511,22 +511,31 @@ class Engine:
             pass
 
     def _run_plan(self, plan: StepPlan) -> list[StepOutput]:
+        """Execute the plan as one transaction that also reads the step's tokens off its logits (sampling and
+        verification run inside it, ``ModelRunner.execute(consume=)``): a failure before the tokens are known
+        publishes nothing and puts the requests' generators back, so the retry draws what the first attempt
+        would have. Then the tokens are applied to the requests."""
         attempts = 0
         while True:
             chunks = plan.chunks
             verifying = {c.request.seq: c.width for c in chunks if c.drafts}
+            plain = [c for c in chunks if c.needs_logits and not c.drafts]
+            forking = self._pending_forks(plain)
+            generators = _generator_states([c.request for c in chunks if c.needs_logits])
             try:
                 t0 = time.perf_counter()
                 if self._fault_hook is not None:
                     self._fault_hook(plan)
                 with (self.cache.recording(verifying) if verifying else contextlib.nullcontext()) as recording:
-                    logits = self.runner.execute([c.request.seq for c in chunks], [c.tokens for c in chunks],
-                                                 [c.width if c.drafts else c.needs_logits for c in chunks],
-                                                 [c.start for c in chunks],
-                                                 [c.start < self.scheduler.chunk_extent(c.request) for c in chunks])
+                    picks, verdicts = self.runner.execute(
+                        [c.request.seq for c in chunks], [c.tokens for c in chunks],
+                        [c.width if c.drafts else c.needs_logits for c in chunks], [c.start for c in chunks],
+                        [c.start < self.scheduler.chunk_extent(c.request) for c in chunks],
+                        lambda logits: self._pick(chunks, logits, forking))
                 self.counters.model_seconds += time.perf_counter() - t0
                 break
             except CapacityError as err:
+                _restore_generators(generators)
                 # Out of cells: drop kept prefixes first, else free the newest request (recomputed later).
                 if self._kept:
                     self._evict_kept()
@@ -541,46 +550,63 @@ class Engine:
                 if not plan.chunks:
                     return []
             except Exception as err:  # noqa: BLE001 - any failure of a step rolls it back
+                _restore_generators(generators)
                 attempts += 1
                 self.counters.failed_steps += 1
                 if attempts > self.config.step_retries:
                     return self._fail([c.request for c in chunks], f"{type(err).__name__}: {err}")
                 self.counters.retried_steps += 1
         self.counters.steps += 1
-        plain = [c for c in chunks if c.needs_logits and not c.drafts]
-        forked = self._fork_choices(plain)          # (index in plain, fork): the choices of a prompt
-        picks, verified = self._pick(chunks, logits, forked)
-        recomputing = self._keep_verified(chunks, verified, recording) if verified else set()
+        sampled = dict(zip(map(id, plain), picks))
+        forked = self._fork_choices(forking, picks[len(plain):])
+        emitted, recomputing, failed = self._keep_verified(chunks, verdicts, recording) if verdicts else ({}, set(), {})
         if recording is not None:
             recording.release()
         outputs: list[StepOutput] = []
         now = time.perf_counter()
         for chunk in chunks:
             req = chunk.request
-            needs_logits = chunk.needs_logits      # (before num_computed moves)
-            end = chunk.start + chunk.num_tokens
-            if chunk.drafts:
-                new_tokens, logprobs, tops = verified[id(chunk)]
-                # the step's first token and the kept drafts (none if the request must recompute)
-                end = 0 if id(req) in recomputing else chunk.start + len(new_tokens)
-                self.counters.decode_tokens += chunk.width
-            elif end <= len(req.prompt):
-                self.counters.prefill_tokens += chunk.num_tokens
-            else:
-                self.counters.decode_tokens += chunk.num_tokens
-            req.prefilled_tokens += chunk.width
-            before, req.num_computed = req.num_computed, end
-            self._record_prefix(req)
-            if self.on_prompt_done is not None and before < len(req.prompt) <= end:
-                self.on_prompt_done(req)
-            if not needs_logits:
+            if req in failed:
+                outputs += self._fail([req], failed[req])
                 continue
-            if chunk.drafts:
-                outputs.append(self._append(req, new_tokens, logprobs, tops, now, id(req) not in recomputing))
-            else:
-                outputs.append(self._take(req, next(picks), now))
-        outputs += [self._take(fork, next(picks), now) for _, fork in forked]
+            try:
+                out = self._apply_chunk(chunk, sampled.get(id(chunk)), emitted.get(id(chunk)), req in recomputing, now)
+            except Exception as err:  # noqa: BLE001 - host bookkeeping of one request (a tokenizer, a callback)
+                if not req.status.is_done:
+                    outputs += self._fail([req], f"{type(err).__name__}: {err}")
+                continue
+            if out is not None:
+                outputs.append(out)
+        outputs += [self._take(fork, pick, now) for fork, pick in forked]
         return outputs
+
+    def _apply_chunk(self, chunk: ScheduledChunk, pick: Pick | None, emitted: tuple | None, recomputing: bool,
+                     now: float) -> StepOutput | None:
+        """Apply one executed chunk to its request: the tokens now in the cache, then the token it sampled
+        (``pick``) or the tokens its verification emitted (``emitted``; ``recomputing``: its state could
+        not be cut back and was freed, so it recomputes from scratch). None when it samples nothing."""
+        req = chunk.request
+        needs_logits = chunk.needs_logits      # (before num_computed moves)
+        end = chunk.start + chunk.num_tokens
+        if chunk.drafts:
+            new_tokens, logprobs, tops = emitted
+            # the step's first token and the kept drafts (none if the request must recompute)
+            end = 0 if recomputing else chunk.start + len(new_tokens)
+            self.counters.decode_tokens += chunk.width
+        elif end <= len(req.prompt):
+            self.counters.prefill_tokens += chunk.num_tokens
+        else:
+            self.counters.decode_tokens += chunk.num_tokens
+        req.prefilled_tokens += chunk.width
+        before, req.num_computed = req.num_computed, end
+        self._record_prefix(req)
+        if self.on_prompt_done is not None and before < len(req.prompt) <= end:
+            self.on_prompt_done(req)
+        if not needs_logits:
+            return None
+        if chunk.drafts:
+            return self._append(req, new_tokens, logprobs, tops, now, not recomputing)
+        return self._take(req, pick, now)
 
     def _take(self, req: Request, pick: Pick, now: float) -> StepOutput:
         """Append a sampled token (a ``sampling.Pick``) to ``req``; finish it if it stops there."""
@@ -610,40 +636,54 @@ class Engine:
             out.finished = True
         return out
 
-    def _fork_choices(self, sampled: list[ScheduledChunk]) -> list[tuple[int, Request]]:
-        """For each chunk of ``sampled`` (row i: the logits row its request samples from) that ended its
-        request's prompt in this step (the step ran: the sequence holds the state after the prompt), fork
-        the sequence for each of the request's pending ``forks``; they join the running requests at the end
-        of the prompt and sample their first token from the same row. A fork that gets no sequence slot
-        (even after evicting kept prefixes) is queued instead and prefills on its own."""
+    def _pending_forks(self, sampled: list[ScheduledChunk]) -> list[tuple[int, Request]]:
+        """For each chunk of ``sampled`` (row i: the logits row its request samples from) that ends its
+        request's prompt in this step, the request's pending ``forks`` as (row, fork): they sample their first
+        token from the same row, each with a fresh generator (nothing else changes until the step ran)."""
         out: list[tuple[int, Request]] = []
         for row, chunk in enumerate(sampled):
             req = chunk.request
             if not req.forks or req.generated or chunk.start + chunk.num_tokens != len(req.prompt):
                 continue
-            forks, req.forks = [f for f in req.forks if not f.status.is_done], []
-            for fork in forks:
-                while self._kept and len(self.cache.slots.live_handles()) >= self.config.max_sequences:
-                    self._evict_kept()
-                try:
-                    seq = self.cache.fork(req.seq)
-                except CapacityError:
-                    self.scheduler.add(fork)
-                    continue
-                fork.seq, fork.num_computed = seq, len(req.prompt)
-                self._extent[seq] = self._extent.get(req.seq, self.scheduler.chunk_extent(fork))
-                fork.generator = fork.sampling.generator(self.runner.device)
-                fork.first_scheduled_time = time.perf_counter()
-                self.scheduler.join(fork)
-                self.counters.forked_choices += 1
-                out.append((row, fork))
+            for fork in req.forks:
+                if not fork.status.is_done:
+                    fork.generator = fork.sampling.generator(self.runner.device)
+                    out.append((row, fork))
+        return out
+
+    def _fork_choices(self, forking: list[tuple[int, Request]], picks: Sequence[Pick]) -> list[tuple[Request, Pick]]:
+        """After the step ran (each parent's sequence holds the state after its prompt): fork the parent's
+        sequence for each pending fork, which joins the running requests at the end of the prompt with the
+        token it sampled. A fork that gets no sequence slot (even after evicting kept prefixes) is queued
+        instead and prefills on its own."""
+        out: list[tuple[Request, Pick]] = []
+        parents = {}
+        for (row, fork), pick in zip(forking, picks):
+            parent = next(r for r in self.scheduler.running if fork in r.forks)
+            parents[id(parent)] = parent
+            while self._kept and len(self.cache.slots.live_handles()) >= self.config.max_sequences:
+                self._evict_kept()
+            try:
+                seq = self.cache.fork(parent.seq)
+            except CapacityError:
+                fork.generator = None
+                self.scheduler.add(fork)
+                continue
+            fork.seq, fork.num_computed = seq, len(parent.prompt)
+            self._extent[seq] = self._extent.get(parent.seq, self.scheduler.chunk_extent(fork))
+            fork.first_scheduled_time = time.perf_counter()
+            self.scheduler.join(fork)
+            self.counters.forked_choices += 1
+            out.append((fork, pick))
+        for parent in parents.values():
+            parent.forks = []
         return out
 
     def _pick(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
-              forked: list[tuple[int, Request]]) -> tuple[Iterator[Pick], dict[int, Verdict]]:
-        """The step's tokens, in one read of the device: an iterator over the Picks of the rows that sample
-        one (then of the ``forked`` choices, which sample from their parent's row), and per verification
-        row (by ``id(chunk)``) its Verdict."""
+              forked: list[tuple[int, Request]]) -> tuple[list[Pick], dict[int, Verdict]]:
+        """The step's tokens, in one read of the device: the Picks of the rows that sample one (then of the
+        ``forked`` choices, which sample from their parent's row), and per verification row (by ``id(chunk)``)
+        its Verdict."""
         rows, offsets, at = [], [], 0
         for c in chunks:
             if c.drafts:
@@ -667,50 +707,59 @@ class Engine:
         picks, values = sample_rows_reading(logits, [r.sampling for r in reqs], [r.tokens for r in reqs],
                                             [r.generator for r in reqs], rows=rows,
                                             generated=[r.generated for r in reqs], also=also)  # the step's one read
-        return iter(picks), ({id(c): v for c, v in zip(spec, finish(values))} if spec else {})
+        return list(picks), ({id(c): v for c, v in zip(spec, finish(values))} if spec else {})
 
-    def _keep_verified(self, chunks: Sequence[ScheduledChunk], verdicts: dict, recording) -> set[int]:
+    def _keep_verified(self, chunks: Sequence[ScheduledChunk], verdicts: dict[int, Verdict], recording
+                       ) -> tuple[dict[int, tuple], set[Request], dict[Request, str]]:
         """Turn each verification row's Verdict into the tokens it emits (cut at the first that stops the
-        request) and cut the step short for the rows that keep fewer tokens than they fed; ``verdicts``
-        then maps ``id(chunk)`` to (tokens, logprobs or None, top alternatives or None). Returns the ids of
-        the requests whose state could not be cut (freed instead: they recompute, keeping their tokens)."""
+        request) and cut the step short for the rows that keep fewer tokens than they fed. Returns, by
+        ``id(chunk)``, (tokens, logprobs or None, top alternatives or None); the requests whose state could not
+        be cut (freed instead: they recompute, keeping their tokens); and the requests whose tokens could not be
+        judged (a stop string's tokenizer raised), with why: they fail, and nothing of theirs is cut."""
         cut: dict[SeqHandle, int] = {}
+        emitted_by: dict[int, tuple] = {}
+        failed: dict[Request, str] = {}
         for chunk in chunks:
             if not chunk.drafts:
                 continue
             req, verdict = chunk.request, verdicts[id(chunk)]
             emitted = verdict.emitted(chunk.drafts)
             base, n = len(req.generated), 0
-            for token in emitted:                   # stop where decoding token by token would have stopped
-                req.generated.append(token)
-                n += 1
-                if self._stop_reason(req) is not None:
-                    break
-            del req.generated[base:]
+            try:
+                for token in emitted:                   # stop where decoding token by token would have stopped
+                    req.generated.append(token)
+                    n += 1
+                    if self._stop_reason(req) is not None:
+                        break
+            except Exception as err:  # noqa: BLE001 - this request fails alone
+                failed[req] = f"{type(err).__name__}: {err}"
+                continue
+            finally:
+                del req.generated[base:]
             req.spec.update(req.speculative, len(chunk.drafts), verdict.accepted)
             self.counters.spec_verify_rows += 1
             self.counters.spec_drafted_tokens += len(chunk.drafts)
             self.counters.spec_accepted_tokens += verdict.accepted
-            verdicts[id(chunk)] = (emitted[:n], None if verdict.logprobs is None else verdict.logprobs[:n],
-                                   None if verdict.tops is None else verdict.tops[:n])
+            emitted_by[id(chunk)] = (emitted[:n], None if verdict.logprobs is None else verdict.logprobs[:n],
+                                     None if verdict.tops is None else verdict.tops[:n])
             if n < chunk.width:                     # the cache keeps the step's first token and n - 1 drafts
                 cut[req.seq] = n
         self.counters.spec_steps += 1
         if not cut:
-            return set()
+            return emitted_by, set(), failed
         try:
             self.cache.truncate(recording, cut)
             self.counters.spec_rollbacks += len(cut)
-            return set()
+            return emitted_by, set(), failed
         except Exception:  # noqa: BLE001 - never expected; the requests recompute rather than run on a bad state
-            failed = set()
+            recomputing = set()
             for chunk in chunks:
                 if chunk.request.seq in cut:
-                    failed.add(id(chunk.request))
+                    recomputing.add(chunk.request)
                     self._release_state(chunk.request)
                     self.scheduler.preempt(chunk.request)
                     self.counters.preemptions += 1
-            return failed
+            return emitted_by, recomputing, failed
 
     def _record_prefix(self, req: Request) -> None:
         """At a block boundary inside the prompt: snapshot the recurrent state and index the prefix."""
@@ -1006,6 +1055,16 @@ def _id_set(value: int | Iterable[int] | None, what: str = "eos_token_id") -> fr
     if not isinstance(value, (torch.Tensor, collections.abc.Sequence)) or isinstance(value, (str, bytes)):
         value = [value]
     return frozenset(t for t in _token_ids(value, what) if t >= 0)
+
+
+def _generator_states(requests: Iterable[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The state of each request's generator (a step that fails puts them back: its retry draws the same)."""
+    return [(r.generator, r.generator.get_state()) for r in requests if r.generator is not None]
+
+
+def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for gen, state in states:
+        gen.set_state(state)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

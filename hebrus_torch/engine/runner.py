@@ -18,7 +18,7 @@ import collections
 import contextlib
 import math
 import time
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -121,7 +121,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool | int],
-                positions: Sequence[int], chunked: Sequence[bool] | None = None) -> torch.Tensor:
+                positions: Sequence[int], chunked: Sequence[bool] | None = None,
+                consume: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``;
         the GDN layers run row i in the chunked form where ``chunked[i]`` (its whole chunks of 64 aligned
         positions; the caller cuts rows at aligned positions), else in the recurrent form.
@@ -129,8 +130,12 @@ class ModelRunner:
         ``logit_rows[i]``: how many of row i's last tokens want logits (True: 1, False: 0; a speculative
         verification row wants all of its tokens').
 
+        ``consume(logits)`` runs inside the transaction (what the caller reads from the logits: an exception
+        there publishes nothing, as one in the model does).
+
         Returns:
-            Tensor[n, vocab] float32: the logits at those tokens, row after row, in token order.
+            Tensor[n, vocab] float32: the logits at those tokens, row after row, in token order; with
+            ``consume``, what it returned.
         """
         device = self.device
         batch = Batch.pack({s: torch.tensor(list(r), dtype=torch.int64) for s, r in zip(seqs, rows)},
@@ -153,6 +158,9 @@ class ModelRunner:
             with self._part("other"):
                 hidden = self._forward(step, batch, pos, last)
                 logits = self.lm_head(hidden.index_select(0, ends)).float()
+            if consume is not None:
+                with self._part("engine"):
+                    return consume(logits)
         return logits
 
     # ------------------------------------------------------------------ the model, packed
