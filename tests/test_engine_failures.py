@@ -157,3 +157,56 @@ def test_a_persistent_fault_after_the_model_ran_fails_its_requests_and_the_engin
     assert engine.requests["next"].generated == reference_tokens(model, [5, 6, 7], 3)[:3]
     engine.clear_prefix_cache()
     assert engine.cache.slots.live_handles() == []
+
+
+# ------------------------------------------------------------------------------------------ one prefix lookup
+def _admission_cells(engine: Engine, req, stream: int) -> int:
+    """The cells admitting ``req`` (a stream of ``stream`` tokens then) took beside the cells it shares: its
+    stream, less a kept sequence's prefix it forked (a restored file's cells are its own)."""
+    shared = 0 if engine.counters.prompt_cache_hits else req.prefix_hit_tokens
+    return stream - shared
+
+
+def _predicted_cells(engine: Engine, req) -> int:
+    return engine._cells_needed(req)
+
+
+def test_the_cells_an_admission_is_planned_with_are_the_cells_it_takes_under_the_chunk_rule():
+    """The kept frontier of a request whose prompt ran one whole chunk is the longest match of a longer prompt,
+    but not a state that prompt may continue (it runs a second whole chunk chunked): admission forks the aligned
+    snapshot at 64 instead, and the cells it is planned with must say so."""
+    model = make_model("lin-idx", seed=34)
+    engine = Engine(model, EngineConfig(capacity_tokens=2048, max_sequences=8, max_batch_tokens=64, block_size=64))
+    assert engine.chunk_align == 64
+    first = prompts_for(34, lengths=(70,))[0]
+    engine.add_request(first, request_id="a", max_new_tokens=10, eos_token_id=-1)
+    engine.run()
+    a = engine.requests["a"]
+    second = a.tokens[:79] + prompts_for(35, lengths=(80,))[0]
+    rid = engine.add_request(second, request_id="b", max_new_tokens=2, eos_token_id=-1)
+    b = engine.requests[rid]
+    predicted, stream = _predicted_cells(engine, b), b.num_tokens
+    engine.step()
+    assert b.prefix_hit_tokens == 64
+    assert predicted == _admission_cells(engine, b, stream)
+
+
+def test_the_cells_an_admission_is_planned_with_count_a_restored_file_s_cells(tmp_path):
+    """A file longer than the kept prefix serves the request: its restored cells are the request's own."""
+    model = make_model("lin-idx", seed=36)
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4,
+                                        chunked_prefill=False), prompt_cache_dir=tmp_path)
+    first = prompts_for(36, lengths=(20,))[0]
+    engine.add_request(first, request_id="a", max_new_tokens=5, eos_token_id=-1)
+    engine.run()
+    engine.add_request(first[:12] + [9, 9, 9], request_id="c", max_new_tokens=2, eos_token_id=-1)
+    engine.run()
+    a_seq = next(s for s in engine.kept_sequences() if engine.prefix.frontier(s) == 24)
+    engine._evict_kept(a_seq)                       # memory keeps c's state (12 tokens of a's prompt), a file a's
+    b = engine.requests[engine.add_request(engine.requests["a"].tokens + [5, 6], request_id="b", max_new_tokens=2,
+                                           eos_token_id=-1)]
+    predicted, stream = _predicted_cells(engine, b), b.num_tokens
+    engine.step()
+    assert engine.counters.prompt_cache_hits == 1
+    assert predicted == _admission_cells(engine, b, stream)
+    engine.close()

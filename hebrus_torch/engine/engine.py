@@ -375,11 +375,8 @@ class Engine:
     def _admit(self, req: Request) -> bool | None:
         if self.prefix is not None and req.num_computed == 0 and self._leader_prefilling(req):
             return None
-        hit = None
         extent = self.scheduler.chunk_extent(req)
-        if self.prefix is not None:
-            hit = self.prefix.lookup(req.tokens, req.num_tokens - 1,
-                                     accept=lambda seq, n: self._shareable(seq, n, extent))
+        hit = self._prefix_hit(req)
         stored = self._from_prompt_cache(req, hit) if self.prompt_cache is not None else None
         try:
             if stored is not None:     # restored from a file: the request continues from its frontier
@@ -657,10 +654,10 @@ class Engine:
         token it sampled. A fork that gets no sequence slot (even after evicting kept prefixes) is queued
         instead and prefills on its own."""
         out: list[tuple[Request, Pick]] = []
-        parents = {}
+        parents: dict[Request, None] = {}
         for (row, fork), pick in zip(forking, picks):
             parent = next(r for r in self.scheduler.running if fork in r.forks)
-            parents[id(parent)] = parent
+            parents[parent] = None
             while self._kept and len(self.cache.slots.live_handles()) >= self.config.max_sequences:
                 self._evict_kept()
             try:
@@ -675,7 +672,7 @@ class Engine:
             self.scheduler.join(fork)
             self.counters.forked_choices += 1
             out.append((fork, pick))
-        for parent in parents.values():
+        for parent in parents:
             parent.forks = []
         return out
 
@@ -844,11 +841,8 @@ class Engine:
             return None
         t0 = time.perf_counter()
         try:
-            floor = hit.tokens if hit is not None else 0
             while True:
-                extent = self.scheduler.chunk_extent(req)
-                entry = store.lookup(req.tokens, req.num_tokens - 1, min_tokens=floor + 1,
-                                     accept=lambda e: self._file_shareable(e, extent))
+                entry = self._stored_prefix(req, hit)
                 if entry is None:
                     break
                 data = store.read(entry)
@@ -950,15 +944,33 @@ class Engine:
             freed = self._free_cells() - before
         return freed
 
-    def _prefix_hit(self, req: Request):
+    def _prefix_hit(self, req: Request) -> PrefixHit | None:
+        """The kept or running sequence a waiting ``req`` would start from (the longest prefix of its stream, but
+        its last token, whose state it may continue: ``_shareable``), or None. The one lookup of admission, its
+        cell count and reclaim."""
         if self.prefix is None or req.num_computed:
             return None
-        return self.prefix.lookup(req.tokens, req.num_tokens - 1)
+        extent = self.scheduler.chunk_extent(req)
+        return self.prefix.lookup(req.tokens, req.num_tokens - 1,
+                                  accept=lambda seq, n: self._shareable(seq, n, extent))
+
+    def _stored_prefix(self, req: Request, hit: PrefixHit | None):
+        """The file (a ``StoredPrefix``, not read) longer than the in-memory ``hit`` that would serve a waiting
+        ``req``, or None."""
+        if self.prompt_cache is None or req.num_computed:
+            return None
+        extent = self.scheduler.chunk_extent(req)
+        return self.prompt_cache.lookup(req.tokens, req.num_tokens - 1,
+                                        min_tokens=(hit.tokens if hit is not None else 0) + 1,
+                                        accept=lambda e: self._file_shareable(e, extent))
 
     def _cells_needed(self, req: Request) -> int:
-        """The cells admitting ``req`` takes: its pending stream less what a shared prefix gives it."""
+        """The cells admitting ``req`` takes: its pending stream less the prefix it shares with the sequence it
+        forks (a state restored from a file takes cells of its own)."""
         hit = self._prefix_hit(req)
-        return req.remaining - (hit.tokens if hit is not None else 0)
+        if hit is None or self._stored_prefix(req, hit) is not None:
+            return req.remaining
+        return req.remaining - hit.tokens
 
     def _fail_stuck(self) -> list[StepOutput]:
         """Work is left but the plan is empty: fail the request that cannot progress, saying why."""
