@@ -210,3 +210,38 @@ def test_the_cells_an_admission_is_planned_with_count_a_restored_file_s_cells(tm
     assert engine.counters.prompt_cache_hits == 1
     assert predicted == _admission_cells(engine, b, stream)
     engine.close()
+
+
+# ------------------------------------------------------------------------------------------ draft sequences' keys
+def test_a_new_request_at_a_collected_request_s_address_gets_its_own_draft_state(monkeypatch):
+    """A drafter's per-request state is keyed by the request itself, so a request at the address of a collected
+    one the drafter still held state for (never released) drafts as it would on a fresh drafter. (CPython
+    reuses a freed block for the next object of its size when its pool is the one allocated from; which one
+    that is cannot be arranged from a test, so ``id`` in the drafter's module gives the new request the
+    collected one's address.)"""
+    import builtins
+    import gc
+
+    from hebrus_torch.engine import draft_model
+    from hebrus_torch.engine.requests import Request
+
+    model = make_model("lin-idx", seed=37)
+    vocab = model.config.vocab_size
+    prompt = prompts_for(37, lengths=(9,))[0]
+
+    def drafter():
+        return DraftModelDrafter(model, vocab_size=vocab, capacity_tokens=256, max_sequences=4)
+
+    def request(rid: str, seed: int, generated: list[int]) -> Request:
+        return Request(rid, list(prompt), 8, SamplingParams(do_sample=True, temperature=1.5, seed=seed),
+                       generated=list(generated))
+    held = drafter()
+    old = request("old", 1, [5])
+    first = held.propose_batch([old], [4])[0]
+    address = id(old)
+    del old
+    gc.collect()
+    new = request("new", 7, [5, first[0]])     # (a stream the collected request's draft sequence can rewind to)
+    monkeypatch.setattr(draft_model, "id", lambda obj: address if obj is new else builtins.id(obj), raising=False)
+    want = drafter().propose_batch([request("new", 7, [5, first[0]])], [4])
+    assert held.propose_batch([new], [4]) == want

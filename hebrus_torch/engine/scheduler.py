@@ -189,7 +189,7 @@ class Scheduler:
             self.preempt(victim)
             plan.preempted.append(victim)
 
-        planned: dict[int, int] = {}      # id(request) -> tokens this step
+        planned: dict[Request, int] = {}      # request -> tokens this step
         # A prefill that waited for an aligned cut last step goes first: with the decodes first, a budget
         # near C would never leave it the C tokens it needs while any request decodes.
         first, self._held = self._held, None
@@ -197,20 +197,20 @@ class Scheduler:
             n = self._chunk(first, min(budget, free_cells)) if room_for(first, min(first.remaining, budget)) else 0
             if n > 0:
                 plan.chunks.append(ScheduledChunk(first, n))
-                planned[id(first)] = n
+                planned[first] = n
                 budget -= n
                 free_cells -= n
         for req in decoding:
             if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
             plan.chunks.append(ScheduledChunk(req, 1))
-            planned[id(req)] = 1
+            planned[req] = 1
             budget -= 1
             free_cells -= 1
 
         held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:
-            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or id(req) in planned:
+            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or req in planned:
                 continue
             if not room_for(req, min(req.remaining, budget)) and free_cells < 1:
                 continue
@@ -220,7 +220,7 @@ class Scheduler:
                 self._held = req
                 break
             plan.chunks.append(ScheduledChunk(req, n))
-            planned[id(req)] = n
+            planned[req] = n
             budget -= n
             free_cells -= n
 
@@ -228,7 +228,7 @@ class Scheduler:
         # (the rest of each one's stream after this step, plus one cell for its next decode), or when
         # nothing runs; none is in a step that had to preempt (the freed cells go to the requests already
         # running) or whose budget a prefill waiting for an aligned cut holds.
-        reserved = sum(r.remaining - planned.get(id(r), 0) + 1 for r in self.running)
+        reserved = sum(r.remaining - planned.get(r, 0) + 1 for r in self.running)
         for req in list(self.waiting if not plan.preempted and not held else ()):
             if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1):
                 break
