@@ -141,7 +141,8 @@ class EngineCounters:
     prompt_cache_evictions: int = 0     # files deleted for the size cap
     prompt_cache_skipped_files: int = 0  # files skipped as corrupt, truncated, foreign or of another version
     prompt_cache_write_errors: int = 0
-    prompt_cache_seconds: float = 0.0   # saving, writing, reading and restoring files
+    prompt_cache_seconds: float = 0.0   # on the engine's thread: saving states, reading and restoring files
+    prompt_cache_write_seconds: float = 0.0  # on the store's writer thread: writing files
     # speculative decoding (engine/speculative.py)
     spec_drafted_tokens: int = 0        # drafted tokens fed for verification
     spec_accepted_tokens: int = 0       # of them, accepted
@@ -363,6 +364,8 @@ class Engine:
         out: list[StepOutput] = []
         while self.has_unfinished() and not (until and until()):
             out += self.step()
+        if self.prompt_cache is not None:
+            self.prompt_cache.flush()      # (what the run wrote is on disk when it returns)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -864,7 +867,8 @@ class Engine:
             self.counters.prompt_cache_seconds += time.perf_counter() - t0
 
     def _to_prompt_cache(self, req: Request) -> None:
-        """Write a finished request's state to the files: at its frontier (``num_computed`` tokens), or,
+        """Write a finished request's state to the files (the blob is taken here, the file written on the store's
+        writer thread: ``PromptCacheStore.put_later``): at its frontier (``num_computed`` tokens), or,
         with the chunked GDN form and a frontier at or past C, at the last multiple of C within its whole
         prompt chunks that has a snapshot. A request restored from such a frontier would continue with the
         bits of a request whose outputs ran recurrently where its own prompt runs them chunked (the rule
@@ -878,15 +882,15 @@ class Engine:
         try:
             c = self.chunk_align
             if not c:
-                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq))
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq))
                 return
             extent = self._extent.get(req.seq, 0)
             if n < c:       # the frontier: requests whose prompts stay below C may continue it (_shareable)
-                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq), extent)
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq), extent)
                 return
             aligned = min(extent, n // c * c)   # a multiple of C: any request that extends it may continue it
             if aligned == n:
-                self.prompt_cache.put(req.tokens[:n], self.cache.save(req.seq), extent)
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq), extent)
                 return
             seq = self.cache.fork(req.seq)
             try:
@@ -895,12 +899,12 @@ class Engine:
                         self.cache.rewind(seq, p)     # refused (nothing changes) without a snapshot at p
                     except HebrusError:
                         continue
-                    self.prompt_cache.put(req.tokens[:p], self.cache.save(seq), extent)
+                    self.prompt_cache.put_later(req.tokens[:p], self.cache.save(seq), extent)
                     return
             finally:
                 self.cache.free(seq)
         except HebrusError:   # (OSError is the store's own: counted and warned there)
-            self.counters.prompt_cache_write_errors += 1
+            self.prompt_cache.note_write_error()
         finally:
             self.counters.prompt_cache_seconds += time.perf_counter() - t0
 

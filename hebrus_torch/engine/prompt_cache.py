@@ -25,6 +25,12 @@ Size cap: the entry files together stay within ``max_bytes``; writing evicts lea
 files first (unusable ones before any). Use is recorded in the files' modification times (set on each
 write and restore), so the order survives restarts.
 
+Writes happen off the caller's thread: :meth:`PromptCacheStore.put_later` takes the blob (the engine saves
+it on its own thread) and a writer thread writes the file, so a running stream does not wait for the disk.
+Everything that reads the store waits for the pending writes it could see: ``lookup`` for those whose
+tokens could match, the other queries (``len``, ``total_bytes``, ``entries``, ``clear``, ``close``) and
+:meth:`PromptCacheStore.flush` for all; the answers are those of writing at once.
+
 One engine process per directory: the store holds an exclusive ``flock`` on ``DIR/LOCK`` while open
 (where ``fcntl`` exists); a second store on the same directory, in this process or another, is refused
 with a ``HebrusError`` naming the holder's pid until :meth:`PromptCacheStore.close`.
@@ -32,11 +38,13 @@ with a ``HebrusError`` naming the holder's pid until :meth:`PromptCacheStore.clo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
 import json
 import os
+import threading
 import time
 import types
 import warnings
@@ -64,7 +72,7 @@ _TMP_PREFIX = ".tmp-"
 _SAMPLES = 64          # values of each parameter the fingerprint reads (evenly spaced)
 _WARNED: set[str] = set()   # files this process has warned about (one warning per file and process)
 
-COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "skipped_files", "write_errors")
+COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "skipped_files", "write_errors", "write_seconds")
 
 
 @dataclass
@@ -148,25 +156,40 @@ class PromptCacheStore:
         self._lock = _lock(self.directory)
         self._entries: dict[str, StoredPrefix] = {}          # file name -> usable entry
         self._unusable: dict[str, tuple[int, float]] = {}    # file name -> (bytes, mtime): skipped files
+        self._mutex = threading.Condition(threading.RLock())  # the two maps, the counters, the queue
+        self._queue: collections.deque[tuple[tuple[int, ...], bytes, int]] = collections.deque()  # put_later's
+        self._writer: threading.Thread | None = None         # runs while the queue is not empty
         self._scan()
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
+        self.flush()
         return len(self._entries)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of every entry file of the directory (usable or not)."""
-        return sum(e.nbytes for e in self._entries.values()) + sum(n for n, _ in self._unusable.values())
+        self.flush()
+        return self._total_bytes()
+
+    def _total_bytes(self) -> int:
+        with self._mutex:
+            return sum(e.nbytes for e in self._entries.values()) + sum(n for n, _ in self._unusable.values())
 
     def entries(self) -> list[StoredPrefix]:
         """The usable entries, least recently used first."""
+        self.flush()
         return sorted(self._entries.values(), key=lambda e: e.last_used)
 
     def lookup(self, tokens: Sequence[int], max_tokens: int, min_tokens: int = 1,
                accept: Callable[[StoredPrefix], bool] | None = None) -> StoredPrefix | None:
         """The longest usable entry whose tokens are the first n of ``tokens``, min_tokens <= n <= max_tokens
-        (and that ``accept`` takes, where given)."""
+        (and that ``accept`` takes, where given). A pending write that could be such an entry is waited for."""
+        self.flush(lambda t: min_tokens <= len(t) <= min(max_tokens, len(tokens)) and tuple(tokens[:len(t)]) == t)
+        with self._mutex:
+            return self._lookup(tokens, max_tokens, min_tokens, accept)
+
+    def _lookup(self, tokens, max_tokens, min_tokens, accept) -> StoredPrefix | None:
         best = None
         for entry in self._entries.values():
             n = len(entry.tokens)
@@ -179,6 +202,10 @@ class PromptCacheStore:
         """The ModelCache blob of ``entry`` after checking the file's header (whose checksum binds the
         blob's own), or None (the file is then skipped with its one warning and no longer offered).
         ``ModelCache.restore`` verifies the blob itself."""
+        with self._mutex:       # (the writer thread's evictions wait: the file stays while it is read)
+            return self._read(entry)
+
+    def _read(self, entry: StoredPrefix) -> bytes | None:
         try:
             meta, state = decode(entry.path.read_bytes())
             problem = self._meta_problem(meta, entry.path.name)
@@ -193,6 +220,40 @@ class PromptCacheStore:
         return state
 
     # ------------------------------------------------------------------ changes
+    def put_later(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> None:
+        """:meth:`put` on the store's writer thread (the caller does not wait for the disk); its outcome is
+        counted (``writes``, ``write_errors``) as put's is."""
+        item = (tuple(int(t) for t in tokens), state, int(chunk_extent))
+        with self._mutex:
+            self._queue.append(item)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._drain, name="hebrus-prompt-cache-writer", daemon=True)
+                self._writer.start()
+
+    def flush(self, matching: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+        """Wait until the pending writes are done (only those whose tokens ``matching`` takes, where given)."""
+        with self._mutex:
+            while any(matching is None or matching(tokens) for tokens, _, _ in self._queue):
+                self._mutex.wait()
+
+    def _drain(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._queue:
+                    self._writer = None
+                    return
+                tokens, state, extent = self._queue[0]
+            t0 = time.perf_counter()
+            try:
+                self.put(tokens, state, extent)
+            except Exception:  # noqa: BLE001 - never expected (put counts its own OSError); a write is never fatal
+                self._count("write_errors")
+            finally:
+                with self._mutex:
+                    self._count("write_seconds", time.perf_counter() - t0)
+                    self._queue.popleft()
+                    self._mutex.notify_all()
+
     def put(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> bool:
         """Write the state after ``tokens`` (a ModelCache blob; ``chunk_extent``: the writer's, see
         :class:`StoredPrefix`); False if it was not written (larger than the cap, or the write failed: one
@@ -204,9 +265,10 @@ class PromptCacheStore:
         nbytes = len(head) + len(state)
         if nbytes > self.max_bytes:
             return False
-        self._forget(name)
-        while self.total_bytes + nbytes > self.max_bytes and self._evict_one():
-            pass
+        with self._mutex:
+            self._forget(name)
+            while self._total_bytes() + nbytes > self.max_bytes and self._evict_one():
+                pass
         path = self.directory / name
         tmp = self.directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
         try:
@@ -224,9 +286,14 @@ class PromptCacheStore:
                 tmp.unlink()
             return False
         now = time.time()
-        self._entries[name] = StoredPrefix(path, tokens, nbytes, now, int(chunk_extent))
-        self._count("writes")
+        with self._mutex:
+            self._entries[name] = StoredPrefix(path, tokens, nbytes, now, int(chunk_extent))
+            self._count("writes")
         return True
+
+    def note_write_error(self) -> None:
+        """Count a state that could not be taken for writing (the caller's ``ModelCache.save`` refused)."""
+        self._count("write_errors")
 
     def touch(self, entry: StoredPrefix) -> None:
         """Record a use of ``entry`` (it moves to the back of the eviction order, here and on disk)."""
@@ -237,13 +304,16 @@ class PromptCacheStore:
     def skip(self, entry: StoredPrefix, why: str) -> None:
         """Stop offering ``entry`` (its file failed a check): one warning, counted in ``skipped_files``."""
         name = entry.path.name
-        if self._entries.pop(name, None) is not None:
+        with self._mutex:
+            if self._entries.pop(name, None) is None:
+                return
             self._unusable[name] = (entry.nbytes, 0.0)
             self._count("skipped_files")
-            _warn_once(entry.path, why)
+        _warn_once(entry.path, why)
 
     def clear(self) -> int:
         """Delete every entry file (usable or not); returns how many."""
+        self.flush()
         names = list(self._entries) + list(self._unusable)
         for name in names:
             with contextlib.suppress(OSError):
@@ -253,7 +323,9 @@ class PromptCacheStore:
         return len(names)
 
     def close(self) -> None:
-        """Release the directory (idempotent)."""
+        """Wait for the pending writes and release the directory (idempotent)."""
+        if getattr(self, "_mutex", None) is not None:
+            self.flush()
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()
@@ -262,9 +334,10 @@ class PromptCacheStore:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: float = 1) -> None:
         attr = f"prompt_cache_{name}"
-        setattr(self.counters, attr, getattr(self.counters, attr) + n)
+        with self._mutex:       # (the writer thread counts too)
+            setattr(self.counters, attr, getattr(self.counters, attr) + n)
 
     def _name(self, tokens: tuple[int, ...]) -> str:
         h = hashlib.sha256(self.fingerprint.encode() + b"\0" + json.dumps(list(tokens)).encode())
