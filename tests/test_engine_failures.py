@@ -168,7 +168,7 @@ def _admission_cells(engine: Engine, req, stream: int) -> int:
 
 
 def _predicted_cells(engine: Engine, req) -> int:
-    return engine._cells_needed(req)
+    return engine.cache_manager.cells_needed(req)
 
 
 def test_the_cells_an_admission_is_planned_with_are_the_cells_it_takes_under_the_chunk_rule():
@@ -202,7 +202,7 @@ def test_the_cells_an_admission_is_planned_with_count_a_restored_file_s_cells(tm
     engine.add_request(first[:12] + [9, 9, 9], request_id="c", max_new_tokens=2, eos_token_id=-1)
     engine.run()
     a_seq = next(s for s in engine.kept_sequences() if engine.prefix.frontier(s) == 24)
-    engine._evict_kept(a_seq)                       # memory keeps c's state (12 tokens of a's prompt), a file a's
+    engine.cache_manager.evict_kept(a_seq)                      # memory keeps c's state (12 tokens of a's prompt), a file a's
     b = engine.requests[engine.add_request(engine.requests["a"].tokens + [5, 6], request_id="b", max_new_tokens=2,
                                            eos_token_id=-1)]
     predicted, stream = _predicted_cells(engine, b), b.num_tokens

@@ -25,6 +25,7 @@ import torch
 from ..errors import HebrusError
 from ..model_cache import Batch, ChunkStep, ModelCache
 from ..state.handles import SeqHandle
+from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
 
@@ -120,15 +121,16 @@ class ModelRunner:
         return self.text.embed_tokens.weight.device
 
     @torch.no_grad()
-    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool | int],
+    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]],
+                logit_rows: LogitsLayout | Sequence[bool | int],
                 positions: Sequence[int], chunked: Sequence[bool] | None = None,
                 consume: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``;
         the GDN layers run row i in the chunked form where ``chunked[i]`` (its whole chunks of 64 aligned
         positions; the caller cuts rows at aligned positions), else in the recurrent form.
 
-        ``logit_rows[i]``: how many of row i's last tokens want logits (True: 1, False: 0; a speculative
-        verification row wants all of its tokens').
+        ``logit_rows``: where each row's logits go (a ``LogitsLayout``), or per row how many of its last tokens
+        want logits (True: 1, False: 0; a speculative verification row wants all of its tokens').
 
         ``consume(logits)`` runs inside the transaction (what the caller reads from the logits: an exception
         there publishes nothing, as one in the model does).
@@ -141,12 +143,8 @@ class ModelRunner:
         batch = Batch.pack({s: torch.tensor(list(r), dtype=torch.int64) for s, r in zip(seqs, rows)},
                            first_positions={s: p for s, p in zip(seqs, positions)}, device=device)
         counts = [len(r) for r in rows]
-        picked: list[int] = []
-        end = 0
-        for n, want in zip(counts, logit_rows):
-            end += n
-            picked.extend(range(end - int(want), end))
-        ends = torch.tensor(picked, dtype=torch.int64, device=device)
+        layout = logit_rows if isinstance(logit_rows, LogitsLayout) else LogitsLayout.of(logit_rows)
+        ends = torch.tensor(layout.token_indices(counts), dtype=torch.int64, device=device)
         with self._part("transaction"), self.cache.transaction(batch) as step:
             if chunked is not None and any(chunked):
                 step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]
