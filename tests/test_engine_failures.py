@@ -39,6 +39,19 @@ def _finish_all(engine: Engine, max_steps: int = 500) -> None:
 
 
 # ------------------------------------------------------------------------------------------ drafters
+def _speculate(model, prompts, drafter, ref: dict, *, max_batch_tokens: int, max_new_tokens: int, k: int) -> Engine:
+    """Run ``prompts`` speculating k tokens with ``drafter``; every request finishes with the tokens of ``ref``."""
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=max_batch_tokens,
+                                        block_size=4), drafter=drafter)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS, speculative=k)
+    _finish_all(engine)
+    reqs = engine.requests
+    assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), {k: r.error for k, r in reqs.items()}
+    assert {k: r.generated for k, r in reqs.items()} == ref
+    return engine
+
+
 @pytest.mark.parametrize("fault", ["outside_vocabulary", "raises", "raises_in_batch"])
 def test_a_drafter_failing_for_one_request_stops_only_its_speculation(fault):
     model = make_model("lin-idx", seed=30)
@@ -65,14 +78,8 @@ def test_a_drafter_failing_for_one_request_stops_only_its_speculation(fault):
         use = Batched()
     else:
         use = drafter
-    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4),
-                    drafter=use)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, request_id=f"r{i}", max_new_tokens=10, eos_token_id=EOS, speculative=4)
-    _finish_all(engine)
+    engine = _speculate(model, prompts, use, ref, max_batch_tokens=16, max_new_tokens=10, k=4)
     reqs = engine.requests
-    assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), {k: r.error for k, r in reqs.items()}
-    assert {k: r.generated for k, r in reqs.items()} == ref
     assert reqs["r0"].spec.accepted_tokens > 0                  # the other request kept speculating
     assert reqs["r1"].spec.verify_steps == 0 and reqs["r1"].spec.error is not None
     assert engine.counters.spec_drafter_errors == 1             # once: r1 stopped asking
@@ -84,14 +91,7 @@ def test_a_draft_model_out_of_sequences_for_one_request_fails_nobody():
     ref, _ = run(model, prompts, max_new_tokens=8)
     drafter = DraftModelDrafter(make_model("lin-idx", seed=31), vocab_size=model.config.vocab_size,
                                 capacity_tokens=512, max_sequences=1)
-    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=64, block_size=4),
-                    drafter=drafter)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS, speculative=3)
-    _finish_all(engine)
-    reqs = engine.requests
-    assert all(r.status is RequestStatus.FINISHED for r in reqs.values()), {k: r.error for k, r in reqs.items()}
-    assert {k: r.generated for k, r in reqs.items()} == ref
+    engine = _speculate(model, prompts, drafter, ref, max_batch_tokens=64, max_new_tokens=8, k=3)
     assert engine.counters.spec_accepted_tokens > 0 and engine.counters.spec_drafter_errors >= 1
     assert drafter.cache.slots.live_handles() == []
 
