@@ -159,6 +159,38 @@ def test_a_persistent_fault_after_the_model_ran_fails_its_requests_and_the_engin
     assert engine.cache.slots.live_handles() == []
 
 
+def test_a_failure_in_applying_a_step_fails_only_its_request_and_leaves_the_cache_consistent():
+    """After the commit only host bookkeeping is left: an exception there (a user's on_prompt_done, a stop
+    string's tokenizer) fails the request it was raised for, whose state is released; the others finish with
+    their tokens and no sequence is left behind."""
+    model = make_model("lin-idx", seed=38)
+    prompts = prompts_for(38, lengths=(9, 14, 6))
+    clean, _ = run(model, prompts, max_new_tokens=6)
+
+    class Tokenizer:
+        def decode(self, ids):
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "injected")
+
+    for where in ("on_prompt_done", "tokenizer"):
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4),
+                        tokenizer=Tokenizer())
+
+        def done(req):
+            if req.request_id == "r1":
+                raise RuntimeError("injected in on_prompt_done")
+        if where == "on_prompt_done":
+            engine.on_prompt_done = done
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS,
+                               stop_strings=["zz"] if where == "tokenizer" and i == 1 else None)
+        _finish_all(engine)
+        reqs = engine.requests
+        assert reqs["r1"].status is RequestStatus.FAILED and "injected" in reqs["r1"].error, where
+        assert {k: r.generated for k, r in reqs.items() if k != "r1"} == {k: t for k, t in clean.items() if k != "r1"}
+        assert all(reqs[k].status is RequestStatus.FINISHED for k in ("r0", "r2"))
+        assert sorted(engine.cache.slots.live_handles()) == sorted(engine.kept_sequences()), where
+
+
 # ------------------------------------------------------------------------------------------ one prefix lookup
 def _admission_cells(engine: Engine, req, stream: int) -> int:
     """The cells admitting ``req`` (a stream of ``stream`` tokens then) took beside the cells it shares: its

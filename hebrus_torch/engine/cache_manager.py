@@ -1,5 +1,5 @@
 """Who holds which cells of the ModelCache: admission, prefix sharing and its alignment rules, the prefix LRU,
-reclaim, and the prompt cache's files. The scheduler owns one (``Scheduler(cache=)``) and asks it, while
+reclaim, and the prompt cache's files. The scheduler owns one (``Scheduler(cache_manager=)``) and asks it, while
 planning, to admit a request, count the cells an admission takes and reclaim kept state; the engine asks it
 to record prefixes, fork a prompt's other choices and release or keep a request's state when it ends.
 

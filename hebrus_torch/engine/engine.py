@@ -119,7 +119,7 @@ class Engine:
                                    max_requests_per_batch=cfg.max_requests_per_batch,
                                    max_sequences=cfg.max_sequences,
                                    block_size=cfg.block_size if cfg.allow_block_sharing else None,
-                                   chunk_align=self.chunk_align, cache=self.cache_manager)
+                                   chunk_align=self.chunk_align, cache_manager=self.cache_manager)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._cancelled: list[str] = []

@@ -94,13 +94,13 @@ class Scheduler:
         block_size: prefill chunks end on multiples of it when they cross one (None: no alignment).
         chunk_align: prefill chunks below a request's last whole prompt chunk end on multiples of it
             (the chunked form's chunk size; None: no alignment). Needs max_batch_tokens >= chunk_align.
-        cache: the cache manager that admits requests, counts their cells and reclaims kept state (None: a
+        cache_manager: the cache manager that admits requests, counts their cells and reclaims kept state (None: a
             plain table of requests, every admission granted, as the tests of the policy use it).
     """
 
     def __init__(self, *, max_batch_tokens: int | None, max_requests_per_batch: int | None,
                  max_sequences: int, block_size: int | None = None, chunk_align: int | None = None,
-                 cache: "CacheManager | None" = None):
+                 cache_manager: "CacheManager | None" = None):
         if chunk_align and max_batch_tokens is not None and max_batch_tokens < chunk_align:
             raise ValueError(f"Scheduler: chunk_align {chunk_align} needs max_batch_tokens >= it, got {max_batch_tokens}")
         self.max_batch_tokens = max_batch_tokens
@@ -108,7 +108,7 @@ class Scheduler:
         self.max_sequences = max_sequences
         self.block_size = block_size
         self.chunk_align = chunk_align
-        self.cache = cache
+        self.cache_manager = cache_manager
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
@@ -174,7 +174,7 @@ class Scheduler:
         undone with no chunk at all is the engine's to report (``CapacityError`` for the request
         that cannot progress).
         """
-        cm = self.cache
+        cm = self.cache_manager
         if cm is not None:
             cm.make_room(len(self.running), len(self.waiting))
             admit = admit or (lambda r: cm.admit(r, self.running))
