@@ -396,6 +396,10 @@ class Engine:
         self.release_draft(req)
         self.cache_manager.release(req)
 
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """``outputs.finish`` (the manager ends requests it could not queue through it)."""
+        finish(self, req, status, error)
+
     def _apply_cancellations(self) -> list[StepOutput]:
         outs = []
         for rid in self._cancelled:
