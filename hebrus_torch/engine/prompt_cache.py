@@ -190,11 +190,12 @@ class PromptCacheStore:
             return self._lookup(tokens, max_tokens, min_tokens, accept)
 
     def _lookup(self, tokens, max_tokens, min_tokens, accept) -> StoredPrefix | None:
-        best = None
+        best = None     # (the first and last tokens reject most entries before the prefix is compared)
         for entry in self._entries.values():
             n = len(entry.tokens)
-            if min_tokens <= n <= max_tokens and (best is None or n > len(best.tokens)) \
-                    and len(tokens) >= n and tuple(tokens[:n]) == entry.tokens and (accept is None or accept(entry)):
+            if min_tokens <= n <= max_tokens and (best is None or n > len(best.tokens)) and len(tokens) >= n \
+                    and tokens[n - 1] == entry.tokens[-1] and tokens[0] == entry.tokens[0] \
+                    and tuple(tokens[:n]) == entry.tokens and (accept is None or accept(entry)):
                 best = entry
         return best
 
