@@ -49,11 +49,9 @@ class CacheManager:
 
     def __init__(self, cache: ModelCache, config: EngineConfig, counters: EngineCounters, *,
                  chunk_align: int | None, device: torch.device, prompt_cache: PromptCacheStore | None = None):
-        self.cache = cache
-        self.config = config
-        self.counters = counters
-        self.chunk_align = chunk_align
-        self.device = device
+        self.cache, self.config, self.counters = cache, config, counters
+        self.chunk_align = chunk_align      # (the alignment rule's C, None without it)
+        self.device = device                # (the requests' generators are made there on admission)
         self.prompt_cache = prompt_cache
         self.prefix = PrefixIndex(config.block_size) if config.allow_block_sharing else None
         budget = config.prefix_cache_tokens
