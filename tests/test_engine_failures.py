@@ -277,3 +277,42 @@ def test_a_new_request_at_a_collected_request_s_address_gets_its_own_draft_state
     monkeypatch.setattr(draft_model, "id", lambda obj: address if obj is new else builtins.id(obj), raising=False)
     want = drafter().propose_batch([request("new", 7, [5, first[0]])], [4])
     assert held.propose_batch([new], [4]) == want
+
+
+def test_under_the_manager_a_drafter_failing_for_one_request_fails_nobody():
+    """The manager's engine thread keeps running: both requests get generate's tokens."""
+    import time
+
+    import torch
+    from transformers import GenerationConfig
+
+    from hebrus_torch.engine.manager import HebrusBatchingManager
+
+    model = make_model("lin-idx", seed=39)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = HebrusBatchingManager(model, gc, engine_config=EngineConfig(capacity_tokens=256, max_sequences=4,
+                                                                            max_batch_tokens=16))
+    manager.warmup()
+
+    def drafter(req, k):
+        if req.request_id == "bad":
+            raise CapacityError("the draft cache is out of slots")
+        return [5] * k
+    manager.engine.drafter = drafter
+    manager.start()
+    try:
+        for rid in ("good", "bad"):
+            manager.add_request([5, 6, 7, 8], request_id=rid)
+        results, deadline = {}, time.monotonic() + 60
+        while len(results) < 2 and time.monotonic() < deadline:
+            out = manager.get_result(timeout=0.2)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+        assert set(results) == {"good", "bad"}, results
+        assert all(o.error is None for o in results.values()), [o.error for o in results.values()]
+        want = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, 4:].tolist()
+        assert results["good"].generated_tokens == want == results["bad"].generated_tokens
+        assert manager.is_running() and manager.engine.counters.spec_drafter_errors == 1
+    finally:
+        manager.stop(block=True, timeout=30)
