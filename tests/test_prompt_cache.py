@@ -262,6 +262,26 @@ def test_writes_happen_off_the_caller_s_thread_and_readers_wait_for_what_they_co
     store.close()
 
 
+def test_a_file_read_ahead_is_read_on_the_store_s_thread(tmp_path, monkeypatch):
+    import pathlib
+    import threading
+
+    store = pc.PromptCacheStore(tmp_path, "fp", 1 << 20)
+    assert store.put([1, 2, 3], bytes(100))
+    readers = []
+    read_bytes = pathlib.Path.read_bytes
+
+    def recorded(path):
+        readers.append(threading.current_thread().name)
+        return read_bytes(path)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", recorded)
+    entry = store.lookup([1, 2, 3, 4], 4)
+    store.prefetch(entry)
+    assert store.read(entry) == bytes(100) and readers == ["hebrus-prompt-cache-io"]
+    assert store.read(entry) == bytes(100) and readers[-1] == threading.current_thread().name   # not read ahead
+    store.close()
+
+
 # ------------------------------------------------------------------------------------------ faults and invariance
 @pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
 def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_request(target, monkeypatch,

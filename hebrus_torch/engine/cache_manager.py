@@ -132,6 +132,14 @@ class CacheManager:
                                         min_tokens=(hit.tokens if hit is not None else 0) + 1,
                                         accept=lambda e: self._file_shareable(e, extent))
 
+    def expect(self, req: Request) -> None:
+        """A request was queued: the file that would serve it now, if any, is read ahead on the store's thread
+        (admission then restores it without reading the disk)."""
+        if self.prompt_cache is not None:
+            entry = self.stored_prefix(req, self.prefix_hit(req))
+            if entry is not None:
+                self.prompt_cache.prefetch(entry)
+
     def cells_needed(self, req: Request) -> int:
         """The cells admitting ``req`` takes: its pending stream less the prefix it shares with the sequence it
         forks (a state restored from a file takes cells of its own)."""
@@ -320,7 +328,7 @@ class CacheManager:
 
     def _to_prompt_cache(self, req: Request) -> None:
         """Write a finished request's state to the files (the blob is taken here, the file written on the store's
-        writer thread: ``PromptCacheStore.put_later``): at its frontier (``num_computed`` tokens), or,
+        thread: ``PromptCacheStore.put_later``): at its frontier (``num_computed`` tokens), or,
         with the chunked GDN form and a frontier at or past C, at the last multiple of C within its whole
         prompt chunks that has a snapshot. A request restored from such a frontier would continue with the
         bits of a request whose outputs ran recurrently where its own prompt runs them chunked (the rule

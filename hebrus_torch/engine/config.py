@@ -101,7 +101,7 @@ class EngineCounters:
     prompt_cache_skipped_files: int = 0  # files skipped as corrupt, truncated, foreign or of another version
     prompt_cache_write_errors: int = 0
     prompt_cache_seconds: float = 0.0   # on the engine's thread: saving states, reading and restoring files
-    prompt_cache_write_seconds: float = 0.0  # on the store's writer thread: writing files
+    prompt_cache_write_seconds: float = 0.0  # on the store's thread: writing files
     # speculative decoding (engine/speculative.py)
     spec_drafted_tokens: int = 0        # drafted tokens fed for verification
     spec_accepted_tokens: int = 0       # of them, accepted

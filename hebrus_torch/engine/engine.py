@@ -205,6 +205,7 @@ class Engine:
             self.requests[fork.request_id] = fork
             fork.status = RequestStatus.WAITING
         self.scheduler.add(request)
+        self.cache_manager.expect(request)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request at any point (queued, mid-prefill, decoding); its state is freed at the next step."""

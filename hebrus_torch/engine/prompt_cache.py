@@ -26,7 +26,8 @@ files first (unusable ones before any). Use is recorded in the files' modificati
 write and restore), so the order survives restarts.
 
 Writes happen off the caller's thread: :meth:`PromptCacheStore.put_later` takes the blob (the engine saves
-it on its own thread) and a writer thread writes the file, so a running stream does not wait for the disk.
+it on its own thread) and the store's thread writes the file, so a running stream does not wait for the disk;
+:meth:`PromptCacheStore.prefetch` reads a file there ahead of the ``read`` that a request's restore will do.
 Everything that reads the store waits for the pending writes it could see: ``lookup`` for those whose
 tokens could match, the other queries (``len``, ``total_bytes``, ``entries``, ``clear``, ``close``) and
 :meth:`PromptCacheStore.flush` for all; the answers are those of writing at once.
@@ -70,6 +71,7 @@ SUFFIX = ".hpc"
 LOCK_NAME = "LOCK"
 _TMP_PREFIX = ".tmp-"
 _SAMPLES = 64          # values of each parameter the fingerprint reads (evenly spaced)
+_PREFETCHED = 4        # blobs read ahead and not yet taken that the store holds
 _WARNED: set[str] = set()   # files this process has warned about (one warning per file and process)
 
 COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "skipped_files", "write_errors", "write_seconds")
@@ -157,7 +159,9 @@ class PromptCacheStore:
         self._entries: dict[str, StoredPrefix] = {}          # file name -> usable entry
         self._unusable: dict[str, tuple[int, float]] = {}    # file name -> (bytes, mtime): skipped files
         self._mutex = threading.Condition(threading.RLock())  # the two maps, the counters, the queue
-        self._queue: collections.deque[tuple[tuple[int, ...], bytes, int]] = collections.deque()  # put_later's
+        self._queue: collections.deque[tuple[tuple[int, ...], bytes, int] | StoredPrefix] = collections.deque()
+        """put_later's writes (tokens, blob, chunk extent) and prefetch's reads, in order"""
+        self._prefetched: dict[str, bytes] = {}               # file name -> blob read ahead, oldest first
         self._writer: threading.Thread | None = None         # runs while the queue is not empty
         self._scan()
 
@@ -202,39 +206,72 @@ class PromptCacheStore:
     def read(self, entry: StoredPrefix) -> bytes | None:
         """The ModelCache blob of ``entry`` after checking the file's header (whose checksum binds the
         blob's own), or None (the file is then skipped with its one warning and no longer offered).
-        ``ModelCache.restore`` verifies the blob itself."""
-        with self._mutex:       # (the writer thread's evictions wait: the file stays while it is read)
+        ``ModelCache.restore`` verifies the blob itself. What :meth:`prefetch` read is taken (waited for
+        while it is being read) instead of reading the file here."""
+        name = entry.path.name
+        with self._mutex:       # (the store thread's evictions wait: the file stays while it is read)
+            while True:         # a read ahead still queued behind writes is done here instead; one under way is waited for
+                at = next((i for i, item in enumerate(self._queue)
+                           if isinstance(item, StoredPrefix) and item.path.name == name), None)
+                if at is None:
+                    break
+                if at > 0:
+                    del self._queue[at]
+                    break
+                self._mutex.wait()
+            data = self._prefetched.pop(name, None)
+            if data is not None and name in self._entries:
+                self.touch(entry)
+                return data
             return self._read(entry)
+
+    def prefetch(self, entry: StoredPrefix) -> None:
+        """Read ``entry``'s file on the store's thread, for a :meth:`read` to come (a request that will be
+        restored from it); the last few reads are held until taken."""
+        with self._mutex:
+            name = entry.path.name
+            if name in self._prefetched or any(isinstance(item, StoredPrefix) and item.path.name == name
+                                               for item in self._queue):
+                return
+            self._enqueue(entry)
 
     def _read(self, entry: StoredPrefix) -> bytes | None:
         try:
-            meta, state = decode(entry.path.read_bytes())
-            problem = self._meta_problem(meta, entry.path.name)
-            if problem is None and tuple(meta["tokens"]) != entry.tokens:
-                problem = "its tokens changed since the directory was scanned"
-            if problem is not None:
-                raise CorruptStateError(problem)
+            state = self._load(entry)
         except (OSError, CorruptStateError) as err:
             self.skip(entry, str(err))
             return None
         self.touch(entry)
         return state
 
+    def _load(self, entry: StoredPrefix) -> bytes:
+        """The checked blob of ``entry``'s file (OSError, CorruptStateError otherwise)."""
+        meta, state = decode(entry.path.read_bytes())
+        problem = self._meta_problem(meta, entry.path.name)
+        if problem is None and tuple(meta["tokens"]) != entry.tokens:
+            problem = "its tokens changed since the directory was scanned"
+        if problem is not None:
+            raise CorruptStateError(problem)
+        return state
+
     # ------------------------------------------------------------------ changes
     def put_later(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> None:
-        """:meth:`put` on the store's writer thread (the caller does not wait for the disk); its outcome is
+        """:meth:`put` on the store's thread (the caller does not wait for the disk); its outcome is
         counted (``writes``, ``write_errors``) as put's is."""
-        item = (tuple(int(t) for t in tokens), state, int(chunk_extent))
+        self._enqueue((tuple(int(t) for t in tokens), state, int(chunk_extent)))
+
+    def _enqueue(self, item: tuple[tuple[int, ...], bytes, int] | StoredPrefix) -> None:
         with self._mutex:
             self._queue.append(item)
             if self._writer is None:
-                self._writer = threading.Thread(target=self._drain, name="hebrus-prompt-cache-writer", daemon=True)
+                self._writer = threading.Thread(target=self._drain, name="hebrus-prompt-cache-io", daemon=True)
                 self._writer.start()
 
     def flush(self, matching: Callable[[tuple[int, ...]], bool] | None = None) -> None:
-        """Wait until the pending writes are done (only those whose tokens ``matching`` takes, where given)."""
+        """Wait until the store's thread is done (with ``matching``: the pending writes whose tokens it takes)."""
         with self._mutex:
-            while any(matching is None or matching(tokens) for tokens, _, _ in self._queue):
+            while (self._queue if matching is None else
+                   any(matching(item[0]) for item in self._queue if not isinstance(item, StoredPrefix))):
                 self._mutex.wait()
 
     def _drain(self) -> None:
@@ -243,17 +280,33 @@ class PromptCacheStore:
                 if not self._queue:
                     self._writer = None
                     return
-                tokens, state, extent = self._queue[0]
+                item = self._queue[0]
             t0 = time.perf_counter()
             try:
-                self.put(tokens, state, extent)
+                if isinstance(item, StoredPrefix):
+                    self._fetch(item)
+                else:
+                    self.put(*item)
             except Exception:  # noqa: BLE001 - never expected (put counts its own OSError); a write is never fatal
                 self._count("write_errors")
             finally:
                 with self._mutex:
-                    self._count("write_seconds", time.perf_counter() - t0)
+                    if not isinstance(item, StoredPrefix):
+                        self._count("write_seconds", time.perf_counter() - t0)
                     self._queue.popleft()
                     self._mutex.notify_all()
+
+    def _fetch(self, entry: StoredPrefix) -> None:
+        """A prefetch: the blob kept for :meth:`read` (nothing if the file fails: read tries it again and skips
+        it there, with its warning)."""
+        try:
+            data = self._load(entry)
+        except (OSError, CorruptStateError):
+            return
+        with self._mutex:
+            self._prefetched[entry.path.name] = data
+            while len(self._prefetched) > _PREFETCHED:
+                del self._prefetched[next(iter(self._prefetched))]
 
     def put(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> bool:
         """Write the state after ``tokens`` (a ModelCache blob; ``chunk_extent``: the writer's, see
@@ -315,6 +368,7 @@ class PromptCacheStore:
     def clear(self) -> int:
         """Delete every entry file (usable or not); returns how many."""
         self.flush()
+        self._prefetched.clear()
         names = list(self._entries) + list(self._unusable)
         for name in names:
             with contextlib.suppress(OSError):
@@ -337,7 +391,7 @@ class PromptCacheStore:
     # ------------------------------------------------------------------ internals
     def _count(self, name: str, n: float = 1) -> None:
         attr = f"prompt_cache_{name}"
-        with self._mutex:       # (the writer thread counts too)
+        with self._mutex:       # (the store's thread counts too)
             setattr(self.counters, attr, getattr(self.counters, attr) + n)
 
     def _name(self, tokens: tuple[int, ...]) -> str:
