@@ -284,14 +284,9 @@ def test_under_the_manager_a_drafter_failing_for_one_request_fails_nobody():
     import time
 
     import torch
-    from transformers import GenerationConfig
+    from test_engine import greedy_manager
 
-    from hebrus_torch.engine.manager import HebrusBatchingManager
-
-    model = make_model("lin-idx", seed=39)
-    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    manager = HebrusBatchingManager(model, gc, engine_config=EngineConfig(capacity_tokens=256, max_sequences=4,
-                                                                            max_batch_tokens=16))
+    model, manager = greedy_manager(39, max_batch_tokens=16)
     manager.warmup()
 
     def drafter(req, k):
