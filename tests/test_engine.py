@@ -717,15 +717,20 @@ def test_generate_batch_on_random_workloads_on_tiny_capacities_returns(seed, mon
         htx.revert(model)
 
 
-def test_manager_streams_cancels_and_stops():
+def greedy_manager(seed: int, max_batch_tokens: int):
+    """(model, a HebrusBatchingManager over it: 6 greedy tokens per request, no EOS, 256 cells, 4 slots)."""
     from transformers import GenerationConfig
 
     from hebrus_torch.engine.manager import HebrusBatchingManager
 
-    model = make_model("lin-idx", seed=13)
+    model = make_model("lin-idx", seed=seed)
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    manager = HebrusBatchingManager(model, gc, engine_config=EngineConfig(capacity_tokens=256, max_sequences=4,
-                                                                            max_batch_tokens=8))
+    return model, HebrusBatchingManager(model, gc, engine_config=EngineConfig(
+        capacity_tokens=256, max_sequences=4, max_batch_tokens=max_batch_tokens))
+
+
+def test_manager_streams_cancels_and_stops():
+    model, manager = greedy_manager(13, max_batch_tokens=8)
     manager.start()
     try:
         assert manager.is_running()

@@ -500,3 +500,20 @@ def test_speculation_on_device_gives_the_plain_tokens(device):
     tokens, engine = run(model, prompts, spec=4, drafter=oracle(ref, 7), max_new_tokens=10)
     assert tokens == ref
     assert engine.counters.spec_rollbacks > 0 and engine.counters.spec_accepted_tokens > 0
+
+
+def test_the_logits_layout_places_each_row_s_logits_once_for_runner_sampler_and_verifier():
+    from hebrus_torch.engine.logits_layout import LogitsLayout
+    from hebrus_torch.engine.requests import Request
+    from hebrus_torch.engine.scheduler import ScheduledChunk
+
+    prefill = Request("p", list(range(4, 20)), 4)                      # 16 prompt tokens, 10 of them this step
+    decode = Request("d", [4, 5, 6], 4, generated=[7])
+    decode.num_computed = 3
+    verify = Request("v", [4, 5, 6], 4, generated=[8])
+    verify.num_computed = 3
+    chunks = [ScheduledChunk(prefill, 10), ScheduledChunk(decode, 1), ScheduledChunk(verify, 1, [9, 10, 11])]
+    layout = LogitsLayout.of_plan(chunks)
+    assert layout.wanted == (0, 1, 4) and layout.starts == (0, 0, 1) and layout.total == 5
+    assert layout.token_indices([c.width for c in chunks]) == [10, 11, 12, 13, 14]
+    assert LogitsLayout.of([True, False, 2]).token_indices([3, 2, 2]) == [2, 5, 6]

@@ -235,6 +235,53 @@ def test_the_size_cap_evicts_least_recently_used_files_across_restarts(tmp_path)
     store.close()
 
 
+def test_writes_happen_off_the_caller_s_thread_and_readers_wait_for_what_they_could_see(tmp_path, monkeypatch):
+    """put_later returns before the disk is done; a lookup that a pending write could answer waits for it, one
+    that no pending write matches does not; len, the counters after flush and close see every write."""
+    import threading
+    import time
+
+    release = threading.Event()
+    fsync = pc.os.fsync
+
+    def slow_fsync(fd):
+        assert release.wait(10), "the test never released the write"
+        fsync(fd)
+    monkeypatch.setattr(pc.os, "fsync", slow_fsync)
+    store = pc.PromptCacheStore(tmp_path, "fp", 1 << 20)
+    t0 = time.perf_counter()
+    store.put_later([1, 2, 3], bytes(100))
+    assert time.perf_counter() - t0 < 1.0 and store.counters.prompt_cache_writes == 0      # still on its way
+    assert store.lookup([7, 8, 9], 3) is None                # nothing pending could match: no wait
+    threading.Timer(0.2, release.set).start()
+    t0 = time.perf_counter()
+    assert store.lookup([1, 2, 3, 4], 4).tokens == (1, 2, 3)   # waited for the write
+    assert time.perf_counter() - t0 >= 0.1
+    store.put_later([5], bytes(10))
+    assert len(store) == 2 and store.counters.prompt_cache_writes == 2
+    store.close()
+
+
+def test_a_file_read_ahead_is_read_on_the_store_s_thread(tmp_path, monkeypatch):
+    import pathlib
+    import threading
+
+    store = pc.PromptCacheStore(tmp_path, "fp", 1 << 20)
+    assert store.put([1, 2, 3], bytes(100))
+    readers = []
+    read_bytes = pathlib.Path.read_bytes
+
+    def recorded(path):
+        readers.append(threading.current_thread().name)
+        return read_bytes(path)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", recorded)
+    entry = store.lookup([1, 2, 3, 4], 4)
+    store.prefetch(entry)
+    assert store.read(entry) == bytes(100) and readers == ["hebrus-prompt-cache-io"]
+    assert store.read(entry) == bytes(100) and readers[-1] == threading.current_thread().name   # not read ahead
+    store.close()
+
+
 # ------------------------------------------------------------------------------------------ faults and invariance
 @pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
 def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_request(target, monkeypatch,

@@ -1,11 +1,16 @@
 """Continuous batching for Qwen4Exp on the state holders (SPEC §8).
 
-- ``scheduler.py``: which requests run each step and how many tokens (no tensors);
-- ``runner.py``: executes a step on the model's own modules inside one ModelCache transaction;
-- ``sampling.py``: per-request sampling as ``GenerationConfig`` describes it;
+- ``engine.py``: ``Engine`` (``add_request``, ``step``: schedule -> execute -> update);
+- ``config.py``: ``EngineConfig`` and the counters; ``intake.py``: request validation;
+- ``scheduler.py``: which requests run each step and how many tokens (no tensors), through
+- ``cache_manager.py``: admission, prefix sharing and its alignment rules, the prefix LRU, reclaim;
 - ``prefix.py``: the prefix index for block sharing;
 - ``prompt_cache.py``: kept prefixes as files that survive restarts (``prompt_cache_dir``);
-- ``engine.py``: ``Engine`` ties them together (``add_request``, ``step``);
+- ``drafting.py``, ``speculative.py``, ``draft_model.py``: speculative decoding;
+- ``logits_layout.py``: where each row's logits sit in a step;
+- ``runner.py``: executes a step on the model's own modules inside one ModelCache transaction;
+- ``sampling.py``: per-request sampling as ``GenerationConfig`` describes it;
+- ``outputs.py``: a step's output applied to the requests;
 - ``manager.py``: the transformers-facing manager (``init_continuous_batching``, ``generate_batch``).
 """
 

@@ -92,7 +92,8 @@ class DraftModelDrafter:
         self.cache = ModelCache.from_transformers(model, capacity_tokens=capacity_tokens, max_sequences=max_sequences,
                                                   with_kv=True, keep_snapshots=MAX_DRAFT_TOKENS + 1)
         self.runner = ModelRunner(model, self.cache)
-        self._drafts: dict[int, _Draft] = {}                # id(request) -> its draft sequence
+        self._drafts: dict[Request, _Draft] = {}            # request -> its draft sequence (the dict holds the
+        # request itself: a key no other request can take, as an id() of a collected one could)
         self.steps = 0                                       # draft-model steps run
 
     # ------------------------------------------------------------------ the engine's drafter interface
@@ -102,15 +103,15 @@ class DraftModelDrafter:
     def propose_batch(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafted tokens to follow each request's stream (``request.tokens``)."""
         live = [(r, k) for r, k in zip(requests, lengths) if k > 0]
-        out: dict[int, list[int]] = {id(r): [] for r in requests}
+        out: dict[Request, list[int]] = {r: [] for r in requests}
         if not live:
-            return [out[id(r)] for r in requests]
+            return [out[r] for r in requests]
         rows = [self._catch_up(r) for r, _ in live]
         drafts = [self._draft_of(r) for r, _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
         for j in range(max(k for _, k in live)):
             active = [i for i, (_, k) in enumerate(live) if k > j]
-            feed = [rows[i] if j == 0 else [out[id(live[i][0])][-1]] for i in active]
+            feed = [rows[i] if j == 0 else [out[live[i][0]][-1]] for i in active]
             try:
                 logits = self.runner.execute([drafts[i].seq for i in active], feed, [True] * len(active),
                                              [len(drafts[i].tokens) for i in active])
@@ -121,7 +122,7 @@ class DraftModelDrafter:
             for row, i in enumerate(active):
                 drafts[i].tokens.extend(feed[row])
                 req = live[i][0]
-                drafted = out[id(req)]
+                drafted = out[req]
                 scores, sampled = target_scores(logits[row, :self.vocab_size], req.sampling, req.tokens + drafted,
                                                 req.generated + drafted)
                 if req.sampling.do_sample:
@@ -131,30 +132,30 @@ class DraftModelDrafter:
                 else:
                     picks.append(scores.argmax())
             for i, t in zip(active, torch.stack(picks).tolist()):      # the next step feeds them: one read
-                out[id(live[i][0])].append(int(t))
+                out[live[i][0]].append(int(t))
         for i, (req, _) in enumerate(live):
             drafts[i].probs = torch.stack(probs[i]) if probs[i] else None
-        return [out[id(r)] for r in requests]
+        return [out[r] for r in requests]
 
     def draft_probs(self, request: Request, n: int) -> torch.Tensor | None:
         """Tensor[n, V] float32: the distributions the last ``n`` drafted tokens of ``request`` were sampled
         from (None for a greedy request)."""
-        d = self._drafts.get(id(request))
+        d = self._drafts.get(request)
         if d is None or d.probs is None:
             return None
         return d.probs[:n]
 
     def release(self, request: Request) -> None:
         """Free the request's draft sequence (it finished, failed, was cancelled or preempted)."""
-        d = self._drafts.pop(id(request), None)
+        d = self._drafts.pop(request, None)
         if d is not None:
             self.cache.free(d.seq)
 
     # ------------------------------------------------------------------ internals
     def _draft_of(self, request: Request) -> _Draft:
-        d = self._drafts.get(id(request))
+        d = self._drafts.get(request)
         if d is None:
-            d = self._drafts[id(request)] = _Draft(self.cache.new_sequence(), [],
+            d = self._drafts[request] = _Draft(self.cache.new_sequence(), [],
                                                    _draft_generator(request, self.runner.device))
         return d
 
@@ -169,7 +170,7 @@ class DraftModelDrafter:
                 self.cache.rewind(d.seq, common)
             except HebrusError:
                 self.cache.free(d.seq)
-                del self._drafts[id(request)]
+                del self._drafts[request]
                 d = self._draft_of(request)
                 common = 0
             d.tokens = d.tokens[:common]
@@ -198,8 +199,8 @@ class CausalLMDrafter:
                               f"({vocab_size}); it must use the same tokenizer")
         self.vocab_size = vocab_size
         self._new_cache = lambda: DynamicCache(config=model.config)
-        self._drafts: dict[int, _Draft] = {}
-        self._caches: dict[int, object] = {}
+        self._drafts: dict[Request, _Draft] = {}        # by the request itself (see DraftModelDrafter)
+        self._caches: dict[Request, object] = {}
         self.steps = 0
 
     def __call__(self, request: Request, k: int) -> list[int]:
@@ -213,7 +214,7 @@ class CausalLMDrafter:
         return out
 
     def _propose(self, req: Request, k: int) -> list[int]:
-        key = id(req)
+        key = req
         d, cache = self._drafts.get(key), self._caches.get(key)
         if d is None:
             d, cache = _Draft(None, [], _draft_generator(req, self.model.device)), self._new_cache()
@@ -249,9 +250,9 @@ class CausalLMDrafter:
         return drafted
 
     def draft_probs(self, request: Request, n: int) -> torch.Tensor | None:
-        d = self._drafts.get(id(request))
+        d = self._drafts.get(request)
         return None if d is None or d.probs is None else d.probs[:n]
 
     def release(self, request: Request) -> None:
-        self._drafts.pop(id(request), None)
-        self._caches.pop(id(request), None)
+        self._drafts.pop(request, None)
+        self._caches.pop(request, None)

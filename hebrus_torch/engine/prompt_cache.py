@@ -25,6 +25,13 @@ Size cap: the entry files together stay within ``max_bytes``; writing evicts lea
 files first (unusable ones before any). Use is recorded in the files' modification times (set on each
 write and restore), so the order survives restarts.
 
+Writes happen off the caller's thread: :meth:`PromptCacheStore.put_later` takes the blob (the engine saves
+it on its own thread) and the store's thread writes the file, so a running stream does not wait for the disk;
+:meth:`PromptCacheStore.prefetch` reads a file there ahead of the ``read`` that a request's restore will do.
+Everything that reads the store waits for the pending writes it could see: ``lookup`` for those whose
+tokens could match, the other queries (``len``, ``total_bytes``, ``entries``, ``clear``, ``close``) and
+:meth:`PromptCacheStore.flush` for all; the answers are those of writing at once.
+
 One engine process per directory: the store holds an exclusive ``flock`` on ``DIR/LOCK`` while open
 (where ``fcntl`` exists); a second store on the same directory, in this process or another, is refused
 with a ``HebrusError`` naming the holder's pid until :meth:`PromptCacheStore.close`.
@@ -32,11 +39,13 @@ with a ``HebrusError`` naming the holder's pid until :meth:`PromptCacheStore.clo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
 import json
 import os
+import threading
 import time
 import types
 import warnings
@@ -62,9 +71,10 @@ SUFFIX = ".hpc"
 LOCK_NAME = "LOCK"
 _TMP_PREFIX = ".tmp-"
 _SAMPLES = 64          # values of each parameter the fingerprint reads (evenly spaced)
+_PREFETCHED = 4        # blobs read ahead and not yet taken that the store holds
 _WARNED: set[str] = set()   # files this process has warned about (one warning per file and process)
 
-COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "skipped_files", "write_errors")
+COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "skipped_files", "write_errors", "write_seconds")
 
 
 @dataclass
@@ -148,51 +158,156 @@ class PromptCacheStore:
         self._lock = _lock(self.directory)
         self._entries: dict[str, StoredPrefix] = {}          # file name -> usable entry
         self._unusable: dict[str, tuple[int, float]] = {}    # file name -> (bytes, mtime): skipped files
+        self._mutex = threading.Condition(threading.RLock())  # the two maps, the counters, the queue
+        self._queue: collections.deque[tuple[tuple[int, ...], bytes, int] | StoredPrefix] = collections.deque()
+        """put_later's writes (tokens, blob, chunk extent) and prefetch's reads, in order"""
+        self._prefetched: dict[str, bytes] = {}               # file name -> blob read ahead, oldest first
+        self._writer: threading.Thread | None = None         # runs while the queue is not empty
         self._scan()
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
+        self.flush()
         return len(self._entries)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of every entry file of the directory (usable or not)."""
-        return sum(e.nbytes for e in self._entries.values()) + sum(n for n, _ in self._unusable.values())
+        self.flush()
+        return self._total_bytes()
+
+    def _total_bytes(self) -> int:
+        with self._mutex:
+            return sum(e.nbytes for e in self._entries.values()) + sum(n for n, _ in self._unusable.values())
 
     def entries(self) -> list[StoredPrefix]:
         """The usable entries, least recently used first."""
+        self.flush()
         return sorted(self._entries.values(), key=lambda e: e.last_used)
 
     def lookup(self, tokens: Sequence[int], max_tokens: int, min_tokens: int = 1,
                accept: Callable[[StoredPrefix], bool] | None = None) -> StoredPrefix | None:
         """The longest usable entry whose tokens are the first n of ``tokens``, min_tokens <= n <= max_tokens
-        (and that ``accept`` takes, where given)."""
-        best = None
+        (and that ``accept`` takes, where given). A pending write that could be such an entry is waited for."""
+        self.flush(lambda t: min_tokens <= len(t) <= min(max_tokens, len(tokens)) and tuple(tokens[:len(t)]) == t)
+        with self._mutex:
+            return self._lookup(tokens, max_tokens, min_tokens, accept)
+
+    def _lookup(self, tokens, max_tokens, min_tokens, accept) -> StoredPrefix | None:
+        best = None     # (the first and last tokens reject most entries before the prefix is compared)
         for entry in self._entries.values():
             n = len(entry.tokens)
-            if min_tokens <= n <= max_tokens and (best is None or n > len(best.tokens)) \
-                    and len(tokens) >= n and tuple(tokens[:n]) == entry.tokens and (accept is None or accept(entry)):
+            if min_tokens <= n <= max_tokens and (best is None or n > len(best.tokens)) and len(tokens) >= n \
+                    and tokens[n - 1] == entry.tokens[-1] and tokens[0] == entry.tokens[0] \
+                    and tuple(tokens[:n]) == entry.tokens and (accept is None or accept(entry)):
                 best = entry
         return best
 
     def read(self, entry: StoredPrefix) -> bytes | None:
         """The ModelCache blob of ``entry`` after checking the file's header (whose checksum binds the
         blob's own), or None (the file is then skipped with its one warning and no longer offered).
-        ``ModelCache.restore`` verifies the blob itself."""
+        ``ModelCache.restore`` verifies the blob itself. What :meth:`prefetch` read is taken (waited for
+        while it is being read) instead of reading the file here."""
+        name = entry.path.name
+        with self._mutex:       # (the store thread's evictions wait: the file stays while it is read)
+            while True:         # a read ahead still queued behind writes is done here instead; one under way is waited for
+                at = next((i for i, item in enumerate(self._queue)
+                           if isinstance(item, StoredPrefix) and item.path.name == name), None)
+                if at is None:
+                    break
+                if at > 0:
+                    del self._queue[at]
+                    break
+                self._mutex.wait()
+            data = self._prefetched.pop(name, None)
+            if data is not None and name in self._entries:
+                self.touch(entry)
+                return data
+            return self._read(entry)
+
+    def prefetch(self, entry: StoredPrefix) -> None:
+        """Read ``entry``'s file on the store's thread, for a :meth:`read` to come (a request that will be
+        restored from it); the last few reads are held until taken."""
+        with self._mutex:
+            name = entry.path.name
+            if name in self._prefetched or any(isinstance(item, StoredPrefix) and item.path.name == name
+                                               for item in self._queue):
+                return
+            self._enqueue(entry)
+
+    def _read(self, entry: StoredPrefix) -> bytes | None:
         try:
-            meta, state = decode(entry.path.read_bytes())
-            problem = self._meta_problem(meta, entry.path.name)
-            if problem is None and tuple(meta["tokens"]) != entry.tokens:
-                problem = "its tokens changed since the directory was scanned"
-            if problem is not None:
-                raise CorruptStateError(problem)
+            state = self._load(entry)
         except (OSError, CorruptStateError) as err:
             self.skip(entry, str(err))
             return None
         self.touch(entry)
         return state
 
+    def _load(self, entry: StoredPrefix) -> bytes:
+        """The checked blob of ``entry``'s file (OSError, CorruptStateError otherwise)."""
+        meta, state = decode(entry.path.read_bytes())
+        problem = self._meta_problem(meta, entry.path.name)
+        if problem is None and tuple(meta["tokens"]) != entry.tokens:
+            problem = "its tokens changed since the directory was scanned"
+        if problem is not None:
+            raise CorruptStateError(problem)
+        return state
+
     # ------------------------------------------------------------------ changes
+    def put_later(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> None:
+        """:meth:`put` on the store's thread (the caller does not wait for the disk); its outcome is
+        counted (``writes``, ``write_errors``) as put's is."""
+        self._enqueue((tuple(int(t) for t in tokens), state, int(chunk_extent)))
+
+    def _enqueue(self, item: tuple[tuple[int, ...], bytes, int] | StoredPrefix) -> None:
+        with self._mutex:
+            self._queue.append(item)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._drain, name="hebrus-prompt-cache-io", daemon=True)
+                self._writer.start()
+
+    def flush(self, matching: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+        """Wait until the store's thread is done (with ``matching``: the pending writes whose tokens it takes)."""
+        with self._mutex:
+            while (self._queue if matching is None else
+                   any(matching(item[0]) for item in self._queue if not isinstance(item, StoredPrefix))):
+                self._mutex.wait()
+
+    def _drain(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._queue:
+                    self._writer = None
+                    return
+                item = self._queue[0]
+            t0 = time.perf_counter()
+            try:
+                if isinstance(item, StoredPrefix):
+                    self._fetch(item)
+                else:
+                    self.put(*item)
+            except Exception:  # noqa: BLE001 - never expected (put counts its own OSError); a write is never fatal
+                self._count("write_errors")
+            finally:
+                with self._mutex:
+                    if not isinstance(item, StoredPrefix):
+                        self._count("write_seconds", time.perf_counter() - t0)
+                    self._queue.popleft()
+                    self._mutex.notify_all()
+
+    def _fetch(self, entry: StoredPrefix) -> None:
+        """A prefetch: the blob kept for :meth:`read` (nothing if the file fails: read tries it again and skips
+        it there, with its warning)."""
+        try:
+            data = self._load(entry)
+        except (OSError, CorruptStateError):
+            return
+        with self._mutex:
+            self._prefetched[entry.path.name] = data
+            while len(self._prefetched) > _PREFETCHED:
+                del self._prefetched[next(iter(self._prefetched))]
+
     def put(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> bool:
         """Write the state after ``tokens`` (a ModelCache blob; ``chunk_extent``: the writer's, see
         :class:`StoredPrefix`); False if it was not written (larger than the cap, or the write failed: one
@@ -204,9 +319,10 @@ class PromptCacheStore:
         nbytes = len(head) + len(state)
         if nbytes > self.max_bytes:
             return False
-        self._forget(name)
-        while self.total_bytes + nbytes > self.max_bytes and self._evict_one():
-            pass
+        with self._mutex:
+            self._forget(name)
+            while self._total_bytes() + nbytes > self.max_bytes and self._evict_one():
+                pass
         path = self.directory / name
         tmp = self.directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
         try:
@@ -224,9 +340,14 @@ class PromptCacheStore:
                 tmp.unlink()
             return False
         now = time.time()
-        self._entries[name] = StoredPrefix(path, tokens, nbytes, now, int(chunk_extent))
-        self._count("writes")
+        with self._mutex:
+            self._entries[name] = StoredPrefix(path, tokens, nbytes, now, int(chunk_extent))
+            self._count("writes")
         return True
+
+    def note_write_error(self) -> None:
+        """Count a state that could not be taken for writing (the caller's ``ModelCache.save`` refused)."""
+        self._count("write_errors")
 
     def touch(self, entry: StoredPrefix) -> None:
         """Record a use of ``entry`` (it moves to the back of the eviction order, here and on disk)."""
@@ -237,13 +358,17 @@ class PromptCacheStore:
     def skip(self, entry: StoredPrefix, why: str) -> None:
         """Stop offering ``entry`` (its file failed a check): one warning, counted in ``skipped_files``."""
         name = entry.path.name
-        if self._entries.pop(name, None) is not None:
+        with self._mutex:
+            if self._entries.pop(name, None) is None:
+                return
             self._unusable[name] = (entry.nbytes, 0.0)
             self._count("skipped_files")
-            _warn_once(entry.path, why)
+        _warn_once(entry.path, why)
 
     def clear(self) -> int:
         """Delete every entry file (usable or not); returns how many."""
+        self.flush()
+        self._prefetched.clear()
         names = list(self._entries) + list(self._unusable)
         for name in names:
             with contextlib.suppress(OSError):
@@ -253,7 +378,9 @@ class PromptCacheStore:
         return len(names)
 
     def close(self) -> None:
-        """Release the directory (idempotent)."""
+        """Wait for the pending writes and release the directory (idempotent)."""
+        if getattr(self, "_mutex", None) is not None:
+            self.flush()
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()
@@ -262,9 +389,10 @@ class PromptCacheStore:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: float = 1) -> None:
         attr = f"prompt_cache_{name}"
-        setattr(self.counters, attr, getattr(self.counters, attr) + n)
+        with self._mutex:       # (the store's thread counts too)
+            setattr(self.counters, attr, getattr(self.counters, attr) + n)
 
     def _name(self, tokens: tuple[int, ...]) -> str:
         h = hashlib.sha256(self.fingerprint.encode() + b"\0" + json.dumps(list(tokens)).encode())

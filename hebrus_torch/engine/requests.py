@@ -106,6 +106,11 @@ class Request:
         """Tokens of the stream not yet in the cache."""
         return self.num_tokens - self.num_computed
 
+    def chunk_extent(self, align: int | None) -> int:
+        """Where positions cut only at multiples of ``align`` end: the last whole prompt chunk (0 without
+        alignment). The chunked GDN form runs below it, the recurrent form from it on (docs/engine.md)."""
+        return len(self.prompt) // align * align if align else 0
+
     def pending_tokens(self, n: int) -> list[int]:
         start = self.num_computed
         if start < len(self.prompt):

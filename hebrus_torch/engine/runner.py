@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from ..errors import HebrusError
 from ..model_cache import Batch, ModelCache
 from ..models.qwen4_exp import PackedQwen4Exp, find_text_model
 from ..state.handles import SeqHandle
+from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
 
@@ -80,28 +81,30 @@ class ModelRunner:
         return self.text.embed_tokens.weight.device
 
     @torch.no_grad()
-    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]], logit_rows: Sequence[bool | int],
-                positions: Sequence[int], chunked: Sequence[bool] | None = None) -> torch.Tensor:
+    def execute(self, seqs: Sequence[SeqHandle], rows: Sequence[Sequence[int]],
+                logit_rows: LogitsLayout | Sequence[bool | int],
+                positions: Sequence[int], chunked: Sequence[bool] | None = None,
+                consume: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """One step: row i feeds ``rows[i]`` to sequence ``seqs[i]`` starting at position ``positions[i]``;
         the GDN layers run row i in the chunked form where ``chunked[i]`` (its whole chunks of 64 aligned
         positions; the caller cuts rows at aligned positions), else in the recurrent form.
 
-        ``logit_rows[i]``: how many of row i's last tokens want logits (True: 1, False: 0; a speculative
-        verification row wants all of its tokens').
+        ``logit_rows``: where each row's logits go (a ``LogitsLayout``), or per row how many of its last tokens
+        want logits (True: 1, False: 0; a speculative verification row wants all of its tokens').
+
+        ``consume(logits)`` runs inside the transaction (what the caller reads from the logits: an exception
+        there publishes nothing, as one in the model does).
 
         Returns:
-            Tensor[n, vocab] float32: the logits at those tokens, row after row, in token order.
+            Tensor[n, vocab] float32: the logits at those tokens, row after row, in token order; with
+            ``consume``, what it returned.
         """
         device = self.device
         batch = Batch.from_rows(seqs, [torch.tensor(list(r), dtype=torch.int64) for r in rows],
                                 positions, device=device)
         counts = [len(r) for r in rows]
-        picked: list[int] = []
-        end = 0
-        for n, want in zip(counts, logit_rows):
-            end += n
-            picked.extend(range(end - int(want), end))
-        ends = torch.tensor(picked, dtype=torch.int64, device=device)
+        layout = logit_rows if isinstance(logit_rows, LogitsLayout) else LogitsLayout.of(logit_rows)
+        ends = torch.tensor(layout.token_indices(counts), dtype=torch.int64, device=device)
         with self._part("transaction"), self.cache.transaction(batch) as step:
             if chunked is not None and any(chunked):
                 step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]
@@ -113,4 +116,7 @@ class ModelRunner:
             with self._part("other"):
                 hidden = self.forward(step, pos, last, timed=self._timed)
                 logits = self.lm_head(hidden.index_select(0, ends)).float()
+            if consume is not None:
+                with self._part("engine"):
+                    return consume(logits)
         return logits

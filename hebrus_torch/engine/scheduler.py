@@ -11,8 +11,9 @@ Policy (vLLM v1 and transformers' own continuous-batching scheduler order work t
 4. speculating decodes get their drafted tokens (``engine/speculative.py``), oldest first, from what the
    budget leaves and the cells beyond what the running requests keep.
 
-Cells held by state no running request needs (the engine's kept prefixes) are reclaimed first,
-whenever any of the three lacks cells. When the decodes alone need more cells than are free, or no
+The scheduler owns the engine's ``CacheManager`` (``engine/cache_manager.py``): it admits requests there
+(a sequence, maybe forked from a shared prefix), counts the cells an admission takes, and reclaims cells
+held by state no running request needs (kept prefixes) first, whenever any of the three lacks cells. When the decodes alone need more cells than are free, or no
 running request can go on, the newest running requests are preempted (their state is freed; they go
 back to the front of the queue and are recomputed later from prompt plus output). With ``block_size``, a prefill chunk that crosses a block boundary is cut at the last
 boundary it crosses, so the state at that boundary exists and can be shared (prefix sharing).
@@ -31,9 +32,12 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from .requests import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .cache_manager import CacheManager
 
 __all__ = ["Scheduler", "StepPlan", "ScheduledChunk"]
 
@@ -90,10 +94,13 @@ class Scheduler:
         block_size: prefill chunks end on multiples of it when they cross one (None: no alignment).
         chunk_align: prefill chunks below a request's last whole prompt chunk end on multiples of it
             (the chunked form's chunk size; None: no alignment). Needs max_batch_tokens >= chunk_align.
+        cache_manager: the cache manager that admits requests, counts their cells and reclaims kept state (None: a
+            plain table of requests, every admission granted, as the tests of the policy use it).
     """
 
     def __init__(self, *, max_batch_tokens: int | None, max_requests_per_batch: int | None,
-                 max_sequences: int, block_size: int | None = None, chunk_align: int | None = None):
+                 max_sequences: int, block_size: int | None = None, chunk_align: int | None = None,
+                 cache_manager: "CacheManager | None" = None):
         if chunk_align and max_batch_tokens is not None and max_batch_tokens < chunk_align:
             raise ValueError(f"Scheduler: chunk_align {chunk_align} needs max_batch_tokens >= it, got {max_batch_tokens}")
         self.max_batch_tokens = max_batch_tokens
@@ -101,6 +108,7 @@ class Scheduler:
         self.max_sequences = max_sequences
         self.block_size = block_size
         self.chunk_align = chunk_align
+        self.cache_manager = cache_manager
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
@@ -140,25 +148,25 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed = 0
-        request.spec.draft = []
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, free_cells: int, admit: Callable[[Request], bool | None] | None = None,
+    def schedule(self, free_cells: int | None = None, drafts: Mapping[Request, Sequence[int]] | None = None, *,
+                 admit: Callable[[Request], bool | None] | None = None,
                  release: Callable[[Request], None] | None = None,
                  reclaim: Callable[[Request | None, int], int] | None = None,
                  cells_needed: Callable[[Request], int] | None = None) -> StepPlan:
-        """Plan the next step given ``free_cells`` free cache cells (positions the cache can still take).
+        """Plan the next step given ``free_cells`` free cache cells (positions the cache can still take;
+        default: the cache manager's count). ``drafts``: the tokens drafted for speculating decodes
+        (``engine/speculative.py``), fed after their stream's token where the budget and cells allow.
 
-        ``admit(request)`` runs for each request taken off the queue before its chunk is cut: the
-        engine gives it a sequence there (and may start it from a shared prefix by raising
-        ``num_computed``). False leaves it queued and stops admission; None skips it this step
-        (it stays queued in its place) and goes on with the next. ``release(request)`` frees the state
-        of a request about to be preempted. ``reclaim(request, n)`` frees up to ``n`` cells held by
-        state no running request needs (the engine's kept prefixes) for ``request`` (None: the
-        decodes) and returns how many it freed: kept state always yields to running work and to an
-        admission. ``cells_needed(request)`` is the cells a waiting request's admission takes
-        (default: its whole pending stream; less when it starts from a shared prefix).
+        With a cache manager, each request taken off the queue is admitted there before its chunk is cut
+        (a sequence, maybe from a shared prefix, which raises ``num_computed``): not now (None) leaves it
+        queued in its place and goes on with the next, no room (False) stops admission. A request about to be
+        preempted has its state released there, and kept state is reclaimed there for running work and for an
+        admission (it always yields to them); the cells an admission takes are its pending stream less a
+        shared prefix. ``admit``, ``release``, ``reclaim(request, n)`` (returns the cells freed) and
+        ``cells_needed`` replace the manager's, where given (a table without one grants every admission).
 
         Progress: when the decodes alone do not fit, or nothing runs a decode and no prefill can get
         a cell, the newest running requests are preempted until the others can go on. A lone running
@@ -166,6 +174,18 @@ class Scheduler:
         undone with no chunk at all is the engine's to report (``CapacityError`` for the request
         that cannot progress).
         """
+        cm = self.cache_manager
+        if cm is not None:
+            cm.make_room(len(self.running), len(self.waiting))
+            admit = admit or (lambda r: cm.admit(r, self.running))
+            release = release or cm.release
+            reclaim = reclaim or cm.reclaim
+            cells_needed = cells_needed or cm.cells_needed
+            if free_cells is None:
+                free_cells = cm.free_cells()
+        if free_cells is None:
+            raise ValueError("Scheduler.schedule: free_cells is needed without a cache manager")
+        drafts = drafts or {}
         plan = StepPlan()
         budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
         cap = self.max_requests_per_batch if self.max_requests_per_batch is not None else self.max_sequences
@@ -189,7 +209,7 @@ class Scheduler:
             self.preempt(victim)
             plan.preempted.append(victim)
 
-        planned: dict[int, int] = {}      # id(request) -> tokens this step
+        planned: dict[Request, int] = {}      # request -> tokens this step
         # A prefill that waited for an aligned cut last step goes first: with the decodes first, a budget
         # near C would never leave it the C tokens it needs while any request decodes.
         first, self._held = self._held, None
@@ -197,20 +217,20 @@ class Scheduler:
             n = self._chunk(first, min(budget, free_cells)) if room_for(first, min(first.remaining, budget)) else 0
             if n > 0:
                 plan.chunks.append(ScheduledChunk(first, n))
-                planned[id(first)] = n
+                planned[first] = n
                 budget -= n
                 free_cells -= n
         for req in decoding:
             if budget < 1 or len(plan.chunks) >= cap or free_cells < 1:
                 break
             plan.chunks.append(ScheduledChunk(req, 1))
-            planned[id(req)] = 1
+            planned[req] = 1
             budget -= 1
             free_cells -= 1
 
         held = False          # a prefill waits for an aligned cut: it holds the rest of the step's budget
         for req in self.running:
-            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or id(req) in planned:
+            if req.remaining <= 1 or len(plan.chunks) >= cap or budget < 1 or req in planned:
                 continue
             if not room_for(req, min(req.remaining, budget)) and free_cells < 1:
                 continue
@@ -220,7 +240,7 @@ class Scheduler:
                 self._held = req
                 break
             plan.chunks.append(ScheduledChunk(req, n))
-            planned[id(req)] = n
+            planned[req] = n
             budget -= n
             free_cells -= n
 
@@ -228,7 +248,7 @@ class Scheduler:
         # (the rest of each one's stream after this step, plus one cell for its next decode), or when
         # nothing runs; none is in a step that had to preempt (the freed cells go to the requests already
         # running) or whose budget a prefill waiting for an aligned cut holds.
-        reserved = sum(r.remaining - planned.get(id(r), 0) + 1 for r in self.running)
+        reserved = sum(r.remaining - planned.get(r, 0) + 1 for r in self.running)
         for req in list(self.waiting if not plan.preempted and not held else ()):
             if not (len(self.running) < self.max_sequences and len(plan.chunks) < cap and budget >= 1):
                 break
@@ -261,7 +281,7 @@ class Scheduler:
         for chunk in plan.chunks:
             if spare < 1:
                 break
-            draft = chunk.request.spec.draft
+            draft = drafts.get(chunk.request)
             if draft and chunk.num_tokens == 1 and chunk.request.remaining == 1:
                 chunk.drafts = list(draft[:spare])
                 spare -= len(chunk.drafts)
@@ -270,8 +290,7 @@ class Scheduler:
     def chunk_extent(self, req: Request) -> int:
         """Where ``req``'s positions cut only at multiples of chunk_align end: its last whole prompt chunk
         (0 without chunk alignment). The chunked form runs below it, the recurrent form from it on."""
-        c = self.chunk_align
-        return len(req.prompt) // c * c if c else 0
+        return req.chunk_extent(self.chunk_align)
 
     def _chunk(self, req: Request, limit: float) -> int:
         """A prefill chunk of at most ``limit`` tokens; 0 when it cannot reach an aligned cut (see the module

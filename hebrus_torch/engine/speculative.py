@@ -19,7 +19,7 @@ The engine then cuts the step short for the rows that did not keep all their tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -87,8 +87,8 @@ class SpecState:
     length: int = 0                 # tokens to draft next time (0: not yet set)
     misses: int = 0                 # verifications in a row that accepted nothing
     pause: int = 0                  # decode steps left without drafting
-    draft: list[int] = field(default_factory=list)      # the drafts of the step being planned
     lookup: NgramIndex | None = None                     # prompt lookup over the request's stream
+    error: str | None = None        # why the drafter failed for this request (it then speculates no more)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
