@@ -604,10 +604,14 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence of every holder as bytes (no pickle; see hebrus_torch.state.blob)."""
+        return self.save_unpacked(seq).pack()
+
+    def save_unpacked(self, seq: SeqHandle) -> blob.Unpacked:
+        """What :meth:`save` serialises, copied out of every holder now; its ``pack()`` gives the same bytes and
+        may run on another thread (the prompt cache writes files so, off the engine's step)."""
         self.slots.check(seq)
-        parts = {name: torch.frombuffer(bytearray(h.save(seq)), dtype=torch.uint8)
-                 for name, h in self._named_holders()}
-        return blob.pack(_KIND, {"holders": sorted(parts), "origin": self._origin.get(seq.slot)}, parts)
+        parts = {name: h.save_unpacked(seq) for name, h in self._named_holders()}
+        return blob.Unpacked.of(_KIND, {"holders": sorted(parts), "origin": self._origin.get(seq.slot)}, parts)
 
     def restore(self, data: bytes, seq: SeqHandle | None = None) -> SeqHandle:
         """Restore a saved sequence into a new sequence (or the free handle ``seq``); returns its handle.

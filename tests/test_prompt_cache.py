@@ -282,6 +282,44 @@ def test_a_file_read_ahead_is_read_on_the_store_s_thread(tmp_path, monkeypatch):
     store.close()
 
 
+def test_a_finished_request_s_file_is_serialised_on_the_store_s_thread(tmp_path, monkeypatch):
+    """The engine's thread only copies a finished request's state out of the cache (issue 33): serialising and
+    checksumming it (``blob.pack``) happen on the store's thread with the file I/O. (Before, ModelCache.save ran
+    on the engine's thread: every blob was packed there.)"""
+    import threading
+
+    from hebrus_torch.state import blob
+
+    packers = []
+    pack = blob.pack
+
+    def recorded(*args, **kwargs):
+        packers.append(threading.current_thread().name)
+        return pack(*args, **kwargs)
+    monkeypatch.setattr(blob, "pack", recorded)
+    engine, _, _ = serve(make_model("lin-idx", seed=7), prompts_for(7, lengths=(10, 4, 15)),
+                         prompt_cache_dir=tmp_path)
+    assert engine.counters.prompt_cache_writes >= 3
+    assert packers and set(packers) == {"hebrus-prompt-cache-io"}, packers
+
+
+def test_an_unpacked_save_is_a_copy_that_packs_to_the_bytes_of_save_at_that_time():
+    """ModelCache.save_unpacked copies every holder's state: packed later, after the sequence ran on, it gives
+    the bytes ModelCache.save gave when it was taken."""
+    engine = Engine(make_model("lin-idx", seed=7), EngineConfig(**CFG))
+    rid = engine.add_request(prompts_for(7, lengths=(15,))[0], max_new_tokens=6, eos_token_id=EOS)
+    for _ in range(3):
+        engine.step()
+    req = engine.requests[rid]
+    taken, saved = engine.cache.save_unpacked(req.seq), engine.cache.save(req.seq)
+    engine.step()
+    engine.step()
+    assert engine.cache.save(req.seq) != saved           # the sequence moved on
+    assert taken.pack() == saved
+    engine.run()
+    engine.close()
+
+
 # ------------------------------------------------------------------------------------------ faults and invariance
 @pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
 def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_request(target, monkeypatch,

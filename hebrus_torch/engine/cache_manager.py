@@ -327,8 +327,8 @@ class CacheManager:
             self.counters.prompt_cache_seconds += time.perf_counter() - t0
 
     def _to_prompt_cache(self, req: Request) -> None:
-        """Write a finished request's state to the files (the blob is taken here, the file written on the store's
-        thread: ``PromptCacheStore.put_later``): at its frontier (``num_computed`` tokens), or,
+        """Write a finished request's state to the files (its tensors are copied out here, serialised, checksummed
+        and written on the store's thread: ``ModelCache.save_unpacked``, ``PromptCacheStore.put_later``): at its frontier (``num_computed`` tokens), or,
         with the chunked GDN form and a frontier at or past C, at the last multiple of C within its whole
         prompt chunks that has a snapshot. A request restored from such a frontier would continue with the
         bits of a request whose outputs ran recurrently where its own prompt runs them chunked (the rule
@@ -343,15 +343,15 @@ class CacheManager:
         try:
             c = self.chunk_align
             if not c:
-                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq))
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save_unpacked(req.seq))
                 return
             extent = self.extent.get(req.seq, 0)
             if n < c:       # the frontier: requests whose prompts stay below C may continue it (shareable)
-                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq), extent)
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save_unpacked(req.seq), extent)
                 return
             aligned = min(extent, n // c * c)   # a multiple of C: any request that extends it may continue it
             if aligned == n:
-                self.prompt_cache.put_later(req.tokens[:n], self.cache.save(req.seq), extent)
+                self.prompt_cache.put_later(req.tokens[:n], self.cache.save_unpacked(req.seq), extent)
                 return
             seq = self.cache.fork(req.seq)
             try:
@@ -360,7 +360,7 @@ class CacheManager:
                         self.cache.rewind(seq, p)     # refused (nothing changes) without a snapshot at p
                     except HebrusError:
                         continue
-                    self.prompt_cache.put_later(req.tokens[:p], self.cache.save(seq), extent)
+                    self.prompt_cache.put_later(req.tokens[:p], self.cache.save_unpacked(seq), extent)
                     return
             finally:
                 self.cache.free(seq)

@@ -25,8 +25,9 @@ Size cap: the entry files together stay within ``max_bytes``; writing evicts lea
 files first (unusable ones before any). Use is recorded in the files' modification times (set on each
 write and restore), so the order survives restarts.
 
-Writes happen off the caller's thread: :meth:`PromptCacheStore.put_later` takes the blob (the engine saves
-it on its own thread) and the store's thread writes the file, so a running stream does not wait for the disk;
+Writes happen off the caller's thread: :meth:`PromptCacheStore.put_later` takes the state (the engine copies
+it out of the cache on its own thread, ``ModelCache.save_unpacked``) and the store's thread serialises,
+checksums and writes it, so a running stream waits neither for the disk nor for the hashing;
 :meth:`PromptCacheStore.prefetch` reads a file there ahead of the ``read`` that a request's restore will do.
 Everything that reads the store waits for the pending writes it could see: ``lookup`` for those whose
 tokens could match, the other queries (``len``, ``total_bytes``, ``entries``, ``clear``, ``close``) and
@@ -159,7 +160,7 @@ class PromptCacheStore:
         self._entries: dict[str, StoredPrefix] = {}          # file name -> usable entry
         self._unusable: dict[str, tuple[int, float]] = {}    # file name -> (bytes, mtime): skipped files
         self._mutex = threading.Condition(threading.RLock())  # the two maps, the counters, the queue
-        self._queue: collections.deque[tuple[tuple[int, ...], bytes, int] | StoredPrefix] = collections.deque()
+        self._queue: collections.deque[tuple[tuple[int, ...], bytes | blob.Unpacked, int] | StoredPrefix] = collections.deque()
         """put_later's writes (tokens, blob, chunk extent) and prefetch's reads, in order"""
         self._prefetched: dict[str, bytes] = {}               # file name -> blob read ahead, oldest first
         self._writer: threading.Thread | None = None         # runs while the queue is not empty
@@ -255,12 +256,12 @@ class PromptCacheStore:
         return state
 
     # ------------------------------------------------------------------ changes
-    def put_later(self, tokens: Sequence[int], state: bytes, chunk_extent: int = 0) -> None:
-        """:meth:`put` on the store's thread (the caller does not wait for the disk); its outcome is
-        counted (``writes``, ``write_errors``) as put's is."""
+    def put_later(self, tokens: Sequence[int], state: bytes | blob.Unpacked, chunk_extent: int = 0) -> None:
+        """:meth:`put` on the store's thread (the caller does not wait for the disk; a ``blob.Unpacked`` state is
+        packed there too); its outcome is counted (``writes``, ``write_errors``) as put's is."""
         self._enqueue((tuple(int(t) for t in tokens), state, int(chunk_extent)))
 
-    def _enqueue(self, item: tuple[tuple[int, ...], bytes, int] | StoredPrefix) -> None:
+    def _enqueue(self, item: tuple[tuple[int, ...], bytes | blob.Unpacked, int] | StoredPrefix) -> None:
         with self._mutex:
             self._queue.append(item)
             if self._writer is None:
@@ -286,7 +287,8 @@ class PromptCacheStore:
                 if isinstance(item, StoredPrefix):
                     self._fetch(item)
                 else:
-                    self.put(*item)
+                    tokens, state, extent = item
+                    self.put(tokens, state.pack() if isinstance(state, blob.Unpacked) else state, extent)
             except Exception:  # noqa: BLE001 - never expected (put counts its own OSError); a write is never fatal
                 self._count("write_errors")
             finally:

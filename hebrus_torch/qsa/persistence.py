@@ -43,6 +43,11 @@ class _Persistence(StateDictProtocol):
     def save(self, seq: SeqHandle) -> bytes:
         """The sequence's run, raw keys and K/V as a checksummed blob (no pickle). Pooled groups are
         derived state: ``restore`` rebuilds them."""
+        return self.save_unpacked(seq).pack()
+
+    def save_unpacked(self, seq: SeqHandle) -> _blob.Unpacked:
+        """What :meth:`save` serialises, copied now (gathers of the run's cells); its ``pack()`` (the same
+        bytes) may run on another thread."""
         run = self._view(self._slot(seq))
         self._check_clean("save", [run])
         self._check_run(seq, run, "save")
@@ -53,7 +58,7 @@ class _Persistence(StateDictProtocol):
             tensors["k"] = self.k_cache[:, at]
             tensors["v"] = self.v_cache[:, at]
         meta = {"config": self._seq_config(), "p0": run.p0, "n": run.n}
-        return _blob.pack(_SEQ_KIND, meta, tensors)
+        return _blob.Unpacked.of(_SEQ_KIND, meta, tensors)
 
     def restore(self, seq: SeqHandle | None, blob: bytes) -> SeqHandle:
         """Restore a blob of :meth:`save`. ``seq=None`` restores into a new sequence; a free slot's handle

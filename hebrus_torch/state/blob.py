@@ -9,6 +9,7 @@ exactly what ``pack`` was given or raises CorruptStateError.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -76,6 +77,27 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of a tensor in C order (any dtype, any device)."""
     t = t.detach().to("cpu").contiguous()
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unpacked:
+    """A blob's contents taken out of a holder but not serialised yet: ``pack()`` gives the bytes that
+    ``pack(kind, meta, tensors)`` gives, and may run on another thread (the prompt cache's writer), since the
+    tensors are the holder's copies on the CPU, never views of its live pools. A tensor given as an
+    ``Unpacked`` is packed first and stored as its blob's bytes (uint8), as a ModelCache nests its holders'."""
+
+    kind: str
+    meta: dict[str, Any]
+    tensors: dict[str, "torch.Tensor | Unpacked"]
+
+    @classmethod
+    def of(cls, kind: str, meta: dict[str, Any], tensors: dict[str, "torch.Tensor | Unpacked"]) -> "Unpacked":
+        """Taken now: device tensors are read to the CPU on the caller's thread (a device wait belongs to it)."""
+        return cls(kind, meta, {n: t if isinstance(t, Unpacked) else t.detach().to("cpu") for n, t in tensors.items()})
+
+    def pack(self) -> bytes:
+        return pack(self.kind, self.meta, {n: torch.frombuffer(bytearray(t.pack()), dtype=torch.uint8)
+                                           if isinstance(t, Unpacked) else t for n, t in self.tensors.items()})
 
 
 def pack(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:

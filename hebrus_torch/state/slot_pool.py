@@ -238,8 +238,12 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
 
     def save(self, seq: SeqHandle) -> bytes:
         """One sequence's state as bytes: JSON metadata + raw tensors + sha256, no pickle."""
+        return self.save_unpacked(seq).pack()
+
+    def save_unpacked(self, seq: SeqHandle) -> blob.Unpacked:
+        """What :meth:`save` serialises, copied now; its ``pack()`` (the same bytes) may run on another thread."""
         parts = self._snapshot_parts(self.snapshot(seq))
-        return blob.pack(self._KIND, self._seq_config_meta(), {p.blob: t for p, t in zip(self._SEQ_PARTS, parts)})
+        return blob.Unpacked.of(self._KIND, self._seq_config_meta(), {p.blob: t for p, t in zip(self._SEQ_PARTS, parts)})
 
     def _seq_config_meta(self) -> dict[str, Any]:
         """The config a one-sequence blob records: not the slot count, which a sequence's state does not
