@@ -20,7 +20,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["TensorInfo", "CheckpointFiles", "SAFETENSORS_DTYPES", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["TensorInfo", "CheckpointFiles", "read_header", "SAFETENSORS_DTYPES", "INDEX_NAME", "SINGLE_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -52,7 +52,7 @@ class TensorInfo:
         return n
 
 
-def _read_header(file: Path) -> dict[str, TensorInfo]:
+def read_header(file: Path) -> dict[str, TensorInfo]:
     """Every tensor of one safetensors file, checked against the file's size."""
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -114,7 +114,7 @@ class CheckpointFiles:
         else:
             raise CheckpointError(f"{directory}: neither {INDEX_NAME} nor {SINGLE_NAME} is there")
         if weight_map is None:
-            return cls(directory, _read_header(directory / SINGLE_NAME))
+            return cls(directory, read_header(directory / SINGLE_NAME))
         by_file: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             by_file.setdefault(name, []).append(key)
@@ -124,7 +124,7 @@ class CheckpointFiles:
             if not file.is_file():
                 raise CheckpointError(f"{index} names {name} (for {keys[0]!r} and {len(keys) - 1} more), "
                                       f"which is not there")
-            header = _read_header(file)
+            header = read_header(file)
             for key in keys:
                 if key not in header:
                     raise CheckpointError(f"{file}: the index puts {key!r} in this file, its header has no such "
