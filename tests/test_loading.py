@@ -277,3 +277,13 @@ def test_a_weight_whose_shape_disagrees_with_the_config_is_refused(checkpoint, t
     cfg["text_config"]["layer_types"] = ["linear_attention"]
     (path / "config.json").write_text(json.dumps(cfg))
     refused(path, f"{PREFIX}layers.1.", "is not a weight of the model the config describes")
+
+
+def test_the_main_job_loads_a_checkpoint_in_place_and_says_where_the_table_is(checkpoint, capsys):
+    from hebrus_torch.__main__ import main
+
+    assert main(["--model", str(checkpoint), "--device", "cpu", "--ple-table", "disk", "--requests", "3",
+                 "--cb-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"Loaded {checkpoint} in place; PLE n-gram table" in out and "read from the checkpoint's files" in out
+    assert "PLE table disk" in out
