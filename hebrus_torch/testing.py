@@ -58,10 +58,10 @@ def write_checkpoint(path: str | os.PathLike, config: Any, seed: int = 0, *, dty
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = modeling.Qwen4ExpForConditionalGeneration(full).eval()
+    zero_initialised = [p for name, p in model.named_parameters() if "conv1d" in name or "norm" in name]
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "conv1d" in name or "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for p in zero_initialised:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     model = model.to(dtype)
     eos = text.eos_token_id[0] if isinstance(text.eos_token_id, list) else text.eos_token_id
     if eos is not None:
