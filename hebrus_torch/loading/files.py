@@ -10,6 +10,7 @@ anything is loaded.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class CheckpointFiles:
     def __init__(self, directory: Path, tensors: dict[str, TensorInfo]):
         self.directory = directory
         self.tensors = tensors
-        self._maps: dict[str, np.ndarray] = {}
+        self._maps: dict[str, mmap.mmap] = {}
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> "CheckpointFiles":
@@ -132,22 +133,34 @@ class CheckpointFiles:
                 tensors[key] = header[key]
         return cls(directory, tensors)
 
-    def _map(self, file: str) -> np.ndarray:
-        """The whole file as uint8, memory-mapped privately (copy on write: never written, never copied)."""
+    def _map(self, file: str) -> mmap.mmap:
+        """The whole file, memory-mapped privately (copy on write: never written, never copied)."""
         mapped = self._maps.get(file)
         if mapped is None:
-            mapped = np.memmap(file, dtype=np.uint8, mode="c")
-            self._maps[file] = mapped
+            with open(file, "rb") as f:
+                mapped = self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return mapped
 
     def tensor(self, info: TensorInfo) -> torch.Tensor:
         """The stored tensor as a CPU view of the mapped file (valid while this object lives)."""
-        raw = torch.from_numpy(self._map(info.file)[info.offset:info.offset + info.nbytes])
+        raw = torch.from_numpy(np.frombuffer(self._map(info.file), dtype=np.uint8, count=info.nbytes,
+                                             offset=info.offset))
         if info.dtype.itemsize > 1 and info.offset % info.dtype.itemsize:
             raw = raw.clone()    # an unaligned tensor (safetensors aligns them; a hand-made file may not)
         return raw.view(info.dtype).view(info.shape)
 
+    def release(self, info: TensorInfo) -> None:
+        """Drop this process's pages of ``info``'s bytes (after they were copied), so that loading holds at most
+        about one tensor's pages mapped beside the model (the pages stay in the OS page cache)."""
+        mapped = self._maps.get(info.file)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = min(len(mapped), -(-(info.offset + info.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if stop > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def close(self) -> None:
-        """Drop the maps (views handed out keep their pages alive)."""
+        """Drop the maps (views handed out keep them alive until they go)."""
         self._maps.clear()
 

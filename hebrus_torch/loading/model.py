@@ -163,6 +163,8 @@ def _fill(model, plan: LoadPlan, files: CheckpointFiles, device: torch.device, m
                 continue
             value = torch.empty(target.shape, dtype=target.dtype, device=device)
             _copy_into(value, target, files)
+            for info in target.sources:     # (a copy still reading them would fault them in again from the file)
+                files.release(info)
             if leaf in owner._parameters:
                 requires_grad = owner._parameters[leaf].requires_grad
                 owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=requires_grad)
