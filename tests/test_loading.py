@@ -141,7 +141,7 @@ def test_from_pretrained_casts_like_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("ple_table", ["memory", "disk"])
-def test_greedy_tokens_equal_transformers_through_generate_and_the_engine(checkpoint, reference, ple_table):
+def test_greedy_tokens_equal_transformers_through_generate_the_engine_and_generate_batch(checkpoint, reference, ple_table):
     model = hebrus_torch.from_pretrained(checkpoint, ple_table=ple_table)
     cases = prompts(2)
     want = [greedy(reference, p) for p in cases]
@@ -151,6 +151,11 @@ def test_greedy_tokens_equal_transformers_through_generate_and_the_engine(checkp
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=-1)
     engine.run()
     assert [engine.requests[f"r{i}"].generated for i in range(len(cases))] == want
+    from transformers import GenerationConfig
+
+    out = model.generate_batch(cases, GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                                       pad_token_id=0))
+    assert [o.generated_tokens for o in out.values()] == want
 
 
 def test_auto_puts_the_table_on_disk_past_a_quarter_of_physical_memory(checkpoint, monkeypatch):
