@@ -185,3 +185,41 @@ def test_speculation_with_the_table_on_disk_gives_the_plain_tokens(checkpoint):
     engine.run()
     assert engine.counters.spec_drafted_tokens > 0
     assert {r: q.generated for r, q in engine.requests.items()} == plain
+
+
+def test_large_gathers_advise_the_kernel_of_every_page_their_rows_touch(tmp_path, monkeypatch):
+    """MADV_WILLNEED ranges (runs of adjacent pages merged) cover every byte of every row gathered, in rows of
+    less and more than a page; rows stay exact with the hint on."""
+    import mmap as mmap_module
+
+    if not hasattr(mmap_module, "MADV_WILLNEED"):
+        pytest.skip("no MADV_WILLNEED here")
+    page = mmap_module.PAGESIZE
+    for dim in (40, 3 * page // 4 + 8):                          # fp32 rows of 160 bytes and of 3 pages + 32 bytes
+        shards = [torch.randn(300, dim), torch.randn(200, dim)]
+        store = store_of(tmp_path, shards, [[0, 1]])
+        monkeypatch.setattr(PLERowStore, "WILLNEED_MIN_ROWS", 1)
+        advised = []
+
+        class Recording:
+            def __init__(self, real):
+                self.real = real
+
+            def __len__(self):
+                return len(self.real)
+
+            def madvise(self, option, start, length):
+                assert option == mmap_module.MADV_WILLNEED and start % page == 0
+                advised.append((start, start + length))
+        store._shard_maps = [(Recording(m), off) for m, off in store._shard_maps]
+        ids = torch.tensor([0, 1, 2, 57, 58, 299, 300, 301, 450, 499, 3])
+        assert torch.equal(store.gather(ids), torch.cat(shards)[ids])
+        covered = set()
+        for start, stop in advised:
+            covered.update(range(start, stop))
+        for i in ids.unique().tolist():
+            s = 0 if i < 300 else 1
+            begin = store._shard_maps[s][1] + (i - (0 if s == 0 else 300)) * store.row_bytes
+            assert all(b in covered for b in range(begin, begin + store.row_bytes, 64)), (dim, i)
+            assert begin + store.row_bytes - 1 in covered, (dim, i)
+        assert len(advised) < ids.numel()                        # adjacent rows' pages went in one call

@@ -38,6 +38,10 @@ class PLERowStore:
     stay in the page cache for the next reads; the process stops holding them); None: never.
     """
 
+    # A call gathering at least this many distinct rows (a prefill chunk) first asks the kernel to read all their
+    # pages (MADV_WILLNEED), so that cold rows are read with the disk's queue depth instead of one fault at a time.
+    WILLNEED_MIN_ROWS = 256
+
     def __init__(self, shards: list[TableShard], dtype: torch.dtype, dim: int, *, cache_bytes: int | None = None):
         if not shards:
             raise HebrusError("PLERowStore: no shards")
@@ -47,6 +51,7 @@ class PLERowStore:
         self.cache_bytes = cache_bytes
         self._maps: list[mmap.mmap] = []
         self._views: list[np.ndarray] = []
+        self._shard_maps: list[tuple[mmap.mmap, int]] = []      # per shard: its file's map, its data offset
         starts = [0]
         by_file: dict[str, mmap.mmap] = {}
         for shard in shards:
@@ -57,6 +62,7 @@ class PLERowStore:
                 if hasattr(mmap, "MADV_RANDOM"):
                     mapped.madvise(mmap.MADV_RANDOM)   # rows are scattered: no readahead of their neighbours
                 self._maps.append(mapped)
+            self._shard_maps.append((mapped, shard.offset))
             self._views.append(np.frombuffer(mapped, dtype=np.uint8, count=shard.rows * self.row_bytes,
                                              offset=shard.offset).reshape(shard.rows, self.row_bytes))
             starts.append(starts[-1] + shard.rows)
@@ -79,6 +85,8 @@ class PLERowStore:
             bad = unique[0] if unique[0] < 0 else unique[-1]
             raise HebrusError(f"PLERowStore: row id {int(bad)} outside [0, {self.num_rows})")
         shard_of = np.searchsorted(self._starts, unique, side="right") - 1
+        if unique.size >= self.WILLNEED_MIN_ROWS:
+            self._will_need(unique, shard_of)
         rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
         for s in np.unique(shard_of):
             picked = shard_of == s
@@ -89,6 +97,22 @@ class PLERowStore:
         self.stats["unique_rows"] += int(unique.size)
         out = torch.from_numpy(rows[inverse.reshape(-1)])
         return out.view(self.dtype).view(*ids.shape, self.dim)
+
+    def _will_need(self, unique: np.ndarray, shard_of: np.ndarray) -> None:
+        """MADV_WILLNEED on the pages of these rows (runs of adjacent pages merged): a hint, never an error."""
+        if not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        page = mmap.PAGESIZE
+        for s in np.unique(shard_of):
+            mapped, offset = self._shard_maps[s]
+            begin = offset + (unique[shard_of == s] - self._starts[s]) * self.row_bytes
+            first = begin // page                                   # rows sorted: so are their pages
+            last = (begin + self.row_bytes - 1) // page
+            starts = np.flatnonzero(np.concatenate([[True], first[1:] > last[:-1] + 1]))
+            ends = np.concatenate([starts[1:] - 1, [first.size - 1]])
+            for lo, hi in zip(first[starts], last[ends]):
+                start = int(lo) * page
+                mapped.madvise(mmap.MADV_WILLNEED, start, min(len(mapped), (int(hi) + 1) * page) - start)
 
     def _account(self, unique_rows: int) -> None:
         if self.cache_bytes is None or not hasattr(mmap, "MADV_DONTNEED"):
