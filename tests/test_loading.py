@@ -292,3 +292,46 @@ def test_the_main_job_loads_a_checkpoint_in_place_and_says_where_the_table_is(ch
     out = capsys.readouterr().out
     assert f"Loaded {checkpoint} in place; PLE n-gram table" in out and "read from the checkpoint's files" in out
     assert "PLE table disk" in out
+
+
+PEAK_SCRIPT = """
+import sys, json
+import torch, transformers  # noqa: F401  (imported before the baseline)
+import hebrus_torch
+from transformers.models.qwen4_exp import modeling_qwen4_exp  # noqa: F401
+
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")       # VmHWM := VmRSS
+before = rss()
+model = hebrus_torch.from_pretrained(sys.argv[1], ple_table=sys.argv[2])
+print(json.dumps({"before": before, "peak": peak(), "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+                  "largest": max(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads VmHWM from /proc (Linux)")
+def test_peak_memory_while_loading_is_the_model_plus_about_one_tensor(tmp_path):
+    """Some 150 MB of weights in tensors of at most 32 MB: the peak RSS while loading (anonymous and file-backed)
+    exceeds what the loaded model holds by about its largest tensor, not by the checkpoint: the pages of each
+    tensor's file are let go once it is copied (fails with every file's pages kept mapped until the end)."""
+    import subprocess
+    import sys
+
+    write_checkpoint(tmp_path, config(hidden_size=512, num_experts=16, moe_intermediate_size=512),
+                     seed=0, dtype=torch.float32, max_shard_size="100MB", tokenizer=False)
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path), "memory"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = {k: round(v / 2**20, 1) for k, v in r.items()}
+    assert r["weights"] > 3 * r["largest"], mib
+    assert r["peak"] - r["before"] - r["weights"] < r["largest"] + 24 * 2**20, mib
