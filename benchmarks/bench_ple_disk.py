@@ -209,6 +209,56 @@ def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens
     return out
 
 
+def gather_costs(directory: Path, repeat: int) -> list[dict]:
+    """The row store alone, on the checkpoint's table: microseconds per call of a decode step's rows (16 per
+    request) and of a 1024-token prefill chunk's (16384), warm (pages in the page cache) against an in-memory
+    index_select of the same rows, and cold (the shards' page cache dropped before each call) with and without
+    the MADV_WILLNEED hint."""
+    import statistics
+
+    from hebrus_torch.loading.files import CheckpointFiles
+    from hebrus_torch.ple.row_store import PLERowStore, TableShard
+
+    files = CheckpointFiles.open(directory)
+    shards = sorted((info for key, info in files.tensors.items() if ".ngram_embedding.shard_" in key),
+                    key=lambda i: int(i.key.rsplit("shard_", 1)[1].split(".")[0]))
+    store = PLERowStore([TableShard(i.file, i.offset, i.shape[0]) for i in shards], shards[0].dtype, ROW)
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for n in (16, 128, 16384):
+        ids = [torch.randint(0, store.num_rows, (n,), generator=gen) for _ in range(repeat)]
+        resident = torch.cat([store.gather(i) for i in ids])                  # warm the pages, keep the rows
+        table_rows = torch.arange(resident.shape[0]).view(repeat, n)
+
+        def timed(fn) -> float:
+            times = []
+            for r in range(repeat):
+                t0 = time.perf_counter()
+                fn(r)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e6
+
+        row = {"rows": n, "warm_us": timed(lambda r: store.gather(ids[r])),
+               "memory_us": timed(lambda r: resident.index_select(0, table_rows[r]))}
+        for label, minimum in (("cold_us", PLERowStore.WILLNEED_MIN_ROWS), ("cold_no_hint_us", 10**12)):
+            store.WILLNEED_MIN_ROWS = minimum
+            fresh = [torch.randint(0, store.num_rows, (n,), generator=gen) for _ in range(repeat)]
+
+            def cold(r):
+                store.release()
+                for info in shards:
+                    fd = os.open(info.file, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                t0 = time.perf_counter()
+                store.gather(fresh[r])
+                return time.perf_counter() - t0
+            row[label] = statistics.median(cold(r) for r in range(repeat)) * 1e6
+        del store.WILLNEED_MIN_ROWS
+        out.append(row)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ main
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -224,6 +274,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the checkpoint's dtype (this CPU's bf16 matrix-vector products are some 10x slower)")
     p.add_argument("--mode", choices=("disk", "memory"), default=None, help="(internal) run one mode")
+    p.add_argument("--gather-only", action="store_true", help="only the row store's costs (gather_costs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode is not None:
@@ -232,6 +283,15 @@ def main() -> None:
         return
     if not (args.dir / "config.json").exists():
         write(args.dir, args.table_gib, args.experts, getattr(torch, args.dtype))
+    if args.gather_only:
+        print("| rows per call | warm (page cache) us | in memory (index_select) us | cold, WILLNEED us | "
+              "cold, no hint us |")
+        print("|---|---|---|---|---|")
+        for r in gather_costs(args.dir, repeat=5):
+            print(f"| {r['rows']} | {r['warm_us']:.0f} | {r['memory_us']:.0f} | {r['cold_us']:.0f} | "
+                  f"{r['cold_no_hint_us']:.0f} |")
+        print(f"load average {os.getloadavg()}")
+        return
     results = []
     for mode in ("disk", "memory"):
         cmd = [sys.executable, __file__, "--dir", str(args.dir), "--mode", mode, "--prompt", str(args.prompt),

@@ -163,8 +163,6 @@ def _fill(model, plan: LoadPlan, files: CheckpointFiles, device: torch.device, m
                 continue
             value = torch.empty(target.shape, dtype=target.dtype, device=device)
             _copy_into(value, target, files)
-            for info in target.sources:     # (a copy still reading them would fault them in again from the file)
-                files.release(info)
             if leaf in owner._parameters:
                 requires_grad = owner._parameters[leaf].requires_grad
                 owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=requires_grad)
@@ -173,24 +171,26 @@ def _fill(model, plan: LoadPlan, files: CheckpointFiles, device: torch.device, m
 
 
 def _copy_into(value: torch.Tensor, target: Target, files: CheckpointFiles) -> None:
+    """Each stored tensor of ``target`` copied into its place in ``value``, its file pages let go right after
+    (a copy still reading them would only fault them in again from the file)."""
     src = target.sources
     if target.kind == "plain":
-        value.copy_(files.tensor(src[0]))
+        places = [value]
     elif target.kind == "gate_up":
         half = target.shape[1] // 2
-        for e in range(target.shape[0]):
-            value[e, :half].copy_(files.tensor(src[2 * e]))
-            value[e, half:].copy_(files.tensor(src[2 * e + 1]))
+        places = [value[e, part] for e in range(target.shape[0]) for part in (slice(0, half), slice(half, None))]
     elif target.kind == "down":
-        for e, info in enumerate(src):
-            value[e].copy_(files.tensor(info))
+        places = [value[e] for e in range(target.shape[0])]
     elif target.kind == "ngram":
-        row = 0
+        starts = [0]
         for info in src:
-            value[row:row + info.shape[0]].copy_(files.tensor(info))
-            row += info.shape[0]
+            starts.append(starts[-1] + info.shape[0])
+        places = [value[a:b] for a, b in zip(starts, starts[1:])]
     else:  # pragma: no cover - plan_load makes no other kind
         raise AssertionError(target.kind)
+    for place, info in zip(places, src, strict=True):
+        place.copy_(files.tensor(info))
+        files.release(info)
 
 
 def _rebuild_computed_buffers(model, text, dtype: torch.dtype, device: torch.device) -> None:
