@@ -9,8 +9,10 @@ replaced by one of --table-gib written shard by shard): released shapes per laye
 with top 10, GDN 16/48 heads of 128, attention 24/2 heads of 256, indexer 4 x 128, hc 4 / 320, one PLE layer at
 index 1 with 16 n-gram heads of 160, 16 table shards), 4 layers (3 linear + 1 indexed), fewer experts than 512
 and a vocabulary of 32768 (not 248320) so that it fits this machine; fp32 by default (``--dtype``: this CPU's
-bf16 matrix-vector products are some 10x slower than fp32's, which would bury the table's cost). Each mode runs in its own process (its
-memory is its own); Linux only (/proc/self/status, posix_fadvise).
+bf16 matrix-vector products are some 10x slower than fp32's, which would bury the table's cost). Each mode loads
+in its own process (its memory is its own); times are compared inside the disk process, its table swapped for an
+in-memory copy between runs; ``--gather-only``: the row store alone. Linux only (/proc/self/status,
+posix_fadvise).
 """
 
 from __future__ import annotations
@@ -164,24 +166,35 @@ def table_modules(model):
             if isinstance(getattr(owner, "ngram_embedding", None), DiskNgramEmbedding)]
 
 
-def decode_comparison(model, new_tokens: int, rounds: int) -> dict:
-    """Decode tokens/s with the table on disk and, in the same process on the same weights, as one tensor in
-    memory (an nn.Embedding of the same rows), alternating, median of ``rounds``."""
+def comparison(directory: Path, model, prompt: list[int], chunk: int, new_tokens: int, rounds: int) -> dict:
+    """In one process on the same weights, the table on disk and as one tensor in memory (an nn.Embedding of the
+    same rows) alternating, medians of ``rounds``: time to first token of ``prompt`` from disk with the page
+    cache dropped, from disk warm and from memory; decode tokens/s at 1 and 8 requests, disk and memory."""
     import statistics
 
     owners = table_modules(model)
-    in_memory = [torch.nn.Embedding(disk.num_embeddings, disk.embedding_dim, _weight=disk.store.gather(
-        torch.arange(disk.num_embeddings)), _freeze=True) for _, disk in owners]
-    rates = {}
+    disk = [d for _, d in owners]
+    in_memory = [torch.nn.Embedding(d.num_embeddings, d.embedding_dim, _weight=d.store.gather(
+        torch.arange(d.num_embeddings)), _freeze=True) for d in disk]
+
+    def use(modules):
+        for (owner, _), module in zip(owners, modules):
+            owner.ngram_embedding = module
+
+    times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for label, modules in (("disk", [d for _, d in owners]), ("memory", in_memory)):
-            for (owner, _), module in zip(owners, modules):
-                owner.ngram_embedding = module
+        use(disk)
+        drop_page_cache(directory, model)
+        times.setdefault("ttft_disk_cold_s", []).append(ttft(model, prompt, chunk))
+        times.setdefault("ttft_disk_warm_s", []).append(ttft(model, prompt, chunk))
+        use(in_memory)
+        times.setdefault("ttft_memory_s", []).append(ttft(model, prompt, chunk))
+        for label, modules in (("disk", disk), ("memory", in_memory)):
+            use(modules)
             for n in (1, 8):
-                rates.setdefault(f"{label}_x{n}", []).append(decode_rate(model, n, new_tokens, n))
-    for (owner, disk) in owners:
-        owner.ngram_embedding = disk
-    return {k: statistics.median(v) for k, v in rates.items()} | {"rounds": rounds}
+                times.setdefault(f"decode_{label}_x{n}", []).append(decode_rate(model, n, new_tokens, n))
+    use(disk)
+    return {k: statistics.median(v) for k, v in times.items()} | {"rounds": rounds}
 
 
 def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens: int, rounds: int,
@@ -199,13 +212,12 @@ def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens
            "table_bytes": model.hebrus_checkpoint.ple_table_bytes}
     with torch.inference_mode():
         ttft(model, prompt[:128], chunk)                                     # warm-up (kernels, allocator)
-        drop_page_cache(directory, model)
-        out["ttft_cold_s"] = ttft(model, prompt, chunk)
-        out["ttft_warm_s"] = ttft(model, prompt, chunk)
-        out["after_run"] = status()
+        ttft(model, prompt, chunk)
+        decode_rate(model, 8, 2, 0)
+        out["after_run"] = status()                                          # after a prefill and a decode
         out["store_stats"] = [dict(d.store.stats) for _, d in table_modules(model)]
         if mode == "disk":
-            out["decode"] = decode_comparison(model, new_tokens, rounds)
+            out["compare"] = comparison(directory, model, prompt, chunk, new_tokens, rounds)
     return out
 
 
@@ -308,17 +320,21 @@ def main() -> None:
           f"disk budget {args.ple_cache_bytes / 2**20:.0f} MiB, store {results[0]['store_stats']}, load average "
           f"{os.getloadavg()}")
     print("| mode | load s | peak RSS while loading | RssAnon after load | RssFile after load | RssAnon after "
-          f"prefills | RssFile after prefills | TTFT {args.prompt} cold s | TTFT warm s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "a prefill and decode | RssFile after |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         a, b = r["after_load"], r["after_run"]
         print(f"| {r['mode']} | {r['load_s']:.1f} | {a['VmHWM'] / gib:.2f} GiB | {a['RssAnon'] / gib:.2f} GiB | "
-              f"{a['RssFile'] / gib:.2f} GiB | {b['RssAnon'] / gib:.2f} GiB | {b['RssFile'] / gib:.2f} GiB | "
-              f"{r['ttft_cold_s']:.1f} | {r['ttft_warm_s']:.1f} |")
-    d = results[0]["decode"]
-    print(f"decode tokens/s, same process and weights, alternating, median of {d['rounds']}: "
-          f"x1 disk {d['disk_x1']:.2f} / memory {d['memory_x1']:.2f}; x8 disk {d['disk_x8']:.2f} / memory "
-          f"{d['memory_x8']:.2f}")
+              f"{a['RssFile'] / gib:.2f} GiB | {b['RssAnon'] / gib:.2f} GiB | {b['RssFile'] / gib:.2f} GiB |")
+    c = results[0]["compare"]
+    print(f"\nOne process, the same weights, the table on disk / in memory alternating, median of {c['rounds']}:")
+    print(f"| TTFT {args.prompt} disk cold | disk warm | memory | cold / memory | warm / memory | decode x1 disk | "
+          "memory | x8 disk | memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {c['ttft_disk_cold_s']:.1f} s | {c['ttft_disk_warm_s']:.1f} s | {c['ttft_memory_s']:.1f} s | "
+          f"{c['ttft_disk_cold_s'] / c['ttft_memory_s']:.2f}x | {c['ttft_disk_warm_s'] / c['ttft_memory_s']:.2f}x | "
+          f"{c['decode_disk_x1']:.2f} tok/s | {c['decode_memory_x1']:.2f} | {c['decode_disk_x8']:.2f} | "
+          f"{c['decode_memory_x8']:.2f} |")
     print("RAW " + json.dumps(results))
 
 
