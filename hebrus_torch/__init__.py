@@ -1,5 +1,9 @@
 """hebrus_torch: custom ops and state holders for the stateful sparse paths of Qwen4Exp.
 
+``hebrus_torch.from_pretrained(path, ple_table=...)`` loads a Qwen4Exp checkpoint in place, its PLE n-gram table
+optionally left on disk (``hebrus_torch.loading``, docs/ple.md; imported on first use, so that
+``import hebrus_torch`` stays light).
+
 ``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select,
 qsa_attention}``: C++ kernels on CPU, Metal kernels on MPS (macOS builds), the pure-PyTorch reference
 everywhere else. ``hebrus_torch.engine`` runs continuous batching on the state holders.
@@ -25,4 +29,13 @@ __all__ = [
     "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
+    "from_pretrained",
 ]
+
+
+def __getattr__(name: str):
+    if name == "from_pretrained":   # needs transformers: imported on first use only
+        from .loading import from_pretrained
+
+        return from_pretrained
+    raise AttributeError(f"module 'hebrus_torch' has no attribute {name!r}")

@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-model", action="store_true", help="skip the transformers model demos")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="continuous batching on this local Qwen4Exp checkpoint (only that part runs)")
+    parser.add_argument("--ple-table", choices=("auto", "disk", "memory"), default="auto",
+                        help="--model: the PLE n-gram table read from the checkpoint's files (disk), held in memory, "
+                             "or auto (disk past a quarter of physical memory); docs/ple.md")
     parser.add_argument("--requests", type=int, default=16, help="continuous batching: concurrent requests")
     parser.add_argument("--cb-new-tokens", type=int, default=24, help="continuous batching: tokens per request")
     parser.add_argument("--max-batch-tokens", type=int, default=64, help="continuous batching: tokens per step")
@@ -317,16 +320,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _load_checkpoint(checkpoint: str, device: str, ple_table: str):
+    """A Qwen4Exp checkpoint loaded in place (hebrus_torch.from_pretrained, saying where its PLE table is);
+    any other causal LM through transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if AutoConfig.from_pretrained(checkpoint).model_type in ("qwen4_exp", "qwen4_exp_text"):
+        model = ht.from_pretrained(checkpoint, device=device, ple_table=ple_table)
+        loaded = model.hebrus_checkpoint
+        where = "read from the checkpoint's files" if loaded.ple_table == "disk" else "in memory"
+        print(f"Loaded {checkpoint} in place; PLE n-gram table ({loaded.ple_table_bytes / 2**30:.2f} GiB) {where} "
+              f"(--ple-table {ple_table})")
+        return model, f"{checkpoint} ({type(model).__name__}, PLE table {loaded.ple_table})"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).to(device).eval()
+    return model, f"{checkpoint} ({type(model).__name__})"
+
+
 def cb_demo(args: argparse.Namespace, checkpoint: str | None = None, device: str | None = None) -> int:
     """Continuous batching of mixed-length prompts vs generate, on the demo model or a local checkpoint."""
     from hebrus_torch.engine import EngineConfig, demo
 
     device = device or args.device or available_devices()[-1]
     if checkpoint is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(checkpoint).to(device).eval()
-        what = f"{checkpoint} ({type(model).__name__})"
+        model, what = _load_checkpoint(checkpoint, device, args.ple_table)
     else:
         model = demo.demo_model(args.seed, device)
         what = "a small random Qwen4Exp (6 layers, indexer budget 32)"

@@ -32,6 +32,11 @@ def _hebrus_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: draft up to N tokens per step (prompt lookup, or --draft-model)")
     p.add_argument("--draft-model", default=None,
                    help="a small Qwen4Exp checkpoint with the same tokenizer that drafts for speculation")
+    p.add_argument("--ple-table", choices=("auto", "disk", "memory"), default="auto",
+                   help="the PLE n-gram table: read from the checkpoint's files, in memory, or auto (disk past a "
+                        "quarter of physical memory)")
+    p.add_argument("--ple-cache-bytes", type=int, default=None,
+                   help="with the table on disk, release its mapped pages past N bytes (default: 1/8 of memory)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /hebrus/* (default: ${API_KEY_ENV})")
     return p
@@ -55,6 +60,12 @@ hebrus options:
                                   lookup over its prompt and output, or --draft-model) and the engine verifies
                                   them in the packed step; greedy output is unchanged (docs/engine.md)
   --draft-model DIR               a small Qwen4Exp checkpoint (same tokenizer) that drafts instead
+  --ple-table {auto,disk,memory}  the PLE n-gram table (95 GiB in the released checkpoint): `disk` gathers each
+                                  step's rows from the checkpoint's own files (memory-mapped), `memory` holds it
+                                  as one tensor, `auto` (default) is disk when it is over a quarter of physical
+                                  memory; the log says which ran (docs/ple.md)
+  --ple-cache-bytes N             with the table on disk, release the pages it maps past about N bytes (they stay
+                                  in the OS page cache); default: an eighth of physical memory
   --api-key KEY                   require `Authorization: Bearer KEY` on /v1/* and /hebrus/* (/health stays
                                   open); default: the HEBRUS_API_KEY environment variable
 
@@ -78,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--draft-model: {ns.draft_model!r} is not a directory")
     if ns.prompt_cache_max_bytes is not None and ns.prompt_cache_max_bytes < 1:
         raise SystemExit(f"--prompt-cache-max-bytes must be >= 1, got {ns.prompt_cache_max_bytes}")
+    if ns.ple_cache_bytes is not None and ns.ple_cache_bytes < 1:
+        raise SystemExit(f"--ple-cache-bytes must be >= 1, got {ns.ple_cache_bytes}")
     if ns.prompt_cache_dir is not None:
         from hebrus_torch.engine.prompt_cache import check_directory
 
@@ -85,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         if problem is not None:
             raise SystemExit(f"--prompt-cache-dir: {problem}")
     from .app import patch_transformers_serve
+    from .loading import PLEOptions, set_ple_options
+
+    set_ple_options(PLEOptions(table=ns.ple_table, cache_bytes=ns.ple_cache_bytes))
 
     patch_transformers_serve(HebrusServeSettings(capacity_tokens=ns.hebrus_capacity_tokens,
                                                  max_sequences=ns.hebrus_max_sequences,

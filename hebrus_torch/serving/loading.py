@@ -1,9 +1,14 @@
 """Loading the served model: a Qwen4Exp checkpoint becomes a patched text-only LLM whose continuous-batching
-manager is hebrus' (:class:`HebrusModelManager`, :func:`prepare_model`)."""
+manager is hebrus' (:class:`HebrusModelManager`, :func:`prepare_model`). A local checkpoint is loaded in place by
+:func:`hebrus_torch.from_pretrained` (weights copied from memory maps, the PLE n-gram table in memory or read from
+the files: ``--ple-table``, :func:`set_ple_options`; docs/ple.md)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from transformers.cli.serving import model_manager as tf_model_manager
@@ -13,7 +18,29 @@ from . import settings as serve_settings
 from .settings import QWEN4_MODEL_TYPES
 from .shutdown import register_manager
 
-__all__ = ["prepare_model", "HebrusModelManager"]
+__all__ = ["prepare_model", "HebrusModelManager", "PLEOptions", "set_ple_options", "ple_options"]
+
+logger = logging.getLogger("hebrus_torch.serve")
+
+
+@dataclass(frozen=True)
+class PLEOptions:
+    """``--ple-table`` (auto, disk, memory) and ``--ple-cache-bytes`` (None: an eighth of physical memory)."""
+    table: str = "auto"
+    cache_bytes: int | None = None
+
+
+_ple_options = PLEOptions()
+
+
+def set_ple_options(options: PLEOptions) -> None:
+    """What ``python -m hebrus_torch.serve`` read from ``--ple-table`` / ``--ple-cache-bytes``."""
+    global _ple_options
+    _ple_options = options
+
+
+def ple_options() -> PLEOptions:
+    return _ple_options
 
 
 def prepare_model(model: Any, tokenizer: Any = None) -> Any:
@@ -101,14 +128,17 @@ class HebrusModelManager(_BaseModelManager):
         from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
         model_id, revision = model_id_and_revision.split("@", 1)
+        quantization_config = self.get_quantization_config()
+        if progress_callback is not None:
+            progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "config"})
+        if os.path.isdir(model_id) and quantization_config is None:
+            return _load_in_place(model_id, self.device, self.dtype, self.attn_implementation)
+        # a hub id or a quantized load: transformers' own loader (the PLE table in memory)
         kwargs = {"revision": revision, "attn_implementation": self.attn_implementation, "dtype": self.dtype,
                   "device_map": self.device, "trust_remote_code": self.trust_remote_code,
                   "tqdm_class": tqdm_class}
-        quantization_config = self.get_quantization_config()
         if quantization_config is not None:
             kwargs["quantization_config"] = quantization_config
-        if progress_callback is not None:
-            progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "config"})
         return Qwen4ExpForCausalLM.from_pretrained(model_id, **kwargs)
 
     def load_model_and_processor(self, model_id_and_revision: str, progress_callback=None, tqdm_class=None,
@@ -135,3 +165,33 @@ class HebrusModelManager(_BaseModelManager):
         if self.force_model is not None and not any(m.get("id") == self.force_model for m in listed):
             listed.insert(0, {"id": self.force_model, "object": "model", "created": 0, "owned_by": "local"})
         return listed
+
+
+def _serving_device(device: Any) -> str:
+    """transformers serve's ``--device`` (auto, cpu, mps, cuda, cuda:N or N) as one torch device."""
+    import torch
+
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return str(device)
+
+
+def _load_in_place(model_dir: str, device: Any, dtype: Any, attn_implementation: str | None) -> Any:
+    """:func:`hebrus_torch.from_pretrained` with the ``--ple-table`` / ``--ple-cache-bytes`` options; says which
+    table ran (stderr, and ``model.hebrus_checkpoint``)."""
+    from hebrus_torch.loading import from_pretrained
+    from hebrus_torch.loading.model import physical_memory_bytes
+
+    options = ple_options()
+    cache_bytes = options.cache_bytes if options.cache_bytes is not None else physical_memory_bytes() // 8
+    model = from_pretrained(model_dir, device=_serving_device(device), dtype=None if dtype == "auto" else dtype,
+                            ple_table=options.table, ple_cache_bytes=cache_bytes,
+                            attn_implementation=attn_implementation)
+    loaded = model.hebrus_checkpoint
+    where = ("read from the checkpoint's files (memory-mapped, pages released past "
+             f"{cache_bytes / 2**30:.2f} GiB)" if loaded.ple_table == "disk" else "in memory")
+    logger.warning("hebrus: %s loaded in place; PLE n-gram table (%.2f GiB) %s [--ple-table %s]", model_dir,
+                   loaded.ple_table_bytes / 2**30, where, options.table)
+    return model

@@ -1,0 +1,101 @@
+"""``python -m hebrus_torch.serve`` on a checkpoint in the released layout (issue 35): loaded in place by
+``hebrus_torch.from_pretrained``, ``--ple-table disk`` serves the replies of transformers' own load, the log says
+which table ran, and a bad checkpoint stops the server before it serves, naming file and key."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from test_serve import Server, http  # noqa: E402  (skips without the serve extra)
+from hf_models import modeling, tiny_indexer_config  # noqa: E402
+
+import hebrus_torch.integrations.transformers as hx
+from hebrus_torch.serving.cli import main as serve_main
+from hebrus_torch.testing import write_checkpoint
+
+VOCAB = 50
+EOS = 3
+MAX_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("released-serve"), tiny_indexer_config(
+        vocab_size=VOCAB, split_ngram_parts=4), seed=8, dtype=torch.float32, max_shard_size="40KB")
+
+
+def clear_replies(checkpoint, count: int, seed: int):
+    """(messages, greedy reply ids) of transformers' own load of the files, for chats with no near tie."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = modeling.Qwen4ExpForCausalLM.from_pretrained(checkpoint).eval()
+    hx.apply(model)
+    rng = random.Random(seed)
+    found = []
+    while len(found) < count:
+        words = " ".join(rng.choice("abcdefgh") * rng.randrange(1, 3) for _ in range(rng.randrange(2, 12)))
+        messages = [{"role": "user", "content": words}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+                                 output_scores=True, return_dict_in_generate=True)
+        gen = out.sequences[0, len(ids):].tolist()
+        gen = gen[:gen.index(EOS) + 1] if EOS in gen else gen
+        if min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores[:len(gen)]) > 1e-3:
+            found.append((messages, tokenizer.decode(gen, skip_special_tokens=True)))
+    return found
+
+
+def test_the_released_layout_is_served_with_the_table_on_disk(checkpoint, tmp_path):
+    chats = clear_replies(checkpoint, 3, seed=1)
+    with Server(checkpoint, "--ple-table", "disk", "--ple-cache-bytes", "65536", "--cb-block-size", "16",
+                "--hebrus-capacity-tokens", "1024", log=tmp_path / "server.log") as srv:
+        for messages, text in chats:
+            reply = srv.chat(messages, max_tokens=MAX_TOKENS)
+            assert reply.choices[0].message.content == text
+        assert srv.stats()["engine"] is not None
+        log = srv.log_tail(200)
+    assert "PLE n-gram table" in log and "read from the checkpoint's files" in log and "--ple-table disk" in log
+
+
+def test_a_truncated_shard_stops_the_server_naming_file_and_key(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(checkpoint, path)
+    key = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.shard_3.weight"
+    victim = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 1)
+    srv = Server(path, "--ple-table", "disk", log=tmp_path / "server.log")
+    try:
+        srv.proc.wait(timeout=180)
+    finally:
+        srv.stop()
+    assert srv.proc.returncode != 0
+    log = srv.log_tail(80)
+    flat = "".join(log.split())         # (the traceback's box wraps long lines)
+    assert "CheckpointError" in log and "truncated" in log
+    assert "".join(str(victim).split()) in flat and key in flat
+    with pytest.raises(Exception):
+        http("GET", f"{srv.url}/health", timeout=2)
+
+
+def test_bad_ple_flags_are_refused():
+    with pytest.raises(SystemExit):
+        serve_main(["somewhere", "--ple-table", "swap"])
+    with pytest.raises(SystemExit, match="--ple-cache-bytes must be >= 1"):
+        serve_main(["somewhere", "--ple-cache-bytes", "0"])
