@@ -1,0 +1,64 @@
+"""Metadata checks of ``hebrus::moe_experts``, shared by its fake impl and its reference; the C++ kernel and
+the MPS glue make the same checks with the same messages (csrc/moe_checks.h). Expert ids are values: the
+kernels and the reference check them (:func:`check_moe_ids`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _validate
+from ..errors import HebrusError
+
+__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids"]
+
+OP = "moe_experts"
+
+
+class MoeSizes(NamedTuple):
+    """The sizes of a ``moe_experts`` call."""
+
+    rows: int     # T
+    hidden: int   # H
+    top_k: int    # k
+    experts: int  # E
+    inter: int    # I (gate_up has 2 I rows per expert)
+
+
+def check_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor) -> MoeSizes:
+    """Ranks, dtypes and shapes of ``moe_experts``' arguments (csrc/moe_checks.h); returns its sizes."""
+    _validate._same_device(OP, x=x, topk_ids=topk_ids, topk_weights=topk_weights, gate_up=gate_up, down=down)
+    _validate._ranks_and_dtypes(OP, ("x", x, 2, _validate.FLOAT_DTYPES),
+                                ("topk_ids", topk_ids, 2, (torch.int64, torch.int32)),
+                                ("topk_weights", topk_weights, 2, _validate.FLOAT_DTYPES),
+                                ("gate_up", gate_up, 3, _validate.FLOAT_DTYPES),
+                                ("down", down, 3, _validate.FLOAT_DTYPES))
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        _validate.check(t.dtype == x.dtype, OP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    rows, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    _validate.check(topk_ids.shape[0] == rows, OP, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
+                    f"got {tuple(topk_ids.shape)}")
+    _validate.check(topk_weights.shape == topk_ids.shape, OP, f"topk_weights must have the shape of topk_ids "
+                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    experts, two_i, gate_up_h = gate_up.shape
+    _validate.check(experts >= 1 and gate_up_h == hidden and two_i % 2 == 0 and two_i >= 2, OP,
+                    f"gate_up must have shape (E, 2 * I, H) with E >= 1, I >= 1 and H = x.shape[1] = {hidden}, "
+                    f"got {tuple(gate_up.shape)}")
+    inter = two_i // 2
+    _validate.check(tuple(down.shape) == (experts, hidden, inter), OP,
+                    f"down must have shape (E, H, I) = {(experts, hidden, inter)} to match gate_up, "
+                    f"got {tuple(down.shape)}")
+    return MoeSizes(rows, hidden, top_k, experts, inter)
+
+
+def check_moe_ids(topk_ids: torch.Tensor, experts: int, op: str = OP) -> None:
+    """Every expert id in ``[0, E)``; reads the ids (a host read on an accelerator)."""
+    ids = topk_ids.long()
+    bad = (ids < 0) | (ids >= experts)
+    if bool(bad.any()):
+        t, j = (int(v) for v in torch.nonzero(bad)[0])
+        raise HebrusError(f"hebrus::{op}: topk_ids[{t}, {j}] = {int(ids[t, j])} is not an expert id in "
+                          f"[0, E={experts})")
