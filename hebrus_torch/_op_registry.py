@@ -112,7 +112,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            reference.gdn_chunk_delta_rule_slots, _CPU_MPS),
     OpSpec("moe_experts",
            "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor",
-           reference.moe_experts, _CPU),
+           reference.moe_experts, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

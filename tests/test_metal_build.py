@@ -36,6 +36,7 @@ EXPECTED = {
                        for t in TYPES} | {"gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"},
     "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
     | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
+    "moe_experts": {f"moe_experts_{k}_{t}" for k in ("act", "down", "sum") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -48,10 +49,12 @@ VARIANTS = {
 }
 # Files holding the kernels of several ops (one templated body): the ops, as the host names them.
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
-            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",)}
+            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
+            "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order.
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
-           "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",))}
+           "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",)),
+           "moe_experts": ("moe_experts", ("moe_experts_act", "moe_experts_down", "moe_experts_sum"))}
 
 
 def stem(path: str) -> str:

@@ -146,3 +146,29 @@ def test_engine_runs_every_moe_layer_through_the_op(calls):
     assert engine.requests["a"].generated == want
     layers = model.config.num_hidden_layers
     assert len(calls) % layers == 0 and len(calls) >= layers * 6           # 2 prefill chunks + 4 decode steps
+
+
+def test_emulated_mps_step_has_one_moe_dispatch_per_layer_and_no_sync():
+    """On (emulated) MPS a MoE layer is the router, the shared expert and one hebrus::moe_experts dispatch:
+    no host wait, and the same dispatches whatever the experts hit (transformers' grouped_mm path reads the
+    group offsets on the host and runs one mm per expert hit)."""
+    from hebrus_torch._emulate import emulate
+    from hebrus_torch.engine import Engine, EngineConfig
+    from hebrus_torch.engine.step_counts import PARTS, count_step
+
+    model = random_model(5)
+    layers = model.config.num_hidden_layers
+    moe = PARTS["moe"]
+    with emulate("mps") as dev:
+        engine = Engine(model.to(dev), EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64,
+                                                    block_size=4))
+        for i, prompt in enumerate(([5, 9, 14, 22, 7, 30], [11, 8, 41], [17, 12, 6, 19, 27, 33, 40])):
+            engine.add_request(prompt, request_id=str(i), max_new_tokens=4)
+        steps = [count_step(engine) for _ in range(3)]             # the prefill, then two decode steps
+    for counts in steps:
+        ops = counts.ops[moe]
+        assert ops["hebrus.moe_experts"] == layers, (dict(ops), counts.fallbacks)
+        assert not any("grouped_mm" in name for name in ops), dict(ops)
+        assert not any(part == moe for part, _what, _site in counts.sync_sites), counts.sync_sites
+        assert counts.fallbacks[(moe, "moe_experts")] == 0
+    assert steps[1].ops[moe] == steps[2].ops[moe]                   # decode: other experts, same dispatches

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/metal/error.h>
 #include <c10/util/string_view.h>
@@ -39,6 +40,7 @@
 #include "gdn_checks.h"
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
+#include "moe_checks.h"
 #include "op_checks.h"
 
 namespace hebrus::glue {
@@ -487,6 +489,44 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
                                       {false, false, false, false, false, false, false, true, false, true},
                                       plan.params, plan.dispatch,
                                       {false, false, false, false, false, false, false, true, false, false}));
+  call.outputs = {out};
+  return call;
+}
+
+// ---- moe_experts ------------------------------------------------------------------------------------
+
+// Three launches (act, down, sum: mps_kernels/moe_experts.metal) whatever the experts hit; the ids and
+// router weights are converted on the device (int64, fp32), never read here. Bad ids are the act
+// kernel's to report.
+inline Call moe_experts(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const Tensor& gate_up_in,
+                        const Tensor& down_in, c10::DeviceType device) {
+  const char* op = "moe_experts";
+  check_on_device(op, device, {{"x", &x_in}, {"topk_ids", &ids_in}, {"topk_weights", &weights_in},
+                               {"gate_up", &gate_up_in}, {"down", &down_in}});
+  const MoeSizes sz = check_moe_experts_args(x_in, ids_in, weights_in, gate_up_in, down_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.hidden == 0 || sz.top_k == 0) {
+    call.outputs = {at::zeros({sz.rows, sz.hidden}, x_in.options())};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_moe_experts(sz.rows, sz.hidden, sz.top_k, sz.experts, sz.inter,
+                                                    weights_in.scalar_type() == x_in.scalar_type());
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
+  const Tensor ids = ids_in.to(at::kLong).contiguous(), weights = weights_in.to(at::kFloat).contiguous();
+  const int64_t pairs = sz.rows * sz.top_k;
+  Tensor act = at::empty({pairs, sz.inter}, x.options().dtype(at::kFloat));
+  Tensor ywt = at::empty({pairs, sz.hidden}, x.options().dtype(at::kFloat));
+  Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_act", nullptr, type), {x, ids, gate_up, act},
+                                      {false, false, false, true}, plan.params, plan.act));
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_down", nullptr, type),
+                                      {ids, weights, down, act, ywt}, {false, false, false, false, true},
+                                      plan.params, plan.down));
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_sum", nullptr, type), {ywt, out}, {false, true},
+                                      plan.params, plan.sum));
   call.outputs = {out};
   return call;
 }

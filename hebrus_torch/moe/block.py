@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
 from .ops import moe_experts
 
@@ -38,7 +39,9 @@ def experts_unsupported(experts: torch.nn.Module, hidden_states: torch.Tensor) -
     if type(experts) is not m.Qwen4ExpTextExperts:
         return "not_transformers_experts"
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if not all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in (gate_up, down)):
+    # (a tensor subclass, e.g. a quantized weight, is the module's own business; the emulated device's
+    # tensors stand in for plain ones)
+    if not all(type(p) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) for p in (gate_up, down)):
         return "weights_not_plain_tensors"
     if (getattr(experts, "has_bias", False) or not getattr(experts, "has_gate", True)
             or getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True)

@@ -40,6 +40,7 @@ KERNELS = {
     "gdn_chunk_delta_rule": {**{f"gdn_chunk_delta_rule_slots_{t}": 128 for t in TYPES},
                              **{f"gdn_chunk_delta_rule_slots_gf32_{t}": 128 for t in TYPES[1:]},
                              "gdn_chunk_delta_rule_slots_check": 256},
+    "moe_experts": {f"moe_experts_{k}_{t}": 256 for k in ("act", "down", "sum") for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

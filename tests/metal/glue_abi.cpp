@@ -80,5 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return to_py(hebrus::glue::gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu, start_pos, pool, slots, scale, l2norm,
                                                           kCpu));
   });
+  m.def("moe_experts", [](const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                          const at::Tensor& gate_up, const at::Tensor& down) {
+    return to_py(hebrus::glue::moe_experts(x, ids, weights, gate_up, down, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }
