@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
@@ -86,6 +87,31 @@ struct DenseRows {
     for (int64_t i = 0; i < kLanes; ++i) buf[i] = c + i < cols ? row(e, r)[c + i] : T(0);
     return load_elems<T>(buf);
   }
+};
+
+// Rows of quantized expert matrices (hebrus_torch/moe/quantize.py): codes packed into int32 words
+// [E, rows, cols * BITS / 32], scales and biases [E, rows, cols / group] in T. A value is q * s + b in fp32
+// (product rounded, then the sum). cols is a multiple of the group (>= 32), so kLanes columns from a
+// multiple of kLanes lie in one group and no row has a tail.
+template <typename T, int BITS>
+struct QuantRows {
+  const uint32_t* codes;
+  const T* scales;
+  const T* biases;
+  int64_t rows, cols, group;
+
+  HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const {
+    constexpr int kPerWord = 32 / BITS;
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    const int64_t row = e * rows + r;
+    const uint32_t* w = codes + row * (cols / kPerWord) + c / kPerWord;
+    const int64_t g = row * (cols / group) + c / group;
+    const float s = static_cast<float>(scales[g]), b = static_cast<float>(biases[g]);
+    Vec q;
+    for (int i = 0; i < kLanes; ++i) q[i] = static_cast<float>((w[i / kPerWord] >> ((i % kPerWord) * BITS)) & kMask);
+    return q * s + b;
+  }
+  HEBRUS_INLINE Vec load_tail(int64_t e, int64_t r, int64_t c) const { return load(e, r, c); }  // never called
 };
 
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O weight rows, each sum in
@@ -320,9 +346,56 @@ Tensor moe_experts_cpu(const Tensor& x, const Tensor& topk_ids, const Tensor& to
   return out;
 }
 
+Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
+                                 const Tensor& gate_up_q, const Tensor& gate_up_scales, const Tensor& gate_up_biases,
+                                 const Tensor& down_q, const Tensor& down_scales, const Tensor& down_biases,
+                                 int64_t group_size, int64_t bits) {
+  const char* op = "moe_experts_quantized";
+  check_on_device(op, at::kCPU,
+                  {{"x", &x}, {"topk_ids", &topk_ids}, {"topk_weights", &topk_weights}, {"gate_up_q", &gate_up_q},
+                   {"gate_up_scales", &gate_up_scales}, {"gate_up_biases", &gate_up_biases}, {"down_q", &down_q},
+                   {"down_scales", &down_scales}, {"down_biases", &down_biases}});
+  const MoeSizes sz = check_moe_experts_quantized_args(x, topk_ids, topk_weights, gate_up_q, gate_up_scales,
+                                                       gate_up_biases, down_q, down_scales, down_biases, group_size,
+                                                       bits);
+  Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  if (sz.rows == 0 || sz.hidden == 0) return out;
+  if (sz.top_k == 0) return out.zero_();
+  const Tensor ids = checked_ids(op, topk_ids, sz.experts);
+  const Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Tensor xc = x.contiguous(), guq = gate_up_q.contiguous(), gus = gate_up_scales.contiguous(),
+               gub = gate_up_biases.contiguous(), dq = down_q.contiguous(), ds = down_scales.contiguous(),
+               db = down_biases.contiguous();
+  const bool round_product = topk_weights.scalar_type() == x.scalar_type();
+  auto codes = [](const Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); };
+  auto run = [&](auto tag, auto bits_tag) {
+    using T = decltype(tag);
+    constexpr int B = decltype(bits_tag)::value;
+    const Problem<T> pr{xc.data_ptr<T>(), ids.data_ptr<int64_t>(), wts.data_ptr<float>(), round_product,
+                        sz.rows, sz.hidden, sz.top_k, sz.experts, sz.inter, out.data_ptr<T>()};
+    run_moe(pr,
+            QuantRows<T, B>{codes(guq), gus.data_ptr<T>(), gub.data_ptr<T>(), 2 * sz.inter, sz.hidden, group_size},
+            QuantRows<T, B>{codes(dq), ds.data_ptr<T>(), db.data_ptr<T>(), sz.hidden, sz.inter, group_size});
+  };
+  auto run_bits = [&](auto tag) {
+    if (bits == 4) {
+      run(tag, std::integral_constant<int, 4>{});
+    } else {
+      run(tag, std::integral_constant<int, 8>{});
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run_bits(float{}); break;
+    case at::kHalf: run_bits(c10::Half{}); break;
+    default: run_bits(c10::BFloat16{}); break;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("moe_experts", &hebrus::moe_experts_cpu);
+  m.impl("moe_experts_quantized", &hebrus::moe_experts_quantized_cpu);
 }

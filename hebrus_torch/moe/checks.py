@@ -62,3 +62,50 @@ def check_moe_ids(topk_ids: torch.Tensor, experts: int, op: str = OP) -> None:
         t, j = (int(v) for v in torch.nonzero(bad)[0])
         raise HebrusError(f"hebrus::{op}: topk_ids[{t}, {j}] = {int(ids[t, j])} is not an expert id in "
                           f"[0, E={experts})")
+
+
+QOP = "moe_experts_quantized"
+
+
+def check_moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                                gate_up_q: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_biases: torch.Tensor,
+                                down_q: torch.Tensor, down_scales: torch.Tensor, down_biases: torch.Tensor,
+                                group_size: int, bits: int) -> MoeSizes:
+    """``moe_experts_quantized``'s arguments (csrc/moe_checks.h); returns its sizes."""
+    _validate._same_device(QOP, x=x, topk_ids=topk_ids, topk_weights=topk_weights, gate_up_q=gate_up_q,
+                           gate_up_scales=gate_up_scales, gate_up_biases=gate_up_biases, down_q=down_q,
+                           down_scales=down_scales, down_biases=down_biases)
+    _validate.check(bits in (4, 8), QOP, f"bits must be 4 or 8, got {bits}")
+    _validate.check(group_size in (32, 64, 128), QOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    _validate._ranks_and_dtypes(QOP, ("x", x, 2, _validate.FLOAT_DTYPES),
+                                ("topk_ids", topk_ids, 2, (torch.int64, torch.int32)),
+                                ("topk_weights", topk_weights, 2, _validate.FLOAT_DTYPES),
+                                ("gate_up_q", gate_up_q, 3, torch.int32), ("down_q", down_q, 3, torch.int32))
+    for name, t in (("gate_up_scales", gate_up_scales), ("gate_up_biases", gate_up_biases),
+                    ("down_scales", down_scales), ("down_biases", down_biases)):
+        _validate._dims(t, 3, QOP, name)
+        _validate.check(t.dtype == x.dtype, QOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    rows, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    _validate.check(topk_ids.shape[0] == rows, QOP, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
+                    f"got {tuple(topk_ids.shape)}")
+    _validate.check(topk_weights.shape == topk_ids.shape, QOP, f"topk_weights must have the shape of topk_ids "
+                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    _validate.check(hidden % group_size == 0, QOP, f"H = x.shape[1] = {hidden} must be a multiple of group_size "
+                    f"{group_size}")
+    experts, two_i = gate_up_q.shape[:2]
+    per_word = 32 // bits
+    _validate.check(experts >= 1 and two_i >= 2 and two_i % 2 == 0 and gate_up_q.shape[2] * per_word == hidden, QOP,
+                    f"gate_up_q must have shape (E, 2 * I, H * bits / 32) with E >= 1, I >= 1 and H = {hidden}, "
+                    f"got {tuple(gate_up_q.shape)}")
+    inter = two_i // 2
+    _validate.check(inter % group_size == 0, QOP, f"I = {inter} must be a multiple of group_size {group_size}")
+    _validate.check(tuple(down_q.shape) == (experts, hidden, inter // per_word), QOP,
+                    f"down_q must have shape (E, H, I * bits / 32) = {(experts, hidden, inter // per_word)}, "
+                    f"got {tuple(down_q.shape)}")
+    for name, t, want in (("gate_up_scales", gate_up_scales, (experts, two_i, hidden // group_size)),
+                          ("gate_up_biases", gate_up_biases, (experts, two_i, hidden // group_size)),
+                          ("down_scales", down_scales, (experts, hidden, inter // group_size)),
+                          ("down_biases", down_biases, (experts, hidden, inter // group_size))):
+        _validate.check(tuple(t.shape) == want, QOP, f"{name} must have shape {want}, got {tuple(t.shape)}")
+    return MoeSizes(rows, hidden, top_k, experts, inter)

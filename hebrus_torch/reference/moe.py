@@ -1,13 +1,17 @@
-"""The reference of ``moe_experts`` (issue 36): the routed experts of a MoE block over packed rows."""
+"""The references of ``moe_experts`` and ``moe_experts_quantized`` (issue 36): the routed experts of a MoE
+block over packed rows."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..moe.checks import check_moe_experts, check_moe_ids
+from ..moe.checks import MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids
+from ..moe.quantize import dequantize
 from .ple import _silu
 
-__all__ = ["moe_experts"]
+__all__ = ["moe_experts", "moe_experts_quantized"]
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,6 +48,37 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         Tensor[T, H] in x's dtype. Raises HebrusError on bad metadata or an expert id outside ``[0, E)``.
     """
     sizes = check_moe_experts(x, topk_ids, topk_weights, gate_up, down)
+    return _routed(x, topk_ids, topk_weights, sizes, lambda e: gate_up[e].float(), lambda e: down[e].float())
+
+
+def moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          gate_up_q: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_biases: torch.Tensor,
+                          down_q: torch.Tensor, down_scales: torch.Tensor, down_biases: torch.Tensor, group_size: int,
+                          bits: int) -> torch.Tensor:
+    """:func:`moe_experts` with the experts' weights affine-quantized (:mod:`hebrus_torch.moe.quantize`):
+    every weight is its dequantized fp32 value ``q * s + b``, everything else as :func:`moe_experts`.
+
+    Args:
+        x, topk_ids, topk_weights: as :func:`moe_experts`; H and I multiples of ``group_size``.
+        gate_up_q: Tensor[E, 2I, H * bits / 32] int32, packed codes; gate_up_scales, gate_up_biases:
+            Tensor[E, 2I, H / group_size] in x's dtype.
+        down_q: Tensor[E, H, I * bits / 32] int32; down_scales, down_biases: Tensor[E, H, I / group_size].
+        group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns:
+        Tensor[T, H] in x's dtype.
+    """
+    sizes = check_moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
+                                        down_scales, down_biases, group_size, bits)
+    return _routed(x, topk_ids, topk_weights, sizes,
+                   lambda e: dequantize(gate_up_q[e], gate_up_scales[e], gate_up_biases[e], bits, group_size),
+                   lambda e: dequantize(down_q[e], down_scales[e], down_biases[e], bits, group_size))
+
+
+def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, sizes: MoeSizes,
+            gate_up_of: Callable[[int], torch.Tensor], down_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The experts' sum of :func:`moe_experts`, with expert e's weights as fp32 ``gate_up_of(e)`` [2I, H] and
+    ``down_of(e)`` [H, I]."""
     rows, hidden, top_k, experts, inter = sizes
     out = x.new_empty((rows, hidden))
     if rows == 0 or hidden == 0:
@@ -65,9 +100,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         pairs = order[start:start + n]
         start += n
         xs = x[pairs // top_k].float()
-        gu = _round(xs @ gate_up[expert].float().T, dtype)
+        gu = _round(xs @ gate_up_of(expert).T, dtype)
         act = _round(_round(_silu(gu[:, :inter]), dtype) * gu[:, inter:], dtype)
-        y = _round(act @ down[expert].float().T, dtype)
+        y = _round(act @ down_of(expert).T, dtype)
         prod = y * weights[pairs, None]
         weighted[pairs] = _round(prod, dtype) if round_product else prod
     weighted = weighted.view(rows, top_k, hidden)
