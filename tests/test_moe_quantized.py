@@ -160,3 +160,41 @@ def test_quantize_refuses_bad_options():
         quantize(w, 4, 128)
     with pytest.raises(HebrusError, match="must be float32, float16 or bfloat16"):
         quantize(w.double(), 4, 32)
+
+
+# ---- quantized experts in a model: the engine and transformers' own forward -------------------------------
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_engine_on_quantized_experts_matches_transformers(bits):
+    """quantize_experts swaps transformers' experts for QuantizedExperts: transformers' generate and the engine
+    (which runs it as a module call) then give the same greedy tokens, and 8 bits stays close to the model."""
+    from hf_models import random_model
+    from hebrus_torch.engine import Engine, EngineConfig
+    from hebrus_torch.moe.quantized_experts import QuantizedExperts, quantize_experts
+
+    model = random_model(6, moe_intermediate_size=32)
+    ids = torch.tensor([[5, 9, 14, 22, 7, 30, 11, 8, 41, 17, 12, 6, 19]])
+    with torch.no_grad():
+        dense_logits = model(ids).logits
+    quantize_experts(model, bits=bits, group_size=32)
+    assert sum(type(m) is QuantizedExperts for m in model.modules()) == model.config.num_hidden_layers
+    with torch.no_grad():
+        logits = model(ids).logits
+    if bits == 8:
+        torch.testing.assert_close(logits, dense_logits, atol=0.05, rtol=0.05)
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, ids.shape[1]:].tolist()
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=8, block_size=4))
+    engine.add_request(ids[0].tolist(), request_id="a", max_new_tokens=5)
+    engine.run()
+    assert engine.requests["a"].generated == want
+
+
+def test_quantize_experts_checks_every_module_first():
+    from hf_models import random_model
+    from hebrus_torch.moe.quantized_experts import quantize_experts
+
+    model = random_model(7)                         # moe_intermediate_size 16: not a multiple of 32
+    with pytest.raises(HebrusError, match="hebrus::quantize_experts: the input dimension 16"):
+        quantize_experts(model, bits=4, group_size=32)
+    assert not any(type(m).__name__ == "QuantizedExperts" for m in model.modules())
