@@ -117,7 +117,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "moe_experts_quantized(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_q, "
            "Tensor gate_up_scales, Tensor gate_up_biases, Tensor down_q, Tensor down_scales, Tensor down_biases, "
            "int group_size, int bits) -> Tensor",
-           reference.moe_experts_quantized, _CPU),
+           reference.moe_experts_quantized, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

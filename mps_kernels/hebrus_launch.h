@@ -91,7 +91,7 @@ static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams")
 static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-bit, float, int");
 static_assert(HEBRUS_GDN_TG == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH, "gdn threadgroup");
 static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "gdn columns per threadgroup");
-static_assert(sizeof(MoeExpertsParams) == 7 * 8, "MoeExpertsParams: 6 x 64-bit, 2 x 32-bit");
+static_assert(sizeof(MoeExpertsParams) == 8 * 8, "MoeExpertsParams: 7 x 64-bit, 2 x 32-bit");
 static_assert(HEBRUS_SIMD_WIDTH % HEBRUS_MOE_LANES == 0 && HEBRUS_MOE_TG % HEBRUS_SIMD_WIDTH == 0, "moe lanes");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
@@ -422,8 +422,9 @@ inline uint64_t moe_half_simd_threads(uint64_t items) {
   return ceil_div(items * HEBRUS_MOE_LANES, HEBRUS_SIMD_WIDTH) * HEBRUS_SIMD_WIDTH;
 }
 
+// moe_experts_quantized passes its group size (its kernels' variant, "q4" / "q8", is the bit width).
 inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top_k, int64_t experts, int64_t inter,
-                                       bool round_product) {
+                                       bool round_product, int64_t group_size = 0) {
   MoeExpertsPlan plan;
   MoeExpertsParams& p = plan.params;
   p.rows = rows;
@@ -432,6 +433,7 @@ inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top
   p.experts = experts;
   p.inter = inter;
   p.pairs = rows * top_k;
+  p.group_size = group_size;
   p.round_product = round_product ? 1 : 0;
   const uint64_t pairs = static_cast<uint64_t>(p.pairs);
   const uint64_t act = moe_half_simd_threads(pairs * static_cast<uint64_t>(inter));

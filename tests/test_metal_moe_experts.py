@@ -101,3 +101,32 @@ def test_metadata_errors_before_any_launch():
         hebrus_emu.moe_experts(x, ids, w, gu, dn[:, :, :8])
     with pytest.raises(HebrusError, match="hebrus::moe_experts: gate_up dtype torch.float16 must match x dtype"):
         hebrus_emu.launches("moe_experts", x, ids, w, gu.half(), dn)
+
+
+# ---- moe_experts_quantized (moe_experts_quantized.metal) ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)])
+def test_quantized_bits_of_the_cpu_kernel(dtype, bits, group):
+    from test_moe_quantized import quantized_inputs
+
+    args = quantized_inputs(3, 128, 128, 4, 2, dtype, bits, group, seed=bits + group)
+    got = hebrus_emu.moe_experts_quantized(*args)
+    assert torch.equal(got, hebrus_torch.moe_experts_quantized(*args))
+    names = [launch["kernel"] for launch in hebrus_emu.launches("moe_experts_quantized", *args)]
+    t = hebrus_emu.METAL_TYPE[dtype]
+    assert names == [f"moe_experts_quantized_act_q{bits}_{t}", f"moe_experts_quantized_down_q{bits}_{t}",
+                     f"moe_experts_sum_{t}"]
+
+
+def test_quantized_schedules_and_bad_id():
+    from test_moe_quantized import quantized_inputs
+
+    args = list(quantized_inputs(2, 64, 32, 3, 2, torch.bfloat16, 8, 32, seed=4))
+    want = hebrus_emu.moe_experts_quantized(*args)
+    assert torch.equal(hebrus_emu.moe_experts_quantized(*args, sched="random", seed=5, guard="start"), want)
+    args[1] = args[1].clone()
+    args[1][1, 0] = 7
+    with pytest.raises(hebrus_emu.ASYNC_ERROR,
+                       match=r"^hebrus::moe_experts_quantized: topk_ids\[1, 0\] = 7 is not an expert id in \[0, E=3\)"):
+        hebrus_emu.moe_experts_quantized(*args)

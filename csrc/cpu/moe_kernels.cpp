@@ -93,6 +93,8 @@ struct DenseRows {
 // [E, rows, cols * BITS / 32], scales and biases [E, rows, cols / group] in T. A value is q * s + b in fp32
 // (product rounded, then the sum). cols is a multiple of the group (>= 32), so kLanes columns from a
 // multiple of kLanes lie in one group and no row has a tail.
+typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
 template <typename T, int BITS>
 struct QuantRows {
   const uint32_t* codes;
@@ -107,8 +109,13 @@ struct QuantRows {
     const uint32_t* w = codes + row * (cols / kPerWord) + c / kPerWord;
     const int64_t g = row * (cols / group) + c / group;
     const float s = static_cast<float>(scales[g]), b = static_cast<float>(biases[g]);
-    Vec q;
-    for (int i = 0; i < kLanes; ++i) q[i] = static_cast<float>((w[i / kPerWord] >> ((i % kPerWord) * BITS)) & kMask);
+    // Lane i holds its word, shifted by its place in it: one vector shift, mask and conversion (exact).
+    VecU words, shifts;
+    for (int i = 0; i < kLanes; ++i) {
+      words[i] = w[i / kPerWord];
+      shifts[i] = static_cast<uint32_t>((i % kPerWord) * BITS);
+    }
+    const Vec q = __builtin_convertvector((words >> shifts) & kMask, Vec);
     return q * s + b;
   }
   HEBRUS_INLINE Vec load_tail(int64_t e, int64_t r, int64_t c) const { return load(e, r, c); }  // never called

@@ -271,6 +271,13 @@ def moe_experts(x, topk_ids, topk_weights, gate_up, down, **emu):
     return run("moe_experts", x, topk_ids, topk_weights, gate_up, down, **emu)[0]
 
 
+def moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q, down_scales,
+                          down_biases, group_size, bits, **emu):
+    """hebrus::moe_experts_quantized: returns out [T, H]."""
+    return run("moe_experts_quantized", x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
+               down_scales, down_biases, int(group_size), int(bits), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
