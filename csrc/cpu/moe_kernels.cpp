@@ -100,22 +100,29 @@ struct QuantRows {
   const uint32_t* codes;
   const T* scales;
   const T* biases;
-  int64_t rows, cols, group;
+  int64_t rows, cols;
+  int group_shift;  // log2 of the group size (32, 64 or 128): no division in the loop
 
   HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const {
     constexpr int kPerWord = 32 / BITS;
     constexpr uint32_t kMask = (1u << BITS) - 1u;
     const int64_t row = e * rows + r;
     const uint32_t* w = codes + row * (cols / kPerWord) + c / kPerWord;
-    const int64_t g = row * (cols / group) + c / group;
+    const int64_t g = ((row * cols) + c) >> group_shift;
     const float s = static_cast<float>(scales[g]), b = static_cast<float>(biases[g]);
-    // Lane i holds its word, shifted by its place in it: one vector shift, mask and conversion (exact).
-    VecU words, shifts;
-    for (int i = 0; i < kLanes; ++i) {
-      words[i] = w[i / kPerWord];
-      shifts[i] = static_cast<uint32_t>((i % kPerWord) * BITS);
+    // Lane i holds its word, shifted by its place in it: one vector shift and mask, then a signed
+    // conversion (codes < 256: exact; AVX2 has no unsigned one).
+    VecU words;
+    if constexpr (BITS == 4) {
+      const uint32_t w0 = w[0], w1 = w[1];
+      words = VecU{w0, w0, w0, w0, w0, w0, w0, w0, w1, w1, w1, w1, w1, w1, w1, w1};
+    } else {
+      const uint32_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+      words = VecU{w0, w0, w0, w0, w1, w1, w1, w1, w2, w2, w2, w2, w3, w3, w3, w3};
     }
-    const Vec q = __builtin_convertvector((words >> shifts) & kMask, Vec);
+    constexpr VecU kShifts = BITS == 4 ? VecU{0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28}
+                                       : VecU{0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
+    const Vec q = __builtin_convertvector(reinterpret_cast<VecIdx>((words >> kShifts) & kMask), Vec);
     return q * s + b;
   }
   HEBRUS_INLINE Vec load_tail(int64_t e, int64_t r, int64_t c) const { return load(e, r, c); }  // never called
@@ -375,14 +382,15 @@ Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const 
                db = down_biases.contiguous();
   const bool round_product = topk_weights.scalar_type() == x.scalar_type();
   auto codes = [](const Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); };
+  const int shift = group_size == 32 ? 5 : group_size == 64 ? 6 : 7;
   auto run = [&](auto tag, auto bits_tag) {
     using T = decltype(tag);
     constexpr int B = decltype(bits_tag)::value;
     const Problem<T> pr{xc.data_ptr<T>(), ids.data_ptr<int64_t>(), wts.data_ptr<float>(), round_product,
                         sz.rows, sz.hidden, sz.top_k, sz.experts, sz.inter, out.data_ptr<T>()};
     run_moe(pr,
-            QuantRows<T, B>{codes(guq), gus.data_ptr<T>(), gub.data_ptr<T>(), 2 * sz.inter, sz.hidden, group_size},
-            QuantRows<T, B>{codes(dq), ds.data_ptr<T>(), db.data_ptr<T>(), sz.hidden, sz.inter, group_size});
+            QuantRows<T, B>{codes(guq), gus.data_ptr<T>(), gub.data_ptr<T>(), 2 * sz.inter, sz.hidden, shift},
+            QuantRows<T, B>{codes(dq), ds.data_ptr<T>(), db.data_ptr<T>(), sz.hidden, sz.inter, shift});
   };
   auto run_bits = [&](auto tag) {
     if (bits == 4) {
