@@ -22,6 +22,17 @@ struct MoeSizes {
   int64_t inter;    // I (gate_up has 2 I rows per expert)
 };
 
+// topk_ids [T, k] and topk_weights [T, k] against x [T, H] (both ops).
+inline void check_moe_routing(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                              const at::Tensor& topk_weights) {
+  HEBRUS_CHECK(topk_ids.size(0) == x.size(0), HebrusError, "hebrus::", op,
+               ": topk_ids must have shape (T, k) with T = x.shape[0] = ", x.size(0), ", got ",
+               shape_str(topk_ids.sizes()));
+  HEBRUS_CHECK(topk_weights.sizes() == topk_ids.sizes(), HebrusError, "hebrus::", op,
+               ": topk_weights must have the shape of topk_ids ", shape_str(topk_ids.sizes()), ", got ",
+               shape_str(topk_weights.sizes()));
+}
+
 inline MoeSizes check_moe_experts_args(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                                        const at::Tensor& gate_up, const at::Tensor& down) {
   const char* op = "moe_experts";
@@ -36,12 +47,8 @@ inline MoeSizes check_moe_experts_args(const at::Tensor& x, const at::Tensor& to
                    {"down", &down, 3, kAnyFloat}});
   check_same_dtype(op, gate_up, "gate_up", x, "x");
   check_same_dtype(op, down, "down", x, "x");
+  check_moe_routing(op, x, topk_ids, topk_weights);
   const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1);
-  HEBRUS_CHECK(topk_ids.size(0) == T, HebrusError, "hebrus::moe_experts: topk_ids must have shape (T, k) with T = ",
-               "x.shape[0] = ", T, ", got ", shape_str(topk_ids.sizes()));
-  HEBRUS_CHECK(topk_weights.sizes() == topk_ids.sizes(), HebrusError,
-               "hebrus::moe_experts: topk_weights must have the shape of topk_ids ", shape_str(topk_ids.sizes()),
-               ", got ", shape_str(topk_weights.sizes()));
   const int64_t E = gate_up.size(0);
   HEBRUS_CHECK(E >= 1 && gate_up.size(2) == H && gate_up.size(1) % 2 == 0 && gate_up.size(1) >= 2, HebrusError,
                "hebrus::moe_experts: gate_up must have shape (E, 2 * I, H) with E >= 1, I >= 1 and H = x.shape[1] = ",
@@ -79,12 +86,8 @@ inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::
     check_dims(op, *t, 3, name);
     check_same_dtype(op, *t, name, x, "x");
   }
+  check_moe_routing(op, x, topk_ids, topk_weights);
   const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1);
-  HEBRUS_CHECK(topk_ids.size(0) == T, HebrusError, pre, "topk_ids must have shape (T, k) with T = x.shape[0] = ", T,
-               ", got ", shape_str(topk_ids.sizes()));
-  HEBRUS_CHECK(topk_weights.sizes() == topk_ids.sizes(), HebrusError, pre,
-               "topk_weights must have the shape of topk_ids ", shape_str(topk_ids.sizes()), ", got ",
-               shape_str(topk_weights.sizes()));
   HEBRUS_CHECK(H % group_size == 0, HebrusError, pre, "H = x.shape[1] = ", H, " must be a multiple of group_size ",
                group_size);
   const int64_t E = gate_up_q.size(0), per_word = 32 / bits;

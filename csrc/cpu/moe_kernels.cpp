@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/hebrus_widen.h"
 #include "hebrus_check.h"
 #include "moe_checks.h"
 #include "op_checks.h"
@@ -42,24 +43,6 @@ constexpr int64_t kHiddenBlock = 64;       // hidden outputs (down rows) per pas
 constexpr int64_t kChunkBytes = 64 << 20;  // fp32 scratch of one chunk of rows
 
 HEBRUS_INLINE int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// kLanes elements widened to fp32 (exact).
-template <typename T>
-HEBRUS_INLINE Vec load_elems(const T* p) {
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-
-template <>
-HEBRUS_INLINE Vec load_elems<float>(const float* p) {
-  return load_vec(p);
-}
-
-template <>
-HEBRUS_INLINE Vec load_elems<c10::BFloat16>(const c10::BFloat16* p) {
-  return load_bf16_vec(reinterpret_cast<const uint16_t*>(p));
-}
 
 // v rounded to T (round to nearest even) and widened back.
 template <typename T>
@@ -80,12 +63,12 @@ struct DenseRows {
 
   HEBRUS_INLINE const T* row(int64_t e, int64_t r) const { return base + (e * rows + r) * cols; }
   // Columns [c, c + kLanes) of row r of expert e (c + kLanes <= cols).
-  HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const { return load_elems<T>(row(e, r) + c); }
+  HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const { return load_row<T>(row(e, r) + c); }
   // Columns [c, cols), zero-padded to kLanes.
   HEBRUS_INLINE Vec load_tail(int64_t e, int64_t r, int64_t c) const {
     T buf[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) buf[i] = c + i < cols ? row(e, r)[c + i] : T(0);
-    return load_elems<T>(buf);
+    return load_row<T>(buf);
   }
 };
 

@@ -26,6 +26,16 @@ class MoeSizes(NamedTuple):
     inter: int    # I (gate_up has 2 I rows per expert)
 
 
+def _routing_shapes(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, int, int]:
+    """topk_ids [T, k] and topk_weights [T, k] against x [T, H]; returns (T, H, k)."""
+    rows, hidden = x.shape
+    _validate.check(topk_ids.shape[0] == rows, op, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
+                    f"got {tuple(topk_ids.shape)}")
+    _validate.check(topk_weights.shape == topk_ids.shape, op, f"topk_weights must have the shape of topk_ids "
+                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    return rows, hidden, topk_ids.shape[1]
+
+
 def check_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
                       down: torch.Tensor) -> MoeSizes:
     """Ranks, dtypes and shapes of ``moe_experts``' arguments (csrc/moe_checks.h); returns its sizes."""
@@ -37,12 +47,7 @@ def check_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                                 ("down", down, 3, _validate.FLOAT_DTYPES))
     for name, t in (("gate_up", gate_up), ("down", down)):
         _validate.check(t.dtype == x.dtype, OP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
-    rows, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    _validate.check(topk_ids.shape[0] == rows, OP, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
-                    f"got {tuple(topk_ids.shape)}")
-    _validate.check(topk_weights.shape == topk_ids.shape, OP, f"topk_weights must have the shape of topk_ids "
-                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    rows, hidden, top_k = _routing_shapes(OP, x, topk_ids, topk_weights)
     experts, two_i, gate_up_h = gate_up.shape
     _validate.check(experts >= 1 and gate_up_h == hidden and two_i % 2 == 0 and two_i >= 2, OP,
                     f"gate_up must have shape (E, 2 * I, H) with E >= 1, I >= 1 and H = x.shape[1] = {hidden}, "
@@ -85,12 +90,7 @@ def check_moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
                     ("down_scales", down_scales), ("down_biases", down_biases)):
         _validate._dims(t, 3, QOP, name)
         _validate.check(t.dtype == x.dtype, QOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
-    rows, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    _validate.check(topk_ids.shape[0] == rows, QOP, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
-                    f"got {tuple(topk_ids.shape)}")
-    _validate.check(topk_weights.shape == topk_ids.shape, QOP, f"topk_weights must have the shape of topk_ids "
-                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    rows, hidden, top_k = _routing_shapes(QOP, x, topk_ids, topk_weights)
     _validate.check(hidden % group_size == 0, QOP, f"H = x.shape[1] = {hidden} must be a multiple of group_size "
                     f"{group_size}")
     experts, two_i = gate_up_q.shape[:2]
