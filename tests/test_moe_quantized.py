@@ -98,7 +98,9 @@ def test_released_shape_layer_4bit():
 
 
 def test_rows_independent_of_batch():
-    args = quantized_inputs(9, 64, 64, 4, 2, torch.bfloat16, 4, 32, seed=3)
+    """Alone, a row's experts read their codes in place; in the batch every expert has 9 pairs and its rows
+    are dequantized once into scratch first: the same bits."""
+    args = quantized_inputs(9, 64, 64, 2, 2, torch.bfloat16, 4, 32, seed=3)
     whole = hebrus_torch.moe_experts_quantized(*args)
     x, ids, w, *rest = args
     for t in (0, 8):

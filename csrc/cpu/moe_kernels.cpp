@@ -42,6 +42,14 @@ constexpr int64_t kInterBlock = 32;        // intermediate outputs (gate and up 
 constexpr int64_t kHiddenBlock = 64;       // hidden outputs (down rows) per pass-B item
 constexpr int64_t kChunkBytes = 64 << 20;  // fp32 scratch of one chunk of rows
 
+// The lambdas of the hot loops are inlined into each vector clone that calls them (a lambda is a function
+// of its own, which GCC would otherwise compile for the baseline target).
+#if defined(__GNUC__)
+#define HEBRUS_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define HEBRUS_LAMBDA_INLINE
+#endif
+
 HEBRUS_INLINE int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // v rounded to T (round to nearest even) and widened back.
@@ -58,6 +66,7 @@ HEBRUS_INLINE float round_to<float>(float v) {
 // Rows of dense expert matrices W [E, rows, cols] of T, contiguous.
 template <typename T>
 struct DenseRows {
+  static constexpr bool kQuantized = false;
   const T* base;
   int64_t rows, cols;
 
@@ -80,6 +89,7 @@ typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 template <typename T, int BITS>
 struct QuantRows {
+  static constexpr bool kQuantized = true;
   const uint32_t* codes;
   const T* scales;
   const T* biases;
@@ -180,56 +190,88 @@ struct Problem {
   T* out;                 // [T, H]
 };
 
-// Pass A for the pairs [0, n) of one item: act[p][i] for i in [begin, end).
+// Quantized rows read by more than one tile of pairs are dequantized once into fp32 scratch (the values
+// QuantRows::load gives, so the bits are those of reading them in place); dense rows are read in place.
+template <typename W>
+HEBRUS_INLINE bool stage_rows(int64_t n) {
+  return W::kQuantized && n > kPairTile;
+}
+
+template <typename W>
+HEBRUS_INLINE void dequantize_row(const W& w, int64_t e, int64_t r, float* dst) {
+  for (int64_t c = 0; c < w.cols; c += kLanes) {
+    const Vec v = w.load(e, r, c);
+    std::memcpy(dst + c, &v, sizeof(v));
+  }
+}
+
+// Pass A for the pairs [0, n) of one item: act[p][i] for i in [begin, end). scratch: 2 H floats.
 template <typename T, typename W>
 HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t* pairs, int64_t n, const float* xf,
-                                int64_t hp, int64_t top_k, int64_t inter, float* act, int64_t ip) {
+                                int64_t hp, int64_t top_k, int64_t inter, float* act, int64_t ip, float* scratch) {
   for (int64_t i = it.begin; i < it.end; ++i) {
-    const int64_t wrows[2] = {i, inter + i};
-    int64_t q = 0;
-    auto finish = [&](int64_t p, const float (&gu)[2]) {
+    auto finish = [&](int64_t p, const float (&gu)[2]) HEBRUS_LAMBDA_INLINE {
       const float g = round_to<T>(gu[0]), u = round_to<T>(gu[1]);
       act[p * ip + i] = round_to<T>(round_to<T>(silu(g)) * u);
     };
-    for (; q + kPairTile <= n; q += kPairTile) {
-      const float* xs[kPairTile];
-      for (int64_t r = 0; r < kPairTile; ++r) xs[r] = xf + (pairs[q + r] / top_k) * hp;
-      float out[kPairTile][2];
-      tile_dots<kPairTile, 2>(gate_up, it.expert, wrows, xs, out);
-      for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], out[r]);
-    }
-    for (; q < n; ++q) {
-      const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
-      float out[1][2];
-      tile_dots<1, 2>(gate_up, it.expert, wrows, xs, out);
-      finish(pairs[q], out[0]);
+    auto run_pairs = [&](const auto& rows, int64_t e, const int64_t (&wrows)[2]) HEBRUS_LAMBDA_INLINE {
+      int64_t q = 0;
+      for (; q + kPairTile <= n; q += kPairTile) {
+        const float* xs[kPairTile];
+        for (int64_t r = 0; r < kPairTile; ++r) xs[r] = xf + (pairs[q + r] / top_k) * hp;
+        float out[kPairTile][2];
+        tile_dots<kPairTile, 2>(rows, e, wrows, xs, out);
+        for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], out[r]);
+      }
+      for (; q < n; ++q) {
+        const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
+        float out[1][2];
+        tile_dots<1, 2>(rows, e, wrows, xs, out);
+        finish(pairs[q], out[0]);
+      }
+    };
+    if (stage_rows<W>(n)) {
+      dequantize_row(gate_up, it.expert, i, scratch);
+      dequantize_row(gate_up, it.expert, inter + i, scratch + gate_up.cols);
+      run_pairs(DenseRows<float>{scratch, 2, gate_up.cols}, 0, {0, 1});
+    } else {
+      run_pairs(gate_up, it.expert, {i, inter + i});
     }
   }
 }
 
 // Pass B for the pairs [0, n) of one item: y[p][d] = weighted down-projection outputs, d in [begin, end).
+// scratch: I floats.
 template <typename T, typename W>
 HEBRUS_INLINE void down_item(const W& down, const Item& it, const int64_t* pairs, int64_t n, const float* act,
-                             int64_t ip, const float* w, bool round_product, float* y, int64_t hidden) {
-  auto finish = [&](int64_t p, int64_t d, float v) {
-    const float prod = round_to<T>(v) * w[p];
-    y[p * hidden + d] = round_product ? round_to<T>(prod) : prod;
-  };
+                             int64_t ip, const float* w, bool round_product, float* y, int64_t hidden,
+                             float* scratch) {
   for (int64_t d = it.begin; d < it.end; ++d) {
-    const int64_t wrows[1] = {d};
-    int64_t q = 0;
-    for (; q + kPairTile <= n; q += kPairTile) {
-      const float* xs[kPairTile];
-      for (int64_t r = 0; r < kPairTile; ++r) xs[r] = act + pairs[q + r] * ip;
-      float out[kPairTile][1];
-      tile_dots<kPairTile, 1>(down, it.expert, wrows, xs, out);
-      for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], d, out[r][0]);
-    }
-    for (; q < n; ++q) {
-      const float* xs[1] = {act + pairs[q] * ip};
-      float out[1][1];
-      tile_dots<1, 1>(down, it.expert, wrows, xs, out);
-      finish(pairs[q], d, out[0][0]);
+    auto finish = [&](int64_t p, float v) HEBRUS_LAMBDA_INLINE {
+      const float prod = round_to<T>(v) * w[p];
+      y[p * hidden + d] = round_product ? round_to<T>(prod) : prod;
+    };
+    auto run_pairs = [&](const auto& rows, int64_t e, const int64_t (&wrows)[1]) HEBRUS_LAMBDA_INLINE {
+      int64_t q = 0;
+      for (; q + kPairTile <= n; q += kPairTile) {
+        const float* xs[kPairTile];
+        for (int64_t r = 0; r < kPairTile; ++r) xs[r] = act + pairs[q + r] * ip;
+        float out[kPairTile][1];
+        tile_dots<kPairTile, 1>(rows, e, wrows, xs, out);
+        for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], out[r][0]);
+      }
+      for (; q < n; ++q) {
+        const float* xs[1] = {act + pairs[q] * ip};
+        float out[1][1];
+        tile_dots<1, 1>(rows, e, wrows, xs, out);
+        finish(pairs[q], out[0][0]);
+      }
+    };
+    if (stage_rows<W>(n)) {
+      dequantize_row(down, it.expert, d, scratch);
+      run_pairs(DenseRows<float>{scratch, 1, down.cols}, 0, {0});
+    } else {
+      run_pairs(down, it.expert, {d});
     }
   }
 }
@@ -238,10 +280,11 @@ template <typename T, typename W>
 HEBRUS_VECTOR_CLONES void gate_up_items(const W& gate_up, const std::vector<Item>& items, const ExpertGroups& g,
                                         int64_t begin, int64_t end, const float* xf, int64_t hp, int64_t top_k,
                                         int64_t inter, float* act, int64_t ip) {
+  std::vector<float> scratch(W::kQuantized ? 2 * gate_up.cols : 0);
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
     const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-    gate_up_item<T>(gate_up, it, g.order.data() + s, n, xf, hp, top_k, inter, act, ip);
+    gate_up_item<T>(gate_up, it, g.order.data() + s, n, xf, hp, top_k, inter, act, ip, scratch.data());
   }
 }
 
@@ -249,10 +292,11 @@ template <typename T, typename W>
 HEBRUS_VECTOR_CLONES void down_items(const W& down, const std::vector<Item>& items, const ExpertGroups& g,
                                      int64_t begin, int64_t end, const float* act, int64_t ip, const float* w,
                                      bool round_product, float* y, int64_t hidden) {
+  std::vector<float> scratch(W::kQuantized ? down.cols : 0);
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
     const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-    down_item<T>(down, it, g.order.data() + s, n, act, ip, w, round_product, y, hidden);
+    down_item<T>(down, it, g.order.data() + s, n, act, ip, w, round_product, y, hidden, scratch.data());
   }
 }
 
