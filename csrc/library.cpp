@@ -63,6 +63,14 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor start_pos, Tensor(a!) state_pool, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor");
+  // The routed experts of a MoE block (issue 36) over packed rows x [T, H]: per row, the SiLU-gated MLP
+  // of each of its top-k experts (gate_up [E, 2I, H], down [E, H, I]) weighted and summed in slot order.
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor");
+  // moe_experts with the experts' weights affine-quantized per group (MLX's format, 4 or 8 bits; issue 36).
+  m.def(
+      "moe_experts_quantized(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_q, "
+      "Tensor gate_up_scales, Tensor gate_up_biases, Tensor down_q, Tensor down_scales, Tensor down_biases, "
+      "int group_size, int bits) -> Tensor");
 }
 
 namespace {
@@ -117,7 +125,8 @@ void out_variant_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKey
 // fallback lets outputs require grad and backward() return with no gradient at all; with these,
 // backward() through an op raises, and ple_conv_into behaves as an aten out= op.
 TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
-  for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention"})
+  for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention", "moe_experts",
+                         "moe_experts_quantized"})
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   // The slot ops write their pool in place as ple_conv_into writes its buffers (refused under grad
   // mode with an input that requires grad; autogradNotImplementedFallback would skip the

@@ -110,6 +110,14 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "Tensor cu_seqlens, Tensor start_pos, Tensor(a!) state_pool, Tensor slots, "
            "float scale, bool use_qk_l2norm) -> Tensor",
            reference.gdn_chunk_delta_rule_slots, _CPU_MPS),
+    OpSpec("moe_experts",
+           "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor",
+           reference.moe_experts, _CPU_MPS),
+    OpSpec("moe_experts_quantized",
+           "moe_experts_quantized(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_q, "
+           "Tensor gate_up_scales, Tensor gate_up_biases, Tensor down_q, Tensor down_scales, Tensor down_biases, "
+           "int group_size, int bits) -> Tensor",
+           reference.moe_experts_quantized, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

@@ -66,6 +66,14 @@
 #define HEBRUS_GDN_CHUNK_MAX_DK HEBRUS_MPS_GDN_CHUNK_MAX_KEY_DIM
 #define HEBRUS_GDN_CHUNK_SLAB 16
 
+// moe_experts: a dot product is summed by half a SIMD-group (HEBRUS_MOE_LANES lanes, lane l over the
+// inputs d = l mod 16 in ascending d, then the pairwise tree of the CPU kernels' reduce_lanes), so the
+// GPU sums in the CPU kernel's order; every thread of a launch reaches the shuffles (the grid is a
+// whole number of SIMD-groups; items past the end compute nothing and write nothing).
+#define HEBRUS_MOE_TG 256
+#define HEBRUS_MOE_LANES 16
+#define HEBRUS_MOE_SUM_TG 256
+
 #ifndef __METAL_VERSION__
 #include <cmath>
 #include <cstdint>
@@ -83,6 +91,8 @@ static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams")
 static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-bit, float, int");
 static_assert(HEBRUS_GDN_TG == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH, "gdn threadgroup");
 static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "gdn columns per threadgroup");
+static_assert(sizeof(MoeExpertsParams) == 8 * 8, "MoeExpertsParams: 7 x 64-bit, 2 x 32-bit");
+static_assert(HEBRUS_SIMD_WIDTH % HEBRUS_MOE_LANES == 0 && HEBRUS_MOE_TG % HEBRUS_SIMD_WIDTH == 0, "moe lanes");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -397,6 +407,44 @@ inline SlotsCheckPlan plan_check_slots(int64_t tokens, int64_t rows, int64_t poo
   const uint64_t threads = rows > 0 ? static_cast<uint64_t>(rows) : 1;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (one per row)";
   plan.dispatch = {threads, HEBRUS_CHECK_TG};
+  return plan;
+}
+
+// moe_experts' three launches (called with T, H, k, I >= 1): act over pairs x I items, down over
+// pairs x H items (HEBRUS_MOE_LANES threads each, rounded up to whole SIMD-groups), sum over T x H.
+struct MoeExpertsPlan {
+  MoeExpertsParams params{};
+  Dispatch act, down, sum;
+  const char* error = nullptr;
+};
+
+inline uint64_t moe_half_simd_threads(uint64_t items) {
+  return ceil_div(items * HEBRUS_MOE_LANES, HEBRUS_SIMD_WIDTH) * HEBRUS_SIMD_WIDTH;
+}
+
+// moe_experts_quantized passes its group size (its kernels' variant, "q4" / "q8", is the bit width).
+inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top_k, int64_t experts, int64_t inter,
+                                       bool round_product, int64_t group_size = 0) {
+  MoeExpertsPlan plan;
+  MoeExpertsParams& p = plan.params;
+  p.rows = rows;
+  p.hidden = hidden;
+  p.top_k = top_k;
+  p.experts = experts;
+  p.inter = inter;
+  p.pairs = rows * top_k;
+  p.group_size = group_size;
+  p.round_product = round_product ? 1 : 0;
+  const uint64_t pairs = static_cast<uint64_t>(p.pairs);
+  const uint64_t act = moe_half_simd_threads(pairs * static_cast<uint64_t>(inter));
+  const uint64_t down = moe_half_simd_threads(pairs * static_cast<uint64_t>(hidden));
+  const uint64_t sum = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
+  if (act > kMaxThreads || down > kMaxThreads || sum > kMaxThreads) {
+    plan.error = "more than 2^32-1 threads (T * k * max(I, H) * 16)";
+  }
+  plan.act = {act, HEBRUS_MOE_TG};
+  plan.down = {down, HEBRUS_MOE_TG};
+  plan.sum = {sum, HEBRUS_MOE_SUM_TG};
   return plan;
 }
 

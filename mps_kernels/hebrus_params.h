@@ -208,3 +208,18 @@ struct GdnChunkParams {
   hebrus_i32 l2norm;       // 1: q, k l2-normalised first
 };
 
+
+// hebrus::moe_experts and hebrus::moe_experts_quantized. Three launches (hebrus_launch.h): act (half a SIMD-group per (pair, intermediate
+// output)), down (half a SIMD-group per (pair, hidden output)), sum (one thread per output element).
+// A pair is p = t * top_k + j, in [0, pairs = rows * top_k).
+struct MoeExpertsParams {
+  hebrus_i64 rows;           // T
+  hebrus_i64 hidden;         // H
+  hebrus_i64 top_k;          // k
+  hebrus_i64 experts;        // E: ids must lie in [0, E)
+  hebrus_i64 inter;          // I
+  hebrus_i64 pairs;          // T * k
+  hebrus_i64 group_size;     // moe_experts_quantized: values per scale and bias (0 for moe_experts)
+  hebrus_i32 round_product;  // 1: the weighted output is rounded to x's dtype (topk_weights has it)
+  hebrus_i32 pad0;
+};

@@ -343,3 +343,57 @@ def test_gdn_chunk_state_one_slot_off_hits_the_guard_page(tmp_path, use):
                      "state_pool + ((long(slots[b]) + 1) * hv + h) * dk * dv;"))
     with pytest.raises(msl_emu.MSLError, match=r"past the end"):
         gdn_chunk_check()
+
+
+# ---- moe_experts (moe_experts.metal): the CPU kernel's summation order and bounds ---------------------------
+
+def moe_check(**emu):
+    import hebrus_torch
+    from test_moe_experts import make_inputs
+
+    # H and I with tails past a multiple of 16, every expert hit by every row (k = 3: the slot order counts)
+    args = make_inputs(5, 40, 24, 3, 3, torch.float32, seed=13)
+    assert torch.equal(hebrus_emu.moe_experts(*args, **emu), hebrus_torch.moe_experts(*args))
+
+
+def test_unmutated_moe_kernels_pass_the_check():
+    for sched in ("forward", "reverse", "random"):
+        moe_check(sched=sched, seed=2)
+
+
+@pytest.mark.parametrize("file,old,new", [
+    ("moe_experts.h", "  v = v + simd_shuffle_down(v, ushort(8));\n  v = v + simd_shuffle_down(v, ushort(4));\n",
+     "  v = v + simd_shuffle_down(v, ushort(4));\n  v = v + simd_shuffle_down(v, ushort(8));\n"),  # another tree
+    ("moe_experts.metal", "  g = hebrus_moe_reduce(g);\n", "  g = simd_sum(g) * 0.5f;\n"),  # the hardware's tree
+    ("moe_experts.metal", "      const bool in = d < H;\n", "      const bool in = d < H + 1;\n"),  # past the row
+    ("moe_experts.metal", "    act[pair * p.inter + i] = hebrus_moe_round<T>(",
+     "    act[pair * p.inter + i + 1] = hebrus_moe_round<T>("),
+    ("moe_experts.h", "    s = s + ywt[(t * p.top_k + j) * p.hidden + d];",
+     "    s = s + ywt[(t * p.top_k + p.top_k - 1 - j) * p.hidden + d];"),
+], ids=["reduce-tree", "simd-sum", "tail-past-row", "act-column-off-by-one", "slots-summed-backwards"])
+def test_moe_mutations_are_caught(tmp_path, use, file, old, new):
+    use("moe_experts", mutated(tmp_path, "moe_experts", file, old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        for sched in ("forward", "random"):
+            moe_check(sched=sched, seed=3)
+
+
+def moe_quantized_check(**emu):
+    import hebrus_torch
+    from test_moe_quantized import quantized_inputs
+
+    args = quantized_inputs(3, 64, 64, 3, 3, torch.float32, 4, 32, seed=14)
+    assert torch.equal(hebrus_emu.moe_experts_quantized(*args, **emu), hebrus_torch.moe_experts_quantized(*args))
+
+
+@pytest.mark.parametrize("old,new", [
+    ("  return float(q) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);",
+     "  return (float(q) + 0.5f) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);"),
+    ("  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+     "  const uint q = (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
+], ids=["code-offset", "codes-big-end-first"])
+def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
+    moe_quantized_check()
+    use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        moe_quantized_check()

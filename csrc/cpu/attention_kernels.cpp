@@ -44,6 +44,7 @@
 #endif
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/hebrus_widen.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -70,16 +71,6 @@ HEBRUS_INLINE int64_t pair_dims(int64_t dh) {
   return kIsBf16<T> ? dh / kPairDims * kPairDims : 0;
 }
 
-
-template <typename T>
-HEBRUS_INLINE float widen(T v) {
-  return static_cast<float>(v);
-}
-
-template <>
-HEBRUS_INLINE float widen<c10::BFloat16>(c10::BFloat16 v) {
-  return bits_to_float(static_cast<uint32_t>(v.x) << 16);
-}
 
 struct Params {
   const void* q;
@@ -125,24 +116,7 @@ struct Scratch {
 
 HEBRUS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// kLanes elements of a row widened to fp32 in registers (bf16: the bits shifted into the high
-// half, exact), so that fp16/bf16 rows are read in place like fp32 ones.
-template <typename T>
-HEBRUS_INLINE Vec load_row(const T* p) {
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = widen<T>(p[i]);
-  return v;
-}
-
-template <>
-HEBRUS_INLINE Vec load_row<float>(const float* p) {
-  return load_vec(p);
-}
-
-template <>
-HEBRUS_INLINE Vec load_row<c10::BFloat16>(const c10::BFloat16* p) {
-  return load_bf16_vec(reinterpret_cast<const uint16_t*>(p));
-}
+// widen and load_row (a row's kLanes elements widened to fp32): cpu/hebrus_widen.h.
 
 // One lane per query head of a chunk: the online-softmax state and its steps, which are
 // element-wise, so every head gets the same arithmetic as if computed alone.

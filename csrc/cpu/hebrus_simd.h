@@ -165,4 +165,38 @@ HEBRUS_INLINE V exp_reduced(V r) {
   return M::apply(y, r * r, r) + 1.f;
 }
 
+// exp(x) for SiLU, over the whole float range: within about 1 ulp for x >= -87, 0 below (where expf
+// is under 2e-38: 1 + exp(x) is 1 either way), inf above 88.72; NaN gives a finite value (silu
+// keeps NaN through its numerator). Cephes' expf polynomial with round-to-nearest range reduction
+// through the 1.5 * 2^23 trick (no float-to-int conversion, so it vectorises and has no undefined
+// behaviour on inf or NaN). Its multiply-adds are fused (std::fma, the same bits on every CPU):
+// half the instructions of separate ones, in the larger part of the conv's arithmetic (measured:
+// silu conv ~25% faster in cache, 2.7 -> 3.4 G outputs/s on one core). x is clamped to [-87.5, 89]
+// on its bit pattern with integer minima: a float compare-and-select there lets GCC's PRE split the
+// loop tail into branches (one arm is all constants), which blocks vectorisation. The clamp keeps n
+// in [-126, 128]; 2^n is applied as 2^(n-1) * 2, whose first factor is +0 for n = -126 and finite
+// for n = 128, so overflow and underflow need no select.
+HEBRUS_INLINE float exp_silu(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr uint32_t kMinus87_5 = 0xC2AF0000u;  // bits of -87.5f
+  constexpr uint32_t k89 = 0x42B20000u;         // bits of 89.f
+  constexpr uint32_t kSign = 0x80000000u;
+  const uint32_t b = float_to_bits(x);
+  const uint32_t neg_capped = b < kMinus87_5 ? b : kMinus87_5;  // caps negative magnitudes
+  const uint32_t flipped = neg_capped ^ kSign;  // now positive floats order above negative ones
+  const uint32_t capped = flipped < (k89 ^ kSign) ? flipped : (k89 ^ kSign);  // caps positive values
+  const float xc = bits_to_float(capped ^ kSign);
+  const float t = FusedMulAdd::apply(xc, kLog2e, kMagic);
+  const float n = t - kMagic;
+  const uint32_t ni = float_to_bits(t) - float_to_bits(kMagic);  // n as a two's complement integer
+  const float r = FusedMulAdd::apply(n, -kLn2Lo, FusedMulAdd::apply(n, -kLn2Hi, xc));
+  return (exp_reduced<FusedMulAdd>(r) * bits_to_float((ni + 126u) << 23)) * 2.f;
+}
+
+// x * sigmoid(x) as x / (1 + exp(-x)): silu(+inf) = inf, silu(x < -88.7) = -0, silu(NaN) = NaN.
+HEBRUS_INLINE float silu(float x) { return x / (1.f + exp_silu(-x)); }
+
 }  // namespace hebrus

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/metal/error.h>
 #include <c10/util/string_view.h>
@@ -39,6 +40,7 @@
 #include "gdn_checks.h"
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
+#include "moe_checks.h"
 #include "op_checks.h"
 
 namespace hebrus::glue {
@@ -488,6 +490,103 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
                                       plan.params, plan.dispatch,
                                       {false, false, false, false, false, false, false, true, false, false}));
   call.outputs = {out};
+  return call;
+}
+
+// ---- moe_experts, moe_experts_quantized ---------------------------------------------------------------
+
+// What both ops' launches share: the ids and router weights converted on the device (int64, fp32), never
+// read here; the fp32 scratch act [T * k, I] and ywt [T * k, H]; the output; the plan.
+struct MoeBuffers {
+  Tensor ids, weights, act, ywt, out;
+  hebrus::metal::MoeExpertsPlan plan;
+};
+
+inline MoeBuffers moe_buffers(const char* op, const Tensor& x, const Tensor& ids_in, const Tensor& weights_in,
+                              const MoeSizes& sz, int64_t group_size) {
+  MoeBuffers b;
+  b.plan = hebrus::metal::plan_moe_experts(sz.rows, sz.hidden, sz.top_k, sz.experts, sz.inter,
+                                           weights_in.scalar_type() == x.scalar_type(), group_size);
+  check_plan(op, b.plan.error);
+  b.ids = ids_in.to(at::kLong).contiguous();
+  b.weights = weights_in.to(at::kFloat).contiguous();
+  const int64_t pairs = sz.rows * sz.top_k;
+  b.act = at::empty({pairs, sz.inter}, x.options().dtype(at::kFloat));
+  b.ywt = at::empty({pairs, sz.hidden}, x.options().dtype(at::kFloat));
+  b.out = at::empty({sz.rows, sz.hidden}, x.options());
+  return b;
+}
+
+// The last launch of both ops: moe_experts.metal's moe_experts_sum over the weighted outputs.
+inline Launch moe_sum_launch(const MoeBuffers& b, const char* type) {
+  return make_launch("moe_experts", hebrus::metal::kernel_name("moe_experts_sum", nullptr, type), {b.ywt, b.out},
+                     {false, true}, b.plan.params, b.plan.sum);
+}
+
+// Three launches (act, down, sum: mps_kernels/moe_experts.metal) whatever the experts hit; bad ids are the
+// act kernel's to report.
+inline Call moe_experts(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const Tensor& gate_up_in,
+                        const Tensor& down_in, c10::DeviceType device) {
+  const char* op = "moe_experts";
+  check_on_device(op, device, {{"x", &x_in}, {"topk_ids", &ids_in}, {"topk_weights", &weights_in},
+                               {"gate_up", &gate_up_in}, {"down", &down_in}});
+  const MoeSizes sz = check_moe_experts_args(x_in, ids_in, weights_in, gate_up_in, down_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.hidden == 0 || sz.top_k == 0) {
+    call.outputs = {at::zeros({sz.rows, sz.hidden}, x_in.options())};
+    return call;
+  }
+  const Tensor x = x_in.contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
+  const MoeBuffers b = moe_buffers(op, x, ids_in, weights_in, sz, 0);
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_act", nullptr, type), {x, b.ids, gate_up, b.act},
+                                      {false, false, false, true}, b.plan.params, b.plan.act));
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_down", nullptr, type),
+                                      {b.ids, b.weights, down, b.act, b.ywt}, {false, false, false, false, true},
+                                      b.plan.params, b.plan.down));
+  call.launches.push_back(moe_sum_launch(b, type));
+  call.outputs = {b.out};
+  return call;
+}
+
+// moe_experts over quantized experts (mps_kernels/moe_experts_quantized.metal, variant q4 / q8), then the
+// dense op's sum launch.
+inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in,
+                                  const Tensor& gate_up_q_in, const Tensor& gate_up_scales_in,
+                                  const Tensor& gate_up_biases_in, const Tensor& down_q_in,
+                                  const Tensor& down_scales_in, const Tensor& down_biases_in, int64_t group_size,
+                                  int64_t bits, c10::DeviceType device) {
+  const char* op = "moe_experts_quantized";
+  check_on_device(op, device, {{"x", &x_in}, {"topk_ids", &ids_in}, {"topk_weights", &weights_in},
+                               {"gate_up_q", &gate_up_q_in}, {"gate_up_scales", &gate_up_scales_in},
+                               {"gate_up_biases", &gate_up_biases_in}, {"down_q", &down_q_in},
+                               {"down_scales", &down_scales_in}, {"down_biases", &down_biases_in}});
+  const MoeSizes sz = check_moe_experts_quantized_args(x_in, ids_in, weights_in, gate_up_q_in, gate_up_scales_in,
+                                                       gate_up_biases_in, down_q_in, down_scales_in, down_biases_in,
+                                                       group_size, bits);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.hidden == 0 || sz.top_k == 0) {
+    call.outputs = {at::zeros({sz.rows, sz.hidden}, x_in.options())};
+    return call;
+  }
+  const Tensor x = x_in.contiguous(), gate_up_q = gate_up_q_in.contiguous(),
+               gate_up_scales = gate_up_scales_in.contiguous(), gate_up_biases = gate_up_biases_in.contiguous(),
+               down_q = down_q_in.contiguous(), down_scales = down_scales_in.contiguous(),
+               down_biases = down_biases_in.contiguous();
+  const MoeBuffers b = moe_buffers(op, x, ids_in, weights_in, sz, group_size);
+  const char* variant = bits == 4 ? "q4" : "q8";
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_act", variant, type),
+                                      {x, b.ids, gate_up_q, gate_up_scales, gate_up_biases, b.act},
+                                      {false, false, false, false, false, true},
+                                      b.plan.params, b.plan.act));
+  call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_down", variant, type),
+                                      {b.ids, b.weights, down_q, down_scales, down_biases, b.act, b.ywt},
+                                      {false, false, false, false, false, false, true}, b.plan.params, b.plan.down));
+  call.launches.push_back(moe_sum_launch(b, type));
+  call.outputs = {b.out};
   return call;
 }
 

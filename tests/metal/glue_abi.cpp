@@ -80,5 +80,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return to_py(hebrus::glue::gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu, start_pos, pool, slots, scale, l2norm,
                                                           kCpu));
   });
+  m.def("moe_experts", [](const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                          const at::Tensor& gate_up, const at::Tensor& down) {
+    return to_py(hebrus::glue::moe_experts(x, ids, weights, gate_up, down, kCpu));
+  });
+  m.def("moe_experts_quantized", [](const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                                    const at::Tensor& guq, const at::Tensor& gus, const at::Tensor& gub,
+                                    const at::Tensor& dq, const at::Tensor& ds, const at::Tensor& db, int64_t group_size,
+                                    int64_t bits) {
+    return to_py(hebrus::glue::moe_experts_quantized(x, ids, weights, guq, gus, gub, dq, ds, db, group_size, bits,
+                                                     kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -266,6 +266,18 @@ def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_po
     return out.to(v.dtype)  # hebrus_glue.h gdn_result: the fp32 output of mixed dtypes narrowed to v's
 
 
+def moe_experts(x, topk_ids, topk_weights, gate_up, down, **emu):
+    """hebrus::moe_experts: returns out [T, H]."""
+    return run("moe_experts", x, topk_ids, topk_weights, gate_up, down, **emu)[0]
+
+
+def moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q, down_scales,
+                          down_biases, group_size, bits, **emu):
+    """hebrus::moe_experts_quantized: returns out [T, H]."""
+    return run("moe_experts_quantized", x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
+               down_scales, down_biases, int(group_size), int(bits), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

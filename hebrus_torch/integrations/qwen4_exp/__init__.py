@@ -7,6 +7,7 @@
 - :mod:`.selection`: a selection as transformers' mask or as kv indices
 - :mod:`.indexer`: the indexer forward (eager and torch.compile), its fallbacks
 - :mod:`.attention`: attention over the selected cells (hebrus::qsa_attention)
+- :mod:`.moe`: the routed experts as one hebrus::moe_experts call
 - :mod:`.cuda_graphs`: the decode calls on CUDA (no native kernels) as captured CUDA graphs
 - :mod:`.cache_layers`: lifecycle wrappers of transformers' indexed cache layers
 - :mod:`.stats`: counters and once-per-cause fallback warnings

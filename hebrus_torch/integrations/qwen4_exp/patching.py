@@ -16,6 +16,7 @@ from .attention import _attention_forward
 from .common import _CTX, _MISSING, _PATCH, _modeling
 from .context import _Context
 from .indexer import _indexer_forward
+from .moe import _experts_forward
 from .ple import _ngram_forward, _short_conv
 
 _applied_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -81,6 +82,8 @@ def apply(model: torch.nn.Module, *, on_hole: str = "fallback", sparse_attention
             _patch(mod, "forward", _ngram_forward, text_model=text_of.get(id(mod)))
         elif isinstance(mod, m.Qwen4ExpTextPLELayer):
             _patch(mod, "_short_conv", _short_conv)
+        elif type(mod) is m.Qwen4ExpTextExperts:
+            _patch(mod, "forward", _experts_forward)
     if is_applied(model):
         _applied_models.add(model)
         cache_layers._install_cache_wrappers()

@@ -15,7 +15,8 @@ class HebrusFallbackWarning(UserWarning):
 def stats() -> dict[str, int]:
     """Counters of the patched paths: ``qsa_hebrus``, ``qsa_fallback:<reason>``, ``qsa_groups_pooled``,
     ``qsa_queries_selected``, ``qsa_sync_free``, ``qsa_cuda_graph``, ``ple_ngram``, ``ple_conv``,
-    ``ple_cuda_graph``, ``sparse_attention_calls``, ``sparse_attention_skipped:<reason>``."""
+    ``ple_cuda_graph``, ``sparse_attention_calls``, ``sparse_attention_skipped:<reason>``, ``moe_experts_calls``,
+    ``moe_experts_skipped:<reason>``."""
     return dict(_STATS)
 
 

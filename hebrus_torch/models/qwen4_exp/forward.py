@@ -2,7 +2,9 @@
 packed rows, the state-carrying parts through a ``ChunkStep`` of the ``ModelCache``.
 
 Every module call is the model's own ``nn.Module`` (embeddings, projections, norms, MoE,
-hyper-connections): no weight is copied, so a user's quantized or LoRA-wrapped modules still run.
+hyper-connections): no weight is copied, so a user's quantized or LoRA-wrapped modules still run. The
+routed experts of transformers' own MoE blocks run as one ``hebrus::moe_experts`` call
+(:func:`hebrus_torch.moe.block.packed_moe`; any other block as its module call).
 Token-wise modules run on the packed ``[T, ...]`` activations as they are; what carries state goes
 through the step: PLE (:mod:`.ple`), the gated-delta-net layers (:mod:`.gdn`) and indexed attention
 (:mod:`.attention`).
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from ...errors import HebrusError
+from ...moe.block import packed_moe
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
 from .ple import packed_ple
@@ -122,7 +125,7 @@ class PackedQwen4Exp:
                 h = _inject(hyper, out, inject)
                 x, hyper, inject = layer.mlp_hyper_connection(h)
             with timed("moe"):
-                out = layer.mlp(x[None])[0]
+                out = packed_moe(layer.mlp, x)
             with timed("hyper-connections"):
                 h = _inject(hyper, out, inject)
         return text.hyper_connection_mixer(h)

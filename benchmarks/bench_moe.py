@@ -1,0 +1,120 @@
+"""One released-shape MoE layer's routed experts (hidden 2560, expert intermediate 640, top 10) at 1, 8 and
+64 rows: hebrus::moe_experts (fp32, bf16) and moe_experts_quantized (8-bit, 4-bit, group 64) against
+transformers' experts on its default ``grouped_mm`` path (issue 36).
+
+Per case: the median time of a call with cold caches (a 1 GiB buffer is streamed between calls, as the
+other layers of a decode step would), the bytes of expert weights the call must read (each distinct expert
+hit once: codes, scales and biases for the quantized ops) and that over the time as a fraction of the
+machine's copy bandwidth (common.copy_bandwidth). The layer has fewer experts than the released 512
+(``--experts``, memory): a call reads only the experts its rows hit, so the time depends on the rows and
+k, not on E, once the weights are out of cache.
+
+    python benchmarks/bench_moe.py [--experts 64] [--threads N] [--repeat 5] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import hebrus_torch  # noqa: E402
+from hebrus_torch.moe.quantize import quantize  # noqa: E402
+from common import bandwidth_note, copy_bandwidth, machine, table, timeit, write_section  # noqa: E402
+
+HIDDEN, INTER, TOP_K, GROUP = 2560, 640, 10, 64
+SECTION = "MoE layer: moe_experts vs transformers' grouped_mm (issue 36)"
+
+
+def routing(rows: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(rows)])
+    w = torch.rand(rows, TOP_K, generator=g)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def hf_experts(gate_up: torch.Tensor, down: torch.Tensor):
+    from hf_models import modeling, tiny_config
+
+    config = tiny_config(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=gate_up.shape[0],
+                         num_experts_per_tok=TOP_K)
+    config._experts_implementation = "grouped_mm"
+    module = modeling.Qwen4ExpTextExperts(config).to(gate_up.dtype)
+    module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 8, 64])
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    experts = args.experts
+    g = torch.Generator().manual_seed(0)
+    gate_up32 = torch.randn(experts, 2 * INTER, HIDDEN, generator=g) * HIDDEN ** -0.5
+    down32 = torch.randn(experts, HIDDEN, INTER, generator=g) * INTER ** -0.5
+    bandwidth = copy_bandwidth()
+    load = os.getloadavg()[0]
+    rows_out = []
+    with torch.inference_mode():
+        variants = []
+        for dtype in (torch.float32, torch.bfloat16):
+            gu, dn = gate_up32.to(dtype), down32.to(dtype)
+            variants.append((str(dtype).split(".")[1], dtype, gu, dn, hf_experts(gu, dn)))
+        del gate_up32, down32
+        bf16 = variants[1]
+        quantized = []
+        for bits in (8, 4):
+            parts = [quantize(bf16[2][e], bits, GROUP) + quantize(bf16[3][e], bits, GROUP) for e in range(experts)]
+            quantized.append((bits, [torch.stack([p[i] for p in parts]) for i in range(6)]))
+        for rows in args.rows:
+            ids, w = routing(rows, experts, rows)
+            hit = int(ids.unique().numel())
+            x32 = torch.randn(rows, HIDDEN, generator=g)
+            cases = []
+            for name, dtype, gu, dn, module in variants:
+                x, wd = x32.to(dtype), w.to(dtype)
+                per_expert = 3 * HIDDEN * INTER * gu.element_size()
+                cases.append((f"transformers grouped_mm {name}", lambda: module(x, ids, wd), hit * per_expert))
+                cases.append((f"moe_experts {name}",
+                              lambda gu=gu, dn=dn, x=x, wd=wd: hebrus_torch.moe_experts(x, ids, wd, gu, dn),
+                              hit * per_expert))
+            xb, wb = x32.bfloat16(), w.bfloat16()
+            for bits, tensors in quantized:
+                per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
+                cases.append((f"moe_experts_quantized {bits}-bit g{GROUP}",
+                              lambda tensors=tensors, bits=bits: hebrus_torch.moe_experts_quantized(
+                                  xb, ids, wb, *tensors, GROUP, bits), hit * per_expert))
+            times = {label: timeit(fn, repeat=args.repeat, cold=True) for label, fn, _ in cases}
+            base = times["transformers grouped_mm bfloat16"]
+            for label, _, nbytes in cases:
+                t = times[label]
+                rows_out.append([str(rows), str(hit), label, f"{t * 1e3:.2f}", f"{nbytes / 2**20:.0f}",
+                                 f"{nbytes / t / 1e9:.1f}", f"{nbytes / t / bandwidth:.2f}", f"{base / t:.2f}x"])
+                print(" | ".join(rows_out[-1]), flush=True)
+    body = (f"Machine: {machine()}. `python benchmarks/bench_moe.py --experts {experts}`. One layer's routed experts "
+            f"at the released shape (H {HIDDEN}, I {INTER}, top {TOP_K}), {experts} experts (the time depends on the "
+            f"experts hit, not on E, once weights are out of cache); random routing; median of {args.repeat} calls, "
+            f"each after a 1 GiB cache flush. Bytes: the weights of the distinct experts hit (quantized: codes + "
+            f"bf16 scales and biases, group {GROUP}). Copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+            f"({bandwidth_note()}). Load average at the start: {load:.1f}. The last column is the speed-up over "
+            f"transformers' bf16 grouped_mm path at the same rows.\n\n")
+    body += table(["rows", "experts hit", "path", "ms", "weights MiB", "GB/s", "of copy bw", "vs bf16 grouped_mm"],
+                  rows_out)
+    print(body)
+    if not args.no_write:
+        write_section(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()

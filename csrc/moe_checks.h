@@ -1,0 +1,117 @@
+#pragma once
+// Metadata checks of hebrus::moe_experts, shared by the CPU kernel (csrc/cpu/moe_kernels.cpp) and the
+// MPS glue (csrc/mps/moe_experts.mm). Same order and messages as hebrus_torch/moe/checks.py
+// (check_moe_experts). Expert ids are values: the CPU kernel checks them (check_moe_ids).
+//
+// Plain C++, header-only.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "hebrus_check.h"
+#include "op_checks.h"
+
+namespace hebrus {
+
+struct MoeSizes {
+  int64_t rows;     // T
+  int64_t hidden;   // H
+  int64_t top_k;    // k
+  int64_t experts;  // E
+  int64_t inter;    // I (gate_up has 2 I rows per expert)
+};
+
+// topk_ids [T, k] and topk_weights [T, k] against x [T, H] (both ops).
+inline void check_moe_routing(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                              const at::Tensor& topk_weights) {
+  HEBRUS_CHECK(topk_ids.size(0) == x.size(0), HebrusError, "hebrus::", op,
+               ": topk_ids must have shape (T, k) with T = x.shape[0] = ", x.size(0), ", got ",
+               shape_str(topk_ids.sizes()));
+  HEBRUS_CHECK(topk_weights.sizes() == topk_ids.sizes(), HebrusError, "hebrus::", op,
+               ": topk_weights must have the shape of topk_ids ", shape_str(topk_ids.sizes()), ", got ",
+               shape_str(topk_weights.sizes()));
+}
+
+inline MoeSizes check_moe_experts_args(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                       const at::Tensor& gate_up, const at::Tensor& down) {
+  const char* op = "moe_experts";
+  check_dims(op, x, 2, "x");
+  check_float(op, x, "x");
+  check_dims(op, topk_ids, 2, "topk_ids");
+  HEBRUS_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt, HebrusError,
+               "hebrus::moe_experts: topk_ids must have dtype torch.int64 or torch.int32, got ",
+               dtype_name(topk_ids.scalar_type()));
+  check_kinds(op, {{"topk_weights", &topk_weights, 2, kAnyFloat},
+                   {"gate_up", &gate_up, 3, kAnyFloat},
+                   {"down", &down, 3, kAnyFloat}});
+  check_same_dtype(op, gate_up, "gate_up", x, "x");
+  check_same_dtype(op, down, "down", x, "x");
+  check_moe_routing(op, x, topk_ids, topk_weights);
+  const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1);
+  const int64_t E = gate_up.size(0);
+  HEBRUS_CHECK(E >= 1 && gate_up.size(2) == H && gate_up.size(1) % 2 == 0 && gate_up.size(1) >= 2, HebrusError,
+               "hebrus::moe_experts: gate_up must have shape (E, 2 * I, H) with E >= 1, I >= 1 and H = x.shape[1] = ",
+               H, ", got ", shape_str(gate_up.sizes()));
+  const int64_t I = gate_up.size(1) / 2;
+  HEBRUS_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I, HebrusError,
+               "hebrus::moe_experts: down must have shape (E, H, I) = (", E, ", ", H, ", ", I,
+               ") to match gate_up, got ", shape_str(down.sizes()));
+  return {T, H, k, E, I};
+}
+
+// hebrus::moe_experts_quantized: the experts as packed int32 codes with per-group scales and biases in x's
+// dtype (hebrus_torch/moe/quantize.py); H and I multiples of group_size.
+inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::Tensor& topk_ids,
+                                                 const at::Tensor& topk_weights, const at::Tensor& gate_up_q,
+                                                 const at::Tensor& gate_up_scales, const at::Tensor& gate_up_biases,
+                                                 const at::Tensor& down_q, const at::Tensor& down_scales,
+                                                 const at::Tensor& down_biases, int64_t group_size, int64_t bits) {
+  const char* op = "moe_experts_quantized";
+  const char* pre = "hebrus::moe_experts_quantized: ";
+  HEBRUS_CHECK(bits == 4 || bits == 8, HebrusError, pre, "bits must be 4 or 8, got ", bits);
+  HEBRUS_CHECK(group_size == 32 || group_size == 64 || group_size == 128, HebrusError, pre,
+               "group_size must be 32, 64 or 128, got ", group_size);
+  check_dims(op, x, 2, "x");
+  check_float(op, x, "x");
+  check_dims(op, topk_ids, 2, "topk_ids");
+  HEBRUS_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt, HebrusError, pre,
+               "topk_ids must have dtype torch.int64 or torch.int32, got ", dtype_name(topk_ids.scalar_type()));
+  check_kinds(op, {{"topk_weights", &topk_weights, 2, kAnyFloat},
+                   {"gate_up_q", &gate_up_q, 3, at::kInt},
+                   {"down_q", &down_q, 3, at::kInt}});
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"gate_up_scales", &gate_up_scales},
+                                {"gate_up_biases", &gate_up_biases}, {"down_scales", &down_scales},
+                                {"down_biases", &down_biases}}) {
+    check_dims(op, *t, 3, name);
+    check_same_dtype(op, *t, name, x, "x");
+  }
+  check_moe_routing(op, x, topk_ids, topk_weights);
+  const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1);
+  HEBRUS_CHECK(H % group_size == 0, HebrusError, pre, "H = x.shape[1] = ", H, " must be a multiple of group_size ",
+               group_size);
+  const int64_t E = gate_up_q.size(0), per_word = 32 / bits;
+  HEBRUS_CHECK(E >= 1 && gate_up_q.size(1) >= 2 && gate_up_q.size(1) % 2 == 0 && gate_up_q.size(2) * per_word == H,
+               HebrusError, pre, "gate_up_q must have shape (E, 2 * I, H * bits / 32) with E >= 1, I >= 1 and H = ", H,
+               ", got ", shape_str(gate_up_q.sizes()));
+  const int64_t I = gate_up_q.size(1) / 2;
+  HEBRUS_CHECK(I % group_size == 0, HebrusError, pre, "I = ", I, " must be a multiple of group_size ", group_size);
+  HEBRUS_CHECK(down_q.size(0) == E && down_q.size(1) == H && down_q.size(2) == I / per_word, HebrusError, pre,
+               "down_q must have shape (E, H, I * bits / 32) = (", E, ", ", H, ", ", I / per_word, "), got ",
+               shape_str(down_q.sizes()));
+  const struct {
+    const char* name;
+    const at::Tensor* t;
+    int64_t rows, groups;
+  } tables[] = {{"gate_up_scales", &gate_up_scales, 2 * I, H / group_size},
+                {"gate_up_biases", &gate_up_biases, 2 * I, H / group_size},
+                {"down_scales", &down_scales, H, I / group_size},
+                {"down_biases", &down_biases, H, I / group_size}};
+  for (const auto& tb : tables) {
+    HEBRUS_CHECK(tb.t->size(0) == E && tb.t->size(1) == tb.rows && tb.t->size(2) == tb.groups, HebrusError, pre,
+                 tb.name, " must have shape (", E, ", ", tb.rows, ", ", tb.groups, "), got ", shape_str(tb.t->sizes()));
+  }
+  return {T, H, k, E, I};
+}
+
+}  // namespace hebrus

@@ -1,0 +1,111 @@
+"""Metadata checks of ``hebrus::moe_experts``, shared by its fake impl and its reference; the C++ kernel and
+the MPS glue make the same checks with the same messages (csrc/moe_checks.h). Expert ids are values: the
+kernels and the reference check them (:func:`check_moe_ids`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _validate
+from ..errors import HebrusError
+
+__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids"]
+
+OP = "moe_experts"
+
+
+class MoeSizes(NamedTuple):
+    """The sizes of a ``moe_experts`` call."""
+
+    rows: int     # T
+    hidden: int   # H
+    top_k: int    # k
+    experts: int  # E
+    inter: int    # I (gate_up has 2 I rows per expert)
+
+
+def _routing_shapes(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[int, int, int]:
+    """topk_ids [T, k] and topk_weights [T, k] against x [T, H]; returns (T, H, k)."""
+    rows, hidden = x.shape
+    _validate.check(topk_ids.shape[0] == rows, op, f"topk_ids must have shape (T, k) with T = x.shape[0] = {rows}, "
+                    f"got {tuple(topk_ids.shape)}")
+    _validate.check(topk_weights.shape == topk_ids.shape, op, f"topk_weights must have the shape of topk_ids "
+                    f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    return rows, hidden, topk_ids.shape[1]
+
+
+def check_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor) -> MoeSizes:
+    """Ranks, dtypes and shapes of ``moe_experts``' arguments (csrc/moe_checks.h); returns its sizes."""
+    _validate._same_device(OP, x=x, topk_ids=topk_ids, topk_weights=topk_weights, gate_up=gate_up, down=down)
+    _validate._ranks_and_dtypes(OP, ("x", x, 2, _validate.FLOAT_DTYPES),
+                                ("topk_ids", topk_ids, 2, (torch.int64, torch.int32)),
+                                ("topk_weights", topk_weights, 2, _validate.FLOAT_DTYPES),
+                                ("gate_up", gate_up, 3, _validate.FLOAT_DTYPES),
+                                ("down", down, 3, _validate.FLOAT_DTYPES))
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        _validate.check(t.dtype == x.dtype, OP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    rows, hidden, top_k = _routing_shapes(OP, x, topk_ids, topk_weights)
+    experts, two_i, gate_up_h = gate_up.shape
+    _validate.check(experts >= 1 and gate_up_h == hidden and two_i % 2 == 0 and two_i >= 2, OP,
+                    f"gate_up must have shape (E, 2 * I, H) with E >= 1, I >= 1 and H = x.shape[1] = {hidden}, "
+                    f"got {tuple(gate_up.shape)}")
+    inter = two_i // 2
+    _validate.check(tuple(down.shape) == (experts, hidden, inter), OP,
+                    f"down must have shape (E, H, I) = {(experts, hidden, inter)} to match gate_up, "
+                    f"got {tuple(down.shape)}")
+    return MoeSizes(rows, hidden, top_k, experts, inter)
+
+
+def check_moe_ids(topk_ids: torch.Tensor, experts: int, op: str = OP) -> None:
+    """Every expert id in ``[0, E)``; reads the ids (a host read on an accelerator)."""
+    ids = topk_ids.long()
+    bad = (ids < 0) | (ids >= experts)
+    if bool(bad.any()):
+        t, j = (int(v) for v in torch.nonzero(bad)[0])
+        raise HebrusError(f"hebrus::{op}: topk_ids[{t}, {j}] = {int(ids[t, j])} is not an expert id in "
+                          f"[0, E={experts})")
+
+
+QOP = "moe_experts_quantized"
+
+
+def check_moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                                gate_up_q: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_biases: torch.Tensor,
+                                down_q: torch.Tensor, down_scales: torch.Tensor, down_biases: torch.Tensor,
+                                group_size: int, bits: int) -> MoeSizes:
+    """``moe_experts_quantized``'s arguments (csrc/moe_checks.h); returns its sizes."""
+    _validate._same_device(QOP, x=x, topk_ids=topk_ids, topk_weights=topk_weights, gate_up_q=gate_up_q,
+                           gate_up_scales=gate_up_scales, gate_up_biases=gate_up_biases, down_q=down_q,
+                           down_scales=down_scales, down_biases=down_biases)
+    _validate.check(bits in (4, 8), QOP, f"bits must be 4 or 8, got {bits}")
+    _validate.check(group_size in (32, 64, 128), QOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    _validate._ranks_and_dtypes(QOP, ("x", x, 2, _validate.FLOAT_DTYPES),
+                                ("topk_ids", topk_ids, 2, (torch.int64, torch.int32)),
+                                ("topk_weights", topk_weights, 2, _validate.FLOAT_DTYPES),
+                                ("gate_up_q", gate_up_q, 3, torch.int32), ("down_q", down_q, 3, torch.int32))
+    for name, t in (("gate_up_scales", gate_up_scales), ("gate_up_biases", gate_up_biases),
+                    ("down_scales", down_scales), ("down_biases", down_biases)):
+        _validate._dims(t, 3, QOP, name)
+        _validate.check(t.dtype == x.dtype, QOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    rows, hidden, top_k = _routing_shapes(QOP, x, topk_ids, topk_weights)
+    _validate.check(hidden % group_size == 0, QOP, f"H = x.shape[1] = {hidden} must be a multiple of group_size "
+                    f"{group_size}")
+    experts, two_i = gate_up_q.shape[:2]
+    per_word = 32 // bits
+    _validate.check(experts >= 1 and two_i >= 2 and two_i % 2 == 0 and gate_up_q.shape[2] * per_word == hidden, QOP,
+                    f"gate_up_q must have shape (E, 2 * I, H * bits / 32) with E >= 1, I >= 1 and H = {hidden}, "
+                    f"got {tuple(gate_up_q.shape)}")
+    inter = two_i // 2
+    _validate.check(inter % group_size == 0, QOP, f"I = {inter} must be a multiple of group_size {group_size}")
+    _validate.check(tuple(down_q.shape) == (experts, hidden, inter // per_word), QOP,
+                    f"down_q must have shape (E, H, I * bits / 32) = {(experts, hidden, inter // per_word)}, "
+                    f"got {tuple(down_q.shape)}")
+    for name, t, want in (("gate_up_scales", gate_up_scales, (experts, two_i, hidden // group_size)),
+                          ("gate_up_biases", gate_up_biases, (experts, two_i, hidden // group_size)),
+                          ("down_scales", down_scales, (experts, hidden, inter // group_size)),
+                          ("down_biases", down_biases, (experts, hidden, inter // group_size))):
+        _validate.check(tuple(t.shape) == want, QOP, f"{name} must have shape {want}, got {tuple(t.shape)}")
+    return MoeSizes(rows, hidden, top_k, experts, inter)

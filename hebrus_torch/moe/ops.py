@@ -1,0 +1,51 @@
+"""Typed wrapper and fake impl of ``hebrus::moe_experts``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import translated
+from .checks import check_moe_experts, check_moe_experts_quantized
+
+__all__ = ["moe_experts", "moe_experts_quantized"]
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """The routed experts of a MoE block over packed rows; see :func:`hebrus_torch.reference.moe_experts`.
+
+    Shapes: x [T, H], topk_ids [T, k] i64/i32, topk_weights [T, k] float, gate_up [E, 2I, H] and
+    down [E, H, I] in x's dtype -> out [T, H] in x's dtype. Raises HebrusError on an expert id outside [0, E).
+    """
+    with translated():
+        return torch.ops.hebrus.moe_experts.default(x, topk_ids, topk_weights, gate_up, down)
+
+
+@torch.library.register_fake("hebrus::moe_experts")
+def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, down):
+    check_moe_experts(x, topk_ids, topk_weights, gate_up, down)
+    return x.new_empty(x.shape)
+
+
+def moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          gate_up_q: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_biases: torch.Tensor,
+                          down_q: torch.Tensor, down_scales: torch.Tensor, down_biases: torch.Tensor, group_size: int,
+                          bits: int) -> torch.Tensor:
+    """:func:`moe_experts` over affine-quantized experts (:mod:`hebrus_torch.moe.quantize`); see
+    :func:`hebrus_torch.reference.moe_experts_quantized`.
+
+    Shapes: gate_up_q [E, 2I, H * bits / 32] i32, gate_up_scales / _biases [E, 2I, H / group_size], down_q
+    [E, H, I * bits / 32] i32, down_scales / _biases [E, H, I / group_size] (scales and biases in x's dtype).
+    """
+    with translated():
+        return torch.ops.hebrus.moe_experts_quantized.default(x, topk_ids, topk_weights, gate_up_q, gate_up_scales,
+                                                              gate_up_biases, down_q, down_scales, down_biases,
+                                                              int(group_size), int(bits))
+
+
+@torch.library.register_fake("hebrus::moe_experts_quantized")
+def _moe_experts_quantized_fake(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
+                                down_scales, down_biases, group_size, bits):
+    check_moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
+                                down_scales, down_biases, group_size, bits)
+    return x.new_empty(x.shape)

@@ -1,0 +1,115 @@
+// hebrus::moe_experts_quantized on Apple GPUs: moe_experts over affine-quantized experts (issue 36;
+// hebrus_torch/reference/moe.py is the spec, csrc/cpu/moe_kernels.cpp the CPU kernel whose bits these
+// kernels reproduce, hebrus_torch/moe/quantize.py the format).
+//
+// The launches of moe_experts.metal (act, down; the sum is moe_experts.metal's moe_experts_sum), with each
+// weight read as its code q (BITS bits of an int32 word, little end first) dequantized to q * s + b in
+// fp32 (the product rounded, then the sum), s and b its group's scale and bias. Variants q4 and q8 are the
+// bit widths; H and I are multiples of the group size (32, 64 or 128), so no row has a tail.
+#include "moe_experts.h"
+
+// Value d of a quantized row: its codes, its scales and biases (a group per group_size values).
+template <int BITS, typename T>
+inline float hebrus_moe_dequant(device const uint* codes, device const T* scales, device const T* biases, long d,
+                                long group) {
+  const long per_word = 32 / BITS;
+  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
+  return float(q) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);
+}
+
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void moe_experts_quantized_act(
+    device const T* x [[buffer(0)]],                // [T, H]
+    device const long* ids [[buffer(1)]],           // [T * k]
+    device const uint* gate_up_q [[buffer(2)]],     // [E, 2I, H * BITS / 32]
+    device const T* gate_up_scales [[buffer(3)]],   // [E, 2I, H / group]
+    device const T* gate_up_biases [[buffer(4)]],   // [E, 2I, H / group]
+    device float* act [[buffer(5)]],                // [T * k, I]
+    device HebrusErrorMessages* err [[buffer(6)]],  // the stream's error buffer
+    constant MoeExpertsParams& p [[buffer(7)]],
+    uint tid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const long item = long(tid) / HEBRUS_MOE_LANES;
+  const long l = long(lane % HEBRUS_MOE_LANES);
+  const long pair = item / p.inter, i = item % p.inter;
+  bool valid = pair < p.pairs;
+  const long e = valid ? ids[pair] : 0;
+  if (valid && (e < 0 || e >= p.experts)) {
+    if (i == 0 && l == 0) {
+      HEBRUS_REPORT_ERROR(err, "moe_experts_quantized", "hebrus::moe_experts_quantized: topk_ids[", pair / p.top_k,
+                          ", ", pair % p.top_k, "] = ", e, " is not an expert id in [0, E=", p.experts, ")");
+    }
+    valid = false;
+  }
+  float g = 0.0f, u = 0.0f;
+  if (valid) {
+    const long H = p.hidden, words = H * BITS / 32, groups = H / p.group_size;
+    const long gate_row = e * 2 * p.inter + i, up_row = gate_row + p.inter;
+    device const T* xr = x + (pair / p.top_k) * H;
+    for (long d = l; d < H; d += HEBRUS_MOE_LANES) {
+      const float xv = static_cast<float>(xr[d]);
+      const float a = hebrus_moe_dequant<BITS>(gate_up_q + gate_row * words, gate_up_scales + gate_row * groups,
+                                               gate_up_biases + gate_row * groups, d, p.group_size);
+      const float b = hebrus_moe_dequant<BITS>(gate_up_q + up_row * words, gate_up_scales + up_row * groups,
+                                               gate_up_biases + up_row * groups, d, p.group_size);
+      g = g + a * xv;
+      u = u + b * xv;
+    }
+  }
+  g = hebrus_moe_reduce(g);
+  u = hebrus_moe_reduce(u);
+  if (valid && l == 0) {
+    const float gr = hebrus_moe_round<T>(g), ur = hebrus_moe_round<T>(u);
+    act[pair * p.inter + i] = hebrus_moe_round<T>(hebrus_moe_round<T>(hebrus_moe_silu(gr)) * ur);
+  }
+}
+
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void moe_experts_quantized_down(
+    device const long* ids [[buffer(0)]],           // [T * k]
+    device const float* weights [[buffer(1)]],      // [T * k], topk_weights as fp32
+    device const uint* down_q [[buffer(2)]],        // [E, H, I * BITS / 32]
+    device const T* down_scales [[buffer(3)]],      // [E, H, I / group]
+    device const T* down_biases [[buffer(4)]],      // [E, H, I / group]
+    device const float* act [[buffer(5)]],          // [T * k, I]
+    device float* ywt [[buffer(6)]],                // [T * k, H]
+    device HebrusErrorMessages* err [[buffer(7)]],  // (bound as in every launch; act reports bad ids)
+    constant MoeExpertsParams& p [[buffer(8)]],
+    uint tid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const long item = long(tid) / HEBRUS_MOE_LANES;
+  const long l = long(lane % HEBRUS_MOE_LANES);
+  const long pair = item / p.hidden, d = item % p.hidden;
+  bool valid = pair < p.pairs;
+  const long e = valid ? ids[pair] : 0;
+  valid = valid && e >= 0 && e < p.experts;
+  float y = 0.0f;
+  if (valid) {
+    const long I = p.inter, row = e * p.hidden + d, words = I * BITS / 32, groups = I / p.group_size;
+    device const float* a = act + pair * I;
+    for (long c = l; c < I; c += HEBRUS_MOE_LANES) {
+      y = y + hebrus_moe_dequant<BITS>(down_q + row * words, down_scales + row * groups, down_biases + row * groups,
+                                       c, p.group_size) * a[c];
+    }
+  }
+  y = hebrus_moe_reduce(y);
+  if (valid && l == 0) {
+    const float prod = hebrus_moe_round<T>(y) * weights[pair];
+    ywt[pair * p.hidden + d] = p.round_product != 0 ? hebrus_moe_round<T>(prod) : prod;
+  }
+}
+
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, half, 8, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, half, 8, half)
+#if HEBRUS_HAS_BFLOAT
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, bfloat, 8, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, bfloat, 8, bfloat)
+#endif
