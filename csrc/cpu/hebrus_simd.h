@@ -30,6 +30,15 @@
 #define HEBRUS_VECTOR_CLONES
 #endif
 
+// target_clones on a function template: GCC only (clang does not multiversion templates yet: "attribute
+// 'target_clones' multiversioned functions do not yet support function templates"). A clang build compiles
+// such a template once, for the baseline target: the same bits, narrower vectors.
+#if defined(__clang__)
+#define HEBRUS_TEMPLATE_VECTOR_CLONES
+#else
+#define HEBRUS_TEMPLATE_VECTOR_CLONES HEBRUS_VECTOR_CLONES
+#endif
+
 // Lanes of two vectors by index into their concatenation: clang and GCC >= 12 spell it
 // __builtin_shufflevector, older GCC __builtin_shuffle with an index vector.
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)

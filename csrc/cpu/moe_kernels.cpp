@@ -277,9 +277,9 @@ HEBRUS_INLINE void down_item(const W& down, const Item& it, const int64_t* pairs
 }
 
 template <typename T, typename W>
-HEBRUS_VECTOR_CLONES void gate_up_items(const W& gate_up, const std::vector<Item>& items, const ExpertGroups& g,
-                                        int64_t begin, int64_t end, const float* xf, int64_t hp, int64_t top_k,
-                                        int64_t inter, float* act, int64_t ip) {
+HEBRUS_TEMPLATE_VECTOR_CLONES void gate_up_items(const W& gate_up, const std::vector<Item>& items, const ExpertGroups& g,
+                                                 int64_t begin, int64_t end, const float* xf, int64_t hp,
+                                                 int64_t top_k, int64_t inter, float* act, int64_t ip) {
   std::vector<float> scratch(W::kQuantized ? 2 * gate_up.cols : 0);
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
@@ -289,9 +289,9 @@ HEBRUS_VECTOR_CLONES void gate_up_items(const W& gate_up, const std::vector<Item
 }
 
 template <typename T, typename W>
-HEBRUS_VECTOR_CLONES void down_items(const W& down, const std::vector<Item>& items, const ExpertGroups& g,
-                                     int64_t begin, int64_t end, const float* act, int64_t ip, const float* w,
-                                     bool round_product, float* y, int64_t hidden) {
+HEBRUS_TEMPLATE_VECTOR_CLONES void down_items(const W& down, const std::vector<Item>& items, const ExpertGroups& g,
+                                              int64_t begin, int64_t end, const float* act, int64_t ip,
+                                              const float* w, bool round_product, float* y, int64_t hidden) {
   std::vector<float> scratch(W::kQuantized ? down.cols : 0);
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
