@@ -171,3 +171,18 @@ def test_report_says_plainly_when_the_extension_is_not_used(tmp_path):
     assert f"why: hebrus_torch's extension was built against torch 2.12.0, this is torch {torch.__version__}" \
         in done.stdout
     assert "native" not in "".join(line.split()[1] for line in done.stdout.splitlines()[4:] if line.strip())
+
+
+def test_macos_workflow_builds_and_tests_every_supported_torch():
+    yaml = pytest.importorskip("yaml")
+    with open(os.path.join(ROOT, ".github", "workflows", "macos.yml")) as f:
+        jobs = yaml.safe_load(f)["jobs"]
+    for name in ("build", "pipelines", "mps"):
+        job = jobs[name]
+        versions = job["strategy"]["matrix"]["torch"]
+        assert tuple(minor(v) for v in versions) == SUPPORTED_MINORS, name
+        assert job["strategy"]["fail-fast"] is False and "continue-on-error" not in job, name
+        steps = "\n".join(step.get("run", "") for step in job["steps"])
+        assert "torch==${{ matrix.torch }}" in steps, name
+    for name in ("build", "mps"):
+        assert "python -m hebrus_torch --report" in "\n".join(s.get("run", "") for s in jobs[name]["steps"]), name
