@@ -30,12 +30,13 @@ BUILD_INFO = os.path.join(ROOT, "hebrus_torch", "_build_info.json")
 
 
 def _check_torch() -> None:
-    why = torch_support.unsupported_torch(torch.__version__)
-    if why is not None and os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
-        raise SystemExit(why)
-    why = torch_support.isolated_build_mismatch(torch.__version__, sys.executable)
-    if why is not None and os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
-        raise SystemExit(why)
+    if os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
+        # A torch outside the range; or pip's build isolation importing another torch series than the
+        # environment being installed into has (the build would then never be loaded there).
+        why = (torch_support.unsupported_torch(torch.__version__)
+               or torch_support.isolated_build_mismatch(torch.__version__, sys.executable))
+        if why is not None:
+            raise SystemExit(why)
     with open(BUILD_INFO, "w") as f:
         json.dump({"torch": torch.__version__, "cxx": torch_support.cxx_standard(torch.__version__)}, f)
 
