@@ -186,3 +186,13 @@ def test_macos_workflow_builds_and_tests_every_supported_torch():
         assert "torch==${{ matrix.torch }}" in steps, name
     for name in ("build", "mps"):
         assert "python -m hebrus_torch --report" in "\n".join(s.get("run", "") for s in jobs[name]["steps"]), name
+
+
+def test_a_wheel_carries_the_recorded_torch(source_copy):
+    # Without _build_info.json in the wheel, a non-editable install would load its extension under any torch.
+    env = {k: v for k, v in os.environ.items() if k != "HEBRUS_SKIP_TORCH_CHECK"}
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", "wheel_lib"], cwd=source_copy,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(os.path.join(source_copy, "wheel_lib", "hebrus_torch", "_build_info.json")) as f:
+        assert json.load(f)["torch"] == torch.__version__
