@@ -80,7 +80,8 @@ for v in "${versions[@]}"; do
     continue
   fi
   rm -f "$DIR/junit-$v.xml"
-  (cd "$src" && timeout "${PYTEST_TIMEOUT:-2400}" "$venv/bin/python" -m pytest -p no:cacheprovider \
+  # The Metal emulator's compiled kernels are kept per torch version between runs (the copy is fresh).
+  (cd "$src" && HEBRUS_METAL_EMU_BUILD="$DIR/metal_emu-$v" timeout "${PYTEST_TIMEOUT:-2400}" "$venv/bin/python" -m pytest -p no:cacheprovider \
       --junitxml="$DIR/junit-$v.xml" "${pytest_args[@]}") >> "$log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && status=1
