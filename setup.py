@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import platform
@@ -16,22 +17,28 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "mps_kernels"))
 
-# The torch the C++ kernels are built and tested against. The extension uses torch's C++ API (not only its
-# stable ABI), so a build against another torch can crash at run time (a qsa_pool built against torch 2.11
-# segfaulted): refuse it here, and record the version so that the package refuses to load a build whose
-# torch has changed since (hebrus_torch/_extension.py).
-SUPPORTED_TORCH = "2.13"
+# The torch versions the C++ kernels are built and tested against (hebrus_torch/_torch_support.py, read by
+# its path: importing the package here would import torch's extension). The extension uses torch's C++ API
+# (not only its stable ABI), so a build against another torch can crash at run time (a qsa_pool built
+# against torch 2.11 segfaulted): refuse a torch outside the range here, and record the version so that
+# the package refuses to load a build whose torch has changed since (hebrus_torch/_extension.py).
+_spec = importlib.util.spec_from_file_location("_hebrus_torch_support",
+                                               os.path.join(ROOT, "hebrus_torch", "_torch_support.py"))
+torch_support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torch_support)
 BUILD_INFO = os.path.join(ROOT, "hebrus_torch", "_build_info.json")
 
 
 def _check_torch() -> None:
-    built = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if built != SUPPORTED_TORCH and os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
-        raise SystemExit(f"hebrus_torch's C++ extension builds against torch {SUPPORTED_TORCH}.x only, found torch "
-                         f"{torch.__version__}: install torch=={SUPPORTED_TORCH}.0 (without the extension, "
-                         f"`import hebrus_torch` still works and every op runs its PyTorch reference)")
+    if os.environ.get("HEBRUS_SKIP_TORCH_CHECK") != "1":
+        # A torch outside the range; or pip's build isolation importing another torch series than the
+        # environment being installed into has (the build would then never be loaded there).
+        why = (torch_support.unsupported_torch(torch.__version__)
+               or torch_support.isolated_build_mismatch(torch.__version__, sys.executable))
+        if why is not None:
+            raise SystemExit(why)
     with open(BUILD_INFO, "w") as f:
-        json.dump({"torch": torch.__version__}, f)
+        json.dump({"torch": torch.__version__, "cxx": torch_support.cxx_standard(torch.__version__)}, f)
 
 
 def _sources(pattern: str) -> list[str]:
@@ -44,7 +51,8 @@ def extension() -> CppExtension:
     # -ffp-contract=off: no fused multiply-add the source did not ask for, so every build of a
     # kernel sums in the order the source states (chunk invariance is bitwise).
     cxx = ["-O0", "-g"] if debug else ["-O3"]
-    cxx += ["-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+    # C++20 on every supported torch (2.14's and 2.15's headers require it; hebrus_torch/_torch_support.py).
+    cxx += [f"-std={torch_support.cxx_standard(torch.__version__)}", "-ffp-contract=off", "-fvisibility=hidden"]
     sources = ["csrc/library.cpp"] + _sources("csrc/cpu/*.cpp")
     extra_link: list[str] = []
     if platform.system() == "Linux":

@@ -3,7 +3,8 @@ then (with transformers installed, ``pip install -e .[hf]``) a tiny random Qwen4
 transformers as is and through ``hebrus_torch.integrations.transformers.apply`` (parity and speed), and
 a batch of prompts of mixed lengths through continuous batching (``hebrus_torch.engine``), checked
 against per-prompt ``generate`` and timed against sequential and padded-batch ``generate``.
-``--model DIR`` runs the continuous-batching part on a local Qwen4Exp checkpoint."""
+``--model DIR`` runs the continuous-batching part on a local Qwen4Exp checkpoint; ``--report`` prints only the
+torch, whether the native extension is in use (and why not) and the op table (exit status 1 without it)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import hebrus_torch as ht
 from hebrus_torch import _extension
 from hebrus_torch._op_registry import OPS, has_native_kernel
+from hebrus_torch._torch_support import supported_range_text, unsupported_torch
 
 
 def available_devices() -> list[str]:
@@ -37,6 +39,23 @@ def kernel_table() -> str:
                  else "native+copy" if spec.composite_via and has_native_kernel(spec.composite_via, d)
                  else "reference" for d in devices]
         lines.append(f"{op:<{width}}" + "".join(f"{c:>12}" for c in cells))
+    return "\n".join(lines)
+
+
+def extension_report() -> str:
+    """The torch this runs on, whether it is a supported one, and whether the compiled extension (the
+    native kernels) is in use: what it was built against, or plainly why not and what to do."""
+    lines = [f"hebrus_torch {ht.__version__} on torch {torch.__version__}"
+             + ("" if unsupported_torch(torch.__version__) is None
+                else f" (outside the supported range: {supported_range_text()})")]
+    if _extension.EXTENSION_ERROR is None:
+        info = _extension.build_info() or {}
+        built = [f"built against torch {info['torch']}"] if info.get("torch") else []
+        built += [f"-std={info['cxx']}"] if info.get("cxx") else []
+        lines.append("native extension: loaded" + (f" ({', '.join(built)})" if built else ""))
+    else:
+        lines.append("native extension: NOT USED: every op runs its PyTorch reference (the slow path)")
+        lines.append(f"  why: {_extension.EXTENSION_ERROR}")
     return "\n".join(lines)
 
 
@@ -285,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", type=int, default=512, help="model demo: prompt length")
     parser.add_argument("--new-tokens", type=int, default=48, help="model demo: greedy tokens to generate")
+    parser.add_argument("--report", action="store_true",
+                        help="only print the torch, the extension's state and the op table; exit status 1 when the "
+                             "extension is not in use")
     parser.add_argument("--no-model", action="store_true", help="skip the transformers model demos")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="continuous batching on this local Qwen4Exp checkpoint (only that part runs)")
@@ -295,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cb-new-tokens", type=int, default=24, help="continuous batching: tokens per request")
     parser.add_argument("--max-batch-tokens", type=int, default=64, help="continuous batching: tokens per step")
     args = parser.parse_args(argv)
-    if args.model is not None:
+    if args.model is not None and not args.report:
         return cb_demo(args, checkpoint=args.model)
-    print(f"hebrus_torch {ht.__version__}, torch {torch.__version__}")
-    if _extension.EXTENSION_ERROR:
-        print(f"compiled extension not loaded ({_extension.EXTENSION_ERROR}); every op runs its reference")
+    print(extension_report())
     print(kernel_table())
+    if args.report:
+        return 0 if _extension.EXTENSION_ERROR is None else 1
     device = args.device or available_devices()[-1]
     print(f"\nPLE demo on {device}:")
     ok = ple_demo(device, args.tokens, args.channels, args.layers, args.seed)

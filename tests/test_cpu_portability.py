@@ -1,6 +1,6 @@
 """The CPU kernels also build where they are not built here: the portable path (what arm64 macOS and
 any non-x86 CPU compile, with x86 blocks switched off) and clang's dialect of the vector extensions,
-checked with ``clang++ -fsyntax-only`` against the installed torch headers."""
+checked with ``clang++ -fsyntax-only`` against the installed torch headers (in setup.py's C++ standard for them)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ pytestmark = pytest.mark.skipif(shutil.which(CLANG) is None, reason=f"{CLANG} is
 
 
 def clang_syntax(source_root: str, name: str) -> subprocess.CompletedProcess:
+    import torch
     from torch.utils.cpp_extension import include_paths
 
-    cmd = [CLANG, "-std=c++17", "-fsyntax-only", "-ffp-contract=off", "-Werror=unused-function",
+    from hebrus_torch._torch_support import cxx_standard
+
+    cmd = [CLANG, f"-std={cxx_standard(torch.__version__)}", "-fsyntax-only", "-ffp-contract=off", "-Werror=unused-function",
            "-I", os.path.join(source_root, "csrc"), "-I", os.path.join(ROOT, "mps_kernels"),
            "-I", sysconfig.get_paths()["include"]]
     for inc in include_paths():

@@ -1,4 +1,5 @@
-"""Type-check the MPS glue (csrc/mps/*.mm) as plain C++ against the installed torch headers.
+"""Type-check the MPS glue (csrc/mps/*.mm) as plain C++ against the installed torch headers, in the C++
+standard setup.py builds that torch with (hebrus_torch._torch_support.cxx_standard: C++20 from torch 2.15).
 
 The glue uses only PyTorch's C++ MetalShaderLibrary API, whose Objective-C types sit behind
 ``#ifdef __OBJC__``; compiled as C++ (``g++ -x c++ -fsyntax-only``) every call, type and overload
@@ -19,6 +20,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "mps_kernels"))
+sys.path.insert(0, REPO)
 import embed_metal  # noqa: E402
 
 
@@ -27,9 +29,12 @@ def mm_files() -> list[str]:
 
 
 def command(path: str, generated: str, bfloat: bool, cxx: str = "g++") -> list[str]:
+    import torch
     from torch.utils.cpp_extension import include_paths
 
-    cmd = [cxx, "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused-function",
+    from hebrus_torch._torch_support import cxx_standard
+
+    cmd = [cxx, "-x", "c++", f"-std={cxx_standard(torch.__version__)}", "-fsyntax-only", "-Wall", "-Wno-unused-function",
            "-DHEBRUS_WITH_MPS=1", "-I", os.path.join(REPO, "csrc"), "-I", os.path.join(REPO, "mps_kernels"),
            "-I", generated]
     for inc in include_paths():
@@ -82,6 +87,11 @@ def check_all(cxx: str = "g++", variants=(True, False), jobs: int = 2,
 
 
 if __name__ == "__main__":
+    import torch
+
+    from hebrus_torch._torch_support import cxx_standard
+
+    print(f"torch {torch.__version__}, -std={cxx_standard(torch.__version__)}")
     failed = 0
     for name, ok, out in check_all(*sys.argv[1:], jobs=os.cpu_count() or 2):
         print(("ok    " if ok else "FAIL  ") + name)
