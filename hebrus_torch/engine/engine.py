@@ -37,6 +37,7 @@ from ..model_cache import ModelCache
 from ..state.handles import SeqHandle
 from .cache_manager import CacheManager
 from .config import EngineConfig, EngineCounters
+from .constraints import MaskBuffer, grammar_drafts, mask_logits
 from .drafting import propose_drafts
 from .intake import build_request, id_set as _id_set, token_ids as _token_ids  # noqa: F401  (their old home)
 from .logits_layout import LogitsLayout
@@ -124,6 +125,7 @@ class Engine:
         self._ids = itertools.count()
         self._cancelled: list[str] = []
         self._fault_hook: Callable[[StepPlan], None] | None = None   # tests: raise inside a step
+        self._masks = MaskBuffer()          # structured output's masks on the host (engine/constraints.py)
         self.on_prompt_done: Callable[[Request], None] | None = None
         """Called after the step in which a request's prompt entered the cache (its state is then the
         state after its prompt: what the chunk-invariance tests digest)."""
@@ -165,9 +167,11 @@ class Engine:
                     max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                     eos_token_id: int | Iterable[int] | None = None, stop_strings: Sequence[str] | None = None,
                     streaming: bool = False, record_timestamps: bool = False, user_data: Any = None,
-                    speculative: SpeculativeConfig | int | None = None) -> str:
+                    speculative: SpeculativeConfig | int | None = None, constraint: Any = None) -> str:
         """Queue a request; returns its id. ``speculative``: a SpeculativeConfig, or the number of tokens
         prompt lookup drafts per step (0: off); None: the engine's default (``EngineConfig.speculative``).
+        ``constraint``: structured output, a ``constraints.Constraint`` (compiled with the engine's tokenizer) or
+        a ``CompiledConstraint`` (``engine/constraints.py``); None: unconstrained.
 
         Raises:
             BadRequestError: the prompt or a parameter is invalid; nothing is queued.
@@ -175,7 +179,7 @@ class Engine:
         request = self.make_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
                                     sampling=sampling, eos_token_id=eos_token_id, stop_strings=stop_strings,
                                     streaming=streaming, record_timestamps=record_timestamps,
-                                    user_data=user_data, speculative=speculative)
+                                    user_data=user_data, speculative=speculative, constraint=constraint)
         self.submit(request)
         return request.request_id
 
@@ -183,7 +187,7 @@ class Engine:
                      max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                      eos_token_id: int | Iterable[int] | None = None, stop_strings: Sequence[str] | None = None,
                      streaming: bool = False, record_timestamps: bool = False, user_data: Any = None,
-                     speculative: SpeculativeConfig | int | None = None) -> Request:
+                     speculative: SpeculativeConfig | int | None = None, constraint: Any = None) -> Request:
         """A validated Request (BadRequestError naming the problem otherwise; ``engine/intake.py``)."""
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
@@ -192,7 +196,8 @@ class Engine:
             raise BadRequestError(f"engine: request {rid!r} is already in flight")
         return build_request(self, rid, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
-                             record_timestamps=record_timestamps, user_data=user_data, speculative=speculative)
+                             record_timestamps=record_timestamps, user_data=user_data, speculative=speculative,
+                             constraint=constraint)
 
     def submit(self, request: Request) -> None:
         """Queue a request made by :meth:`make_request`, with its ``forks`` (the other choices of its prompt,
@@ -200,6 +205,9 @@ class Engine:
         sequence once its prompt is in the cache."""
         if any(f.prompt != request.prompt for f in request.forks):
             raise BadRequestError(f"engine: request {request.request_id!r}: its forks must have its prompt")
+        if any(_constraint_of(f) != _constraint_of(request) for f in request.forks):
+            raise BadRequestError(f"engine: request {request.request_id!r}: its forks must have its constraint "
+                                  f"(they sample their first token from its masked logits)")
         self.requests[request.request_id] = request
         for fork in request.forks:
             self.requests[fork.request_id] = fork
@@ -222,6 +230,7 @@ class Engine:
         outputs = self._apply_cancellations()
         drafts = propose_drafts(self.scheduler.running, self.drafter, vocab_size=self.vocab_size,
                                 capacity_tokens=self.config.capacity_tokens, stop_speculating=self._stop_speculating)
+        drafts = grammar_drafts(drafts)
         plan = self.scheduler.schedule(drafts=drafts)
         for victim in plan.preempted:
             self.release_draft(victim)
@@ -299,6 +308,7 @@ class Engine:
         """The step's tokens, in one read of the device: the Picks of the chunks that sample one (then of the
         ``forked`` choices, each sampling from the row of the chunk of index given), and per verification row
         (by ``id(chunk)``) its Verdict."""
+        logits = mask_logits(chunks, layout, logits, self._masks)     # structured output (no-op without)
         rows = {id(c): layout.starts[i] for i, c in enumerate(chunks)}
         sampling = [c for c in chunks if c.needs_logits and not c.drafts]
         reqs = [c.request for c in sampling] + [fork for _, fork in forked]
@@ -411,6 +421,11 @@ class Engine:
             outs.append(StepOutput(req, [], True))
         self._cancelled.clear()
         return outs
+
+
+def _constraint_of(req: Request) -> Any:
+    """What a request's output is constrained to (None: nothing)."""
+    return None if req.constraint is None else req.constraint.compiled.constraint
 
 
 def _generator_states(requests: Iterable[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:

@@ -1,5 +1,5 @@
 """Requests in: the validation and defaults of ``Engine.make_request`` (token ids, lengths, sampling, EOS,
-stop strings, speculation), and the coercion of token-id inputs. Nothing here touches the cache.
+stop strings, speculation, structured output), and the coercion of token-id inputs. Nothing here touches the cache.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from .requests import Request
 from .sampling import BadRequestError, SamplingParams
 from .speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
 
-__all__ = ["build_request", "speculative_config", "token_ids", "id_set"]
+__all__ = ["build_request", "speculative_config", "grammar_state", "token_ids", "id_set"]
 
 
 def build_request(engine: Any, rid: str, prompt: Sequence[int], *, max_new_tokens: int | None = None,
                   sampling: SamplingParams | None = None, eos_token_id: int | Iterable[int] | None = None,
                   stop_strings: Sequence[str] | None = None, streaming: bool = False,
                   record_timestamps: bool = False, user_data: Any = None,
-                  speculative: SpeculativeConfig | int | None = None) -> Request:
+                  speculative: SpeculativeConfig | int | None = None, constraint: Any = None) -> Request:
     """Request ``rid`` validated against ``engine`` (its ``vocab_size``, ``config``, ``generation_config``
     for the defaults, ``text_config``, ``tokenizer`` and ``drafter``).
 
@@ -67,8 +67,33 @@ def build_request(engine: Any, rid: str, prompt: Sequence[int], *, max_new_token
     if stops and engine.tokenizer is None:
         raise BadRequestError(f"engine: request {rid!r}: stop strings need the engine's tokenizer")
     spec = speculative_config(engine, speculative, f"engine: request {rid!r}")
+    state = grammar_state(engine, constraint, eos, f"engine: request {rid!r}")
     return Request(rid, tokens, max_new_tokens, sampling, eos, stops, streaming, record_timestamps,
-                   user_data=user_data, speculative=spec)
+                   user_data=user_data, speculative=spec, constraint=state)
+
+
+def grammar_state(engine: Any, constraint: Any, eos: frozenset[int], what: str) -> Any:
+    """A request's matcher (``constraints.GrammarState``) for ``constraint``: a ``Constraint`` (compiled here with
+    the engine's tokenizer, ``eos`` ending the output) or a ``CompiledConstraint`` made for the engine's
+    vocabulary width; None for None."""
+    if constraint is None:
+        return None
+    from .constraints import CompiledConstraint, Constraint, ConstraintError, compile_constraint
+
+    if isinstance(constraint, Constraint):
+        if engine.tokenizer is None:
+            raise BadRequestError(f"{what}: a constraint needs the engine's tokenizer (or a CompiledConstraint)")
+        try:
+            constraint = compile_constraint(constraint, engine.tokenizer, engine.vocab_size, eos)
+        except ConstraintError as err:
+            raise ConstraintError(f"{what}: {err}") from None
+    if not isinstance(constraint, CompiledConstraint):
+        raise BadRequestError(f"{what}: constraint must be a Constraint or a CompiledConstraint, got "
+                              f"{type(constraint).__name__}")
+    if constraint.vocab_size != engine.vocab_size:
+        raise BadRequestError(f"{what}: the constraint was compiled for {constraint.vocab_size} token ids, the "
+                              f"model has {engine.vocab_size}")
+    return constraint.state()
 
 
 def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what: str) -> SpeculativeConfig:

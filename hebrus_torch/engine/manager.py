@@ -85,7 +85,7 @@ class _Intake:
 
 
 # make_request's own keywords among an intake's (the rest are sampling values, ``_sampling``'s)
-_REQUEST_FIELDS = ("max_new_tokens", "streaming", "record_timestamps", "eos_token_id", "stop_strings")
+_REQUEST_FIELDS = ("max_new_tokens", "streaming", "record_timestamps", "eos_token_id", "stop_strings", "constraint")
 
 
 def _tf():
@@ -273,7 +273,10 @@ class HebrusBatchingManager:
         do_sample, seed, logprobs, top_logprobs, logit_bias (a mapping of token id -> bias),
         presence_penalty, frequency_penalty) override the generation config for this request;
         ``stop_strings`` need the manager's tokenizer. ``num_return_sequences`` overrides the generation
-        config's. The engine thread validates the request: one it refuses gets FAILED outputs naming why.
+        config's. ``constraint`` (structured output: a ``constraints.Constraint``, which needs the manager's
+        tokenizer, or a ``CompiledConstraint``) constrains every choice; without it, the generation config's
+        ``constraint`` attribute does (what ``generate_batch`` passes for all its prompts). The engine thread
+        validates the request: one it refuses gets FAILED outputs naming why.
         """
         kwargs = dict(logit_processor_kwargs, max_new_tokens=max_new_tokens, streaming=streaming,
                       record_timestamps=record_timestamps, eos_token_id=eos_token_id, stop_strings=stop_strings)
@@ -505,9 +508,11 @@ class HebrusBatchingManager:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise BadRequestError(f"num_return_sequences must be an int >= 1, got {n!r}")
             seed = kwargs.get("seed")
+            fields = {k: kwargs.get(k) for k in _REQUEST_FIELDS}
+            if fields["constraint"] is None:      # generate_batch: the generation config's, for every request
+                fields["constraint"] = getattr(self.generation_config, "constraint", None)
             reqs = [engine.make_request(intake.prompt, request_id=rid,
-                                        sampling=self._sampling({**kwargs, "seed": choice_seed(seed, i)}),
-                                        **{k: kwargs.get(k) for k in _REQUEST_FIELDS})
+                                        sampling=self._sampling({**kwargs, "seed": choice_seed(seed, i)}), **fields)
                     for i, rid in enumerate(intake.ids)]
             reqs[0].forks = reqs[1:]
             engine.submit(reqs[0])

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from ..errors import HebrusError
 from ..model_cache import StepRecording
 from ..state.handles import SeqHandle
 from .requests import FinishReason, Request, RequestStatus
@@ -120,6 +121,14 @@ def _append(engine: "Engine", req: Request, tokens: list[int], logprobs: list[fl
     """Append a step's tokens to ``req`` (``running``: False when it must recompute: its status stays);
     finish it if it stops at the last."""
     req.generated.extend(tokens)
+    if req.constraint is not None:
+        try:
+            req.constraint.advance(tokens)
+        except HebrusError as err:       # a token its grammar refused: this request fails alone
+            if logprobs is not None:
+                req.logprobs.extend(logprobs)
+            finish(engine, req, RequestStatus.FAILED, f"{type(err).__name__}: {err}")
+            return StepOutput(req, list(tokens), True)
     if logprobs is not None:
         req.logprobs.extend(logprobs)
     if tops is not None:
@@ -197,6 +206,8 @@ def stop_reason(engine: "Engine", req: Request) -> FinishReason | None:
     """Why ``req`` stops after its last generated token (None: it goes on)."""
     if req.generated[-1] in req.eos_token_ids:
         return FinishReason.EOS
+    if req.constraint is not None and (req.constraint.ends_with(req.generated[-1]) or req.constraint.finished):
+        return FinishReason.EOS          # the grammar is complete (structured output)
     if req.stop_strings:
         text = engine.tokenizer.decode(req.generated)
         if any(s in text for s in req.stop_strings):

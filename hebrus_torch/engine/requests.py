@@ -12,13 +12,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..state.handles import SeqHandle
 from .sampling import SamplingParams
 from .speculative import SpecState, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from .constraints import GrammarState
 
 __all__ = ["Request", "RequestStatus", "FinishReason"]
 
@@ -61,6 +64,7 @@ class Request:
             request's sequence once its prompt is in the cache, and sample their first token from its logits
             there: the prompt is prefilled once. They run on their own if this request ends first.
         speculative: how it speculates (``engine/speculative.py``; off by default).
+        constraint: the grammar its output follows (structured output, ``engine/constraints.py``), or None.
     """
 
     request_id: str
@@ -92,6 +96,7 @@ class Request:
     user_data: Any = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     spec: SpecState = field(default_factory=SpecState)   # drafts, adaptive length and counters
+    constraint: "GrammarState | None" = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:

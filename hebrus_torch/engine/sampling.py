@@ -269,6 +269,7 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
             out.append(Pick(int(row[0])))
             continue
         k = p.top_logprobs
-        top = tuple(zip((int(t) for t in row[2:2 + k]), row[2 + width:2 + width + k]))
+        top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + width:2 + width + k])
+                    if v != -math.inf)          # (a grammar's mask leaves fewer than k possible tokens)
         out.append(Pick(int(row[0]), row[1], top))
     return out, extra

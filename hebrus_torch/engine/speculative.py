@@ -19,6 +19,7 @@ The engine then cuts the step short for the rows that did not keep all their tok
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -285,8 +286,8 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
                 t = min(p.top_logprobs, vocab)
                 ids, lp_top = values[at:at + (k + 1) * t], values[at + (k + 1) * t:at + 2 * (k + 1) * t]
                 at += 2 * (k + 1) * t
-                tops = [tuple(zip((int(i) for i in ids[j * t:(j + 1) * t]), lp_top[j * t:(j + 1) * t]))
-                        for j in range(m + 1)]
+                tops = [tuple((int(i), v) for i, v in zip(ids[j * t:(j + 1) * t], lp_top[j * t:(j + 1) * t])
+                              if v != -math.inf) for j in range(m + 1)]     # (-inf: masked by a grammar)
             out.append(Verdict(m, int(cand[m]), lps, tops))
         return out
 
