@@ -1,8 +1,8 @@
 """Structured output: a request's tokens constrained to a grammar (a JSON schema, any JSON object), with
 llguidance (docs/serving.md says why that engine).
 
-- :class:`Constraint`: what a request asks for (``Constraint.json_schema(schema)``, ``Constraint.json_object()``);
-  hashable, the key of the compile cache.
+- :class:`Constraint`: what a request asks for (``Constraint.json_schema(schema)``, ``Constraint.json_object()``,
+  ``Constraint.lark(grammar)``); hashable, the key of the compile cache.
 - :func:`compile_constraint`: a Constraint compiled against a tokenizer and the model's vocabulary width, or a
   :class:`ConstraintError` naming what is wrong (a schema llguidance cannot compile, one too large). Cached by
   (tokenizer, width, end tokens, constraint): a schema seen before costs a dictionary lookup.
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from .scheduler import ScheduledChunk
 
 __all__ = ["Constraint", "CompiledConstraint", "ConstraintError", "GrammarState", "compile_constraint",
-           "grammar_drafts", "mask_logits", "MaskBuffer", "end_token_ids", "MAX_SCHEMA_BYTES", "COMPILE_CACHE_SIZE"]
+           "grammar_drafts", "mask_logits", "MaskBuffer", "end_token_ids", "MAX_SCHEMA_BYTES", "COMPILE_CACHE_SIZE",
+           "JSON_OPTIONS"]
 
 MAX_SCHEMA_BYTES = 64 * 1024      # a schema's JSON text longer than this is refused ("too large")
 COMPILE_CACHE_SIZE = 256          # compiled constraints kept per (tokenizer, vocabulary width, end tokens)
@@ -47,7 +48,7 @@ MAX_GRAMMAR_SYMBOLS = 200_000     # llguidance's max_grammar_size for one reques
 
 # JSON as compact as json.dumps(separators=(",", ":")) unless the schema's "x-guidance" says otherwise: free
 # whitespace lets a model pad forever, and a bounded schema then forces the end of the output.
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class ConstraintError(BadRequestError):
@@ -69,9 +70,9 @@ class Constraint:
     """What a request's output must be.
 
     Attributes:
-        kind: ``"json_schema"`` (``source``: the schema as canonical JSON text) or ``"json_object"`` (any JSON
-            object; ``source`` empty).
-        source: the schema's JSON text (keys sorted, so equal schemas share one compiled grammar).
+        kind: ``"json_schema"`` (``source``: the schema as canonical JSON text), ``"json_object"`` (any JSON
+            object; ``source`` empty) or ``"lark"`` (``source``: a grammar in llguidance's Lark dialect).
+        source: the schema's JSON text (keys sorted, so equal schemas share one compiled grammar), or the grammar.
         name: a label for messages (OpenAI's ``json_schema.name``, a tool's name); not part of the cache key.
     """
 
@@ -112,6 +113,21 @@ class Constraint:
     def json_object(cls) -> "Constraint":
         """The output must be a JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
         return cls("json_object")
+
+    @classmethod
+    def lark(cls, grammar: str, name: str = "") -> "Constraint":
+        """The output must match ``grammar``, in llguidance's Lark dialect (``%json {schema}`` embeds a JSON schema:
+        how a server constrains a tool call to its chat format).
+
+        Raises:
+            ConstraintError: not a string, or longer than ``MAX_SCHEMA_BYTES``.
+        """
+        if not isinstance(grammar, str):
+            raise ConstraintError(f"a Lark grammar must be a string, got {type(grammar).__name__}")
+        if len(grammar.encode()) > MAX_SCHEMA_BYTES:
+            raise ConstraintError(f"the grammar{f' for {name!r}' if name else ''} is too large: "
+                                  f"{len(grammar.encode())} bytes (at most {MAX_SCHEMA_BYTES})")
+        return cls("lark", grammar, name)
 
     def schema(self) -> dict:
         """The JSON schema this constraint compiles (a json_object's is ``{"type": "object"}``)."""
@@ -262,9 +278,11 @@ def compile_constraint(constraint: Constraint, tokenizer: Any, vocab_size: int,
             cache.move_to_end(constraint)
             return CompiledConstraint(constraint, hit.grammar, ll, hit.vocab_size, hit.end_tokens, 0.0)
     t0 = time.perf_counter()
-    what = f"schema {constraint.name!r}" if constraint.name else "the schema"
+    what = (f"{'grammar' if constraint.kind == 'lark' else 'schema'} {constraint.name!r}" if constraint.name else
+            "the grammar" if constraint.kind == "lark" else "the schema")
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(constraint.schema(), defaults=_JSON_DEFAULTS)
+        grammar = (llg.LLMatcher.grammar_from_lark(constraint.source) if constraint.kind == "lark" else
+                   llg.LLMatcher.grammar_from_json_schema(constraint.schema(), defaults=JSON_OPTIONS))
     except (ValueError, TypeError) as err:
         raise ConstraintError(f"{what} cannot be compiled: {err}") from None
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=_limits())

@@ -178,6 +178,9 @@ class HebrusBatchingManager:
         self._intake_lock = threading.Lock()
         self._open: dict[str, tuple[_Intake, int]] = {}    # request id -> (its intake, its choice index)
         self.engine: Engine | None = None
+        self.observers: list[Callable[[Engine, list[StepOutput]], None]] = []
+        """Called on the engine's thread after every step with its outputs (a server's metrics); one that raises
+        is dropped (logged), the engine goes on."""
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_engine(self) -> Engine:
@@ -557,6 +560,12 @@ class HebrusBatchingManager:
             self.output_router.deliver_batch(plain)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(self.engine, outputs)
+            except Exception:  # noqa: BLE001 - an observer's failure is not the engine's
+                logger.exception("hebrus manager: an observer failed; it is dropped")
+                self.observers.remove(observer)
         ready = [self.to_generation_output(o.request) for o in outputs
                  if o.finished or o.request.streaming]
         for o in outputs:

@@ -14,6 +14,7 @@ from transformers.cli.serving import response as tf_response
 from transformers.cli.serving import server as tf_server
 from transformers.cli.serving import utils as tf_utils
 
+from . import metrics as serve_metrics
 from . import settings as serve_settings
 from .bridge import HebrusGenerationState
 from .handlers import HebrusChatCompletionHandler, HebrusCompletionHandler, HebrusResponseHandler
@@ -35,7 +36,7 @@ def _clear_prefix_cache(engine) -> int:
 
 
 def build_server(model_manager, chat_handler, *args, **kwargs):
-    """transformers' app, plus the ``_RequestEnd`` middleware, the API key when one is set, ``GET
+    """transformers' app, plus the ``_RequestEnd`` middleware, the API key when one is set, ``GET /metrics``, ``GET
     /hebrus/stats``, ``POST /hebrus/prefix_cache/clear`` and, with ``--hebrus-debug``, ``POST
     /hebrus/debug/kill_engine``."""
     from fastapi.responses import JSONResponse
@@ -50,6 +51,8 @@ def build_server(model_manager, chat_handler, *args, **kwargs):
 
     def manager():
         return state.hebrus_manager() if isinstance(state, HebrusGenerationState) else None
+
+    _mount_metrics(app, manager)
 
     @app.get("/hebrus/stats")
     def hebrus_stats():
@@ -89,6 +92,28 @@ def build_server(model_manager, chat_handler, *args, **kwargs):
             return JSONResponse({"status": "ok"})
 
     return app
+
+
+def _mount_metrics(app, manager) -> None:
+    """``GET /metrics`` (:mod:`.metrics`) and the middleware counting the responses of ``/v1/*``; without
+    prometheus_client, ``/metrics`` is a 501 saying so."""
+    from fastapi.responses import JSONResponse, Response
+
+    try:
+        metrics = serve_metrics.ServerMetrics(manager)
+    except ImportError:
+        metrics = None
+    serve_metrics.install(metrics)
+
+    @app.get("/metrics")
+    def hebrus_metrics():
+        if metrics is None:
+            return JSONResponse({"error": "/metrics needs prometheus-client (pip install 'hebrus_torch[serve]')"},
+                                status_code=501)
+        return Response(metrics.render(), media_type=serve_metrics.CONTENT_TYPE)
+
+    if metrics is not None:
+        app.add_middleware(serve_metrics.CountResponses, metrics=metrics)
 
 
 def _replacements() -> dict[tuple[Any, str], Any]:

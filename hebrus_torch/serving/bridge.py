@@ -19,6 +19,7 @@ from transformers.cli.serving import utils as tf_utils
 
 from hebrus_torch.engine.manager import DuplicateRequestError, ManagerStoppedError
 
+from . import metrics as serve_metrics
 from . import options as request_options
 from .middleware import on_disconnect, on_request_end
 from .validation import http_error
@@ -120,6 +121,9 @@ class HebrusCBGenerateManager(_BaseCBGenerateManager):
         except Exception as err:   # no engine: this request fails with a 503, the next one tries again
             raise tf_utils.CBWorkerDeadError(f"the hebrus engine could not start: {type(err).__name__}: {err}") \
                 from err
+        metrics = serve_metrics.current()
+        if metrics is not None:
+            cb.observers.append(metrics.observe)
         self._cb = cb
 
     @property

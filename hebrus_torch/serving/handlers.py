@@ -12,6 +12,7 @@ the batching path, chat completions and completions are answered by :func:`full_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .bridge import HebrusCBGenerateManager
 from .openai_format import (Choice, StopTrimmer, chat_body, chat_chunk, chat_logprobs, completion_body,
                             completion_chunk, completion_logprobs, sse, usage)
 from .options import Options
+from .structured import compile_for
 from .validation import check_body, check_responses_body, http_error
 from .validation import request_options as body_options
 
@@ -224,8 +226,13 @@ class _Checked:
         a = bound.arguments
         if not isinstance(a["gen_manager"], HebrusCBGenerateManager):
             return None
+        options, gen_config = request_options.of(a["gen_config"]), a["gen_config"]
+        if options.structured.asked:      # compiled before anything is queued (a 400 names what cannot be)
+            compiled = compile_for(options.structured, a["processor"], a["model"], gen_config.eos_token_id)
+            options = dataclasses.replace(options, constraint=compiled)
+            request_options.attach(gen_config, options)
         return Call(self.kind, self, a["request_id"], a["model"], a["processor"], a["model_id"], a["inputs"],
-                    a["gen_config"], a["gen_manager"], request_options.of(a["gen_config"]), a.get("tools"))
+                    gen_config, a["gen_manager"], options, a.get("tools"))
 
     def _streaming(self, *args, **kwargs):
         call = self._call("_streaming", args, kwargs)
@@ -247,9 +254,14 @@ class HebrusChatCompletionHandler(_Checked, tf_chat_completion.ChatCompletionHan
 
 
 class HebrusCompletionHandler(_Checked, tf_completion.CompletionHandler):
-    """transformers' ``/v1/completions`` handler, checked, with ``n`` choices and log-probabilities."""
+    """transformers' ``/v1/completions`` handler, checked, with ``n`` choices, log-probabilities and
+    ``response_format`` (which transformers' completions schema lacks)."""
 
     kind = "completion"
+
+    def _validate_request(self, body: dict) -> None:
+        check_body(body, self.kind)
+        super(_Checked, self)._validate_request({k: v for k, v in body.items() if k != "response_format"})
 
 
 _RESPONSE_FIELDS = frozenset(getattr(tf_response.ResponseHandler._valid_params_class, "__mutable_keys__", ()))

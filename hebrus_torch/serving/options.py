@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured import Structured
+
 __all__ = ["Options", "attach", "of"]
 
 _ATTRIBUTE = "hebrus_options"
@@ -23,6 +25,8 @@ class Options:
         logit_bias: token id -> bias.
         presence_penalty, frequency_penalty: OpenAI's (the engine's, not transformers' repetition penalty).
         seed: the request's seed (choice i's is derived from it, ``manager.choice_seed``).
+        structured: ``response_format`` and a forced ``tool_choice`` (:mod:`.structured`).
+        constraint: their ``CompiledConstraint``, once compiled with the served tokenizer (``structured.compile_for``).
     """
 
     n: int = 1
@@ -32,6 +36,8 @@ class Options:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    structured: Structured = field(default_factory=Structured)
+    constraint: Any = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """What ``HebrusBatchingManager.open_request`` takes for these (defaults left out)."""
@@ -46,6 +52,8 @@ class Options:
             kwargs["presence_penalty"] = float(self.presence_penalty)
         if self.frequency_penalty:
             kwargs["frequency_penalty"] = float(self.frequency_penalty)
+        if self.constraint is not None:
+            kwargs["constraint"] = self.constraint
         return kwargs
 
     @property
@@ -53,7 +61,9 @@ class Options:
         """The parameters set here that transformers' own (sequential) path would ignore."""
         names = [("n", self.n != 1), ("logprobs", self.logprobs), ("logit_bias", bool(self.logit_bias)),
                  ("presence_penalty", bool(self.presence_penalty)),
-                 ("frequency_penalty", bool(self.frequency_penalty))]
+                 ("frequency_penalty", bool(self.frequency_penalty)),
+                 ("response_format", self.structured.constraint is not None),
+                 ("tool_choice", self.structured.tool is not None)]
         return [name for name, on in names if on]
 
 

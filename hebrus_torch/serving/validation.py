@@ -10,6 +10,7 @@ from typing import Any
 
 from hebrus_torch.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 
+from . import structured
 from .options import Options
 
 __all__ = ["http_error", "check_body", "request_options", "check_content_part", "check_responses_body",
@@ -72,7 +73,8 @@ def _is_number(value: Any) -> bool:
 
 
 def request_options(body: dict, kind: str) -> Options:
-    """n, logprobs, top_logprobs, logit_bias, presence_penalty, frequency_penalty and seed, checked."""
+    """n, logprobs, top_logprobs, logit_bias, presence_penalty, frequency_penalty, seed, response_format and
+    tool_choice (:mod:`.structured`), checked."""
     n = body.get("n")
     n = 1 if n is None else n
     if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
@@ -109,7 +111,7 @@ def request_options(body: dict, kind: str) -> Options:
             raise http_error(400, f"`{name}` must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         penalties[name] = float(value or 0)
     return Options(n=n, logprobs=want, top_logprobs=top, logit_bias={int(k): float(v) for k, v in bias.items()},
-                   seed=body.get("seed"), **penalties)
+                   seed=body.get("seed"), structured=structured.read(body, kind), **penalties)
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
