@@ -323,3 +323,16 @@ def test_generate_batch_takes_the_constraint_of_its_generation_config(model, tok
     assert len(out) == 3
     for result in out.values():
         assert result.error is None and valid(tokenizer.decode(result.generated_tokens, skip_special_tokens=True))
+
+
+def test_an_objects_properties_come_in_the_schemas_order(model, tokenizer):
+    """(a canonical text with sorted keys wrote them alphabetically: "a" before "z")"""
+    schema = {"type": "object", "properties": {"z": {"enum": [1, 2]}, "a": {"enum": [3, 4]}},
+              "required": ["z", "a"], "additionalProperties": False}
+    engine = engine_for(model, tokenizer)
+    engine.add_request(prompts(tokenizer, 1, seed=14)[0], request_id="o", max_new_tokens=30, eos_token_id=EOS,
+                       constraint=Constraint.json_schema(schema))
+    engine.run()
+    req = engine.requests["o"]
+    assert req.finish_reason.value == "stop"
+    assert list(json.loads(text(tokenizer, req))) == ["z", "a"]

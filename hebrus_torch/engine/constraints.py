@@ -21,6 +21,7 @@ first token the grammar refuses (:func:`grammar_drafts`), so every one of them h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -72,7 +73,7 @@ class Constraint:
     Attributes:
         kind: ``"json_schema"`` (``source``: the schema as canonical JSON text), ``"json_object"`` (any JSON
             object; ``source`` empty) or ``"lark"`` (``source``: a grammar in llguidance's Lark dialect).
-        source: the schema's JSON text (keys sorted, so equal schemas share one compiled grammar), or the grammar.
+        source: the schema's compact JSON text (equal schemas share one compiled grammar), or the grammar.
         name: a label for messages (OpenAI's ``json_schema.name``, a tool's name); not part of the cache key.
     """
 
@@ -101,7 +102,8 @@ class Constraint:
         if not isinstance(schema, dict):
             raise ConstraintError(f"{what} must be a JSON object, got {type(schema).__name__}")
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            # (keys kept in their order: the grammar writes an object's properties in the schema's order)
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as err:
             raise ConstraintError(f"{what} is not JSON: {err}") from None
         if len(text.encode()) > MAX_SCHEMA_BYTES:
@@ -147,6 +149,9 @@ class CompiledConstraint:
         end_tokens: the ids that end the output once the grammar is complete (the tokenizer's EOS and the ones
             given to :func:`compile_constraint`).
         seconds: what compiling it took (0 when it came from the cache).
+        template: the grammar's matcher at its start, which each request's is a copy of (a copy shares the
+            parsed grammar and the lexer's states built so far: tens of microseconds instead of a rebuild in
+            milliseconds, and later requests' masks find the states earlier ones built).
     """
 
     constraint: Constraint
@@ -155,6 +160,7 @@ class CompiledConstraint:
     vocab_size: int
     end_tokens: frozenset[int]
     seconds: float = 0.0
+    template: Any = field(default=None, repr=False)
 
     def state(self) -> "GrammarState":
         """A fresh matcher for one request."""
@@ -176,9 +182,12 @@ class GrammarState:
     """
 
     def __init__(self, compiled: CompiledConstraint):
-        llg = _llguidance()
         self.compiled = compiled
-        self.matcher = llg.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0, limits=_limits())
+        if compiled.template is not None:
+            with _lock:        # (one thread at a time in the template; its copies are the requests' own)
+                self.matcher = compiled.template.deep_copy()
+        else:
+            self.matcher = _llguidance().LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0, limits=_limits())
         self.ended = False
         self.failure: str | None = None
         if self.matcher.is_error():
@@ -276,7 +285,7 @@ def compile_constraint(constraint: Constraint, tokenizer: Any, vocab_size: int,
         hit = cache.get(constraint)
         if hit is not None:
             cache.move_to_end(constraint)
-            return CompiledConstraint(constraint, hit.grammar, ll, hit.vocab_size, hit.end_tokens, 0.0)
+            return dataclasses.replace(hit, seconds=0.0)
     t0 = time.perf_counter()
     what = (f"{'grammar' if constraint.kind == 'lark' else 'schema'} {constraint.name!r}" if constraint.name else
             "the grammar" if constraint.kind == "lark" else "the schema")
@@ -291,7 +300,7 @@ def compile_constraint(constraint: Constraint, tokenizer: Any, vocab_size: int,
     matcher = llg.LLMatcher(ll, grammar, log_level=0, limits=_limits())
     if matcher.is_error():
         raise ConstraintError(f"{what} cannot be compiled: {matcher.get_error()}")
-    compiled = CompiledConstraint(constraint, grammar, ll, int(vocab_size), ends, time.perf_counter() - t0)
+    compiled = CompiledConstraint(constraint, grammar, ll, int(vocab_size), ends, time.perf_counter() - t0, matcher)
     with _lock:
         cache[constraint] = compiled
         while len(cache) > COMPILE_CACHE_SIZE:
