@@ -31,18 +31,8 @@ def make_json_tokenizer():
 
 
 def make_json_model(tokenizer, seed: int = 0, **overrides):
-    """A random tiny Qwen4Exp whose vocabulary is the tokenizer's (its norms and PLE conv randomised, as
-    tests/test_serve.py's ``make_model``)."""
-    import torch
+    """A random tiny Qwen4Exp whose vocabulary is the tokenizer's (tests/test_serve.py's ``make_model``: EOS 3,
+    its norms and PLE conv randomised)."""
+    from test_serve import make_model
 
-    from hf_models import modeling, tiny_indexer_config
-
-    torch.manual_seed(seed)
-    model = modeling.Qwen4ExpForCausalLM(tiny_indexer_config(vocab_size=len(tokenizer), **overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "conv1d" in name or "norm" in name:
-                p.normal_(0, 0.3)
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = 0
-    return model
+    return make_model(seed, vocab_size=len(tokenizer), **overrides)

@@ -64,9 +64,9 @@ def make_tokenizer(template: str = TEMPLATE):
     return fast
 
 
-def make_model(seed: int = 0, **overrides):
+def make_model(seed: int = 0, vocab_size: int = VOCAB, **overrides):
     torch.manual_seed(seed)
-    model = modeling.Qwen4ExpForCausalLM(tiny_indexer_config(vocab_size=VOCAB, **overrides)).eval()
+    model = modeling.Qwen4ExpForCausalLM(tiny_indexer_config(vocab_size=vocab_size, **overrides)).eval()
     with torch.no_grad():  # transformers zero-initialises norms and the PLE conv: give every path a say
         for name, p in model.named_parameters():
             if "conv1d" in name or "norm" in name:
