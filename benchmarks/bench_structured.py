@@ -182,8 +182,9 @@ def main() -> None:
            f"smaller, their absolute time is what transfers). Greedy requests decoding; median over the first "
            f"{args.steps} steps where all of them decode. Constrained: `response_format` json_object (any JSON "
            f"object). `mask_logits` alone: the masks of that many rows, each at another point of a 50-token "
-           f"document of the `person` schema (host computation in llguidance's thread pool, one upload, masking "
-           f"on `{args.device}`), median over the document's points.",
+           f"document of the `person` schema (computed on the calling thread, `constraints.MASK_THREADS` 0; on CPU "
+           f"unpacked on the host and masked row by row, on a device uploaded once and masked there; logits on "
+           f"`{args.device}`), median over the document's points.",
            "",
            "| constrained rows | step, unconstrained ms | step, constrained ms | added ms | added per row ms | "
            "mask_logits alone ms |",

@@ -144,14 +144,23 @@ def test_unconstrained_requests_beside_constrained_ones_get_their_own_tokens(mod
         assert text(tokenizer, mixed.requests[f"c{i}"]).startswith("{")
 
 
-def test_masks_leave_the_allowed_logits_as_they_are_and_put_the_refused_at_minus_infinity(tokenizer):
+@pytest.mark.parametrize("threads, upload", [(0, False), (2, False), (0, True)])
+def test_masks_leave_the_allowed_logits_as_they_are_and_put_the_refused_at_minus_infinity(tokenizer, monkeypatch,
+                                                                                          threads, upload):
     """``mask_logits`` on a step of three rows: an unconstrained one, a sampling row and a verification row of
     two drafts; row by row, a token is kept iff the grammar (advanced through the drafts before it) takes it,
-    and the matchers are where they were afterwards."""
+    and the matchers are where they were afterwards. Masks computed on the engine's thread or in llguidance's
+    pool; applied on the host (CPU logits) or as on a device (one upload, unpacked there: run here on CPU)."""
     from types import SimpleNamespace
 
+    import hebrus_torch.engine.constraints as constraints
     from hebrus_torch.engine.constraints import MaskBuffer, mask_logits
     from hebrus_torch.engine.logits_layout import LogitsLayout
+
+    monkeypatch.setattr(constraints, "MASK_THREADS", threads)
+    if upload:
+        monkeypatch.setattr(constraints, "_mask_on_host", lambda logits, bits, index, vocab: constraints._mask_uploaded(
+            logits, torch.cat([bits.flatten(), index]), bits.shape[0], bits.shape[1], vocab))
 
     compiled = compile_constraint(Constraint.json_schema(SCHEMA), tokenizer, len(tokenizer), [EOS])
     sampling, verifying = compiled.state(), compiled.state()

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import numpy
 import torch
 
 from .sampling import BadRequestError
@@ -329,7 +330,7 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 def _ll_executor():
     global _executor
     if _executor is None:
-        _executor = _llguidance().LLExecutor()
+        _executor = _llguidance().LLExecutor(MASK_THREADS)
     return _executor
 
 
@@ -381,15 +382,11 @@ def mask_logits(chunks: Sequence["ScheduledChunk"], layout: "LogitsLayout", logi
         if state.failure is None and not state.ended:
             jobs.append((state, at, len(drafts)))
             if drafts:
-                drafted.append((state.matcher, at, drafts))
+                drafted.append((state.matcher, at, drafts, state.compiled.end_tokens))
             else:
                 plain.append((state.matcher, at))
         at += 1 + len(drafts)
-    executor, ptr, row_bytes = _ll_executor(), bits.data_ptr(), words * 4
-    if plain:
-        executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, rows)
-    if drafted:
-        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, rows)
+    _fill(plain, drafted, bits)
     allowed_any = bits.ne(0).any(dim=1)
     for state, first, k in jobs:
         if state.matcher.is_error():
@@ -399,11 +396,66 @@ def mask_logits(chunks: Sequence["ScheduledChunk"], layout: "LogitsLayout", logi
         else:
             continue
         bits[first:first + 1 + k] = -1          # unmasked: the request fails alone after the step
-    upload = host.to(logits.device, non_blocking=True)  # the step's one upload of masks
-    shifts = _SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _SHIFTS.setdefault(logits.device, torch.arange(32, dtype=torch.int32, device=logits.device))
-    allowed = ((upload[:rows * words].view(rows, words, 1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    where = upload[rows * words:].long()
-    logits[where] = logits[where].masked_fill(~allowed, float("-inf"))
+    if logits.device.type == "cpu":
+        return _mask_on_host(logits, bits, index, vocab)
+    return _mask_uploaded(logits, host, rows, words, vocab)
+
+
+def _mask_on_host(logits: torch.Tensor, bits: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """CPU logits: the bits unpacked with numpy (little-endian: token t is bit t % 8 of byte t // 8) and each row
+    masked in place (measured: a gather / masked_fill / scatter of all rows costs more than the rows' own fills)."""
+    refused = numpy.unpackbits(bits.numpy().view(numpy.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    for r, row in enumerate(index.tolist()):
+        logits[row].masked_fill_(torch.from_numpy(refused[r]), float("-inf"))
     return logits
+
+
+def _mask_uploaded(logits: torch.Tensor, host: torch.Tensor, rows: int, words: int, vocab: int) -> torch.Tensor:
+    """Device logits: the host buffer (bits, then rows) uploaded in one copy, the bits unpacked on the device and
+    the rows masked with one ``index_put``."""
+    upload = host.to(logits.device, non_blocking=True)  # the step's one upload of masks
+    bytes_ = upload[:rows * words].view(torch.uint8).view(rows, words * 4, 1)
+    powers = _SHIFTS.get(logits.device)
+    if powers is None:
+        powers = _SHIFTS.setdefault(logits.device, 2 ** torch.arange(8, dtype=torch.uint8, device=logits.device))
+    refused = (bytes_ & powers).view(rows, words * 32)[:, :vocab] == 0
+    where = upload[rows * words:].long()
+    logits[where] = logits[where].masked_fill(refused, float("-inf"))
+    return logits
+
+
+MASK_THREADS = 0
+"""0: the engine's thread computes the masks, row after row (llguidance drops the GIL); n > 0: llguidance's pool of
+n threads does (worth it where cores are free; on the shared 2-core machine of benchmarks/RESULTS.md it was
+slower: its threads wait for a core)."""
+
+
+def _fill(plain: list, drafted: list, bits: torch.Tensor) -> None:
+    """Each ``(matcher, row)`` of ``plain`` writes its mask into ``bits[row]``; each ``(matcher, row, drafts, end
+    tokens)`` of ``drafted`` its mask and, advanced through each prefix of its drafts up to an end token, the next
+    ones into the rows after (and is rolled back)."""
+    row_bytes, ptr = bits.shape[1] * 4, bits.data_ptr()
+    if MASK_THREADS > 0:
+        executor = _ll_executor()
+        if plain:
+            executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, bits.shape[0])
+        if drafted:
+            cut = [(m, r, d[:next((i for i, t in enumerate(d) if t in e), len(d))]) for m, r, d, e in drafted]
+            executor.unsafe_compute_mask_ptr_with_draft_token(cut, ptr, row_bytes, bits.shape[0])
+        return
+    for matcher, row in plain:
+        matcher.unsafe_compute_mask_ptr(ptr + row * row_bytes, row_bytes)
+    for matcher, row, drafts, ends in drafted:
+        taken = 0
+        try:
+            matcher.unsafe_compute_mask_ptr(ptr + row * row_bytes, row_bytes)
+            for j, token in enumerate(drafts):
+                if token in ends or not matcher.consume_token(int(token)):
+                    break     # an end token ends the request: no row after it is read (and llguidance's rollback
+                    #           past one does not restore the state); a refused draft: never, drafts were checked
+                taken += 1
+                matcher.unsafe_compute_mask_ptr(ptr + (row + 1 + j) * row_bytes, row_bytes)
+        finally:
+            if taken:
+                matcher.rollback(taken)
+
