@@ -267,3 +267,14 @@ def test_metrics_parse_and_move_as_requests_run_behind_the_api_key(server):
     c.chat.completions.create(model=server.model_dir, messages=messages(40), max_tokens=2, temperature=0)
     assert value(metrics(server)[1], "hebrus_prefix_reused_tokens_total") > \
         value(again, "hebrus_prefix_reused_tokens_total")
+
+
+def test_the_sequential_path_refuses_structured_output_it_would_ignore():
+    from hebrus_torch.serving.validation import check_body
+
+    body = {"messages": [{"role": "user", "content": "w1"}]}
+    assert check_body(dict(body, response_format={"type": "json_object"}), "chat").beyond_transformers == \
+        ["response_format"]
+    assert check_body(dict(body, tools=TOOLS, tool_choice="required"), "chat").beyond_transformers == ["tool_choice"]
+    assert check_body(dict(body, tools=TOOLS, tool_choice="auto", response_format={"type": "text"}),
+                      "chat").beyond_transformers == []

@@ -11,9 +11,11 @@
 - ``runner.py``: executes a step on the model's own modules inside one ModelCache transaction;
 - ``sampling.py``: per-request sampling as ``GenerationConfig`` describes it;
 - ``outputs.py``: a step's output applied to the requests;
-- ``manager.py``: the transformers-facing manager (``init_continuous_batching``, ``generate_batch``).
+- ``manager.py``: the transformers-facing manager (``init_continuous_batching``, ``generate_batch``);
+- ``constraints.py``: structured output (a request's grammar, its masks in the step; llguidance).
 """
 
+from .constraints import CompiledConstraint, Constraint, ConstraintError, compile_constraint
 from .engine import BadRequestError, Engine, EngineConfig, StepOutput
 from .requests import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
@@ -21,4 +23,5 @@ from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 __all__ = ["Engine", "EngineConfig", "StepOutput", "BadRequestError", "Request", "RequestStatus",
-           "FinishReason", "ModelRunner", "SamplingParams", "Scheduler", "StepPlan", "ScheduledChunk"]
+           "FinishReason", "ModelRunner", "SamplingParams", "Scheduler", "StepPlan", "ScheduledChunk", "Constraint",
+           "CompiledConstraint", "ConstraintError", "compile_constraint"]
