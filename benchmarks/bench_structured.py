@@ -173,7 +173,7 @@ def main() -> None:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    out = [f"\n## Structured output: grammar masks and schema compiles (issue 39)",
+    out = ["\n## Structured output: grammar masks and schema compiles (issue 39)",
            f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread; llguidance "
            f"{_version('llguidance')}. `python benchmarks/bench_structured.py --vocab {args.vocab} --steps "
            f"{args.steps} --rows {args.rows} --device {args.device}`. Load average at the start: {load:.1f}. "

@@ -38,8 +38,9 @@ def valid(text: str) -> bool:
         value = json.loads(text)
     except ValueError:
         return False
-    return (isinstance(value, dict) and set(value) == {"color", "n", "ok"} and value["color"] in ("red", "green", "blue")
-            and type(value["n"]) is int and 0 <= value["n"] <= 99 and type(value["ok"]) is bool)
+    return (isinstance(value, dict) and set(value) == {"color", "n", "ok"}
+            and value["color"] in ("red", "green", "blue") and type(value["n"]) is int and 0 <= value["n"] <= 99
+            and type(value["ok"]) is bool)
 
 
 @pytest.fixture(autouse=True)
@@ -345,3 +346,22 @@ def test_an_objects_properties_come_in_the_schemas_order(model, tokenizer):
     req = engine.requests["o"]
     assert req.finish_reason.value == "stop"
     assert list(json.loads(text(tokenizer, req))) == ["z", "a"]
+
+
+def test_prefix_sharing_serves_a_constrained_request_as_any_other(model, tokenizer):
+    """A constrained request whose prompt a kept prefix covers starts from it (prefix-hit tokens) and generates
+    what it generates on a fresh engine (greedy)."""
+    p = prompts(tokenizer, 1, seed=15)[0] * 3
+    fresh = engine_for(model, tokenizer)
+    fresh.add_request(p, request_id="a", max_new_tokens=40, eos_token_id=EOS,
+                      constraint=Constraint.json_schema(SCHEMA))
+    fresh.run()
+    engine = engine_for(model, tokenizer)
+    engine.add_request(p, request_id="first", max_new_tokens=4, eos_token_id=-1)        # unconstrained, kept
+    engine.run()
+    engine.add_request(p, request_id="b", max_new_tokens=40, eos_token_id=EOS,
+                       constraint=Constraint.json_schema(SCHEMA))
+    engine.run()
+    assert engine.requests["b"].prefix_hit_tokens > 0
+    assert engine.requests["b"].generated == fresh.requests["a"].generated
+    assert valid(text(tokenizer, engine.requests["b"]))

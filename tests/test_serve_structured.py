@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from typing import Literal
