@@ -31,8 +31,8 @@ from .structured import compile_for
 from .validation import check_body, check_responses_body, http_error
 from .validation import request_options as body_options
 
-__all__ = ["Call", "full_response", "stream_response", "HebrusChatCompletionHandler", "HebrusCompletionHandler",
-           "HebrusResponseHandler"]
+__all__ = ["Call", "compile_structured", "full_response", "stream_response", "HebrusChatCompletionHandler",
+           "HebrusCompletionHandler", "HebrusResponseHandler"]
 
 
 @dataclass
@@ -68,12 +68,25 @@ class Call:
         return build_response_parser(self.processor, self.model, self.inputs["input_ids"], tools=self.tools)
 
 
+async def compile_structured(call: Call) -> None:
+    """Compile the request's ``response_format`` / forcing ``tool_choice`` (if any) with the served tokenizer,
+    off the event loop (a cold schema takes milliseconds, a tokenizer's first one about a second), before anything
+    is queued: a 400 names what cannot be compiled. The compiled constraint travels in the request's options."""
+    if not call.options.structured.asked:
+        return
+    compiled = await asyncio.to_thread(compile_for, call.options.structured, call.processor, call.model,
+                                       call.gen_config.eos_token_id)
+    call.options = dataclasses.replace(call.options, constraint=compiled)
+    request_options.attach(call.gen_config, call.options)
+
+
 async def full_response(call: Call) -> Any:
     """The JSON response with ``n`` choices, once every choice finished (a refused request is a 400, a failed
     choice a 500, or a 503 when the engine died)."""
     from fastapi.responses import JSONResponse
     from transformers.cli.serving.utils import parse_assistant_message
 
+    await compile_structured(call)
     n = call.options.n
     queue, input_ids, cancel = await call.gen_manager.generate_choices(call.inputs, call.gen_config,
                                                                        call.request_id, streaming=False)
@@ -117,6 +130,7 @@ async def stream_response(call: Call) -> Any:
     from fastapi.responses import StreamingResponse
     from transformers.cli.serving.utils import ReasoningText, ToolCall, response_events_to_chunks
 
+    await compile_structured(call)
     n, options, chat = call.options.n, call.options, call.kind == "chat"
     queue, input_ids, cancel = await call.gen_manager.generate_choices(call.inputs, call.gen_config,
                                                                        call.request_id, streaming=True)
@@ -226,13 +240,8 @@ class _Checked:
         a = bound.arguments
         if not isinstance(a["gen_manager"], HebrusCBGenerateManager):
             return None
-        options, gen_config = request_options.of(a["gen_config"]), a["gen_config"]
-        if options.structured.asked:      # compiled before anything is queued (a 400 names what cannot be)
-            compiled = compile_for(options.structured, a["processor"], a["model"], gen_config.eos_token_id)
-            options = dataclasses.replace(options, constraint=compiled)
-            request_options.attach(gen_config, options)
         return Call(self.kind, self, a["request_id"], a["model"], a["processor"], a["model_id"], a["inputs"],
-                    gen_config, a["gen_manager"], options, a.get("tools"))
+                    a["gen_config"], a["gen_manager"], request_options.of(a["gen_config"]), a.get("tools"))
 
     def _streaming(self, *args, **kwargs):
         call = self._call("_streaming", args, kwargs)
