@@ -38,7 +38,8 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-cache-bytes", type=int, default=None,
                    help="with the table on disk, release its mapped pages past N bytes (default: 1/8 of memory)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /hebrus/* (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /hebrus/* and /metrics "
+                        f"(default: ${API_KEY_ENV})")
     return p
 
 
@@ -66,8 +67,8 @@ hebrus options:
                                   memory; the log says which ran (docs/ple.md)
   --ple-cache-bytes N             with the table on disk, release the pages it maps past about N bytes (they stay
                                   in the OS page cache); default: an eighth of physical memory
-  --api-key KEY                   require `Authorization: Bearer KEY` on /v1/* and /hebrus/* (/health stays
-                                  open); default: the HEBRUS_API_KEY environment variable
+  --api-key KEY                   require `Authorization: Bearer KEY` on /v1/*, /hebrus/* and /metrics
+                                  (/health stays open); default: the HEBRUS_API_KEY environment variable
 
 transformers serve options (passed through; `--continuous-batching` is added unless
 `--no-continuous-batching` is given):

@@ -21,8 +21,8 @@ class HebrusServeSettings:
         prefix_cache_tokens: cells kept for finished requests (second chat turns); 0 disables the prefix cache.
         block_sharing: False turns prefix sharing off altogether (no shared blocks, no prefix cache).
         debug: mount ``POST /hebrus/debug/kill_engine``.
-        api_key: when set, every ``/v1/*`` and ``/hebrus/*`` request must carry ``Authorization: Bearer
-            <api_key>`` (else 401 with an OpenAI-style error body); ``/health`` stays open.
+        api_key: when set, every ``/v1/*``, ``/hebrus/*`` and ``/metrics`` request must carry ``Authorization:
+            Bearer <api_key>`` (else 401 with an OpenAI-style error body); ``/health`` stays open.
         prompt_cache_dir: finished requests' states are also written there and read back by the next
             server (``EngineConfig.prompt_cache_dir``); one server per directory.
         prompt_cache_max_bytes: the size cap of ``prompt_cache_dir`` (None: the engine's default, 4 GiB).
