@@ -324,7 +324,7 @@ def grammar_drafts(drafts: dict["Request", list[int]]) -> dict["Request", list[i
 
 
 _executor = None
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}     # per device: 1, 2, 4, ..., 128 (uint8)
 
 
 def _ll_executor():
@@ -415,9 +415,10 @@ def _mask_uploaded(logits: torch.Tensor, host: torch.Tensor, rows: int, words: i
     the rows masked with one ``index_put``."""
     upload = host.to(logits.device, non_blocking=True)  # the step's one upload of masks
     bytes_ = upload[:rows * words].view(torch.uint8).view(rows, words * 4, 1)
-    powers = _SHIFTS.get(logits.device)
+    powers = _BIT_VALUES.get(logits.device)
     if powers is None:
-        powers = _SHIFTS.setdefault(logits.device, 2 ** torch.arange(8, dtype=torch.uint8, device=logits.device))
+        powers = _BIT_VALUES.setdefault(logits.device,
+                                        2 ** torch.arange(8, dtype=torch.uint8, device=logits.device))
     refused = (bytes_ & powers).view(rows, words * 32)[:, :vocab] == 0
     where = upload[rows * words:].long()
     logits[where] = logits[where].masked_fill(refused, float("-inf"))
