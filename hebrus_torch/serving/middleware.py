@@ -91,9 +91,10 @@ _PROTECTED_PREFIXES = ("/v1/", "/hebrus/", "/metrics")
 
 
 def require_api_key(app: Any, key: str) -> None:
-    """Refuse every request under ``/v1/`` and ``/hebrus/``, and ``/metrics``, whose ``Authorization`` header is not ``Bearer
-    <key>`` with 401 and the error body OpenAI's API sends (``invalid_api_key``). The comparison takes the same
-    time wherever the two first differ (``hmac.compare_digest``), so response times do not reveal the key."""
+    """Refuse every request under ``/v1/`` and ``/hebrus/``, and to ``/metrics``, whose ``Authorization`` header is
+    not ``Bearer <key>`` with 401 and the error body OpenAI's API sends (``invalid_api_key``). The comparison takes
+    the same time wherever the two first differ (``hmac.compare_digest``), so response times do not reveal the
+    key."""
     import hmac
 
     from fastapi.responses import JSONResponse
