@@ -4,7 +4,7 @@ affine format (hebrus_torch/moe/quantize.py) at 4 and 8 bits with groups of 32, 
 format of the same bits and groups and GGUF's (llama.cpp) Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, on the same weights.
 
     pip install gguf "mlx[cpu]"      # optional: the rows of a format whose package is missing are skipped
-    python benchmarks/bench_quant_quality.py --work-dir /tmp/hebrus-quality [--train-steps 40] [--json out.json]
+    python benchmarks/bench_quant_quality.py --work-dir /tmp/hebrus-quality [--train-steps 150] [--threads 1] [--json out.json]
 
 Two models, both transformers 5.23.0 ``Qwen4ExpForCausalLM`` run in fp32 from bf16-stored weights (the
 released dtype; every format quantizes those bf16 values, the affine ones with bf16 scales and biases):
@@ -396,15 +396,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True, help="cache of the trained checkpoint")
     parser.add_argument("--models", default="trained,random", help="comma list of: trained, random")
-    parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--train-batch", type=int, default=1)
     parser.add_argument("--train-seq", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--train-device", default="cpu")
     parser.add_argument("--train-only", action="store_true", help="train (and cache) the checkpoint, then stop")
-    parser.add_argument("--eval-tokens", type=int, default=1024, help="text length for the trained model")
-    parser.add_argument("--random-tokens", type=int, default=256, help="text length for the random model")
-    parser.add_argument("--random-experts", type=int, default=16)
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="text length for the trained model")
+    parser.add_argument("--random-tokens", type=int, default=192, help="text length for the random model")
+    parser.add_argument("--random-experts", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text", type=Path, help="the text (default: this Python's pydoc_data/topics.py)")
     parser.add_argument("--formats", default="", help="comma list of substrings: only formats whose label has one")
