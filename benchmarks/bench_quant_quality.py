@@ -403,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--train-device", default="cpu")
     parser.add_argument("--train-only", action="store_true", help="train (and cache) the checkpoint, then stop")
     parser.add_argument("--eval-tokens", type=int, default=4096, help="text length for the trained model")
+    parser.add_argument("--eval-offset", type=int, default=0, help="where in the held-out text both evaluations start")
     parser.add_argument("--random-tokens", type=int, default=192, help="text length for the random model")
     parser.add_argument("--random-experts", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
@@ -425,10 +426,10 @@ def main(argv: list[str] | None = None) -> dict:
             if args.train_only:
                 print(json.dumps(info, indent=2))
                 return info
-            ids = held_out[:args.eval_tokens]
+            ids = held_out[args.eval_offset:args.eval_offset + args.eval_tokens]
         elif which == "random":
             model, info = random_released_model(args.random_experts), {"experts": args.random_experts}
-            ids = held_out[:args.random_tokens]
+            ids = held_out[args.eval_offset:args.eval_offset + args.random_tokens]
         else:
             raise SystemExit(f"unknown model {which!r}")
         entry = evaluate(model, ids, fmts, which) | {"info": info}
