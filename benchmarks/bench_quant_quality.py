@@ -4,7 +4,7 @@ affine format (hebrus_torch/moe/quantize.py) at 4 and 8 bits with groups of 32, 
 format of the same bits and groups and GGUF's (llama.cpp) Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, on the same weights.
 
     pip install gguf "mlx[cpu]"      # optional: the rows of a format whose package is missing are skipped
-    python benchmarks/bench_quant_quality.py --work-dir /tmp/hebrus-quality [--train-steps 150] [--threads 1] [--json out.json]
+    python benchmarks/bench_quant_quality.py --work-dir /tmp/hebrus-quality [--threads 1] [--json out.json]
 
 Two models, both transformers 5.23.0 ``Qwen4ExpForCausalLM`` run in fp32 from bf16-stored weights (the
 released dtype; every format quantizes those bf16 values, the affine ones with bf16 scales and biases):
@@ -381,12 +381,13 @@ def machine() -> dict:
 
 def markdown(entry: dict) -> str:
     """One model's rows as a markdown table (what RESULTS.md copies)."""
-    lines = ["| weights quantized | format | bits/weight | mean KL (nats) | median KL | KL p99 | top-1 agreement | kept |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['set']} | {r['format']} | {r['bits_per_weight']:.2f} | {r['kl_mean']:.2e} | {r['kl_median']:.2e} | "
-              f"{r['kl_p99']:.2e} | {100 * r['top1']:.2f}% | {r['kept']} |" for r in entry["rows"]]
-    lines += ["", "| weights quantized | format | mean KL(ours) - KL(mlx) | standard error | positions where ours is lower |",
-              "|---|---|---|---|---|"]
+    lines = ["| weights quantized | format | bits/weight | mean KL (nats) | median KL | KL p99 | top-1 agreement "
+             "| kept |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['set']} | {r['format']} | {r['bits_per_weight']:.2f} | {r['kl_mean']:.2e} | "
+              f"{r['kl_median']:.2e} | {r['kl_p99']:.2e} | {100 * r['top1']:.2f}% | {r['kept']} |"
+              for r in entry["rows"]]
+    lines += ["", "| weights quantized | format | mean KL(ours) - KL(mlx) | standard error "
+              "| positions where ours is lower |", "|---|---|---|---|---|"]
     lines += [f"| {d['set']} | {d['format']} | {d['mean']:+.2e} | {d['stderr']:.2e} | "
               f"{d['positions_ours_lower']} of {d['positions']} |" for d in entry["ours_minus_mlx"]]
     return "\n".join(lines)
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
     data, sha = text_bytes(args.text)
     _, held_out = split_text(data)
     fmts, notes = formats([f for f in args.formats.split(",") if f])
-    result = {"machine": machine(), "text": {"file": str(args.text or "pydoc_data/topics.py"), "sha256": sha}, "notes": notes,
-              "models": []}
+    result = {"machine": machine(), "text": {"file": str(args.text or "pydoc_data/topics.py"), "sha256": sha},
+              "notes": notes, "models": []}
     for note in notes:
         print("note:", note)
     for which in args.models.split(","):

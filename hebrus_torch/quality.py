@@ -37,7 +37,8 @@ WEIGHT_SETS = {"routed_experts": _ROUTED, "shared_expert": _SHARED, "projections
 
 def select_weights(model: torch.nn.Module, sets: Iterable[str]) -> dict[str, torch.nn.Parameter]:
     """The parameters of ``model`` in the named weight sets (keys of :data:`WEIGHT_SETS`: ``"routed_experts"``,
-    ``"shared_expert"``, ``"projections"``; module docstring), by name, in the model's order. An unknown set name raises HebrusError."""
+    ``"shared_expert"``, ``"projections"``; module docstring), by name, in the model's order. An unknown set
+    name raises HebrusError."""
     sets = list(sets)
     unknown = [s for s in sets if s not in WEIGHT_SETS]
     if unknown:
