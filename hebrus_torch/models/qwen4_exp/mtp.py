@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ...model_cache import ChunkStep
     from .forward import PackedQwen4Exp
 
-__all__ = ["Qwen4ExpMTP", "mtp_layer_index", "packed_mtp", "mtp_write", "mtp_logits", "reference_mtp"]
+__all__ = ["Qwen4ExpMTP", "mtp_layer_index", "packed_mtp", "mtp_write", "mtp_logits", "causal_mask", "reference_mtp"]
 
 
 def _modeling():
@@ -119,6 +119,15 @@ def mtp_logits(mtp: Qwen4ExpMTP, lm_head: torch.nn.Module, streams: torch.Tensor
     return lm_head(mtp.hyper_connection_mixer(streams)).float()
 
 
+def causal_mask(mtp: Qwen4ExpMTP, t: int, like: torch.Tensor) -> torch.Tensor:
+    """The 4-D causal mask [1, 1, t, t] transformers' attention takes: bool for sdpa, additive (0 / the dtype's
+    minimum) for eager attention."""
+    mask = torch.ones(t, t, dtype=torch.bool, device=like.device).tril()[None, None]
+    if mtp.block.self_attn.config._attn_implementation != "eager":
+        return mask
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, torch.finfo(like.dtype).min)
+
+
 @torch.no_grad()
 def reference_mtp(model: torch.nn.Module, mtp: Qwen4ExpMTP, streams: torch.Tensor, tokens: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +149,5 @@ def reference_mtp(model: torch.nn.Module, mtp: Qwen4ExpMTP, streams: torch.Tenso
     x = mtp.fuse(streams, text.embed_tokens(tokens))[None]
     pos = torch.arange(t, device=tokens.device).view(1, 1, -1).expand(3, 1, -1)
     cos_sin = text.rotary_emb(x[..., : mtp.hidden_size], pos)
-    mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None, None]
-    out = mtp.block(x, position_embeddings=cos_sin, attention_mask=mask)[0]
+    out = mtp.block(x, position_embeddings=cos_sin, attention_mask=causal_mask(mtp, t, x))[0]
     return out, mtp_logits(mtp, model.lm_head, out)
