@@ -13,7 +13,9 @@ engine). A checkpoint that already has its block is measured as it is (``--retra
 Then, on other prompts (64 random tokens, seed 7), 1, 8 (and 64) requests arriving at once, greedy,
 ``--new`` tokens each: plain decoding, prompt lookup (``--k`` drafts), MTP with the trained block and MTP with
 an untrained block (random weights: nothing accepted, the cost of the machinery: the block's K/V written in
-every step, the drafting passes, verification and the back-off). Per row: tokens/s (median of ``--repeat``
+every step, the drafting passes, verification and the back-off), and the untrained block without the
+back-off (``adaptive=False``: every decode step drafts ``--k`` tokens and all are rejected: its ratio to plain
+is the cost of such a step, the number of steps being the same). Per row: tokens/s (median of ``--repeat``
 runs, the configurations' order rotating per repeat), each against plain (the median of the per-repeat
 ratios), acceptance per draft position (accepted / drafted at positions 1, 2, ...), tokens per verification
 row. The greedy tokens of every path are asserted equal to plain decoding's.
@@ -173,7 +175,8 @@ def main() -> None:
     untrained = random_mtp(model.config, 6).to(trained.fc_hidden.weight.dtype)
     vocab = model.config.vocab_size
     paths = {"prompt lookup": (SpeculativeConfig(args.k), None), "MTP trained": (SpeculativeConfig(
-        args.k, method="mtp"), trained), "MTP untrained": (SpeculativeConfig(args.k, method="mtp"), untrained)}
+        args.k, method="mtp"), trained), "MTP untrained": (SpeculativeConfig(args.k, method="mtp"), untrained),
+             "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp"), untrained)}
     log: list[tuple[int, int]] = []
     update = SpecState.update
 

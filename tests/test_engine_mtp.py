@@ -140,6 +140,18 @@ def test_drafting_is_batched_one_pass_per_draft_position():
             for p in prompts_for(22, lengths=(9, 4, 13))]
     while any(len(r.generated) < 2 for r in reqs):
         engine.step()
+    from hebrus_torch.engine.step_counts import PARTS
+
+    class Parts(list):                     # the parts a step names (engine.step_counts labels each)
+        seen: set = set()
+
+        def append(self, part):
+            self.seen.add(part)
+            super().append(part)
+    engine.runner.parts = Parts()
+    engine.step()
+    engine.runner.parts = None
+    assert "mtp" in Parts.seen and Parts.seen <= set(PARTS)
     alone = [engine.mtp_drafter.propose_batch([r], [k])[0] for r, k in zip(reqs, (3, 1, 2))]
     passes = engine.mtp_drafter.passes
     together = engine.mtp_drafter.propose_batch(reqs, [3, 1, 2])
