@@ -20,9 +20,10 @@ import torch
 
 from hf_models import modeling, tiny_indexer_config  # noqa: F401  (skips without transformers)
 from test_engine import EOS, eager_experts, make_model, prompts_for, row_invariant  # noqa: F401
+from test_engine_speculative import generate_batch_once, run as speculative_run
 
 import hebrus_torch.engine.mtp as engine_mtp
-from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
+from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, SamplingParams
 from hebrus_torch.engine.speculative import SpeculativeConfig
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp.mtp import reference_mtp
@@ -43,22 +44,17 @@ def mtp_config(k: int, **kw) -> SpeculativeConfig:
     return SpeculativeConfig(k, method="mtp", **kw)
 
 
-def run(model, prompts, *, spec=None, max_new_tokens=12, sampling=None, digests=None, order=None, **config):
-    cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
-    cfg.update(config)
-    engine = Engine(model, EngineConfig(speculative=spec, **cfg))
-    for i in (order if order is not None else range(len(prompts))):
-        engine.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS,
-                           sampling=sampling)
-    while engine.has_unfinished():
-        engine.step()
-        if digests is not None:
-            for req in engine.scheduler.running:
-                if req.seq is not None:
-                    digests[(req.request_id, req.num_computed)] = tuple(h.digest(req.seq) for h in engine.cache.holders)
-    assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values()), \
-        [(r.request_id, r.error) for r in engine.requests.values()]
-    return {rid: r.generated for rid, r in engine.requests.items()}, engine
+def run(model, prompts, *, spec=None, digests=None, order=None, **config):
+    """test_engine_speculative's ``run`` with ``spec`` the engine's default, the requests arriving in ``order``
+    (their ids and the digests' keys stay those of their place in ``prompts``)."""
+    order = list(order) if order is not None else list(range(len(prompts)))
+    got: dict = {}
+    tokens, engine = speculative_run(model, [prompts[i] for i in order], digests=got if digests is not None else None,
+                                     speculative=spec, **config)
+    name = {f"r{j}": f"r{i}" for j, i in enumerate(order)}
+    if digests is not None:
+        digests.update({(name[rid], n): d for (rid, n), d in got.items()})
+    return {name[rid]: t for rid, t in tokens.items()}, engine
 
 
 def trunk_streams(model, tokens: list[int]) -> torch.Tensor:
@@ -278,12 +274,9 @@ def test_generate_batch_speculates_with_the_mtp_block():
         outs, counters = [], []
         for extra in ({}, {"speculative_method": "mtp", "num_assistant_tokens": 3}):
             gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=0, **extra)
-            out = model.generate_batch(prompts, gc, continuous_batching_config=cb, persistent_manager=True)
-            manager = model._cached_continuous_batching_manager
-            counters.append(manager.engine.counters)
-            outs.append({k: o.generated_tokens for k, o in out.items()})
-            manager.destroy()
-            del model._cached_continuous_batching_manager
+            tokens, engine_counters = generate_batch_once(model, prompts, gc, cb)
+            outs.append(tokens)
+            counters.append(engine_counters)
         assert outs[1] == outs[0]
         assert counters[0].spec_verify_rows == 0 and counters[1].spec_drafted_tokens > 0
     finally:
