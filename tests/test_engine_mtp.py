@@ -108,6 +108,7 @@ def test_drafts_equal_the_reference_block_with_its_own_selection_per_position(bu
                                         block_size=4, speculative=mtp_config(0)))
     rid = engine.add_request(prompt, max_new_tokens=20, eos_token_id=None)
     req = engine.requests[rid]
+    assert engine.make_request([5], speculative=2).speculative == mtp_config(2)   # (an int: MTP drafts here)
     while len(req.generated) < 3:
         assert not req.status.is_done
         engine.step()
