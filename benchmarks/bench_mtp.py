@@ -2,7 +2,8 @@
 
 Random MTP weights accept nothing, so the block of the benchmark model is trained first (``--train-seconds``
 of CPU on ``--threads`` threads): the model is bench_speculative.py's "copy" model (bench_engine.py's small
-Qwen4Exp with its mixing paths scaled, so that its next token depends mostly on the last few), its fixed
+Qwen4Exp with its mixing paths scaled, so that its next token depends mostly on the last few; ``--layers``
+gives it more decoder layers, so that the one-layer block is a smaller share of a step), its fixed
 corpus is its own greedy continuations (``--corpus`` prompts of 64 random tokens, seed 11, 128 tokens each),
 and the block learns, at every position p of a continuation, the token after next from the trunk's pre-mixer
 streams at p - 1 and the token at p (one draft step, teacher-forced; cross entropy; Adam). The trained block
@@ -26,6 +27,7 @@ row. The greedy tokens of every path are asserted equal to plain decoding's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -119,22 +121,48 @@ def train(model, mtp, seconds: float, corpus: int) -> dict:
             "last": statistics.mean(losses[-5:]), "sequences": len(seqs), "tokens": seqs.numel()}
 
 
-def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool) -> tuple:
-    from bench_speculative import local_model
+def copy_model(layers: int) -> torch.nn.Module:
+    """bench_speculative.py's copy model, with ``layers`` decoder layers (linear and indexed attention in turn;
+    4: that model itself)."""
+    from bench_speculative import LOCAL_SCALE, local_model
 
+    if layers == 4:
+        return local_model()
+    from bench_engine import small_model
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
+
+    config = small_model().config
+    config.num_hidden_layers = layers
+    config.layer_types = ["linear_attention", "indexed_attention"] * (layers // 2)
+    torch.manual_seed(0)
+    model = modeling.Qwen4ExpForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv1d" in name or "norm" in name:
+                p.normal_(0, 0.1)
+            if any(k in name for k in ("o_proj", "out_proj", "down_proj", "value_proj")):
+                p.mul_(LOCAL_SCALE)
+    return model
+
+
+def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int) -> tuple:
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.testing import random_mtp, save_mtp
 
     if not (path / "config.json").exists():
-        local_model().save_pretrained(path)
+        copy_model(layers).save_pretrained(path)
     model = from_pretrained(path)
     info = None
+    record = path / "mtp_training.json"         # (how the saved block was trained, for a later run's section)
     if retrain or not model.hebrus_checkpoint.mtp:
         torch.set_num_threads(threads)
         mtp = random_mtp(model.config, 5)
-        info = train(model, mtp, seconds, corpus)
+        info = dict(train(model, mtp, seconds, corpus), threads=threads)
         save_mtp(path, mtp)
+        record.write_text(json.dumps(info))
         model = from_pretrained(path)
+    elif record.exists():
+        info = dict(json.loads(record.read_text()), earlier=True)
     return model, info
 
 
@@ -154,6 +182,7 @@ def main() -> None:
     ap.add_argument("--train-seconds", type=float, default=300.0)
     ap.add_argument("--corpus", type=int, default=32)
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--layers", type=int, default=4, help="the copy model's decoder layers (even; for a new checkpoint)")
     ap.add_argument("--threads", type=int, default=2, help="threads while training")
     ap.add_argument("--bench-threads", type=int, default=1)
     ap.add_argument("--counts", default="1,8")
@@ -165,7 +194,8 @@ def main() -> None:
     args = ap.parse_args()
     path = Path(args.checkpoint)
     path.mkdir(parents=True, exist_ok=True)
-    model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain)
+    model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers)
+    layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
     torch.set_num_threads(args.bench_threads)
     from hebrus_torch.engine.mtp import mtp_module
@@ -217,13 +247,14 @@ def main() -> None:
     trained_note = ("the block as the checkpoint had it (not retrained in this run)" if info is None else
                     f"trained {info['seconds']:.0f} s ({info['steps']} Adam steps of 8 sequences, {info['sequences']} "
                     f"sequences of {PROMPT} + {CORPUS_NEW} tokens; cross entropy {info['first']:.2f} -> "
-                    f"{info['last']:.2f}) on {args.threads} threads")
-    text = (f"`python benchmarks/bench_mtp.py --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
+                    f"{info['last']:.2f}) on {info['threads']} threads"
+                    + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
+    text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
             f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
             f"{args.bench_threads}`, {time.strftime('%Y-%m-%d')}: {machine()}, load average at the end "
             f"{os.getloadavg()[0]:.1f}.\n"
-            f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, 4 layers, vocab 4096, fp32, "
-            f"mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
+            f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "
+            f"fp32, mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
             f"{trained_note}; untrained = a random block. Prompts: {PROMPT} random tokens (not the training "
             f"corpus's), {args.new} tokens generated per request, greedy, every request at once; engine capacity "
             f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length. tok/s: median "
