@@ -23,7 +23,7 @@ from test_engine import EOS, eager_experts, make_model, prompts_for, row_invaria
 from test_engine_speculative import generate_batch_once, run as speculative_run
 
 import hebrus_torch.engine.mtp as engine_mtp
-from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, SamplingParams
+from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
 from hebrus_torch.engine.speculative import SpeculativeConfig
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp.mtp import reference_mtp
@@ -282,3 +282,37 @@ def test_generate_batch_speculates_with_the_mtp_block():
         assert counters[0].spec_verify_rows == 0 and counters[1].spec_drafted_tokens > 0
     finally:
         htx.revert(model)
+
+
+@pytest.mark.parametrize("fault_at", [2, 5])
+def test_mtp_speculation_under_preemption_faults_and_cancellation(fault_at, monkeypatch):
+    model = with_mtp(make_model("lin-idx", seed=27))
+    prompts = prompts_for(27, lengths=(20, 18, 22, 16))
+    ref, _ = run(model, prompts, max_new_tokens=12, capacity_tokens=4096)
+    _steer(monkeypatch, prompts, ref, 0)
+    tokens, engine = run(model, prompts, spec=mtp_config(4), max_new_tokens=12, capacity_tokens=90,
+                         max_batch_tokens=32)                       # (drafting too runs out of cells at times)
+    assert tokens == ref
+    assert engine.counters.preemptions > 0 and engine.counters.spec_accepted_tokens > 0
+    calls = {"n": 0}
+    original = engine_mtp.mtp_write
+
+    def faulty(*args):                # a fault inside a step's MTP write: the step is rolled back and retried
+        calls["n"] += 1
+        if calls["n"] == fault_at:
+            raise RuntimeError("injected fault in the MTP write")
+        return original(*args)
+    monkeypatch.setattr(engine_mtp, "mtp_write", faulty)
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=4, max_batch_tokens=32,
+                                        speculative=mtp_config(4, adaptive=False)))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=12, eos_token_id=EOS)
+    for _ in range(4):
+        engine.step()
+    engine.cancel("r1")
+    engine.run()
+    assert calls["n"] > fault_at and engine.counters.retried_steps == 1
+    assert engine.requests["r1"].status is RequestStatus.CANCELLED
+    assert {r: q.generated for r, q in engine.requests.items() if r != "r1"} == {r: t for r, t in ref.items()
+                                                                                 if r != "r1"}
+    assert len(engine.cache.slots.live_handles()) == len(engine.kept_sequences())
