@@ -39,6 +39,7 @@ import torch
 
 from ..errors import HebrusError
 from ..model_cache import Batch, ChunkStep, ModelCache
+from ..models.qwen4_exp import find_text_model
 from ..models.qwen4_exp.mtp import Qwen4ExpMTP, mtp_logits, mtp_write, packed_mtp
 from ..qsa.cache import QSACache
 from ..state.handles import SeqHandle
@@ -71,21 +72,25 @@ def mtp_module(model: torch.nn.Module) -> Qwen4ExpMTP:
 
 def mtp_model_cache(model: torch.nn.Module, mtp: Qwen4ExpMTP, *, capacity_tokens: int, max_sequences: int,
                     keep_snapshots: int = 0) -> ModelCache:
-    """``ModelCache.from_transformers(model, with_kv=True)`` whose QSA cache holds one more layer, the MTP
-    block's (decoder layer ``mtp.layer_idx``; its indexer's ``k_layernorm``)."""
-    base = ModelCache.from_transformers(model, capacity_tokens=capacity_tokens, max_sequences=max_sequences,
-                                        with_kv=True, keep_snapshots=keep_snapshots)
-    q = base.qsa
-    if q is None:
-        raise HebrusError("engine: speculative method 'mtp' needs a model with indexed-attention layers")
+    """What ``ModelCache.from_transformers(model, with_kv=True)`` builds, its QSA cache holding one more layer:
+    the MTP block's (decoder layer ``mtp.layer_idx``; its indexer's ``k_layernorm``). Each holder is allocated
+    once (a QSA cache of one cell gives the trunk's layers' settings)."""
+    from ..gdn.state import GDNState
+    from ..ple.state import PLEState
+
+    config = find_text_model(model).config
+    q = QSACache.from_transformers(model, capacity_tokens=1, max_sequences=1, with_kv=True)
     norms = list(q.norm_weight.cpu()) + [mtp.block.self_attn.indexer.k_layernorm.weight.detach().float().cpu()]
-    qsa = QSACache(q.capacity, num_layers=q.num_layers + 1, head_dim=q.head_dim, norm_weight=norms, eps=q.eps,
-                   inv_freq=q.inv_freq, compress_ratio=q.compress_ratio, max_sequences=q.max_sequences,
+    qsa = QSACache(capacity_tokens, num_layers=q.num_layers + 1, head_dim=q.head_dim, norm_weight=norms, eps=q.eps,
+                   inv_freq=q.inv_freq, compress_ratio=q.compress_ratio, max_sequences=max_sequences,
                    dtype=q.dtype, device=q.device, kv_heads=q.kv_heads, kv_head_dim=q.kv_head_dim,
-                   v_head_dim=q.v_head_dim, window=q.window)
+                   v_head_dim=q.v_head_dim)
     qsa.layer_ids = list(q.layer_ids) + [mtp.layer_idx]
     qsa.top_k = q.top_k
-    return ModelCache(qsa=qsa, ple=base.ple, gdn=base.gdn, top_k=base.top_k, keep_snapshots=keep_snapshots)
+    ple = PLEState.from_transformers(model, max_sequences=max_sequences) if config.ple_layer_ids else None
+    gdn = (GDNState.from_transformers(model, max_sequences=max_sequences)
+           if "linear_attention" in config.layer_types else None)
+    return ModelCache(qsa=qsa, ple=ple, gdn=gdn, top_k=q.top_k, keep_snapshots=keep_snapshots)
 
 
 class _Discard(Exception):
