@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["write_checkpoint", "make_tokenizer", "CHAT_TEMPLATE", "TINY_VISION"]
+__all__ = ["write_checkpoint", "make_tokenizer", "random_mtp", "save_mtp", "CHAT_TEMPLATE", "TINY_VISION"]
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
@@ -32,7 +32,8 @@ MTP_FILE = "model-mtp.safetensors"
 
 
 def write_checkpoint(path: str | os.PathLike, config: Any, seed: int = 0, *, dtype: torch.dtype = torch.bfloat16,
-                     max_shard_size: str | int = "1MB", tokenizer: bool = True, mtp: bool = True) -> Path:
+                     max_shard_size: str | int = "1MB", tokenizer: bool = True, mtp: bool = True,
+                     mtp_block: bool = False) -> Path:
     """Write a random-weight Qwen4Exp checkpoint in the released layout to ``path`` and return it.
 
     ``config``: a ``Qwen4ExpTextConfig`` (wrapped into a ``Qwen4ExpConfig`` with a tiny vision tower) or a
@@ -41,7 +42,8 @@ def write_checkpoint(path: str | os.PathLike, config: Any, seed: int = 0, *, dty
     (N(0, 0.3)) so that every path of the model changes the logits. ``max_shard_size``: passed to
     ``save_pretrained`` (small, so that tiny models are sharded too). ``tokenizer``: save a word-level
     tokenizer of ``vocab_size`` tokens whose ``<eos>`` is the config's ``eos_token_id``. ``mtp``: add the
-    MTP head's top-level tensors (``mtp.fc_embedding.weight`` ...) in a file of their own.
+    MTP head's top-level tensors (``mtp.fc_embedding.weight`` ...) in a file of their own. ``mtp_block``: the
+    whole MTP block instead, every ``mtp.*`` key of the released layout (:func:`random_mtp`, :func:`save_mtp`).
     """
     from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpConfig, Qwen4ExpTextConfig
@@ -69,7 +71,9 @@ def write_checkpoint(path: str | os.PathLike, config: Any, seed: int = 0, *, dty
     model.save_pretrained(path, max_shard_size=max_shard_size)
     del model
     _make_sharded(path)
-    if mtp:
+    if mtp_block:
+        save_mtp(path, random_mtp(text, seed + 1).to(dtype))
+    elif mtp:
         _add_mtp(path, text, dtype, gen)
     if tokenizer:
         make_tokenizer(text.vocab_size, eos).save_pretrained(path)
@@ -107,6 +111,39 @@ def _add_mtp(path: Path, text: Any, dtype: torch.dtype, gen: torch.Generator) ->
     save_file(tensors, str(path / MTP_FILE), metadata={"format": "pt"})
     with open(path / "model.safetensors.index.json") as f:
         weight_map = json.load(f)["weight_map"]
+    weight_map.update({k: MTP_FILE for k in tensors})
+    _write_index(path, weight_map)
+
+
+def random_mtp(text_config: Any, seed: int = 0):
+    """A random :class:`~hebrus_torch.models.qwen4_exp.mtp.Qwen4ExpMTP` for ``text_config`` (float32), its
+    RMSNorm weights drawn as ``write_checkpoint`` draws the trunk's (N(0, 0.3))."""
+    from hebrus_torch.models.qwen4_exp.mtp import Qwen4ExpMTP
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mtp = Qwen4ExpMTP(text_config).eval()
+        with torch.no_grad():
+            for name, p in mtp.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    return mtp
+
+
+def save_mtp(path: str | os.PathLike, mtp: torch.nn.Module) -> None:
+    """Write ``mtp``'s weights into the checkpoint at ``path`` in the released layout (``mtp.*`` keys,
+    experts per expert; ``hebrus_torch.loading.mtp.mtp_state_dict``), in :data:`MTP_FILE`, replacing any
+    ``mtp.*`` tensors the index listed (a checkpoint in one file without an index gets one)."""
+    from safetensors.torch import save_file
+
+    from hebrus_torch.loading.mtp import mtp_state_dict
+
+    path = Path(path)
+    _make_sharded(path)
+    tensors = mtp_state_dict(mtp)
+    save_file(tensors, str(path / MTP_FILE), metadata={"format": "pt"})
+    with open(path / "model.safetensors.index.json") as f:
+        weight_map = {k: v for k, v in json.load(f)["weight_map"].items() if not k.startswith("mtp.")}
     weight_map.update({k: MTP_FILE for k in tensors})
     _write_index(path, weight_map)
 

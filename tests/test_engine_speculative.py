@@ -443,6 +443,18 @@ def test_a_draft_model_with_sampling_is_reproducible_and_releases_its_sequences(
     assert ea.drafter.cache.slots.live_handles() == []
 
 
+def generate_batch_once(model, prompts, generation_config, cb_config):
+    """``generate_batch`` with a persistent manager, then destroyed: (tokens per request id, engine counters)."""
+    out = model.generate_batch(prompts, generation_config, continuous_batching_config=cb_config,
+                               persistent_manager=True)
+    manager = model._cached_continuous_batching_manager
+    try:
+        return {k: o.generated_tokens for k, o in out.items()}, manager.engine.counters
+    finally:
+        manager.destroy()
+        del model._cached_continuous_batching_manager
+
+
 def test_generate_batch_honours_prompt_lookup_and_assistant_model():
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -460,12 +472,9 @@ def test_generate_batch_honours_prompt_lookup_and_assistant_model():
                                   **{k: v for k, v in extra.items() if k != "assistant_model"})
             if "assistant_model" in extra:
                 gc.assistant_model = extra["assistant_model"]
-            out = model.generate_batch(prompts, gc, continuous_batching_config=cb, persistent_manager=True)
-            manager = model._cached_continuous_batching_manager
-            counters.append(manager.engine.counters)
-            outs.append({k: o.generated_tokens for k, o in out.items()})
-            manager.destroy()
-            del model._cached_continuous_batching_manager
+            tokens, engine_counters = generate_batch_once(model, prompts, gc, cb)
+            outs.append(tokens)
+            counters.append(engine_counters)
         assert outs[1] == outs[0] and outs[2] == outs[0]
         assert counters[0].spec_verify_rows == 0
         assert counters[1].spec_drafted_tokens > 0 and counters[2].spec_accepted_tokens > 0

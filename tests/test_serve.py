@@ -696,6 +696,27 @@ def test_bad_speculative_flags_are_refused():
     from hebrus_torch import serve
 
     for argv, match in ((["m", "--speculative-tokens", "40"], "speculative-tokens"),
-                        (["m", "--draft-model", "/nonexistent/dir"], "draft-model")):
+                        (["m", "--draft-model", "/nonexistent/dir"], "draft-model"),
+                        (["m", "--speculative-method", "mtp", "--draft-model", "."], "leave --draft-model out")):
         with pytest.raises(SystemExit, match=match):
             serve.main(argv)
+
+
+def test_mtp_speculative_serving_gives_the_plain_replies(checkpoint, tmp_path):
+    """--speculative-method mtp: the checkpoint's own MTP block drafts (mtp.* added to a copy of the test
+    checkpoint); greedy replies equal generate's and the stats count the drafts."""
+    from hebrus_torch.testing import random_mtp, save_mtp
+
+    path, model, tokenizer = checkpoint
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(path, with_mtp)
+    save_mtp(with_mtp, random_mtp(model.config, 3).to(model.dtype))
+    chats = [(messages, text) for messages, text, _, _ in clear_chats(model, tokenizer, 3, seed=10)]
+    with Server(with_mtp, "--speculative-method", "mtp", "--cb-block-size", "16", "--hebrus-capacity-tokens",
+                "2048", log=tmp_path / "server.log") as srv:
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda c: srv.chat(c[0]), chats))
+        for (messages, text), reply in zip(chats, replies):
+            assert reply.choices[0].message.content == text, messages
+        counters = srv.settled_stats()["counters"]
+    assert counters["spec_verify_rows"] > 0 and counters["spec_drafted_tokens"] > 0, counters

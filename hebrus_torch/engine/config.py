@@ -42,7 +42,9 @@ class EngineConfig:
             recently used deleted first).
         speculative: how requests speculate unless they say otherwise (``add_request(speculative=)``):
             prompt lookup drafts (``engine/speculative.py``); None: from the generation config's
-            ``prompt_lookup_num_tokens`` (off when it is unset).
+            ``prompt_lookup_num_tokens`` (off when it is unset). With ``method="mtp"`` the engine is built to draft
+            with the model's own MTP block (``engine/mtp.py``: its cache holds the block's layer; a model without
+            the block is refused here).
     """
 
     capacity_tokens: int = 16384

@@ -20,12 +20,15 @@ __all__ = ["propose_drafts"]
 
 
 def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int, capacity_tokens: int,
-                   stop_speculating: Callable[[Request, str], None]) -> dict[Request, list[int]]:
+                   stop_speculating: Callable[[Request, str], None],
+                   mtp_drafter: Any = None) -> dict[Request, list[int]]:
     """The drafts of the requests of ``running`` that decode and speculate, as many tokens as each one's adaptive
     length, its ``max_new_tokens`` and the cache allow (requests without drafts are left out).
-    ``stop_speculating(request, why)`` is called for a request whose drafter failed."""
+    ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
+    ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup)."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
+    asking_mtp: list[tuple[Request, int]] = []
     for req in running:
         spec, cfg = req.spec, req.speculative
         if not cfg.enabled or req.remaining != 1 or not req.generated or spec.error is not None:
@@ -33,15 +36,18 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
         k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, capacity_tokens - req.num_tokens - 1)
         if k <= 0:
             continue
-        if drafter is None:
+        if cfg.method == "mtp" and mtp_drafter is not None:
+            asking_mtp.append((req, k))
+        elif drafter is None:
             if spec.lookup is None:
                 spec.lookup = NgramIndex(cfg.max_ngram, cfg.min_ngram)
             drafts[req] = spec.lookup.propose(req.tokens, k)
         else:
             asking.append((req, k))
-    if asking:
-        for (req, _), draft in zip(asking, _ask(drafter, asking, vocab_size, stop_speculating)):
-            drafts[req] = draft
+    for who, group in ((drafter, asking), (mtp_drafter, asking_mtp)):
+        if group:
+            for (req, _), draft in zip(group, _ask(who, group, vocab_size, stop_speculating)):
+                drafts[req] = draft
     return {r: d for r, d in drafts.items() if d}
 
 

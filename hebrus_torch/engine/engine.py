@@ -96,9 +96,24 @@ class Engine:
         self.generation_config = generation_config if generation_config is not None else getattr(
             model, "generation_config", None)
         self.tokenizer = tokenizer
+        mtp = None
+        if cfg.speculative is not None and cfg.speculative.method == "mtp":
+            from .mtp import mtp_model_cache, mtp_module
+
+            mtp = mtp_module(model)         # (HebrusError now for a checkpoint without mtp.*)
+            if cache is None:
+                cache = mtp_model_cache(model, mtp, capacity_tokens=cfg.capacity_tokens,
+                                        max_sequences=cfg.max_sequences)
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
         self.runner = ModelRunner(model, self.cache)
+        self.mtp_drafter = None
+        """The MTP block's drafter (``engine/mtp.py``) when ``config.speculative.method == "mtp"``."""
+        if mtp is not None:
+            from .mtp import MTPDrafter
+
+            self.mtp_drafter = MTPDrafter(model, mtp, self.runner, vocab_size=self.vocab_size,
+                                          block_size=cfg.block_size)
         if draft_model is not None:
             if drafter is not None:
                 raise HebrusError("Engine: pass a drafter or a draft_model, not both")
@@ -194,10 +209,14 @@ class Engine:
             raise BadRequestError(f"engine: request_id must be a non-empty string, got {rid!r}")
         if rid in self.requests and not self.requests[rid].status.is_done:
             raise BadRequestError(f"engine: request {rid!r} is already in flight")
-        return build_request(self, rid, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                             eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
-                             record_timestamps=record_timestamps, user_data=user_data, speculative=speculative,
-                             constraint=constraint)
+        request = build_request(self, rid, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
+                                record_timestamps=record_timestamps, user_data=user_data, speculative=speculative,
+                                constraint=constraint)
+        if request.speculative.enabled and request.speculative.method == "mtp" and self.mtp_drafter is None:
+            raise BadRequestError(f"engine: request {rid!r} speculates with method 'mtp', and this engine was not "
+                                  f"built for it (EngineConfig(speculative=SpeculativeConfig(..., method='mtp')))")
+        return request
 
     def submit(self, request: Request) -> None:
         """Queue a request made by :meth:`make_request`, with its ``forks`` (the other choices of its prompt,
@@ -229,7 +248,8 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()
         drafts = propose_drafts(self.scheduler.running, self.drafter, vocab_size=self.vocab_size,
-                                capacity_tokens=self.config.capacity_tokens, stop_speculating=self._stop_speculating)
+                                capacity_tokens=self.config.capacity_tokens, stop_speculating=self._stop_speculating,
+                                mtp_drafter=self.mtp_drafter)
         drafts = grammar_drafts(drafts)
         plan = self.scheduler.schedule(drafts=drafts)
         for victim in plan.preempted:
@@ -316,8 +336,10 @@ class Engine:
         also, finish_verdicts = None, None
         if spec:
             sreqs = [c.request for c in spec]
-            probs = getattr(self.drafter, "draft_probs", None)
-            q = [probs(r, len(c.drafts)) if probs is not None else None for c, r in zip(spec, sreqs)]
+            q = []
+            for c, r in zip(spec, sreqs):
+                probs = getattr(self._drafter_of(r), "draft_probs", None)
+                q.append(probs(r, len(c.drafts)) if probs is not None else None)
             also, finish_verdicts = verification(logits, [rows[id(c)] for c in spec], [c.drafts for c in spec],
                                                  [r.sampling for r in sreqs], [r.tokens for r in sreqs],
                                                  [r.generated for r in sreqs], [r.generator for r in sreqs], q)
@@ -398,9 +420,15 @@ class Engine:
 
     def release_draft(self, req: Request) -> None:
         """Free what the drafter holds for ``req`` (a draft model's sequence)."""
-        release = getattr(self.drafter, "release", None)
+        release = getattr(self._drafter_of(req), "release", None)
         if release is not None:
             release(req)
+
+    def _drafter_of(self, req: Request) -> Any:
+        """Who drafts for ``req``: the MTP drafter for ``method="mtp"``, else the engine's drafter (None: prompt
+        lookup)."""
+        spec = req.speculative
+        return self.mtp_drafter if spec is not None and spec.method == "mtp" else self.drafter
 
     def release(self, req: Request) -> None:
         """Free ``req``'s state: the drafter's and its sequence."""

@@ -98,7 +98,8 @@ def grammar_state(engine: Any, constraint: Any, eos: frozenset[int], what: str) 
 
 def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what: str) -> SpeculativeConfig:
     """How a request speculates: ``value``, else the engine's default (``EngineConfig.speculative``, then the
-    generation config's prompt lookup, or its assistant settings where the engine has a drafter)."""
+    generation config's prompt lookup, or its assistant settings where the engine has a drafter). An int is
+    that many drafts by prompt lookup, or by the MTP block where the engine's default method is ``"mtp"``."""
     if value is None:
         value = engine.config.speculative
     if value is None:
@@ -113,6 +114,9 @@ def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequestError(f"{what}: speculative must be a SpeculativeConfig, an int or None, got {value!r}")
+    default = engine.config.speculative
+    if default is not None and default.method == "mtp" and value:     # (an MTP engine: that many MTP drafts)
+        return SpeculativeConfig(value, adaptive=default.adaptive, method="mtp")
     return SpeculativeConfig(value)
 
 

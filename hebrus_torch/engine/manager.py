@@ -27,6 +27,7 @@ the caller waiting for outputs that never come.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -41,6 +42,7 @@ from ..errors import HebrusError
 from .engine import Engine, EngineConfig, StepOutput, _token_ids
 from .requests import Request, RequestStatus
 from .sampling import BadRequestError, SamplingParams
+from .speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
 
 __all__ = ["HebrusBatchingManager", "ResultChannel", "ManagerStoppedError", "DuplicateRequestError", "install",
            "uninstall", "engine_config_from", "choice_seed"]
@@ -154,6 +156,12 @@ class HebrusBatchingManager:
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.continuous_batching_config = continuous_batching_config
         self.engine_config = engine_config or engine_config_from(model, continuous_batching_config, workload_hints)
+        if (getattr(self.generation_config, "speculative_method", None) == "mtp"
+                and self.engine_config.speculative is None):
+            # (generate_batch: GenerationConfig(speculative_method="mtp", num_assistant_tokens=k))
+            k = getattr(self.generation_config, "num_assistant_tokens", None) or 3
+            self.engine_config = dataclasses.replace(self.engine_config, speculative=SpeculativeConfig(
+                min(int(k), MAX_DRAFT_TOKENS), method="mtp"))
         self.tokenizer = tokenizer
         self.draft_model = (draft_model if draft_model is not None
                             else getattr(self.generation_config, "assistant_model", None))

@@ -51,6 +51,10 @@ class ModelRunner:
         host wall time, so only meaningful where the ops run synchronously (CPU)."""
         self.parts: list[str] | None = None
         """Set to a list to have the part of the step now running pushed on it (``engine.step_counts``)."""
+        self.mtp: Any = None
+        """The MTP drafter (``engine/mtp.py``) when the engine speculates with the checkpoint's MTP block: its
+        ``forward(step, positions, last, starts, counts, timed)`` replaces the packed forward (it also writes the
+        block's attention state) and its ``published()`` runs once the step's transaction committed."""
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -114,9 +118,15 @@ class ModelRunner:
                                 ).to(device) if counts else torch.empty(0, dtype=torch.int64, device=device)
             last = max((p + n - 1 for p, n in zip(positions, counts) if n), default=0)
             with self._part("other"):
-                hidden = self.forward(step, pos, last, timed=self._timed)
+                if self.mtp is None:
+                    hidden = self.forward(step, pos, last, timed=self._timed)
+                else:
+                    hidden = self.mtp.forward(step, pos, last, list(positions), counts, self._timed)
                 logits = self.lm_head(hidden.index_select(0, ends)).float()
+            result = logits
             if consume is not None:
                 with self._part("engine"):
-                    return consume(logits)
-        return logits
+                    result = consume(logits)
+        if self.mtp is not None:
+            self.mtp.published()
+        return result

@@ -31,6 +31,7 @@ __all__ = ["SpeculativeConfig", "SpecState", "NgramIndex", "prompt_lookup", "Ver
            "target_scores"]
 
 MAX_DRAFT_TOKENS = 32
+SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,17 @@ class SpeculativeConfig:
         min_ngram: the shortest suffix matched.
         adaptive: the draft length follows the request's recent acceptance (see ``SpecState``); False
             drafts ``num_draft_tokens`` whenever a draft is found.
+        method: who drafts: ``"ngram"`` (prompt lookup over the request's own stream, or the engine's
+            ``drafter`` / ``draft_model`` where it has one) or ``"mtp"`` (the checkpoint's own MTP block,
+            ``engine/mtp.py``: the engine must be built with ``EngineConfig(speculative=SpeculativeConfig(...,
+            method="mtp"))``).
     """
 
     num_draft_tokens: int = 0
     max_ngram: int = 3
     min_ngram: int = 1
     adaptive: bool = True
+    method: str = "ngram"
 
     def __post_init__(self) -> None:
         def bad_int(v, lo, hi):
@@ -65,6 +71,9 @@ class SpeculativeConfig:
                                   f"{self.min_ngram!r}, {self.max_ngram!r}")
         if not isinstance(self.adaptive, bool):
             raise BadRequestError(f"SpeculativeConfig: adaptive must be a bool, got {self.adaptive!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise BadRequestError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, got "
+                                  f"{self.method!r}")
 
     @property
     def enabled(self) -> bool:

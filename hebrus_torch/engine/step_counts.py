@@ -36,6 +36,7 @@ PARTS: dict[str, str] = {
     "ple": "PLE",
     "moe": "MoE / dense MLP",
     "hyper-connections": "hyper-connections",
+    "mtp": "the MTP block's K/V writes",
     "transaction": "cache transaction (reserve, commit)",
     "other": "other (embedding, rope, lm_head)",
     "engine": "engine (schedule, sample)",

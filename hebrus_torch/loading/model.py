@@ -28,7 +28,8 @@ class LoadedCheckpoint:
     """What :func:`from_pretrained` read, kept on the model as ``model.hebrus_checkpoint``.
 
     ``ple_table``: ``"disk"`` or ``"memory"``, what ran (``"auto"`` resolved); ``ple_table_bytes``: the n-gram
-    tables' size as loaded; ``mtp``: the ``mtp.*`` tensors' places in the files, not loaded (a later issue)."""
+    tables' size as loaded; ``mtp``: the ``mtp.*`` tensors' places in the files, read only when the MTP block is
+    first needed (``hebrus_torch.loading.mtp.load_mtp``)."""
     path: str
     ple_table: str
     ple_table_bytes: int
@@ -61,7 +62,7 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device | Non
     the checkpoint's files at each step, :class:`hebrus_torch.ple.row_store.DiskNgramEmbedding`) or ``"auto"``
     (disk when the table is more than a quarter of physical memory). ``ple_cache_bytes``: with the table on
     disk, release the process's mapped pages of it past about this many bytes (None: never).
-    ``mtp.*`` tensors are not loaded (``model.hebrus_checkpoint.mtp`` lists them).
+    ``mtp.*`` tensors are not read here (``model.hebrus_checkpoint.mtp`` lists them; ``loading.mtp.load_mtp``).
 
     Raises :class:`~hebrus_torch.loading.CheckpointError` (a ``HebrusError``) naming file and key for a
     missing or truncated file, a tensor whose shape or dtype disagrees with the config, a missing expert or

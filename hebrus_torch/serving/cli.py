@@ -30,6 +30,9 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--hebrus-debug", action="store_true", help="mount POST /hebrus/debug/kill_engine")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="speculative decoding: draft up to N tokens per step (prompt lookup, or --draft-model)")
+    p.add_argument("--speculative-method", choices=("ngram", "mtp"), default=None,
+                   help="who drafts: ngram (prompt lookup, or --draft-model; the default) or mtp (the checkpoint's "
+                        "own MTP block; 3 tokens unless --speculative-tokens says otherwise)")
     p.add_argument("--draft-model", default=None,
                    help="a small Qwen4Exp checkpoint with the same tokenizer that drafts for speculation")
     p.add_argument("--ple-table", choices=("auto", "disk", "memory"), default="auto",
@@ -60,6 +63,10 @@ hebrus options:
   --speculative-tokens N          speculative decoding: every request drafts up to N tokens per step (prompt
                                   lookup over its prompt and output, or --draft-model) and the engine verifies
                                   them in the packed step; greedy output is unchanged (docs/engine.md)
+  --speculative-method {ngram,mtp}
+                                  who drafts: ngram (prompt lookup, or --draft-model; default) or mtp: the
+                                  checkpoint's own MTP block (mtp.*; refused at start without one), 3 tokens
+                                  per step unless --speculative-tokens says otherwise
   --draft-model DIR               a small Qwen4Exp checkpoint (same tokenizer) that drafts instead
   --ple-table {auto,disk,memory}  the PLE n-gram table (95 GiB in the released checkpoint): `disk` gathers each
                                   step's rows from the checkpoint's own files (memory-mapped), `memory` holds it
@@ -86,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     if ns.speculative_tokens is not None and not 0 <= ns.speculative_tokens <= 32:
         raise SystemExit(f"--speculative-tokens must be in [0, 32], got {ns.speculative_tokens}")
+    if ns.speculative_method == "mtp" and ns.draft_model is not None:
+        raise SystemExit("--speculative-method mtp drafts with the checkpoint's MTP block: leave --draft-model out")
     if ns.draft_model is not None and not os.path.isdir(ns.draft_model):
         raise SystemExit(f"--draft-model: {ns.draft_model!r} is not a directory")
     if ns.prompt_cache_max_bytes is not None and ns.prompt_cache_max_bytes < 1:
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  prompt_cache_dir=ns.prompt_cache_dir,
                                                  prompt_cache_max_bytes=ns.prompt_cache_max_bytes,
                                                  speculative_tokens=ns.speculative_tokens,
+                                                 speculative_method=ns.speculative_method or "ngram",
                                                  draft_model=ns.draft_model,
                                                  api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):

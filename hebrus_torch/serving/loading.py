@@ -71,7 +71,12 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
         if not settings.block_sharing:
             overrides["allow_block_sharing"] = False
         draft = None
-        if settings.speculative_tokens:
+        if settings.speculative_method == "mtp":
+            from hebrus_torch.engine.speculative import SpeculativeConfig
+
+            tokens = settings.speculative_tokens if settings.speculative_tokens is not None else 3
+            overrides["speculative"] = SpeculativeConfig(tokens, method="mtp")
+        elif settings.speculative_tokens:
             from hebrus_torch.engine.speculative import SpeculativeConfig
 
             overrides["speculative"] = SpeculativeConfig(settings.speculative_tokens)

@@ -30,6 +30,8 @@ class HebrusServeSettings:
             step (``EngineConfig.speculative``), or with ``draft_model`` when one is given; None/0: off.
         draft_model: a directory with a small Qwen4Exp checkpoint of the same tokenizer: the drafts come
             from it (``engine/draft_model.py``).
+        speculative_method: ``"ngram"`` (the above) or ``"mtp"``: every request drafts with the checkpoint's own
+            MTP block (``engine/mtp.py``), ``speculative_tokens`` tokens per step (3 when unset).
     """
 
     capacity_tokens: int | None = None
@@ -42,6 +44,7 @@ class HebrusServeSettings:
     prompt_cache_max_bytes: int | None = None
     speculative_tokens: int | None = None
     draft_model: str | None = None
+    speculative_method: str = "ngram"
 
 
 _current = HebrusServeSettings()

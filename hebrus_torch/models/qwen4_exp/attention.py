@@ -81,3 +81,17 @@ def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Mod
     step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
     plan = step.qsa_select(layer_idx, q_index)
     return gated_output(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)
+
+
+def write_keys_and_values(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, rope: Rope) -> None:
+    """Only the cache writes of :func:`packed_indexed_attention` (raw indexer keys, roped K, V of x
+    Tensor[T, hidden_size]), without its queries, selection or attention: what a layer whose outputs at these
+    positions are not needed contributes to the state (the MTP block during a trunk step)."""
+    t, hd = x.shape[0], attn.head_dim
+    _, raw_keys = index_queries_and_keys(attn.indexer, x, cos, sin, rope)
+    k = attn.k_norm(attn.k_proj(x).view(t, -1, hd))
+    v = attn.v_proj(x).view(t, -1, hd)
+    _, k = rope(k, k, cos=cos, sin=sin)
+    step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
+

@@ -105,30 +105,43 @@ class PackedQwen4Exp:
         Returns:
             Tensor[T, hidden_size]: the hyper-connection mixer's output (what ``lm_head`` reads).
         """
+        return self.text.hyper_connection_mixer(self.streams(step, positions, last, timed)[0])
+
+    def streams(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The 4-stream residual after the last decoder layer, before the mixer: Tensor[T, hc * hidden], and the
+        step's rotary (cos, sin) Tensor[T, R] (what the MTP block reuses); arguments as :meth:`__call__`."""
         text = self.text
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = embeds.repeat(1, self.hc_count)                                            # [T, hc * hidden]
         for idx, layer in enumerate(self._layers()):
-            if layer.ple is not None:
-                with timed("ple"):
-                    h = h + packed_ple(step, idx, layer.ple, h)
-            with timed("hyper-connections"):
-                x, hyper, inject = layer.attn_hyper_connection(h)
-            if layer.layer_type == "linear_attention":
-                with timed("gdn"):
-                    out = packed_gated_delta_net(step, idx, layer.linear_attn, x)
-            else:
-                with timed("attention"):
-                    out = packed_indexed_attention(step, idx, layer.self_attn, x, cos, sin, self.rope)
-            with timed("hyper-connections"):
-                h = _inject(hyper, out, inject)
-                x, hyper, inject = layer.mlp_hyper_connection(h)
-            with timed("moe"):
-                out = packed_moe(layer.mlp, x)
-            with timed("hyper-connections"):
-                h = _inject(hyper, out, inject)
-        return text.hyper_connection_mixer(h)
+            h = self.decoder_layer(step, idx, layer, h, cos, sin, timed)
+        return h, (cos, sin)
+
+    def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, timed: Timed = _untimed) -> torch.Tensor:
+        """One ``Qwen4ExpTextDecoderLayer`` (decoder layer ``idx`` of the step's state) on the streams
+        h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]."""
+        if layer.ple is not None:
+            with timed("ple"):
+                h = h + packed_ple(step, idx, layer.ple, h)
+        with timed("hyper-connections"):
+            x, hyper, inject = layer.attn_hyper_connection(h)
+        if layer.layer_type == "linear_attention":
+            with timed("gdn"):
+                out = packed_gated_delta_net(step, idx, layer.linear_attn, x)
+        else:
+            rope = self.rope if self.rope is not None else _rope_function()
+            with timed("attention"):
+                out = packed_indexed_attention(step, idx, layer.self_attn, x, cos, sin, rope)
+        with timed("hyper-connections"):
+            h = _inject(hyper, out, inject)
+            x, hyper, inject = layer.mlp_hyper_connection(h)
+        with timed("moe"):
+            out = packed_moe(layer.mlp, x)
+        with timed("hyper-connections"):
+            return _inject(hyper, out, inject)
 
 
 def _inject(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,272 @@
+"""Speculation from the model's own MTP block (issue 38), with a block trained here.
+
+Random MTP weights accept nothing, so the block of the benchmark model is trained first (``--train-seconds``
+of CPU on ``--threads`` threads): the model is bench_speculative.py's "copy" model (bench_engine.py's small
+Qwen4Exp with its mixing paths scaled, so that its next token depends mostly on the last few; ``--layers``
+gives it more decoder layers, so that the one-layer block is a smaller share of a step), its fixed
+corpus is its own greedy continuations (``--corpus`` prompts of 64 random tokens, seed 11, 128 tokens each),
+and the block learns, at every position p of a continuation, the token after next from the trunk's pre-mixer
+streams at p - 1 and the token at p (one draft step, teacher-forced; cross entropy; Adam). The trained block
+is written into the checkpoint in the released layout (``testing.save_mtp``), and the model measured is
+that checkpoint loaded by ``hebrus_torch.from_pretrained`` (its MTP block read lazily at the first MTP
+engine). A checkpoint that already has its block is measured as it is (``--retrain`` trains again).
+
+Then, on other prompts (64 random tokens, seed 7), 1, 8 (and 64) requests arriving at once, greedy,
+``--new`` tokens each: plain decoding, prompt lookup (``--k`` drafts), MTP with the trained block and MTP with
+an untrained block (random weights: nothing accepted, the cost of the machinery: the block's K/V written in
+every step, the drafting passes, verification and the back-off), and the untrained block without the
+back-off (``adaptive=False``: every decode step drafts ``--k`` tokens and all are rejected: its ratio to plain
+is the cost of such a step, the number of steps being the same). Per row: tokens/s (median of ``--repeat``
+runs, the configurations' order rotating per repeat), each against plain (the median of the per-repeat
+ratios), acceptance per draft position (accepted / drafted at positions 1, 2, ...), tokens per verification
+row. The greedy tokens of every path are asserted equal to plain decoding's.
+
+    python benchmarks/bench_mtp.py [--checkpoint DIR] [--train-seconds 180] [--counts 1,8] [--k 3] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, table, write_section  # noqa: E402
+
+from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
+from hebrus_torch.engine.speculative import SpecState, SpeculativeConfig  # noqa: E402
+
+PROMPT = 64
+CORPUS_NEW = 128
+
+
+def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None) -> dict:
+    cfg = EngineConfig(capacity_tokens=65536, max_sequences=max(8, len(prompts)), max_batch_tokens=512,
+                       speculative=spec)
+    engine = Engine(model, cfg)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)
+    engine.run()
+    wall = time.perf_counter() - t0
+    c = engine.counters
+    return {"wall": wall, "tokens": sum(len(r.generated) for r in engine.requests.values()),
+            "drafted": c.spec_drafted_tokens, "accepted": c.spec_accepted_tokens, "rows": c.spec_verify_rows,
+            "steps": c.steps, "out": {r.request_id: r.generated for r in engine.requests.values()}}
+
+
+def trunk_streams(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The trunk's pre-mixer streams [B, T, hc * hidden] (transformers' forward, a hook on the last layer)."""
+    got = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda mod, args, out: got.__setitem__("h", out))
+    try:
+        with torch.no_grad():
+            model.model(tokens)
+    finally:
+        hook.remove()
+    return got["h"]
+
+
+def train(model, mtp, seconds: float, corpus: int) -> dict:
+    """Teacher-forced training of ``mtp`` on the model's greedy continuations; returns what it did."""
+    from hebrus_torch.models.qwen4_exp.mtp import causal_mask, mtp_logits
+
+    g = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(corpus)]
+    with torch.inference_mode():
+        out = generate(model, prompts, CORPUS_NEW)["out"]
+    seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])               # [N, T]
+    streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+    inputs = torch.cat([torch.zeros_like(streams[:, :1]), streams[:, :-1]], dim=1)     # entry p: (h_{p-1}, t_p)
+    t = seqs.shape[1]
+    indexer = mtp.block.self_attn.indexer
+    assert t <= indexer.token_budget, "training attends densely: sequences within the indexer's budget"
+    # (every query sees its whole history)
+    indexer.forward = lambda hidden, pe, mask, cache: mask if mask.dtype == torch.bool else mask == 0
+    embed, rotary = model.model.embed_tokens, model.model.rotary_emb
+    pos = torch.arange(t).view(1, 1, -1).expand(3, 1, -1)
+    mask = causal_mask(mtp, t, streams)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    experts = mtp.block.mlp.experts.config          # (the block's own config: per-expert matmuls train faster)
+    implementation, experts._experts_implementation = experts._experts_implementation, "eager"
+    mtp.train()
+    opt = torch.optim.Adam(mtp.parameters(), lr=3e-3)
+    steps, losses, t0 = 0, [], time.perf_counter()
+    batch = 8
+    while time.perf_counter() - t0 < seconds:
+        idx = torch.randint(0, len(seqs), (batch,))
+        x = mtp.fuse(inputs[idx], embed(seqs[idx]))
+        cos_sin = rotary(x[..., :mtp.hidden_size], pos.expand(3, batch, -1))
+        h = mtp.block(x, position_embeddings=cos_sin, attention_mask=mask.expand(batch, 1, t, t))
+        h = h[0] if isinstance(h, tuple) else h
+        logits = mtp_logits(mtp, model.lm_head, h[:, PROMPT - 1:-1])                  # entries p predict t_{p+1}
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), seqs[idx, PROMPT:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+        losses.append(loss.item())
+    del indexer.forward
+    experts._experts_implementation = implementation
+    mtp.eval()
+    return {"steps": steps, "seconds": time.perf_counter() - t0, "first": statistics.mean(losses[:5]),
+            "last": statistics.mean(losses[-5:]), "sequences": len(seqs), "tokens": seqs.numel()}
+
+
+def copy_model(layers: int) -> torch.nn.Module:
+    """bench_speculative.py's copy model, with ``layers`` decoder layers (linear and indexed attention in turn;
+    4: that model itself)."""
+    from bench_speculative import LOCAL_SCALE, local_model
+
+    if layers == 4:
+        return local_model()
+    from bench_engine import small_model
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
+
+    config = small_model().config
+    config.num_hidden_layers = layers
+    config.layer_types = ["linear_attention", "indexed_attention"] * (layers // 2)
+    torch.manual_seed(0)
+    model = modeling.Qwen4ExpForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv1d" in name or "norm" in name:
+                p.normal_(0, 0.1)
+            if any(k in name for k in ("o_proj", "out_proj", "down_proj", "value_proj")):
+                p.mul_(LOCAL_SCALE)
+    return model
+
+
+def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int) -> tuple:
+    from hebrus_torch.loading import from_pretrained
+    from hebrus_torch.testing import random_mtp, save_mtp
+
+    if not (path / "config.json").exists():
+        copy_model(layers).save_pretrained(path)
+    model = from_pretrained(path)
+    info = None
+    record = path / "mtp_training.json"         # (how the saved block was trained, for a later run's section)
+    if retrain or not model.hebrus_checkpoint.mtp:
+        torch.set_num_threads(threads)
+        mtp = random_mtp(model.config, 5)
+        info = dict(train(model, mtp, seconds, corpus), threads=threads)
+        save_mtp(path, mtp)
+        record.write_text(json.dumps(info))
+        model = from_pretrained(path)
+    elif record.exists():
+        info = dict(json.loads(record.read_text()), earlier=True)
+    return model, info
+
+
+def per_position(log: list[tuple[int, int]], k: int) -> str:
+    """accepted / drafted at each draft position from (drafted, accepted) per verification row."""
+    cells = []
+    for j in range(k):
+        drafted = sum(1 for d, _ in log if d > j)
+        accepted = sum(1 for d, a in log if d > j and a > j)
+        cells.append(f"{accepted / drafted:.2f}" if drafted else "-")
+    return " / ".join(cells)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default="/tmp/hebrus_bench_mtp")
+    ap.add_argument("--train-seconds", type=float, default=300.0)
+    ap.add_argument("--corpus", type=int, default=32)
+    ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--layers", type=int, default=4, help="the copy model's decoder layers (even; for a new checkpoint)")
+    ap.add_argument("--threads", type=int, default=2, help="threads while training")
+    ap.add_argument("--bench-threads", type=int, default=1)
+    ap.add_argument("--counts", default="1,8")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="Speculation from the MTP block, trained here (issue 38)")
+    args = ap.parse_args()
+    path = Path(args.checkpoint)
+    path.mkdir(parents=True, exist_ok=True)
+    model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers)
+    layers = model.config.num_hidden_layers
+    print("training:", info, flush=True)
+    torch.set_num_threads(args.bench_threads)
+    from hebrus_torch.engine.mtp import mtp_module
+    from hebrus_torch.testing import random_mtp
+
+    trained = mtp_module(model)                     # (read from the checkpoint's files now)
+    untrained = random_mtp(model.config, 6).to(trained.fc_hidden.weight.dtype)
+    vocab = model.config.vocab_size
+    paths = {"prompt lookup": (SpeculativeConfig(args.k), None), "MTP trained": (SpeculativeConfig(
+        args.k, method="mtp"), trained), "MTP untrained": (SpeculativeConfig(args.k, method="mtp"), untrained),
+             "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp"), untrained)}
+    log: list[tuple[int, int]] = []
+    update = SpecState.update
+
+    def recording(self, cfg, drafted, accepted):
+        log.append((drafted, accepted))
+        return update(self, cfg, drafted, accepted)
+    SpecState.update = recording
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for n in (int(x) for x in args.counts.split(",")):
+        prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+        names = ["plain", *paths]
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        logs: dict[str, list] = {name: [] for name in names}
+        with torch.inference_mode():
+            generate(model, prompts[:1], 4)                                              # warm-up
+            for i in range(args.repeat):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    spec, mtp = paths.get(name, (None, None))
+                    if mtp is not None:
+                        model.mtp = mtp
+                    log.clear()
+                    runs[name].append(generate(model, prompts, args.new, spec))
+                    logs[name] = list(log)
+        model.mtp = trained
+        plain = runs["plain"]
+        for name in names:
+            assert all(r["out"] == plain[0]["out"] for r in runs[name]), f"{name} changed greedy tokens"
+            tps = statistics.median(r["tokens"] / r["wall"] for r in runs[name])
+            ratio = statistics.median(p["wall"] / r["wall"] for p, r in zip(plain, runs[name]))
+            last = runs[name][-1]
+            acc = f"{last['accepted'] / last['drafted']:.2f}" if last["drafted"] else "-"
+            per_row = f"{(last['accepted'] + last['rows']) / last['rows']:.2f}" if last["rows"] else "-"
+            rows.append([str(n), name, f"{tps:.1f}", f"{ratio:.2f}x", acc,
+                         per_position(logs[name], args.k) if name != "plain" else "-", per_row, str(last["steps"])])
+            print(rows[-1], flush=True)
+    SpecState.update = update
+    trained_note = ("the block as the checkpoint had it (not retrained in this run)" if info is None else
+                    f"trained {info['seconds']:.0f} s ({info['steps']} Adam steps of 8 sequences, {info['sequences']} "
+                    f"sequences of {PROMPT} + {CORPUS_NEW} tokens; cross entropy {info['first']:.2f} -> "
+                    f"{info['last']:.2f}) on {info['threads']} threads"
+                    + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
+    text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
+            f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
+            f"{args.bench_threads}`, {time.strftime('%Y-%m-%d')}: {machine()}, load average at the end "
+            f"{os.getloadavg()[0]:.1f}.\n"
+            f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "
+            f"fp32, mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
+            f"{trained_note}; untrained = a random block. Prompts: {PROMPT} random tokens (not the training "
+            f"corpus's), {args.new} tokens generated per request, greedy, every request at once; engine capacity "
+            f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length. tok/s: median "
+            f"of {args.repeat} runs; vs plain: median of the per-repeat ratios of wall time; acceptance: accepted / "
+            f"drafted, overall and per draft position, of the last run; steps of the last run. Greedy tokens "
+            f"asserted equal to plain decoding's in every run.\n\n")
+    text += table(["requests", "path", "tok/s", "vs plain", "acceptance", "acceptance per position",
+                   "tokens per verification", "steps"], rows)
+    print(text)
+    if not args.no_write:
+        write_section(args.section, text)
+
+
+if __name__ == "__main__":
+    main()

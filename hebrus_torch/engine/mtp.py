@@ -1,0 +1,270 @@
+"""Speculation from the checkpoint's own MTP block (``SpeculativeConfig(method="mtp")``).
+
+The block (:mod:`hebrus_torch.models.qwen4_exp.mtp`) keeps its attention state as **one more indexed-attention
+layer** of the engine's ``ModelCache`` (decoder layer ``num_hidden_layers`` of its QSA cache, beside the trunk's):
+so every lifecycle operation of a sequence (truncation after verification, rewind, fork, free, save/restore)
+covers it with the rest, exactly.
+
+Alignment. The block's entry at position ``p`` is built from the trunk's pre-mixer streams at ``p - 1`` and the
+token at ``p`` (peers store the same pair at ``p - 1``: rotary attention depends on position differences only,
+so the attention is the same; the entry at a sequence's first position has no stream before it and is built
+from zero streams). Every trunk step writes the block's entries at the step's own positions, inside its
+transaction (``mtp_write``: the block's K/V and indexer keys only), from the streams the same step computed
+and, for each row's first position, the streams its sequence's previous step left (kept here per sequence,
+for the last positions of each step's rows and at every ``block_size`` boundary, so that a prefix forked at a
+block boundary finds them; a state restored from a prompt-cache file has none: zero streams, which changes
+drafts, never tokens).
+
+Drafting (``propose_batch``, before the step is planned; one packed MTP pass per draft position for all
+speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
+(streams at ``P - 1``, ``t``) at position ``P``; its output streams go through its mixer and the trunk's
+``lm_head`` to draft ``d1``; then (its own output streams, ``d1``) at ``P + 1``, and so on. These passes run in a
+``ModelCache`` transaction that is always rolled back: drafting leaves the cache bitwise as it was.
+
+QSA selection inside the block: every draft position runs the block's own indexer over its layer's pooled keys
+and selects for itself (the same selection rule as the trunk's layers and transformers' module, position by
+position); vLLM instead reuses the first draft step's selection for the later steps. Tested against
+:func:`~hebrus_torch.models.qwen4_exp.mtp.reference_mtp`.
+
+Greedy requests draft the argmax of the block's processed distribution (``speculative.target_scores``);
+sampled ones sample from it (their own generator, seeded from the request's seed + 2) and give it to the
+verifier (``draft_probs``): rejection sampling keeps every emitted token distributed as the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import HebrusError
+from ..model_cache import Batch, ChunkStep, ModelCache
+from ..models.qwen4_exp import find_text_model
+from ..models.qwen4_exp.mtp import Qwen4ExpMTP, mtp_logits, mtp_write, packed_mtp
+from ..qsa.cache import QSACache
+from ..state.handles import SeqHandle
+from .requests import Request
+from .runner import ModelRunner
+from .speculative import MAX_DRAFT_TOKENS, target_scores
+
+__all__ = ["MTPDrafter", "mtp_module", "mtp_model_cache"]
+
+
+def mtp_module(model: torch.nn.Module) -> Qwen4ExpMTP:
+    """The model's MTP block: ``model.mtp`` when set, else loaded now from the checkpoint ``from_pretrained`` read
+    (``hebrus_torch.loading.mtp.load_mtp``; set on the model then).
+
+    Raises:
+        HebrusError: the model has no MTP block (a checkpoint without ``mtp.*``, or an incomplete one).
+    """
+    mtp = getattr(model, "mtp", None)
+    if isinstance(mtp, Qwen4ExpMTP):
+        return mtp
+    from ..loading.mtp import load_mtp
+
+    mtp = load_mtp(model)
+    if mtp is None:
+        raise HebrusError("engine: speculative method 'mtp' needs the checkpoint's MTP block, and this model has "
+                          "none (no mtp.* weights in its checkpoint, and no model.mtp)")
+    model.mtp = mtp
+    return mtp
+
+
+def mtp_model_cache(model: torch.nn.Module, mtp: Qwen4ExpMTP, *, capacity_tokens: int, max_sequences: int,
+                    keep_snapshots: int = 0) -> ModelCache:
+    """What ``ModelCache.from_transformers(model, with_kv=True)`` builds, its QSA cache holding one more layer:
+    the MTP block's (decoder layer ``mtp.layer_idx``; its indexer's ``k_layernorm``). Each holder is allocated
+    once (a QSA cache of one cell gives the trunk's layers' settings)."""
+    from ..gdn.state import GDNState
+    from ..ple.state import PLEState
+
+    config = find_text_model(model).config
+    q = QSACache.from_transformers(model, capacity_tokens=1, max_sequences=1, with_kv=True)
+    norms = list(q.norm_weight.cpu()) + [mtp.block.self_attn.indexer.k_layernorm.weight.detach().float().cpu()]
+    qsa = QSACache(capacity_tokens, num_layers=q.num_layers + 1, head_dim=q.head_dim, norm_weight=norms, eps=q.eps,
+                   inv_freq=q.inv_freq, compress_ratio=q.compress_ratio, max_sequences=max_sequences,
+                   dtype=q.dtype, device=q.device, kv_heads=q.kv_heads, kv_head_dim=q.kv_head_dim,
+                   v_head_dim=q.v_head_dim)
+    qsa.layer_ids = list(q.layer_ids) + [mtp.layer_idx]
+    qsa.top_k = q.top_k
+    ple = PLEState.from_transformers(model, max_sequences=max_sequences) if config.ple_layer_ids else None
+    gdn = (GDNState.from_transformers(model, max_sequences=max_sequences)
+           if "linear_attention" in config.layer_types else None)
+    return ModelCache(qsa=qsa, ple=ple, gdn=gdn, top_k=q.top_k, keep_snapshots=keep_snapshots)
+
+
+class _Discard(Exception):
+    """Raised at the end of drafting: the drafting transaction publishes nothing."""
+
+
+class MTPDrafter:
+    """Drafts with the MTP block for the engine's requests that speculate with ``method="mtp"``; also the
+    engine runner's ``mtp`` hook (its trunk steps write the block's attention state).
+
+    Args:
+        model: the trunk (a transformers Qwen4Exp causal LM).
+        mtp: its MTP block.
+        runner: the engine's runner, over a cache from :func:`mtp_model_cache`.
+        vocab_size: the target's vocabulary size.
+        block_size: the prefix-sharing block (streams are kept at its boundaries).
+    """
+
+    def __init__(self, model: torch.nn.Module, mtp: Qwen4ExpMTP, runner: ModelRunner, *, vocab_size: int,
+                 block_size: int = 64):
+        cache = runner.cache
+        if cache.qsa is None or mtp.layer_idx not in cache.qsa.layer_ids:
+            raise HebrusError(f"engine: the ModelCache has no layer for the MTP block (decoder layer "
+                              f"{mtp.layer_idx}); build it with engine.mtp.mtp_model_cache")
+        self.model, self.mtp, self.runner, self.cache = model, mtp.eval(), runner, cache
+        self.trunk = runner.forward
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.width = mtp.hc_count * mtp.hidden_size
+        self._streams: dict[SeqHandle, dict[int, torch.Tensor]] = {}    # seq -> position -> Tensor[hc * hidden]
+        self._staged: list[tuple[SeqHandle, int, dict[int, torch.Tensor]]] | None = None
+        self._probs: dict[Request, torch.Tensor] = {}
+        self._generators: dict[Request, torch.Generator] = {}
+        self.passes = 0                                   # packed MTP passes run for drafting
+        runner.mtp = self
+        copy = cache.copy
+
+        def copy_with_streams(src: SeqHandle, dst: SeqHandle, _copy: Callable = copy) -> None:
+            _copy(src, dst)
+            self._streams[dst] = dict(self._streams.get(src, {}))
+        cache.copy = copy_with_streams                    # (ModelCache.fork copies through it)
+
+    # ------------------------------------------------------------------ the runner's hook
+    def forward(self, step: ChunkStep, positions: torch.Tensor, last: int, starts: Sequence[int],
+                counts: Sequence[int], timed: Callable) -> torch.Tensor:
+        """The trunk's packed forward, plus the MTP block's entries at the step's positions (written in the same
+        transaction); returns the mixer's output Tensor[T, hidden] as ``PackedQwen4Exp`` does."""
+        self._staged = None
+        h, (cos, sin) = self.trunk.streams(step, positions, last, timed)
+        previous = torch.zeros_like(h)
+        staged = []
+        at = 0
+        for seq, p, n in zip(step.batch.seqs, starts, counts):
+            if n == 0:
+                continue
+            before = self._streams.get(seq, {}).get(p - 1)
+            if before is not None:
+                previous[at] = before
+            previous[at + 1:at + n] = h[at:at + n - 1]
+            keep = {q: h[at + q - p] for q in range(p, p + n)
+                    if q >= p + n - (MAX_DRAFT_TOKENS + 1) or (q + 1) % self.block_size == 0}
+            staged.append((seq, p, {q: row.clone() for q, row in keep.items()}))
+            at += n
+        with timed("mtp"):
+            mtp_write(step, self.trunk, self.mtp, previous, step.batch.tokens, cos, sin)
+        self._staged = staged
+        return self.trunk.text.hyper_connection_mixer(h)
+
+    def published(self) -> None:
+        """The step committed: its streams become the sequences' (positions from each row's first on replace
+        what an abandoned stream left there)."""
+        staged, self._staged = self._staged, None
+        for seq, p, rows in staged or ():
+            kept = {q: r for q, r in self._streams.get(seq, {}).items() if q < p}
+            kept.update(rows)
+            self._streams[seq] = kept
+        if len(self._streams) > 2 * self.cache.slots.capacity:
+            self._streams = {s: v for s, v in self._streams.items() if self._live(s)}
+
+    def _live(self, seq: SeqHandle) -> bool:
+        try:
+            self.cache.slots.check(seq)
+        except HebrusError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ the engine's drafter interface
+    def __call__(self, request: Request, k: int) -> list[int]:
+        return self.propose_batch([request], [k])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` drafted tokens to follow each request's stream: requests decoding with their last
+        token not yet in the cache (``num_computed == len(tokens) - 1``)."""
+        out: dict[Request, list[int]] = {r: [] for r in requests}
+        live = [(r, k) for r, k in zip(requests, lengths)
+                if k > 0 and r.seq is not None and r.num_computed == len(r.tokens) - 1]
+        if not live:
+            return [out[r] for r in requests]
+        device = self.runner.device
+        dtype = self.trunk.text.embed_tokens.weight.dtype
+        streams = torch.zeros((len(live), self.width), dtype=dtype, device=device)
+        for i, (req, _) in enumerate(live):
+            before = self._streams.get(req.seq, {}).get(req.num_computed - 1)
+            if before is not None:
+                streams[i] = before
+        feed = [req.tokens[-1] for req, _ in live]
+        probs: list[list[torch.Tensor]] = [[] for _ in live]
+        active = list(range(len(live)))
+        try:
+            with self.cache.transaction():
+                for j in range(max(k for _, k in live)):
+                    active = [i for i in active if live[i][1] > j]
+                    if not active:
+                        break
+                    try:
+                        step = ChunkStep(self.cache, Batch.from_rows([live[i][0].seq for i in active],
+                                                                     [[feed[i]] for i in active], device=device))
+                    except HebrusError:          # (no cells left: draft less)
+                        break
+                    pos = step.positions
+                    last = max(live[i][0].num_computed + j for i in active)
+                    cos, sin = self.trunk.rope_rows(pos, last, streams)
+                    streams = packed_mtp(step, self.trunk, self.mtp, streams, step.batch.tokens, cos, sin)
+                    logits = mtp_logits(self.mtp, self.runner.lm_head, streams)
+                    self.passes += 1
+                    picks = []
+                    for row, i in enumerate(active):
+                        req = live[i][0]
+                        drafted = out[req]
+                        scores, sampled = target_scores(logits[row, :self.vocab_size], req.sampling,
+                                                        req.tokens + drafted, req.generated + drafted)
+                        if req.sampling.do_sample:
+                            q = sampled.softmax(-1)
+                            probs[i].append(q)
+                            picks.append(torch.multinomial(q, 1, generator=self._generator(req))[0])
+                        else:
+                            picks.append(scores.argmax())
+                    for i, t in zip(active, torch.stack(picks).tolist()):   # the next pass feeds them: one read
+                        out[live[i][0]].append(int(t))
+                        feed[i] = int(t)
+                    keep = [row for row, i in enumerate(active) if live[i][1] > j + 1]
+                    streams = streams[keep]
+                    active = [active[row] for row in keep]
+                raise _Discard
+        except _Discard:
+            pass
+        for i, (req, _) in enumerate(live):
+            if probs[i]:
+                self._probs[req] = torch.stack(probs[i])
+            else:
+                self._probs.pop(req, None)
+        return [out[r] for r in requests]
+
+    def _generator(self, req: Request) -> torch.Generator:
+        gen = self._generators.get(req)
+        if gen is None:
+            gen = self._generators[req] = torch.Generator(device=self.runner.device)
+            seed = req.sampling.seed
+            gen.manual_seed(seed + 2 if seed is not None else torch.seed())
+        return gen
+
+    def draft_probs(self, request: Request, n: int) -> torch.Tensor | None:
+        """Tensor[n, V] float32: the distributions the last ``n`` drafted tokens of ``request`` were sampled from
+        (None for a greedy request)."""
+        q = self._probs.get(request)
+        return None if q is None else q[:n]
+
+    def release(self, request: Request) -> None:
+        """Forget the request's drafting state (its streams go with its sequence)."""
+        self._probs.pop(request, None)
+        self._generators.pop(request, None)
+
+    def streams_at(self, seq: SeqHandle, position: int) -> torch.Tensor | None:
+        """The trunk's pre-mixer streams Tensor[hc * hidden] of ``seq`` at ``position`` as kept here, or None."""
+        return self._streams.get(seq, {}).get(position)
+

@@ -1,0 +1,318 @@
+"""Speculation from the checkpoint's own MTP block (issue 38): loading ``mtp.*``, the block against transformers'
+own modules (its QSA selection per draft position included), and exactness under continuous batching.
+
+- the drafter's logits at every draft position equal the reference block's (``reference_mtp``: transformers'
+  decoder layer on the whole MTP sequence, each query selecting its own groups), for prompts past the
+  indexer's budget and for every cut of the prefill; the same reference with selection off differs;
+- drafting leaves the cache bitwise as it was (its transaction is rolled back);
+- greedy requests get the plain engine's tokens, and every holder (the MTP layer included) the digests of an
+  engine that writes the MTP layer without speculating, at every common frontier, whatever the budget,
+  draft length and arrival order; the trunk's recurrent holders those of the plain engine;
+- sampled requests are reproducible; a model without ``mtp.*`` is refused at start.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_models import modeling, tiny_indexer_config  # noqa: F401  (skips without transformers)
+from test_engine import EOS, eager_experts, make_model, prompts_for, row_invariant  # noqa: F401
+from test_engine_speculative import generate_batch_once, run as speculative_run
+
+import hebrus_torch.engine.mtp as engine_mtp
+from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
+from hebrus_torch.engine.speculative import SpeculativeConfig
+from hebrus_torch.errors import HebrusError
+from hebrus_torch.models.qwen4_exp.mtp import reference_mtp
+from hebrus_torch.testing import random_mtp
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
+
+
+def with_mtp(model, seed: int = 7):
+    model.mtp = random_mtp(model.config, seed)
+    return model
+
+
+def mtp_config(k: int, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(k, method="mtp", **kw)
+
+
+def run(model, prompts, *, spec=None, digests=None, order=None, **config):
+    """test_engine_speculative's ``run`` with ``spec`` the engine's default, the requests arriving in ``order``
+    (their ids and the digests' keys stay those of their place in ``prompts``)."""
+    order = list(order) if order is not None else list(range(len(prompts)))
+    got: dict = {}
+    tokens, engine = speculative_run(model, [prompts[i] for i in order], digests=got if digests is not None else None,
+                                     speculative=spec, **config)
+    name = {f"r{j}": f"r{i}" for j, i in enumerate(order)}
+    if digests is not None:
+        digests.update({(name[rid], n): d for (rid, n), d in got.items()})
+    return {name[rid]: t for rid, t in tokens.items()}, engine
+
+
+def trunk_streams(model, tokens: list[int]) -> torch.Tensor:
+    """The trunk's pre-mixer streams Tensor[T, hc * hidden] of transformers' own forward over ``tokens``."""
+    got = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda mod, args, out: got.__setitem__("h", out))
+    try:
+        with torch.no_grad():
+            model.model(torch.tensor([tokens]))
+    finally:
+        hook.remove()
+    return got["h"][0]
+
+
+def reference_drafts(model, tokens: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+    """k greedy drafts after ``tokens`` (the last one not yet fed to the trunk) by transformers' modules: the MTP
+    sequence is (zero streams, t0), (h0, t1), ..., (h_{P-1}, t_P), then each draft's (block output, draft)."""
+    mtp = model.mtp
+    h = trunk_streams(model, tokens[:-1])
+    streams = torch.cat([torch.zeros_like(h[:1]), h])
+    ids = list(tokens)
+    drafts, logits = [], []
+    for _ in range(k):
+        out, lg = reference_mtp(model, mtp, streams, torch.tensor(ids))
+        logits.append(lg[-1])
+        d = int(lg[-1].argmax())
+        drafts.append(d)
+        streams = torch.cat([streams, out[-1:]])
+        ids.append(d)
+    return drafts, logits
+
+
+def _recording_logits(monkeypatch) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    original = engine_mtp.mtp_logits
+
+    def record(*args):
+        out = original(*args)
+        seen.append(out.clone())
+        return out
+    monkeypatch.setattr(engine_mtp, "mtp_logits", record)
+    return seen
+
+
+# ------------------------------------------------------------------------------------------ the block itself
+@pytest.mark.parametrize("budget", [5, 16, None])
+def test_drafts_equal_the_reference_block_with_its_own_selection_per_position(budget, monkeypatch):
+    model = with_mtp(make_model("lin-idx", seed=21))
+    prompt = prompts_for(21, lengths=(23,))[0]          # past the indexer's budget (8): selection is real
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=budget,
+                                        block_size=4, speculative=mtp_config(0)))
+    rid = engine.add_request(prompt, max_new_tokens=20, eos_token_id=None)
+    req = engine.requests[rid]
+    assert engine.make_request([5], speculative=2).speculative == mtp_config(2)   # (an int: MTP drafts here)
+    while len(req.generated) < 3:
+        assert not req.status.is_done
+        engine.step()
+    seen = _recording_logits(monkeypatch)
+    before = engine.cache.digest()
+    drafts = engine.mtp_drafter.propose_batch([req], [4])[0]
+    assert engine.cache.digest() == before                       # drafting publishes nothing
+    want, want_logits = reference_drafts(model, req.tokens, 4)
+    assert drafts == want
+    assert len(seen) == 4
+    for got, ref in zip(seen, want_logits):
+        torch.testing.assert_close(got[0], ref, atol=2e-4, rtol=2e-4)
+    # the same reference attending densely (no selection) gives other logits: the check above sees selection
+    indexer = model.mtp.block.self_attn.indexer
+    monkeypatch.setattr(indexer, "token_budget", 1024)
+    monkeypatch.setattr(indexer, "block_topk", 256)
+    _, dense = reference_drafts(model, req.tokens, 4)
+    assert any(not torch.allclose(a, b, atol=1e-3) for a, b in zip(dense, want_logits))
+
+
+def test_drafting_is_batched_one_pass_per_draft_position():
+    model = with_mtp(make_model("lin-idx", seed=22))
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                        speculative=mtp_config(0)))
+    reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)]
+            for p in prompts_for(22, lengths=(9, 4, 13))]
+    while any(len(r.generated) < 2 for r in reqs):
+        engine.step()
+    from hebrus_torch.engine.step_counts import PARTS
+
+    class Parts(list):                     # the parts a step names (engine.step_counts labels each)
+        seen: set = set()
+
+        def append(self, part):
+            self.seen.add(part)
+            super().append(part)
+    engine.runner.parts = Parts()
+    engine.step()
+    engine.runner.parts = None
+    assert "mtp" in Parts.seen and Parts.seen <= set(PARTS)
+    alone = [engine.mtp_drafter.propose_batch([r], [k])[0] for r, k in zip(reqs, (3, 1, 2))]
+    passes = engine.mtp_drafter.passes
+    together = engine.mtp_drafter.propose_batch(reqs, [3, 1, 2])
+    assert engine.mtp_drafter.passes - passes == 3
+    assert together == alone and [len(d) for d in together] == [3, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------ exactness
+def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6):
+    """Bias the MTP drafts towards the plain run's continuation at random positions (random MTP weights accept
+    almost nothing), so that every accepted length occurs; the drafts still come from the MTP passes."""
+    rng = random.Random(seed)
+    truth = {tuple(p): ref[f"r{i}"] for i, p in enumerate(prompts)}
+    original = engine_mtp.target_scores
+
+    def steered(logits, sampling, tokens, generated):
+        scores, sampled = original(logits, sampling, tokens, generated)
+        prompt = tuple(tokens[:len(tokens) - len(generated)])
+        cont = truth.get(prompt, [])
+        if len(generated) < len(cont) and rng.random() < rate:
+            scores = scores.clone()
+            scores[cont[len(generated)]] += 1e4
+        return scores, sampled
+    monkeypatch.setattr(engine_mtp, "target_scores", steered)
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_greedy_mtp_speculation_gives_the_plain_tokens_and_state(shape, row_invariant, monkeypatch):
+    model = with_mtp(eager_experts(make_model(shape, seed=23)))
+    prompts = prompts_for(23, lengths=(14, 6, 21, 3))
+    plain_digests: dict = {}
+    ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
+    layer_digests: dict = {}
+    same, _ = run(model, prompts, spec=mtp_config(0), digests=layer_digests, max_new_tokens=14)
+    assert same == ref
+    for seed, budget, k, order in ((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2]), (2, None, 3, [2, 3, 0, 1]),
+                                   (3, 32, 8, None)):
+        _steer(monkeypatch, prompts, ref, seed)
+        digests: dict = {}
+        tokens, engine = run(model, prompts, spec=mtp_config(k), digests=digests, max_batch_tokens=budget,
+                             max_new_tokens=14, order=order)
+        assert tokens == ref, (seed, budget, k)
+        c = engine.counters
+        assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
+        assert c.spec_rollbacks > 0 and c.spec_drafter_errors == 0
+        common = set(digests) & set(layer_digests)
+        assert len(common) >= len(digests) // 2
+        for key in common:                                   # every holder, the MTP layer included
+            assert digests[key] == layer_digests[key], (seed, key)
+        recurrent = len(engine.cache.holders) - 1            # the trunk's recurrent holders (PLE, GDN): all but QSA
+        for key in set(digests) & set(plain_digests):
+            assert digests[key][:recurrent] == plain_digests[key][:recurrent], (seed, key)
+
+
+def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distribution(monkeypatch):
+    model = with_mtp(make_model("lin-idx", seed=24))
+    prompts = prompts_for(24, lengths=(9, 5, 12))
+    asked = []
+    original = engine_mtp.MTPDrafter.draft_probs
+
+    def draft_probs(self, request, n):
+        q = original(self, request, n)
+        asked.append(q)
+        return q
+    monkeypatch.setattr(engine_mtp.MTPDrafter, "draft_probs", draft_probs)
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=5)
+    a, ea = run(model, prompts, spec=mtp_config(3), sampling=sampling, max_new_tokens=10)
+    b, _ = run(model, prompts, spec=mtp_config(3), sampling=sampling, max_new_tokens=10)
+    assert a == b
+    assert ea.counters.spec_drafted_tokens > 0
+    assert asked and all(q is not None and q.shape[-1] == model.config.vocab_size for q in asked)
+    assert not ea.mtp_drafter._probs and not ea.mtp_drafter._generators     # released with the requests
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_a_model_without_an_mtp_block_is_refused_at_start():
+    model = make_model("lin-idx", seed=25)
+    with pytest.raises(HebrusError, match="MTP block"):
+        Engine(model, EngineConfig(capacity_tokens=64, max_sequences=2, speculative=mtp_config(2)))
+    plain = Engine(model, EngineConfig(capacity_tokens=64, max_sequences=2))
+    with pytest.raises(BadRequestError, match="method 'mtp'"):
+        plain.add_request([5, 6, 7], speculative=mtp_config(2))
+    assert not plain.requests and not plain.has_unfinished()
+    with pytest.raises(BadRequestError, match="method must be one of"):
+        SpeculativeConfig(2, method="eagle")
+
+
+def test_the_checkpoint_s_mtp_block_loads_lazily_and_drafts(tmp_path):
+    from hebrus_torch.loading import from_pretrained
+    from hebrus_torch.testing import write_checkpoint
+
+    config = tiny_indexer_config()
+    write_checkpoint(tmp_path / "full", config, seed=3, dtype=torch.float32, mtp_block=True, tokenizer=False)
+    model = from_pretrained(tmp_path / "full")
+    assert getattr(model, "mtp", None) is None and len(model.hebrus_checkpoint.mtp) > 4
+    engine = Engine(model, EngineConfig(capacity_tokens=128, max_sequences=2, speculative=mtp_config(3)))
+    want = random_mtp(model.config, 4).state_dict()            # (write_checkpoint's MTP block: seed + 1)
+    got = model.mtp.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.mtp.fc_embedding.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    engine.add_request([5, 6, 7, 8, 9], max_new_tokens=6, eos_token_id=None)
+    engine.run()
+    assert engine.counters.spec_drafted_tokens > 0
+
+    write_checkpoint(tmp_path / "partial", config, seed=3, dtype=torch.float32, tokenizer=False)  # 4 mtp keys
+    write_checkpoint(tmp_path / "none", config, seed=3, dtype=torch.float32, tokenizer=False, mtp=False)
+    for name, match in (("partial", "MTP block .*mtp"), ("none", "no mtp")):
+        model = from_pretrained(tmp_path / name)
+        with pytest.raises(HebrusError, match=match):
+            Engine(model, EngineConfig(capacity_tokens=64, max_sequences=2, speculative=mtp_config(2)))
+
+
+def test_generate_batch_speculates_with_the_mtp_block():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from hebrus_torch.integrations import transformers as htx
+
+    model = with_mtp(make_model("lin-idx", seed=26))
+    prompts = prompts_for(26, lengths=(7, 12, 4))
+    cb = ContinuousBatchingConfig(max_batch_tokens=32, page_size=4)
+    htx.apply(model)
+    try:
+        outs, counters = [], []
+        for extra in ({}, {"speculative_method": "mtp", "num_assistant_tokens": 3}):
+            gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=0, **extra)
+            tokens, engine_counters = generate_batch_once(model, prompts, gc, cb)
+            outs.append(tokens)
+            counters.append(engine_counters)
+        assert outs[1] == outs[0]
+        assert counters[0].spec_verify_rows == 0 and counters[1].spec_drafted_tokens > 0
+    finally:
+        htx.revert(model)
+
+
+@pytest.mark.parametrize("fault_at", [2, 5])
+def test_mtp_speculation_under_preemption_faults_and_cancellation(fault_at, monkeypatch):
+    model = with_mtp(make_model("lin-idx", seed=27))
+    prompts = prompts_for(27, lengths=(20, 18, 22, 16))
+    ref, _ = run(model, prompts, max_new_tokens=12, capacity_tokens=4096)
+    _steer(monkeypatch, prompts, ref, 0)
+    tokens, engine = run(model, prompts, spec=mtp_config(4), max_new_tokens=12, capacity_tokens=90,
+                         max_batch_tokens=32)                       # (drafting too runs out of cells at times)
+    assert tokens == ref
+    assert engine.counters.preemptions > 0 and engine.counters.spec_accepted_tokens > 0
+    calls = {"n": 0}
+    original = engine_mtp.mtp_write
+
+    def faulty(*args):                # a fault inside a step's MTP write: the step is rolled back and retried
+        calls["n"] += 1
+        if calls["n"] == fault_at:
+            raise RuntimeError("injected fault in the MTP write")
+        return original(*args)
+    monkeypatch.setattr(engine_mtp, "mtp_write", faulty)
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=4, max_batch_tokens=32,
+                                        speculative=mtp_config(4, adaptive=False)))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=12, eos_token_id=EOS)
+    for _ in range(4):
+        engine.step()
+    engine.cancel("r1")
+    engine.run()
+    assert calls["n"] > fault_at and engine.counters.retried_steps == 1
+    assert engine.requests["r1"].status is RequestStatus.CANCELLED
+    assert {r: q.generated for r, q in engine.requests.items() if r != "r1"} == {r: t for r, t in ref.items()
+                                                                                 if r != "r1"}
+    assert len(engine.cache.slots.live_handles()) == len(engine.kept_sequences())
