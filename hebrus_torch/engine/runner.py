@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ from ..state.handles import SeqHandle
 from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
+
+_NO_PART = contextlib.nullcontext()
+"""What ``_timed`` / ``_part`` give when nothing times or names the parts (reentrant: one instance serves all)."""
 
 
 class ModelRunner:
@@ -52,24 +55,28 @@ class ModelRunner:
         self.parts: list[str] | None = None
         """Set to a list to have the part of the step now running pushed on it (``engine.step_counts``)."""
 
+    def _timed(self, part: str) -> ContextManager:
+        """A context around one part of the step: timed into ``timings`` and named on ``parts`` where those
+        are set, else a shared no-op context (the decode hot path creates no context manager per part)."""
+        if self.timings is None:
+            return self._part(part)
+        return self._timed_part(part)
+
     @contextlib.contextmanager
-    def _timed(self, part: str) -> Iterator[None]:
+    def _timed_part(self, part: str) -> Iterator[None]:
         with self._part(part):
-            if self.timings is None:
-                yield
-                return
             t0 = time.perf_counter()
             try:
                 yield
             finally:
                 self.timings[part] += time.perf_counter() - t0
 
+    def _part(self, part: str) -> ContextManager:
+        """Names a part of the step for ``parts`` only (not timed); a shared no-op context when unset."""
+        return _NO_PART if self.parts is None else self._pushed(part)
+
     @contextlib.contextmanager
-    def _part(self, part: str) -> Iterator[None]:
-        """Names a part of the step for ``parts`` only (not timed)."""
-        if self.parts is None:
-            yield
-            return
+    def _pushed(self, part: str) -> Iterator[None]:
         self.parts.append(part)
         try:
             yield
