@@ -12,42 +12,14 @@ import torch
 
 from hf_models import random_model  # noqa: E402  (skips without transformers)
 
-from hebrus_torch.gdn.delta_rule import gated_delta_rule_slots
+from bench_compile import gdn_layer_step, state_pools  # noqa: E402  (benchmarks/, on the path via hf_models)
+
 from hebrus_torch.models.qwen4_exp.forward import packed_decoder_layer
-from hebrus_torch.models.qwen4_exp.gdn import gated_delta_net
-from hebrus_torch.ple import ops as ple_ops
 
 
 @pytest.fixture(scope="module")
 def model():
     return random_model(3)
-
-
-def gdn_layer_step(layer: torch.nn.Module, cu_seqlens: torch.Tensor, slots: torch.Tensor):
-    """One linear-attention decoder layer's packed forward with its state in explicit pools (what the
-    engine's ``ChunkStep`` runs, less the holders' bookkeeping): (h, conv_pool, recurrent_pool) -> h."""
-    gdn = layer.linear_attn
-
-    def step(h: torch.Tensor, conv_pool: torch.Tensor, recurrent_pool: torch.Tensor) -> torch.Tensor:
-        def conv(x, weight, activation):
-            weight = weight.reshape(weight.shape[0], weight.shape[-1])
-            return ple_ops.ple_conv_slots(x, weight, cu_seqlens, conv_pool, slots, 1, activation)
-
-        def delta_rule(q, k, v, g, beta):
-            return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, recurrent_pool, slots)
-
-        return packed_decoder_layer(layer, h, lambda x: gated_delta_net(gdn, x, conv, delta_rule), "gdn")
-
-    return step
-
-
-def pools(layer: torch.nn.Module, num_slots: int, gen: torch.Generator):
-    gdn = layer.linear_attn
-    conv_dim = gdn.conv1d.weight.shape[0]
-    k = gdn.conv1d.weight.shape[-1]
-    conv = torch.randn((num_slots, k - 1, conv_dim), generator=gen) * 0.5
-    rec = torch.randn((num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), generator=gen) * 0.1
-    return conv, rec
 
 
 @pytest.mark.parametrize("rows", [[1], [3, 1, 2]], ids=["decode", "mixed"])
@@ -58,7 +30,7 @@ def test_one_layer_compiles_whole_and_matches_eager(model, rows):
     slots = torch.tensor([2 * i + 1 for i in range(len(rows))], dtype=torch.int32)
     hc, hidden = model.config.hc_count, model.config.hidden_size
     h = torch.randn((sum(rows), hc * hidden), generator=gen)
-    conv, rec = pools(layer, 2 * len(rows) + 2, gen)
+    conv, rec = state_pools(layer, 2 * len(rows) + 2, gen)
     step = gdn_layer_step(layer, cu, slots)
     eager_pools = conv.clone(), rec.clone()
     compiled_pools = conv.clone(), rec.clone()
