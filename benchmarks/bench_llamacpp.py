@@ -2,7 +2,9 @@
 
 The model is the small random Qwen4Exp llama.cpp's converter takes (``profile_engine_decode.llamacpp_variant``:
 hidden 256, 4 layers, PLE on one layer with ``ple_embed_dim`` = hidden, sigmoid output gate, vocab 4096),
-fp32, one thread. One request of ``--prompt`` random tokens decodes ``--new`` tokens greedily:
+fp32, one thread. One request of ``--prompt`` random tokens decodes ``--new`` tokens greedily (each step timed
+in CPU time of the process, which a shared machine's other jobs stretch far less than wall time; both paths
+run on this process's one thread):
 
 - the engine (``Engine.step``; decode steps timed, the prefill step not),
 - llama.cpp through llama-cpp-python (``Llama.eval`` of one token per step and an argmax of its logits;
@@ -90,9 +92,9 @@ def engine_decode(model, prompt: list[int], new: int) -> tuple[list[int], list[f
     with torch.inference_mode():
         engine.step()                           # the prompt (max_batch_tokens 512 >= its length): token 1
         while engine.has_unfinished():
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             engine.step()
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
     return list(engine.requests["r"].generated), times
 
 
@@ -106,10 +108,10 @@ def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[li
     llm.eval(prompt)
     tokens, times = [int(np.argmax(llm.scores[llm.n_tokens - 1]))], []
     while len(tokens) < new:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         llm.eval([tokens[-1]])
         tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return tokens, times
 
 
@@ -173,7 +175,7 @@ def main() -> None:
         f"Machine: {machine()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. Model: the llama.cpp-"
         f"convertible small random Qwen4Exp (hidden 256, 4 layers: linear, indexed, linear, indexed; PLE on "
         f"layer 0 with ple_embed_dim 256; sigmoid output gate; 8 experts top-2; vocab 4096), fp32 weights. One "
-        f"request, a {args.prompt}-token random prompt, {args.new} greedy tokens; median decode step over "
+        f"request, a {args.prompt}-token random prompt, {args.new} greedy tokens; median decode step (CPU time) over "
         f"{args.repeat} decodes per path, interleaved (the prompt's step not counted); 'engine / this': the "
         f"engine's step over the row's. Tokens compared with transformers' greedy generate.",
         "",

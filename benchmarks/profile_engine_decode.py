@@ -3,7 +3,8 @@
 One request of ``--prompt`` tokens on the small random Qwen4Exp that llama.cpp can convert
 (:func:`llamacpp_variant`: bench_engine's model with one PLE layer, ``ple_embed_dim`` = hidden and a sigmoid
 output gate; ``--model engine`` takes bench_engine's own), one thread. After the prefill, ``--steps``
-decode steps are timed per phase (wall time; the phases are wrapped here, the engine is not changed):
+decode steps are timed per phase (CPU time of the process, one thread: on a shared machine wall time also
+counts the other jobs' turns; the phases are wrapped here, the engine is not changed):
 
 - schedule: ``Engine.step`` before the plan runs (cancellations, drafts, the scheduler and cache manager),
 - pack: the runner's tensors of the step (``Batch.from_rows``, the logits' row indices),
@@ -40,8 +41,11 @@ from common import machine, table, write_section  # noqa: E402
 from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
 from hebrus_torch.engine import engine as engine_module  # noqa: E402
 from hebrus_torch import model_cache  # noqa: E402
+from hebrus_torch.engine import runner as runner_module  # noqa: E402
 
 GEMMS = {"mm", "addmm", "bmm", "moe_experts", "linear"}
+CLOCK = time.process_time
+"""The process's CPU time (one thread): a shared machine's other jobs stretch wall time, far less this."""
 
 
 def llamacpp_variant(seed: int = 0) -> torch.nn.Module:
@@ -52,6 +56,10 @@ def llamacpp_variant(seed: int = 0) -> torch.nn.Module:
     return small_model(seed, ple_layer_ids=[1], ple_embed_dim=256, output_gate_type="sigmoid")
 
 
+class _CpuClock:
+    perf_counter = staticmethod(CLOCK)
+
+
 class Phases:
     """Seconds per phase of the timed steps, by wrapping the engine's callables on one engine instance."""
 
@@ -60,6 +68,7 @@ class Phases:
         self.on = False
         runner, cache = engine.runner, engine.cache
         engine.runner.timings = collections.Counter()
+        runner_module.time = _CpuClock            # the runner's own part timings on the same clock
         self._wrap(model_cache.Batch, "from_rows", "pack", static=True)
         self._wrap(runner, "lm_head", "lm_head")
         self._wrap(engine_module, "apply_step", "update")
@@ -69,7 +78,7 @@ class Phases:
 
         @contextlib.contextmanager
         def transaction(batch):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             cm = original(batch)
             step = cm.__enter__()
             phases.add("transaction open", t0)
@@ -79,7 +88,7 @@ class Phases:
                 if not cm.__exit__(type(err), err, err.__traceback__):
                     raise
             else:
-                t1 = time.perf_counter()
+                t1 = CLOCK()
                 cm.__exit__(None, None, None)
                 phases.add("transaction commit", t1)
 
@@ -87,14 +96,14 @@ class Phases:
 
     def add(self, name: str, t0: float) -> None:
         if self.on:
-            self.seconds[name] += time.perf_counter() - t0
+            self.seconds[name] += CLOCK() - t0
 
     def _wrap(self, owner, attr: str, name: str, static: bool = False) -> None:
         fn = getattr(owner, attr)
         phases = self
 
         def wrapped(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -120,10 +129,10 @@ def replay_seconds(calls: list[tuple], repeat: int = 20) -> float:
     """Median seconds of running ``calls`` back to back (the dispatcher and the kernels, no Python around)."""
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for func, args, kwargs in calls:
             func(*args, **kwargs)
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times)
 
 
@@ -144,9 +153,9 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
         per_step = []
         phases.on = True
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             engine.step()
-            per_step.append(time.perf_counter() - t0)
+            per_step.append(CLOCK() - t0)
         phases.on = False
         recorder = Recorder()
         with recorder:
@@ -192,7 +201,7 @@ def main() -> None:
     text = "\n".join([
         f"{args.label}Machine: {machine()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. Model: "
         f"{'llamacpp_variant' if args.model == 'llamacpp' else 'bench_engine.small_model'}; one request, prompt "
-        f"{args.prompt} tokens, {args.steps} decode steps timed (mean {mean * 1e3:.2f} ms, "
+        f"{args.prompt} tokens, {args.steps} decode steps timed (mean {mean * 1e3:.2f} ms of CPU, "
         f"{1 / mean:.0f} tok/s).",
         "",
         table(["phase of a decode step", "ms", "share"], rows),
