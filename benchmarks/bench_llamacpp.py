@@ -184,10 +184,10 @@ def main() -> None:
     if why_not is not None:
         lines += ["", f"llama.cpp not measured: {why_not}. For comparison, {QUOTED}."]
     text = "\n".join(lines)
-    print(text)
     if not args.no_write:
         write_section(args.section, text)
+    print(text)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
