@@ -37,12 +37,13 @@ LENGTHS = [64, 4096, 256, 1024, 128, 2048, 512, 96, 768, 3072, 192, 1536, 384, 6
 MEMORY_LIMIT = 6 << 30      # padded-batch generate is skipped when its attention scores alone would pass this
 
 
-def small_model(seed: int = 0) -> torch.nn.Module:
+def small_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    """The benchmarks' small random Qwen4Exp (hidden 256, 4 layers); ``overrides``: config fields."""
     from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling
     from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
 
     torch.manual_seed(seed)
-    config = Qwen4ExpTextConfig(
+    fields = dict(
         vocab_size=4096, hidden_size=256, num_hidden_layers=4,
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, ple_layer_ids=[1, 3], ple_embed_dim=128,
@@ -51,6 +52,8 @@ def small_model(seed: int = 0) -> torch.nn.Module:
         num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
         max_position_embeddings=8192)
+    fields.update(overrides)
+    config = Qwen4ExpTextConfig(**fields)
     model = modeling.Qwen4ExpForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

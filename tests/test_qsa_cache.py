@@ -1706,3 +1706,42 @@ def test_a_model_cache_whose_qsa_savepoint_fails_at_begin_stays_usable():
     mc.state_dict()
     mc.to(torch.float32)
     assert mc.new_sequence() != a
+
+
+def test_plans_of_one_transaction_reuse_rows_until_the_runs_change():
+    """Every layer of a step plans the same chunk: the layer-independent rows (and the chunk's cell checks)
+    are derived once per transaction (issue 37), give every layer the plan a fresh cache gives it, and are
+    derived again, with their checks, once an operation changes the runs or cells inside the transaction."""
+    n = 11
+    keys, _, _ = stream(n, seed=3)
+    q = queries(n, seed=4)
+    fresh = []
+    for layer in range(L):                        # each layer planned alone, in its own cache
+        c = make_cache()
+        s = c.new_sequence()
+        with transaction(c):
+            chunk = c.reserve([s], [n], [2])
+            for lay in range(L):
+                c.write(lay, chunk, keys[lay])
+            fresh.append(c.plan(layer, chunk, q, 2))
+    cache = make_cache()
+    a, b = cache.new_sequence(), cache.new_sequence()
+    append_chunks(cache, b, stream(6, seed=9)[0], [6])
+    with transaction(cache):
+        chunk = cache.reserve([a], [n], [2])
+        for layer in range(L):
+            cache.write(layer, chunk, keys[layer])
+        plans = [cache.plan(layer, chunk, q, 2) for layer in range(L)]
+        assert cache._plan_rows_memo is not None and plans[0].q_rows is plans[1].q_rows     # derived once
+        cache.free(b)                                   # another sequence's run: the rows are derived again
+        again = cache.plan(1, chunk, q, 2)
+        assert again.q_rows is not plans[1].q_rows and torch.equal(again.token_cells, plans[1].token_cells)
+        cache.rewind(a, 2 + 5)                          # the chunk's own run: its later tokens are gone
+        with pytest.raises(HoleError):
+            cache.plan(0, chunk, q, 2)
+        with pytest.raises(HoleError):
+            cache.write(0, chunk, keys[0])
+    for got, want in zip(plans, fresh):      # (the cells differ: b took the first ones)
+        for name in ("selected_groups", "q_groups", "token_positions", "token_offsets", "run_starts", "positions"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert cache._plan_rows_memo is None and cache._chunk_checked is None           # dropped with the transaction

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ from ..state.handles import SeqHandle
 from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
+
+_NO_PART = contextlib.nullcontext()
+"""What ``_timed`` / ``_part`` give when nothing times or names the parts (reentrant: one instance serves all)."""
 
 
 class ModelRunner:
@@ -56,24 +59,28 @@ class ModelRunner:
         ``forward(step, positions, last, starts, counts, timed)`` replaces the packed forward (it also writes the
         block's attention state) and its ``published()`` runs once the step's transaction committed."""
 
+    def _timed(self, part: str) -> ContextManager:
+        """A context around one part of the step: timed into ``timings`` and named on ``parts`` where those
+        are set, else a shared no-op context (the decode hot path creates no context manager per part)."""
+        if self.timings is None:
+            return self._part(part)
+        return self._timed_part(part)
+
     @contextlib.contextmanager
-    def _timed(self, part: str) -> Iterator[None]:
+    def _timed_part(self, part: str) -> Iterator[None]:
         with self._part(part):
-            if self.timings is None:
-                yield
-                return
             t0 = time.perf_counter()
             try:
                 yield
             finally:
                 self.timings[part] += time.perf_counter() - t0
 
+    def _part(self, part: str) -> ContextManager:
+        """Names a part of the step for ``parts`` only (not timed); a shared no-op context when unset."""
+        return _NO_PART if self.parts is None else self._pushed(part)
+
     @contextlib.contextmanager
-    def _part(self, part: str) -> Iterator[None]:
-        """Names a part of the step for ``parts`` only (not timed)."""
-        if self.parts is None:
-            yield
-            return
+    def _pushed(self, part: str) -> Iterator[None]:
         self.parts.append(part)
         try:
             yield

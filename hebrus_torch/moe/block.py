@@ -21,6 +21,14 @@ def _modeling():
     return modeling()
 
 
+@torch.compiler.assume_constant_result
+def _native_moe_experts(device_type: str) -> bool:
+    """``hebrus::moe_experts`` has a kernel for ``device_type``: a fact of the build (or of the emulated
+    device), so ``torch.compile`` takes it as a constant instead of breaking the graph on the dispatcher
+    query."""
+    return has_native_kernel("moe_experts", device_type)
+
+
 def _plain_call(module: torch.nn.Module, patched_by: str | None = None) -> bool:
     """No hooks and no forward of the instance's own (other than the drop-in's patch, ``patched_by``): calling
     around the module runs exactly what its class's forward runs."""
@@ -50,7 +58,7 @@ def experts_unsupported(experts: torch.nn.Module, hidden_states: torch.Tensor) -
         return "expert_layout"
     if hidden_states.dim() != 2 or hidden_states.dtype != gate_up.dtype or down.dtype != gate_up.dtype:
         return "dtype"
-    if not has_native_kernel("moe_experts", hidden_states.device.type):
+    if not _native_moe_experts(hidden_states.device.type):
         return "no_native_kernel"
     if torch.is_grad_enabled() and (hidden_states.requires_grad or gate_up.requires_grad or down.requires_grad):
         return "autograd"                     # hebrus::moe_experts has no backward

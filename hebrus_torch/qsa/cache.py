@@ -80,7 +80,7 @@ from .ops import qsa_pool, qsa_select  # noqa: F401  (qsa_pool is called here; q
 from .persistence import _HOLDER_FORMAT, _HOLDER_VERSION, _SEQ_KIND, _Persistence  # noqa: F401
 from .planning import QSAPlan, ReservedChunk, _Planning
 from .pooling import _Pooling
-from .runs import MAX_POSITION, HoleInSavedStateError, _Buf, _Run, _Vec  # noqa: F401  (re-exported)
+from .runs import MAX_POSITION, HoleInSavedStateError, _Buf, _Run, _RunTable, _Vec  # noqa: F401  (re-exported)
 from .transactions import _STATE_TENSORS, _Savepoint, _Transactions, _Txn  # noqa: F401
 
 __all__ = ["QSACache", "QSAPlan", "ReservedChunk", "HoleInSavedStateError", "MAX_POSITION"]
@@ -198,7 +198,10 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         self._freed_cells = torch.zeros(C, dtype=torch.bool, device=host)
         self._freed_rows = torch.zeros(gcap, dtype=torch.bool, device=host)
         self.slots = SlotTable(max_sequences, "QSACache")
-        self._runs: dict[int, _Run] = {}
+        self._runs: dict[int, _Run] = _RunTable()
+        self._cells_version = 0       # counts writes of cell_pos / cell_ref (see _layout_key)
+        self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
+        self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout
         self._cell_head = 0
         self._row_head = 0
         self._txn: _Txn | None = None

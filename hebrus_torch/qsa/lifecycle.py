@@ -276,6 +276,9 @@ class _Lifecycle:
     def _check_chunk(self, chunk: ReservedChunk, what: str) -> list[int]:
         if not isinstance(chunk, ReservedChunk) or chunk._owner != id(self):
             raise HebrusError(f"QSACache.{what}: the chunk was not reserved by this cache")
+        key = self._layout_key(chunk)
+        if self._same_layout(self._chunk_checked, key):
+            return list(self._chunk_checked[1])      # checked since, and nothing it read has changed
         slots = [self._slot(h) for h in chunk.handles]
         if chunk.num_tokens:
             cells, positions = chunk._host()
@@ -286,6 +289,8 @@ class _Lifecycle:
                 raise HoleError(f"QSACache.{what}: chunk token {i} (position {int(positions[i])}) is no longer "
                                 f"held by cell {int(cells[i])} (cell holds {int(pos_now[i])}): the run changed "
                                 f"since reserve")
+        if self._txn is not None:
+            self._chunk_checked = (key, tuple(slots))
         return slots
 
     def write(self, layer: int, chunk: ReservedChunk, keys: torch.Tensor, k: torch.Tensor | None = None,

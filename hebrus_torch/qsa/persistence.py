@@ -18,7 +18,7 @@ from ..errors import HebrusError
 from ..state import blob as _blob
 from ..state.handles import SeqHandle, generation_problem
 from ..state.protocol import StateDictProtocol
-from .runs import MAX_POSITION, HoleInSavedStateError, _Run, _Vec, first_hole
+from .runs import MAX_POSITION, HoleInSavedStateError, _Run, _RunTable, _Vec, first_hole
 
 _SEQ_KIND = "hebrus_torch.QSACache.sequence"
 _HOLDER_FORMAT = "hebrus_torch.QSACache"
@@ -309,7 +309,8 @@ class _Persistence(StateDictProtocol):
         for name, tensor in prepared["tensors"].items():
             setattr(self, name, tensor)
         self.slots.assign(prepared["generation"], prepared["live"])
-        self._runs = prepared["runs"]
+        self._runs = _RunTable(prepared["runs"])
+        self._cells_version += 1
         self._cell_head, self._row_head = prepared["heads"]
         if self._txn is not None:   # what the open transaction staged refers to the state just replaced
             self._txn.new_cells = []

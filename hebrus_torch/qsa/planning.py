@@ -123,6 +123,25 @@ class QSAPlan:
         return hit
 
 
+@dataclass(frozen=True, eq=False)
+class _PlanRows:
+    """What :meth:`QSACache.plan` derives from a chunk and the runs, the same for every layer: the rows'
+    visible groups (``flat``, host), the selection rows of ``qsa_select`` (``sel_groups``, ``sel_row``,
+    ``q_groups``), the visible cells with a -1 appended (``cells32``) and per query its run (``nvis_q``,
+    ``first``, ``q_p0``, ``q_rows``), uploaded; ``num_visible``: the visible cells' count (the -1's index)."""
+
+    flat: torch.Tensor
+    sel_groups: torch.Tensor
+    sel_row: torch.Tensor
+    q_groups: torch.Tensor
+    cells32: torch.Tensor
+    nvis_q: torch.Tensor
+    first: torch.Tensor
+    q_p0: torch.Tensor
+    q_rows: torch.Tensor
+    num_visible: int
+
+
 class _Planning:
     """``plan`` of :class:`QSACache`."""
 
@@ -157,10 +176,40 @@ class _Planning:
         cells_h, pos_h = chunk._host()
         if bool(self._unwritten[layer, cells_h].any()):
             raise HebrusError(f"QSACache.plan: layer {layer} keys of this chunk are not written yet; call write first")
+        if t == 0:
+            self._visible_runs(chunk, slots)                 # (its checks)
+            empty = torch.empty((0, top_k * r + r - 1), dtype=torch.int64, device=dev)
+            none = torch.empty(0, dtype=torch.int64, device=dev)
+            return QSAPlan(torch.empty((0, top_k), dtype=torch.int32, device=dev),
+                           torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty, none,
+                           chunk.positions.clone(), none, r, int(top_k))
+        # The rows of the selection do not depend on the layer: every layer of a step plans the same chunk
+        # over the same runs, so they are derived once (and again only if the runs or cells changed).
+        key = self._layout_key(chunk)
+        memo = self._plan_rows_memo
+        if self._same_layout(memo, key):
+            rows = memo[1]
+        else:
+            rows = self._plan_rows(chunk, slots, cells_h, pos_h)
+            if self._txn is not None:
+                self._plan_rows_memo = (key, rows)
+        if rows.flat.numel() and bool(self._pending[layer, rows.flat].any()):
+            raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
+                              f"earlier chunk not written for this layer)")
+        selected = qsa_select(q, self.pooled[layer], rows.sel_groups, rows.sel_row, rows.q_groups, int(top_k))
+        # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
+        offs = group_and_tail_offsets(selected.to(torch.int64), rows.q_groups, rows.nvis_q, r)
+        at = torch.where(offs >= 0, rows.first[:, None] + offs, rows.num_visible)
+        return QSAPlan(selected_groups=selected, q_groups=rows.q_groups, token_cells=rows.cells32[at],
+                       token_offsets=offs, run_starts=rows.q_p0, positions=chunk.positions.clone(),
+                       q_rows=rows.q_rows, compress_ratio=r, top_k=int(top_k))
+
+    def _visible_runs(self, chunk: ReservedChunk, slots: list[int]):
+        """Per row of the chunk: its run's p0, the positions its queries see, its visible cells and groups
+        (HoleError where the run no longer holds the chunk's positions)."""
         counts = chunk.counts
-        b = len(slots)
         starts = list(chunk._starts) if chunk._starts is not None else \
-            [int(pos_h[o]) if c else 0 for o, c in zip(host_ints(chunk.cu_seqlens)[:-1], counts)]
+            [int(chunk._host()[1][o]) if c else 0 for o, c in zip(host_ints(chunk.cu_seqlens)[:-1], counts)]
         p0_list, nvis_list, vis, grp = [], [], [], []
         for i, slot in enumerate(slots):
             run = self._runs[slot]
@@ -171,13 +220,17 @@ class _Planning:
             p0_list.append(run.p0)
             nvis_list.append(nvis)
             vis.append(run.cells.tensor()[:nvis])
-            grp.append(run.groups.tensor()[:nvis // r])
-        if t == 0:
-            empty = torch.empty((0, top_k * r + r - 1), dtype=torch.int64, device=dev)
-            none = torch.empty(0, dtype=torch.int64, device=dev)
-            return QSAPlan(torch.empty((0, top_k), dtype=torch.int32, device=dev),
-                           torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty, none,
-                           chunk.positions.clone(), none, r, int(top_k))
+            grp.append(run.groups.tensor()[:nvis // self.compress_ratio])
+        return counts, p0_list, nvis_list, vis, grp
+
+    def _plan_rows(self, chunk: ReservedChunk, slots: list[int], cells_h: torch.Tensor,
+                   pos_h: torch.Tensor) -> "_PlanRows":
+        """The layer-independent part of :meth:`plan` for a chunk of T > 0 tokens (its hole and window checks
+        included): each query's visible run and the selection rows of ``qsa_select``, uploaded."""
+        t = chunk.num_tokens
+        r = self.compress_ratio
+        b = len(slots)
+        counts, p0_list, nvis_list, vis, grp = self._visible_runs(chunk, slots)
         # Contiguity of every visible run, all rows at once.
         vis_cells = torch.cat(vis)
         nv = torch.tensor(nvis_list, dtype=torch.int64)
@@ -218,9 +271,6 @@ class _Planning:
         max_g = max(gcounts + [1])
         seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
         if flat.numel():
-            if bool(self._pending[layer, flat].any()):
-                raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
-                                  f"earlier chunk not written for this layer)")
             gc = torch.tensor(gcounts, dtype=torch.int64)
             g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
             g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
@@ -239,10 +289,5 @@ class _Planning:
         first = q_base + q_p0 - row_p0          # where each query's visible run starts in vis_cells
         sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows = self._upload(
             sel_groups.to(torch.int32), sel_row.to(torch.int32), q_groups, cells32, nvis_q, first, q_p0, q_rows)
-        selected = qsa_select(q, self.pooled[layer], sel_groups, sel_row, q_groups, int(top_k))
-        # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
-        offs = group_and_tail_offsets(selected.to(torch.int64), q_groups, nvis_q, r)
-        at = torch.where(offs >= 0, first[:, None] + offs, vis_cells.numel())
-        return QSAPlan(selected_groups=selected, q_groups=q_groups, token_cells=cells32[at], token_offsets=offs,
-                       run_starts=q_p0, positions=chunk.positions.clone(), q_rows=q_rows, compress_ratio=r,
-                       top_k=int(top_k))
+        return _PlanRows(flat, sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows,
+                         vis_cells.numel())

@@ -160,6 +160,43 @@ class _Vec:
         return _Vec(self.buf, self.start, n)
 
 
+class _RunTable(dict):
+    """The cache's runs by slot: a dict that counts its changes (``version``), so that what is derived from
+    the runs (a chunk's checks, its plan rows) is reused across layers until they change."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def __setitem__(self, key, value):
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def clear(self):
+        self.version += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.version += 1
+        return super().setdefault(key, default)
+
+
 @dataclass(frozen=True)
 class _Run:
     """One sequence's run: positions ``[p0, p0+n)`` in ``cells`` (len n), groups in ``groups`` (len n//r).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..state.transaction import atomic
-from .runs import _Run
+from .runs import _Run, _RunTable
 
 _STATE_TENSORS = ("cell_pos", "cell_ref", "keys", "k_cache", "v_cache", "pooled", "group_ref",
                   "_unwritten", "_pending", "_pend_cells", "_pend_pos", "_freed_cells", "_freed_rows")
@@ -63,6 +63,8 @@ class _Transactions:
                 value = self._dev(value)
         txn.log.append((tensor, idx, tensor[idx].clone()))
         tensor[idx] = value
+        if tensor is self.cell_pos or tensor is self.cell_ref:
+            self._cells_version += 1
 
     def _log_content(self, cells: torch.Tensor) -> None:
         """Record every layer's content of ``cells`` (host int64; keys, K, V, unwritten flags) in the undo log."""
@@ -90,7 +92,8 @@ class _Transactions:
         for tensor, idx, old in reversed(txn.log[sp.log_len:]):
             tensor[idx] = old
         del txn.log[sp.log_len:]
-        self._runs = dict(sp.runs)
+        self._cells_version += 1          # (the undo wrote cell_pos / cell_ref directly)
+        self._runs = _RunTable(sp.runs)
         self.slots.load(sp.generation, sp.live)
         self._cell_head, self._row_head = sp.heads
         for name, t in sp.tensors.items():
@@ -151,12 +154,14 @@ class _Transactions:
         self._freed_rows.zero_()
 
     def _txn_finish(self) -> None:
-        """Drop the undo log."""
+        """Drop the undo log (and what was derived from the transaction's chunks)."""
         txn, self._txn = self._txn, None
         del txn.log[:]
+        self._chunk_checked = self._plan_rows_memo = None
 
     def _txn_rollback(self) -> None:
         txn = self._txn
+        self._chunk_checked = self._plan_rows_memo = None
         try:
             if txn is not None and txn.base is not None:
                 self._restore(txn.base)
@@ -168,6 +173,22 @@ class _Transactions:
 
     def _txn_restore(self, savepoint: _Savepoint) -> None:
         self._restore(savepoint)
+
+    def _layout_key(self, chunk) -> tuple[tuple, tuple]:
+        """What a reserved chunk's checks and plan rows read besides the chunk: the run table (its object and
+        version) and the cells' positions and references (their tensors and how often they were written).
+        Two equal keys (objects by identity, counts by value) mean nothing they read has changed."""
+        runs = self._runs
+        return (chunk, runs, self.cell_pos, self.cell_ref), (getattr(runs, "version", None), self._cells_version)
+
+    def _same_layout(self, memo: tuple | None, key: tuple[tuple, tuple]) -> bool:
+        """``memo`` (whose first item is a :meth:`_layout_key`) still holds: inside an open transaction only,
+        the one place the memos live (they are dropped when it ends, so a chunk checked in one transaction is
+        checked again, in full, by any later operation)."""
+        if memo is None or self._txn is None or key[1][0] is None:
+            return False
+        objects, counts = memo[0]
+        return all(a is b for a, b in zip(objects, key[0])) and counts == key[1]
 
     def _op(self):
         """One atomic operation: its own transaction when none is open, else between savepoints."""

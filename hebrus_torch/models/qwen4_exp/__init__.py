@@ -2,7 +2,7 @@
 (:mod:`hebrus_torch.integrations.qwen4_exp`) shares.
 
 - :mod:`.forward`: :class:`PackedQwen4Exp` (the decoder layers over a ``ChunkStep``: hyper-connections, MoE),
-  :func:`find_text_model`
+  :func:`packed_decoder_layer` (one layer, its token mixer passed in; ``torch.compile``-clean), :func:`find_text_model`
 - :mod:`.ple`: the PLE layer (n-gram gating, dilated conv through the step)
 - :mod:`.gdn`: the gated-delta-net layer (its conv and delta rule through state operations)
 - :mod:`.attention`: indexed attention and its indexer (projections shared with the drop-in)

@@ -13,6 +13,7 @@ through the step: PLE (:mod:`.ple`), the gated-delta-net layers (:mod:`.gdn`) an
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
@@ -49,8 +50,11 @@ def find_text_model(model: torch.nn.Module) -> torch.nn.Module:
     raise HebrusError(f"engine: cannot find a Qwen4Exp text model in {type(model).__name__}")
 
 
+_NO_PART = contextlib.nullcontext()
+
+
 def _untimed(part: str) -> ContextManager:
-    return contextlib.nullcontext()
+    return _NO_PART
 
 
 def _rope_function() -> Callable:
@@ -126,22 +130,41 @@ class PackedQwen4Exp:
         if layer.ple is not None:
             with timed("ple"):
                 h = h + packed_ple(step, idx, layer.ple, h)
-        with timed("hyper-connections"):
-            x, hyper, inject = layer.attn_hyper_connection(h)
         if layer.layer_type == "linear_attention":
-            with timed("gdn"):
-                out = packed_gated_delta_net(step, idx, layer.linear_attn, x)
-        else:
-            rope = self.rope if self.rope is not None else _rope_function()
-            with timed("attention"):
-                out = packed_indexed_attention(step, idx, layer.self_attn, x, cos, sin, rope)
-        with timed("hyper-connections"):
-            h = _inject(hyper, out, inject)
-            x, hyper, inject = layer.mlp_hyper_connection(h)
-        with timed("moe"):
-            out = packed_moe(layer.mlp, x)
-        with timed("hyper-connections"):
-            return _inject(hyper, out, inject)
+            return packed_decoder_layer(layer, h, partial(packed_gated_delta_net, step, idx, layer.linear_attn),
+                                        "gdn", timed)
+        rope = self.rope if self.rope is not None else _rope_function()
+        return packed_decoder_layer(layer, h, partial(packed_indexed_attention, step, idx, layer.self_attn,
+                                                      cos=cos, sin=sin, rope=rope), "attention", timed)
+
+
+def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callable[[torch.Tensor], torch.Tensor],
+                         part: str = "mixer", timed: Timed = _untimed) -> torch.Tensor:
+    """One decoder layer after its PLE on packed rows: the attention hyper-connection, the token mixer, the
+    MLP hyper-connection and the MoE block (:func:`~hebrus_torch.moe.block.packed_moe`), each on the layer's
+    own modules.
+
+    Args:
+        layer: a ``Qwen4ExpTextDecoderLayer``; h: Tensor[T, hc * hidden] (the hyper-connection streams).
+        mixer: the layer's token mixer on x Tensor[T, hidden] -> Tensor[T, hidden] (the GDN or the indexed
+            attention, its state through a ``ChunkStep``, or the hebrus slot ops on explicit pools).
+        part: the mixer's name for ``timed``.
+
+    Returns:
+        Tensor[T, hc * hidden]. No Python decision depends on tensor values, so ``torch.compile(fullgraph=True)``
+        traces it whole when ``mixer`` is made of tensor ops and hebrus ops (tests/test_compile.py).
+    """
+    with timed("hyper-connections"):
+        x, hyper, inject = layer.attn_hyper_connection(h)
+    with timed(part):
+        out = mixer(x)
+    with timed("hyper-connections"):
+        h = _inject(hyper, out, inject)
+        x, hyper, inject = layer.mlp_hyper_connection(h)
+    with timed("moe"):
+        out = packed_moe(layer.mlp, x)
+    with timed("hyper-connections"):
+        return _inject(hyper, out, inject)
 
 
 def _inject(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
