@@ -49,3 +49,15 @@ def _moe_experts_quantized_fake(x, topk_ids, topk_weights, gate_up_q, gate_up_sc
     check_moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
                                 down_scales, down_biases, group_size, bits)
     return x.new_empty(x.shape)
+
+
+def quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+                     bits: int) -> torch.Tensor:
+    """``x @ dequantize(W).T``; see :func:`hebrus_torch.reference.quantized_linear`.
+
+    Shapes: x [T, in] float, wq [out, in * bits / 32] int32, scales / biases [out, in / group_size] in x's dtype
+    -> [T, out] in x's dtype.
+    """
+    from ..reference.moe import quantized_linear as reference_quantized_linear
+
+    return reference_quantized_linear(x, wq, scales, biases, int(group_size), int(bits))

@@ -7,11 +7,12 @@ from typing import Callable
 
 import torch
 
-from ..moe.checks import MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids
+from ..moe.checks import (MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids,
+                          check_quantized_linear)
 from ..moe.quantize import dequantize
 from .ple import _silu
 
-__all__ = ["moe_experts", "moe_experts_quantized"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear"]
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +74,25 @@ def moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     return _routed(x, topk_ids, topk_weights, sizes,
                    lambda e: dequantize(gate_up_q[e], gate_up_scales[e], gate_up_biases[e], bits, group_size),
                    lambda e: dequantize(down_q[e], down_scales[e], down_biases[e], bits, group_size))
+
+
+def quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+                     bits: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` affine-quantized (:mod:`hebrus_torch.moe.quantize`): every weight its dequantized
+    fp32 value ``q * s + b``, the products summed in fp32 and the result rounded to x's dtype. The matrix
+    product is torch's, so this matches the kernels to rounding, not bitwise.
+
+    Args:
+        x: Tensor[T, in] float32/float16/bfloat16; ``in`` a multiple of ``group_size``.
+        wq: Tensor[out, in * bits / 32] int32, packed codes; scales, biases: Tensor[out, in / group_size] in
+            x's dtype.
+        group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns:
+        Tensor[T, out] in x's dtype.
+    """
+    check_quantized_linear(x, wq, scales, biases, group_size, bits)
+    return (x.float() @ dequantize(wq, scales, biases, bits, group_size).T).to(x.dtype)
 
 
 def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, sizes: MoeSizes,
