@@ -114,4 +114,37 @@ inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::
   return {T, H, k, E, I};
 }
 
+// hebrus::quantized_linear: x [T, in] times the transpose of an affine-quantized W [out, in] (packed codes
+// wq [out, in * bits / 32] int32, scales / biases [out, in / group_size] in x's dtype). Returns {T, in, out}.
+struct QuantLinearSizes {
+  int64_t rows, in, out;
+};
+
+inline QuantLinearSizes check_quantized_linear_args(const at::Tensor& x, const at::Tensor& wq,
+                                                    const at::Tensor& scales, const at::Tensor& biases,
+                                                    int64_t group_size, int64_t bits) {
+  const char* op = "quantized_linear";
+  const char* pre = "hebrus::quantized_linear: ";
+  HEBRUS_CHECK(bits == 4 || bits == 8, HebrusError, pre, "bits must be 4 or 8, got ", bits);
+  HEBRUS_CHECK(group_size == 32 || group_size == 64 || group_size == 128, HebrusError, pre,
+               "group_size must be 32, 64 or 128, got ", group_size);
+  check_dims(op, x, 2, "x");
+  check_float(op, x, "x");
+  check_kinds(op, {{"wq", &wq, 2, at::kInt}});
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"scales", &scales}, {"biases", &biases}}) {
+    check_dims(op, *t, 2, name);
+    check_same_dtype(op, *t, name, x, "x");
+  }
+  const int64_t T = x.size(0), in = x.size(1), out = wq.size(0);
+  HEBRUS_CHECK(in % group_size == 0, HebrusError, pre, "in = x.shape[1] = ", in, " must be a multiple of group_size ",
+               group_size);
+  HEBRUS_CHECK(wq.size(1) * (32 / bits) == in, HebrusError, pre,
+               "wq must have shape (out, in * bits / 32) with in = ", in, ", got ", shape_str(wq.sizes()));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"scales", &scales}, {"biases", &biases}}) {
+    HEBRUS_CHECK(t->size(0) == out && t->size(1) == in / group_size, HebrusError, pre, name, " must have shape (",
+                 out, ", ", in / group_size, "), got ", shape_str(t->sizes()));
+  }
+  return {T, in, out};
+}
+
 }  // namespace hebrus

@@ -5,7 +5,8 @@
 // The launches of moe_experts.metal (act, down; the sum is moe_experts.metal's moe_experts_sum), with each
 // weight read as its code q (BITS bits of an int32 word, little end first) dequantized to q * s + b in
 // fp32 (the product rounded, then the sum), s and b its group's scale and bias. Variants q4 and q8 are the
-// bit widths; H and I are multiples of the group size (32, 64 or 128), so no row has a tail.
+// bit widths; H and I are multiples of the group size (32, 64 or 128), so no row has a tail. The library also
+// holds hebrus::quantized_linear's kernel (the same dequantization and lane order, one launch).
 #include "moe_experts.h"
 
 // Value d of a quantized row: its codes, its scales and biases (a group per group_size values).
@@ -99,6 +100,38 @@ template <int BITS, typename T>
   }
 }
 
+// hebrus::quantized_linear: out[t, o] = round(sum_d W[o, d] x[t, d]), W's values dequantized as above, each sum
+// by half a SIMD-group in the CPU kernel's lane order (csrc/cpu/moe_kernels.cpp quantized_linear_cpu).
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void quantized_linear(
+    device const T* x [[buffer(0)]],                // [T, in]
+    device const uint* wq [[buffer(1)]],            // [out, in * BITS / 32]
+    device const T* scales [[buffer(2)]],           // [out, in / group]
+    device const T* biases [[buffer(3)]],           // [out, in / group]
+    device T* out [[buffer(4)]],                    // [T, out]
+    device HebrusErrorMessages* err [[buffer(5)]],  // (bound as in every launch; nothing to report)
+    constant QuantLinearParams& p [[buffer(6)]],
+    uint tid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const long item = long(tid) / HEBRUS_MOE_LANES;
+  const long l = long(lane % HEBRUS_MOE_LANES);
+  const long t = item / p.out, o = item % p.out;
+  const bool valid = t < p.rows;
+  float acc = 0.0f;
+  if (valid) {
+    const long words = p.in * BITS / 32, groups = p.in / p.group_size;
+    device const T* xr = x + t * p.in;
+    for (long d = l; d < p.in; d += HEBRUS_MOE_LANES) {
+      acc = acc + hebrus_moe_dequant<BITS>(wq + o * words, scales + o * groups, biases + o * groups, d,
+                                           p.group_size) * static_cast<float>(xr[d]);
+    }
+  }
+  acc = hebrus_moe_reduce(acc);
+  if (valid && l == 0) {
+    out[t * p.out + o] = static_cast<T>(acc);
+  }
+}
+
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, float, 4, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, float, 8, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, half, 4, half)
@@ -107,7 +140,13 @@ HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, float, 4, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, float, 8, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, half, 4, half)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, half, 8, half)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q8, half, 8, half)
 #if HEBRUS_HAS_BFLOAT
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear, q8, bfloat, 8, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, bfloat, 4, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, bfloat, 8, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, bfloat, 4, bfloat)

@@ -434,10 +434,112 @@ Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const 
   return out;
 }
 
+// hebrus::quantized_linear: out[t][o] = round(dot(W[o], x_t)) with W's values read as QuantRows gives them
+// (the MoE kernel's dequantization and lane order), so each output depends only on its own row of x. Work
+// items are blocks of kLinearBlock outputs; inside one, kLinearRows weight rows are read at a time against
+// tiles of kPairTile rows of x, the weight rows dequantized once into fp32 scratch when more than one tile
+// reads them (the same values, so the same bits).
+constexpr int64_t kLinearRows = 4;    // weight rows per tile (independent sums in flight at decode)
+constexpr int64_t kLinearBlock = 64;  // outputs per work item
+
+template <typename T, typename W, int O>
+HEBRUS_INLINE void linear_rows(const W& w, const int64_t (&wrows)[O], const float* xf, int64_t rows, int64_t in,
+                               T* out, int64_t out_dim) {
+  int64_t t = 0;
+  auto store = [&](int64_t t0, int p, const float (&v)[O]) HEBRUS_LAMBDA_INLINE {
+    for (int o = 0; o < O; ++o) out[(t0 + p) * out_dim + wrows[o]] = static_cast<T>(v[o]);
+  };
+  for (; t + kPairTile <= rows; t += kPairTile) {
+    const float* xs[kPairTile];
+    for (int64_t p = 0; p < kPairTile; ++p) xs[p] = xf + (t + p) * in;
+    float acc[kPairTile][O];
+    tile_dots<kPairTile, O>(w, 0, wrows, xs, acc);
+    for (int p = 0; p < kPairTile; ++p) store(t, p, acc[p]);
+  }
+  for (; t < rows; ++t) {
+    const float* xs[1] = {xf + t * in};
+    float acc[1][O];
+    tile_dots<1, O>(w, 0, wrows, xs, acc);
+    store(t, 0, acc[0]);
+  }
+}
+
+template <typename T, typename W>
+HEBRUS_TEMPLATE_VECTOR_CLONES void linear_block(const W& w, int64_t begin, int64_t end, const float* xf, int64_t rows,
+                                                int64_t in, T* out, int64_t out_dim) {
+  const bool staged = rows > kPairTile;
+  std::vector<float> scratch(staged ? kLinearRows * in : 0);
+  // Outputs [o0, o0 + O); staged, they are scratch rows 0 .. O - 1, stored through out + o0.
+  auto run = [&](auto count, int64_t o0) HEBRUS_LAMBDA_INLINE {
+    constexpr int O = decltype(count)::value;
+    if (staged) {
+      int64_t local[O];
+      for (int o = 0; o < O; ++o) {
+        dequantize_row(w, 0, o0 + o, scratch.data() + o * in);
+        local[o] = o;
+      }
+      linear_rows<T>(DenseRows<float>{scratch.data(), O, in}, local, xf, rows, in, out + o0, out_dim);
+    } else {
+      int64_t wrows[O];
+      for (int o = 0; o < O; ++o) wrows[o] = o0 + o;
+      linear_rows<T>(w, wrows, xf, rows, in, out, out_dim);
+    }
+  };
+  int64_t o = begin;
+  for (; o + kLinearRows <= end; o += kLinearRows) run(std::integral_constant<int, kLinearRows>{}, o);
+  for (; o < end; ++o) run(std::integral_constant<int, 1>{}, o);
+}
+
+Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& scales, const Tensor& biases,
+                            int64_t group_size, int64_t bits) {
+  check_on_device("quantized_linear", at::kCPU, {{"x", &x}, {"wq", &wq}, {"scales", &scales}, {"biases", &biases}});
+  const QuantLinearSizes sz = check_quantized_linear_args(x, wq, scales, biases, group_size, bits);
+  Tensor out = at::empty({sz.rows, sz.out}, x.options());
+  if (sz.rows == 0 || sz.out == 0) return out;
+  if (sz.in == 0) return out.zero_();
+  const Tensor xc = x.contiguous(), q = wq.contiguous(), sc = scales.contiguous(), bi = biases.contiguous();
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
+  const int shift = group_size == 32 ? 5 : group_size == 64 ? 6 : 7;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (sz.in * int64_t{sizeof(float)}));
+  auto run = [&](auto tag, auto bits_tag) {
+    using T = decltype(tag);
+    constexpr int B = decltype(bits_tag)::value;
+    const QuantRows<T, B> w{codes, sc.data_ptr<T>(), bi.data_ptr<T>(), sz.out, sz.in, shift};
+    const T* xp = xc.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    std::vector<float> xf;
+    for (int64_t t0 = 0; t0 < sz.rows; t0 += chunk) {
+      const int64_t rows = std::min(sz.rows, t0 + chunk) - t0;
+      xf.resize(rows * sz.in);
+      for (int64_t i = 0; i < rows * sz.in; ++i) xf[i] = static_cast<float>(xp[t0 * sz.in + i]);
+      const int64_t blocks = (sz.out + kLinearBlock - 1) / kLinearBlock;
+      at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+        for (int64_t blk = b; blk < e; ++blk)
+          linear_block<T>(w, blk * kLinearBlock, std::min(sz.out, (blk + 1) * kLinearBlock), xf.data(), rows,
+                          sz.in, op + t0 * sz.out, sz.out);
+      });
+    }
+  };
+  auto run_bits = [&](auto tag) {
+    if (bits == 4) {
+      run(tag, std::integral_constant<int, 4>{});
+    } else {
+      run(tag, std::integral_constant<int, 8>{});
+    }
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run_bits(float{}); break;
+    case at::kHalf: run_bits(c10::Half{}); break;
+    default: run_bits(c10::BFloat16{}); break;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("moe_experts", &hebrus::moe_experts_cpu);
   m.impl("moe_experts_quantized", &hebrus::moe_experts_quantized_cpu);
+  m.impl("quantized_linear", &hebrus::quantized_linear_cpu);
 }
