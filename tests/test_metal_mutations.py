@@ -391,12 +391,13 @@ def moe_quantized_check(**emu):
 
 
 @pytest.mark.parametrize("old,new", [
-    ("  return float(q) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);",
-     "  return (float(q) + 0.5f) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);"),
+    ("  return float(q);", "  return float(q) + 0.5f;"),
+    ("  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
+     "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
     ("  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  const uint q = (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
     ("    out[t * p.out + o] = static_cast<T>(acc);", "    out[o * p.rows + t] = static_cast<T>(acc);"),
-], ids=["code-offset", "codes-big-end-first", "linear-output-transposed"])
+], ids=["code-offset", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed"])
 def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
     moe_quantized_check()
     use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))

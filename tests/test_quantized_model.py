@@ -11,7 +11,7 @@ import torch
 
 from hf_models import tiny_indexer_config  # noqa: E402  (skips without transformers)
 from test_engine import prompts_for, row_invariant, run_engine  # noqa: F401
-from test_engine_speculative import oracle, run
+from test_engine_speculative import assert_greedy_speculation_is_plain
 
 import hebrus_torch
 from hebrus_torch.convert import convert
@@ -69,20 +69,7 @@ def test_engine_greedy_tokens_equal_generate(model):
 
 def test_greedy_speculation_gives_the_plain_tokens_and_state(model, row_invariant):
     """test_engine_speculative's check on the quantized model."""
-    prompts = prompts_for(13, lengths=(14, 6, 21, 3))
-    plain_digests: dict = {}
-    ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
-    for seed, budget, k in ((0, 16, 4), (1, 7, 6)):
-        digests: dict = {}
-        tokens, engine = run(model, prompts, spec=k, drafter=oracle(ref, seed), digests=digests,
-                             max_batch_tokens=budget, max_new_tokens=14)
-        assert tokens == ref, (seed, budget, k)
-        c = engine.counters
-        assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
-        common = set(digests) & set(plain_digests)
-        assert len(common) >= len(digests) // 2
-        for key in common:
-            assert digests[key] == plain_digests[key], (seed, key)
+    assert_greedy_speculation_is_plain(model, cases=((0, 16, 4), (1, 7, 6)))
 
 
 def test_the_converted_checkpoint_is_served(quantized_dir, model, tmp_path):
