@@ -5,8 +5,10 @@ optionally left on disk (``hebrus_torch.loading``, docs/ple.md; imported on firs
 ``import hebrus_torch`` stays light).
 
 ``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select,
-qsa_attention, moe_experts, moe_experts_quantized, quantized_linear, ...}``: C++ kernels on CPU, Metal kernels on MPS (macOS builds), the pure-PyTorch reference
-everywhere else. ``hebrus_torch.engine`` runs continuous batching on the state holders.
+qsa_attention, moe_experts, moe_experts_quantized, quantized_linear, ...}``: C++ kernels on CPU, Metal kernels
+on MPS (macOS builds), the pure-PyTorch reference everywhere else. ``hebrus_torch.engine`` runs continuous
+batching on the state holders. ``python -m hebrus_torch.convert`` writes a quantized checkpoint
+(docs/quantization.md).
 """
 
 from . import _extension
