@@ -1,6 +1,8 @@
 """One released-shape MoE layer's routed experts (hidden 2560, expert intermediate 640, top 10) at 1, 8 and
 64 rows: hebrus::moe_experts (fp32, bf16) and moe_experts_quantized (8-bit, 4-bit, group 64) against
-transformers' experts on its default ``grouped_mm`` path (issue 36).
+transformers' experts on its default ``grouped_mm`` path (issue 36); and one released-shape projection
+(a GDN layer's ``in_proj_qkv``, [10240, 2560]) as hebrus::quantized_linear (8-bit, 4-bit) against bf16
+``torch.nn.functional.linear``.
 
 Per case: the median time of a call with cold caches (a 1 GiB buffer is streamed between calls, as the
 other layers of a decode step would), the bytes of expert weights the call must read (each distinct expert
@@ -27,6 +29,7 @@ from hebrus_torch.moe.quantize import quantize  # noqa: E402
 from common import bandwidth_note, copy_bandwidth, machine, table, timeit, write_section  # noqa: E402
 
 HIDDEN, INTER, TOP_K, GROUP = 2560, 640, 10, 64
+PROJ_OUT = 10240          # in_proj_qkv of a released linear-attention layer: [10240, 2560]
 SECTION = "MoE layer: moe_experts vs transformers' grouped_mm (issue 36)"
 
 
@@ -77,6 +80,8 @@ def main() -> None:
         for bits in (8, 4):
             parts = [quantize(bf16[2][e], bits, GROUP) + quantize(bf16[3][e], bits, GROUP) for e in range(experts)]
             quantized.append((bits, [torch.stack([p[i] for p in parts]) for i in range(6)]))
+        proj = (torch.randn(PROJ_OUT, HIDDEN, generator=g) * HIDDEN ** -0.5).bfloat16()
+        proj_q = {bits: quantize(proj, bits, GROUP) for bits in (8, 4)}
         for rows in args.rows:
             ids, w = routing(rows, experts, rows)
             hit = int(ids.unique().numel())
@@ -95,10 +100,18 @@ def main() -> None:
                 cases.append((f"moe_experts_quantized {bits}-bit g{GROUP}",
                               lambda tensors=tensors, bits=bits: hebrus_torch.moe_experts_quantized(
                                   xb, ids, wb, *tensors, GROUP, bits), hit * per_expert))
+            cases.append(("projection: F.linear bf16", lambda: torch.nn.functional.linear(xb, proj),
+                          proj.numel() * 2))
+            for bits, tensors in proj_q.items():
+                cases.append((f"projection: quantized_linear {bits}-bit g{GROUP}",
+                              lambda tensors=tensors, bits=bits: hebrus_torch.quantized_linear(xb, *tensors, GROUP,
+                                                                                               bits),
+                              sum(t.numel() * t.element_size() for t in tensors)))
             times = {label: timeit(fn, repeat=args.repeat, cold=True) for label, fn, _ in cases}
-            base = times["transformers grouped_mm bfloat16"]
             for label, _, nbytes in cases:
                 t = times[label]
+                base = times["projection: F.linear bf16" if label.startswith("projection")
+                             else "transformers grouped_mm bfloat16"]
                 rows_out.append([str(rows), str(hit), label, f"{t * 1e3:.2f}", f"{nbytes / 2**20:.0f}",
                                  f"{nbytes / t / 1e9:.1f}", f"{nbytes / t / bandwidth:.2f}", f"{base / t:.2f}x"])
                 print(" | ".join(rows_out[-1]), flush=True)
@@ -108,8 +121,9 @@ def main() -> None:
             f"each after a 1 GiB cache flush. Bytes: the weights of the distinct experts hit (quantized: codes + "
             f"bf16 scales and biases, group {GROUP}). Copy bandwidth {bandwidth / 1e9:.1f} GB/s "
             f"({bandwidth_note()}). Load average at the start: {load:.1f}. The last column is the speed-up over "
-            f"transformers' bf16 grouped_mm path at the same rows.\n\n")
-    body += table(["rows", "experts hit", "path", "ms", "weights MiB", "GB/s", "of copy bw", "vs bf16 grouped_mm"],
+            f"transformers' bf16 grouped_mm path at the same rows (the projection rows: over bf16 F.linear of "
+            f"the same [{PROJ_OUT}, {HIDDEN}] weight, 'experts hit' not applying).\n\n")
+    body += table(["rows", "experts hit", "path", "ms", "weights MiB", "GB/s", "of copy bw", "vs bf16 baseline"],
                   rows_out)
     print(body)
     if not args.no_write:

@@ -71,6 +71,8 @@ TORCH_LIBRARY(hebrus, m) {
       "moe_experts_quantized(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_q, "
       "Tensor gate_up_scales, Tensor gate_up_biases, Tensor down_q, Tensor down_scales, Tensor down_biases, "
       "int group_size, int bits) -> Tensor");
+  // x [T, in] times the transpose of an affine-quantized W [out, in] (the format of moe_experts_quantized).
+  m.def("quantized_linear(Tensor x, Tensor wq, Tensor scales, Tensor biases, int group_size, int bits) -> Tensor");
 }
 
 namespace {
@@ -126,7 +128,7 @@ void out_variant_inplace_or_view(const c10::OperatorHandle& op, c10::DispatchKey
 // backward() through an op raises, and ple_conv_into behaves as an aten out= op.
 TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   for (const char* op : {"ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention", "moe_experts",
-                         "moe_experts_quantized"})
+                         "moe_experts_quantized", "quantized_linear"})
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   // The slot ops write their pool in place as ple_conv_into writes its buffers (refused under grad
   // mode with an input that requires grad; autogradNotImplementedFallback would skip the

@@ -60,6 +60,15 @@ inline MoeSizes check_moe_experts_args(const at::Tensor& x, const at::Tensor& to
   return {T, H, k, E, I};
 }
 
+// The quantized ops' first checks: bits (4 or 8), group_size (32, 64 or 128), then x 2-D and float.
+inline void check_quant_format(const char* op, const at::Tensor& x, int64_t group_size, int64_t bits) {
+  HEBRUS_CHECK(bits == 4 || bits == 8, HebrusError, "hebrus::", op, ": bits must be 4 or 8, got ", bits);
+  HEBRUS_CHECK(group_size == 32 || group_size == 64 || group_size == 128, HebrusError, "hebrus::", op,
+               ": group_size must be 32, 64 or 128, got ", group_size);
+  check_dims(op, x, 2, "x");
+  check_float(op, x, "x");
+}
+
 // hebrus::moe_experts_quantized: the experts as packed int32 codes with per-group scales and biases in x's
 // dtype (hebrus_torch/moe/quantize.py); H and I multiples of group_size.
 inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::Tensor& topk_ids,
@@ -69,11 +78,7 @@ inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::
                                                  const at::Tensor& down_biases, int64_t group_size, int64_t bits) {
   const char* op = "moe_experts_quantized";
   const char* pre = "hebrus::moe_experts_quantized: ";
-  HEBRUS_CHECK(bits == 4 || bits == 8, HebrusError, pre, "bits must be 4 or 8, got ", bits);
-  HEBRUS_CHECK(group_size == 32 || group_size == 64 || group_size == 128, HebrusError, pre,
-               "group_size must be 32, 64 or 128, got ", group_size);
-  check_dims(op, x, 2, "x");
-  check_float(op, x, "x");
+  check_quant_format(op, x, group_size, bits);
   check_dims(op, topk_ids, 2, "topk_ids");
   HEBRUS_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt, HebrusError, pre,
                "topk_ids must have dtype torch.int64 or torch.int32, got ", dtype_name(topk_ids.scalar_type()));
@@ -112,6 +117,35 @@ inline MoeSizes check_moe_experts_quantized_args(const at::Tensor& x, const at::
                  tb.name, " must have shape (", E, ", ", tb.rows, ", ", tb.groups, "), got ", shape_str(tb.t->sizes()));
   }
   return {T, H, k, E, I};
+}
+
+// hebrus::quantized_linear: x [T, in] times the transpose of an affine-quantized W [out, in] (packed codes
+// wq [out, in * bits / 32] int32, scales / biases [out, in / group_size] in x's dtype). Returns {T, in, out}.
+struct QuantLinearSizes {
+  int64_t rows, in, out;
+};
+
+inline QuantLinearSizes check_quantized_linear_args(const at::Tensor& x, const at::Tensor& wq,
+                                                    const at::Tensor& scales, const at::Tensor& biases,
+                                                    int64_t group_size, int64_t bits) {
+  const char* op = "quantized_linear";
+  const char* pre = "hebrus::quantized_linear: ";
+  check_quant_format(op, x, group_size, bits);
+  check_kinds(op, {{"wq", &wq, 2, at::kInt}});
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"scales", &scales}, {"biases", &biases}}) {
+    check_dims(op, *t, 2, name);
+    check_same_dtype(op, *t, name, x, "x");
+  }
+  const int64_t T = x.size(0), in = x.size(1), out = wq.size(0);
+  HEBRUS_CHECK(in % group_size == 0, HebrusError, pre, "in = x.shape[1] = ", in, " must be a multiple of group_size ",
+               group_size);
+  HEBRUS_CHECK(wq.size(1) * (32 / bits) == in, HebrusError, pre,
+               "wq must have shape (out, in * bits / 32) with in = ", in, ", got ", shape_str(wq.sizes()));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"scales", &scales}, {"biases", &biases}}) {
+    HEBRUS_CHECK(t->size(0) == out && t->size(1) == in / group_size, HebrusError, pre, name, " must have shape (",
+                 out, ", ", in / group_size, "), got ", shape_str(t->sizes()));
+  }
+  return {T, in, out};
 }
 
 }  // namespace hebrus

@@ -5,8 +5,10 @@ optionally left on disk (``hebrus_torch.loading``, docs/ple.md; imported on firs
 ``import hebrus_torch`` stays light).
 
 ``import hebrus_torch`` registers ``torch.ops.hebrus.{ple_ngram_ids, ple_conv, qsa_pool, qsa_select,
-qsa_attention}``: C++ kernels on CPU, Metal kernels on MPS (macOS builds), the pure-PyTorch reference
-everywhere else. ``hebrus_torch.engine`` runs continuous batching on the state holders.
+qsa_attention, moe_experts, moe_experts_quantized, quantized_linear, ...}``: C++ kernels on CPU, Metal kernels
+on MPS (macOS builds), the pure-PyTorch reference everywhere else. ``hebrus_torch.engine`` runs continuous
+batching on the state holders. ``python -m hebrus_torch.convert`` writes a quantized checkpoint
+(docs/quantization.md).
 """
 
 from . import _extension
@@ -16,7 +18,7 @@ from .errors import (CapacityError, CorruptStateError, DuplicateSequenceError, H
 from .ple.ops import ple_conv, ple_ngram_ids
 from .qsa.ops import qsa_pool, qsa_select
 from .qsa.attention import qsa_attention
-from .moe.ops import moe_experts, moe_experts_quantized
+from .moe.ops import moe_experts, moe_experts_quantized, quantized_linear
 from .ple.state import PLEHashParams, PLESnapshot, PLEState
 from .qsa.cache import QSACache, QSAPlan, ReservedChunk
 from .state import SeqHandle, transaction
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
     "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
-    "moe_experts", "moe_experts_quantized",
+    "moe_experts", "moe_experts_quantized", "quantized_linear",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
     "from_pretrained",

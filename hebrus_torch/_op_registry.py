@@ -118,6 +118,9 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "Tensor gate_up_scales, Tensor gate_up_biases, Tensor down_q, Tensor down_scales, Tensor down_biases, "
            "int group_size, int bits) -> Tensor",
            reference.moe_experts_quantized, _CPU_MPS),
+    OpSpec("quantized_linear",
+           "quantized_linear(Tensor x, Tensor wq, Tensor scales, Tensor biases, int group_size, int bits) -> Tensor",
+           reference.quantized_linear, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

@@ -92,6 +92,7 @@ static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-
 static_assert(HEBRUS_GDN_TG == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH, "gdn threadgroup");
 static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "gdn columns per threadgroup");
 static_assert(sizeof(MoeExpertsParams) == 8 * 8, "MoeExpertsParams: 7 x 64-bit, 2 x 32-bit");
+static_assert(sizeof(QuantLinearParams) == 4 * 8, "QuantLinearParams: 4 x 64-bit");
 static_assert(HEBRUS_SIMD_WIDTH % HEBRUS_MOE_LANES == 0 && HEBRUS_MOE_TG % HEBRUS_SIMD_WIDTH == 0, "moe lanes");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
@@ -445,6 +446,22 @@ inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top
   plan.act = {act, HEBRUS_MOE_TG};
   plan.down = {down, HEBRUS_MOE_TG};
   plan.sum = {sum, HEBRUS_MOE_SUM_TG};
+  return plan;
+}
+
+// quantized_linear's one launch (called with T, out >= 1): rows x out items of HEBRUS_MOE_LANES threads.
+struct QuantLinearPlan {
+  QuantLinearParams params{};
+  Dispatch dispatch;
+  const char* error = nullptr;
+};
+
+inline QuantLinearPlan plan_quantized_linear(int64_t rows, int64_t in, int64_t out, int64_t group_size) {
+  QuantLinearPlan plan;
+  plan.params = {rows, in, out, group_size};
+  const uint64_t threads = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(out));
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * out * 16)";
+  plan.dispatch = {threads, HEBRUS_MOE_TG};
   return plan;
 }
 

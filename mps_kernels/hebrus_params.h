@@ -223,3 +223,11 @@ struct MoeExpertsParams {
   hebrus_i32 round_product;  // 1: the weighted output is rounded to x's dtype (topk_weights has it)
   hebrus_i32 pad0;
 };
+
+// hebrus::quantized_linear (moe_experts_quantized.metal): one launch, half a SIMD-group per (row, output).
+struct QuantLinearParams {
+  hebrus_i64 rows;        // T
+  hebrus_i64 in;          // input features (a multiple of group_size)
+  hebrus_i64 out;         // output features
+  hebrus_i64 group_size;  // values per scale and bias
+};

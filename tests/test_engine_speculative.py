@@ -172,13 +172,13 @@ def test_truncate_refuses_bad_arguments_and_changes_nothing():
 
 
 # ------------------------------------------------------------------------------------------ greedy exactness
-@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin", "lin-lin-idx"])
-def test_greedy_speculation_gives_the_plain_tokens_and_state(shape, row_invariant):
-    model = eager_experts(make_model(shape, seed=13))
+def assert_greedy_speculation_is_plain(model, cases=((0, 16, 4), (1, 7, 6), (2, None, 3), (3, 32, 8))) -> None:
+    """Speculation with an oracle drafter (each (seed, max_batch_tokens, k) of ``cases``) gives the plain run's
+    tokens and, at every common point, the plain run's state digests."""
     prompts = prompts_for(13, lengths=(14, 6, 21, 3))
     plain_digests: dict = {}
     ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
-    for seed, budget, k in ((0, 16, 4), (1, 7, 6), (2, None, 3), (3, 32, 8)):
+    for seed, budget, k in cases:
         digests: dict = {}
         tokens, engine = run(model, prompts, spec=k, drafter=oracle(ref, seed), digests=digests,
                              max_batch_tokens=budget, max_new_tokens=14)
@@ -190,6 +190,11 @@ def test_greedy_speculation_gives_the_plain_tokens_and_state(shape, row_invarian
         assert len(common) >= len(digests) // 2
         for key in common:
             assert digests[key] == plain_digests[key], (seed, key)
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin", "lin-lin-idx"])
+def test_greedy_speculation_gives_the_plain_tokens_and_state(shape, row_invariant):
+    assert_greedy_speculation_is_plain(eager_experts(make_model(shape, seed=13)))
 
 
 def test_greedy_prompt_lookup_gives_the_plain_tokens():

@@ -37,8 +37,8 @@ EXPECTED = {
     "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
     | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
     "moe_experts": {f"moe_experts_{k}_{t}" for k in ("act", "down", "sum") for t in TYPES},
-    "moe_experts_quantized": {f"moe_experts_quantized_{k}_{q}_{t}" for k in ("act", "down") for q in ("q4", "q8")
-                              for t in TYPES},
+    "moe_experts_quantized": {f"{k}_{q}_{t}" for k in ("moe_experts_quantized_act", "moe_experts_quantized_down",
+                                                        "quantized_linear") for q in ("q4", "q8") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -54,13 +54,16 @@ VARIANTS = {
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
             "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum"),
-            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down")}
-# The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order.
+            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear")}
+# The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
+# of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",)),
            # (the sum launch of both moe ops is moe_sum_launch's, a helper: checked as a check kernel's layout)
            "moe_experts": ("moe_experts", ("moe_experts_act", "moe_experts_down")),
-           "moe_experts_quantized": ("moe_experts_quantized", ("moe_experts_quantized_act", "moe_experts_quantized_down"))}
+           "moe_experts_quantized": [("moe_experts_quantized", ("moe_experts_quantized_act",
+                                                                "moe_experts_quantized_down")),
+                                     ("quantized_linear", ("quantized_linear",))]}
 
 
 def stem(path: str) -> str:
@@ -169,16 +172,19 @@ def test_glue_binds_buffers_in_kernel_order(path):
     # Each launch of the glue binds its tensors as [[buffer(0..n-1)]], then the stream's error buffer
     # (buffer(n), `err`), then the parameter block (buffer(n + 1), `p`), in the kernel's order.
     kernels = _kernel_buffers(path)
-    fn, mains = GLUE_FN.get(stem(path), (stem(path), (stem(path),)))
-    glues = [g for g in _glue_buffers(fn) if len(g) > 1]
-    assert len(glues) == len(mains)
-    for glue, main_name in zip(glues, mains):
-        main = kernels[main_name]
-        assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
-        for g, k in zip(glue, main):
-            assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
+    specs = GLUE_FN.get(stem(path), (stem(path), (stem(path),)))
+    all_mains: set[str] = set()
+    for fn, mains in specs if isinstance(specs, list) else [specs]:
+        all_mains |= set(mains)
+        glues = [g for g in _glue_buffers(fn) if len(g) > 1]
+        assert len(glues) == len(mains)
+        for glue, main_name in zip(glues, mains):
+            main = kernels[main_name]
+            assert len(glue) + 2 == len(main) and main[-2:] == ["err", "p"], (glue, main)
+            for g, k in zip(glue, main):
+                assert g in k or k in g, f"glue binds {g} where the kernel expects {k}: {glue} vs {main}"
     for name, params in kernels.items():
-        if name not in mains:  # the check kernels: their inputs, the error buffer, the parameter block
+        if name not in all_mains:  # the check kernels: their inputs, the error buffer, the parameter block
             assert len(params) >= 3 and params[-2:] == ["err", "p"], (name, params)
 
 

@@ -130,3 +130,30 @@ def test_quantized_schedules_and_bad_id():
     with pytest.raises(hebrus_emu.ASYNC_ERROR,
                        match=r"^hebrus::moe_experts_quantized: topk_ids\[1, 0\] = 7 is not an expert id in \[0, E=3\)"):
         hebrus_emu.moe_experts_quantized(*args)
+
+
+# ---- quantized_linear (moe_experts_quantized.metal) --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group,rows,out", [(4, 32, 1, 37), (8, 64, 5, 20), (4, 128, 3, 9), (8, 32, 9, 16)])
+def test_quantized_linear_bits_of_the_cpu_kernel(dtype, bits, group, rows, out):
+    from test_quantized_linear import linear_inputs
+
+    args = linear_inputs(rows, 256, out, dtype, bits, group, seed=rows + out)
+    got = hebrus_emu.quantized_linear(*args)
+    assert torch.equal(got, hebrus_torch.quantized_linear(*args))
+    launches = hebrus_emu.launches("quantized_linear", *args)
+    assert [launch["kernel"] for launch in launches] == [f"quantized_linear_q{bits}_{hebrus_emu.METAL_TYPE[dtype]}"]
+
+
+def test_quantized_linear_schedules_rows_and_empty():
+    from test_quantized_linear import linear_inputs
+
+    x, *rest = linear_inputs(6, 128, 19, torch.bfloat16, 4, 32, seed=2)
+    want = hebrus_emu.quantized_linear(x, *rest)
+    for sched, guard in (("reverse", "start"), ("random", "end")):
+        assert torch.equal(hebrus_emu.quantized_linear(x, *rest, sched=sched, seed=3, guard=guard), want)
+    assert torch.equal(hebrus_emu.quantized_linear(x[4:5], *rest)[0], want[4])
+    assert hebrus_emu.launches("quantized_linear", x[:0], *rest) == []
+    with pytest.raises(HebrusError, match=r"hebrus::quantized_linear: wq must have shape \(out, in \* bits / 32\)"):
+        hebrus_emu.launches("quantized_linear", x, rest[0][:, :3], *rest[1:])

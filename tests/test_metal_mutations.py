@@ -382,16 +382,22 @@ def moe_quantized_check(**emu):
     import hebrus_torch
     from test_moe_quantized import quantized_inputs
 
+    from test_quantized_linear import linear_inputs
+
     args = quantized_inputs(3, 64, 64, 3, 3, torch.float32, 4, 32, seed=14)
     assert torch.equal(hebrus_emu.moe_experts_quantized(*args, **emu), hebrus_torch.moe_experts_quantized(*args))
+    lin = linear_inputs(3, 64, 9, torch.float32, 4, 32, seed=15)
+    assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
 
 
 @pytest.mark.parametrize("old,new", [
-    ("  return float(q) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);",
-     "  return (float(q) + 0.5f) * static_cast<float>(scales[d / group]) + static_cast<float>(biases[d / group]);"),
+    ("  return float(q);", "  return float(q) + 0.5f;"),
+    ("  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
+     "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
     ("  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  const uint q = (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
-], ids=["code-offset", "codes-big-end-first"])
+    ("    out[t * p.out + o] = static_cast<T>(acc);", "    out[o * p.rows + t] = static_cast<T>(acc);"),
+], ids=["code-offset", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed"])
 def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
     moe_quantized_check()
     use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))

@@ -149,6 +149,7 @@ REFERENCE_NAMES = [
     "check_token_cells_values", "checks_async", "gdn_chunk_delta_rule_slots", "gdn_delta_rule",
     "gdn_delta_rule_slots", "moe_experts", "moe_experts_quantized", "ple_conv", "ple_conv_into", "ple_conv_into_via", "ple_conv_rows", "ple_conv_slots",
     "ple_ngram_ids", "ple_ngram_ids_rows", "ple_ngram_ids_slots", "qsa_attention", "qsa_pool", "qsa_scores",
+    "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
 ]
 

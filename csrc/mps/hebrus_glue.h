@@ -550,6 +550,31 @@ inline Call moe_experts(const Tensor& x_in, const Tensor& ids_in, const Tensor& 
   return call;
 }
 
+// quantized_linear: one launch of moe_experts_quantized.metal's quantized_linear (variant q4 / q8).
+inline Call quantized_linear(const Tensor& x_in, const Tensor& wq_in, const Tensor& scales_in, const Tensor& biases_in,
+                             int64_t group_size, int64_t bits, c10::DeviceType device) {
+  const char* op = "quantized_linear";
+  check_on_device(op, device, {{"x", &x_in}, {"wq", &wq_in}, {"scales", &scales_in}, {"biases", &biases_in}});
+  const QuantLinearSizes sz = check_quantized_linear_args(x_in, wq_in, scales_in, biases_in, group_size, bits);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.out == 0 || sz.in == 0) {
+    call.outputs = {at::zeros({sz.rows, sz.out}, x_in.options())};
+    return call;
+  }
+  const hebrus::metal::QuantLinearPlan plan = hebrus::metal::plan_quantized_linear(sz.rows, sz.in, sz.out, group_size);
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), wq = wq_in.contiguous(), scales = scales_in.contiguous(),
+               biases = biases_in.contiguous();
+  const Tensor out = at::empty({sz.rows, sz.out}, x.options());
+  call.launches.push_back(make_launch("moe_experts_quantized",
+                                      hebrus::metal::kernel_name(op, bits == 4 ? "q4" : "q8", type),
+                                      {x, wq, scales, biases, out}, {false, false, false, false, true}, plan.params,
+                                      plan.dispatch));
+  call.outputs = {out};
+  return call;
+}
+
 // moe_experts over quantized experts (mps_kernels/moe_experts_quantized.metal, variant q4 / q8), then the
 // dense op's sum launch.
 inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in,

@@ -26,7 +26,13 @@ from .files import CheckpointFiles, TensorInfo
 
 __all__ = ["Target", "LoadPlan", "plan_load", "FLOAT_TABLE_DTYPES"]
 
-_EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                     r"\.(?P<part>weight|scales|biases)$")
+# fused experts' weights (transformers' and QuantizedExperts' buffers) -> (kind, stored part of each expert)
+_FUSED_EXPERTS = {"gate_up_proj": ("gate_up", "weight"), "down_proj": ("down", "weight"),
+                  "gate_up_q": ("gate_up", "weight"), "gate_up_scales": ("gate_up", "scales"),
+                  "gate_up_biases": ("gate_up", "biases"), "down_q": ("down", "weight"),
+                  "down_scales": ("down", "scales"), "down_biases": ("down", "biases")}
 _NGRAM_SHARD = re.compile(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<i>\d+)\.weight$")
 _MULTIMODAL_TEXT = "model.language_model."
 FLOAT_TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,7 +86,7 @@ def plan_load(files: CheckpointFiles, expected: dict[str, tuple[tuple[int, ...],
             plan.not_text.append(key)
             continue
         if (m := _EXPERT.match(name)) is not None:
-            experts.setdefault((m["base"], m["proj"]), {})[int(m["e"])] = info
+            experts.setdefault((m["base"], m["proj"], m["part"]), {})[int(m["e"])] = info
         elif (m := _NGRAM_SHARD.match(name)) is not None:
             shards.setdefault(m["base"] + ".weight", {})[int(m["i"])] = info
         else:
@@ -94,20 +100,16 @@ def plan_load(files: CheckpointFiles, expected: dict[str, tuple[tuple[int, ...],
             info = direct[name]
             _check(info, shape, dtype)
             plan.targets[name] = Target(name, shape, dtype, "plain", [info])
-        elif name.endswith(".experts.gate_up_proj") and len(shape) == 3:
-            base = name[:-len(".gate_up_proj")]
-            num, two_i, hidden = shape
-            sources = []
-            for e in range(num):
-                for proj in ("gate_proj", "up_proj"):
-                    sources.append(_expert(experts, base, proj, e, (two_i // 2, hidden), dtype, stored, files))
-            plan.targets[name] = Target(name, shape, dtype, "gate_up", sources)
-        elif name.endswith(".experts.down_proj") and len(shape) == 3:
-            base = name[:-len(".down_proj")]
-            num, hidden, inter = shape
-            sources = [_expert(experts, base, "down_proj", e, (hidden, inter), dtype, stored, files)
-                       for e in range(num)]
-            plan.targets[name] = Target(name, shape, dtype, "down", sources)
+        elif (fused := _fused_expert(name, shape)) is not None:
+            base, kind, part = fused
+            num, rows, last = shape
+            if kind == "gate_up":
+                sources = [_expert(experts, base, proj, part, e, (rows // 2, last), dtype, stored, files)
+                           for e in range(num) for proj in ("gate_proj", "up_proj")]
+            else:
+                sources = [_expert(experts, base, "down_proj", part, e, (rows, last), dtype, stored, files)
+                           for e in range(num)]
+            plan.targets[name] = Target(name, shape, dtype, kind, sources)
         elif name.endswith(".ngram_embedding.weight") and name in shards:
             plan.targets[name] = Target(name, shape, dtype, "ngram", _ngram_shards(name, shards[name], shape,
                                                                                  stored, files))
@@ -137,10 +139,18 @@ def _check(info: TensorInfo, shape: tuple[int, ...], dtype: torch.dtype) -> None
         raise CheckpointError(f"{info.file}: {info.key!r} is stored as {info.dtype}, the model's buffer is {dtype}")
 
 
-def _expert(experts, base, proj, e, shape, dtype, stored, files) -> TensorInfo:
-    info = experts.get((base, proj), {}).get(e)
+def _fused_expert(name: str, shape: tuple[int, ...]) -> tuple[str, str, str] | None:
+    """(experts module name, "gate_up" or "down", stored part) for a fused experts weight, else None."""
+    base, _, leaf = name.rpartition(".")
+    if not base.endswith(".experts") or leaf not in _FUSED_EXPERTS or len(shape) != 3:
+        return None
+    return (base, *_FUSED_EXPERTS[leaf])
+
+
+def _expert(experts, base, proj, part, e, shape, dtype, stored, files) -> TensorInfo:
+    info = experts.get((base, proj, part), {}).get(e)
     if info is None:
-        raise CheckpointError(f"{files.directory}: expert {e} is missing: no {stored(f'{base}.{e}.{proj}.weight')!r} "
+        raise CheckpointError(f"{files.directory}: expert {e} is missing: no {stored(f'{base}.{e}.{proj}.{part}')!r} "
                               f"in the checkpoint")
     _check(info, shape, dtype)
     return info

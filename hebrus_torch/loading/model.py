@@ -16,6 +16,7 @@ from hebrus_torch.errors import HebrusError
 from .errors import CheckpointError
 from .files import CheckpointFiles, TensorInfo
 from .keymap import LoadPlan, Target, plan_load
+from .quantized import quantization_of, refuse_unannounced, swap_quantized_modules
 
 __all__ = ["from_pretrained", "LoadedCheckpoint", "PLE_TABLE_CHOICES", "physical_memory_bytes", "choose_ple_table"]
 
@@ -63,6 +64,10 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device | Non
     (disk when the table is more than a quarter of physical memory). ``ple_cache_bytes``: with the table on
     disk, release the process's mapped pages of it past about this many bytes (None: never).
     ``mtp.*`` tensors are not read here (``model.hebrus_checkpoint.mtp`` lists them; ``loading.mtp.load_mtp``).
+    A checkpoint written by ``python -m hebrus_torch.convert`` (a ``quantization_config`` of quant_method
+    ``hebrus_affine``) loads with its routed experts as ``QuantizedExperts`` and its stored-quantized projections
+    as ``QuantizedLinear`` (docs/quantization.md); ``dtype`` then sets the scales' and biases' dtype and the other
+    weights'.
 
     Raises :class:`~hebrus_torch.loading.CheckpointError` (a ``HebrusError``) naming file and key for a
     missing or truncated file, a tensor whose shape or dtype disagrees with the config, a missing expert or
@@ -87,12 +92,17 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device | Non
     text = config.text_config if config.model_type == "qwen4_exp" else config
     if attn_implementation is not None:
         text._attn_implementation = attn_implementation
+    quant = quantization_of(config, str(path / "config.json"))
     files = CheckpointFiles.open(path)
     load_dtype = _load_dtype(dtype, config, text, files)
     device = torch.device(device if device is not None else "cpu")
 
     with _default_dtype(load_dtype), torch.device("meta"):
         model = Qwen4ExpForCausalLM(text)
+    if quant is not None:
+        swap_quantized_modules(model, files, quant, load_dtype)
+    else:
+        refuse_unannounced(files, str(path / "config.json"))
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     tied = bool(getattr(text, "tie_word_embeddings", False))
     if tied:

@@ -11,7 +11,7 @@ import torch
 from .. import _validate
 from ..errors import HebrusError
 
-__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids"]
+__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids", "check_moe_experts_quantized", "check_quantized_linear"]
 
 OP = "moe_experts"
 
@@ -109,3 +109,28 @@ def check_moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
                           ("down_biases", down_biases, (experts, hidden, inter // group_size))):
         _validate.check(tuple(t.shape) == want, QOP, f"{name} must have shape {want}, got {tuple(t.shape)}")
     return MoeSizes(rows, hidden, top_k, experts, inter)
+
+
+LOP = "quantized_linear"
+
+
+def check_quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                           group_size: int, bits: int) -> tuple[int, int, int]:
+    """``quantized_linear``'s arguments (csrc/moe_checks.h); returns (T, in, out)."""
+    _validate._same_device(LOP, x=x, wq=wq, scales=scales, biases=biases)
+    _validate.check(bits in (4, 8), LOP, f"bits must be 4 or 8, got {bits}")
+    _validate.check(group_size in (32, 64, 128), LOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    _validate._ranks_and_dtypes(LOP, ("x", x, 2, _validate.FLOAT_DTYPES), ("wq", wq, 2, torch.int32))
+    for name, t in (("scales", scales), ("biases", biases)):
+        _validate._dims(t, 2, LOP, name)
+        _validate.check(t.dtype == x.dtype, LOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    rows, in_dim = x.shape
+    _validate.check(in_dim % group_size == 0, LOP, f"in = x.shape[1] = {in_dim} must be a multiple of group_size "
+                    f"{group_size}")
+    out_dim = wq.shape[0]
+    _validate.check(wq.shape[1] * (32 // bits) == in_dim, LOP, f"wq must have shape (out, in * bits / 32) with "
+                    f"in = {in_dim}, got {tuple(wq.shape)}")
+    want = (out_dim, in_dim // group_size)
+    for name, t in (("scales", scales), ("biases", biases)):
+        _validate.check(tuple(t.shape) == want, LOP, f"{name} must have shape {want}, got {tuple(t.shape)}")
+    return rows, in_dim, out_dim

@@ -1,13 +1,13 @@
-"""Typed wrapper and fake impl of ``hebrus::moe_experts``."""
+"""Typed wrappers and fake impls of ``hebrus::moe_experts``, ``moe_experts_quantized`` and ``quantized_linear``."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import translated
-from .checks import check_moe_experts, check_moe_experts_quantized
+from .checks import check_moe_experts, check_moe_experts_quantized, check_quantized_linear
 
-__all__ = ["moe_experts", "moe_experts_quantized"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear"]
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -49,3 +49,20 @@ def _moe_experts_quantized_fake(x, topk_ids, topk_weights, gate_up_q, gate_up_sc
     check_moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
                                 down_scales, down_biases, group_size, bits)
     return x.new_empty(x.shape)
+
+
+def quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+                     bits: int) -> torch.Tensor:
+    """``x @ dequantize(W).T``; see :func:`hebrus_torch.reference.quantized_linear`.
+
+    Shapes: x [T, in] float, wq [out, in * bits / 32] int32, scales / biases [out, in / group_size] in x's dtype
+    -> [T, out] in x's dtype. Each output row depends only on its own row of x (bitwise).
+    """
+    with translated():
+        return torch.ops.hebrus.quantized_linear.default(x, wq, scales, biases, int(group_size), int(bits))
+
+
+@torch.library.register_fake("hebrus::quantized_linear")
+def _quantized_linear_fake(x, wq, scales, biases, group_size, bits):
+    rows, _, out = check_quantized_linear(x, wq, scales, biases, group_size, bits)
+    return x.new_empty((rows, out))

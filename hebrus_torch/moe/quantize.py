@@ -15,8 +15,9 @@ consecutive values; each group gets a scale ``s`` and a bias ``b`` and each valu
 
 Codes are packed little-end first into 32-bit words (``32 / bits`` per word: code ``k`` of a word in bits
 ``[k * bits, (k + 1) * bits)``), stored as int32 (torch has no general uint32 support); a row of ``in``
-values is ``in * bits / 32`` words. Dequantized, a weight is ``q * s + b`` in fp32 (the product rounded,
-then the sum), which is what the quantized kernels read.
+values is ``in * bits / 32`` words. Dequantized, a weight is ``q * s + b`` in fp32; the quantized kernels never
+dequantize: they fold each group's scale and bias into its dot product, ``s * sum(q x) + b * sum(x)``
+(docs/quantization.md says in which order).
 """
 
 from __future__ import annotations

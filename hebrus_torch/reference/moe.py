@@ -7,11 +7,12 @@ from typing import Callable
 
 import torch
 
-from ..moe.checks import MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids
-from ..moe.quantize import dequantize
+from ..moe.checks import (MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids,
+                          check_quantized_linear)
+from ..moe.quantize import unpack
 from .ple import _silu
 
-__all__ = ["moe_experts", "moe_experts_quantized"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear"]
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,15 +49,16 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         Tensor[T, H] in x's dtype. Raises HebrusError on bad metadata or an expert id outside ``[0, E)``.
     """
     sizes = check_moe_experts(x, topk_ids, topk_weights, gate_up, down)
-    return _routed(x, topk_ids, topk_weights, sizes, lambda e: gate_up[e].float(), lambda e: down[e].float())
+    return _routed(x, topk_ids, topk_weights, sizes, lambda e, xs: xs @ gate_up[e].float().T,
+                   lambda e, xs: xs @ down[e].float().T)
 
 
 def moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           gate_up_q: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_biases: torch.Tensor,
                           down_q: torch.Tensor, down_scales: torch.Tensor, down_biases: torch.Tensor, group_size: int,
                           bits: int) -> torch.Tensor:
-    """:func:`moe_experts` with the experts' weights affine-quantized (:mod:`hebrus_torch.moe.quantize`):
-    every weight is its dequantized fp32 value ``q * s + b``, everything else as :func:`moe_experts`.
+    """:func:`moe_experts` with the experts' weights affine-quantized (:mod:`hebrus_torch.moe.quantize`), each
+    matrix product folded per group (:func:`folded_matmul`), everything else as :func:`moe_experts`.
 
     Args:
         x, topk_ids, topk_weights: as :func:`moe_experts`; H and I multiples of ``group_size``.
@@ -71,14 +73,51 @@ def moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     sizes = check_moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, gate_up_biases, down_q,
                                         down_scales, down_biases, group_size, bits)
     return _routed(x, topk_ids, topk_weights, sizes,
-                   lambda e: dequantize(gate_up_q[e], gate_up_scales[e], gate_up_biases[e], bits, group_size),
-                   lambda e: dequantize(down_q[e], down_scales[e], down_biases[e], bits, group_size))
+                   lambda e, xs: folded_matmul(xs, gate_up_q[e], gate_up_scales[e], gate_up_biases[e], bits,
+                                               group_size),
+                   lambda e, xs: folded_matmul(xs, down_q[e], down_scales[e], down_biases[e], bits, group_size))
+
+
+def folded_matmul(xs: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                  group_size: int) -> torch.Tensor:
+    """``xs @ W.T`` for a quantized ``W [out, in]`` without dequantizing it, as MLX's qmv and the kernels do:
+    per group ``g``, ``s_g * sum(q * x) + b_g * sum(x)``, summed over the groups (fp32).
+
+    xs: Tensor[n, in] float32 -> Tensor[n, out] float32. The sums are torch's, not the kernels' order.
+    """
+    out_dim = wq.shape[0]
+    q = unpack(wq, bits).float().reshape(out_dim, -1, group_size)              # [out, G, group]
+    xg = xs.reshape(xs.shape[0], -1, group_size)                              # [n, G, group]
+    qx = torch.einsum("ngk,ogk->nog", xg, q)                                  # [n, out, G]
+    return (qx * scales.float() + xg.sum(-1)[:, None, :] * biases.float()).sum(-1)
+
+
+def quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+                     bits: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` affine-quantized (:mod:`hebrus_torch.moe.quantize`), folded per group
+    (:func:`folded_matmul`: ``s * sum(q x) + b * sum(x)``) in fp32 and rounded to x's dtype. The sums are
+    torch's, so this matches the kernels to rounding, not bitwise.
+
+    Args:
+        x: Tensor[T, in] float32/float16/bfloat16; ``in`` a multiple of ``group_size``.
+        wq: Tensor[out, in * bits / 32] int32, packed codes; scales, biases: Tensor[out, in / group_size] in
+            x's dtype.
+        group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns:
+        Tensor[T, out] in x's dtype.
+    """
+    check_quantized_linear(x, wq, scales, biases, group_size, bits)
+    if x.shape[0] == 0 or wq.shape[0] == 0:
+        return x.new_zeros((x.shape[0], wq.shape[0]))
+    return folded_matmul(x.float(), wq, scales, biases, bits, group_size).to(x.dtype)
 
 
 def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, sizes: MoeSizes,
-            gate_up_of: Callable[[int], torch.Tensor], down_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """The experts' sum of :func:`moe_experts`, with expert e's weights as fp32 ``gate_up_of(e)`` [2I, H] and
-    ``down_of(e)`` [H, I]."""
+            gate_up_mm: Callable[[int, torch.Tensor], torch.Tensor],
+            down_mm: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The experts' sum of :func:`moe_experts`, with ``gate_up_mm(e, xs)`` = xs [n, H] times expert e's gate_up
+    [2I, H] transposed and ``down_mm(e, a)`` = a [n, I] times its down [H, I] transposed (fp32)."""
     rows, hidden, top_k, experts, inter = sizes
     out = x.new_empty((rows, hidden))
     if rows == 0 or hidden == 0:
@@ -100,9 +139,9 @@ def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         pairs = order[start:start + n]
         start += n
         xs = x[pairs // top_k].float()
-        gu = _round(xs @ gate_up_of(expert).T, dtype)
+        gu = _round(gate_up_mm(expert, xs), dtype)
         act = _round(_round(_silu(gu[:, :inter]), dtype) * gu[:, inter:], dtype)
-        y = _round(act @ down_of(expert).T, dtype)
+        y = _round(down_mm(expert, act), dtype)
         prod = y * weights[pairs, None]
         weighted[pairs] = _round(prod, dtype) if round_product else prod
     weighted = weighted.view(rows, top_k, hidden)

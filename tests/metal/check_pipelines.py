@@ -41,8 +41,9 @@ KERNELS = {
                              **{f"gdn_chunk_delta_rule_slots_gf32_{t}": 128 for t in TYPES[1:]},
                              "gdn_chunk_delta_rule_slots_check": 256},
     "moe_experts": {f"moe_experts_{k}_{t}": 256 for k in ("act", "down", "sum") for t in TYPES},
-    "moe_experts_quantized": {f"moe_experts_quantized_{k}_{q}_{t}": 256 for k in ("act", "down") for q in ("q4", "q8")
-                              for t in TYPES},
+    "moe_experts_quantized": {**{f"moe_experts_quantized_{k}_{q}_{t}": 256 for k in ("act", "down")
+                                 for q in ("q4", "q8") for t in TYPES},
+                              **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

@@ -91,5 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return to_py(hebrus::glue::moe_experts_quantized(x, ids, weights, guq, gus, gub, dq, ds, db, group_size, bits,
                                                      kCpu));
   });
+  m.def("quantized_linear", [](const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                               const at::Tensor& biases, int64_t group_size, int64_t bits) {
+    return to_py(hebrus::glue::quantized_linear(x, wq, scales, biases, group_size, bits, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

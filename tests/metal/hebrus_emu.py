@@ -278,6 +278,11 @@ def moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, 
                down_scales, down_biases, int(group_size), int(bits), **emu)[0]
 
 
+def quantized_linear(x, wq, scales, biases, group_size, bits, **emu):
+    """hebrus::quantized_linear: returns out [T, out]."""
+    return run("quantized_linear", x, wq, scales, biases, int(group_size), int(bits), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

@@ -1,0 +1,92 @@
+"""A checkpoint written by ``python -m hebrus_torch.convert`` run by the engine and the server (issue 36): the
+engine's invariance and speculation checks (tests/test_engine.py, tests/test_engine_speculative.py) on the
+loaded quantized model, and a served chat over loopback that gives the quantized model's greedy reply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import tiny_indexer_config  # noqa: E402  (skips without transformers)
+from test_engine import prompts_for, row_invariant, run_engine  # noqa: F401
+from test_engine_speculative import assert_greedy_speculation_is_plain
+
+import hebrus_torch
+from hebrus_torch.convert import convert
+from hebrus_torch.moe.quantized_experts import QuantizedExperts
+from hebrus_torch.moe.quantized_linear import QuantizedLinear
+from hebrus_torch.testing import write_checkpoint
+
+VOCAB = 50
+EOS = 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """(conftest's one_thread for every test here)"""
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory) -> Path:
+    """The tiny indexer model (widths of 32, so every projection and expert quantizes at group 32), 4 bits."""
+    config = tiny_indexer_config(vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", config, seed=21, dtype=torch.float32,
+                           max_shard_size="40KB")
+    return convert(src, tmp_path_factory.mktemp("dst") / "q4", bits=4, group_size=32)
+
+
+@pytest.fixture(scope="module")
+def model(quantized_dir):
+    loaded = hebrus_torch.from_pretrained(quantized_dir)
+    assert sum(type(m) is QuantizedExperts for m in loaded.modules()) == 2
+    assert sum(type(m) is QuantizedLinear for m in loaded.modules()) >= 15
+    return loaded
+
+
+def test_engine_tokens_and_state_do_not_depend_on_cut_cap_order_or_sharing(model, row_invariant):
+    """test_engine's invariance check on the quantized model: every quantized op computes each row on its own."""
+    base = prompts_for(4, lengths=(14, 6, 21, 2))
+    shared = base[2][:12]
+    prompts = base + [shared + [9, 8, 7], shared + [9, 8, 7, 6, 5]]
+    ref_tokens, ref_states = run_engine(model, prompts, max_batch_tokens=None, allow_block_sharing=False)
+    for s in [dict(max_batch_tokens=1), dict(max_batch_tokens=7), dict(max_batch_tokens=64),
+              dict(max_batch_tokens=16, order=[5, 3, 1, 0, 4, 2]), dict(max_batch_tokens=7, allow_block_sharing=True)]:
+        tokens, states = run_engine(model, prompts, **s)
+        assert tokens == ref_tokens, s
+        assert states == ref_states, s
+
+
+def test_engine_greedy_tokens_equal_generate(model):
+    for prompt in prompts_for(6, lengths=(5, 13)):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=EOS,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        want = want[:want.index(EOS) + 1] if EOS in want else want
+        tokens, _ = run_engine(model, [prompt], max_new_tokens=6)
+        assert tokens["r0"] == want
+
+
+def test_greedy_speculation_gives_the_plain_tokens_and_state(model, row_invariant):
+    """test_engine_speculative's check on the quantized model."""
+    assert_greedy_speculation_is_plain(model, cases=((0, 16, 4), (1, 7, 6)))
+
+
+def test_the_converted_checkpoint_is_served(quantized_dir, model, tmp_path):
+    pytest.importorskip("openai", reason="needs the serve extra")
+    from test_serve import Server
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(quantized_dir)
+    messages = [{"role": "user", "content": "abc ab"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=EOS,
+                             pad_token_id=EOS)[0, len(ids):].tolist()
+    gen = gen[:gen.index(EOS) + 1] if EOS in gen else gen
+    with Server(quantized_dir, "--cb-block-size", "16", "--hebrus-capacity-tokens", "1024",
+                log=tmp_path / "server.log") as srv:
+        reply = srv.chat(messages, max_tokens=6)
+        assert reply.choices[0].message.content == tokenizer.decode(gen, skip_special_tokens=True)
+        assert srv.stats()["engine"] is not None
