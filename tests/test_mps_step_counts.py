@@ -47,6 +47,12 @@ def engine_counts(prompt_len: int, *, batch: int = 1, **overrides):
     return prefill, decode
 
 
+def assert_runs_on_mps(counts) -> None:
+    """Every ATen op of the step has an MPS kernel or a composite that does not read the device."""
+    assert not counts.no_kernel, f"ops without an MPS kernel: {dict(counts.no_kernel)}"
+    assert not counts.composite_reads, f"composites that read the device: {dict(counts.composite_reads)}"
+
+
 def test_emulated_tensors_report_mps_and_host_reads_are_syncs():
     seen = []
     with _emulate.emulate("mps") as dev, _emulate.observe(lambda kind, name: seen.append((kind, name))):
@@ -80,6 +86,7 @@ def test_gdn_ple_moe_step_waits_once(batch):
     for counts in (prefill, decode):
         assert counts.total_syncs == 1, counts.sync_sites              # the sampled tokens, nothing else
         assert counts.sync_sites[_sampling_site()] == 1
+        assert_runs_on_mps(counts)
         assert not counts.fallbacks                                   # the GDN ops are native on MPS
         assert counts.ops[PARTS["gdn"]]["hebrus.gdn_delta_rule_slots"] == 2   # one dispatch per GDN layer
         assert counts.ops[PARTS["ple"]]["hebrus.ple_conv_slots"] == 2        # the slot forms, native
@@ -114,6 +121,7 @@ def test_full_model_step_waits_once(batch):
     for counts in (short, long, decode):
         assert counts.total_syncs == 1, counts.sync_sites
         assert counts.sync_sites[_sampling_site()] == 1
+        assert_runs_on_mps(counts)
         assert counts.dispatches[PARTS["attention"]] > 0 and counts.ops[PARTS["attention"]]["hebrus.qsa_select"] == 2
     for part in PARTS:                              # QSA and the transaction too: no loop over tokens
         assert short.dispatches[PARTS[part]] == long.dispatches[PARTS[part]], part
@@ -130,6 +138,39 @@ def test_an_added_item_is_caught(monkeypatch):
     prefill, decode = engine_counts(16, **NO_QSA)
     assert prefill.total_syncs == 3 and decode.total_syncs == 3           # one per GDN layer, plus the tokens
     assert any("test_mps_step_counts" in site for (_, _, site) in prefill.sync_sites), prefill.sync_sites
+
+
+def test_a_composite_that_reads_the_device_is_caught(monkeypatch):
+    """``_grouped_mm`` has no MPS kernel: its composite reads the offsets on the host and runs one mm per
+    group (was counted as one dispatch and no wait)."""
+    real = gdn_forward._softplus
+
+    def softplus_with_a_grouped_mm(x):
+        a, b = torch.ones(4, 8, device=x.device), torch.ones(2, 8, 8, device=x.device)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=x.device))
+        return real(x)
+
+    monkeypatch.setattr(gdn_forward, "_softplus", softplus_with_a_grouped_mm)
+    _, decode = engine_counts(16, **NO_QSA)
+    assert decode.total_syncs == 3, decode.sync_sites                   # one per GDN layer, plus the tokens
+    assert decode.composite_reads[(PARTS["gdn"], "_grouped_mm")] == 2
+    assert decode.ops[PARTS["gdn"]]["mm"] >= 4                          # two groups, two layers
+    with pytest.raises(AssertionError, match="composites that read the device"):
+        assert_runs_on_mps(decode)
+
+
+def test_an_op_without_an_mps_kernel_is_caught(monkeypatch):
+    real = gdn_forward._sigmoid
+
+    def sigmoid_after_a_take(x):
+        torch.take(x, torch.zeros(1, dtype=torch.long, device=x.device))     # CPU and CUDA kernels only
+        return real(x)
+
+    monkeypatch.setattr(gdn_forward, "_sigmoid", sigmoid_after_a_take)
+    prefill, _ = engine_counts(16, **NO_QSA)
+    assert prefill.no_kernel[(PARTS["gdn"], "take")] == 2
+    with pytest.raises(AssertionError, match="without an MPS kernel"):
+        assert_runs_on_mps(prefill)
 
 
 def test_an_added_token_loop_is_caught(monkeypatch):
