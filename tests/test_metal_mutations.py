@@ -56,6 +56,17 @@ def mutated(tmp_path, stem: str, file: str, old: str, new: str, **build) -> msl_
     return msl_emu.build(str(src / f"{stem}.metal"), **build)
 
 
+# A mutation that makes a loop endless must count as caught, not hang the suite: every launch here gets
+# the emulator's watchdog at a budget far above what an unmutated kernel of these checks needs (well
+# under a second of CPU), and WatchdogError is an MSLError, which the tests below accept.
+MUTATION_WATCHDOG_S = 20.0
+
+
+@pytest.fixture(autouse=True)
+def watchdog(monkeypatch):
+    monkeypatch.setattr(msl_emu, "WATCHDOG_S", MUTATION_WATCHDOG_S)
+
+
 @pytest.fixture
 def use(monkeypatch):
     def install(stem, module):
@@ -335,6 +346,15 @@ def test_gdn_chunk_barrier_mutations_are_caught(tmp_path, use, old, new):
 def test_gdn_chunk_wrong_tiles_are_caught(tmp_path, use, old, new):
     use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
+        gdn_chunk_check()
+
+
+def test_gdn_chunk_endless_piece_loop_is_stopped_by_the_watchdog(tmp_path, use, monkeypatch):
+    # The piece loop never advances (what once kept `pytest -m metal` busy for good): the launch stops
+    # at the watchdog's budget with the kernel's name instead.
+    use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", "    pos += m;\n", "    pos += m * (pos < 0);\n"))
+    monkeypatch.setattr(msl_emu, "WATCHDOG_S", 1.0)
+    with pytest.raises(msl_emu.WatchdogError, match=rf"kernel {GDN}\w*: watchdog: .*budget of 1 CPU seconds"):
         gdn_chunk_check()
 
 
