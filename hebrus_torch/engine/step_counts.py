@@ -62,6 +62,9 @@ class StepCounts:
     """(part, ATen op) -> times MPS ran it as a composite (its ops are in the dispatches, one by one)."""
     composite_reads: collections.Counter = field(default_factory=collections.Counter)
     """(part, ATen op) -> host reads of the device inside that composite (``_grouped_mm``'s offsets)."""
+    entries: collections.Counter = field(default_factory=collections.Counter)
+    """part -> times the step entered it (a decoder layer enters "gdn" or "attention" once, "moe" once,
+    "hyper-connections" three times; divide by the layers to get a part's count per layer)."""
     no_kernel: collections.Counter = field(default_factory=collections.Counter)
     """(part, ATen op) -> times the step used an op MPS has no kernel for (it would fail on a Mac, or
     run on the CPU with ``PYTORCH_ENABLE_MPS_FALLBACK=1``)."""
@@ -97,6 +100,18 @@ def _site() -> str:
     return "?"
 
 
+class _CountingList(list):
+    """The runner's part stack, counting each part entered (under its :data:`PARTS` label)."""
+
+    def __init__(self, entries: collections.Counter) -> None:
+        super().__init__()
+        self._entries = entries
+
+    def append(self, part: str) -> None:
+        self._entries[PARTS[part]] += 1
+        super().append(part)
+
+
 def count_step(engine) -> StepCounts:
     """Run ``engine.step()`` once and count what it dispatched and where the host waited.
 
@@ -108,7 +123,7 @@ def count_step(engine) -> StepCounts:
         raise _emulate.EmulationError("count_step: run it inside `with hebrus_torch._emulate.emulate(...)`")
     counts = StepCounts()
     runner = engine.runner
-    parts: list[str] = []
+    parts = _CountingList(counts.entries)
     saved, runner.parts = runner.parts, parts
 
     def observe(kind: str, name: str) -> None:
