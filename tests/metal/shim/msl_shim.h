@@ -557,18 +557,25 @@ inline std::mutex& launch_mutex() { static std::mutex m; return m; }
 inline struct sigaction& prev_segv() { static struct sigaction a; return a; }
 inline struct sigaction& prev_bus() { static struct sigaction a; return a; }
 
+// The program counter a signal interrupted (0 where the platform's context is not known here).
+inline uintptr_t interrupted_pc(void* uctx) {
+#if defined(__x86_64__) && defined(__linux__)
+  return (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
+#elif defined(__aarch64__) && defined(__linux__)
+  return (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.pc;
+#else
+  (void)uctx;
+  return 0;
+#endif
+}
+
 inline void on_fault(int sig, siginfo_t* si, void* uctx) {
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);
   char* a = (char*)si->si_addr;
   auto& gv = guarded();
   const bool in_kernel = G && G->escape_set && G->cur >= 0;
   if (in_kernel) {
-    uintptr_t pc = 0;
-#if defined(__x86_64__) && defined(__linux__)
-    pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
-#elif defined(__aarch64__) && defined(__linux__)
-    pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.pc;
-#endif
+    const uintptr_t pc = interrupted_pc(uctx);
     Dl_info info{}; uintptr_t rel = pc;
     if (pc && dladdr((void*)pc, &info) && info.dli_fbase) rel = pc - (uintptr_t)info.dli_fbase;
     const Fiber& f = G->f[G->cur];
@@ -656,12 +663,7 @@ inline void arm_watchdog(Watchdog& w, double seconds) {
 inline void on_watchdog(int, siginfo_t*, void* uctx) {
   if (!WD) return;                                       // the launch is over
   if (!G || !G->escape_set) { arm_watchdog(*WD, 1e-3); return; }  // between threadgroups: stop the next one
-  uintptr_t pc = 0;
-#if defined(__x86_64__) && defined(__linux__)
-  pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
-#elif defined(__aarch64__) && defined(__linux__)
-  pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.pc;
-#endif
+  const uintptr_t pc = interrupted_pc(uctx);
   Dl_info here{}, info{};
   dladdr((void*)&on_watchdog, &here);
   if (!pc || !dladdr((void*)pc, &info) || info.dli_fbase != here.dli_fbase) { arm_watchdog(*WD, 1e-3); return; }
