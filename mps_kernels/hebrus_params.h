@@ -223,3 +223,12 @@ struct MoeExpertsParams {
   hebrus_i32 round_product;  // 1: the weighted output is rounded to x's dtype (topk_weights has it)
   hebrus_i32 pad0;
 };
+
+// hebrus::hc_rms_norm (issue 37). Threads: rows * (D / group) SIMD-groups of 32, one per (row, group).
+struct HcRmsNormParams {
+  hebrus_i64 rows;    // T
+  hebrus_i64 dim;     // D
+  hebrus_i64 group;   // features per group (divides D)
+  float eps;
+  hebrus_i32 pad0;
+};

@@ -37,6 +37,7 @@ EXPECTED = {
     "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
     | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
     "moe_experts": {f"moe_experts_{k}_{t}" for k in ("act", "down", "sum") for t in TYPES},
+    "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
     "moe_experts_quantized": {f"moe_experts_quantized_{k}_{q}_{t}" for k in ("act", "down") for q in ("q4", "q8")
                               for t in TYPES},
 }

@@ -417,3 +417,30 @@ def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
     use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
         moe_quantized_check()
+
+
+# ---- hc_rms_norm (issue 37) --------------------------------------------------------------------------------
+
+def hc_norm_check(**emu):
+    from test_metal_hc_rms_norm import close, make
+
+    x, w = make(5, 4 * 40, torch.float32, seed=8)     # groups of 40: two strides of the lanes, a tail
+    close(hebrus_emu.hc_rms_norm(x, w, 40, 1e-6, **emu), reference.hc_rms_norm(x, w, 40, 1e-6), torch.float32)
+
+
+def test_unmutated_hc_norm_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        hc_norm_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("simd_sum(sum_sq)", "sum_sq"),                                                   # lane-local norm
+    ("simd_sum(sum_sq) / float(p.group)", "simd_sum(sum_sq) / float(p.dim)"),          # mean over the row
+    ("* (1.0f + weight[wfirst + i])", "* (1.0f + weight[first + i])"),                 # weight of the row offset
+    ("i += HEBRUS_SIMD_WIDTH) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq",
+     "i += HEBRUS_SIMD_WIDTH + 1) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq"),  # skips
+], ids=["lane-local", "mean-over-row", "weight-row-offset", "stride-skips"])
+def test_hc_norm_mutations_are_caught(tmp_path, use, old, new):
+    use("hc_rms_norm", mutated(tmp_path, "hc_rms_norm", "hc_rms_norm.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        hc_norm_check()

@@ -91,5 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return to_py(hebrus::glue::moe_experts_quantized(x, ids, weights, guq, gus, gub, dq, ds, db, group_size, bits,
                                                      kCpu));
   });
+  m.def("hc_rms_norm", [](const at::Tensor& x, const at::Tensor& weight, int64_t group_size, double eps) {
+    return to_py(hebrus::glue::hc_rms_norm(x, weight, group_size, eps, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

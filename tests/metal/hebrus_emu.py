@@ -278,6 +278,11 @@ def moe_experts_quantized(x, topk_ids, topk_weights, gate_up_q, gate_up_scales, 
                down_scales, down_biases, int(group_size), int(bits), **emu)[0]
 
 
+def hc_rms_norm(x, weight, group_size, eps, **emu):
+    """hebrus::hc_rms_norm: returns out [T, D]."""
+    return run("hc_rms_norm", x, weight, int(group_size), float(eps), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

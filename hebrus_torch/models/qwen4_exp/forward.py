@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from ...errors import HebrusError
+from ...hc import hyper_premix
 from ...moe.block import packed_moe
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
@@ -114,7 +115,7 @@ class PackedQwen4Exp:
                 with timed("ple"):
                     h = h + packed_ple(step, idx, layer.ple, h)
             with timed("hyper-connections"):
-                x, hyper, inject = layer.attn_hyper_connection(h)
+                x, hyper, inject = hyper_premix(layer.attn_hyper_connection, h)
             if layer.layer_type == "linear_attention":
                 with timed("gdn"):
                     out = packed_gated_delta_net(step, idx, layer.linear_attn, x)
@@ -123,12 +124,12 @@ class PackedQwen4Exp:
                     out = packed_indexed_attention(step, idx, layer.self_attn, x, cos, sin, self.rope)
             with timed("hyper-connections"):
                 h = _inject(hyper, out, inject)
-                x, hyper, inject = layer.mlp_hyper_connection(h)
+                x, hyper, inject = hyper_premix(layer.mlp_hyper_connection, h)
             with timed("moe"):
                 out = packed_moe(layer.mlp, x)
             with timed("hyper-connections"):
                 h = _inject(hyper, out, inject)
-        return text.hyper_connection_mixer(h)
+        return hyper_premix(text.hyper_connection_mixer, h)
 
 
 def _inject(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
