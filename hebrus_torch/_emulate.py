@@ -145,11 +145,11 @@ def _decompose(func, kind: str, args, kwargs, name: str, enter: Callable[[], Any
                 with torch._C.DisableTorchFunction():
                     out = func.decompose(*args, **kwargs)
     except RuntimeError as err:
-        buffers.pop()
         if "unexpected device type" in str(err):
             return NotImplemented
         raise
-    inner = buffers.pop()
+    finally:
+        inner = buffers.pop()      # (whatever happened: later reports go to the observers again)
     if out is NotImplemented or not inner:
         return NotImplemented
     outermost = not buffers

@@ -121,3 +121,20 @@ def test_composites_without_reads_count_the_kernels_they_run():
     assert [n for k, n in seen if k == "dispatch"] == ["copy", "cat", "mul", "copy"]
     assert ("composite", "clone") in seen and ("composite", "stack") in seen
     assert not [k for k, _ in seen if k in ("sync", "composite_sync", "no_kernel")]
+
+
+def test_a_composite_that_fails_leaves_the_counting_intact():
+    """An error of any class inside a composite's decomposition leaves later ops reported (the reports
+    a composite makes are held until it finishes)."""
+    seen: list[tuple[str, str]] = []
+
+    def failing():
+        raise ValueError("the composite failed")
+
+    with torch.no_grad(), _emulate.emulate("mps") as dev:
+        a = torch.randn(4, 8, device=dev)
+        with _emulate.observe(lambda kind, name: seen.append((kind, name))):
+            with pytest.raises(ValueError, match="the composite failed"):
+                _emulate._decompose(aten.clone.default, _mps_ops.COMPOSITE, (a,), {}, "clone", failing)
+            a * 2
+    assert seen == [("dispatch", "mul")]
