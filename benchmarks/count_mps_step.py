@@ -152,12 +152,7 @@ def released_report(args) -> None:
         print(f"{c}: at 48 layers (36 linear, 12 indexed, 1 PLE) the layers dispatch {model_parts:.0f} ops "
               f"({model_parts / 48:.1f} per layer) plus embedding, head and engine")
     for c in cols:
-        blind = dict(runs[c].no_kernel) | dict(runs[c].composite_reads)
-        if blind:
-            print(f"{c}: ops without an MPS kernel / composites reading the device: {blind}")
-    if not args.no_sites:
-        for c in cols:
-            print_counts(c, runs[c], True)
+        print_counts(c, runs[c], not args.no_sites)
 
 
 def print_counts(title: str, counts: StepCounts, sites: bool) -> None:
@@ -167,6 +162,10 @@ def print_counts(title: str, counts: StepCounts, sites: bool) -> None:
         print(f"  {part:40s} {d:10d} {s:6d} {u:8d}")
     if counts.fallbacks:
         print("  hebrus ops run as their reference:", {f"{p}: {op}": n for (p, op), n in counts.fallbacks.items()})
+    for what, found in (("ops without an MPS kernel", counts.no_kernel),
+                        ("composites that read the device", counts.composite_reads)):
+        if found:
+            print(f"  {what}:", {f"{p}: {op}": n for (p, op), n in found.items()})
     if sites:
         print("  syncs by source line:")
         for (part, what, site), n in sorted(counts.sync_sites.items()):
