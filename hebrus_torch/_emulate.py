@@ -20,6 +20,13 @@ Every ATen or hebrus op that reaches the emulated device is reported to the obse
   (:data:`SYNC_OPS`, boolean-mask indexing, ``repeat_interleave`` with tensor repeats);
 - ``"upload"``: a host-to-device copy (also a dispatch, but the host does not wait).
 
+An ATen op counts as torch 2.13's MPS backend runs it, by its entries in the installed torch's
+``native_functions.yaml`` (:mod:`hebrus_torch._mps_ops`): one dispatch where MPS has a kernel; where
+it has only a composite, the composite itself runs on the emulated tensors and its ops and host reads
+are reported one by one (``_grouped_mm``: a read of the offsets, a sync, then one ``mm`` per group),
+after a ``"composite"`` report and with a ``"composite_sync"`` for each read; an op MPS has no kernel
+for is reported as ``"no_kernel"`` (and still runs, as one dispatch).
+
 What the emulation does not reproduce: the device's own numerics (the CPU kernels run), timing, and
 ``torch.Generator(device="mps")`` (sampling with ``do_sample=True`` needs a host generator here).
 An op that mixes device data with a host tensor of more than one element raises, as it would on the
