@@ -60,3 +60,30 @@ def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: to
                     for head in range(mod.index_n_heads + mod.index_kv_heads):
                         weight[head * dim + rotary:(head + 1) * dim] += scale * direction
     return model.to(device=device, dtype=dtype)
+
+
+# The released checkpoint's layer pattern (REAL_MODEL.md: every 4th layer indexed; 36 + 12 of 48).
+RELEASED_LAYER_TYPES = ["linear_attention"] * 3 + ["indexed_attention"]
+
+
+def released_structure_model(hidden: int = 256, inter: int = 64, *, dtype: torch.dtype = torch.bfloat16,
+                             layers: int = 4, vocab: int = 32000, seed: int = 0):
+    """Random weights in the released checkpoint's structure (REAL_MODEL.md): ``layers`` layers of its
+    pattern (3 linear-attention, then an indexed one), PLE on decoder layer 1 (16 n-gram heads); 512
+    experts, top 10; hc_count 4, hc_lowrank 320; attention 24 heads x 256 with the sigmoid output gate,
+    2 KV heads, partial rotary 0.25, rope_theta 1e7; GDN 16 key / 48 value heads of 128; indexer 4 + 1
+    heads of 128, budget 2048, compress ratio 4. Only what sizes weights is smaller: ``hidden`` (the
+    PLE embedding too), the expert and shared-expert intermediate ``inter``, the vocabulary and the
+    n-gram table (base 50,000): what a step dispatches does not depend on them."""
+    layer_types = (RELEASED_LAYER_TYPES * ((layers + 3) // 4))[:layers]
+    return random_model(
+        seed, attn_implementation="sdpa", embed_shift=2.0, index_shift=1.0, dtype=dtype, vocab_size=vocab,
+        hidden_size=hidden, num_attention_heads=24, num_key_value_heads=2, head_dim=256, output_gate_type="sigmoid",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10]},
+        num_hidden_layers=layers, layer_types=layer_types, ple_layer_ids=[2], ple_embed_dim=hidden,
+        ngram_vocab_size_base=50_000, ngram_size=3, heads_per_ngram=8, split_ngram_parts=128,
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+        hc_count=4, hc_lowrank=320, eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=65536)

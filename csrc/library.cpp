@@ -63,6 +63,10 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor start_pos, Tensor(a!) state_pool, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor");
+  // ---- fused hyper-connection ops (issue 37) ----
+  // Qwen4Exp's RMSNorm of every row of x [..., D] over groups of group_size features (zero-centred
+  // weight [D], fp32 math): the hyper-connections' hc_norm (or q_norm of x [T, H, D]) in one dispatch.
+  m.def("hc_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor");
   // The routed experts of a MoE block (issue 36) over packed rows x [T, H]: per row, the SiLU-gated MLP
   // of each of its top-k experts (gate_up [E, 2I, H], down [E, H, I]) weighted and summed in slot order.
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor");

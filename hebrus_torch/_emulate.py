@@ -20,6 +20,13 @@ Every ATen or hebrus op that reaches the emulated device is reported to the obse
   (:data:`SYNC_OPS`, boolean-mask indexing, ``repeat_interleave`` with tensor repeats);
 - ``"upload"``: a host-to-device copy (also a dispatch, but the host does not wait).
 
+An ATen op counts as torch 2.13's MPS backend runs it, by its entries in the installed torch's
+``native_functions.yaml`` (:mod:`hebrus_torch._mps_ops`): one dispatch where MPS has a kernel; where
+it has only a composite, the composite itself runs on the emulated tensors and its ops and host reads
+are reported one by one (``_grouped_mm``: a read of the offsets, a sync, then one ``mm`` per group),
+after a ``"composite"`` report and with a ``"composite_sync"`` for each read; an op MPS has no kernel
+for is reported as ``"no_kernel"`` (and still runs, as one dispatch).
+
 What the emulation does not reproduce: the device's own numerics (the CPU kernels run), timing, and
 ``torch.Generator(device="mps")`` (sampling with ``do_sample=True`` needs a host generator here).
 An op that mixes device data with a host tensor of more than one element raises, as it would on the
@@ -38,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import _op_registry
+from . import _mps_ops, _op_registry
 from ._op_registry import NATIVE_OPS, emulated_device_type
 from .errors import HebrusError
 
@@ -99,7 +106,11 @@ def _observers() -> list[Observer]:
 @contextlib.contextmanager
 def observe(callback: Observer) -> Iterator[None]:
     """Call ``callback(kind, op_name)`` for every op on emulated tensors while the block runs (kinds:
-    "dispatch", "sync", "upload", "fallback" for a hebrus op that ran as its reference)."""
+    "dispatch", "sync", "upload", "fallback" for a hebrus op that ran as its reference, "composite" for
+    an ATen op that MPS runs as a composite (its ops and reads follow, each reported, and a
+    "composite_sync" naming the composite after each read), "no_kernel" for an ATen op that MPS has no
+    kernel for (then reported as one dispatch too: what the CPU fallback would run); see
+    ``hebrus_torch._mps_ops``)."""
     obs = _observers()
     obs.append(callback)
     try:
@@ -109,8 +120,57 @@ def observe(callback: Observer) -> Iterator[None]:
 
 
 def _report(kind: str, name: str) -> None:
+    buffers = getattr(_state, "buffers", None)
+    if buffers:                                  # inside a composite being decomposed: kept until it finishes
+        buffers[-1].append((kind, name))
+        return
     for cb in list(_observers()):
         cb(kind, name)
+
+
+# The keys that reach an op's MPS kernel slot: on a CPU wheel that slot holds the op's
+# CompositeExplicitAutograd kernel wherever native_functions.yaml gives MPS no kernel of its own.
+_MPS_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.MPS)
+
+
+def _decompose(func, kind: str, args, kwargs, name: str, enter: Callable[[], Any]) -> Any:
+    """Run ``func``'s composite on the tensors under the emulation so that the ops and host reads it makes
+    are reported one by one (a "composite" report first; for the outermost composite, a "composite_sync"
+    after each read). Returns NotImplemented, having reported nothing, where the composite is itself a
+    device kernel: it calls a DispatchStub (PyTorch's "unexpected device type") or it ran no op at all
+    (``copy_``'s composite compares storages, which wrapper tensors do not have, and on MPS is
+    ``mps_copy_``: one kernel)."""
+    if name in _DEVICE_KERNEL_COMPOSITES:
+        return NotImplemented
+    buffers = _state.__dict__.setdefault("buffers", [])
+    buffers.append([])
+    try:
+        with enter():
+            if kind == _mps_ops.COMPOSITE:
+                out = func.redispatch(_MPS_KEYS, *args, **kwargs)
+            else:                  # (the torch-function mode would send the kernel call back to the op)
+                with torch._C.DisableTorchFunction():
+                    out = func.decompose(*args, **kwargs)
+    except RuntimeError as err:
+        if "unexpected device type" in str(err):
+            return NotImplemented
+        raise
+    finally:
+        inner = buffers.pop()      # (whatever happened: later reports go to the observers again)
+    if out is NotImplemented or not inner:
+        return NotImplemented
+    outermost = not buffers
+    _report("composite", name)
+    for k, n in inner:
+        _report(k, n)
+        if k == "sync" and outermost:
+            _report("composite_sync", name)
+    return out
+
+
+# Composites in native_functions.yaml that are one kernel on MPS all the same: ``copy_`` (Copy.cpp sends
+# MPS tensors to ``mps::mps_copy_`` before its DispatchStub).
+_DEVICE_KERNEL_COMPOSITES = frozenset({"copy"})
 
 
 class EmulatedTensor(torch.Tensor):
@@ -196,6 +256,7 @@ class _Dispatch(TorchDispatchMode):
         if base == "_to_copy" and on_dev and target is not None and target.type == "cpu":
             _report("sync", "to_cpu")
             return func(*tree_map(lambda x: x.inner if _is_dev(x) else x, args), **kwargs)
+        given_kwargs = kwargs                                # a composite makes its tensors on the device
         if target is not None and target.type == self.device.type:
             kwargs = dict(kwargs, device=torch.device("cpu"))
         if not on_dev and base in ("_to_copy", "lift_fresh_copy"):
@@ -203,6 +264,10 @@ class _Dispatch(TorchDispatchMode):
         elif self._is_sync(func, base, args, kwargs):
             _report("sync", base)
         elif base not in VIEW_OPS:
+            if func.namespace == "aten" and self._mps_counts(func, base):
+                out = _decompose(func, _mps_ops.mps_kind(func), args, given_kwargs, base, lambda: _reenter(self))
+                if out is not NotImplemented:
+                    return out
             _report("dispatch", f"hebrus.{base}" if func.namespace == "hebrus" else base)
         inner_args = tree_map(lambda x: x.inner if _is_dev(x) else x, args)
         inner_kwargs = tree_map(lambda x: x.inner if _is_dev(x) else x, kwargs)
@@ -216,6 +281,15 @@ class _Dispatch(TorchDispatchMode):
             return out
         out = self._wrap(out)
         return return_and_correct_aliasing(func, args, kwargs, out) if on_dev else out
+
+    def _mps_counts(self, func, base: str) -> bool:
+        """True when ``func`` is a composite on MPS (to be decomposed); reports "no_kernel" ops."""
+        if self.device.type != "mps":
+            return False
+        kind = _mps_ops.mps_kind(func)
+        if kind == _mps_ops.NO_KERNEL:
+            _report("no_kernel", base)
+        return kind in (_mps_ops.COMPOSITE, _mps_ops.IMPLICIT)
 
     @staticmethod
     def _is_sync(func, base: str, args, kwargs) -> bool:
@@ -313,11 +387,16 @@ class _Inner(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         base = func.overloadpacket.__name__.rstrip("_")
-        if _Dispatch._is_sync(func, base, args, kwargs or {}):
+        kwargs = kwargs or {}
+        if _Dispatch._is_sync(func, base, args, kwargs):
             _report("sync", base)
         elif base not in VIEW_OPS:
+            if func.namespace == "aten" and self.mode._mps_counts(func, base):
+                out = _decompose(func, _mps_ops.mps_kind(func), args, kwargs, base, lambda: self)
+                if out is not NotImplemented:
+                    return out
             _report("dispatch", base)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

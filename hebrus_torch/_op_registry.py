@@ -110,6 +110,9 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "Tensor cu_seqlens, Tensor start_pos, Tensor(a!) state_pool, Tensor slots, "
            "float scale, bool use_qk_l2norm) -> Tensor",
            reference.gdn_chunk_delta_rule_slots, _CPU_MPS),
+    OpSpec("hc_rms_norm",
+           "hc_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor",
+           reference.hc_rms_norm, _CPU_MPS),
     OpSpec("moe_experts",
            "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor",
            reference.moe_experts, _CPU_MPS),

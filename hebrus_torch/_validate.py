@@ -295,3 +295,21 @@ def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_po
                    {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu_seqlens, "start_pos": start_pos,
                     "slots": slots})
     return state_pool.shape[0]
+
+
+# ---- fused hyper-connection ops (issue 37) ----------------------------------------------------------------
+
+def hc_rms_norm(x, weight, group_size, eps) -> tuple[int, int]:
+    """Metadata of hebrus::hc_rms_norm; returns (rows, D): x [..., D] has rows = numel / D rows."""
+    op = "hc_rms_norm"
+    _same_device(op, x=x, weight=weight)
+    check(x.dim() >= 1, op, f"x must be at least 1-D, got shape {tuple(x.shape)}")
+    _dtype(x, FLOAT_DTYPES, op, "x")
+    _ranks_and_dtypes(op, ("weight", weight, 1, FLOAT_DTYPES))
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    check(weight.shape[0] == dim, op, f"weight must have D = {dim} entries, got {weight.shape[0]}")
+    check(group_size >= 1 and dim % group_size == 0, op,
+          f"group_size must be >= 1 and divide D = {dim}, got {group_size}")
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+    return rows, dim

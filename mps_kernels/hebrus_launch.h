@@ -23,6 +23,8 @@
 #define HEBRUS_PLE_NGRAM_TG 256
 // qsa_pool: one SIMD-group per group, 8 groups per threadgroup.
 #define HEBRUS_QSA_POOL_TG 256
+// hc_rms_norm (issue 37): one SIMD-group per (row, group), 8 per threadgroup.
+#define HEBRUS_HC_NORM_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -94,6 +96,7 @@ static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "g
 static_assert(sizeof(MoeExpertsParams) == 8 * 8, "MoeExpertsParams: 7 x 64-bit, 2 x 32-bit");
 static_assert(sizeof(QuantLinearParams) == 4 * 8, "QuantLinearParams: 4 x 64-bit");
 static_assert(HEBRUS_SIMD_WIDTH % HEBRUS_MOE_LANES == 0 && HEBRUS_MOE_TG % HEBRUS_SIMD_WIDTH == 0, "moe lanes");
+static_assert(sizeof(HcRmsNormParams) == 4 * 8, "HcRmsNormParams: 3 x 64-bit, float, pad");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -462,6 +465,25 @@ inline QuantLinearPlan plan_quantized_linear(int64_t rows, int64_t in, int64_t o
   const uint64_t threads = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(out));
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * out * 16)";
   plan.dispatch = {threads, HEBRUS_MOE_TG};
+  return plan;
+}
+
+// ---- hc_rms_norm (issue 37) ---------------------------------------------------------------------------
+// One SIMD-group per (row, group), HEBRUS_HC_NORM_TG threads per threadgroup; the last threadgroup may
+// hold fewer SIMD-groups, never a partial one (the grid is a multiple of 32 threads).
+using HcRmsNormPlan = LaunchPlan<HcRmsNormParams>;
+
+inline HcRmsNormPlan plan_hc_rms_norm(int64_t rows, int64_t dim, int64_t group, double eps) {
+  HcRmsNormPlan plan;
+  HcRmsNormParams& p = plan.params;
+  p.rows = rows;
+  p.dim = dim;
+  p.group = group;
+  p.eps = static_cast<float>(eps);
+  const uint64_t pairs = static_cast<uint64_t>(rows) * static_cast<uint64_t>(dim / group);
+  const uint64_t threads = pairs * HEBRUS_SIMD_WIDTH;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * D / group * 32)";
+  plan.dispatch = {threads, HEBRUS_HC_NORM_TG};
   return plan;
 }
 

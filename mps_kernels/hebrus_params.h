@@ -231,3 +231,12 @@ struct QuantLinearParams {
   hebrus_i64 out;         // output features
   hebrus_i64 group_size;  // values per scale and bias
 };
+
+// hebrus::hc_rms_norm (issue 37). Threads: rows * (D / group) SIMD-groups of 32, one per (row, group).
+struct HcRmsNormParams {
+  hebrus_i64 rows;    // T
+  hebrus_i64 dim;     // D
+  hebrus_i64 group;   // features per group (divides D)
+  float eps;
+  hebrus_i32 pad0;
+};

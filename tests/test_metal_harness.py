@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -274,3 +275,36 @@ def test_simdgroup_multiply_order_is_a_random_tree(mod):
         mod.dispatch("mat_order_assumed", [a, b, same], grid=(1,), tg=(32,), threads=False, simd_seed=seed)
         seen.add(int(same))
     assert 0 in seen  # a kernel that assumes an order is caught
+
+
+# ---- the watchdog: a kernel that does not terminate ---------------------------------------------------
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_watchdog_stops_a_kernel_that_never_ends(mod, workers):
+    """The loop of `spin_forever` never meets its bound: the launch stops after its budget of CPU
+    time with the kernel's name and the loop's source line, as a GPU's watchdog aborts the command
+    buffer (without it this test would not end)."""
+    data = torch.zeros(1 + 64, dtype=torch.int32)
+    data[0] = 7                                                    # odd: i += 2 steps over it
+    start = time.monotonic()
+    with pytest.raises(msl_emu.WatchdogError, match=r"kernel spin_forever: watchdog: .*budget of 0\.3 CPU seconds.*"
+                                                    rf"bad_kernels\.metal:{line_of('data[1 + gid] = i;') - 1}|"
+                                                    rf"bad_kernels\.metal:{line_of('data[1 + gid] = i;')}"):
+        mod.dispatch("spin_forever", [data], grid=(64,), tg=(32,), workers=workers, watchdog_s=0.3)
+    assert time.monotonic() - start < 30
+    data[0] = 8                                                    # even: the same kernel ends
+    mod.dispatch("spin_forever", [data], grid=(64,), tg=(32,), workers=workers, watchdog_s=0.3)
+    assert data[1:].tolist() == [6] * 64
+
+
+def test_watchdog_stops_threads_looping_over_barriers(mod):
+    data = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(msl_emu.WatchdogError, match=r"kernel barrier_forever: watchdog: "):
+        mod.dispatch("barrier_forever", [data], grid=(2,), tg=(64,), threads=False, sched="random", seed=3,
+                     watchdog_s=0.3)
+    data[0] = 1
+    mod.dispatch("barrier_forever", [data], grid=(2,), tg=(64,), threads=False, watchdog_s=0.3)   # leaves at once
+
+
+def test_watchdog_is_on_by_default():
+    assert msl_emu.WATCHDOG_S > 0

@@ -56,6 +56,17 @@ def mutated(tmp_path, stem: str, file: str, old: str, new: str, **build) -> msl_
     return msl_emu.build(str(src / f"{stem}.metal"), **build)
 
 
+# A mutation that makes a loop endless must count as caught, not hang the suite: every launch here gets
+# the emulator's watchdog at a budget far above what an unmutated kernel of these checks needs (well
+# under a second of CPU), and WatchdogError is an MSLError, which the tests below accept.
+MUTATION_WATCHDOG_S = 20.0
+
+
+@pytest.fixture(autouse=True)
+def watchdog(monkeypatch):
+    monkeypatch.setattr(msl_emu, "WATCHDOG_S", MUTATION_WATCHDOG_S)
+
+
 @pytest.fixture
 def use(monkeypatch):
     def install(stem, module):
@@ -338,6 +349,15 @@ def test_gdn_chunk_wrong_tiles_are_caught(tmp_path, use, old, new):
         gdn_chunk_check()
 
 
+def test_gdn_chunk_endless_piece_loop_is_stopped_by_the_watchdog(tmp_path, use, monkeypatch):
+    # The piece loop never advances (what once kept `pytest -m metal` busy for good): the launch stops
+    # at the watchdog's budget with the kernel's name instead.
+    use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", "    pos += m;\n", "    pos += m * (pos < 0);\n"))
+    monkeypatch.setattr(msl_emu, "WATCHDOG_S", 1.0)
+    with pytest.raises(msl_emu.WatchdogError, match=rf"kernel {GDN}\w*: watchdog: .*budget of 1 CPU seconds"):
+        gdn_chunk_check()
+
+
 def test_gdn_chunk_state_one_slot_off_hits_the_guard_page(tmp_path, use):
     use(GDN, mutated(tmp_path, GDN, f"{GDN}.metal", "state_pool + (long(slots[b]) * hv + h) * dk * dv;",
                      "state_pool + ((long(slots[b]) + 1) * hv + h) * dk * dv;"))
@@ -403,3 +423,30 @@ def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
     use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
         moe_quantized_check()
+
+
+# ---- hc_rms_norm (issue 37) --------------------------------------------------------------------------------
+
+def hc_norm_check(**emu):
+    from test_metal_hc_rms_norm import close, make
+
+    x, w = make(5, 4 * 40, torch.float32, seed=8)     # groups of 40: two strides of the lanes, a tail
+    close(hebrus_emu.hc_rms_norm(x, w, 40, 1e-6, **emu), reference.hc_rms_norm(x, w, 40, 1e-6), torch.float32)
+
+
+def test_unmutated_hc_norm_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        hc_norm_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("simd_sum(sum_sq)", "sum_sq"),                                                   # lane-local norm
+    ("simd_sum(sum_sq) / float(p.group)", "simd_sum(sum_sq) / float(p.dim)"),          # mean over the row
+    ("* (1.0f + weight[wfirst + i])", "* (1.0f + weight[first + i])"),                 # weight of the row offset
+    ("i += HEBRUS_SIMD_WIDTH) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq",
+     "i += HEBRUS_SIMD_WIDTH + 1) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq"),  # skips
+], ids=["lane-local", "mean-over-row", "weight-row-offset", "stride-skips"])
+def test_hc_norm_mutations_are_caught(tmp_path, use, old, new):
+    use("hc_rms_norm", mutated(tmp_path, "hc_rms_norm", "hc_rms_norm.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        hc_norm_check()

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "gdn_checks.h"
+#include "hc_checks.h"
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
 #include "moe_checks.h"
@@ -612,6 +613,30 @@ inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, cons
                                       {false, false, false, false, false, false, true}, b.plan.params, b.plan.down));
   call.launches.push_back(moe_sum_launch(b, type));
   call.outputs = {b.out};
+  return call;
+}
+
+// ---- hc_rms_norm (issue 37) ----------------------------------------------------------------------------
+// One launch (mps_kernels/hc_rms_norm.metal); no value to check, so nothing for the error buffer.
+inline Call hc_rms_norm(const Tensor& x_in, const Tensor& weight_in, int64_t group_size, double eps,
+                        c10::DeviceType device) {
+  const char* op = "hc_rms_norm";
+  check_on_device(op, device, {{"x", &x_in}, {"weight", &weight_in}});
+  const HcRmsNormSizes sz = check_hc_rms_norm_args(x_in, weight_in, group_size, eps);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0) {
+    call.outputs = {at::empty_like(x_in, at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_hc_rms_norm(sz.rows, sz.dim, sz.group, eps);
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous();
+  const Tensor weight = weight_in.to(at::kFloat).contiguous();  // exact; the kernel reads fp32 (1 + w)
+  Tensor out = at::empty_like(x);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x, weight, out},
+                                      {false, false, true}, plan.params, plan.dispatch));
+  call.outputs = {out};
   return call;
 }
 

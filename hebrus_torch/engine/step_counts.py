@@ -7,7 +7,10 @@
   hebrus op that is native there; a hebrus op without a native kernel counts the ops of its reference;
 - syncs: host reads of device data (``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero``, boolean-mask
   indexing, ...: ``_emulate``'s "sync" kind), each with the source line that asked for it;
-- uploads: host-to-device copies (the host does not wait for them).
+- uploads: host-to-device copies (the host does not wait for them);
+- what torch's MPS backend does with each ATen op, from its ``native_functions.yaml``
+  (``hebrus_torch._mps_ops``): a composite is counted by the ops it runs and the host reads it makes
+  (``composites``, ``composite_reads``), an op with no MPS kernel is listed (``no_kernel``).
 
 The part is the innermost one the runner names (``ModelRunner.parts``); work outside the runner's
 model forward (scheduling, opening and committing the transaction, sampling) is "engine".
@@ -56,6 +59,16 @@ class StepCounts:
     """part -> ATen/hebrus op name -> dispatches."""
     sync_sites: collections.Counter = field(default_factory=collections.Counter)
     """(part, what, "file:line" in hebrus_torch or the caller) -> syncs there."""
+    composites: collections.Counter = field(default_factory=collections.Counter)
+    """(part, ATen op) -> times MPS ran it as a composite (its ops are in the dispatches, one by one)."""
+    composite_reads: collections.Counter = field(default_factory=collections.Counter)
+    """(part, ATen op) -> host reads of the device inside that composite (``_grouped_mm``'s offsets)."""
+    entries: collections.Counter = field(default_factory=collections.Counter)
+    """part -> times the step entered it (a decoder layer enters "gdn" or "attention" once, "moe" once,
+    "hyper-connections" three times; divide by the layers to get a part's count per layer)."""
+    no_kernel: collections.Counter = field(default_factory=collections.Counter)
+    """(part, ATen op) -> times the step used an op MPS has no kernel for (it would fail on a Mac, or
+    run on the CPU with ``PYTORCH_ENABLE_MPS_FALLBACK=1``)."""
 
     @property
     def total_dispatches(self) -> int:
@@ -88,6 +101,18 @@ def _site() -> str:
     return "?"
 
 
+class _CountingList(list):
+    """The runner's part stack, counting each part entered (under its :data:`PARTS` label)."""
+
+    def __init__(self, entries: collections.Counter) -> None:
+        super().__init__()
+        self._entries = entries
+
+    def append(self, part: str) -> None:
+        self._entries[PARTS[part]] += 1
+        super().append(part)
+
+
 def count_step(engine) -> StepCounts:
     """Run ``engine.step()`` once and count what it dispatched and where the host waited.
 
@@ -99,7 +124,7 @@ def count_step(engine) -> StepCounts:
         raise _emulate.EmulationError("count_step: run it inside `with hebrus_torch._emulate.emulate(...)`")
     counts = StepCounts()
     runner = engine.runner
-    parts: list[str] = []
+    parts = _CountingList(counts.entries)
     saved, runner.parts = runner.parts, parts
 
     def observe(kind: str, name: str) -> None:
@@ -116,6 +141,12 @@ def count_step(engine) -> StepCounts:
             counts.ops[label]["upload"] += 1
         elif kind == "fallback":
             counts.fallbacks[(label, name)] += 1
+        elif kind == "composite":
+            counts.composites[(label, name)] += 1
+        elif kind == "composite_sync":
+            counts.composite_reads[(label, name)] += 1
+        elif kind == "no_kernel":
+            counts.no_kernel[(label, name)] += 1
 
     failed = engine.counters.failed_steps
     try:

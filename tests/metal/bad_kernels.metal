@@ -273,3 +273,28 @@ kernel void mat_order_assumed(device const float* a [[buffer(0)]], device const 
     same[0] = ok;
   }
 }
+
+// BUG: never terminates for an odd n (i steps over it); every iteration stores, so no compiler may drop
+// the loop. The emulator's watchdog must stop it and name the kernel.
+kernel void spin_forever(device uint* data [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  const uint n = data[0];
+  for (uint i = 0; i != n; i += 2) {
+    data[1 + gid] = i;
+  }
+}
+
+// BUG: threads wait at a barrier in a loop whose exit no thread ever takes (the loop's bound is read
+// back from threadgroup memory that every thread resets): the watchdog stops it between barriers too.
+kernel void barrier_forever(device uint* data [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
+  threadgroup uint stop[1];
+  for (;;) {
+    if (lid == 0) {
+      stop[0] = data[0];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (stop[0] != 0) {
+      break;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}

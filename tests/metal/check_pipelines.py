@@ -44,6 +44,7 @@ KERNELS = {
     "moe_experts_quantized": {**{f"moe_experts_quantized_{k}_{q}_{t}": 256 for k in ("act", "down")
                                  for q in ("q4", "q8") for t in TYPES},
                               **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
+    "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

@@ -95,5 +95,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                const at::Tensor& biases, int64_t group_size, int64_t bits) {
     return to_py(hebrus::glue::quantized_linear(x, wq, scales, biases, group_size, bits, kCpu));
   });
+  m.def("hc_rms_norm", [](const at::Tensor& x, const at::Tensor& weight, int64_t group_size, double eps) {
+    return to_py(hebrus::glue::hc_rms_norm(x, weight, group_size, eps, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -283,6 +283,11 @@ def quantized_linear(x, wq, scales, biases, group_size, bits, **emu):
     return run("quantized_linear", x, wq, scales, biases, int(group_size), int(bits), **emu)[0]
 
 
+def hc_rms_norm(x, weight, group_size, eps, **emu):
+    """hebrus::hc_rms_norm: returns out [T, D]."""
+    return run("hc_rms_norm", x, weight, int(group_size), float(eps), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

@@ -53,6 +53,10 @@ class MSLError(RuntimeError):
     """A kernel failed to compile, or a launch hit a bug the emulator detects."""
 
 
+class WatchdogError(MSLError):
+    """A launch ran past the watchdog's budget (``watchdog_s``): a kernel that does not terminate."""
+
+
 # ---- translation ----------------------------------------------------------------------------------
 
 _TYPE = r"[A-Za-z_][\w:]*(?:\s*<[^<>;(){}]*>)?"
@@ -186,7 +190,7 @@ class LaunchDesc(ctypes.Structure):
                 ("workers", ctypes.c_int32), ("sched", ctypes.c_int32), ("seed", ctypes.c_uint32),
                 ("strict", ctypes.c_int32), ("stack_kb", ctypes.c_uint64), ("guard", ctypes.c_int32),
                 ("err", ctypes.c_void_p), ("errlen", ctypes.c_int32), ("simd_seed", ctypes.c_uint32),
-                ("device_vis", ctypes.c_int32)]
+                ("device_vis", ctypes.c_int32), ("watchdog_s", ctypes.c_double)]
 
 # The SIMD-group reduction order of the emulated GPU (shim: tree_reduce): a random binary tree drawn
 # from this seed; 0 is plain lane order. Fixed per session, as a GPU's order is fixed by its hardware;
@@ -195,6 +199,12 @@ SIMD_SEED = int(os.environ.get("HEBRUS_EMU_SIMD_SEED", "1"))
 
 
 SCHEDULES = ("forward", "reverse", "random")
+
+# The emulated GPU's watchdog: CPU seconds a launch may take (per worker thread) before it is aborted
+# with a WatchdogError naming the kernel, as a GPU aborts a command buffer whose kernel does not
+# finish. Every kernel of today launches in well under a second of CPU at the mutation checks' sizes
+# (gdn_delta_rule_slots: 0.2 s); the default leaves room for the larger test shapes. 0 turns it off.
+WATCHDOG_S = float(os.environ.get("HEBRUS_EMU_WATCHDOG_S", "300"))
 
 
 def _as_buffer(b):
@@ -223,11 +233,13 @@ class Module:
 
     def dispatch(self, name: str, buffers, grid, tg, *, threads: bool = True, tg_mem=(), sched: str = "forward",
                  seed: int = 0, workers: int = 1, strict: bool = True, guard: str = "end", stack_kb: int = 256,
-                 simd_seed: int | None = None, device_visibility: bool = False):
+                 simd_seed: int | None = None, device_visibility: bool = False, watchdog_s: float | None = None):
         """Run kernel `name`. With threads=True (the default, MetalKernelFunction::dispatch) `grid` is
         threads per grid and the last threadgroup may be partial; with threads=False `grid` is
         threadgroups per grid. buffers[i] is bound to [[buffer(i)]] and written back in place.
-        guard="end" puts every buffer's end against a guard page, guard="start" its start."""
+        guard="end" puts every buffer's end against a guard page, guard="start" its start.
+        watchdog_s: the CPU seconds the launch may take before it is stopped with WatchdogError
+        (default WATCHDOG_S; 0: no limit)."""
         if name not in self.kernels:
             raise MSLError(f"no kernel {name!r} in {os.path.basename(self.path)} (has {self.kernels})")
         fn = getattr(self.lib, "msl_launch__" + name)
@@ -249,9 +261,12 @@ class Module:
                        ptrs, lens, len(bufs), tgl, len(tg_mem), workers, SCHEDULES.index(sched), seed & 0xFFFFFFFF,
                        int(strict), stack_kb, {"end": 0, "start": 1}[guard], ctypes.cast(err, ctypes.c_void_p),
                        len(err), (SIMD_SEED if simd_seed is None else simd_seed) & 0xFFFFFFFF,
-                       int(device_visibility))
+                       int(device_visibility), float(WATCHDOG_S if watchdog_s is None else watchdog_s))
         if fn(ctypes.byref(d)):
-            raise MSLError(self._symbolize(err.value.decode(errors="replace")))
+            msg = self._symbolize(err.value.decode(errors="replace"))
+            if msg.startswith("watchdog:"):
+                raise WatchdogError(f"kernel {name}: {msg}")
+            raise MSLError(msg)
 
     def _symbolize(self, msg: str) -> str:
         """Replace [pc=+0x...] with the kernel source line (addr2line), when available."""

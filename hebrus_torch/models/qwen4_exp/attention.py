@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ...hc.premix import fused_norm
+
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
 
@@ -36,7 +38,7 @@ def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch
                              dim=-1)
     lead = x.shape[:-1]
     q, raw_keys = q.reshape(*lead, -1, d), token_k.reshape(*lead, -1, d).squeeze(-2)
-    q = rope(indexer.q_layernorm(q), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
+    q = rope(fused_norm(indexer.q_layernorm, q), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
     return q, raw_keys
 
 
@@ -53,8 +55,8 @@ def attention_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch
     lead, hd = x.shape[:-1], attn.head_dim
     q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
     gate = gate.reshape(*lead, -1)
-    q = attn.q_norm(q)
-    k = attn.k_norm(attn.k_proj(x).view(*lead, -1, hd))
+    q = fused_norm(attn.q_norm, q)
+    k = fused_norm(attn.k_norm, attn.k_proj(x).view(*lead, -1, hd))
     v = attn.v_proj(x).view(*lead, -1, hd)
     return q, k, v, gate
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from ...errors import HebrusError
+from ...hc import hyper_premix
 from ...moe.block import packed_moe
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
@@ -109,7 +110,7 @@ class PackedQwen4Exp:
         Returns:
             Tensor[T, hidden_size]: the hyper-connection mixer's output (what ``lm_head`` reads).
         """
-        return self.text.hyper_connection_mixer(self.streams(step, positions, last, timed)[0])
+        return hyper_premix(self.text.hyper_connection_mixer, self.streams(step, positions, last, timed)[0])
 
     def streams(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -155,12 +156,12 @@ def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callabl
         traces it whole when ``mixer`` is made of tensor ops and hebrus ops (tests/test_compile.py).
     """
     with timed("hyper-connections"):
-        x, hyper, inject = layer.attn_hyper_connection(h)
+        x, hyper, inject = hyper_premix(layer.attn_hyper_connection, h)
     with timed(part):
         out = mixer(x)
     with timed("hyper-connections"):
         h = _inject(hyper, out, inject)
-        x, hyper, inject = layer.mlp_hyper_connection(h)
+        x, hyper, inject = hyper_premix(layer.mlp_hyper_connection, h)
     with timed("moe"):
         out = packed_moe(layer.mlp, x)
     with timed("hyper-connections"):

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...hc.premix import fused_norm
+
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
 
@@ -22,11 +24,11 @@ def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.T
     hidden_size, hc = ple.hidden_size, ple.hc_count
     ids = step.ple_ngram_ids(layer_idx)                                           # [T, (N-1)H]
     emb = ple.ple_embedding.ngram_embedding(ids).flatten(-2)
-    key = ple.norm_key(ple.key_proj(emb)).unflatten(-1, (hc, hidden_size))
+    key = fused_norm(ple.norm_key, ple.key_proj(emb)).unflatten(-1, (hc, hidden_size))
     value = ple.value_proj(emb)
-    query = ple.norm_query(h).unflatten(-1, (hc, hidden_size))
+    query = fused_norm(ple.norm_query, h).unflatten(-1, (hc, hidden_size))
     gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden_size)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated = torch.sigmoid(gate) * value.unsqueeze(-2)
-    gated_normed = ple.norm_conv(gated.flatten(-2))
+    gated_normed = fused_norm(ple.norm_conv, gated.flatten(-2))
     return gated.flatten(-2) + step.ple_conv(layer_idx, gated_normed, ple.conv1d.weight)

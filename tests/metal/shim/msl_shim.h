@@ -34,9 +34,12 @@
 #include <unordered_map>
 #include <vector>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -307,6 +310,7 @@ struct LaunchDesc {  // C ABI, mirrored in msl_emu.py
   char* err; int32_t errlen;
   uint32_t simd_seed;   // 0: SIMD-group reductions in lane order; else in a random tree order drawn from it
   int32_t device_vis;   // 1: device stores become visible to other threads only at a mem_device barrier
+  double watchdog_s;    // > 0: CPU seconds a worker may spend on the launch before it is aborted (the GPU's watchdog)
 };
 constexpr uint64_t TG_MEMORY_LIMIT = 32768;  // threadgroup memory of every Apple GPU family
 struct Group {
@@ -553,18 +557,25 @@ inline std::mutex& launch_mutex() { static std::mutex m; return m; }
 inline struct sigaction& prev_segv() { static struct sigaction a; return a; }
 inline struct sigaction& prev_bus() { static struct sigaction a; return a; }
 
+// The program counter a signal interrupted (0 where the platform's context is not known here).
+inline uintptr_t interrupted_pc(void* uctx) {
+#if defined(__x86_64__) && defined(__linux__)
+  return (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
+#elif defined(__aarch64__) && defined(__linux__)
+  return (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.pc;
+#else
+  (void)uctx;
+  return 0;
+#endif
+}
+
 inline void on_fault(int sig, siginfo_t* si, void* uctx) {
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);
   char* a = (char*)si->si_addr;
   auto& gv = guarded();
   const bool in_kernel = G && G->escape_set && G->cur >= 0;
   if (in_kernel) {
-    uintptr_t pc = 0;
-#if defined(__x86_64__) && defined(__linux__)
-    pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
-#elif defined(__aarch64__) && defined(__linux__)
-    pc = (uintptr_t)((ucontext_t*)uctx)->uc_mcontext.pc;
-#endif
+    const uintptr_t pc = interrupted_pc(uctx);
     Dl_info info{}; uintptr_t rel = pc;
     if (pc && dladdr((void*)pc, &info) && info.dli_fbase) rel = pc - (uintptr_t)info.dli_fbase;
     const Fiber& f = G->f[G->cur];
@@ -628,6 +639,65 @@ inline std::string unguard_buffers(const LaunchDesc* L) {
   return err;
 }
 
+// ---- the watchdog -----------------------------------------------------------------------------------
+// A GPU aborts a command buffer whose kernel runs too long; here each worker thread gets a timer on its
+// own CPU clock (so a loaded machine does not trip it) that sends SIGVTALRM to that thread once the
+// launch has used `watchdog_s` CPU seconds. The handler leaves through the threadgroup's escape, as a
+// fault does, with the GPU thread and the kernel's program counter (msl_emu.py turns it into the
+// source line). Interrupted outside this module (libc, libm: a malloc holding its lock, say), it
+// re-arms for a millisecond later instead, so the escape never leaves a library's state half-done.
+#ifndef sigev_notify_thread_id
+#define sigev_notify_thread_id _sigev_un._tid
+#endif
+struct Watchdog { timer_t id{}; bool armed = false; double budget = 0; };
+inline thread_local Watchdog* WD = nullptr;
+inline struct sigaction& prev_vtalrm() { static struct sigaction a; return a; }
+
+inline void arm_watchdog(Watchdog& w, double seconds) {
+  struct itimerspec its; std::memset(&its, 0, sizeof its);
+  its.it_value.tv_sec = (time_t)seconds; its.it_value.tv_nsec = (long)((seconds - (double)(time_t)seconds) * 1e9);
+  if (its.it_value.tv_sec == 0 && its.it_value.tv_nsec == 0) its.it_value.tv_nsec = 1;
+  timer_settime(w.id, 0, &its, nullptr);
+}
+
+inline void on_watchdog(int, siginfo_t*, void* uctx) {
+  if (!WD) return;                                       // the launch is over
+  if (!G || !G->escape_set) { arm_watchdog(*WD, 1e-3); return; }  // between threadgroups: stop the next one
+  const uintptr_t pc = interrupted_pc(uctx);
+  Dl_info here{}, info{};
+  dladdr((void*)&on_watchdog, &here);
+  if (!pc || !dladdr((void*)pc, &info) || info.dli_fbase != here.dli_fbase) { arm_watchdog(*WD, 1e-3); return; }
+  uintptr_t rel = pc - (uintptr_t)info.dli_fbase;
+  const Fiber* f = G->cur >= 0 ? &G->f[G->cur] : nullptr;
+  if (f) {
+    uint3 gpos = G->tgid * G->dispatch_tg + f->lid;
+    G->err = fmt("watchdog: the launch ran past its budget of %g CPU seconds (a GPU aborts the command buffer): "
+                 "thread_position_in_grid %u,%u,%u (threadgroup %u,%u,%u) was running [pc=+0x%llx]", WD->budget,
+                 gpos.x, gpos.y, gpos.z, G->tgid.x, G->tgid.y, G->tgid.z, (unsigned long long)rel);
+  } else {
+    G->err = fmt("watchdog: the launch ran past its budget of %g CPU seconds (a GPU aborts the command buffer) "
+                 "in threadgroup %u,%u,%u", WD->budget, G->tgid.x, G->tgid.y, G->tgid.z);
+  }
+  siglongjmp(G->escape, 1);
+}
+
+inline bool start_watchdog(Watchdog& w, double seconds) {
+  clockid_t cpu;
+  if (seconds <= 0 || pthread_getcpuclockid(pthread_self(), &cpu) != 0) return false;
+  struct sigevent ev; std::memset(&ev, 0, sizeof ev);
+  ev.sigev_notify = SIGEV_THREAD_ID; ev.sigev_signo = SIGVTALRM; ev.sigev_notify_thread_id = (pid_t)syscall(SYS_gettid);
+  if (timer_create(cpu, &ev, &w.id) != 0) return false;
+  w.armed = true; w.budget = seconds; WD = &w;
+  arm_watchdog(w, seconds);
+  return true;
+}
+
+inline void stop_watchdog(Watchdog& w) {
+  WD = nullptr;
+  if (w.armed) timer_delete(w.id);
+  w.armed = false;
+}
+
 inline int launch(const LaunchDesc* L, void (*kernel)()) {
   std::lock_guard<std::mutex> lock(launch_mutex());
   uint3 tg(L->tg[0], L->tg[1], L->tg[2]), ng, gridthreads;
@@ -638,6 +708,9 @@ inline int launch(const LaunchDesc* L, void (*kernel)()) {
   struct sigaction sa; std::memset(&sa, 0, sizeof sa); sa.sa_sigaction = on_fault; sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGSEGV, &sa, &prev_segv()); sigaction(SIGBUS, &sa, &prev_bus());
+  struct sigaction wa; std::memset(&wa, 0, sizeof wa); wa.sa_sigaction = on_watchdog; wa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&wa.sa_mask);
+  if (L->watchdog_s > 0) sigaction(SIGVTALRM, &wa, &prev_vtalrm());
   std::vector<void*> gbufs(L->nbuf); for (int i = 0; i < L->nbuf; i++) gbufs[i] = guarded()[i].data;
   std::atomic<uint> next{0}; std::atomic<bool> failed{false}; std::string err; std::mutex err_mu;
   std::vector<uint> gorder(total); for (uint i = 0; i < total; i++) gorder[i] = i;
@@ -649,6 +722,7 @@ inline int launch(const LaunchDesc* L, void (*kernel)()) {
     uint maxn = tg.x * tg.y * tg.z; g.f.resize(maxn); g.stack_sz = (L->stack_kb ? L->stack_kb : 256) * 1024;
     for (uint i = 0; i < maxn; i++) g.stacks.push_back((char*)mmap(nullptr, g.stack_sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
     G = &g;
+    Watchdog wd; start_watchdog(wd, L->watchdog_s);
     for (uint k; !failed && (k = next++) < total;) {
       uint gi = gorder[k];
       g.tgid = uint3(gi % ng.x, (gi / ng.x) % ng.y, gi / (ng.x * ng.y)); g.ngroups = ng; g.dispatch_tg = tg;
@@ -667,6 +741,7 @@ inline int launch(const LaunchDesc* L, void (*kernel)()) {
       g.escape_set = false;
       if (!ok) { std::lock_guard<std::mutex> l(err_mu); if (!failed.exchange(true)) err = g.err; }
     }
+    stop_watchdog(wd);
     for (char* s : g.stacks) munmap(s, g.stack_sz);
     G = nullptr;
     sigaltstack(&old_alt, nullptr); free(alt.ss_sp);
@@ -675,6 +750,7 @@ inline int launch(const LaunchDesc* L, void (*kernel)()) {
   if (nw == 1) worker(0);
   else { std::vector<std::thread> ts; for (int w = 0; w < nw; w++) ts.emplace_back(worker, w); for (auto& t : ts) t.join(); }
   sigaction(SIGSEGV, &prev_segv(), nullptr); sigaction(SIGBUS, &prev_bus(), nullptr);
+  if (L->watchdog_s > 0) sigaction(SIGVTALRM, &prev_vtalrm(), nullptr);
   std::string werr = unguard_buffers(L);
   if (!failed && !werr.empty()) { failed = true; err = werr; }
   if (failed) { if (L->err) snprintf(L->err, L->errlen, "%s", err.c_str()); return 1; }
