@@ -147,3 +147,19 @@ def test_greedy_mtp_speculation_on_the_quantized_model_gives_its_plain_tokens(mt
     assert_greedy_mtp_speculation_is_plain(model, prompts_for(9, lengths=(14, 6, 21, 3)), monkeypatch,
                                            cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2])))
     assert type(model.mtp.block.mlp.experts) is QuantizedExperts
+
+
+def test_a_quantized_mtp_block_that_is_not_whole_or_not_announced_is_refused(quantized_dir, mtp_dirs):
+    from hebrus_torch.engine import Engine, EngineConfig
+    from hebrus_torch.engine.speculative import SpeculativeConfig
+    from hebrus_torch.errors import HebrusError
+    from hebrus_torch.loading import CheckpointError
+
+    partial = hebrus_torch.from_pretrained(quantized_dir)     # write_checkpoint's 4 top-level mtp.* keys, quantized
+    with pytest.raises(HebrusError, match="MTP block .*mtp"):
+        Engine(partial, EngineConfig(capacity_tokens=64, max_sequences=2,
+                                     speculative=SpeculativeConfig(2, method="mtp")))
+    loaded = hebrus_torch.from_pretrained(mtp_dirs[1])
+    loaded.hebrus_checkpoint.quantization = None              # quantized mtp.* read as if the config had no format
+    with pytest.raises(CheckpointError, match="MTP block.*no quantization_config"):
+        load_mtp(loaded)
