@@ -88,7 +88,7 @@ def test_cli_converts_and_the_output_is_complete(source, tmp_path):
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "hebrus_affine" and (qc["bits"], qc["group_size"], qc["mode"]) == (4, 32, "affine")
     assert qc["quantized"] == ["routed_experts", "shared_expert", "attention", "linear_attention", "indexer",
-                               "hyper_connection", "ple_projection"]
+                               "hyper_connection", "ple_projection", "mtp_fusion"]
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (dst / name).read_bytes() == (source / name).read_bytes()
     with open(dst / "model.safetensors.index.json") as f:
@@ -120,7 +120,8 @@ def test_what_is_quantized_and_what_is_copied(source, converted, bits, group):
     # hc_lowrank 8 is no multiple of a group: input_mix_weight_up is kept and named
     kept_up = f"{PREFIX}layers.0.attn_hyper_connection.input_mix_weight_up.weight"
     assert kept_up in qc["not_quantized"] and dst[kept_up].dtype == torch.bfloat16
-    assert any(k.startswith("mtp.") for k in dst)
+    # the MTP head's projections (write_checkpoint's 4 top-level mtp.* tensors) like the trunk's; its norms copied
+    assert {"mtp.fc_embedding", "mtp.fc_hidden"} <= quantized and "mtp.pre_fc_norm_hidden.weight" in dst
 
 
 def test_lm_head_on_request_and_4bit_experts_are_3_5x_smaller(source, tmp_path):

@@ -175,17 +175,19 @@ def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6):
     monkeypatch.setattr(engine_mtp, "target_scores", steered)
 
 
-@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
-def test_greedy_mtp_speculation_gives_the_plain_tokens_and_state(shape, row_invariant, monkeypatch):
-    model = with_mtp(eager_experts(make_model(shape, seed=23)))
-    prompts = prompts_for(23, lengths=(14, 6, 21, 3))
+def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
+                                           cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2]), (2, None, 3, [2, 3, 0, 1]),
+                                                  (3, 32, 8, None))) -> None:
+    """MTP speculation (each (seed, max_batch_tokens, k, arrival order) of ``cases``, drafts steered) gives the
+    plain run's greedy tokens; every holder (the MTP layer included) the digests of an engine that writes the MTP
+    layer without speculating, at every common frontier; the trunk's recurrent holders those of the plain engine.
+    ``model.mtp`` is the block; ``prompts``: 4 of them."""
     plain_digests: dict = {}
     ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
     layer_digests: dict = {}
     same, _ = run(model, prompts, spec=mtp_config(0), digests=layer_digests, max_new_tokens=14)
     assert same == ref
-    for seed, budget, k, order in ((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2]), (2, None, 3, [2, 3, 0, 1]),
-                                   (3, 32, 8, None)):
+    for seed, budget, k, order in cases:
         _steer(monkeypatch, prompts, ref, seed)
         digests: dict = {}
         tokens, engine = run(model, prompts, spec=mtp_config(k), digests=digests, max_batch_tokens=budget,
@@ -201,6 +203,12 @@ def test_greedy_mtp_speculation_gives_the_plain_tokens_and_state(shape, row_inva
         recurrent = len(engine.cache.holders) - 1            # the trunk's recurrent holders (PLE, GDN): all but QSA
         for key in set(digests) & set(plain_digests):
             assert digests[key][:recurrent] == plain_digests[key][:recurrent], (seed, key)
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_greedy_mtp_speculation_gives_the_plain_tokens_and_state(shape, row_invariant, monkeypatch):
+    model = with_mtp(eager_experts(make_model(shape, seed=23)))
+    assert_greedy_mtp_speculation_is_plain(model, prompts_for(23, lengths=(14, 6, 21, 3)), monkeypatch)
 
 
 def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distribution(monkeypatch):

@@ -1,6 +1,8 @@
 """A checkpoint written by ``python -m hebrus_torch.convert`` run by the engine and the server (issue 36): the
 engine's invariance and speculation checks (tests/test_engine.py, tests/test_engine_speculative.py) on the
-loaded quantized model, and a served chat over loopback that gives the quantized model's greedy reply."""
+loaded quantized model, and a served chat over loopback that gives the quantized model's greedy reply. Its MTP
+block (issue 38) quantized as the trunk: loaded, equal to the source block quantized in memory, and MTP
+speculation on it exact (tests/test_engine_mtp.py's check)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import torch
 
 from hf_models import tiny_indexer_config  # noqa: E402  (skips without transformers)
 from test_engine import prompts_for, row_invariant, run_engine  # noqa: F401
+from test_engine_mtp import assert_greedy_mtp_speculation_is_plain, reference_drafts
 from test_engine_speculative import assert_greedy_speculation_is_plain
 
 import hebrus_torch
-from hebrus_torch.convert import convert
+from hebrus_torch.convert import convert, quantize_model
+from hebrus_torch.loading.mtp import load_mtp
 from hebrus_torch.moe.quantized_experts import QuantizedExperts
 from hebrus_torch.moe.quantized_linear import QuantizedLinear
 from hebrus_torch.testing import write_checkpoint
@@ -28,13 +32,25 @@ def _one_thread(one_thread):
     """(conftest's one_thread for every test here)"""
 
 
+def tiny_config():
+    """The tiny indexer model (widths of 32, so every projection and expert quantizes at group 32)."""
+    return tiny_indexer_config(vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory) -> Path:
-    """The tiny indexer model (widths of 32, so every projection and expert quantizes at group 32), 4 bits."""
-    config = tiny_indexer_config(vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", config, seed=21, dtype=torch.float32,
+    """The tiny model at 4 bits."""
+    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(), seed=21, dtype=torch.float32,
                            max_shard_size="40KB")
     return convert(src, tmp_path_factory.mktemp("dst") / "q4", bits=4, group_size=32)
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(source, converted at 4 bits): the tiny model with a whole MTP block."""
+    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(), seed=22, dtype=torch.float32,
+                           max_shard_size="40KB", tokenizer=False, mtp_block=True)
+    return src, convert(src, tmp_path_factory.mktemp("dst") / "q4", bits=4, group_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +106,60 @@ def test_the_converted_checkpoint_is_served(quantized_dir, model, tmp_path):
         reply = srv.chat(messages, max_tokens=6)
         assert reply.choices[0].message.content == tokenizer.decode(gen, skip_special_tokens=True)
         assert srv.stats()["engine"] is not None
+
+
+# ------------------------------------------------------------------------------------------ the MTP block
+def test_the_mtp_block_loads_quantized_and_equals_the_source_block_quantized_in_memory(mtp_dirs):
+    """Bitwise: the converter's codes of ``mtp.*`` are quantize_model's of the source block (same rules as the
+    trunk's), so the drafts and their logits are the same; they differ from the unquantized block's."""
+    src, dst = mtp_dirs
+    loaded = hebrus_torch.from_pretrained(dst)
+    mtp = load_mtp(loaded)
+    assert type(mtp.block.mlp.experts) is QuantizedExperts
+    quantized = {name for name, m in mtp.named_modules() if type(m) is QuantizedLinear}
+    assert {"fc_embedding", "fc_hidden", "layers.0.self_attn.q_proj", "layers.0.self_attn.indexer.index_qk_proj",
+            "layers.0.mlp.shared_expert.down_proj", "layers.0.attn_hyper_connection.input_mix_weight_down",
+            "hyper_connection_mixer.input_mix_weight_down"} <= quantized
+    for kept in ("layers.0.mlp.shared_expert_gate", "layers.0.attn_hyper_connection.input_mix_weight_up"):
+        assert type(mtp.get_submodule(kept)) is torch.nn.Linear, kept       # (input 8: no multiple of 32)
+    dense = hebrus_torch.from_pretrained(src)
+    dense.mtp = load_mtp(dense)
+    in_memory = hebrus_torch.from_pretrained(src)
+    in_memory.mtp = load_mtp(in_memory)
+    quantize_model(in_memory, 4, 32)
+    want = in_memory.mtp.state_dict()
+    got = mtp.state_dict()
+    assert {k: (v.dtype, v.shape) for k, v in got.items()} == {k: (v.dtype, v.shape) for k, v in want.items()}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    loaded.mtp = mtp
+    tokens = prompts_for(8, lengths=(12,))[0]
+    drafts, logits = reference_drafts(loaded, tokens, 3)
+    want_drafts, want_logits = reference_drafts(in_memory, tokens, 3)
+    assert drafts == want_drafts and all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    _, dense_logits = reference_drafts(dense, tokens, 3)
+    assert not torch.equal(logits[0], dense_logits[0])
+
+
+def test_greedy_mtp_speculation_on_the_quantized_model_gives_its_plain_tokens(mtp_dirs, row_invariant,
+                                                                              monkeypatch):
+    """test_engine_mtp's exactness check on the converted model, its MTP block loaded (quantized) by the engine."""
+    model = hebrus_torch.from_pretrained(mtp_dirs[1])
+    assert_greedy_mtp_speculation_is_plain(model, prompts_for(9, lengths=(14, 6, 21, 3)), monkeypatch,
+                                           cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2])))
+    assert type(model.mtp.block.mlp.experts) is QuantizedExperts
+
+
+def test_a_quantized_mtp_block_that_is_not_whole_or_not_announced_is_refused(quantized_dir, mtp_dirs):
+    from hebrus_torch.engine import Engine, EngineConfig
+    from hebrus_torch.engine.speculative import SpeculativeConfig
+    from hebrus_torch.errors import HebrusError
+    from hebrus_torch.loading import CheckpointError
+
+    partial = hebrus_torch.from_pretrained(quantized_dir)     # write_checkpoint's 4 top-level mtp.* keys, quantized
+    with pytest.raises(HebrusError, match="MTP block .*mtp"):
+        Engine(partial, EngineConfig(capacity_tokens=64, max_sequences=2,
+                                     speculative=SpeculativeConfig(2, method="mtp")))
+    loaded = hebrus_torch.from_pretrained(mtp_dirs[1])
+    loaded.hebrus_checkpoint.quantization = None              # quantized mtp.* read as if the config had no format
+    with pytest.raises(CheckpointError, match="MTP block.*no quantization_config"):
+        load_mtp(loaded)

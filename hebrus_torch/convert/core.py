@@ -21,11 +21,10 @@ import torch
 
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.loading.files import INDEX_NAME, CheckpointFiles, TensorInfo
-from hebrus_torch.loading.keymap import _text_name
 from hebrus_torch.loading.model import QWEN4_TYPES
 from hebrus_torch.moe.quantize import check_quant_options, quantize
 
-from .rules import CATEGORIES, category_of
+from .rules import CATEGORIES, category_of, rule_name
 from .writer import OutputTensor, ShardLayout, plan_shards, write_index
 
 __all__ = ["convert", "ConvertError", "QUANT_METHOD", "DEFAULT_MAX_SHARD_BYTES"]
@@ -137,7 +136,7 @@ def _plan(files: CheckpointFiles, bits: int, group_size: int,
     jobs, not_quantized = [], []
     for key in sorted(files.tensors):
         info = files.tensors[key]
-        text_name = _text_name(key)
+        text_name = rule_name(key)
         if text_name is not None and info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ConvertError(f"hebrus::convert: {info.file}: {key!r} is stored as {info.dtype}: float8 checkpoints "
                                f"are not supported (convert from bf16, fp16 or fp32)")

@@ -19,7 +19,8 @@ def quantize_model(model: torch.nn.Module, bits: int = 4, group_size: int = 64,
     """Quantize a transformers Qwen4Exp causal LM in place as the converter quantizes its checkpoint: the routed
     experts (:class:`QuantizedExperts`) and every bias-free projection :mod:`hebrus_torch.convert.rules` names
     whose input dimension is a multiple of ``group_size`` (:class:`QuantizedLinear`); ``lm_head`` only when
-    asked and not tied to the embedding. Returns ``model``."""
+    asked and not tied to the embedding. An MTP block set on the model as ``model.mtp`` (its modules are then
+    named ``mtp.*``, as the checkpoint names its weights) is quantized by the same rules. Returns ``model``."""
     check_quant_options(bits, group_size, op="quantize_model")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = embedding is not None and getattr(model, "lm_head", None) is not None and \

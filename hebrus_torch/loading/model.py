@@ -16,7 +16,7 @@ from hebrus_torch.errors import HebrusError
 from .errors import CheckpointError
 from .files import CheckpointFiles, TensorInfo
 from .keymap import LoadPlan, Target, plan_load
-from .quantized import quantization_of, refuse_unannounced, swap_quantized_modules
+from .quantized import QuantSpec, quantization_of, refuse_unannounced, swap_quantized_modules
 
 __all__ = ["from_pretrained", "LoadedCheckpoint", "PLE_TABLE_CHOICES", "physical_memory_bytes", "choose_ple_table"]
 
@@ -30,11 +30,13 @@ class LoadedCheckpoint:
 
     ``ple_table``: ``"disk"`` or ``"memory"``, what ran (``"auto"`` resolved); ``ple_table_bytes``: the n-gram
     tables' size as loaded; ``mtp``: the ``mtp.*`` tensors' places in the files, read only when the MTP block is
-    first needed (``hebrus_torch.loading.mtp.load_mtp``)."""
+    first needed (``hebrus_torch.loading.mtp.load_mtp``); ``quantization``: the checkpoint's quantization_config
+    (None when it has none), which the MTP block is loaded with too."""
     path: str
     ple_table: str
     ple_table_bytes: int
     mtp: dict[str, TensorInfo] = field(default_factory=dict)
+    quantization: QuantSpec | None = None
 
 
 def physical_memory_bytes() -> int:
@@ -121,7 +123,7 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device | Non
     model.eval()
     with contextlib.suppress(OSError, ValueError):
         model.generation_config = GenerationConfig.from_pretrained(path)
-    model.hebrus_checkpoint = LoadedCheckpoint(str(path), mode, table_bytes, plan.mtp)
+    model.hebrus_checkpoint = LoadedCheckpoint(str(path), mode, table_bytes, plan.mtp, quant)
     hx.apply(model)
     return model
 

@@ -4,7 +4,9 @@
 none of them; :func:`load_mtp` builds :class:`~hebrus_torch.models.qwen4_exp.mtp.Qwen4ExpMTP` and fills it from
 the memory-mapped files as the trunk's weights are (routed experts stored per expert, fused as transformers
 fuses them), on the trunk's device and in its dtype. It has no ``embed_tokens`` or ``lm_head``: the trunk's
-are used. :func:`mtp_state_dict` is the inverse (the released layout, what ``testing.save_mtp`` writes).
+are used. From a checkpoint written by ``python -m hebrus_torch.convert`` its routed experts load as
+``QuantizedExperts`` and its stored-quantized projections as ``QuantizedLinear`` (the trunk's
+:func:`~hebrus_torch.loading.quantized.swap_quantized_modules`). :func:`mtp_state_dict` is the inverse (the released layout, what ``testing.save_mtp`` writes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from .errors import CheckpointError
 from .files import CheckpointFiles
 from .keymap import plan_load
+from .quantized import refuse_unannounced, swap_quantized_modules
 
 __all__ = ["load_mtp", "mtp_state_dict", "PREFIX"]
 
@@ -31,7 +34,8 @@ def load_mtp(model: torch.nn.Module):
 
     Raises:
         CheckpointError: the checkpoint's ``mtp.*`` tensors are not a whole MTP block of this config (a key
-            missing, a shape or dtype that disagrees): nothing is loaded.
+            missing, a shape or dtype that disagrees, quantized tensors without a quantization_config or that
+            its format cannot hold): nothing is loaded.
     """
     from ..models.qwen4_exp import find_text_model
     from ..models.qwen4_exp.mtp import Qwen4ExpMTP
@@ -46,10 +50,14 @@ def load_mtp(model: torch.nn.Module):
              for key, info in loaded.mtp.items()}
     with _default_dtype(weight.dtype), torch.device("meta"):
         mtp = Qwen4ExpMTP(text.config)
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in mtp.state_dict(keep_vars=True).items()}
     files = CheckpointFiles(Path(loaded.path), infos)
     try:
         try:
+            if loaded.quantization is not None:
+                swap_quantized_modules(mtp, files, loaded.quantization, weight.dtype)
+            else:
+                refuse_unannounced(files, f"{loaded.path}/config.json")
+            expected = {name: (tuple(t.shape), t.dtype) for name, t in mtp.state_dict(keep_vars=True).items()}
             plan = plan_load(files, expected)
         except CheckpointError as err:
             raise CheckpointError(f"the checkpoint's MTP block (keys under {PREFIX!r}): {err}") from None
