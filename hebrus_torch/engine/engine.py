@@ -97,7 +97,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, ple_prefetch=cfg.ple_prefetch)
         if draft_model is not None:
             if drafter is not None:
                 raise HebrusError("Engine: pass a drafter or a draft_model, not both")
@@ -157,8 +157,13 @@ class Engine:
 
     def close(self) -> None:
         """Wait for the prompt cache's pending writes and release its directory (another engine may then open
-        it); idempotent. The engine still runs, without files."""
+        it), stop the PLE prefetch worker (the runner's and the draft model's); idempotent. The engine still
+        runs, without files (a later step starts the worker again)."""
         self.cache_manager.close()
+        self.runner.close()
+        draft_runner = getattr(self.drafter, "runner", None)
+        if isinstance(draft_runner, ModelRunner):
+            draft_runner.close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
