@@ -226,9 +226,9 @@ def test_a_read_error_in_the_worker_fails_that_step_which_rolls_back_and_is_retr
             assert engine.cache.digest() == before                          # nothing published
             errors.append(str(err))
             raise
-    engine.runner.execute = checked
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)
+    engine.runner.execute = checked         # (from the first step on)
     engine.run()
     engine.close()
     assert len(errors) == 1 and f"OSError: [Errno 5] injected read error at call {k}" in errors[0]
