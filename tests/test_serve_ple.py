@@ -65,7 +65,10 @@ def test_the_released_layout_is_served_with_the_table_on_disk(checkpoint, tmp_pa
         for messages, text in chats:
             reply = srv.chat(messages, max_tokens=MAX_TOKENS)
             assert reply.choices[0].message.content == text
-        assert srv.stats()["engine"] is not None
+        stats = srv.stats()
+        assert stats["engine"] is not None
+        assert stats["ple_prefetch"]["steps"] >= stats["counters"]["steps"] > 0       # every step prefetched
+        assert stats["ple_prefetch"]["errors"] == 0
         log = srv.log_tail(200)
     assert "PLE n-gram table" in log and "read from the checkpoint's files" in log and "--ple-table disk" in log
 
