@@ -13,6 +13,7 @@ gives for the same ids.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,10 +53,7 @@ class _Place:
     offset: int                 # bytes into the buffer
     shape: tuple[int, ...]      # the ids' shape
     store: PLERowStore
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.store.row_bytes
+    nbytes: int                 # ids x the store's row bytes
 
 
 class PrefetchedRows:
@@ -141,7 +139,8 @@ class PLEPrefetcher:
         places: dict[int, _Place] = {}
         offset = 0
         for layer in layers:
-            place = _Place(offset, tuple(layer.ids.shape), layer.store)
+            shape = tuple(layer.ids.shape)
+            place = _Place(offset, shape, layer.store, math.prod(shape) * layer.store.row_bytes)
             places[layer.layer_idx] = place
             offset += -(-place.nbytes // _ALIGN) * _ALIGN
         with self._lock:
