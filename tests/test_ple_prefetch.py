@@ -291,3 +291,35 @@ def test_the_worker_stops_with_the_engine_and_with_the_manager(checkpoint):
         manager.stop(block=True, timeout=30)
     assert not manager.is_running()
     assert wait_until(lambda: prefetch_workers() == [])
+
+
+def test_on_emulated_mps_a_step_uploads_its_rows_once(checkpoint):
+    """MPS emulated on the CPU (hebrus_torch._emulate counts dispatches, uploads and host reads): with the table
+    on disk, prefetch on uploads and reads exactly what the gather in place does (one upload of the step's rows:
+    a decode step's only PLE upload), and besides the step's one read of its logits (sampling) it reads only
+    the ids, at the step's start. (The emulation takes the blocking copy of ``_to_host_async``; on a real MPS
+    device that copy is queued and the worker, not the engine thread, waits for it on an MPS event:
+    docs/ple.md, "Prefetch".) The tokens are those of prefetch off."""
+    from hebrus_torch import _emulate
+    from hebrus_torch.engine.step_counts import count_step
+
+    tokens, counted = {}, {}
+    for prefetch in (True, False):
+        model = disk_model(checkpoint)
+        with torch.no_grad(), _emulate.emulate("mps") as dev:
+            engine = Engine(model.to(dev), EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=16,
+                                                        allow_block_sharing=False, ple_prefetch=prefetch))
+            engine.add_request([5, 6, 7, 8, 9, 10, 11], request_id="r", max_new_tokens=4, eos_token_id=-1)
+            counted[prefetch] = [count_step(engine), count_step(engine)]          # the prefill, a decode step
+            engine.run()
+            engine.close()
+        tokens[prefetch] = engine.requests["r"].generated
+        if prefetch:
+            assert engine.runner.forward.prefetcher.stats["steps"] == engine.counters.steps
+    for on, off in zip(counted[True], counted[False]):
+        assert on.uploads == off.uploads and on.syncs == off.syncs
+        assert on.total_syncs == 2
+        sites = {(part, site.split(":")[0]) for part, _, site in on.sync_sites}
+        assert sites == {("PLE", "ple/prefetch.py"), ("engine (schedule, sample)", "engine/sampling.py")}
+    assert counted[True][1].uploads["PLE"] == 1
+    assert tokens[True] == tokens[False]

@@ -103,14 +103,16 @@ class PrefetchedRows:
 def _to_host_async(ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """(engine thread) int64 ids [T, K] -> (a host tensor they are being copied into, an event that completes
     when they are there, or None where they are there already). CUDA: into pinned memory, then a CUDA event;
-    MPS: a blit, then an MPS event (recording it commits the queued work); CPU: the ids themselves."""
+    MPS: a blit, then an MPS event (recording it commits the queued work); CPU: the ids themselves; any other
+    device (and the MPS emulated on CPU, ``hebrus_torch._emulate``): a blocking copy."""
     ids = ids.detach()
     if ids.device.type == "cpu":
         return ids.to(torch.int64), None
-    if ids.device.type in ("cuda", "mps"):
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=ids.device.type == "cuda")
+    kind = ids.device.type
+    if kind == "cuda" or (kind == "mps" and torch.backends.mps.is_available()):     # (not hebrus' MPS emulation)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=kind == "cuda")
         host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event() if ids.device.type == "cuda" else torch.mps.event.Event()
+        event = torch.cuda.Event() if kind == "cuda" else torch.mps.event.Event()
         event.record()
         return host, event
     return ids.to("cpu"), None
