@@ -189,8 +189,16 @@ def comparison(directory: Path, model, prompt: list[int], chunk: int, new_tokens
 
     owners = table_modules(model)
     disk = [d for _, d in owners]
-    in_memory = [torch.nn.Embedding(d.num_embeddings, d.embedding_dim, _weight=d.store.gather(
-        torch.arange(d.num_embeddings)), _freeze=True) for d in disk]
+    in_memory: list = []
+    after_disk: dict[str, int] = {}
+
+    def memory_copy() -> list:
+        """(built once, after the first round's disk prefills and decodes: the process's memory is read before)"""
+        if not in_memory:
+            after_disk.update(status())
+            in_memory.extend(torch.nn.Embedding(d.num_embeddings, d.embedding_dim, _weight=d.store.gather(
+                torch.arange(d.num_embeddings)), _freeze=True) for d in disk)
+        return in_memory
 
     def use(modules):
         for (owner, _), module in zip(owners, modules):
@@ -208,22 +216,22 @@ def comparison(directory: Path, model, prompt: list[int], chunk: int, new_tokens
             drop_page_cache(directory, model)
             add(f"ttft_disk_cold_{tag}", ttft(model, prompt, chunk, prefetch))
             add(f"ttft_disk_warm_{tag}", ttft(model, prompt, chunk, prefetch))
-        use(in_memory)
-        add("ttft_memory", ttft(model, prompt, chunk))
-        for label, modules, prefetch in (("disk_prefetch", disk, True), ("disk_inplace", disk, False),
-                                         ("memory", in_memory, True)):
-            use(modules)
+        for label, prefetch in (("disk_prefetch", True), ("disk_inplace", False)):
             for n in (1, 8):
                 add(f"decode_{label}_x{n}", decode_rate(model, n, new_tokens, n, prefetch))
+        use(memory_copy())
+        add("ttft_memory", ttft(model, prompt, chunk))
+        for n in (1, 8):
+            add(f"decode_memory_x{n}", decode_rate(model, n, new_tokens, n))
     use(disk)
-    del in_memory
+    in_memory.clear()
     gc.collect()
 
     def median(values):
         if isinstance(values[0], dict):
             return sorted(values, key=lambda v: v["s"])[len(values) // 2]
         return statistics.median(values)
-    return {k: median(v) for k, v in times.items()} | {"rounds": rounds}
+    return {k: median(v) for k, v in times.items()} | {"rounds": rounds, "after_disk_run": after_disk}
 
 
 def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens: int, rounds: int,
@@ -386,7 +394,8 @@ def main() -> None:
           "a prefill and decode | RssFile after |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        a, b = r["after_load"], r["after_run"]
+        a = r["after_load"]
+        b = r["compare"]["after_disk_run"] if "compare" in r else r["after_run"]   # (disk: before the memory copy)
         print(f"| {r['mode']} | {r['load_s']:.1f} | {a['VmHWM'] / gib:.2f} GiB | {a['RssAnon'] / gib:.2f} GiB | "
               f"{a['RssFile'] / gib:.2f} GiB | {b['RssAnon'] / gib:.2f} GiB | {b['RssFile'] / gib:.2f} GiB |")
     c = results[0]["compare"]
