@@ -1,6 +1,7 @@
 """The PLE n-gram table read from disk vs held in memory (issue 35), on a checkpoint of the released shapes per
 layer, in one run: process memory (anonymous and file-backed RSS, peak while loading), time to first token of a
-long prompt with the shards' page cache dropped and warm, decode tokens/s at 1 and 8 requests.
+long prompt with the shards' page cache dropped and warm, decode tokens/s at 1 and 8 requests; with the table on disk
+both with the step's rows prefetched on a worker thread (the engine's default) and gathered in the PLE layer.
 
     python benchmarks/bench_ple_disk.py --dir /tmp/hebrus-ple-bench [--table-gib 4] [--experts 16] [--prompt 4096]
 
@@ -129,24 +130,35 @@ def drop_page_cache(directory: Path, model) -> None:
             os.close(fd)
 
 
-def ttft(model, prompt: list[int], max_batch_tokens: int) -> float:
+def ttft(model, prompt: list[int], max_batch_tokens: int, prefetch: bool = True) -> dict:
+    """Time to first token of ``prompt`` (seconds), the engine thread's seconds in the PLE layer ("ple" of the
+    runner's timings: ids, the gather in place or the wait for the prefetch, upload, the layer's math) and the
+    prefetcher's stats (None with prefetch off or the table in memory)."""
+    import collections
+
     from hebrus_torch.engine import Engine, EngineConfig
 
     engine = Engine(model, EngineConfig(capacity_tokens=len(prompt) + 64, max_sequences=1,
-                                        max_batch_tokens=max_batch_tokens, allow_block_sharing=False))
+                                        max_batch_tokens=max_batch_tokens, allow_block_sharing=False,
+                                        ple_prefetch=prefetch))
+    engine.runner.timings = collections.Counter()
     t0 = time.perf_counter()
     engine.add_request(prompt, request_id="p", max_new_tokens=1, eos_token_id=-1)
     engine.run()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    engine.close()
+    prefetcher = engine.runner.forward.prefetcher
+    return {"s": seconds, "ple_s": engine.runner.timings["ple"],
+            "prefetch": None if prefetcher is None else dict(prefetcher.stats)}
 
 
-def decode_rate(model, requests: int, new_tokens: int, seed: int) -> float:
+def decode_rate(model, requests: int, new_tokens: int, seed: int, prefetch: bool = True) -> float:
     """Generated tokens per second over the steps in which every request is past its prompt."""
     from hebrus_torch.engine import Engine, EngineConfig
 
     rng = random.Random(seed)
     engine = Engine(model, EngineConfig(capacity_tokens=requests * (64 + new_tokens + 8), max_sequences=requests,
-                                        max_batch_tokens=None, allow_block_sharing=False))
+                                        max_batch_tokens=None, allow_block_sharing=False, ple_prefetch=prefetch))
     for i in range(requests):
         engine.add_request([rng.randrange(4, 32768) for _ in range(32)], request_id=f"r{i}",
                            max_new_tokens=new_tokens, eos_token_id=-1)
@@ -156,7 +168,9 @@ def decode_rate(model, requests: int, new_tokens: int, seed: int) -> float:
     t0 = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    return (sum(len(r.generated) for r in engine.requests.values()) - before) / (time.perf_counter() - t0)
+    rate = (sum(len(r.generated) for r in engine.requests.values()) - before) / (time.perf_counter() - t0)
+    engine.close()
+    return rate
 
 
 def table_modules(model):
@@ -167,34 +181,57 @@ def table_modules(model):
 
 
 def comparison(directory: Path, model, prompt: list[int], chunk: int, new_tokens: int, rounds: int) -> dict:
-    """In one process on the same weights, the table on disk and as one tensor in memory (an nn.Embedding of the
-    same rows) alternating, medians of ``rounds``: time to first token of ``prompt`` from disk with the page
-    cache dropped, from disk warm and from memory; decode tokens/s at 1 and 8 requests, disk and memory."""
+    """In one process on the same weights, the table on disk (prefetch on and off) and as one tensor in memory
+    (an nn.Embedding of the same rows) alternating, medians of ``rounds``: time to first token of ``prompt`` from
+    disk with the page cache dropped and warm, and from memory; decode tokens/s at 1 and 8 requests."""
+    import gc
     import statistics
 
     owners = table_modules(model)
     disk = [d for _, d in owners]
-    in_memory = [torch.nn.Embedding(d.num_embeddings, d.embedding_dim, _weight=d.store.gather(
-        torch.arange(d.num_embeddings)), _freeze=True) for d in disk]
+    in_memory: list = []
+    after_disk: dict[str, int] = {}
+
+    def memory_copy() -> list:
+        """(built once, after the first round's disk prefills and decodes: the process's memory is read before)"""
+        if not in_memory:
+            after_disk.update(status())
+            in_memory.extend(torch.nn.Embedding(d.num_embeddings, d.embedding_dim, _weight=d.store.gather(
+                torch.arange(d.num_embeddings)), _freeze=True) for d in disk)
+        return in_memory
 
     def use(modules):
         for (owner, _), module in zip(owners, modules):
             owner.ngram_embedding = module
 
-    times: dict[str, list[float]] = {}
+    times: dict[str, list] = {}
+
+    def add(key, value):
+        times.setdefault(key, []).append(value)
+
     for _ in range(rounds):
         use(disk)
-        drop_page_cache(directory, model)
-        times.setdefault("ttft_disk_cold_s", []).append(ttft(model, prompt, chunk))
-        times.setdefault("ttft_disk_warm_s", []).append(ttft(model, prompt, chunk))
-        use(in_memory)
-        times.setdefault("ttft_memory_s", []).append(ttft(model, prompt, chunk))
-        for label, modules in (("disk", disk), ("memory", in_memory)):
-            use(modules)
+        for prefetch in (True, False):
+            tag = "prefetch" if prefetch else "inplace"
+            drop_page_cache(directory, model)
+            add(f"ttft_disk_cold_{tag}", ttft(model, prompt, chunk, prefetch))
+            add(f"ttft_disk_warm_{tag}", ttft(model, prompt, chunk, prefetch))
+        for label, prefetch in (("disk_prefetch", True), ("disk_inplace", False)):
             for n in (1, 8):
-                times.setdefault(f"decode_{label}_x{n}", []).append(decode_rate(model, n, new_tokens, n))
+                add(f"decode_{label}_x{n}", decode_rate(model, n, new_tokens, n, prefetch))
+        use(memory_copy())
+        add("ttft_memory", ttft(model, prompt, chunk))
+        for n in (1, 8):
+            add(f"decode_memory_x{n}", decode_rate(model, n, new_tokens, n))
     use(disk)
-    return {k: statistics.median(v) for k, v in times.items()} | {"rounds": rounds}
+    in_memory.clear()
+    gc.collect()
+
+    def median(values):
+        if isinstance(values[0], dict):
+            return sorted(values, key=lambda v: v["s"])[len(values) // 2]
+        return statistics.median(values)
+    return {k: median(v) for k, v in times.items()} | {"rounds": rounds, "after_disk_run": after_disk}
 
 
 def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens: int, rounds: int,
@@ -212,31 +249,61 @@ def run_mode(directory: Path, mode: str, prompt_len: int, chunk: int, new_tokens
            "table_bytes": model.hebrus_checkpoint.ple_table_bytes}
     with torch.inference_mode():
         ttft(model, prompt[:128], chunk)                                     # warm-up (kernels, allocator)
-        ttft(model, prompt, chunk)
+        if mode == "disk":       # (its prefills of the whole prompt are the comparison's)
+            out["compare"] = comparison(directory, model, prompt, chunk, new_tokens, rounds)
+        else:
+            ttft(model, prompt, chunk)
         decode_rate(model, 8, 2, 0)
         out["after_run"] = status()                                          # after a prefill and a decode
         out["store_stats"] = [dict(d.store.stats) for _, d in table_modules(model)]
-        if mode == "disk":
-            out["compare"] = comparison(directory, model, prompt, chunk, new_tokens, rounds)
     return out
 
 
-def gather_costs(directory: Path, repeat: int) -> list[dict]:
+def _drop_shards(store, shards) -> None:
+    store.release()
+    for info in shards:
+        fd = os.open(info.file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def gather_costs(directory: Path, repeat: int, overlap_s: float) -> list[dict]:
     """The row store alone, on the checkpoint's table: microseconds per call of a decode step's rows (16 per
     request) and of a 1024-token prefill chunk's (16384), warm (pages in the page cache) against an in-memory
     index_select of the same rows, and cold (the shards' page cache dropped before each call) with and without
-    the MADV_WILLNEED hint."""
+    the MADV_WILLNEED hint; and what the engine thread spends with the prefetch (``PLEPrefetcher``: submit, then
+    after ``overlap_s`` of other work - a sleep standing for the layers before the PLE layer - take the rows),
+    warm and cold."""
     import statistics
 
     from hebrus_torch.loading.files import CheckpointFiles
+    from hebrus_torch.ple.prefetch import PLEPrefetcher, PrefetchLayer
     from hebrus_torch.ple.row_store import PLERowStore, TableShard
 
     files = CheckpointFiles.open(directory)
     shards = sorted((info for key, info in files.tensors.items() if ".ngram_embedding.shard_" in key),
                     key=lambda i: int(i.key.rsplit("shard_", 1)[1].split(".")[0]))
     store = PLERowStore([TableShard(i.file, i.offset, i.shape[0]) for i in shards], shards[0].dtype, ROW)
+    prefetcher = PLEPrefetcher()
+    cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(3)
     out = []
+
+    def median_us(fn) -> float:
+        return statistics.median(fn(r) for r in range(repeat)) * 1e6
+
+    def prefetched(ids, cold: bool) -> float:
+        """The engine thread's seconds: submit + take after the overlap."""
+        if cold:
+            _drop_shards(store, shards)
+        t0 = time.perf_counter()
+        rows = prefetcher.submit([PrefetchLayer(1, ids.view(-1, 16), store)], cpu)
+        spent = time.perf_counter() - t0
+        time.sleep(overlap_s)
+        t0 = time.perf_counter()
+        rows.rows(1, store.dtype)
+        return spent + time.perf_counter() - t0
+
     for n in (16, 128, 16384):
         ids = [torch.randint(0, store.num_rows, (n,), generator=gen) for _ in range(repeat)]
         resident = torch.cat([store.gather(i) for i in ids])                  # warm the pages, keep the rows
@@ -251,23 +318,23 @@ def gather_costs(directory: Path, repeat: int) -> list[dict]:
             return statistics.median(times) * 1e6
 
         row = {"rows": n, "warm_us": timed(lambda r: store.gather(ids[r])),
-               "memory_us": timed(lambda r: resident.index_select(0, table_rows[r]))}
+               "memory_us": timed(lambda r: resident.index_select(0, table_rows[r])),
+               "prefetch_warm_us": median_us(lambda r: prefetched(ids[r], cold=False))}
         for label, minimum in (("cold_us", PLERowStore.WILLNEED_MIN_ROWS), ("cold_no_hint_us", 10**12)):
             store.WILLNEED_MIN_ROWS = minimum
             fresh = [torch.randint(0, store.num_rows, (n,), generator=gen) for _ in range(repeat)]
 
             def cold(r):
-                store.release()
-                for info in shards:
-                    fd = os.open(info.file, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    os.close(fd)
+                _drop_shards(store, shards)
                 t0 = time.perf_counter()
                 store.gather(fresh[r])
                 return time.perf_counter() - t0
-            row[label] = statistics.median(cold(r) for r in range(repeat)) * 1e6
+            row[label] = median_us(cold)
         del store.WILLNEED_MIN_ROWS
+        fresh = [torch.randint(0, store.num_rows, (n,), generator=gen) for _ in range(repeat)]
+        row["prefetch_cold_us"] = median_us(lambda r: prefetched(fresh[r], cold=True))
         out.append(row)
+    prefetcher.close()
     return out
 
 
@@ -287,6 +354,8 @@ def main() -> None:
                    help="the checkpoint's dtype (this CPU's bf16 matrix-vector products are some 10x slower)")
     p.add_argument("--mode", choices=("disk", "memory"), default=None, help="(internal) run one mode")
     p.add_argument("--gather-only", action="store_true", help="only the row store's costs (gather_costs)")
+    p.add_argument("--overlap-ms", type=float, default=200.0,
+                   help="--gather-only: the work the engine thread does between submitting and taking prefetched rows")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode is not None:
@@ -296,12 +365,14 @@ def main() -> None:
     if not (args.dir / "config.json").exists():
         write(args.dir, args.table_gib, args.experts, getattr(torch, args.dtype))
     if args.gather_only:
+        print(f"load average at the start {os.getloadavg()}")
         print("| rows per call | warm (page cache) us | in memory (index_select) us | cold, WILLNEED us | "
-              "cold, no hint us |")
-        print("|---|---|---|---|---|")
-        for r in gather_costs(args.dir, repeat=5):
+              f"cold, no hint us | prefetch warm us | prefetch cold us (engine thread; {args.overlap_ms:.0f} ms "
+              "overlap) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in gather_costs(args.dir, repeat=5, overlap_s=args.overlap_ms / 1e3):
             print(f"| {r['rows']} | {r['warm_us']:.0f} | {r['memory_us']:.0f} | {r['cold_us']:.0f} | "
-                  f"{r['cold_no_hint_us']:.0f} |")
+                  f"{r['cold_no_hint_us']:.0f} | {r['prefetch_warm_us']:.0f} | {r['prefetch_cold_us']:.0f} |")
         print(f"load average {os.getloadavg()}")
         return
     results = []
@@ -323,18 +394,30 @@ def main() -> None:
           "a prefill and decode | RssFile after |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        a, b = r["after_load"], r["after_run"]
+        a = r["after_load"]
+        b = r["compare"]["after_disk_run"] if "compare" in r else r["after_run"]   # (disk: before the memory copy)
         print(f"| {r['mode']} | {r['load_s']:.1f} | {a['VmHWM'] / gib:.2f} GiB | {a['RssAnon'] / gib:.2f} GiB | "
               f"{a['RssFile'] / gib:.2f} GiB | {b['RssAnon'] / gib:.2f} GiB | {b['RssFile'] / gib:.2f} GiB |")
     c = results[0]["compare"]
-    print(f"\nOne process, the same weights, the table on disk / in memory alternating, median of {c['rounds']}:")
-    print(f"| TTFT {args.prompt} disk cold | disk warm | memory | cold / memory | warm / memory | decode x1 disk | "
-          "memory | x8 disk | memory |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {c['ttft_disk_cold_s']:.1f} s | {c['ttft_disk_warm_s']:.1f} s | {c['ttft_memory_s']:.1f} s | "
-          f"{c['ttft_disk_cold_s'] / c['ttft_memory_s']:.2f}x | {c['ttft_disk_warm_s'] / c['ttft_memory_s']:.2f}x | "
-          f"{c['decode_disk_x1']:.2f} tok/s | {c['decode_memory_x1']:.2f} | {c['decode_disk_x8']:.2f} | "
-          f"{c['decode_memory_x8']:.2f} |")
+    mem = c["ttft_memory"]["s"]
+    print(f"\nOne process, the same weights, the table on disk (prefetch on / off) and in memory alternating, "
+          f"median of {c['rounds']}; TTFT of {args.prompt} tokens:")
+    print("| table | page cache | TTFT | / memory | engine thread in the PLE layer | prefetch: steps ready / "
+          "waited, wait |")
+    print("|---|---|---|---|---|---|")
+    for key, table, cache in (("ttft_disk_cold_prefetch", "disk, prefetch", "dropped"),
+                              ("ttft_disk_cold_inplace", "disk, in place", "dropped"),
+                              ("ttft_disk_warm_prefetch", "disk, prefetch", "warm"),
+                              ("ttft_disk_warm_inplace", "disk, in place", "warm"), ("ttft_memory", "memory", "-")):
+        r = c[key]
+        pf = r["prefetch"]
+        waited = "-" if pf is None else f"{pf['ready']} / {pf['waits']}, {pf['wait_seconds']:.2f} s"
+        print(f"| {table} | {cache} | {r['s']:.1f} s | {r['s'] / mem:.2f}x | {r['ple_s']:.2f} s | {waited} |")
+    print("\n| decode tok/s | x1 | x8 |\n|---|---|---|")
+    for label, name in (("disk_prefetch", "disk, prefetch"), ("disk_inplace", "disk, in place"),
+                        ("memory", "memory")):
+        print(f"| {name} | {c[f'decode_{label}_x1']:.2f} | {c[f'decode_{label}_x8']:.2f} |")
+    print(f"load average at the end {os.getloadavg()}")
     print("RAW " + json.dumps(results))
 
 

@@ -127,6 +127,20 @@ def test_from_pretrained_equals_transformers_load_bitwise(checkpoint, reference,
         assert torch.equal(model(input_ids=x).logits, reference(input_ids=x).logits)
 
 
+@pytest.mark.parametrize("ple_table", ["memory", "disk"])
+def test_logits_and_greedy_tokens_equal_transformers_own_load_and_code(checkpoint, ple_table):
+    """Without the drop-in on either side: the model loaded in place (its table in memory or read from disk) runs
+    transformers' own forward and gives, on CPU, bitwise the logits and the greedy tokens of transformers' own
+    ``from_pretrained`` of the same files."""
+    model = hx.revert(hebrus_torch.from_pretrained(checkpoint, ple_table=ple_table))
+    plain = modeling.Qwen4ExpForCausalLM.from_pretrained(checkpoint).eval()
+    assert not hx.is_applied(model) and not hx.is_applied(plain)
+    x = torch.tensor(prompts(3, (20, 20)))
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+    assert [greedy(model, p) for p in prompts(4, (9, 17))] == [greedy(plain, p) for p in prompts(4, (9, 17))]
+
+
 def test_from_pretrained_casts_like_transformers(checkpoint):
     model = hebrus_torch.from_pretrained(checkpoint, dtype=torch.float32, ple_table="disk")
     reference = modeling.Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -123,7 +123,9 @@ def load(checkpoint: Path, ple_table: str):
     return model
 
 
-def test_engine_tokens_and_state_with_the_table_on_disk_equal_memory_under_every_cut(checkpoint, row_invariant):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_engine_tokens_and_state_with_the_table_on_disk_equal_memory_under_every_cut(checkpoint, row_invariant,
+                                                                                      prefetch):
     memory, disk = load(checkpoint, "memory"), load(checkpoint, "disk")
     base = prompts_for(4, lengths=(14, 6, 21, 2))
     shared = base[2][:12]
@@ -132,7 +134,7 @@ def test_engine_tokens_and_state_with_the_table_on_disk_equal_memory_under_every
     for s in (dict(max_batch_tokens=None, allow_block_sharing=False), dict(max_batch_tokens=1),
               dict(max_batch_tokens=7, max_requests_per_batch=2), dict(max_batch_tokens=16, order=[5, 3, 1, 0, 4, 2]),
               dict(max_batch_tokens=7, allow_block_sharing=True)):
-        tokens, states = run_engine(disk, prompts, **s)
+        tokens, states = run_engine(disk, prompts, ple_prefetch=prefetch, **s)
         assert tokens == ref_tokens, s
         assert states == ref_states, s
     assert disk.model.layers[0].ple.ple_embedding.ngram_embedding.store.stats["calls"] > 0

@@ -65,7 +65,10 @@ def test_the_released_layout_is_served_with_the_table_on_disk(checkpoint, tmp_pa
         for messages, text in chats:
             reply = srv.chat(messages, max_tokens=MAX_TOKENS)
             assert reply.choices[0].message.content == text
-        assert srv.stats()["engine"] is not None
+        stats = srv.stats()
+        assert stats["engine"] is not None
+        assert stats["ple_prefetch"]["steps"] >= stats["counters"]["steps"] > 0       # every step prefetched
+        assert stats["ple_prefetch"]["errors"] == 0
         log = srv.log_tail(200)
     assert "PLE n-gram table" in log and "read from the checkpoint's files" in log and "--ple-table disk" in log
 
@@ -99,3 +102,43 @@ def test_bad_ple_flags_are_refused():
         serve_main(["somewhere", "--ple-table", "swap"])
     with pytest.raises(SystemExit, match="--ple-cache-bytes must be >= 1"):
         serve_main(["somewhere", "--ple-cache-bytes", "0"])
+
+
+def test_the_draft_model_is_loaded_in_place_with_the_served_models_ple_table(checkpoint):
+    """--draft-model of a Qwen4Exp checkpoint goes through hebrus_torch.from_pretrained with --ple-table's choice
+    (before issue 35's last part: transformers' AutoModelForCausalLM, the table in memory)."""
+    from hebrus_torch.ple.row_store import DiskNgramEmbedding
+    from hebrus_torch.serving.loading import PLEOptions, _load_draft, ple_options, set_ple_options
+
+    target = modeling.Qwen4ExpForCausalLM.from_pretrained(checkpoint).eval()
+    hx.apply(target)              # (the draft comes with the drop-in applied: the same kernels, the same bits)
+    before = ple_options()
+    try:
+        for table in ("disk", "memory"):
+            set_ple_options(PLEOptions(table, 1 << 20))
+            draft = _load_draft(str(checkpoint), target)
+            assert draft.hebrus_checkpoint.ple_table == table
+            assert draft.dtype == target.dtype and draft.device == target.device
+            disk = [m for m in draft.modules() if isinstance(m, DiskNgramEmbedding)]
+            assert len(disk) == (1 if table == "disk" else 0)
+            if disk:
+                assert disk[0].store.cache_bytes == 1 << 20
+            ids = torch.tensor([[5, 9, 12, 7, 30, 2]])
+            with torch.inference_mode():
+                assert torch.equal(draft(ids).logits, target(ids).logits)
+    finally:
+        set_ple_options(before)
+
+
+def test_a_draft_model_with_its_table_on_disk_serves_the_plain_replies(checkpoint, tmp_path):
+    chats = clear_replies(checkpoint, 2, seed=3)
+    with Server(checkpoint, "--ple-table", "disk", "--speculative-tokens", "3", "--draft-model", str(checkpoint),
+                "--cb-block-size", "16", "--hebrus-capacity-tokens", "1024", log=tmp_path / "server.log") as srv:
+        for messages, text in chats:
+            assert srv.chat(messages, max_tokens=MAX_TOKENS).choices[0].message.content == text
+        counters = srv.settled_stats()["counters"]
+        log = srv.log_tail(200)
+    assert counters["spec_drafted_tokens"] > 0
+    assert counters["spec_accepted_tokens"] == counters["spec_drafted_tokens"]     # the target drafts for itself
+    lines = [line for line in log.splitlines() if f"hebrus: draft model {checkpoint} loaded in place" in line]
+    assert len(lines) == 1 and "read from the checkpoint's files" in lines[0] and "--ple-table disk" in lines[0]

@@ -106,7 +106,7 @@ class Engine:
                                         max_sequences=cfg.max_sequences)
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, ple_prefetch=cfg.ple_prefetch)
         self.mtp_drafter = None
         """The MTP block's drafter (``engine/mtp.py``) when ``config.speculative.method == "mtp"``."""
         if mtp is not None:
@@ -174,8 +174,13 @@ class Engine:
 
     def close(self) -> None:
         """Wait for the prompt cache's pending writes and release its directory (another engine may then open
-        it); idempotent. The engine still runs, without files."""
+        it), stop the PLE prefetch worker (the runner's and the draft model's); idempotent. The engine still
+        runs, without files (a later step starts the worker again)."""
         self.cache_manager.close()
+        self.runner.close()
+        draft_runner = getattr(self.drafter, "runner", None)
+        if isinstance(draft_runner, ModelRunner):
+            draft_runner.close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,

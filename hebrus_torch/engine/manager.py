@@ -680,6 +680,9 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
         "prompt_cache_files": len(engine.prompt_cache) if engine.prompt_cache is not None else 0,
         "prompt_cache_bytes": engine.prompt_cache.total_bytes if engine.prompt_cache is not None else 0,
         "counters": dataclasses.asdict(engine.counters),
+        # the PLE table on disk: its steps' rows gathered on a worker thread (docs/ple.md, "Prefetch"); else None
+        "ple_prefetch": (dict(engine.runner.forward.prefetcher.stats)
+                         if engine.runner.forward.prefetcher is not None else None),
     }
 
 

@@ -37,9 +37,11 @@ class ModelRunner:
         model: ``Qwen4ExpForCausalLM`` (or a model holding one text model and an ``lm_head``).
         cache: the ``ModelCache`` holding every sequence's state (built with ``with_kv=True`` when the
             model has indexed-attention layers, and with a GDN holder when it has linear-attention ones).
+        ple_prefetch: with a PLE table on disk, gather each step's rows on a worker thread as the step starts
+            (``PackedQwen4Exp``'s ``ple_prefetch``; docs/ple.md).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: ModelCache):
+    def __init__(self, model: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool = True):
         self.model = model
         self.text = find_text_model(model)
         self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
@@ -47,7 +49,7 @@ class ModelRunner:
             raise HebrusError(f"engine: {type(model).__name__} has no lm_head")
         self.config = self.text.config
         self.cache = cache
-        self.forward = PackedQwen4Exp(self.text, cache)
+        self.forward = PackedQwen4Exp(self.text, cache, ple_prefetch=ple_prefetch)
         """The model's packed forward (every layer's math)."""
         self.timings: collections.Counter | None = None
         """Set to a Counter to accumulate seconds per part of the step (ple, gdn, attention, moe, other):
@@ -86,6 +88,10 @@ class ModelRunner:
             yield
         finally:
             self.parts.pop()
+
+    def close(self) -> None:
+        """Stop the threads the runner started (the PLE prefetch worker); a later step starts them again."""
+        self.forward.close()
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,7 @@ transformers drop-in call it unchanged.
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,7 @@ class PLERowStore:
         self._starts = np.asarray(starts, dtype=np.int64)
         self.num_rows = int(self._starts[-1])
         self._touched = 0
+        self._lock = threading.RLock()          # (release() from the budget check runs under it)
         self.stats = {"calls": 0, "rows": 0, "unique_rows": 0, "releases": 0}
 
     @property
@@ -81,22 +83,31 @@ class PLERowStore:
         if flat.size == 0:
             return torch.empty((*ids.shape, self.dim), dtype=self.dtype)
         unique, inverse = np.unique(flat, return_inverse=True)
-        if unique[0] < 0 or unique[-1] >= self.num_rows:
-            bad = unique[0] if unique[0] < 0 else unique[-1]
-            raise HebrusError(f"PLERowStore: row id {int(bad)} outside [0, {self.num_rows})")
-        shard_of = np.searchsorted(self._starts, unique, side="right") - 1
-        if unique.size >= self.WILLNEED_MIN_ROWS:
-            self._will_need(unique, shard_of)
-        rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
-        for s in np.unique(shard_of):
-            picked = shard_of == s
-            rows[picked] = self._views[s][unique[picked] - self._starts[s]]
-        self._account(unique.size)
-        self.stats["calls"] += 1
-        self.stats["rows"] += int(flat.size)
-        self.stats["unique_rows"] += int(unique.size)
+        rows = self.read_unique(unique, will_need=unique.size >= self.WILLNEED_MIN_ROWS, asked=flat.size)
         out = torch.from_numpy(rows[inverse.reshape(-1)])
         return out.view(self.dtype).view(*ids.shape, self.dim)
+
+    def read_unique(self, unique: np.ndarray, *, will_need: bool = False, asked: int | None = None) -> np.ndarray:
+        """The rows of sorted distinct int64 ids ``unique`` [U] as bytes: ndarray[U, row_bytes] uint8 (view them
+        as ``dtype``). ``will_need``: first advise the kernel of every page they touch (MADV_WILLNEED).
+        ``asked``: how many ids the caller's call had before de-duplication (``stats["rows"]``; default U).
+        Thread-safe (the prefetch worker and the engine thread may both read)."""
+        if unique.size and (unique[0] < 0 or unique[-1] >= self.num_rows):
+            bad = unique[0] if unique[0] < 0 else unique[-1]
+            raise HebrusError(f"PLERowStore: row id {int(bad)} outside [0, {self.num_rows})")
+        rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
+        with self._lock:
+            shard_of = np.searchsorted(self._starts, unique, side="right") - 1
+            if will_need and unique.size:
+                self._will_need(unique, shard_of)
+            for s in np.unique(shard_of):
+                picked = shard_of == s
+                rows[picked] = self._views[s][unique[picked] - self._starts[s]]
+            self._account(unique.size)
+            self.stats["calls"] += 1
+            self.stats["rows"] += int(unique.size if asked is None else asked)
+            self.stats["unique_rows"] += int(unique.size)
+        return rows
 
     def _will_need(self, unique: np.ndarray, shard_of: np.ndarray) -> None:
         """MADV_WILLNEED on the pages of these rows (runs of adjacent pages merged): a hint, never an error."""
@@ -123,11 +134,12 @@ class PLERowStore:
 
     def release(self) -> None:
         """Drop the process's resident pages of the table (they stay in the OS page cache)."""
-        if hasattr(mmap, "MADV_DONTNEED"):
-            for mapped in self._maps:
-                mapped.madvise(mmap.MADV_DONTNEED)
-        self._touched = 0
-        self.stats["releases"] += 1
+        with self._lock:
+            if hasattr(mmap, "MADV_DONTNEED"):
+                for mapped in self._maps:
+                    mapped.madvise(mmap.MADV_DONTNEED)
+            self._touched = 0
+            self.stats["releases"] += 1
 
 
 class DiskNgramEmbedding(torch.nn.Module):

@@ -81,9 +81,7 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
 
             overrides["speculative"] = SpeculativeConfig(settings.speculative_tokens)
         if settings.draft_model:
-            from transformers import AutoModelForCausalLM
-
-            draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=self.dtype).to(self.device)
+            draft = _load_draft(settings.draft_model, self)
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
         manager = mgr.HebrusBatchingManager(self, gen, continuous_batching_config, workload_hints,
                                             engine_config=engine_config, tokenizer=tokenizer, draft_model=draft)
@@ -183,9 +181,21 @@ def _serving_device(device: Any) -> str:
     return str(device)
 
 
-def _load_in_place(model_dir: str, device: Any, dtype: Any, attn_implementation: str | None) -> Any:
+def _load_draft(path: str, target: Any) -> Any:
+    """``--draft-model``, on the served model's device and in its dtype: a local Qwen4Exp checkpoint loaded in
+    place like the served one (:func:`_load_in_place`: the same ``--ple-table`` / ``--ple-cache-bytes`` choice),
+    any other causal LM by transformers' ``AutoModelForCausalLM``."""
+    if os.path.isdir(path) and _model_type(path, "main", False) in QWEN4_MODEL_TYPES:
+        return _load_in_place(path, target.device, target.dtype, None, role="draft model")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
+
+
+def _load_in_place(model_dir: str, device: Any, dtype: Any, attn_implementation: str | None,
+                   role: str = "") -> Any:
     """:func:`hebrus_torch.from_pretrained` with the ``--ple-table`` / ``--ple-cache-bytes`` options; says which
-    table ran (stderr, and ``model.hebrus_checkpoint``)."""
+    table ran (stderr, and ``model.hebrus_checkpoint``); ``role``: what the log calls it ("": the served model)."""
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.loading.model import physical_memory_bytes
 
@@ -197,6 +207,6 @@ def _load_in_place(model_dir: str, device: Any, dtype: Any, attn_implementation:
     loaded = model.hebrus_checkpoint
     where = ("read from the checkpoint's files (memory-mapped, pages released past "
              f"{cache_bytes / 2**30:.2f} GiB)" if loaded.ple_table == "disk" else "in memory")
-    logger.warning("hebrus: %s loaded in place; PLE n-gram table (%.2f GiB) %s [--ple-table %s]", model_dir,
-                   loaded.ple_table_bytes / 2**30, where, options.table)
+    logger.warning("hebrus: %s%s loaded in place; PLE n-gram table (%.2f GiB) %s [--ple-table %s]",
+                   f"{role} " if role else "", model_dir, loaded.ple_table_bytes / 2**30, where, options.table)
     return model

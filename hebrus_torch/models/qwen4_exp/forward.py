@@ -21,6 +21,8 @@ import torch
 from ...errors import HebrusError
 from ...hc import hyper_premix
 from ...moe.block import packed_moe
+from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer
+from ...ple.row_store import DiskNgramEmbedding
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
 from .ple import packed_ple
@@ -72,9 +74,12 @@ class PackedQwen4Exp:
         text: the text model (:func:`find_text_model`).
         cache: the ``ModelCache`` its steps run in: with a QSA cache keeping K/V planes (``with_kv=True``)
             when the model has indexed-attention layers, with a GDN holder when it has linear-attention ones.
+        ple_prefetch: for PLE layers whose n-gram table is on disk (``DiskNgramEmbedding``), compute the step's
+            n-gram ids as the step starts and gather their rows on a worker thread (:attr:`prefetcher`) while
+            the layers before run; False: each PLE layer gathers its rows in its own call.
     """
 
-    def __init__(self, text: torch.nn.Module, cache: ModelCache) -> None:
+    def __init__(self, text: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool = True) -> None:
         self.text = text
         self.config = text.config
         types = list(self.config.layer_types)
@@ -93,11 +98,37 @@ class PackedQwen4Exp:
                     raise HebrusError(f"engine: decoder layer {idx}'s linear attention does not fit the "
                                       f"ModelCache's GDN holder: {why}")
         self.hc_count = int(self.config.hc_count)
+        self._disk_tables = self._disk_ple_layers()
+        self.prefetcher = PLEPrefetcher() if ple_prefetch and self._disk_tables else None
+        """The step's PLE rows gathered off the engine thread (None: no table on disk, or prefetch off)."""
         self.rope_rows = RopeRows(text.rotary_emb)
         self.rope = _rope_function() if "indexed_attention" in types else None
 
     def _layers(self) -> torch.nn.ModuleList:
         return self.text.layers[: self.config.num_hidden_layers]
+
+    def _disk_ple_layers(self) -> list[tuple[int, DiskNgramEmbedding]]:
+        """(decoder-layer index, its n-gram table on disk) of every PLE layer whose table is read from disk."""
+        found = []
+        for idx, layer in enumerate(self._layers()):
+            table = getattr(getattr(layer, "ple", None), "ple_embedding", None)
+            table = getattr(table, "ngram_embedding", None)
+            if isinstance(table, DiskNgramEmbedding):
+                found.append((idx, table))
+        return found
+
+    def _start_prefetch(self, step: ChunkStep, device: torch.device) -> PrefetchedRows | None:
+        """The step's n-gram ids of every PLE layer read from disk (each layer's history advanced, staged in
+        the transaction as the layer's own call would), their rows asked of the worker."""
+        if self.prefetcher is None:
+            return None
+        layers = [PrefetchLayer(idx, step.ple_ngram_ids(idx), table.store) for idx, table in self._disk_tables]
+        return self.prefetcher.submit(layers, device)
+
+    def close(self) -> None:
+        """Stop the prefetch worker (a later step starts it again)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def __call__(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed) -> torch.Tensor:
         """The final hidden states of a step.
@@ -116,21 +147,36 @@ class PackedQwen4Exp:
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The 4-stream residual after the last decoder layer, before the mixer: Tensor[T, hc * hidden], and the
         step's rotary (cos, sin) Tensor[T, R] (what the MTP block reuses); arguments as :meth:`__call__`."""
+        with timed("ple"):
+            prefetched = self._start_prefetch(step, step.batch.tokens.device)
+        try:
+            return self._layers_forward(step, positions, last, timed, prefetched)
+        finally:
+            if prefetched is not None:
+                prefetched.discard()
+
+    def _layers_forward(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed,
+                        prefetched: PrefetchedRows | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         text = self.text
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = embeds.repeat(1, self.hc_count)                                            # [T, hc * hidden]
         for idx, layer in enumerate(self._layers()):
-            h = self.decoder_layer(step, idx, layer, h, cos, sin, timed)
+            h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched)
         return h, (cos, sin)
 
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, timed: Timed = _untimed) -> torch.Tensor:
+                      sin: torch.Tensor, timed: Timed = _untimed, prefetched: PrefetchedRows | None = None
+                      ) -> torch.Tensor:
         """One ``Qwen4ExpTextDecoderLayer`` (decoder layer ``idx`` of the step's state) on the streams
-        h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]."""
+        h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]; ``prefetched``: the step's PLE rows gathered off
+        the engine thread (None: the PLE layer gathers its own)."""
         if layer.ple is not None:
             with timed("ple"):
-                h = h + packed_ple(step, idx, layer.ple, h)
+                rows = None
+                if prefetched is not None and idx in prefetched:
+                    rows = prefetched.rows(idx, layer.ple.ple_embedding.ngram_embedding.out_dtype)
+                h = h + packed_ple(step, idx, layer.ple, h, rows)
         if layer.layer_type == "linear_attention":
             return packed_decoder_layer(layer, h, partial(packed_gated_delta_net, step, idx, layer.linear_attn),
                                         "gdn", timed)

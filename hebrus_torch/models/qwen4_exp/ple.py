@@ -14,16 +14,23 @@ if TYPE_CHECKING:
     from ...model_cache import ChunkStep
 
 
-def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """``Qwen4ExpTextPLELayer.forward`` on a ChunkStep's batch: h Tensor[T, hc * hidden] (the hyper-connection
     streams) -> what the layer adds to them, Tensor[T, hc * hidden].
+
+    ``rows``: the layer's n-gram embedding rows Tensor[T, (N-1)*H, dim] when they were gathered ahead (the
+    step's prefetch, :mod:`hebrus_torch.ple.prefetch`, which computed the ids and advanced the history);
+    None: the ids are computed here and the rows gathered by the layer's ``ngram_embedding``.
 
     Each stream gates the n-gram value by its normed activations against that stream's key (a signed
     square root of the scaled dot product, through a sigmoid); the gated values go through the dilated
     depthwise conv over the sequence's conv tail."""
     hidden_size, hc = ple.hidden_size, ple.hc_count
-    ids = step.ple_ngram_ids(layer_idx)                                           # [T, (N-1)H]
-    emb = ple.ple_embedding.ngram_embedding(ids).flatten(-2)
+    if rows is None:
+        ids = step.ple_ngram_ids(layer_idx)                                       # [T, (N-1)H]
+        rows = ple.ple_embedding.ngram_embedding(ids)
+    emb = rows.flatten(-2)
     key = fused_norm(ple.norm_key, ple.key_proj(emb)).unflatten(-1, (hc, hidden_size))
     value = ple.value_proj(emb)
     query = fused_norm(ple.norm_query, h).unflatten(-1, (hc, hidden_size))
