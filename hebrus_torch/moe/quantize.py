@@ -10,8 +10,9 @@ consecutive values; each group gets a scale ``s`` and a bias ``b`` and each valu
   ``+delta``) when ``|lo| > |hi|``, else ``hi`` (scale ``-delta``);
 - ``q0 = rint(edge / scale)``; where ``q0 != 0`` the scale becomes ``edge / q0`` and the bias ``edge``
   (so the edge is represented exactly), else the bias is 0;
-- scale and bias are rounded to the storage dtype (the weight's), and each code is
-  ``q = clamp(rint((w - b) / s), 0, n)`` with those rounded values (``rint``: to nearest, ties to even).
+- each code is ``q = clamp(rint((w - b) / s), 0, n)`` with the fp32 scale and bias (``rint``: to nearest, ties
+  to even); only then are scale and bias rounded to the storage dtype (the weight's). For bf16 / fp16 weights
+  this is what makes the codes MLX's bit for bit (checked against ``mx.quantize``).
 
 Codes are packed little-end first into 32-bit words (``32 / bits`` per word: code ``k`` of a word in bits
 ``[k * bits, (k + 1) * bits)``), stored as int32 (torch has no general uint32 support); a row of ``in``
@@ -68,7 +69,7 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> tuple[torc
     scale = torch.where(nonzero, edge / torch.where(nonzero, q0, 1.0), scale)
     bias = torch.where(nonzero, edge, torch.zeros_like(edge))
     scales, biases = scale.to(w.dtype), bias.to(w.dtype)
-    q = torch.round((groups - biases.float()[..., None]) / scales.float()[..., None]).clamp_(0, n_bins)
+    q = torch.round((groups - bias[..., None]) / scale[..., None]).clamp_(0, n_bins)
     codes = q.to(torch.int64).reshape(*w.shape[:-1], -1, 32 // bits)
     shifts = torch.arange(32 // bits, dtype=torch.int64) * bits
     words = (codes << shifts).sum(-1)                                    # < 2**32: fits int64
