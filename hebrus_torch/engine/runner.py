@@ -21,12 +21,12 @@ import torch
 from ..errors import HebrusError
 from ..model_cache import Batch, ModelCache
 from ..models.qwen4_exp import PackedQwen4Exp, find_text_model
+from ..models.qwen4_exp.forward import _NO_PART
 from ..state.handles import SeqHandle
 from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
 
-_NO_PART = contextlib.nullcontext()
 """What ``_timed`` / ``_part`` give when nothing times or names the parts (reentrant: one instance serves all)."""
 
 

@@ -220,7 +220,9 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         With ``with_kv`` the holder also keeps the main attention K/V planes
         (``num_key_value_heads`` x ``head_dim``). dtype and device follow the model's parameters.
         """
-        text = _find_text_model(model)
+        from ..models.qwen4_exp.forward import find_text_model     # here: the model package imports this one
+
+        text = find_text_model(model, "QSACache.from_transformers")
         config = text.config
         layer_ids = [i for i, t in enumerate(config.layer_types) if t == "indexed_attention"]
         if not layer_ids:
@@ -377,19 +379,3 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
     def extra_repr(self) -> str:
         return (f"capacity={self.capacity}, num_layers={self.num_layers}, head_dim={self.head_dim}, "
                 f"r={self.compress_ratio}, dtype={self.dtype}, kv={self.has_kv}, window={self.window}")
-
-
-def _find_text_model(model: torch.nn.Module) -> torch.nn.Module:
-    seen = 0
-    m = model
-    while seen < 4:
-        if hasattr(m, "layers") and hasattr(m, "rotary_emb") and hasattr(m, "config"):
-            return m
-        for attr in ("model", "language_model", "text_model"):
-            if hasattr(m, attr) and isinstance(getattr(m, attr), torch.nn.Module):
-                m = getattr(m, attr)
-                break
-        else:
-            break
-        seen += 1
-    raise HebrusError(f"QSACache.from_transformers: cannot find a Qwen4Exp text model in {type(model).__name__}")

@@ -38,8 +38,9 @@ Timed = Callable[[str], ContextManager]
 LAYER_TYPES = ("indexed_attention", "linear_attention")
 
 
-def find_text_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Qwen4Exp text model (embed_tokens, layers, rotary_emb) inside a causal-LM or multimodal model."""
+def find_text_model(model: torch.nn.Module, who: str = "engine") -> torch.nn.Module:
+    """The Qwen4Exp text model (embed_tokens, layers, rotary_emb) inside a causal-LM or multimodal model;
+    ``who`` names the caller in the error raised when there is none."""
     m = model
     for _ in range(4):
         if hasattr(m, "layers") and hasattr(m, "rotary_emb") and hasattr(m, "embed_tokens"):
@@ -50,7 +51,7 @@ def find_text_model(model: torch.nn.Module) -> torch.nn.Module:
                 break
         else:
             break
-    raise HebrusError(f"engine: cannot find a Qwen4Exp text model in {type(model).__name__}")
+    raise HebrusError(f"{who}: cannot find a Qwen4Exp text model in {type(model).__name__}")
 
 
 _NO_PART = contextlib.nullcontext()
