@@ -58,10 +58,11 @@ def test_rows_are_independent_of_the_batch():
         assert torch.equal(hebrus_emu.moe_experts(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn)[0], whole[t])
 
 
+@pytest.mark.parametrize("rows", [3, 20], ids=["decode", "grouped"])
 @pytest.mark.parametrize("sched,guard,contract", [("reverse", "start", "off"), ("random", "end", "off"),
                                                   ("forward", "end", "fast")])
-def test_schedules_guards_and_contraction_agree(sched, guard, contract):
-    args = make_inputs(3, 40, 24, 4, 2, torch.bfloat16, seed=9)
+def test_schedules_guards_and_contraction_agree(sched, guard, contract, rows):
+    args = make_inputs(rows, 40, 24, 4, 2, torch.bfloat16, seed=9)
     want = hebrus_emu.moe_experts(*args)
     assert torch.equal(hebrus_emu.moe_experts(*args, sched=sched, seed=11, guard=guard, contract=contract), want)
 
@@ -83,14 +84,15 @@ def test_launches_do_not_depend_on_the_experts_hit():
     assert key == [(launch["kernel"], launch["threads"], launch["group"]) for launch in one]
 
 
+@pytest.mark.parametrize("rows,row", [(3, 1), (10, 7)], ids=["decode", "grouped"])  # act / route reports
 @pytest.mark.parametrize("bad", [4, -2])
-def test_expert_id_out_of_range_is_reported(bad):
-    x, ids, w, gu, dn = make_inputs(3, 32, 16, 4, 2, torch.float32)
+def test_expert_id_out_of_range_is_reported(bad, rows, row):
+    x, ids, w, gu, dn = make_inputs(rows, 32, 16, 4, 2, torch.float32)
     ids = ids.clone()
-    ids[1, 1] = bad
+    ids[row, 1] = bad
     with pytest.raises(HebrusError) as cpu:
         hebrus_torch.moe_experts(x, ids, w, gu, dn)
-    with pytest.raises(hebrus_emu.ASYNC_ERROR, match=r"^hebrus::moe_experts: topk_ids\[1, 1\]"):
+    with pytest.raises(hebrus_emu.ASYNC_ERROR, match=rf"^hebrus::moe_experts: topk_ids\[{row}, 1\]"):
         hebrus_emu.moe_experts(x, ids, w, gu, dn)
     assert hebrus_emu.reported() == [str(cpu.value)]
 
@@ -230,26 +232,6 @@ def test_grouped_launches_do_not_depend_on_the_experts_hit():
     assert key == [(launch["kernel"], launch["threads"], launch["group"]) for launch in one]
     assert len(key) == 4
     assert torch.equal(hebrus_emu.moe_experts(x, zeros, w, gu, dn), hebrus_torch.moe_experts(x, zeros, w, gu, dn))
-
-
-@pytest.mark.parametrize("sched,guard,contract", [("reverse", "start", "off"), ("random", "end", "off"),
-                                                  ("forward", "end", "fast")])
-def test_grouped_schedules_guards_and_contraction_agree(sched, guard, contract):
-    args = make_inputs(20, 40, 24, 4, 2, torch.bfloat16, seed=9)
-    want = hebrus_emu.moe_experts(*args)
-    assert torch.equal(hebrus_emu.moe_experts(*args, sched=sched, seed=11, guard=guard, contract=contract), want)
-
-
-@pytest.mark.parametrize("bad", [4, -2])
-def test_grouped_expert_id_out_of_range_is_reported(bad):
-    x, ids, w, gu, dn = make_inputs(10, 32, 16, 4, 2, torch.float32)
-    ids = ids.clone()
-    ids[7, 1] = bad
-    with pytest.raises(HebrusError) as cpu:
-        hebrus_torch.moe_experts(x, ids, w, gu, dn)
-    with pytest.raises(hebrus_emu.ASYNC_ERROR, match=r"^hebrus::moe_experts: topk_ids\[7, 1\]"):
-        hebrus_emu.moe_experts(x, ids, w, gu, dn)
-    assert hebrus_emu.reported() == [str(cpu.value)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
