@@ -307,3 +307,15 @@ def test_released_shapes_both_paths(quantized):
     whole = op(*args)
     assert torch.equal(whole, cpu(*args))
     assert torch.equal(op(*(a[1:2] if i < 3 else a for i, a in enumerate(args)))[0], whole[1])
+
+
+def test_released_routing_512_experts_top_10():
+    """The released router's fan-out (512 experts, top 10) through the route at 64 rows (640 pairs: grouped;
+    2 experts per route thread, most hit once or twice), on narrow experts (H = 48, I = 32) the emulator
+    affords: the CPU kernel's bits, and a row alone (decode) equal to it in the batch."""
+    args = make_inputs(64, 48, 32, 512, 10, torch.bfloat16, seed=512)
+    assert kernel_names("moe_experts", *args)[0] == "moe_experts_route"
+    whole = hebrus_emu.moe_experts(*args)
+    assert torch.equal(whole, hebrus_torch.moe_experts(*args))
+    one = tuple(a[33:34] if i < 3 else a for i, a in enumerate(args))
+    assert torch.equal(hebrus_emu.moe_experts(*one)[0], whole[33])
