@@ -75,6 +75,18 @@
 #define HEBRUS_MOE_TG 256
 #define HEBRUS_MOE_LANES 16
 #define HEBRUS_MOE_SUM_TG 256
+// The grouped (prefill) path: moe_experts_route (one threadgroup of HEBRUS_MOE_ROUTE_TG threads) lists
+// the pairs of each expert in ascending pair order and cuts the lists into tiles of at most
+// HEBRUS_MOE_TILE_ROWS pairs; the grouped act / down launches run one threadgroup of HEBRUS_MOE_TG
+// threads per (tile, block of HEBRUS_MOE_TILE_COLS outputs), staging HEBRUS_MOE_TILE_K inputs of the
+// tile's rows and weights at a time in threadgroup memory. The 16 half SIMD-groups of a threadgroup
+// are its cells: cell c sums tile row c % 8 against outputs 8 * (c / 8) .. + 8, each dot in the
+// decode kernels' lane order. quantized_linear's tiled launch uses the same tiles over plain rows.
+#define HEBRUS_MOE_ROUTE_TG 256
+#define HEBRUS_MOE_TILE_ROWS 8
+#define HEBRUS_MOE_TILE_COLS 16
+#define HEBRUS_MOE_CELL_COLS 8
+#define HEBRUS_MOE_TILE_K 128
 
 #ifndef __METAL_VERSION__
 #include <cmath>
@@ -93,9 +105,13 @@ static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams")
 static_assert(sizeof(GdnDeltaRuleParams) == 10 * 8, "GdnDeltaRuleParams: 9 x 64-bit, float, int");
 static_assert(HEBRUS_GDN_TG == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_SIMD_WIDTH, "gdn threadgroup");
 static_assert(HEBRUS_GDN_TG_COLS == HEBRUS_GDN_SIMD_GROUPS * HEBRUS_GDN_COLS, "gdn columns per threadgroup");
-static_assert(sizeof(MoeExpertsParams) == 8 * 8, "MoeExpertsParams: 7 x 64-bit, 2 x 32-bit");
+static_assert(sizeof(MoeExpertsParams) == 9 * 8, "MoeExpertsParams: 8 x 64-bit, 2 x 32-bit");
 static_assert(sizeof(QuantLinearParams) == 4 * 8, "QuantLinearParams: 4 x 64-bit");
 static_assert(HEBRUS_SIMD_WIDTH % HEBRUS_MOE_LANES == 0 && HEBRUS_MOE_TG % HEBRUS_SIMD_WIDTH == 0, "moe lanes");
+static_assert(HEBRUS_MOE_TG == HEBRUS_MOE_LANES * HEBRUS_MOE_TILE_ROWS * (HEBRUS_MOE_TILE_COLS / HEBRUS_MOE_CELL_COLS),
+              "moe tiles: one half SIMD-group per (tile row, cell of outputs)");
+static_assert(HEBRUS_MOE_TILE_K % 128 == 0 && HEBRUS_MOE_TILE_K % HEBRUS_MOE_LANES == 0,
+              "moe tiles: a step of inputs holds whole quantization groups (32, 64, 128)");
 static_assert(sizeof(HcRmsNormParams) == 4 * 8, "HcRmsNormParams: 3 x 64-bit, float, pad");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
@@ -414,16 +430,33 @@ inline SlotsCheckPlan plan_check_slots(int64_t tokens, int64_t rows, int64_t poo
   return plan;
 }
 
-// moe_experts' three launches (called with T, H, k, I >= 1): act over pairs x I items, down over
-// pairs x H items (HEBRUS_MOE_LANES threads each, rounded up to whole SIMD-groups), sum over T x H.
+// moe_experts' launches (called with T, H, k, I >= 1). Decode (the gather GEMV): act over pairs x I items,
+// down over pairs x H items (HEBRUS_MOE_LANES threads each, rounded up to whole SIMD-groups), sum over
+// T x H. Grouped (prefill): route (one threadgroup), act over max_tiles x ceil(I / 16) threadgroups,
+// down over max_tiles x ceil(H / 16), the same sum. Both paths give every pair's act and weighted output
+// the same bits, so the choice is only about speed; it is made from T, k and E alone (moe_grouped).
 struct MoeExpertsPlan {
   MoeExpertsParams params{};
-  Dispatch act, down, sum;
+  bool grouped = false;
+  Dispatch route, act, down, sum;
   const char* error = nullptr;
 };
 
 inline uint64_t moe_half_simd_threads(uint64_t items) {
   return ceil_div(items * HEBRUS_MOE_LANES, HEBRUS_SIMD_WIDTH) * HEBRUS_SIMD_WIDTH;
+}
+
+// The grouped path runs when the pairs are at least as many as the experts (so an expert hit is hit by
+// about one pair or more on average, and a tile reads its weights once for several pairs) and fill two
+// tiles. Shapes only: never the ids, so a row's path does not depend on which experts the batch hits.
+inline bool moe_grouped(int64_t rows, int64_t top_k, int64_t experts) {
+  const int64_t pairs = rows * top_k;
+  return pairs >= experts && pairs >= 2 * HEBRUS_MOE_TILE_ROWS;
+}
+
+// The most tiles the route can cut: sum over experts of ceil(n_e / R) <= ceil(pairs / R) + min(E, pairs).
+inline int64_t moe_max_tiles(int64_t pairs, int64_t experts) {
+  return (pairs + HEBRUS_MOE_TILE_ROWS - 1) / HEBRUS_MOE_TILE_ROWS + (experts < pairs ? experts : pairs);
 }
 
 // moe_experts_quantized passes its group size (its kernels' variant, "q4" / "q8", is the bit width).
@@ -439,12 +472,23 @@ inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top
   p.pairs = rows * top_k;
   p.group_size = group_size;
   p.round_product = round_product ? 1 : 0;
+  plan.grouped = moe_grouped(rows, top_k, experts);
   const uint64_t pairs = static_cast<uint64_t>(p.pairs);
-  const uint64_t act = moe_half_simd_threads(pairs * static_cast<uint64_t>(inter));
-  const uint64_t down = moe_half_simd_threads(pairs * static_cast<uint64_t>(hidden));
+  uint64_t act = 0, down = 0;
+  if (plan.grouped) {
+    p.max_tiles = moe_max_tiles(p.pairs, experts);
+    const uint64_t tiles = static_cast<uint64_t>(p.max_tiles);
+    act = tiles * ceil_div(static_cast<uint64_t>(inter), HEBRUS_MOE_TILE_COLS) * HEBRUS_MOE_TG;
+    down = tiles * ceil_div(static_cast<uint64_t>(hidden), HEBRUS_MOE_TILE_COLS) * HEBRUS_MOE_TG;
+    plan.route = {HEBRUS_MOE_ROUTE_TG, HEBRUS_MOE_ROUTE_TG};
+  } else {
+    act = moe_half_simd_threads(pairs * static_cast<uint64_t>(inter));
+    down = moe_half_simd_threads(pairs * static_cast<uint64_t>(hidden));
+  }
   const uint64_t sum = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
   if (act > kMaxThreads || down > kMaxThreads || sum > kMaxThreads) {
-    plan.error = "more than 2^32-1 threads (T * k * max(I, H) * 16)";
+    plan.error = plan.grouped ? "more than 2^32-1 threads (max_tiles * ceil(max(I, H) / 16) * 256)"
+                              : "more than 2^32-1 threads (T * k * max(I, H) * 16)";
   }
   plan.act = {act, HEBRUS_MOE_TG};
   plan.down = {down, HEBRUS_MOE_TG};
@@ -452,9 +496,12 @@ inline MoeExpertsPlan plan_moe_experts(int64_t rows, int64_t hidden, int64_t top
   return plan;
 }
 
-// quantized_linear's one launch (called with T, out >= 1): rows x out items of HEBRUS_MOE_LANES threads.
+// quantized_linear's one launch (called with T, out >= 1). Few rows: rows x out items of HEBRUS_MOE_LANES
+// threads. Many rows (T >= 2 tiles, a shape rule): one threadgroup per (tile of 8 rows, 16 outputs), the
+// weights staged once per tile; the same bits either way.
 struct QuantLinearPlan {
   QuantLinearParams params{};
+  bool tiled = false;
   Dispatch dispatch;
   const char* error = nullptr;
 };
@@ -462,7 +509,11 @@ struct QuantLinearPlan {
 inline QuantLinearPlan plan_quantized_linear(int64_t rows, int64_t in, int64_t out, int64_t group_size) {
   QuantLinearPlan plan;
   plan.params = {rows, in, out, group_size};
-  const uint64_t threads = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(out));
+  plan.tiled = rows >= 2 * HEBRUS_MOE_TILE_ROWS;
+  const uint64_t threads =
+      plan.tiled ? ceil_div(static_cast<uint64_t>(rows), HEBRUS_MOE_TILE_ROWS) *
+                       ceil_div(static_cast<uint64_t>(out), HEBRUS_MOE_TILE_COLS) * HEBRUS_MOE_TG
+                 : moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(out));
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * out * 16)";
   plan.dispatch = {threads, HEBRUS_MOE_TG};
   return plan;

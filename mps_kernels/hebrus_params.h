@@ -209,8 +209,9 @@ struct GdnChunkParams {
 };
 
 
-// hebrus::moe_experts and hebrus::moe_experts_quantized. Three launches (hebrus_launch.h): act (half a SIMD-group per (pair, intermediate
-// output)), down (half a SIMD-group per (pair, hidden output)), sum (one thread per output element).
+// hebrus::moe_experts and hebrus::moe_experts_quantized. Decode: three launches (hebrus_launch.h): act (half a SIMD-group per (pair,
+// intermediate output)), down (half a SIMD-group per (pair, hidden output)), sum (one thread per output element). Grouped (prefill):
+// route, then act and down over (tile of one expert's pairs, block of outputs), then the same sum.
 // A pair is p = t * top_k + j, in [0, pairs = rows * top_k).
 struct MoeExpertsParams {
   hebrus_i64 rows;           // T
@@ -220,6 +221,7 @@ struct MoeExpertsParams {
   hebrus_i64 inter;          // I
   hebrus_i64 pairs;          // T * k
   hebrus_i64 group_size;     // moe_experts_quantized: values per scale and bias (0 for moe_experts)
+  hebrus_i64 max_tiles;      // grouped path: the tiles the launches cover (0 on the decode path)
   hebrus_i32 round_product;  // 1: the weighted output is rounded to x's dtype (topk_weights has it)
   hebrus_i32 pad0;
 };

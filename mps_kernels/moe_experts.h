@@ -1,7 +1,8 @@
 #pragma once
 // What the moe_experts kernels (moe_experts.metal, moe_experts_quantized.metal) share: the CPU kernels'
-// silu, the rounding to the storage type, the half-SIMD-group reduction in the CPU kernels' order, and the
-// sum over each row's slots (instantiated in moe_experts.metal; the quantized op launches it from there).
+// silu, the rounding to the storage type, the half-SIMD-group reduction in the CPU kernels' order, the
+// grouped path's tile staging and lane sums, and the sum over each row's slots (instantiated in
+// moe_experts.metal with the route kernel; the quantized op launches both from there).
 #include "hebrus_metal_common.h"
 
 // exp(x) of the CPU kernels' silu (hebrus_simd.h exp_silu), operation for operation.
@@ -47,6 +48,78 @@ inline float hebrus_moe_reduce(float v) {
   v = v + simd_shuffle_down(v, ushort(4));
   v = v + simd_shuffle_down(v, ushort(2));
   return v + simd_shuffle_down(v, ushort(1));
+}
+
+// The act value of a pair and intermediate output from its reduced gate and up sums g, u (decode and grouped).
+template <typename T>
+inline float hebrus_moe_act_value(float g, float u) {
+  return hebrus_moe_round<T>(hebrus_moe_round<T>(hebrus_moe_silu(hebrus_moe_round<T>(g))) * hebrus_moe_round<T>(u));
+}
+
+// A pair's weighted output from its reduced down sum y and router weight w (decode and grouped).
+template <typename T>
+inline float hebrus_moe_weighted(float y, float w, int round_product) {
+  const float prod = hebrus_moe_round<T>(y) * w;
+  return round_product != 0 ? hebrus_moe_round<T>(prod) : prod;
+}
+
+// ---- the grouped (prefill) path: tiles of one expert's pairs, inputs staged in threadgroup memory ----------
+// A tile's threadgroup (HEBRUS_MOE_TG threads) sums HEBRUS_MOE_TILE_ROWS rows against HEBRUS_MOE_TILE_COLS
+// outputs: thread tid is lane tid % 16 of cell tid / 16, which sums tile row (cell % 8) against the cell's 8
+// outputs. Lane l adds the products of inputs l, l + 16, ... in ascending order into one fp32 accumulator per
+// output, exactly as a decode half SIMD-group's lane l does, and the cells reduce with hebrus_moe_reduce: so
+// every (pair, output) sum has the decode kernels' bits, whatever else the tile holds.
+
+// The pairs of tile `tile` (from moe_experts_route's table: tiles[0] = count, then (expert, begin, end) per
+// tile, begin / end indexing `order`) into pairs_tg (-1 past the tile's end) and its expert; false for a
+// threadgroup past the route's tiles (the whole threadgroup returns: tiles[0] is uniform).
+inline bool hebrus_moe_tile_pairs(device const long* tiles, device const long* order, long tile,
+                                  threadgroup long* pairs_tg, thread long& expert, uint tid) {
+  if (tile >= tiles[0]) {
+    return false;
+  }
+  device const long* t = tiles + 1 + 3 * tile;
+  expert = t[0];
+  if (tid < HEBRUS_MOE_TILE_ROWS) {
+    pairs_tg[tid] = t[1] + long(tid) < t[2] ? order[t[1] + long(tid)] : -1;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return true;
+}
+
+// Inputs [k0, k0 + TILE_K) of the tile's rows (row pairs_tg[r] / div of src, `width` values each) as fp32,
+// zero past width and for rows past the tile.
+template <typename S>
+inline void hebrus_moe_stage_rows(threadgroup float* dst, device const S* src, threadgroup const long* pairs_tg,
+                                  long div, long width, long k0, uint tid) {
+  for (uint v = tid; v < HEBRUS_MOE_TILE_ROWS * HEBRUS_MOE_TILE_K; v += HEBRUS_MOE_TG) {
+    const long pair = pairs_tg[v / HEBRUS_MOE_TILE_K], d = k0 + long(v % HEBRUS_MOE_TILE_K);
+    dst[v] = pair >= 0 && d < width ? static_cast<float>(src[(pair / div) * width + d]) : 0.0f;
+  }
+}
+
+// Inputs [k0, k0 + TILE_K) of weight rows base + o0 + c, c < TILE_COLS (`width` values each), zero past
+// width and for outputs o0 + c >= count.
+template <typename T>
+inline void hebrus_moe_stage_weights(threadgroup T* dst, device const T* w, long base, long o0, long count,
+                                     long width, long k0, uint tid) {
+  for (uint v = tid; v < HEBRUS_MOE_TILE_COLS * HEBRUS_MOE_TILE_K; v += HEBRUS_MOE_TG) {
+    const long o = o0 + long(v / HEBRUS_MOE_TILE_K), d = k0 + long(v % HEBRUS_MOE_TILE_K);
+    dst[v] = o < count && d < width ? w[(base + o) * width + d] : static_cast<T>(0.0f);
+  }
+}
+
+// acc[j] = acc[j] + w[j][m] * xrow[m] for m = l, l + 16, ... < len (len a multiple of 16): lane l's part of
+// the cell's 8 dot products over one staged step, in the decode kernels' order.
+template <typename W>
+inline void hebrus_moe_tile_dots(thread float* acc, threadgroup const W* w, threadgroup const float* xrow, long len,
+                                 uint l) {
+  for (long m = long(l); m < len; m += HEBRUS_MOE_LANES) {
+    const float xv = xrow[m];
+    for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+      acc[j] = acc[j] + static_cast<float>(w[j * HEBRUS_MOE_TILE_K + m]) * xv;
+    }
+  }
 }
 
 // The sum launch: one thread per (row, d): out = round(((0 + ywt[t, 0]) + ywt[t, 1]) + ...), slot order.

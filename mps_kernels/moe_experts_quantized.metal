@@ -10,18 +10,176 @@
 // library also holds hebrus::quantized_linear's kernel (the same fold and lane order, one launch).
 #include "moe_experts.h"
 
+// The code of value d of a quantized row.
+template <int BITS>
+inline uint hebrus_moe_code_bits(device const uint* codes, long d) {
+  const long per_word = 32 / BITS;
+  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
+}
+
 // The code of value d of a quantized row, as a float.
 template <int BITS>
 inline float hebrus_moe_code(device const uint* codes, long d) {
-  const long per_word = 32 / BITS;
-  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
-  return float(q);
+  return float(hebrus_moe_code_bits<BITS>(codes, d));
 }
 
 // acc + (qx * s + xs * b): one group of a folded dot product (s, b the group's scale and bias).
 template <typename T>
 inline float hebrus_moe_fold(float acc, float qx, float xs, device const T* scales, device const T* biases, long g) {
   return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));
+}
+
+// ---- the grouped (prefill) path: the tile machinery of moe_experts.h over codes ---------------------------
+
+// The codes of inputs [k0, k0 + TILE_K) of weight rows base + o0 + c, c < TILE_COLS (rows of `width` values,
+// width * BITS / 32 words), zero for outputs o0 + c >= count and past width.
+template <int BITS>
+inline void hebrus_moe_stage_codes(threadgroup uchar* dst, device const uint* codes, long base, long o0, long count,
+                                   long width, long k0, uint tid) {
+  const long words = width * BITS / 32;
+  for (uint v = tid; v < HEBRUS_MOE_TILE_COLS * HEBRUS_MOE_TILE_K; v += HEBRUS_MOE_TG) {
+    const long o = o0 + long(v / HEBRUS_MOE_TILE_K), d = k0 + long(v % HEBRUS_MOE_TILE_K);
+    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);
+  }
+}
+
+// Lane l's part of the cell's 8 folded dot products over one staged step [k0, k0 + len) (len a multiple of
+// the group size): per group, qx[j] = sum code * x and xs = sum x over the lane's inputs in ascending order,
+// then acc[j] = acc[j] + (qx[j] * s + xs * b) with weight row row0 + j's scale and bias (rows >= count are
+// outputs past the end: left at 0, never written).
+template <typename T>
+inline void hebrus_moe_tile_qdots(thread float* acc, threadgroup const uchar* codes, threadgroup const float* xrow,
+                                  long len, long k0, long group_size, device const T* scales, device const T* biases,
+                                  long row0, long rows_left, long groups, uint l) {
+  for (long g0 = 0; g0 < len; g0 += group_size) {
+    float qx[HEBRUS_MOE_CELL_COLS];
+    float xs = 0.0f;
+    for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+      qx[j] = 0.0f;
+    }
+    for (long m = g0 + long(l); m < g0 + group_size; m += HEBRUS_MOE_LANES) {
+      const float xv = xrow[m];
+      for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+        qx[j] = qx[j] + float(codes[j * HEBRUS_MOE_TILE_K + m]) * xv;
+      }
+      xs = xs + xv;
+    }
+    const long gi = (k0 + g0) / group_size;
+    for (int j = 0; j < HEBRUS_MOE_CELL_COLS && j < rows_left; ++j) {
+      acc[j] = hebrus_moe_fold(acc[j], qx[j], xs, scales + (row0 + j) * groups, biases + (row0 + j) * groups, gi);
+    }
+  }
+}
+
+// The folded sums of a tile of rows (pairs_tg[r] / div of src, `width` inputs) against weight rows
+// base + o0 + c (count rows in all): the body of act_grouped (twice), down_grouped and quantized_linear_tiled. Returns the cell's 8
+// reduced sums in acc (every lane calls it: the reductions shuffle).
+template <int BITS, typename T, typename S>
+inline void hebrus_moe_qtile(thread float* acc, threadgroup float* xs, threadgroup uchar* cs,
+                             threadgroup const long* pairs_tg, device const S* src, long div, long width,
+                             device const uint* wq, device const T* scales, device const T* biases, long base,
+                             long o0, long count, long group_size, uint tid) {
+  const uint l = tid % HEBRUS_MOE_LANES, cell = tid / HEBRUS_MOE_LANES, r = cell % HEBRUS_MOE_TILE_ROWS;
+  const long c0 = long(cell / HEBRUS_MOE_TILE_ROWS) * HEBRUS_MOE_CELL_COLS, groups = width / group_size;
+  for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+    acc[j] = 0.0f;
+  }
+  for (long k0 = 0; k0 < width; k0 += HEBRUS_MOE_TILE_K) {
+    hebrus_moe_stage_rows(xs, src, pairs_tg, div, width, k0, tid);
+    hebrus_moe_stage_codes<BITS>(cs, wq, base, o0, count, width, k0, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    hebrus_moe_tile_qdots<T>(acc, cs + c0 * HEBRUS_MOE_TILE_K, xs + r * HEBRUS_MOE_TILE_K,
+                          hebrus_min(HEBRUS_MOE_TILE_K, width - k0), k0, group_size, scales, biases, base + o0 + c0,
+                          count - (o0 + c0), groups, l);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+    acc[j] = hebrus_moe_reduce(acc[j]);
+  }
+}
+
+// act, grouped (moe_experts.metal's moe_experts_act_grouped over codes): the gate sums, then the up sums, of
+// the tile's x rows, codes staged HEBRUS_MOE_TILE_K inputs (whole groups) at a time.
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void moe_experts_quantized_act_grouped(
+    device const T* x [[buffer(0)]],                // [T, H]
+    device const long* order [[buffer(1)]],         // [T * k]: route's lists
+    device const long* tiles [[buffer(2)]],         // route's tiles
+    device const uint* gate_up_q [[buffer(3)]],     // [E, 2I, H * BITS / 32]
+    device const T* gate_up_scales [[buffer(4)]],   // [E, 2I, H / group]
+    device const T* gate_up_biases [[buffer(5)]],   // [E, 2I, H / group]
+    device float* act [[buffer(6)]],                // [T * k, I]
+    device HebrusErrorMessages* err [[buffer(7)]],  // (bound as in every launch; route reports bad ids)
+    constant MoeExpertsParams& p [[buffer(8)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float xs_mem[HEBRUS_MOE_TILE_ROWS * HEBRUS_MOE_TILE_K];
+  threadgroup uchar cs_mem[HEBRUS_MOE_TILE_COLS * HEBRUS_MOE_TILE_K];
+  threadgroup long pairs_mem[HEBRUS_MOE_TILE_ROWS];
+  threadgroup float* xs = xs_mem;
+  threadgroup uchar* cs = cs_mem;
+  threadgroup long* pairs_tg = pairs_mem;
+  const long H = p.hidden, I = p.inter;
+  const long blocks = (I + HEBRUS_MOE_TILE_COLS - 1) / HEBRUS_MOE_TILE_COLS;
+  const long o0 = (long(tg) % blocks) * HEBRUS_MOE_TILE_COLS;
+  long e = 0;
+  if (!hebrus_moe_tile_pairs(tiles, order, long(tg) / blocks, pairs_tg, e, tid)) {
+    return;
+  }
+  float g[HEBRUS_MOE_CELL_COLS], u[HEBRUS_MOE_CELL_COLS];
+  hebrus_moe_qtile<BITS>(g, xs, cs, pairs_tg, x, p.top_k, H, gate_up_q, gate_up_scales, gate_up_biases, e * 2 * I, o0,
+                         I, p.group_size, tid);
+  hebrus_moe_qtile<BITS>(u, xs, cs, pairs_tg, x, p.top_k, H, gate_up_q, gate_up_scales, gate_up_biases, e * 2 * I + I,
+                         o0, I, p.group_size, tid);
+  const uint cell = tid / HEBRUS_MOE_LANES;
+  const long pair = pairs_tg[cell % HEBRUS_MOE_TILE_ROWS], c0 = long(cell / HEBRUS_MOE_TILE_ROWS) * HEBRUS_MOE_CELL_COLS;
+  for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+    const long i = o0 + c0 + j;
+    if (tid % HEBRUS_MOE_LANES == 0 && pair >= 0 && i < I) {
+      act[pair * I + i] = hebrus_moe_act_value<T>(g[j], u[j]);
+    }
+  }
+}
+
+// down, grouped: the tile's act rows against the expert's down codes.
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void moe_experts_quantized_down_grouped(
+    device const long* order [[buffer(0)]],         // [T * k]: route's lists
+    device const long* tiles [[buffer(1)]],         // route's tiles
+    device const float* weights [[buffer(2)]],      // [T * k], topk_weights as fp32
+    device const uint* down_q [[buffer(3)]],        // [E, H, I * BITS / 32]
+    device const T* down_scales [[buffer(4)]],      // [E, H, I / group]
+    device const T* down_biases [[buffer(5)]],      // [E, H, I / group]
+    device const float* act [[buffer(6)]],          // [T * k, I]
+    device float* ywt [[buffer(7)]],                // [T * k, H]
+    device HebrusErrorMessages* err [[buffer(8)]],  // (bound as in every launch; route reports bad ids)
+    constant MoeExpertsParams& p [[buffer(9)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float xs_mem[HEBRUS_MOE_TILE_ROWS * HEBRUS_MOE_TILE_K];
+  threadgroup uchar cs_mem[HEBRUS_MOE_TILE_COLS * HEBRUS_MOE_TILE_K];
+  threadgroup long pairs_mem[HEBRUS_MOE_TILE_ROWS];
+  threadgroup float* xs = xs_mem;
+  threadgroup uchar* cs = cs_mem;
+  threadgroup long* pairs_tg = pairs_mem;
+  const long H = p.hidden, I = p.inter;
+  const long blocks = (H + HEBRUS_MOE_TILE_COLS - 1) / HEBRUS_MOE_TILE_COLS;
+  const long o0 = (long(tg) % blocks) * HEBRUS_MOE_TILE_COLS;
+  long e = 0;
+  if (!hebrus_moe_tile_pairs(tiles, order, long(tg) / blocks, pairs_tg, e, tid)) {
+    return;
+  }
+  float y[HEBRUS_MOE_CELL_COLS];
+  hebrus_moe_qtile<BITS>(y, xs, cs, pairs_tg, act, 1, I, down_q, down_scales, down_biases, e * H, o0, H, p.group_size,
+                         tid);
+  const uint cell = tid / HEBRUS_MOE_LANES;
+  const long pair = pairs_tg[cell % HEBRUS_MOE_TILE_ROWS], c0 = long(cell / HEBRUS_MOE_TILE_ROWS) * HEBRUS_MOE_CELL_COLS;
+  for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+    const long d = o0 + c0 + j;
+    if (tid % HEBRUS_MOE_LANES == 0 && pair >= 0 && d < H) {
+      ywt[pair * H + d] = hebrus_moe_weighted<T>(y[j], weights[pair], p.round_product);
+    }
+  }
 }
 
 template <int BITS, typename T>
@@ -69,8 +227,7 @@ template <int BITS, typename T>
   g = hebrus_moe_reduce(g);
   u = hebrus_moe_reduce(u);
   if (valid && l == 0) {
-    const float gr = hebrus_moe_round<T>(g), ur = hebrus_moe_round<T>(u);
-    act[pair * p.inter + i] = hebrus_moe_round<T>(hebrus_moe_round<T>(hebrus_moe_silu(gr)) * ur);
+    act[pair * p.inter + i] = hebrus_moe_act_value<T>(g, u);
   }
 }
 
@@ -108,8 +265,7 @@ template <int BITS, typename T>
   }
   y = hebrus_moe_reduce(y);
   if (valid && l == 0) {
-    const float prod = hebrus_moe_round<T>(y) * weights[pair];
-    ywt[pair * p.hidden + d] = p.round_product != 0 ? hebrus_moe_round<T>(prod) : prod;
+    ywt[pair * p.hidden + d] = hebrus_moe_weighted<T>(y, weights[pair], p.round_product);
   }
 }
 
@@ -150,6 +306,55 @@ template <int BITS, typename T>
   }
 }
 
+// quantized_linear at many rows: one threadgroup per (tile of 8 rows, 16 outputs), the weights' codes staged
+// once per tile; every sum has the one-launch kernel's bits (the same lanes, groups and fold).
+template <int BITS, typename T>
+[[kernel, max_total_threads_per_threadgroup(HEBRUS_MOE_TG)]] void quantized_linear_tiled(
+    device const T* x [[buffer(0)]],                // [T, in]
+    device const uint* wq [[buffer(1)]],            // [out, in * BITS / 32]
+    device const T* scales [[buffer(2)]],           // [out, in / group]
+    device const T* biases [[buffer(3)]],           // [out, in / group]
+    device T* out [[buffer(4)]],                    // [T, out]
+    device HebrusErrorMessages* err [[buffer(5)]],  // (bound as in every launch; nothing to report)
+    constant QuantLinearParams& p [[buffer(6)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float xs_mem[HEBRUS_MOE_TILE_ROWS * HEBRUS_MOE_TILE_K];
+  threadgroup uchar cs_mem[HEBRUS_MOE_TILE_COLS * HEBRUS_MOE_TILE_K];
+  threadgroup long rows_mem[HEBRUS_MOE_TILE_ROWS];
+  threadgroup float* xs = xs_mem;
+  threadgroup uchar* cs = cs_mem;
+  threadgroup long* rows_tg = rows_mem;
+  const long blocks = (p.out + HEBRUS_MOE_TILE_COLS - 1) / HEBRUS_MOE_TILE_COLS;
+  const long t0 = (long(tg) / blocks) * HEBRUS_MOE_TILE_ROWS, o0 = (long(tg) % blocks) * HEBRUS_MOE_TILE_COLS;
+  if (tid < HEBRUS_MOE_TILE_ROWS) {
+    rows_tg[tid] = t0 + long(tid) < p.rows ? t0 + long(tid) : -1;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float acc[HEBRUS_MOE_CELL_COLS];
+  hebrus_moe_qtile<BITS>(acc, xs, cs, rows_tg, x, 1, p.in, wq, scales, biases, 0, o0, p.out, p.group_size, tid);
+  const uint cell = tid / HEBRUS_MOE_LANES;
+  const long t = rows_tg[cell % HEBRUS_MOE_TILE_ROWS], c0 = long(cell / HEBRUS_MOE_TILE_ROWS) * HEBRUS_MOE_CELL_COLS;
+  for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
+    const long o = o0 + c0 + j;
+    if (tid % HEBRUS_MOE_LANES == 0 && t >= 0 && o < p.out) {
+      out[t * p.out + o] = static_cast<T>(acc[j]);
+    }
+  }
+}
+
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q8, half, 8, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q8, half, 8, half)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q4, float, 4, float)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q8, float, 8, float)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q4, half, 4, half)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q8, half, 8, half)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, float, 4, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, float, 8, float)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, half, 4, half)
@@ -169,4 +374,10 @@ HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q4, bfloat, 4, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act, q8, bfloat, 8, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q4, bfloat, 4, bfloat)
 HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down, q8, bfloat, 8, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_act_grouped, q8, bfloat, 8, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(moe_experts_quantized_down_grouped, q8, bfloat, 8, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q4, bfloat, 4, bfloat)
+HEBRUS_INSTANTIATE_VARIANT(quantized_linear_tiled, q8, bfloat, 8, bfloat)
 #endif

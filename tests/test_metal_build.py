@@ -36,15 +36,18 @@ EXPECTED = {
                        for t in TYPES} | {"gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check"},
     "gdn_chunk_delta_rule": {f"gdn_chunk_delta_rule_slots_{t}" for t in TYPES}
     | {f"gdn_chunk_delta_rule_slots_gf32_{t}" for t in TYPES[1:]} | {"gdn_chunk_delta_rule_slots_check"},
-    "moe_experts": {f"moe_experts_{k}_{t}" for k in ("act", "down", "sum") for t in TYPES},
+    "moe_experts": {f"moe_experts_{k}_{t}" for k in ("act", "down", "sum", "act_grouped", "down_grouped")
+                    for t in TYPES} | {"moe_experts_route"},
     "moe_experts_quantized": {f"{k}_{q}_{t}" for k in ("moe_experts_quantized_act", "moe_experts_quantized_down",
-                                                        "quantized_linear") for q in ("q4", "q8") for t in TYPES},
+                                                        "moe_experts_quantized_act_grouped",
+                                                        "moe_experts_quantized_down_grouped", "quantized_linear",
+                                                        "quantized_linear_tiled") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
                  "qsa_attention_check_cells", "gdn_delta_rule_check_cu", "gdn_delta_rule_slots_check",
-                 "gdn_chunk_delta_rule_slots_check"}
+                 "gdn_chunk_delta_rule_slots_check", "moe_experts_route"}
 VARIANTS = {
     "qsa_select": ("k512", "k2048"),
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
@@ -54,15 +57,22 @@ VARIANTS = {
 # Files holding the kernels of several ops (one templated body): the ops, as the host names them.
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
-            "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum"),
-            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear")}
+            "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum", "moe_experts_act_grouped",
+                            "moe_experts_down_grouped"),
+            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down",
+                                      "moe_experts_quantized_act_grouped", "moe_experts_quantized_down_grouped",
+                                      "quantized_linear", "quantized_linear_tiled")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",)),
-           # (the sum launch of both moe ops is moe_sum_launch's, a helper: checked as a check kernel's layout)
-           "moe_experts": ("moe_experts", ("moe_experts_act", "moe_experts_down")),
-           "moe_experts_quantized": [("moe_experts_quantized", ("moe_experts_quantized_act",
+           # (the route and sum launches of both moe ops are helpers' (moe_route_launch, moe_sum_launch): checked
+           # as a check kernel's layout; quantized_linear_tiled binds quantized_linear's buffers)
+           "moe_experts": ("moe_experts", ("moe_experts_act_grouped", "moe_experts_down_grouped", "moe_experts_act",
+                                           "moe_experts_down")),
+           "moe_experts_quantized": [("moe_experts_quantized", ("moe_experts_quantized_act_grouped",
+                                                                "moe_experts_quantized_down_grouped",
+                                                                "moe_experts_quantized_act",
                                                                 "moe_experts_quantized_down")),
                                      ("quantized_linear", ("quantized_linear",))]}
 

@@ -386,8 +386,8 @@ def test_unmutated_moe_kernels_pass_the_check():
      "  v = v + simd_shuffle_down(v, ushort(4));\n  v = v + simd_shuffle_down(v, ushort(8));\n"),  # another tree
     ("moe_experts.metal", "  g = hebrus_moe_reduce(g);\n", "  g = simd_sum(g) * 0.5f;\n"),  # the hardware's tree
     ("moe_experts.metal", "      const bool in = d < H;\n", "      const bool in = d < H + 1;\n"),  # past the row
-    ("moe_experts.metal", "    act[pair * p.inter + i] = hebrus_moe_round<T>(",
-     "    act[pair * p.inter + i + 1] = hebrus_moe_round<T>("),
+    ("moe_experts.metal", "    act[pair * p.inter + i] = hebrus_moe_act_value<T>(g, u);",
+     "    act[pair * p.inter + i + 1] = hebrus_moe_act_value<T>(g, u);"),
     ("moe_experts.h", "    s = s + ywt[(t * p.top_k + j) * p.hidden + d];",
      "    s = s + ywt[(t * p.top_k + p.top_k - 1 - j) * p.hidden + d];"),
 ], ids=["reduce-tree", "simd-sum", "tail-past-row", "act-column-off-by-one", "slots-summed-backwards"])
@@ -396,6 +396,44 @@ def test_moe_mutations_are_caught(tmp_path, use, file, old, new):
     with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
         for sched in ("forward", "random"):
             moe_check(sched=sched, seed=3)
+
+
+def moe_grouped_check(**emu):
+    import hebrus_torch
+    from test_moe_experts import make_inputs
+
+    # the grouped path: 60 pairs over 3 experts (3 tiles each, the last partial), H over two staging steps with
+    # a tail, I over two output blocks (the second partial)
+    args = make_inputs(20, 140, 24, 3, 3, torch.float32, seed=16)
+    assert hebrus_emu.launches("moe_experts", *args)[0]["kernel"] == "moe_experts_route"
+    assert torch.equal(hebrus_emu.moe_experts(*args, **emu), hebrus_torch.moe_experts(*args))
+
+
+def test_unmutated_moe_grouped_kernels_pass_the_check():
+    for sched in ("forward", "reverse", "random"):
+        moe_grouped_check(sched=sched, seed=2)
+
+
+@pytest.mark.parametrize("file,old,new", [
+    ("moe_experts.metal",
+     "e * 2 * I + I, o0, I, H, k0, tid);\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+     "e * 2 * I + I, o0, I, H, k0, tid);\n"),  # the staged tile read before every thread wrote it
+    ("moe_experts.metal", "    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next step restages\n", ""),
+    ("moe_experts.metal", "      tiles[2 + 3 * tb] = pb + m;",
+     "      tiles[2 + 3 * tb] = pb;"),  # every tile of a list its first: pairs past 8 never computed
+    ("moe_experts.metal", "  for (uint j = 0; j < tid; ++j) {", "  for (uint j = 0; j <= tid; ++j) {"),
+    ("moe_experts.metal", "const float gj = hebrus_moe_reduce(g[j]), uj = hebrus_moe_reduce(u[j]);",
+     "const float gj = simd_sum(g[j]) * 0.5f, uj = hebrus_moe_reduce(u[j]);"),
+    ("moe_experts.h", "static_cast<float>(src[(pair / div) * width + d])", "static_cast<float>(src[pair * width + d])"),
+    ("moe_experts.h", "  for (long m = long(l); m < len; m += HEBRUS_MOE_LANES) {",
+     "  for (long m = len - HEBRUS_MOE_LANES + long(l); m >= 0; m -= HEBRUS_MOE_LANES) {"),  # a lane's sum reversed
+], ids=["stage-barrier", "restage-barrier", "tiles-all-at-the-list-start", "route-offsets-inclusive", "grouped-simd-sum",
+        "x-row-of-the-pair", "lane-sum-reversed"])
+def test_moe_grouped_mutations_are_caught(tmp_path, use, file, old, new):
+    use("moe_experts", mutated(tmp_path, "moe_experts", file, old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
+        for sched in ("forward", "reverse", "random"):
+            moe_grouped_check(sched=sched, seed=3)
 
 
 def moe_quantized_check(**emu):
@@ -408,16 +446,29 @@ def moe_quantized_check(**emu):
     assert torch.equal(hebrus_emu.moe_experts_quantized(*args, **emu), hebrus_torch.moe_experts_quantized(*args))
     lin = linear_inputs(3, 64, 9, torch.float32, 4, 32, seed=15)
     assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
+    # the grouped and tiled launches: 20 pairs over 3 experts, H and in over two staging steps
+    args = quantized_inputs(10, 256, 64, 3, 2, torch.float32, 4, 32, seed=17)
+    assert hebrus_emu.launches("moe_experts_quantized", *args)[0]["kernel"] == "moe_experts_route"
+    assert torch.equal(hebrus_emu.moe_experts_quantized(*args, **emu), hebrus_torch.moe_experts_quantized(*args))
+    lin = linear_inputs(17, 256, 20, torch.float32, 4, 32, seed=18)
+    assert hebrus_emu.launches("quantized_linear", *lin)[0]["kernel"] == "quantized_linear_tiled_q4_float"
+    assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
 
 
 @pytest.mark.parametrize("old,new", [
-    ("  return float(q);", "  return float(q) + 0.5f;"),
+    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+     "  return ((codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u)) ^ 1u;"),
     ("  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
      "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
-    ("  const uint q = (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
-     "  const uint q = (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
+    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+     "  return (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
     ("    out[t * p.out + o] = static_cast<T>(acc);", "    out[o * p.rows + t] = static_cast<T>(acc);"),
-], ids=["code-offset", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed"])
+    ("    const long gi = (k0 + g0) / group_size;", "    const long gi = g0 / group_size;"),  # the step's groups
+    ("      out[t * p.out + o] = static_cast<T>(acc[j]);", "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
+    ("    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);",
+     "    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o0) * words, d)) : uchar(0);"),
+], ids=["code-flipped", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed", "group-of-the-step",
+        "tiled-output-cell-dropped", "staged-codes-one-row"])
 def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
     moe_quantized_check()
     use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))

@@ -342,3 +342,33 @@ def test_gdn_delta_rule_slots_duplicate_slot_raises_at_synchronize():
     with pytest.raises(torch.AcceleratorError, match=r"slot 0 appears twice in one batch \(rows 1 and 3\)"):
         torch.mps.synchronize()
     torch.mps.synchronize()
+
+
+# ---- moe_experts, moe_experts_quantized, quantized_linear: both paths (issue 36) ---------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts_both_paths_match_the_cpu_op_and_each_other(dtype):
+    """40 rows x top 2 over 8 experts take the grouped path, a row alone the decode path: the rows agree
+    bitwise on the device, and with the CPU kernel within one rounding of x's dtype."""
+    from test_moe_experts import REL_TOL, make_inputs
+
+    args = make_inputs(40, 96, 48, 8, 2, dtype, seed=36)
+    whole = hebrus_torch.moe_experts(*mps(*args)).cpu()
+    for t in (0, 17, 39):
+        one = hebrus_torch.moe_experts(*mps(args[0][t:t + 1], args[1][t:t + 1], args[2][t:t + 1], *args[3:]))
+        assert torch.equal(one.cpu()[0], whole[t])
+    want = hebrus_torch.moe_experts(*args)
+    assert (whole.float() - want.float()).abs().max().item() <= REL_TOL[dtype] * want.float().abs().max().item()
+
+
+def test_moe_experts_quantized_and_linear_both_paths_on_device():
+    from test_moe_quantized import quantized_inputs
+    from test_quantized_linear import linear_inputs
+
+    x, ids, w, *rest = quantized_inputs(24, 128, 64, 6, 2, torch.bfloat16, 4, 64, seed=3)
+    whole = hebrus_torch.moe_experts_quantized(*mps(x, ids, w, *rest[:6]), *rest[6:]).cpu()
+    one = hebrus_torch.moe_experts_quantized(*mps(x[5:6], ids[5:6], w[5:6], *rest[:6]), *rest[6:]).cpu()
+    assert torch.equal(one[0], whole[5])
+    x, *rest = linear_inputs(20, 256, 37, torch.float16, 8, 32, seed=4)
+    whole = hebrus_torch.quantized_linear(*mps(x, *rest[:3]), *rest[3:]).cpu()
+    assert torch.equal(hebrus_torch.quantized_linear(*mps(x[7:8], *rest[:3]), *rest[3:]).cpu()[0], whole[7])

@@ -497,9 +497,10 @@ inline Call gdn_chunk_delta_rule_slots(const Tensor& q_in, const Tensor& k_in, c
 // ---- moe_experts, moe_experts_quantized ---------------------------------------------------------------
 
 // What both ops' launches share: the ids and router weights converted on the device (int64, fp32), never
-// read here; the fp32 scratch act [T * k, I] and ywt [T * k, H]; the output; the plan.
+// read here; the fp32 scratch act [T * k, I] and ywt [T * k, H]; on the grouped path the route's pair lists
+// order [T * k] and tile table tiles [1 + 3 * max_tiles] (int64, written on the device); the output; the plan.
 struct MoeBuffers {
-  Tensor ids, weights, act, ywt, out;
+  Tensor ids, weights, act, ywt, out, order, tiles;
   hebrus::metal::MoeExpertsPlan plan;
 };
 
@@ -515,7 +516,18 @@ inline MoeBuffers moe_buffers(const char* op, const Tensor& x, const Tensor& ids
   b.act = at::empty({pairs, sz.inter}, x.options().dtype(at::kFloat));
   b.ywt = at::empty({pairs, sz.hidden}, x.options().dtype(at::kFloat));
   b.out = at::empty({sz.rows, sz.hidden}, x.options());
+  if (b.plan.grouped) {
+    b.order = at::empty({pairs}, x.options().dtype(at::kLong));
+    b.tiles = at::empty({1 + 3 * b.plan.params.max_tiles}, x.options().dtype(at::kLong));
+  }
   return b;
+}
+
+// The grouped path's first launch: moe_experts.metal's moe_experts_route (one threadgroup), which lists the
+// pairs by expert and reports bad ids for both ops.
+inline Launch moe_route_launch(const MoeBuffers& b) {
+  return make_launch("moe_experts", "moe_experts_route", {b.ids, b.order, b.tiles}, {false, true, true},
+                     b.plan.params, b.plan.route);
 }
 
 // The last launch of both ops: moe_experts.metal's moe_experts_sum over the weighted outputs.
@@ -524,8 +536,9 @@ inline Launch moe_sum_launch(const MoeBuffers& b, const char* type) {
                      {false, true}, b.plan.params, b.plan.sum);
 }
 
-// Three launches (act, down, sum: mps_kernels/moe_experts.metal) whatever the experts hit; bad ids are the
-// act kernel's to report.
+// Launches from shapes only, whatever the experts hit (mps_kernels/moe_experts.metal): decode (the gather
+// GEMV) act, down, sum; grouped (hebrus::metal::moe_grouped: T * k >= max(E, 16)) route, act_grouped,
+// down_grouped, sum. Both give the same bits. Bad ids are reported by act (decode) or route (grouped).
 inline Call moe_experts(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const Tensor& gate_up_in,
                         const Tensor& down_in, c10::DeviceType device) {
   const char* op = "moe_experts";
@@ -541,17 +554,29 @@ inline Call moe_experts(const Tensor& x_in, const Tensor& ids_in, const Tensor& 
   const Tensor x = x_in.contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
   const MoeBuffers b = moe_buffers(op, x, ids_in, weights_in, sz, 0);
   using hebrus::metal::kernel_name;
-  call.launches.push_back(make_launch(op, kernel_name("moe_experts_act", nullptr, type), {x, b.ids, gate_up, b.act},
-                                      {false, false, false, true}, b.plan.params, b.plan.act));
-  call.launches.push_back(make_launch(op, kernel_name("moe_experts_down", nullptr, type),
-                                      {b.ids, b.weights, down, b.act, b.ywt}, {false, false, false, false, true},
-                                      b.plan.params, b.plan.down));
+  if (b.plan.grouped) {
+    call.launches.push_back(moe_route_launch(b));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_act_grouped", nullptr, type),
+                                        {x, b.order, b.tiles, gate_up, b.act}, {false, false, false, false, true},
+                                        b.plan.params, b.plan.act));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_down_grouped", nullptr, type),
+                                        {b.order, b.tiles, b.weights, down, b.act, b.ywt},
+                                        {false, false, false, false, false, true}, b.plan.params, b.plan.down));
+  } else {
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_act", nullptr, type),
+                                        {x, b.ids, gate_up, b.act}, {false, false, false, true}, b.plan.params,
+                                        b.plan.act));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_down", nullptr, type),
+                                        {b.ids, b.weights, down, b.act, b.ywt}, {false, false, false, false, true},
+                                        b.plan.params, b.plan.down));
+  }
   call.launches.push_back(moe_sum_launch(b, type));
   call.outputs = {b.out};
   return call;
 }
 
-// quantized_linear: one launch of moe_experts_quantized.metal's quantized_linear (variant q4 / q8).
+// quantized_linear: one launch of moe_experts_quantized.metal's quantized_linear (variant q4 / q8), or of
+// quantized_linear_tiled from T >= 16 rows (hebrus::metal::plan_quantized_linear; the same bits).
 inline Call quantized_linear(const Tensor& x_in, const Tensor& wq_in, const Tensor& scales_in, const Tensor& biases_in,
                              int64_t group_size, int64_t bits, c10::DeviceType device) {
   const char* op = "quantized_linear";
@@ -569,15 +594,16 @@ inline Call quantized_linear(const Tensor& x_in, const Tensor& wq_in, const Tens
                biases = biases_in.contiguous();
   const Tensor out = at::empty({sz.rows, sz.out}, x.options());
   call.launches.push_back(make_launch("moe_experts_quantized",
-                                      hebrus::metal::kernel_name(op, bits == 4 ? "q4" : "q8", type),
+                                      hebrus::metal::kernel_name(plan.tiled ? "quantized_linear_tiled" : op,
+                                                                 bits == 4 ? "q4" : "q8", type),
                                       {x, wq, scales, biases, out}, {false, false, false, false, true}, plan.params,
                                       plan.dispatch));
   call.outputs = {out};
   return call;
 }
 
-// moe_experts over quantized experts (mps_kernels/moe_experts_quantized.metal, variant q4 / q8), then the
-// dense op's sum launch.
+// moe_experts over quantized experts (mps_kernels/moe_experts_quantized.metal, variant q4 / q8; on the grouped
+// path after the dense op's route launch), then the dense op's sum launch.
 inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in,
                                   const Tensor& gate_up_q_in, const Tensor& gate_up_scales_in,
                                   const Tensor& gate_up_biases_in, const Tensor& down_q_in,
@@ -604,13 +630,24 @@ inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, cons
   const MoeBuffers b = moe_buffers(op, x, ids_in, weights_in, sz, group_size);
   const char* variant = bits == 4 ? "q4" : "q8";
   using hebrus::metal::kernel_name;
-  call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_act", variant, type),
-                                      {x, b.ids, gate_up_q, gate_up_scales, gate_up_biases, b.act},
-                                      {false, false, false, false, false, true},
-                                      b.plan.params, b.plan.act));
-  call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_down", variant, type),
-                                      {b.ids, b.weights, down_q, down_scales, down_biases, b.act, b.ywt},
-                                      {false, false, false, false, false, false, true}, b.plan.params, b.plan.down));
+  if (b.plan.grouped) {
+    call.launches.push_back(moe_route_launch(b));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_act_grouped", variant, type),
+                                        {x, b.order, b.tiles, gate_up_q, gate_up_scales, gate_up_biases, b.act},
+                                        {false, false, false, false, false, false, true}, b.plan.params, b.plan.act));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_down_grouped", variant, type),
+                                        {b.order, b.tiles, b.weights, down_q, down_scales, down_biases, b.act, b.ywt},
+                                        {false, false, false, false, false, false, false, true}, b.plan.params,
+                                        b.plan.down));
+  } else {
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_act", variant, type),
+                                        {x, b.ids, gate_up_q, gate_up_scales, gate_up_biases, b.act},
+                                        {false, false, false, false, false, true}, b.plan.params, b.plan.act));
+    call.launches.push_back(make_launch(op, kernel_name("moe_experts_quantized_down", variant, type),
+                                        {b.ids, b.weights, down_q, down_scales, down_biases, b.act, b.ywt},
+                                        {false, false, false, false, false, false, true}, b.plan.params,
+                                        b.plan.down));
+  }
   call.launches.push_back(moe_sum_launch(b, type));
   call.outputs = {b.out};
   return call;

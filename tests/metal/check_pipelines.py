@@ -40,10 +40,13 @@ KERNELS = {
     "gdn_chunk_delta_rule": {**{f"gdn_chunk_delta_rule_slots_{t}": 128 for t in TYPES},
                              **{f"gdn_chunk_delta_rule_slots_gf32_{t}": 128 for t in TYPES[1:]},
                              "gdn_chunk_delta_rule_slots_check": 256},
-    "moe_experts": {f"moe_experts_{k}_{t}": 256 for k in ("act", "down", "sum") for t in TYPES},
-    "moe_experts_quantized": {**{f"moe_experts_quantized_{k}_{q}_{t}": 256 for k in ("act", "down")
+    "moe_experts": {**{f"moe_experts_{k}_{t}": 256 for k in ("act", "down", "sum", "act_grouped", "down_grouped")
+                       for t in TYPES}, "moe_experts_route": 256},
+    "moe_experts_quantized": {**{f"moe_experts_quantized_{k}_{q}_{t}": 256
+                                 for k in ("act", "down", "act_grouped", "down_grouped")
                                  for q in ("q4", "q8") for t in TYPES},
-                              **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
+                              **{f"{k}_{q}_{t}": 256 for k in ("quantized_linear", "quantized_linear_tiled")
+                                 for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
 }
 SIMD_WIDTH = 32
