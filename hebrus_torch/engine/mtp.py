@@ -179,10 +179,14 @@ class MTPDrafter:
 
     def published(self) -> None:
         """The step committed: its streams become the sequences' (positions from each row's first on replace
-        what an abandoned stream left there)."""
+        what an abandoned stream left there). Of the earlier positions a sequence keeps the last
+        ``MAX_DRAFT_TOKENS + 1`` and the block boundaries only (until December 2026 every position stayed: a row of
+        hc * hidden values per token, copied on every fork)."""
         staged, self._staged = self._staged, None
+        recent = MAX_DRAFT_TOKENS + 1
         for seq, p, rows in staged or ():
-            kept = {q: r for q, r in self._streams.get(seq, {}).items() if q < p}
+            kept = {q: r for q, r in self._streams.get(seq, {}).items()
+                    if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
             kept.update(rows)
             self._streams[seq] = kept
         if len(self._streams) > 2 * self.cache.slots.capacity:
