@@ -22,7 +22,9 @@ ratios), acceptance per draft position (accepted / drafted at positions 1, 2, ..
 row. The greedy tokens of every path are asserted equal to plain decoding's. Every path drafts only in steps where
 at most ``SpeculativeConfig.disable_by_batch_size`` requests decode (the default); above that count the rows
 "no batch cutoff" measure speculation with the cutoff off. ``--cpu-time`` times runs by the process's CPU time
-(one thread; a machine shared with other jobs).
+(one thread; a machine shared with other jobs). ``--nothing-accepted-pairs N`` measures instead, in N paired
+rounds, plain decoding against an engine that writes the block's K/V without drafting and against the untrained
+block with its back-off: the cost where nothing is accepted, less noisy than the table's rotating repeats.
 
     python benchmarks/bench_mtp.py [--checkpoint DIR] [--train-seconds 180] [--counts 1,8] [--k 3] [--no-write]
         [--cpu-time]
@@ -183,6 +185,33 @@ def per_position(log: list[tuple[int, int]], k: int) -> str:
     return " / ".join(cells)
 
 
+def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int, pairs: int) -> tuple[list, str]:
+    """The cost where nothing is accepted, paired: per count, ``pairs`` rounds of plain decoding, the block's K/V
+    written without speculating (``SpeculativeConfig(0, method="mtp")``) and the untrained block with the
+    back-off, one after another in each round; per row the median of the per-round ratios of time to plain."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    configs = {"plain": None, "MTP block's K/V written, no drafts": SpeculativeConfig(0, method="mtp"),
+               "MTP untrained, back-off": SpeculativeConfig(k, method="mtp")}
+    rows = []
+    model.mtp = untrained
+    for n in counts:
+        prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        with torch.inference_mode():
+            generate(model, prompts[:1], 4)
+            for _ in range(pairs):
+                for name, spec in configs.items():
+                    times[name].append(generate(model, prompts, new, spec)["wall"])
+        for name in configs:
+            ratio = statistics.median(p / t for p, t in zip(times["plain"], times[name]))
+            rows.append([str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
+            print(rows[-1], flush=True)
+    text = table(["requests", "path", "time per generated token of a request (ms, median)", "vs plain (median of rounds)"],
+                 rows)
+    return rows, text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default="/tmp/hebrus_bench_mtp")
@@ -199,6 +228,8 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--section", default="Speculation from the MTP block, trained here (issue 38)")
     ap.add_argument("--cpu-time", action="store_true", help="time runs by the process's CPU time, not wall time")
+    ap.add_argument("--nothing-accepted-pairs", type=int, default=0,
+                    help="instead of the table: N paired rounds of plain / K/V written only / untrained block")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
@@ -229,6 +260,21 @@ def main() -> None:
     def recording(self, cfg, drafted, accepted):
         log.append((drafted, accepted))
         return update(self, cfg, drafted, accepted)
+    if args.nothing_accepted_pairs:
+        _, text = nothing_accepted_pairs(model, untrained, [int(x) for x in args.counts.split(",")], args.k,
+                                         args.new, args.nothing_accepted_pairs)
+        text = (f"`python benchmarks/bench_mtp.py --layers {layers} --counts {args.counts} --k {args.k} --new {args.new} "
+                f"--nothing-accepted-pairs {args.nothing_accepted_pairs}{' --cpu-time' if args.cpu_time else ''}`, "
+                f"{time.strftime('%Y-%m-%d')}: {machine()}, load average at the start {load_start:.1f}, at the end "
+                f"{os.getloadavg()[0]:.1f}. Model: bench_speculative.py's copy model with {layers} decoder layers, a "
+                f"random MTP block (nothing accepted). Prompts: {PROMPT} random tokens, {args.new} greedy tokens per "
+                f"request, every request at once. Each round runs the three paths one after another "
+                f"({'CPU time of the process' if args.cpu_time else 'wall time'}); {args.nothing_accepted_pairs} rounds. "
+                f"Time per token: the run's time over the tokens one request generates.\n\n" + text)
+        print(text)
+        if not args.no_write:
+            write_section(args.section, text)
+        return
     SpecState.update = recording
     g = torch.Generator().manual_seed(7)
     rows = []
