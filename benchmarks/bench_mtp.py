@@ -19,9 +19,15 @@ back-off (``adaptive=False``: every decode step drafts ``--k`` tokens and all ar
 is the cost of such a step, the number of steps being the same). Per row: tokens/s (median of ``--repeat``
 runs, the configurations' order rotating per repeat), each against plain (the median of the per-repeat
 ratios), acceptance per draft position (accepted / drafted at positions 1, 2, ...), tokens per verification
-row. The greedy tokens of every path are asserted equal to plain decoding's.
+row. The greedy tokens of every path are asserted equal to plain decoding's. Every path drafts only in steps where
+at most ``SpeculativeConfig.disable_by_batch_size`` requests decode (the default); above that count the rows
+"no batch cutoff" measure speculation with the cutoff off. ``--cpu-time`` times runs by the process's CPU time
+(one thread; a machine shared with other jobs). ``--nothing-accepted-pairs N`` measures instead, in N paired
+rounds, plain decoding against an engine that writes the block's K/V without drafting and against the untrained
+block with its back-off: the cost where nothing is accepted, less noisy than the table's rotating repeats.
 
     python benchmarks/bench_mtp.py [--checkpoint DIR] [--train-seconds 180] [--counts 1,8] [--k 3] [--no-write]
+        [--cpu-time]
 """
 
 from __future__ import annotations
@@ -44,17 +50,20 @@ from hebrus_torch.engine.speculative import SpecState, SpeculativeConfig  # noqa
 
 PROMPT = 64
 CORPUS_NEW = 128
+CLOCK = time.perf_counter
+"""What a run is timed by: wall time, or the process's CPU time with ``--cpu-time`` (one thread: on a shared
+machine wall time also counts the other jobs' turns, CPU time far less)."""
 
 
 def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None) -> dict:
     cfg = EngineConfig(capacity_tokens=65536, max_sequences=max(8, len(prompts)), max_batch_tokens=512,
                        speculative=spec)
     engine = Engine(model, cfg)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)
     engine.run()
-    wall = time.perf_counter() - t0
+    wall = CLOCK() - t0
     c = engine.counters
     return {"wall": wall, "tokens": sum(len(r.generated) for r in engine.requests.values()),
             "drafted": c.spec_drafted_tokens, "accepted": c.spec_accepted_tokens, "rows": c.spec_verify_rows,
@@ -176,6 +185,33 @@ def per_position(log: list[tuple[int, int]], k: int) -> str:
     return " / ".join(cells)
 
 
+def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int, pairs: int) -> tuple[list, str]:
+    """The cost where nothing is accepted, paired: per count, ``pairs`` rounds of plain decoding, the block's K/V
+    written without speculating (``SpeculativeConfig(0, method="mtp")``) and the untrained block with the
+    back-off, one after another in each round; per row the median of the per-round ratios of time to plain."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    configs = {"plain": None, "MTP block's K/V written, no drafts": SpeculativeConfig(0, method="mtp"),
+               "MTP untrained, back-off": SpeculativeConfig(k, method="mtp")}
+    rows = []
+    model.mtp = untrained
+    for n in counts:
+        prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        with torch.inference_mode():
+            generate(model, prompts[:1], 4)
+            for _ in range(pairs):
+                for name, spec in configs.items():
+                    times[name].append(generate(model, prompts, new, spec)["wall"])
+        for name in configs:
+            ratio = statistics.median(p / t for p, t in zip(times["plain"], times[name]))
+            rows.append([str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
+            print(rows[-1], flush=True)
+    text = table(["requests", "path", "time per generated token of a request (ms, median)", "vs plain (median of rounds)"],
+                 rows)
+    return rows, text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default="/tmp/hebrus_bench_mtp")
@@ -191,9 +227,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--section", default="Speculation from the MTP block, trained here (issue 38)")
+    ap.add_argument("--cpu-time", action="store_true", help="time runs by the process's CPU time, not wall time")
+    ap.add_argument("--nothing-accepted-pairs", type=int, default=0,
+                    help="instead of the table: N paired rounds of plain / K/V written only / untrained block")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu_time else time.perf_counter
     path = Path(args.checkpoint)
     path.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()[0]
     model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers)
     layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
@@ -206,26 +248,47 @@ def main() -> None:
     vocab = model.config.vocab_size
     paths = {"prompt lookup": (SpeculativeConfig(args.k), None), "MTP trained": (SpeculativeConfig(
         args.k, method="mtp"), trained), "MTP untrained": (SpeculativeConfig(args.k, method="mtp"), untrained),
-             "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp"), untrained)}
+             "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp",
+                                                              disable_by_batch_size=None), untrained)}
+    cutoff = SpeculativeConfig(args.k).disable_by_batch_size
+    uncut = {"prompt lookup, no batch cutoff": (SpeculativeConfig(args.k, disable_by_batch_size=None), None),
+             "MTP trained, no batch cutoff": (SpeculativeConfig(args.k, method="mtp", disable_by_batch_size=None),
+                                              trained)}
     log: list[tuple[int, int]] = []
     update = SpecState.update
 
     def recording(self, cfg, drafted, accepted):
         log.append((drafted, accepted))
         return update(self, cfg, drafted, accepted)
+    if args.nothing_accepted_pairs:
+        _, text = nothing_accepted_pairs(model, untrained, [int(x) for x in args.counts.split(",")], args.k,
+                                         args.new, args.nothing_accepted_pairs)
+        text = (f"`python benchmarks/bench_mtp.py --layers {layers} --counts {args.counts} --k {args.k} --new {args.new} "
+                f"--nothing-accepted-pairs {args.nothing_accepted_pairs}{' --cpu-time' if args.cpu_time else ''}`, "
+                f"{time.strftime('%Y-%m-%d')}: {machine()}, load average at the start {load_start:.1f}, at the end "
+                f"{os.getloadavg()[0]:.1f}. Model: bench_speculative.py's copy model with {layers} decoder layers, a "
+                f"random MTP block (nothing accepted). Prompts: {PROMPT} random tokens, {args.new} greedy tokens per "
+                f"request, every request at once. Each round runs the three paths one after another "
+                f"({'CPU time of the process' if args.cpu_time else 'wall time'}); {args.nothing_accepted_pairs} rounds. "
+                f"Time per token: the run's time over the tokens one request generates.\n\n" + text)
+        print(text)
+        if not args.no_write:
+            write_section(args.section, text)
+        return
     SpecState.update = recording
     g = torch.Generator().manual_seed(7)
     rows = []
     for n in (int(x) for x in args.counts.split(",")):
         prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
-        names = ["plain", *paths]
+        chosen = dict(paths, **(uncut if cutoff is not None and n > cutoff else {}))
+        names = ["plain", *chosen]
         runs: dict[str, list[dict]] = {name: [] for name in names}
         logs: dict[str, list] = {name: [] for name in names}
         with torch.inference_mode():
             generate(model, prompts[:1], 4)                                              # warm-up
             for i in range(args.repeat):
                 for name in names[i % len(names):] + names[:i % len(names)]:
-                    spec, mtp = paths.get(name, (None, None))
+                    spec, mtp = chosen.get(name, (None, None))
                     if mtp is not None:
                         model.mtp = mtp
                     log.clear()
@@ -251,14 +314,17 @@ def main() -> None:
                     + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
     text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
             f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
-            f"{args.bench_threads}`, {time.strftime('%Y-%m-%d')}: {machine()}, load average at the end "
-            f"{os.getloadavg()[0]:.1f}.\n"
+            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}`, {time.strftime('%Y-%m-%d')}: {machine()}, "
+            f"load average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f}.\n"
             f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "
             f"fp32, mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
             f"{trained_note}; untrained = a random block. Prompts: {PROMPT} random tokens (not the training "
             f"corpus's), {args.new} tokens generated per request, greedy, every request at once; engine capacity "
-            f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length. tok/s: median "
-            f"of {args.repeat} runs; vs plain: median of the per-repeat ratios of wall time; acceptance: accepted / "
+            f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length, no drafting in "
+            f"a step where more than {cutoff} requests decode (the default `disable_by_batch_size`) unless the row "
+            f"says 'no batch cutoff' (the 'no back-off' row has no cutoff either). tok/s: median of {args.repeat} runs "
+            f"({'CPU time of the process' if args.cpu_time else 'wall time'}); vs plain: median of the per-repeat "
+            f"ratios of that time; acceptance: accepted / "
             f"drafted, overall and per draft position, of the last run; steps of the last run. Greedy tokens "
             f"asserted equal to plain decoding's in every run.\n\n")
     text += table(["requests", "path", "tok/s", "vs plain", "acceptance", "acceptance per position",

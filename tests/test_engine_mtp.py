@@ -156,6 +156,27 @@ def test_drafting_is_batched_one_pass_per_draft_position():
     assert together == alone and [len(d) for d in together] == [3, 1, 2]
 
 
+def test_the_drafter_keeps_recent_streams_and_block_boundaries_only():
+    """A sequence's kept pre-mixer streams stay bounded as it grows: the last MAX_DRAFT_TOKENS + 1 positions and
+    the block boundaries (every position stayed before)."""
+    from hebrus_torch.engine.speculative import MAX_DRAFT_TOKENS
+
+    model = with_mtp(make_model("lin-idx", seed=24))
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=16,
+                                        speculative=mtp_config(2)))
+    req = engine.requests[engine.add_request(prompts_for(24, lengths=(10,))[0], max_new_tokens=70, eos_token_id=-1)]
+    for _ in range(70):
+        engine.step()
+        if len(req.generated) >= 65:
+            break
+    assert len(req.generated) >= 65 and not req.status.is_done
+    frontier = req.num_computed
+    kept = [q for q in range(frontier) if engine.mtp_drafter.streams_at(req.seq, q) is not None]
+    assert frontier - 1 in kept
+    assert all(q >= frontier - 2 * (MAX_DRAFT_TOKENS + 1) or (q + 1) % 16 == 0 for q in kept)
+    assert len(kept) <= 2 * (MAX_DRAFT_TOKENS + 1) + frontier // 16
+
+
 # ------------------------------------------------------------------------------------------ exactness
 def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6):
     """Bias the MTP drafts towards the plain run's continuation at random positions (random MTP weights accept

@@ -101,7 +101,8 @@ def test_adaptive_length_backs_off_after_misses():
 
 @pytest.mark.parametrize("bad", [dict(num_draft_tokens=-1), dict(num_draft_tokens=33), dict(num_draft_tokens=True),
                                  dict(num_draft_tokens=2, min_ngram=0), dict(num_draft_tokens=2, max_ngram=0),
-                                 dict(num_draft_tokens=2, adaptive=1)])
+                                 dict(num_draft_tokens=2, adaptive=1), dict(num_draft_tokens=2, disable_by_batch_size=0),
+                                 dict(num_draft_tokens=2, disable_by_batch_size=2.0)])
 def test_bad_speculative_configs_are_refused(bad):
     with pytest.raises(BadRequestError, match="SpeculativeConfig"):
         SpeculativeConfig(**bad)
@@ -248,6 +249,54 @@ def test_a_request_whose_drafts_are_never_accepted_soon_stops_drafting(row_invar
     assert engine.counters.spec_accepted_tokens == 0
     assert engine.counters.spec_verify_rows == 3      # 40 tokens: decode steps 0, 4 and 20 (pauses of 3 and 15)
     assert engine.counters.spec_drafted_tokens == 2 + 1 + 1
+
+
+def test_no_request_drafts_while_more_requests_decode_than_disable_by_batch_size(row_invariant):
+    """Steps where more than ``disable_by_batch_size`` requests decode verify nothing and count for no request's
+    back-off; once fewer decode, they draft again; the tokens are the plain ones throughout."""
+    model = eager_experts(make_model("lin-idx", seed=18))
+    prompts = prompts_for(18, lengths=(6, 9, 12))
+    lengths = (4, 8, 20)
+    ref = {}
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        ref[f"r{i}"] = run(model, [p], max_new_tokens=n)[0]["r0"]
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=64, block_size=4),
+                    drafter=oracle(ref, 2, error_rate=0.0))
+    spec = SpeculativeConfig(2, disable_by_batch_size=2)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=EOS, speculative=spec)
+    verified_with = []
+    while engine.has_unfinished():
+        decoding = sum(1 for r in engine.scheduler.running if r.remaining == 1)
+        rows = engine.counters.spec_verify_rows
+        backoff = [(r.spec.length, r.spec.pause) for r in engine.requests.values()]
+        engine.step()
+        if engine.counters.spec_verify_rows > rows:
+            verified_with.append(decoding)
+        if decoding > 2:
+            assert engine.counters.spec_verify_rows == rows
+            assert [(r.spec.length, r.spec.pause) for r in engine.requests.values()] == backoff
+    assert verified_with and max(verified_with) <= 2
+    assert {rid: r.generated for rid, r in engine.requests.items()} == ref
+    tokens, _ = run(model, prompts[:1], spec=SpeculativeConfig(2, disable_by_batch_size=None), max_new_tokens=4,
+                    drafter=oracle({"r0": ref["r0"]}, 2, error_rate=0.0))
+    assert tokens == {"r0": ref["r0"]}
+
+
+def test_a_request_that_accepts_nothing_backs_off_alone(row_invariant):
+    """The back-off is per request: one whose drafts are never accepted stops drafting while another, drafting
+    in the same steps, keeps its full length."""
+    model = eager_experts(make_model("lin-idx", seed=19))
+    prompts = prompts_for(19, lengths=(7, 11))
+    ref, _ = run(model, prompts, max_new_tokens=24)
+    good = oracle(ref, 4, error_rate=0.0)
+    bad = oracle(ref, 4, error_rate=1.0)
+    tokens, engine = run(model, prompts, spec=4, max_new_tokens=24, max_batch_tokens=64,
+                         drafter=lambda req, k: (good if req.request_id == "r0" else bad)(req, k))
+    assert tokens == ref
+    r0, r1 = engine.requests["r0"].spec, engine.requests["r1"].spec
+    assert r1.accepted_tokens == 0 and r1.verify_steps == 3          # decode steps 0, 4 and 20
+    assert r0.accepted_tokens == r0.drafted_tokens > 0 and r0.verify_steps < 24 // 3
 
 
 def test_speculation_mixed_with_prefills_and_plain_decodes(row_invariant):

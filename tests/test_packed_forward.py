@@ -16,7 +16,8 @@ from hebrus_torch import model_cache
 from hebrus_torch.engine import Engine, EngineConfig
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp import PackedQwen4Exp
-from hebrus_torch.models.qwen4_exp.attention import attention_projections, gated_output, index_queries_and_keys
+from hebrus_torch.models.qwen4_exp.attention import (attention_projections, gated_output, index_keys,
+                                                      index_queries_and_keys)
 from hebrus_torch.models.qwen4_exp.gdn import packed_gated_delta_net
 
 
@@ -87,6 +88,24 @@ def test_the_forward_refuses_a_gdn_holder_of_other_heads(model):
     other = modeling.Qwen4ExpForCausalLM(tiny_indexer_config(linear_num_value_heads=4))
     with pytest.raises(HebrusError, match=r"decoder layer 0's linear attention .*module.num_v_heads is 4"):
         PackedQwen4Exp(other.model, cache)
+
+
+def test_index_keys_alone_are_the_projection_s_key_columns(model):
+    """index_keys (the MTP block's K/V write: no queries) gives index_queries_and_keys' raw keys, to rounding for a
+    plain Linear (its key rows alone) and bitwise through any other module (the whole projection, sliced)."""
+    indexer = model.model.layers[1].self_attn.indexer
+    x = torch.randn(5, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x[None], torch.arange(5).view(1, 1, -1).expand(3, 1, -1))
+    with torch.no_grad():
+        _, raw = index_queries_and_keys(indexer, x, cos[0], sin[0], modeling.apply_rotary_pos_emb)
+        keys = index_keys(indexer, x)
+        assert keys.shape == raw.shape
+        torch.testing.assert_close(keys, raw, atol=1e-6, rtol=1e-6)
+        handle = indexer.index_qk_proj.register_forward_hook(lambda mod, args, out: out)   # (not a plain Linear now)
+        try:
+            assert torch.equal(index_keys(indexer, x), raw)
+        finally:
+            handle.remove()
 
 
 def test_shared_projections_are_transformers_own(model):

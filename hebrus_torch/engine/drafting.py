@@ -24,15 +24,19 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
                    mtp_drafter: Any = None) -> dict[Request, list[int]]:
     """The drafts of the requests of ``running`` that decode and speculate, as many tokens as each one's adaptive
     length, its ``max_new_tokens`` and the cache allow (requests without drafts are left out).
+    A request drafts nothing in a step where more requests decode than its ``disable_by_batch_size``.
     ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
     ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup)."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
+    decoding = sum(1 for req in running if req.remaining == 1)
     for req in running:
         spec, cfg = req.spec, req.speculative
         if not cfg.enabled or req.remaining != 1 or not req.generated or spec.error is not None:
             continue
+        if cfg.disable_by_batch_size is not None and decoding > cfg.disable_by_batch_size:
+            continue                   # (before next_length: a step without drafting counts for no back-off)
         k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, capacity_tokens - req.num_tokens - 1)
         if k <= 0:
             continue

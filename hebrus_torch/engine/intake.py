@@ -116,7 +116,8 @@ def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what:
         raise BadRequestError(f"{what}: speculative must be a SpeculativeConfig, an int or None, got {value!r}")
     default = engine.config.speculative
     if default is not None and default.method == "mtp" and value:     # (an MTP engine: that many MTP drafts)
-        return SpeculativeConfig(value, adaptive=default.adaptive, method="mtp")
+        return SpeculativeConfig(value, adaptive=default.adaptive, method="mtp",
+                                 disable_by_batch_size=default.disable_by_batch_size)
     return SpeculativeConfig(value)
 
 

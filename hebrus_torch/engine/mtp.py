@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import HebrusError
+from ..hc.premix import hyper_premix
 from ..model_cache import Batch, ChunkStep, ModelCache
 from ..models.qwen4_exp import find_text_model
 from ..models.qwen4_exp.mtp import Qwen4ExpMTP, mtp_logits, mtp_write, packed_mtp
@@ -93,6 +94,11 @@ def mtp_model_cache(model: torch.nn.Module, mtp: Qwen4ExpMTP, *, capacity_tokens
     return ModelCache(qsa=qsa, ple=ple, gdn=gdn, top_k=q.top_k, keep_snapshots=keep_snapshots)
 
 
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Row indices as an int64 Tensor on ``like``'s device."""
+    return torch.tensor(rows, dtype=torch.int64, device=like.device)
+
+
 class _Discard(Exception):
     """Raised at the end of drafting: the drafting transaction publishes nothing."""
 
@@ -140,31 +146,47 @@ class MTPDrafter:
         transaction); returns the mixer's output Tensor[T, hidden] as ``PackedQwen4Exp`` does."""
         self._staged = None
         h, (cos, sin) = self.trunk.streams(step, positions, last, timed)
-        previous = torch.zeros_like(h)
-        staged = []
+        # Entry q of the block takes the streams at q - 1: the row's own h one token back, and for a row's first
+        # token what its sequence's previous step left (zeros where none is kept); one copy each for all rows.
+        firsts, first_at, shifted, kept_at, staged = [], [], [], [], []
         at = 0
         for seq, p, n in zip(step.batch.seqs, starts, counts):
             if n == 0:
                 continue
-            before = self._streams.get(seq, {}).get(p - 1)
-            if before is not None:
-                previous[at] = before
-            previous[at + 1:at + n] = h[at:at + n - 1]
-            keep = {q: h[at + q - p] for q in range(p, p + n)
-                    if q >= p + n - (MAX_DRAFT_TOKENS + 1) or (q + 1) % self.block_size == 0}
-            staged.append((seq, p, {q: row.clone() for q, row in keep.items()}))
+            firsts.append(self._streams.get(seq, {}).get(p - 1))
+            first_at.append(at)
+            shifted.extend(range(at, at + n - 1))
+            keep = [q for q in range(p, p + n)
+                    if q >= p + n - (MAX_DRAFT_TOKENS + 1) or (q + 1) % self.block_size == 0]
+            kept_at.extend(at + q - p for q in keep)
+            staged.append((seq, p, keep))
             at += n
+        previous = h.new_zeros(h.shape)
+        known = [i for i, f in enumerate(firsts) if f is not None]
+        if known:
+            previous.index_copy_(0, _index([first_at[i] for i in known], h), torch.stack([firsts[i] for i in known]))
+        if shifted:
+            previous.index_copy_(0, _index([i + 1 for i in shifted], h), h.index_select(0, _index(shifted, h)))
+        kept = h.index_select(0, _index(kept_at, h))        # (a copy: the rows outlive the step's h)
+        at = 0
+        for i, (seq, p, keep) in enumerate(staged):
+            staged[i] = (seq, p, dict(zip(keep, kept[at:at + len(keep)])))
+            at += len(keep)
         with timed("mtp"):
             mtp_write(step, self.trunk, self.mtp, previous, step.batch.tokens, cos, sin)
         self._staged = staged
-        return self.trunk.text.hyper_connection_mixer(h)
+        return hyper_premix(self.trunk.text.hyper_connection_mixer, h)     # (as PackedQwen4Exp's own)
 
     def published(self) -> None:
         """The step committed: its streams become the sequences' (positions from each row's first on replace
-        what an abandoned stream left there)."""
+        what an abandoned stream left there). Of the earlier positions a sequence keeps the last
+        ``MAX_DRAFT_TOKENS + 1`` and the block boundaries only (until December 2026 every position stayed: a row of
+        hc * hidden values per token, copied on every fork)."""
         staged, self._staged = self._staged, None
+        recent = MAX_DRAFT_TOKENS + 1
         for seq, p, rows in staged or ():
-            kept = {q: r for q, r in self._streams.get(seq, {}).items() if q < p}
+            kept = {q: r for q, r in self._streams.get(seq, {}).items()
+                    if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
             kept.update(rows)
             self._streams[seq] = kept
         if len(self._streams) > 2 * self.cache.slots.capacity:

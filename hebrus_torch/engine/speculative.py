@@ -32,6 +32,9 @@ __all__ = ["SpeculativeConfig", "SpecState", "NgramIndex", "prompt_lookup", "Ver
 
 MAX_DRAFT_TOKENS = 32
 SPECULATIVE_METHODS = ("ngram", "mtp")
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+"""``SpeculativeConfig.disable_by_batch_size``'s default (measured: benchmarks/RESULTS.md, "MTP speculation made
+cheaper")."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class SpeculativeConfig:
             ``drafter`` / ``draft_model`` where it has one) or ``"mtp"`` (the checkpoint's own MTP block,
             ``engine/mtp.py``: the engine must be built with ``EngineConfig(speculative=SpeculativeConfig(...,
             method="mtp"))``).
+        disable_by_batch_size: the request drafts nothing in a step where more than this many requests are
+            decoding (vLLM's ``disable_by_batch_size``); its back-off does not count such steps. None: no limit.
+            A verification costs more than the plain decode step it replaces wherever a step's cost grows with
+            its tokens, and a large batch's step is bound by its arithmetic rather than by reading the weights:
+            there a verification is never paid back (benchmarks/RESULTS.md, "MTP speculation made cheaper").
     """
 
     num_draft_tokens: int = 0
@@ -57,6 +65,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     adaptive: bool = True
     method: str = "ngram"
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         def bad_int(v, lo, hi):
@@ -71,6 +80,9 @@ class SpeculativeConfig:
                                   f"{self.min_ngram!r}, {self.max_ngram!r}")
         if not isinstance(self.adaptive, bool):
             raise BadRequestError(f"SpeculativeConfig: adaptive must be a bool, got {self.adaptive!r}")
+        if self.disable_by_batch_size is not None and bad_int(self.disable_by_batch_size, 1, 1 << 30):
+            raise BadRequestError(f"SpeculativeConfig: disable_by_batch_size must be None or an int >= 1, got "
+                                  f"{self.disable_by_batch_size!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise BadRequestError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, got "
                                   f"{self.method!r}")

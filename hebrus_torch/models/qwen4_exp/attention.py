@@ -42,6 +42,22 @@ def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch
     return q, raw_keys
 
 
+def index_keys(indexer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The raw indexer keys of :func:`index_queries_and_keys` alone: x Tensor[..., hidden_size] ->
+    Tensor[..., D]. Where ``index_qk_proj`` is a plain ``nn.Linear`` only its key rows are computed (the queries
+    are not needed where nothing attends: a row's values equal the whole projection's to rounding, not
+    bitwise); any other module (quantized, wrapped) runs whole and its key columns are kept."""
+    d = indexer.index_head_dim
+    n_k = indexer.index_kv_heads * d
+    proj = indexer.index_qk_proj
+    if type(proj) is torch.nn.Linear and not proj._forward_hooks and not proj._forward_pre_hooks:
+        bias = proj.bias[-n_k:] if proj.bias is not None else None
+        keys = torch.nn.functional.linear(x, proj.weight[-n_k:], bias)
+    else:
+        keys = proj(x)[..., -n_k:]
+    return keys.reshape(*x.shape[:-1], -1, d).squeeze(-2)
+
+
 def attention_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v and the output gate of ``Qwen4ExpTextAttention.forward``, token-major and not roped.
 
@@ -91,8 +107,8 @@ def write_keys_and_values(step: ChunkStep, layer_idx: int, attn: torch.nn.Module
     Tensor[T, hidden_size]), without its queries, selection or attention: what a layer whose outputs at these
     positions are not needed contributes to the state (the MTP block during a trunk step)."""
     t, hd = x.shape[0], attn.head_dim
-    _, raw_keys = index_queries_and_keys(attn.indexer, x, cos, sin, rope)
-    k = attn.k_norm(attn.k_proj(x).view(t, -1, hd))
+    raw_keys = index_keys(attn.indexer, x)
+    k = fused_norm(attn.k_norm, attn.k_proj(x).view(t, -1, hd))
     v = attn.v_proj(x).view(t, -1, hd)
     _, k = rope(k, k, cos=cos, sin=sin)
     step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...hc.premix import fused_norm, hyper_premix
+
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
     from .forward import PackedQwen4Exp
 
-__all__ = ["Qwen4ExpMTP", "mtp_layer_index", "packed_mtp", "mtp_write", "mtp_logits", "causal_mask", "reference_mtp"]
+__all__ = ["Qwen4ExpMTP", "mtp_layer_index", "packed_fuse", "packed_mtp", "mtp_write", "mtp_logits", "causal_mask", "reference_mtp"]
 
 
 def _modeling():
@@ -84,14 +86,22 @@ class Qwen4ExpMTP(torch.nn.Module):
         return (h + e.unsqueeze(-2)).flatten(-2)
 
 
+def packed_fuse(mtp: Qwen4ExpMTP, streams: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    """:meth:`Qwen4ExpMTP.fuse` on packed rows (streams Tensor[T, hc * hidden], embeds Tensor[T, hidden] ->
+    Tensor[T, hc * hidden]) with its two norms as one ``hebrus::hc_rms_norm`` each (``fused_norm``: the modules'
+    bits on CPU, no autograd: the packed forward's, not training's)."""
+    h = mtp.fc_hidden(fused_norm(mtp.pre_fc_norm_hidden, streams).unflatten(-1, (mtp.hc_count, mtp.hidden_size)))
+    e = mtp.fc_embedding(fused_norm(mtp.pre_fc_norm_embedding, embeds))
+    return (h + e.unsqueeze(-2)).flatten(-2)
+
+
 def packed_mtp(step: ChunkStep, trunk: PackedQwen4Exp, mtp: Qwen4ExpMTP, streams: torch.Tensor,
                tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The MTP block on a ``ChunkStep``'s packed rows: streams Tensor[T, hc * hidden] (each row's pre-mixer
     streams of the position before), tokens Tensor[T] int64 (the tokens at the step's positions), cos/sin
     Tensor[T, R] at those positions -> the block's output streams Tensor[T, hc * hidden] (before its mixer).
     Its indexed attention writes and selects over decoder layer ``mtp.layer_idx`` of the step's QSA cache."""
-    embeds = trunk.text.embed_tokens(tokens)
-    h = mtp.fuse(streams, embeds)
+    h = packed_fuse(mtp, streams, trunk.text.embed_tokens(tokens))
     return trunk.decoder_layer(step, mtp.layer_idx, mtp.block, h, cos, sin)
 
 
@@ -102,7 +112,7 @@ def mtp_write(step: ChunkStep, trunk: PackedQwen4Exp, mtp: Qwen4ExpMTP, streams:
     wanted (its K/V depend on the block's input alone: its one attention reads only its own K/V)."""
     from .attention import write_keys_and_values
 
-    x = mtp.block.attn_hyper_connection(mtp.fuse(streams, trunk.text.embed_tokens(tokens)))[0]
+    x = hyper_premix(mtp.block.attn_hyper_connection, packed_fuse(mtp, streams, trunk.text.embed_tokens(tokens)))[0]
     rope = trunk.rope if trunk.rope is not None else trunk_rope()
     write_keys_and_values(step, mtp.layer_idx, mtp.block.self_attn, x, cos, sin, rope)
 
@@ -115,8 +125,10 @@ def trunk_rope():
 
 def mtp_logits(mtp: Qwen4ExpMTP, lm_head: torch.nn.Module, streams: torch.Tensor) -> torch.Tensor:
     """The block's output streams Tensor[T, hc * hidden] -> logits Tensor[T, vocab] float32 (its mixer, the
-    trunk's ``lm_head``)."""
-    return lm_head(mtp.hyper_connection_mixer(streams)).float()
+    trunk's ``lm_head``). Without autograd the mixer runs as the packed forward's (``hyper_premix``: its norm
+    fused); with it (training) as the module."""
+    mixer = mtp.hyper_connection_mixer
+    return lm_head(mixer(streams) if torch.is_grad_enabled() else hyper_premix(mixer, streams)).float()
 
 
 def causal_mask(mtp: Qwen4ExpMTP, t: int, like: torch.Tensor) -> torch.Tensor:
