@@ -501,11 +501,7 @@ using GdnGatedNormPlan = LaunchPlan<GdnGatedNormParams>;
 
 inline GdnGatesPlan plan_gdn_gates(int64_t rows, int64_t heads, int a_log_dtype, int dt_bias_dtype) {
   GdnGatesPlan plan;
-  GdnGatesParams& p = plan.params;
-  p.rows = rows;
-  p.heads = heads;
-  p.a_log_dtype = a_log_dtype;
-  p.dt_bias_dtype = dt_bias_dtype;
+  plan.params = {rows, heads, a_log_dtype, dt_bias_dtype};
   const uint64_t threads = static_cast<uint64_t>(rows) * static_cast<uint64_t>(heads);
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (rows * Hv)";
   plan.dispatch = {threads, HEBRUS_GDN_GATES_TG};
@@ -515,13 +511,7 @@ inline GdnGatesPlan plan_gdn_gates(int64_t rows, int64_t heads, int a_log_dtype,
 inline GdnGatedNormPlan plan_gdn_gated_rms_norm(int64_t rows, int64_t dim, double eps, int weight_dtype,
                                                 bool round_product, bool sigmoid) {
   GdnGatedNormPlan plan;
-  GdnGatedNormParams& p = plan.params;
-  p.rows = rows;
-  p.dim = dim;
-  p.eps = static_cast<float>(eps);
-  p.weight_dtype = weight_dtype;
-  p.round_product = round_product ? 1 : 0;
-  p.sigmoid = sigmoid ? 1 : 0;
+  plan.params = {rows, dim, static_cast<float>(eps), weight_dtype, round_product ? 1 : 0, sigmoid ? 1 : 0};
   const uint64_t threads = static_cast<uint64_t>(rows) * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (rows * 32)";
   plan.dispatch = {threads, HEBRUS_GDN_NORM_TG};

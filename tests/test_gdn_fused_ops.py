@@ -18,16 +18,9 @@ from hebrus_torch import reference
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.gdn.fused import _sigmoid, _softplus, layer_gates, output_norm
 
+from test_metal_gdn_fused import gate_inputs  # the emulator tests' inputs (importing runs no emulator)
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def gate_inputs(rows, heads, dtype, param_dtype=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    a = (torch.randn(rows, heads, generator=g) * 4).to(dtype)
-    b = (torch.randn(rows, heads, generator=g) * 4).to(dtype)
-    A_log = torch.log(torch.empty(heads).uniform_(0.01, 16, generator=g)).to(param_dtype or dtype)
-    dt_bias = (torch.randn(heads, generator=g)).to(param_dtype or dtype)
-    return a, b, A_log, dt_bias
 
 
 def norm_module(dim, dtype, activation="silu", seed=0, eps=1e-6):

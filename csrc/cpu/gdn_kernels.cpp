@@ -120,12 +120,18 @@ Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor&
                               c10::string_view activation) {
   check_on_device("gdn_gated_rms_norm", at::kCPU, {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
   check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
-  const Tensor xf = x.to(at::kFloat);
-  const Tensor normed = xf.mul(xf.pow(2).mean(-1, /*keepdim=*/true).add(eps).rsqrt());
-  const Tensor scaled = weight.mul(normed.to(x.scalar_type()));
-  const Tensor gf = gate.to(at::kFloat);
-  const Tensor act = activation == "silu" ? at::silu(gf) : gf.sigmoid();
-  return scaled.mul(act).to(x.scalar_type());
+  // Each row-sized temporary is dropped as soon as the next one exists (the module's own lifetimes, or
+  // shorter): a prefill chunk's rows are megabytes each, and fresh allocations of them cost page faults.
+  Tensor scaled;
+  {
+    const Tensor xf = x.to(at::kFloat);
+    const Tensor inv = xf.pow(2).mean(-1, /*keepdim=*/true).add(eps).rsqrt();
+    scaled = weight.mul(xf.mul(inv).to(x.scalar_type()));
+  }
+  Tensor act = activation == "silu" ? at::silu(gate.to(at::kFloat)) : gate.to(at::kFloat).sigmoid();
+  act.mul_(scaled);  // fp32 act * scaled: the module's scaled * act (fp32 product), in act's buffer
+  scaled.reset();
+  return act.to(x.scalar_type());
 }
 
 }  // namespace
