@@ -120,15 +120,27 @@ Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor&
                               c10::string_view activation) {
   check_on_device("gdn_gated_rms_norm", at::kCPU, {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
   check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
-  // Each row-sized temporary is dropped as soon as the next one exists (the module's own lifetimes, or
-  // shorter): a prefill chunk's rows are megabytes each, and fresh allocations of them cost page faults.
+  // The module's products, in place where the result's dtype allows (a * b is b * a, bit for bit), and each
+  // row-sized temporary dropped as soon as the next one exists: a prefill chunk's rows are megabytes, and
+  // fresh allocations of them cost page faults.
   Tensor scaled;
   {
     const Tensor xf = x.to(at::kFloat);
     const Tensor inv = xf.pow(2).mean(-1, /*keepdim=*/true).add(eps).rsqrt();
-    scaled = weight.mul(xf.mul(inv).to(x.scalar_type()));
+    scaled = xf.mul(inv).to(x.scalar_type());
   }
-  Tensor act = activation == "silu" ? at::silu(gate.to(at::kFloat)) : gate.to(at::kFloat).sigmoid();
+  if (c10::promoteTypes(weight.scalar_type(), scaled.scalar_type()) == scaled.scalar_type()) {
+    scaled.mul_(weight);  // weight * n in n's dtype
+  } else {
+    scaled = weight.mul(scaled);  // in fp32 (an fp32 weight, or bf16 and fp16)
+  }
+  Tensor act = gate.to(at::kFloat);
+  const bool fresh = !act.is_same(gate);  // a 16-bit gate's fp32 copy: the activation goes in its buffer
+  if (activation == "silu") {
+    act = fresh ? at::silu_(act) : at::silu(act);
+  } else {
+    act = fresh ? act.sigmoid_() : act.sigmoid();
+  }
   act.mul_(scaled);  // fp32 act * scaled: the module's scaled * act (fp32 product), in act's buffer
   scaled.reset();
   return act.to(x.scalar_type());
