@@ -63,6 +63,13 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "gdn_chunk_delta_rule_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor start_pos, Tensor(a!) state_pool, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor");
+  // ---- fused GDN gates and output norm (issue 37) ----
+  // The gated-delta-net layer's gates from its a / b projections [..., Hv]: g = -exp(A_log) *
+  // softplus(a + dt_bias) (fp32) and beta = sigmoid(b) rounded to b's dtype (returned as fp32).
+  m.def("gdn_gates(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
+  // Its gated RMSNorm (transformers' Qwen4ExpTextRMSNormGated) of every row of x [..., D], gated by
+  // act(gate), activation 'silu' or 'sigmoid'.
+  m.def("gdn_gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps, str activation) -> Tensor");
   // ---- fused hyper-connection ops (issue 37) ----
   // Qwen4Exp's RMSNorm of every row of x [..., D] over groups of group_size features (zero-centred
   // weight [D], fp32 math): the hyper-connections' hc_norm (or q_norm of x [T, H, D]) in one dispatch.

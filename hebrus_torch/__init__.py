@@ -24,6 +24,7 @@ from .ple.state import PLEHashParams, PLESnapshot, PLEState
 from .qsa.cache import QSACache, QSAPlan, ReservedChunk
 from .state import SeqHandle, transaction
 from .gdn import GDNSnapshot, GDNState
+from .gdn.fused import gdn_gated_rms_norm, gdn_gates
 from .model_cache import Batch, CacheSnapshot, ChunkStep, ModelCache
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
     "from_pretrained",
+    "gdn_gates", "gdn_gated_rms_norm",
 ]
 
 

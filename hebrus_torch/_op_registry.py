@@ -110,6 +110,12 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "Tensor cu_seqlens, Tensor start_pos, Tensor(a!) state_pool, Tensor slots, "
            "float scale, bool use_qk_l2norm) -> Tensor",
            reference.gdn_chunk_delta_rule_slots, _CPU_MPS),
+    OpSpec("gdn_gates",
+           "gdn_gates(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)",
+           reference.gdn_gates, _CPU_MPS),
+    OpSpec("gdn_gated_rms_norm",
+           "gdn_gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps, str activation) -> Tensor",
+           reference.gdn_gated_rms_norm, _CPU_MPS),
     OpSpec("hc_rms_norm",
            "hc_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor",
            reference.hc_rms_norm, _CPU_MPS),

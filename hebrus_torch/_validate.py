@@ -297,6 +297,39 @@ def gdn_chunk_delta_rule_slots(q, k, v, g, beta, cu_seqlens, start_pos, state_po
     return state_pool.shape[0]
 
 
+# ---- fused GDN gates and output norm (issue 37) -----------------------------------------------------------
+
+def gdn_gates(a, b, A_log, dt_bias) -> tuple[int, int]:
+    """Metadata of hebrus::gdn_gates (csrc/gdn_fused_checks.h: same order and messages); returns (rows, Hv)."""
+    op = "gdn_gates"
+    _same_device(op, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    check(a.dim() >= 1, op, f"a must be at least 1-D, got shape {tuple(a.shape)}")
+    _dtype(a, FLOAT_DTYPES, op, "a")
+    check(b.dtype == a.dtype, op, f"b dtype {b.dtype} must match a dtype {a.dtype}")
+    check(b.shape == a.shape, op, f"b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    _ranks_and_dtypes(op, ("A_log", A_log, 1, FLOAT_DTYPES), ("dt_bias", dt_bias, 1, FLOAT_DTYPES))
+    heads = a.shape[-1]
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check(t.shape[0] == heads, op, f"{name} must have Hv = {heads} entries, got {t.shape[0]}")
+    return (a.numel() // heads if heads else 0), heads
+
+
+def gdn_gated_rms_norm(x, gate, weight, eps, activation) -> tuple[int, int]:
+    """Metadata of hebrus::gdn_gated_rms_norm (csrc/gdn_fused_checks.h: same order and messages); returns (rows, D)."""
+    op = "gdn_gated_rms_norm"
+    _same_device(op, x=x, gate=gate, weight=weight)
+    check(x.dim() >= 1, op, f"x must be at least 1-D, got shape {tuple(x.shape)}")
+    _dtype(x, FLOAT_DTYPES, op, "x")
+    check(gate.dtype == x.dtype, op, f"gate dtype {gate.dtype} must match x dtype {x.dtype}")
+    check(gate.shape == x.shape, op, f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    _ranks_and_dtypes(op, ("weight", weight, 1, FLOAT_DTYPES))
+    dim = x.shape[-1]
+    check(weight.shape[0] == dim, op, f"weight must have D = {dim} entries, got {weight.shape[0]}")
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+    check(activation in ("silu", "sigmoid"), op, f"activation must be 'silu' or 'sigmoid', got '{activation}'")
+    return (x.numel() // dim if dim else 0), dim
+
+
 # ---- fused hyper-connection ops (issue 37) ----------------------------------------------------------------
 
 def hc_rms_norm(x, weight, group_size, eps) -> tuple[int, int]:

@@ -25,6 +25,10 @@
 #define HEBRUS_QSA_POOL_TG 256
 // hc_rms_norm (issue 37): one SIMD-group per (row, group), 8 per threadgroup.
 #define HEBRUS_HC_NORM_TG 256
+// gdn_gates (issue 37): one thread per (row, value head); gdn_gated_rms_norm: one SIMD-group per row,
+// 8 per threadgroup.
+#define HEBRUS_GDN_GATES_TG 256
+#define HEBRUS_GDN_NORM_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -113,6 +117,8 @@ static_assert(HEBRUS_MOE_TG == HEBRUS_MOE_LANES * HEBRUS_MOE_TILE_ROWS * (HEBRUS
 static_assert(HEBRUS_MOE_TILE_K % 128 == 0 && HEBRUS_MOE_TILE_K % HEBRUS_MOE_LANES == 0,
               "moe tiles: a step of inputs holds whole quantization groups (32, 64, 128)");
 static_assert(sizeof(HcRmsNormParams) == 4 * 8, "HcRmsNormParams: 3 x 64-bit, float, pad");
+static_assert(sizeof(GdnGatesParams) == 3 * 8, "GdnGatesParams: 2 x 64-bit, 2 x 32-bit");
+static_assert(sizeof(GdnGatedNormParams) == 4 * 8, "GdnGatedNormParams: 2 x 64-bit, float, 3 x 32-bit");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -535,6 +541,31 @@ inline HcRmsNormPlan plan_hc_rms_norm(int64_t rows, int64_t dim, int64_t group, 
   const uint64_t threads = pairs * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * D / group * 32)";
   plan.dispatch = {threads, HEBRUS_HC_NORM_TG};
+  return plan;
+}
+
+// ---- gdn_gates, gdn_gated_rms_norm (issue 37) ----------------------------------------------------------
+// gdn_gates: one thread per (row, head), no barrier, so the last threadgroup may be partial.
+// gdn_gated_rms_norm: one SIMD-group per row; the grid is a multiple of 32 threads (whole SIMD-groups).
+using GdnGatesPlan = LaunchPlan<GdnGatesParams>;
+using GdnGatedNormPlan = LaunchPlan<GdnGatedNormParams>;
+
+inline GdnGatesPlan plan_gdn_gates(int64_t rows, int64_t heads, int a_log_dtype, int dt_bias_dtype) {
+  GdnGatesPlan plan;
+  plan.params = {rows, heads, a_log_dtype, dt_bias_dtype};
+  const uint64_t threads = static_cast<uint64_t>(rows) * static_cast<uint64_t>(heads);
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (rows * Hv)";
+  plan.dispatch = {threads, HEBRUS_GDN_GATES_TG};
+  return plan;
+}
+
+inline GdnGatedNormPlan plan_gdn_gated_rms_norm(int64_t rows, int64_t dim, double eps, int weight_dtype,
+                                                bool round_product, bool sigmoid) {
+  GdnGatedNormPlan plan;
+  plan.params = {rows, dim, static_cast<float>(eps), weight_dtype, round_product ? 1 : 0, sigmoid ? 1 : 0};
+  const uint64_t threads = static_cast<uint64_t>(rows) * HEBRUS_SIMD_WIDTH;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (rows * 32)";
+  plan.dispatch = {threads, HEBRUS_GDN_NORM_TG};
   return plan;
 }
 

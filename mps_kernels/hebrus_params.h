@@ -242,3 +242,22 @@ struct HcRmsNormParams {
   float eps;
   hebrus_i32 pad0;
 };
+
+// hebrus::gdn_gates and hebrus::gdn_gated_rms_norm (issue 37, gdn_fused.metal). A [D] parameter vector
+// (A_log, dt_bias, the norm's weight) is read in its own dtype: 0 float32, 1 float16, 2 bfloat16.
+// gdn_gates threads: one per (row, head); gdn_gated_rms_norm: one SIMD-group of 32 per row.
+struct GdnGatesParams {
+  hebrus_i64 rows;           // numel(a) / Hv
+  hebrus_i64 heads;          // Hv
+  hebrus_i32 a_log_dtype;
+  hebrus_i32 dt_bias_dtype;
+};
+
+struct GdnGatedNormParams {
+  hebrus_i64 rows;           // numel(x) / D
+  hebrus_i64 dim;            // D
+  float eps;
+  hebrus_i32 weight_dtype;
+  hebrus_i32 round_product;  // 1: weight * norm is rounded to x's dtype (the module's promoted dtype is x's)
+  hebrus_i32 sigmoid;        // 1: act = sigmoid, 0: silu
+};

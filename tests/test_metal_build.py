@@ -43,6 +43,7 @@ EXPECTED = {
                                                         "moe_experts_quantized_down_grouped", "quantized_linear",
                                                         "quantized_linear_tiled") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
+    "gdn_fused": {f"{k}_{t}" for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -59,6 +60,7 @@ FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
             "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum", "moe_experts_act_grouped",
                             "moe_experts_down_grouped"),
+            "gdn_fused": ("gdn_gates", "gdn_gated_rms_norm"),
             "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                       "moe_experts_quantized_act_grouped", "moe_experts_quantized_down_grouped",
                                       "quantized_linear", "quantized_linear_tiled")}
@@ -66,6 +68,7 @@ FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
            "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots", ("gdn_chunk_delta_rule_slots",)),
+           "gdn_fused": [("gdn_gates", ("gdn_gates",)), ("gdn_gated_rms_norm", ("gdn_gated_rms_norm",))],
            # (the route and sum launches of both moe ops are helpers' (moe_route_launch, moe_sum_launch): checked
            # as a check kernel's layout; quantized_linear_tiled binds quantized_linear's buffers)
            "moe_experts": ("moe_experts", ("moe_experts_act_grouped", "moe_experts_down_grouped", "moe_experts_act",

@@ -501,3 +501,41 @@ def test_hc_norm_mutations_are_caught(tmp_path, use, old, new):
     use("hc_rms_norm", mutated(tmp_path, "hc_rms_norm", "hc_rms_norm.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         hc_norm_check()
+
+
+# ---- gdn_gates, gdn_gated_rms_norm (issue 37) ---------------------------------------------------------------
+
+def gdn_fused_check(**emu):
+    from test_metal_gdn_fused import close_gates, close_norm, gate_inputs, norm_inputs
+
+    for param_dtype in (torch.bfloat16, torch.float16):   # A_log, dt_bias read in their own dtype
+        args = gate_inputs(37, 5, torch.bfloat16, param_dtype=param_dtype, seed=9)
+        close_gates(hebrus_emu.gdn_gates(*args, **emu), reference.gdn_gates(*args), torch.bfloat16, args[2])
+    x, z, w = norm_inputs(6, 40, torch.bfloat16, seed=10)   # 40 features: two strides of the lanes, a tail
+    for activation in ("silu", "sigmoid"):
+        close_norm(hebrus_emu.gdn_gated_rms_norm(x, z, w, 1e-6, activation, **emu),
+                   reference.gdn_gated_rms_norm(x, z, w, 1e-6, activation), torch.bfloat16)
+
+
+def test_unmutated_gdn_fused_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        gdn_fused_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("max(x, 0.0f) + precise::log", "precise::log"),                                      # softplus without max
+    ("const long h = i % p.heads;", "const long h = i / p.heads;"),                       # another head's params
+    ("return as_type<float>(uint(((device const ushort*)p)[i]) << 16);",
+     "return float(((device const half*)p)[i]);"),                                        # bfloat read as half
+    ("beta[i] = static_cast<float>(static_cast<T>(s));", "beta[i] = s;"),                 # beta not rounded to T
+    ("simd_sum(sum_sq)", "sum_sq"),                                                       # lane-local norm
+    ("if (p.round_product != 0) {", "if (p.round_product == 0) {"),                       # product rounding
+    ("p.sigmoid != 0 ?", "p.sigmoid == 0 ?"),                                             # activations swapped
+    ("const float gv = static_cast<float>(gate[first + i]);",
+     "const float gv = static_cast<float>(x[first + i]);"),                               # gated by x
+], ids=["softplus-no-max", "head-of-row", "bfloat-as-half", "beta-unrounded", "lane-local", "product-rounding",
+        "activation-swapped", "gate-is-x"])
+def test_gdn_fused_mutations_are_caught(tmp_path, use, old, new):
+    use("gdn_fused", mutated(tmp_path, "gdn_fused", "gdn_fused.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        gdn_fused_check()

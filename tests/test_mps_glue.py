@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.metal,
 
 MPS_DIR = os.path.join(msl_emu.REPO, "csrc", "mps")
 OPS = ("ple_conv", "ple_ngram_ids", "ple_conv_slots", "ple_ngram_ids_slots", "qsa_pool", "qsa_select",
-       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots")
+       "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots", "gdn_gates",
+       "gdn_gated_rms_norm")
 # csrc/mps/<file>.mm of an op, where not its name
-MM_FILE = {"gdn_delta_rule_slots": "gdn_delta_rule", "gdn_chunk_delta_rule_slots": "gdn_chunk_delta_rule"}
+MM_FILE = {"gdn_delta_rule_slots": "gdn_delta_rule", "gdn_chunk_delta_rule_slots": "gdn_chunk_delta_rule",
+           "gdn_gates": "gdn_fused", "gdn_gated_rms_norm": "gdn_fused"}
 
 # What a host read of a device tensor, or a wait for the GPU, looks like in C++ / Objective-C++.
 HOST_READS = {

@@ -10,14 +10,17 @@
 // other rows of the step, on how the row's tokens were cut into steps or on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gdn_checks.h"
+#include "gdn_fused_checks.h"
 #include "gdn_recurrent.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
@@ -92,10 +95,63 @@ Tensor gdn_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Tensor& 
                         scale, use_qk_l2norm);
 }
 
+// ---- fused gates and gated output norm (issue 37) ------------------------------------------------------
+// Both run the ATen sequence of the packed forward's Python (hebrus_torch/reference/gdn.py: gdn_gates,
+// gdn_gated_rms_norm) in C++, so on CPU their bits are those of the code they replace; on MPS each is
+// one Metal launch (mps_kernels/gdn_fused.metal).
+
+// g = -exp(A_log) * softplus(a + dt_bias) (fp32; softplus as max(x, 0) + log(1 + exp(-|x|))) and
+// beta = sigmoid(b) as 1 / (1 + exp(-b)) in fp32 rounded to b's dtype, returned widened to fp32.
+std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const Tensor& A_log,
+                                         const Tensor& dt_bias) {
+  check_on_device("gdn_gates", at::kCPU, {{"a", &a}, {"b", &b}, {"A_log", &A_log}, {"dt_bias", &dt_bias}});
+  check_gdn_gates_args(a, b, A_log, dt_bias);
+  Tensor beta = b.to(at::kFloat).neg().exp().add(1.0).reciprocal();
+  if (b.scalar_type() != at::kFloat) beta = beta.to(b.scalar_type()).to(at::kFloat);
+  const Tensor x = a.to(at::kFloat).add(dt_bias);
+  const Tensor softplus = x.clamp_min(0).add(x.abs().neg().exp().add(1.0).log());
+  const Tensor g = A_log.to(at::kFloat).exp().neg().mul(softplus);
+  return {g, beta};
+}
+
+// transformers' Qwen4ExpTextRMSNormGated: norm in fp32, rounded to x's dtype, times weight (in their
+// promoted dtype), times act(gate) in fp32, rounded to x's dtype.
+Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor& weight, double eps,
+                              c10::string_view activation) {
+  check_on_device("gdn_gated_rms_norm", at::kCPU, {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
+  check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
+  // The module's products, in place where the result's dtype allows (a * b is b * a, bit for bit), and each
+  // row-sized temporary dropped as soon as the next one exists: a prefill chunk's rows are megabytes, and
+  // fresh allocations of them cost page faults.
+  Tensor scaled;
+  {
+    const Tensor xf = x.to(at::kFloat);
+    const Tensor inv = xf.pow(2).mean(-1, /*keepdim=*/true).add(eps).rsqrt();
+    scaled = xf.mul(inv).to(x.scalar_type());
+  }
+  if (c10::promoteTypes(weight.scalar_type(), scaled.scalar_type()) == scaled.scalar_type()) {
+    scaled.mul_(weight);  // weight * n in n's dtype
+  } else {
+    scaled = weight.mul(scaled);  // in fp32 (an fp32 weight, or bf16 and fp16)
+  }
+  Tensor act = gate.to(at::kFloat);
+  const bool fresh = !act.is_same(gate);  // a 16-bit gate's fp32 copy: the activation goes in its buffer
+  if (activation == "silu") {
+    act = fresh ? at::silu_(act) : at::silu(act);
+  } else {
+    act = fresh ? act.sigmoid_() : act.sigmoid();
+  }
+  act.mul_(scaled);  // fp32 act * scaled: the module's scaled * act (fp32 product), in act's buffer
+  scaled.reset();
+  return act.to(x.scalar_type());
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("gdn_delta_rule", &hebrus::gdn_delta_rule_cpu);
   m.impl("gdn_delta_rule_slots", &hebrus::gdn_delta_rule_slots_cpu);
+  m.impl("gdn_gates", &hebrus::gdn_gates_cpu);
+  m.impl("gdn_gated_rms_norm", &hebrus::gdn_gated_rms_norm_cpu);
 }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "gdn_checks.h"
+#include "gdn_fused_checks.h"
 #include "hc_checks.h"
 #include "hebrus_check.h"
 #include "hebrus_launch.h"
@@ -673,6 +674,65 @@ inline Call hc_rms_norm(const Tensor& x_in, const Tensor& weight_in, int64_t gro
   Tensor out = at::empty_like(x);
   call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x, weight, out},
                                       {false, false, true}, plan.params, plan.dispatch));
+  call.outputs = {out};
+  return call;
+}
+
+// ---- gdn_gates, gdn_gated_rms_norm (issue 37) -------------------------------------------------------------
+// One launch each (mps_kernels/gdn_fused.metal); no value to check, so nothing for the error buffer. The
+// [Hv] / [D] parameter vectors are bound in their own dtype (no cast launched: the kernel widens them).
+
+// The kernels' code of a parameter vector's dtype (gdn_fused.metal: gdn_param).
+inline int gdn_param_dtype(const Tensor& t) {
+  return t.scalar_type() == at::kHalf ? 1 : t.scalar_type() == at::kBFloat16 ? 2 : 0;
+}
+
+inline Call gdn_gates(const Tensor& a_in, const Tensor& b_in, const Tensor& A_log_in, const Tensor& dt_bias_in,
+                      c10::DeviceType device) {
+  const char* op = "gdn_gates";
+  check_on_device(op, device, {{"a", &a_in}, {"b", &b_in}, {"A_log", &A_log_in}, {"dt_bias", &dt_bias_in}});
+  const GdnRowsSizes sz = check_gdn_gates_args(a_in, b_in, A_log_in, dt_bias_in);
+  const char* type = metal_type(op, a_in.scalar_type());
+  Call call;
+  const auto fp32 = a_in.options().dtype(at::kFloat);
+  if (sz.rows == 0 || sz.dim == 0) {
+    call.outputs = {at::empty(a_in.sizes(), fp32), at::empty(a_in.sizes(), fp32)};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_gdn_gates(sz.rows, sz.dim, gdn_param_dtype(A_log_in),
+                                                  gdn_param_dtype(dt_bias_in));
+  check_plan(op, plan.error);
+  const Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  const Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
+  Tensor g = at::empty(a_in.sizes(), fp32), beta = at::empty(a_in.sizes(), fp32);
+  call.launches.push_back(make_launch("gdn_fused", hebrus::metal::kernel_name(op, "", type),
+                                      {a, b, A_log, dt_bias, g, beta}, {false, false, false, false, true, true},
+                                      plan.params, plan.dispatch));
+  call.outputs = {g, beta};
+  return call;
+}
+
+inline Call gdn_gated_rms_norm(const Tensor& x_in, const Tensor& gate_in, const Tensor& weight_in, double eps,
+                               c10::string_view activation, c10::DeviceType device) {
+  const char* op = "gdn_gated_rms_norm";
+  check_on_device(op, device, {{"x", &x_in}, {"gate", &gate_in}, {"weight", &weight_in}});
+  const GdnRowsSizes sz = check_gdn_gated_rms_norm_args(x_in, gate_in, weight_in, eps, activation);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.dim == 0) {
+    call.outputs = {at::empty_like(x_in, at::MemoryFormat::Contiguous)};
+    return call;
+  }
+  // The module's weight * norm has dtype promote(weight, x): x's (rounded) when the weight has x's dtype
+  // or x is fp32, else fp32 (bf16 x fp16, or an fp32 weight of bf16 / fp16 activations).
+  const bool round_product = weight_in.scalar_type() == x_in.scalar_type() && x_in.scalar_type() != at::kFloat;
+  const auto plan = hebrus::metal::plan_gdn_gated_rms_norm(sz.rows, sz.dim, eps, gdn_param_dtype(weight_in),
+                                                           round_product, activation == "sigmoid");
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), gate = gate_in.contiguous(), weight = weight_in.contiguous();
+  Tensor out = at::empty_like(x);
+  call.launches.push_back(make_launch("gdn_fused", hebrus::metal::kernel_name(op, "", type), {x, gate, weight, out},
+                                      {false, false, false, true}, plan.params, plan.dispatch));
   call.outputs = {out};
   return call;
 }

@@ -10,7 +10,7 @@ from .. import _validate
 from ..errors import HebrusError
 from .checks import check_cu_seqlens_values, check_slot_values
 
-__all__ = ["gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots"]
+__all__ = ["gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots", "gdn_gates", "gdn_gated_rms_norm"]
 
 
 def gdn_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -107,3 +107,57 @@ def gdn_chunk_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_slot_values(slots, state_pool.shape[0], op)
     return chunk_delta_rule_reference(q, k, v, g, beta, cu_seqlens.cpu().tolist(), pos, state_pool,
                                       slots.cpu().tolist(), bool(use_qk_l2norm), float(scale))
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated-delta-net layer's gates (issue 37) from its ``in_proj_a`` / ``in_proj_b`` outputs, in fp32::
+
+        g    = -exp(A_log) * softplus(a + dt_bias),  softplus(x) = max(x, 0) + log(1 + exp(-|x|))
+        beta = 1 / (1 + exp(-b)), rounded to b's dtype
+
+    transformers' ``Qwen4ExpTextGatedDeltaNet`` computes ``F.softplus`` and ``b.sigmoid()``, whose CPU
+    kernels round differently in a loop's vectorised body and its scalar tail (a token's bits would
+    depend on where it sits in a packed step); these forms give every element the same bits wherever it
+    sits. They differ from the module's by under 6e-8 absolute in softplus (``log(1 + e)`` loses what
+    ``log1p`` keeps of a tiny ``e``), so g by that times ``exp(A_log)`` plus an ulp, and beta by a few ulp
+    of fp32 before its rounding to b's dtype (tests/test_gdn_fused_ops.py).
+
+    Args:
+        a, b: Tensor[..., Hv], one float dtype (the projections' outputs).
+        A_log, dt_bias: Tensor[Hv], any float dtype.
+
+    Returns:
+        (g, beta): Tensor[..., Hv] float32 each; beta holds values of b's dtype, widened (exact), as
+        the delta rule reads them. Each element depends only on its own inputs.
+    """
+    _validate.gdn_gates(a, b, A_log, dt_bias)
+    beta = 1.0 / (1.0 + torch.exp(-b.float()))
+    beta = beta.to(b.dtype).float()
+    x = a.float() + dt_bias
+    g = -A_log.float().exp() * (x.clamp(min=0) + torch.log(1.0 + torch.exp(-x.abs())))
+    return g, beta
+
+
+def gdn_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       activation: str) -> torch.Tensor:
+    """transformers' ``Qwen4ExpTextRMSNormGated`` (the gated-delta-net layer's output norm, issue 37) of
+    every row of x, op for op::
+
+        n   = (x * rsqrt(mean(x ** 2) + eps)) in fp32, rounded to x's dtype
+        out = (weight * n) * act(gate) in fp32 (weight * n in their promoted dtype), rounded to x's dtype
+
+    Args:
+        x, gate: Tensor[..., D], one float dtype and shape (the delta rule's output and ``in_proj_z``'s).
+        weight: Tensor[D], any float dtype. eps: >= 0.
+        activation: ``"silu"`` or ``"sigmoid"`` (the config's ``output_gate_type or hidden_act``).
+
+    Returns:
+        Tensor of x's shape and dtype. A row's output depends only on that row.
+    """
+    _validate.gdn_gated_rms_norm(x, gate, weight, eps, activation)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    scaled = weight * normed.to(x.dtype)
+    act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
+    return (scaled * act(gate.float())).to(x.dtype)

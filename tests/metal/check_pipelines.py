@@ -48,6 +48,7 @@ KERNELS = {
                               **{f"{k}_{q}_{t}": 256 for k in ("quantized_linear", "quantized_linear_tiled")
                                  for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
+    "gdn_fused": {f"{k}_{t}": 256 for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

@@ -98,5 +98,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_rms_norm", [](const at::Tensor& x, const at::Tensor& weight, int64_t group_size, double eps) {
     return to_py(hebrus::glue::hc_rms_norm(x, weight, group_size, eps, kCpu));
   });
+  m.def("gdn_gates", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log, const at::Tensor& dt_bias) {
+    return to_py(hebrus::glue::gdn_gates(a, b, A_log, dt_bias, kCpu));
+  });
+  m.def("gdn_gated_rms_norm", [](const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps,
+                                 const std::string& activation) {
+    return to_py(hebrus::glue::gdn_gated_rms_norm(x, gate, weight, eps, activation, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -288,6 +288,17 @@ def hc_rms_norm(x, weight, group_size, eps, **emu):
     return run("hc_rms_norm", x, weight, int(group_size), float(eps), **emu)[0]
 
 
+def gdn_gates(a, b, A_log, dt_bias, **emu):
+    """hebrus::gdn_gates: returns (g, beta), both float32 of a's shape."""
+    g, beta = run("gdn_gates", a, b, A_log, dt_bias, **emu)
+    return g, beta
+
+
+def gdn_gated_rms_norm(x, gate, weight, eps, activation, **emu):
+    """hebrus::gdn_gated_rms_norm: returns out of x's shape and dtype."""
+    return run("gdn_gated_rms_norm", x, gate, weight, float(eps), str(activation), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

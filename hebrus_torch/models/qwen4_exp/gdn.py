@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ...gdn.fused import _sigmoid, _softplus, layer_gates, output_norm  # noqa: F401 (_sigmoid, _softplus: their old home)
+
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
 
@@ -17,20 +19,6 @@ DeltaRuleOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 _HEADS = (("num_k_heads", "num_key_heads"), ("num_v_heads", "num_value_heads"), ("head_k_dim", "key_head_dim"),
           ("head_v_dim", "value_head_dim"))
-
-
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``1 / (1 + exp(-x))`` in fp32. torch.sigmoid's CPU kernel rounds differently in the vectorised body
-    and the scalar tail of a loop, so a token's value would depend on where it sits in the packed step;
-    exp and division give every element the same bits wherever it sits."""
-    return 1.0 / (1.0 + torch.exp(-x.float()))
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    """``max(x, 0) + log(1 + exp(-|x|))`` in fp32 (softplus; ``F.softplus`` has torch.sigmoid's position
-    dependence through log1p). Differs from log1p's result by under 6e-8 absolute."""
-    x = x.float()
-    return x.clamp(min=0) + torch.log(1.0 + torch.exp(-x.abs()))
 
 
 def module_mismatch(module: torch.nn.Module, state) -> str | None:
@@ -51,7 +39,8 @@ def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
     ``out_proj``; ``conv1d.weight``, ``A_log``, ``dt_bias``), never copies of their weights; what carries state
     (the conv over the tails, the delta rule over the recurrent states) goes through ``conv`` and
     ``delta_rule``, which stage it. The beta gate and the log decay are computed in fp32 with every token's
-    bits independent of where it sits in the step (:func:`_sigmoid`, :func:`_softplus`).
+    bits independent of where it sits in the step, in one ``hebrus::gdn_gates`` dispatch, and the gated
+    output norm in one ``hebrus::gdn_gated_rms_norm`` (:mod:`hebrus_torch.gdn.fused`: issue 37).
     """
     T = hidden.shape[0]
     hk, hv = module.num_k_heads, module.num_v_heads
@@ -60,12 +49,11 @@ def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
     z = module.in_proj_z(hidden).reshape(T, hv, dv)
     b = module.in_proj_b(hidden)
     a = module.in_proj_a(hidden)
-    beta = _sigmoid(b).to(b.dtype)
-    g = -module.A_log.float().exp() * _softplus(a.float() + module.dt_bias)
+    g, beta = layer_gates(module, a, b)
     mixed = conv(mixed, module.conv1d.weight, module.activation)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     out = delta_rule(q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
-    out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
+    out = output_norm(module.norm, out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
     return module.out_proj(out)
 
 
