@@ -40,6 +40,7 @@ EXPECTED = {
     "moe_experts_quantized": {f"{k}_{q}_{t}" for k in ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                                         "quantized_linear") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
+    "hc_premix": {f"{k}_{t}" for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -55,7 +56,8 @@ VARIANTS = {
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
             "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum"),
-            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear")}
+            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear"),
+            "hc_premix": ("hc_premix_low", "hc_premix_mix", "hc_post_combine")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
@@ -64,7 +66,9 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
            "moe_experts": ("moe_experts", ("moe_experts_act", "moe_experts_down")),
            "moe_experts_quantized": [("moe_experts_quantized", ("moe_experts_quantized_act",
                                                                 "moe_experts_quantized_down")),
-                                     ("quantized_linear", ("quantized_linear",))]}
+                                     ("quantized_linear", ("quantized_linear",))],
+           "hc_premix": [("hc_premix", ("hc_premix_low", "hc_premix_mix")),
+                         ("hc_post_combine", ("hc_post_combine",))]}
 
 
 def stem(path: str) -> str:

@@ -45,6 +45,7 @@ KERNELS = {
                                  for q in ("q4", "q8") for t in TYPES},
                               **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
+    "hc_premix": {f"{k}_{t}": 256 for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

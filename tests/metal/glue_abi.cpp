@@ -98,5 +98,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_rms_norm", [](const at::Tensor& x, const at::Tensor& weight, int64_t group_size, double eps) {
     return to_py(hebrus::glue::hc_rms_norm(x, weight, group_size, eps, kCpu));
   });
+  m.def("hc_premix", [](const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down,
+                        const at::Tensor& up, const c10::optional<at::Tensor>& inject, int64_t hc_count, double eps) {
+    return to_py(hebrus::glue::hc_premix(h, norm_weight, down, up, inject, hc_count, eps, kCpu));
+  });
+  m.def("hc_post_combine", [](const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
+    return to_py(hebrus::glue::hc_post_combine(hyper, out, inject, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -288,6 +288,17 @@ def hc_rms_norm(x, weight, group_size, eps, **emu):
     return run("hc_rms_norm", x, weight, int(group_size), float(eps), **emu)[0]
 
 
+def hc_premix(h, norm_weight, down, up, inject, hc_count, eps, **emu):
+    """hebrus::hc_premix: returns (mixed [T, hidden], weights [T, hc] or [T, 0])."""
+    mixed, weights = run("hc_premix", h, norm_weight, down, up, inject, int(hc_count), float(eps), **emu)
+    return mixed, weights
+
+
+def hc_post_combine(hyper, out, inject, **emu):
+    """hebrus::hc_post_combine: returns [T, hc * hidden]."""
+    return run("hc_post_combine", hyper, out, inject, **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
