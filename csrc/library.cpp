@@ -74,6 +74,16 @@ TORCH_LIBRARY(hebrus, m) {
   // Qwen4Exp's RMSNorm of every row of x [..., D] over groups of group_size features (zero-centred
   // weight [D], fp32 math): the hyper-connections' hc_norm (or q_norm of x [T, H, D]) in one dispatch.
   m.def("hc_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor");
+  // The hyper-connection pre-mix of h [T, hc * hidden] (transformers' Qwen4ExpTextGatedResidual): hc_norm,
+  // the low-rank down / SiLU / up / sigmoid stream weights, the mean of the weighted streams (mixed
+  // [T, hidden]) and, where inject [hc, hc * hidden] is given, 2 sigmoid(inject . normed / hc) ([T, hc];
+  // [T, 0] without it). down [R, hc * hidden], up [hc * hidden, R], both of h's dtype.
+  m.def(
+      "hc_premix(Tensor h, Tensor norm_weight, Tensor down, Tensor up, Tensor? inject, int hc_count, float eps) "
+      "-> (Tensor, Tensor)");
+  // The hyper-connection post-combine: hyper [T, hc * hidden] + out [T, hidden] weighted per stream by
+  // inject [T, hc] (the decoder layer's `hyper_input + (out.unsqueeze(-2) * w.unsqueeze(-1)).flatten(-2)`).
+  m.def("hc_post_combine(Tensor hyper, Tensor out, Tensor inject) -> Tensor");
   // The routed experts of a MoE block (issue 36) over packed rows x [T, H]: per row, the SiLU-gated MLP
   // of each of its top-k experts (gate_up [E, 2I, H], down [E, H, I]) weighted and summed in slot order.
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor");

@@ -119,6 +119,13 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("hc_rms_norm",
            "hc_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor",
            reference.hc_rms_norm, _CPU_MPS),
+    OpSpec("hc_premix",
+           "hc_premix(Tensor h, Tensor norm_weight, Tensor down, Tensor up, Tensor? inject, int hc_count, "
+           "float eps) -> (Tensor, Tensor)",
+           reference.hc_premix, _CPU_MPS),
+    OpSpec("hc_post_combine",
+           "hc_post_combine(Tensor hyper, Tensor out, Tensor inject) -> Tensor",
+           reference.hc_post_combine, _CPU_MPS),
     OpSpec("moe_experts",
            "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor",
            reference.moe_experts, _CPU_MPS),

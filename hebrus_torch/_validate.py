@@ -346,3 +346,45 @@ def hc_rms_norm(x, weight, group_size, eps) -> tuple[int, int]:
           f"group_size must be >= 1 and divide D = {dim}, got {group_size}")
     check(eps >= 0, op, f"eps must be >= 0, got {eps}")
     return rows, dim
+
+
+def hc_premix(h, norm_weight, down, up, inject, hc_count, eps) -> tuple[int, int, int]:
+    """Metadata of hebrus::hc_premix; returns (T, hidden, R): h [T, hc_count * hidden], down [R, D]."""
+    op = "hc_premix"
+    tensors = {"h": h, "norm_weight": norm_weight, "down": down, "up": up}
+    if inject is not None:
+        tensors["inject"] = inject
+    _same_device(op, **tensors)
+    _ranks_and_dtypes(op, ("h", h, 2, FLOAT_DTYPES), ("norm_weight", norm_weight, 1, FLOAT_DTYPES),
+                      ("down", down, 2, FLOAT_DTYPES), ("up", up, 2, FLOAT_DTYPES))
+    rows, dim = h.shape
+    check(hc_count >= 1 and dim % hc_count == 0, op, f"hc_count must be >= 1 and divide D = {dim}, got {hc_count}")
+    check(norm_weight.shape[0] == dim, op, f"norm_weight must have D = {dim} entries, got {norm_weight.shape[0]}")
+    check(down.dtype == h.dtype, op, f"down dtype {down.dtype} must match h dtype {h.dtype}")
+    check(up.dtype == h.dtype, op, f"up dtype {up.dtype} must match h dtype {h.dtype}")
+    rank = down.shape[0]
+    check(rank >= 1 and down.shape[1] == dim, op, f"down must be [R >= 1, D = {dim}], got shape {tuple(down.shape)}")
+    check(tuple(up.shape) == (dim, rank), op, f"up must be [D = {dim}, R = {rank}], got shape {tuple(up.shape)}")
+    if inject is not None:
+        _ranks_and_dtypes(op, ("inject", inject, 2, FLOAT_DTYPES))
+        check(inject.dtype == h.dtype, op, f"inject dtype {inject.dtype} must match h dtype {h.dtype}")
+        check(tuple(inject.shape) == (hc_count, dim), op,
+              f"inject must be [hc_count = {hc_count}, D = {dim}], got shape {tuple(inject.shape)}")
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+    return rows, dim // hc_count, rank
+
+
+def hc_post_combine(hyper, out, inject) -> tuple[int, int, int]:
+    """Metadata of hebrus::hc_post_combine; returns (T, hc, hidden)."""
+    op = "hc_post_combine"
+    _same_device(op, hyper=hyper, out=out, inject=inject)
+    _ranks_and_dtypes(op, ("hyper", hyper, 2, FLOAT_DTYPES), ("out", out, 2, FLOAT_DTYPES),
+                      ("inject", inject, 2, FLOAT_DTYPES))
+    check(out.dtype == hyper.dtype, op, f"out dtype {out.dtype} must match hyper dtype {hyper.dtype}")
+    check(inject.dtype == hyper.dtype, op, f"inject dtype {inject.dtype} must match hyper dtype {hyper.dtype}")
+    rows, hidden, hc = hyper.shape[0], out.shape[1], inject.shape[1]
+    check(out.shape[0] == rows and inject.shape[0] == rows, op,
+          f"hyper, out and inject must have the same rows, got {rows}, {out.shape[0]} and {inject.shape[0]}")
+    check(hyper.shape[1] == hc * hidden, op,
+          f"hyper must have hc * hidden = {hc} * {hidden} features, got {hyper.shape[1]}")
+    return rows, hc, hidden

@@ -29,6 +29,11 @@
 // 8 per threadgroup.
 #define HEBRUS_GDN_GATES_TG 256
 #define HEBRUS_GDN_NORM_TG 256
+// hc_premix (issue 37): low, one SIMD-group per (row, low-rank or inject output), 8 per threadgroup;
+// mix, one thread per (row, feature of a stream), 256 per threadgroup. hc_post_combine: one thread per
+// output feature, 256 per threadgroup.
+#define HEBRUS_HC_PREMIX_TG 256
+#define HEBRUS_HC_COMBINE_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -119,6 +124,8 @@ static_assert(HEBRUS_MOE_TILE_K % 128 == 0 && HEBRUS_MOE_TILE_K % HEBRUS_MOE_LAN
 static_assert(sizeof(HcRmsNormParams) == 4 * 8, "HcRmsNormParams: 3 x 64-bit, float, pad");
 static_assert(sizeof(GdnGatesParams) == 3 * 8, "GdnGatesParams: 2 x 64-bit, 2 x 32-bit");
 static_assert(sizeof(GdnGatedNormParams) == 4 * 8, "GdnGatedNormParams: 2 x 64-bit, float, 3 x 32-bit");
+static_assert(sizeof(HcPremixParams) == 6 * 8, "HcPremixParams: 5 x 64-bit, float, pad");
+static_assert(sizeof(HcPostCombineParams) == 3 * 8, "HcPostCombineParams: 3 x 64-bit");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -566,6 +573,39 @@ inline GdnGatedNormPlan plan_gdn_gated_rms_norm(int64_t rows, int64_t dim, doubl
   const uint64_t threads = static_cast<uint64_t>(rows) * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (rows * 32)";
   plan.dispatch = {threads, HEBRUS_GDN_NORM_TG};
+  return plan;
+}
+
+// ---- hc_premix, hc_post_combine (issue 37) -------------------------------------------------------------
+// hc_premix: low launches rows * (rank + injects) SIMD-groups (whole SIMD-groups only), mix launches
+// rows * hidden threads.
+struct HcPremixPlan {
+  HcPremixParams params{};
+  Dispatch low, mix;
+  const char* error = nullptr;
+};
+
+inline HcPremixPlan plan_hc_premix(int64_t rows, int64_t hidden, int64_t hc, int64_t rank, int64_t injects,
+                                   double eps) {
+  HcPremixPlan plan;
+  plan.params = HcPremixParams{rows, hidden, hc, rank, injects, static_cast<float>(eps), 0};
+  const uint64_t low = static_cast<uint64_t>(rows) * static_cast<uint64_t>(rank + injects) * HEBRUS_SIMD_WIDTH;
+  const uint64_t mix = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
+  if (low > kMaxThreads) plan.error = "more than 2^32-1 threads (T * (R + hc) * 32)";
+  if (mix > kMaxThreads) plan.error = "more than 2^32-1 threads (T * hidden)";
+  plan.low = {low, HEBRUS_HC_PREMIX_TG};
+  plan.mix = {mix, HEBRUS_HC_PREMIX_TG};
+  return plan;
+}
+
+using HcPostCombinePlan = LaunchPlan<HcPostCombineParams>;
+
+inline HcPostCombinePlan plan_hc_post_combine(int64_t rows, int64_t hidden, int64_t hc) {
+  HcPostCombinePlan plan;
+  plan.params = HcPostCombineParams{rows, hidden, hc};
+  const uint64_t threads = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hc) * static_cast<uint64_t>(hidden);
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * hc * hidden)";
+  plan.dispatch = {threads, HEBRUS_HC_COMBINE_TG};
   return plan;
 }
 

@@ -261,3 +261,22 @@ struct GdnGatedNormParams {
   hebrus_i32 round_product;  // 1: weight * norm is rounded to x's dtype (the module's promoted dtype is x's)
   hebrus_i32 sigmoid;        // 1: act = sigmoid, 0: silu
 };
+
+// hebrus::hc_premix (issue 37). Two launches (hc_premix.metal): low, one SIMD-group per (row, output o)
+// for o in [0, rank + injects); mix, one thread per (row, feature k of a stream).
+struct HcPremixParams {
+  hebrus_i64 rows;     // T
+  hebrus_i64 hidden;   // features per stream
+  hebrus_i64 hc;       // streams
+  hebrus_i64 rank;     // R (down's rows)
+  hebrus_i64 injects;  // hc with block_inject_weight, 0 without
+  float eps;
+  hebrus_i32 pad0;
+};
+
+// hebrus::hc_post_combine (issue 37). Threads: rows * hc * hidden, one per output feature.
+struct HcPostCombineParams {
+  hebrus_i64 rows;    // T
+  hebrus_i64 hidden;  // features per stream
+  hebrus_i64 hc;      // streams
+};

@@ -21,6 +21,7 @@ import torch
 from hf_models import modeling, tiny_indexer_config  # noqa: E402  (skips without transformers)
 
 import hebrus_torch as ht
+from hebrus_torch.hc import premix as hc_premix_module
 from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
 
 EOS = 3
@@ -101,7 +102,8 @@ def _one_thread(one_thread):
 
 @pytest.fixture
 def row_invariant(monkeypatch):
-    """Every dense layer computes each row on its own, so no output row depends on how many rows
+    """Every dense layer (and the fused hyper-connection pre-mix, whose CPU kernel calls ATen's linear) computes
+    each row on its own, so no output row depends on how many rows
     share the call (SPEC §8: BLAS picks its kernel by the row count); so do the activations whose CPU
     kernels give other bits to an element by where it sits in a vector (sigmoid, SiLU, softplus:
     vectorised body and scalar tail differ). Models used with it run their experts eagerly
@@ -129,6 +131,17 @@ def row_invariant(monkeypatch):
     for owner, name in ((torch, "sigmoid"), (torch.nn.functional, "sigmoid"), (torch.nn.functional, "silu"),
                         (torch.nn.functional, "softplus"), (torch.Tensor, "sigmoid")):
         monkeypatch.setattr(owner, name, rowwise_unary(getattr(owner, name)))
+    # The fused hyper-connection pre-mix runs the modules' projections and activations inside its CPU kernel
+    # (ATen's linear, the modules' bits): it is run row by row here, as F.linear is.
+    fused_premix = hc_premix_module.hc_premix
+
+    def premix_rowwise(h, *args):
+        if h.dim() != 2 or h.shape[0] <= 1:
+            return fused_premix(h, *args)
+        rows = [fused_premix(h[i:i + 1], *args) for i in range(h.shape[0])]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+    monkeypatch.setattr(hc_premix_module, "hc_premix", premix_rowwise)
 
 
 # ------------------------------------------------------------------------------------------ parity

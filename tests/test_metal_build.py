@@ -44,6 +44,7 @@ EXPECTED = {
                                                         "quantized_linear_tiled") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
     "gdn_fused": {f"{k}_{t}" for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
+    "hc_premix": {f"{k}_{t}" for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -63,7 +64,8 @@ FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_fused": ("gdn_gates", "gdn_gated_rms_norm"),
             "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                       "moe_experts_quantized_act_grouped", "moe_experts_quantized_down_grouped",
-                                      "quantized_linear", "quantized_linear_tiled")}
+                                      "quantized_linear", "quantized_linear_tiled"),
+            "hc_premix": ("hc_premix_low", "hc_premix_mix", "hc_post_combine")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
@@ -77,7 +79,9 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
                                                                 "moe_experts_quantized_down_grouped",
                                                                 "moe_experts_quantized_act",
                                                                 "moe_experts_quantized_down")),
-                                     ("quantized_linear", ("quantized_linear",))]}
+                                     ("quantized_linear", ("quantized_linear",))],
+           "hc_premix": [("hc_premix", ("hc_premix_low", "hc_premix_mix")),
+                         ("hc_post_combine", ("hc_post_combine",))]}
 
 
 def stem(path: str) -> str:

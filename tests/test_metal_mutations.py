@@ -485,22 +485,55 @@ def hc_norm_check(**emu):
     close(hebrus_emu.hc_rms_norm(x, w, 40, 1e-6, **emu), reference.hc_rms_norm(x, w, 40, 1e-6), torch.float32)
 
 
-def test_unmutated_hc_norm_passes_the_check():
+# ---- hc_premix, hc_post_combine (issue 37) -----------------------------------------------------------------
+
+def hc_premix_check(**emu):
+    from test_metal_hc_premix import close, make
+
+    args = make(5, 4, 40, 12, torch.float32, seed=8)     # hidden 40: two strides of the lanes, a tail
+    got, want = hebrus_emu.hc_premix(*args, **emu), reference.hc_premix(*args)
+    close(got[0], want[0], torch.float32)
+    close(got[1], want[1], torch.float32)
+    g = torch.Generator().manual_seed(3)
+    hyper, out = torch.randn(5, 160, generator=g), torch.randn(5, 40, generator=g)
+    inject = torch.randn(5, 4, generator=g)
+    assert torch.equal(hebrus_emu.hc_post_combine(hyper, out, inject, **emu),
+                       reference.hc_post_combine(hyper, out, inject))
+
+
+HC_CHECKS = {"hc_rms_norm": hc_norm_check, "hc_premix": hc_premix_check}
+
+
+@pytest.mark.parametrize("stem", HC_CHECKS)
+def test_unmutated_hc_kernels_pass_their_checks(stem):
     for sched in ("forward", "reverse", "random"):
-        hc_norm_check(sched=sched, seed=1)
+        HC_CHECKS[stem](sched=sched, seed=1)
 
 
-@pytest.mark.parametrize("old,new", [
-    ("simd_sum(sum_sq)", "sum_sq"),                                                   # lane-local norm
-    ("simd_sum(sum_sq) / float(p.group)", "simd_sum(sum_sq) / float(p.dim)"),          # mean over the row
-    ("* (1.0f + weight[wfirst + i])", "* (1.0f + weight[first + i])"),                 # weight of the row offset
-    ("i += HEBRUS_SIMD_WIDTH) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq",
+@pytest.mark.parametrize("stem,old,new", [
+    ("hc_rms_norm", "simd_sum(sum_sq)", "sum_sq"),                                           # lane-local norm
+    ("hc_rms_norm", "simd_sum(sum_sq) / float(p.group)", "simd_sum(sum_sq) / float(p.dim)"),  # mean over the row
+    ("hc_rms_norm", "* (1.0f + weight[wfirst + i])", "* (1.0f + weight[first + i])"),         # weight of the row offset
+    ("hc_rms_norm", "i += HEBRUS_SIMD_WIDTH) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq",
      "i += HEBRUS_SIMD_WIDTH + 1) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq"),  # skips
-], ids=["lane-local", "mean-over-row", "weight-row-offset", "stride-skips"])
-def test_hc_norm_mutations_are_caught(tmp_path, use, old, new):
-    use("hc_rms_norm", mutated(tmp_path, "hc_rms_norm", "hc_rms_norm.metal", old, new))
+    ("hc_premix", "simd_sum(sum_sq)", "sum_sq"),                                             # lane-local norm
+    ("hc_premix", "simd_sum(sum_sq) / float(p.hidden)", "simd_sum(sum_sq) / float(p.hc * p.hidden)"),  # row norm
+    ("hc_premix", "hc_normed(hr, norm_weight, j, inv_c)", "hc_normed(hr, norm_weight, i, inv_c)"),  # stream 0's
+    ("hc_premix", "hc_round<T>(hc_round<T>(dot) / float(p.hc))", "hc_round<T>(dot)"),       # no / hc_count
+    ("hc_premix", "2.0f * hc_round<T>(hc_sigmoid(scaled))", "hc_round<T>(hc_sigmoid(scaled))"),  # no 2 x
+    ("hc_premix", "inv[t * p.hc + c]))", "inv[t * p.hc]))"),                                 # stream 0's norm
+    ("hc_premix", "weights[t * p.injects + (o - p.rank)]", "weights[t * p.injects]"),         # one weight per row
+    ("hc_premix", "static_cast<T>(sum / float(p.hc))", "static_cast<T>(sum)"),               # sum, not mean
+    ("hc_premix", "for (long r = 0; r < p.rank; ++r)", "for (long r = 1; r < p.rank; ++r)"), # skips a rank
+    ("hc_premix", "inject[t * p.hc + c]", "inject[t * p.hc]"),                               # combine: stream 0
+], ids=["norm-lane-local", "norm-mean-over-row", "norm-weight-row-offset", "norm-stride-skips",
+        "premix-lane-local", "premix-norm-over-row", "premix-dot-reads-stream-0", "premix-no-div", "premix-no-2x",
+        "premix-inv-stream-0", "premix-one-weight", "premix-sum-not-mean", "premix-skips-rank",
+        "combine-stream-0"])
+def test_hc_mutations_are_caught(tmp_path, use, stem, old, new):
+    use(stem, mutated(tmp_path, stem, f"{stem}.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
-        hc_norm_check()
+        HC_CHECKS[stem]()
 
 
 # ---- gdn_gates, gdn_gated_rms_norm (issue 37) ---------------------------------------------------------------

@@ -1,9 +1,12 @@
 // CPU kernels of the fused hyper-connection ops (issue 37). hc_rms_norm runs the ATen sequence of
-// transformers' Qwen4ExpTextRMSNorm (hebrus_torch/reference/hc.py) in C++: the module's bits, without
-// the Python and dispatcher round trips of its nine ops; on MPS the same op is one Metal launch
-// (mps_kernels/hc_rms_norm.metal).
+// transformers' Qwen4ExpTextRMSNorm, hc_premix that of Qwen4ExpTextGatedResidual and hc_post_combine
+// the decoder layer's injection (hebrus_torch/reference/hc.py) in C++: the module's bits, without
+// the Python and dispatcher round trips of their ops; on MPS each op is one Metal launch
+// (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 #include "../hc_checks.h"
 #include "../op_checks.h"
@@ -20,9 +23,39 @@ at::Tensor hc_rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, int64_
   return out.mul(weight.to(at::kFloat).add(1.0)).to(x.scalar_type()).view(x.sizes());
 }
 
+// Qwen4ExpTextGatedResidual.forward's ATen sequence (the projections are F.linear of plain nn.Linear
+// weights without bias, as the module's own calls): the module's bits, in one dispatch.
+std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::Tensor& norm_weight,
+                                                 const at::Tensor& down, const at::Tensor& up,
+                                                 const c10::optional<at::Tensor>& inject, int64_t hc_count,
+                                                 double eps) {
+  const bool has_inject = inject.has_value() && inject->defined();
+  check_on_device("hc_premix", c10::DeviceType::CPU, {{"h", &h}, {"norm_weight", &norm_weight}, {"down", &down},
+                                                      {"up", &up}});
+  if (has_inject) check_on_device("hc_premix", c10::DeviceType::CPU, {{"h", &h}, {"inject", &*inject}});
+  const HcPremixSizes sz = check_hc_premix_args(h, norm_weight, down, up, inject, hc_count, eps);
+  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
+  const at::Tensor low = at::silu(at::linear(normed, down).div(hc_count));
+  const at::Tensor weight = at::sigmoid(at::linear(low, up)).unflatten(-1, {sz.hc, sz.hidden});
+  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
+  at::Tensor injection = has_inject ? at::sigmoid(at::linear(normed, *inject).div(hc_count)).mul(2)
+                                    : at::empty({sz.rows, 0}, h.options());
+  return {mixed, injection};
+}
+
+// The decoder layer's post-combine, hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2): the
+// module's bits (each product rounded to the dtype, then the sum).
+at::Tensor hc_post_combine_cpu(const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
+  check_on_device("hc_post_combine", c10::DeviceType::CPU, {{"hyper", &hyper}, {"out", &out}, {"inject", &inject}});
+  check_hc_post_combine_args(hyper, out, inject);
+  return hyper.add(out.unsqueeze(-2).mul(inject.unsqueeze(-1)).flatten(-2));
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("hc_rms_norm", &hebrus::hc_rms_norm_cpu);
+  m.impl("hc_premix", &hebrus::hc_premix_cpu);
+  m.impl("hc_post_combine", &hebrus::hc_post_combine_cpu);
 }

@@ -737,4 +737,67 @@ inline Call gdn_gated_rms_norm(const Tensor& x_in, const Tensor& gate_in, const 
   return call;
 }
 
+// ---- hc_premix, hc_post_combine (issue 37) ---------------------------------------------------------------
+// hc_premix: two launches (mps_kernels/hc_premix.metal: low, then mix) through fp32 scratch inv [T, hc] and
+// low [T, R]; no value to check. Without inject the low launch reads down in its place and writes a
+// 1-entry scratch, and the op returns weights [T, 0].
+inline Call hc_premix(const Tensor& h_in, const Tensor& norm_weight_in, const Tensor& down_in, const Tensor& up_in,
+                      const c10::optional<Tensor>& inject_in, int64_t hc_count, double eps, c10::DeviceType device) {
+  const char* op = "hc_premix";
+  check_on_device(op, device, {{"h", &h_in}, {"norm_weight", &norm_weight_in}, {"down", &down_in}, {"up", &up_in}});
+  if (inject_in.has_value() && inject_in->defined()) {
+    check_on_device(op, device, {{"h", &h_in}, {"inject", &*inject_in}});
+  }
+  const HcPremixSizes sz = check_hc_premix_args(h_in, norm_weight_in, down_in, up_in, inject_in, hc_count, eps);
+  const char* type = metal_type(op, h_in.scalar_type());
+  const int64_t injects = sz.has_inject ? sz.hc : 0;
+  Tensor mixed = at::empty({sz.rows, sz.hidden}, h_in.options());
+  Tensor weights = at::empty({sz.rows, injects}, h_in.options());
+  Call call;
+  if (sz.rows == 0) {
+    call.outputs = {mixed, weights};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_hc_premix(sz.rows, sz.hidden, sz.hc, sz.rank, injects, eps);
+  check_plan(op, plan.error);
+  const Tensor h = h_in.contiguous(), down = down_in.contiguous(), up = up_in.contiguous();
+  const Tensor norm_weight = norm_weight_in.to(at::kFloat).contiguous();  // exact; the kernels read fp32 (1 + w)
+  const Tensor inject = sz.has_inject ? inject_in->contiguous() : down;
+  const Tensor inv = at::empty({sz.rows, sz.hc}, h.options().dtype(at::kFloat));
+  const Tensor low = at::empty({sz.rows, sz.rank}, h.options().dtype(at::kFloat));
+  const Tensor weights_out = sz.has_inject ? weights : at::empty({1}, h.options());
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch(op, kernel_name("hc_premix_low", nullptr, type),
+                                      {h, norm_weight, down, inject, inv, low, weights_out},
+                                      {false, false, false, false, true, true, true}, plan.params, plan.low));
+  call.launches.push_back(make_launch(op, kernel_name("hc_premix_mix", nullptr, type),
+                                      {h, norm_weight, up, inv, low, mixed}, {false, false, false, false, false, true},
+                                      plan.params, plan.mix));
+  call.outputs = {mixed, weights};
+  return call;
+}
+
+// hc_post_combine: one launch of hc_premix.metal's hc_post_combine; no value to check.
+inline Call hc_post_combine(const Tensor& hyper_in, const Tensor& out_in, const Tensor& inject_in,
+                            c10::DeviceType device) {
+  const char* op = "hc_post_combine";
+  check_on_device(op, device, {{"hyper", &hyper_in}, {"out", &out_in}, {"inject", &inject_in}});
+  const HcPostCombineSizes sz = check_hc_post_combine_args(hyper_in, out_in, inject_in);
+  const char* type = metal_type(op, hyper_in.scalar_type());
+  Tensor result = at::empty({sz.rows, sz.hc * sz.hidden}, hyper_in.options());
+  Call call;
+  if (result.numel() == 0) {
+    call.outputs = {result};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_hc_post_combine(sz.rows, sz.hidden, sz.hc);
+  check_plan(op, plan.error);
+  const Tensor hyper = hyper_in.contiguous(), out = out_in.contiguous(), inject = inject_in.contiguous();
+  call.launches.push_back(make_launch("hc_premix", hebrus::metal::kernel_name(op, nullptr, type),
+                                      {hyper, out, inject, result}, {false, false, false, true}, plan.params,
+                                      plan.dispatch));
+  call.outputs = {result};
+  return call;
+}
+
 }  // namespace hebrus::glue

@@ -1,12 +1,13 @@
 """Qwen4Exp's RMSNorms as one ``hebrus::hc_rms_norm`` dispatch each (:func:`fused_norm`: the
 hyper-connections' ``hc_norm``, attention's ``q_norm`` / ``k_norm``, the indexer's ``q_layernorm``, PLE's
-three norms), and the hyper-connection pre-mix of a decoder layer (transformers'
-``Qwen4ExpTextGatedResidual``) over packed rows with its norm fused (:func:`hyper_premix`).
+three norms), and the hyper-connections of a decoder layer over packed rows: the pre-mix (transformers'
+``Qwen4ExpTextGatedResidual``) as one ``hebrus::hc_premix`` dispatch (:func:`hyper_premix`) and the
+post-combine as one ``hebrus::hc_post_combine`` (:func:`post_combine`).
 
-The module's own ``nn.Linear`` projections still run as module calls (a user's quantized or
-LoRA-wrapped projections keep working); only the norms, nine element-wise ops each (ten in bf16),
-are fused, and only where the norm is transformers' own ``Qwen4ExpTextRMSNorm`` without hooks (any
-other norm module runs as itself). On CPU the fused norm gives the module's bits
+The pre-mix is fused whole only where its norm is transformers' own ``Qwen4ExpTextRMSNorm`` and its
+three projections are plain ``nn.Linear`` without bias, in h's dtype, all without hooks; otherwise
+(a user's quantized or LoRA-wrapped projection, a hooked module) the projections run as module calls
+and only the norm is fused where it can be. On CPU the fused ops give the modules' bits
 (tests/test_hc_ops.py), so the engine's outputs are unchanged there.
 """
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import hc_rms_norm
+from .ops import hc_post_combine, hc_premix, hc_rms_norm
 
-__all__ = ["hyper_premix", "fused_norm"]
+__all__ = ["hyper_premix", "post_combine", "fused_norm", "premix_by_modules", "post_combine_by_ops"]
 
 
 def _is_stock_rms_norm(norm: torch.nn.Module) -> bool:
@@ -35,13 +36,41 @@ def fused_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return hc_rms_norm(x, norm.weight, group, float(norm.eps))
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool:
+    return type(linear) is torch.nn.Linear and linear.bias is None and linear.weight.dtype == dtype \
+        and not linear._forward_hooks and not linear._forward_pre_hooks
+
+
+def _fusable_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
+    """Whether ``hc(h)`` is exactly ``hebrus::hc_premix`` of its weights (stock norm, plain projections)."""
+    return _is_stock_rms_norm(hc.hc_norm) and hc.hc_norm.group_size == hc.hidden_size \
+        and hc.hc_norm.weight.dtype in _FLOATS and h.dtype in _FLOATS \
+        and _is_plain_linear(hc.input_mix_weight_down, h.dtype) and _is_plain_linear(hc.input_mix_weight_up, h.dtype) \
+        and (hc.block_inject_weight is None or _is_plain_linear(hc.block_inject_weight, h.dtype))
+
+
 def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     """``hc(h)`` of a ``Qwen4ExpTextGatedResidual`` for h [T, hc * hidden]: (mixed [T, hidden], h,
-    injection weights [T, hc]), or only mixed where the module has no ``block_inject_weight``."""
+    injection weights [T, hc]), or only mixed where the module has no ``block_inject_weight``. One
+    ``hc_premix`` dispatch where the module is stock (:func:`_fusable_premix`)."""
     if type(hc).__name__ != "Qwen4ExpTextGatedResidual" or not type(hc).__module__.startswith("transformers.") \
             or hc._forward_hooks or hc._forward_pre_hooks or h.dim() != 2 \
             or h.shape[-1] != hc.hc_count * hc.hidden_size:
         return hc(h)
+    if _fusable_premix(hc, h):
+        inject = hc.block_inject_weight.weight if hc.block_inject_weight is not None else None
+        mixed, weights = hc_premix(h, hc.hc_norm.weight, hc.input_mix_weight_down.weight,
+                                   hc.input_mix_weight_up.weight, inject, hc.hc_count, float(hc.hc_norm.eps))
+        return mixed if inject is None else (mixed, h, weights)
+    return premix_by_modules(hc, h)
+
+
+def premix_by_modules(hc: torch.nn.Module, h: torch.Tensor):
+    """``hc(h)`` with the projections as module calls and only the norm fused (where it can be): what
+    :func:`hyper_premix` runs for a module it cannot fuse whole (and benchmarks/bench_hc.py's baseline)."""
     normed = fused_norm(hc.hc_norm, h)
     weight = F.silu(hc.input_mix_weight_down(normed) / hc.hc_count)
     weight = torch.sigmoid(hc.input_mix_weight_up(weight)).unflatten(-1, (hc.hc_count, hc.hidden_size))
@@ -49,3 +78,18 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     if hc.block_inject_weight is None:
         return mixed
     return mixed, h, 2 * torch.sigmoid(hc.block_inject_weight(normed) / hc.hc_count)
+
+
+def post_combine(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output added back into every stream: hyper Tensor[T, hc * hidden] + out Tensor[T, hidden]
+    weighted per stream by inject Tensor[T, hc]; one ``hc_post_combine`` dispatch where the three share
+    a float dtype (the decoder layer's two ops otherwise, with their type promotion)."""
+    if hyper.dim() == 2 and out.dim() == 2 and inject.dim() == 2 and hyper.dtype == out.dtype == inject.dtype \
+            and hyper.dtype in _FLOATS:
+        return hc_post_combine(hyper, out, inject)
+    return post_combine_by_ops(hyper, out, inject)
+
+
+def post_combine_by_ops(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """The decoder layer's own post-combine, two ops (a mul and an add)."""
+    return hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

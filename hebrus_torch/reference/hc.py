@@ -4,6 +4,7 @@ op for op, so the CPU kernel (the same ATen sequence in C++) gives the modules' 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import _validate
 
@@ -32,3 +33,58 @@ def hc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: flo
     xf = x.float().reshape(rows, dim // group_size, group_size)
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
     return (out * (1.0 + weight.float())).to(x.dtype).view(x.shape)
+
+
+def hc_premix(h: torch.Tensor, norm_weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+              inject: torch.Tensor | None, hc_count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hyper-connection pre-mix of a decoder layer (transformers' ``Qwen4ExpTextGatedResidual``) over
+    packed rows, op for op in h's dtype (each op rounds to it, as the module's)::
+
+        normed = hc_rms_norm(h, norm_weight, hidden, eps)                 # [T, hc * hidden]
+        s      = silu((normed @ down.T) / hc_count)                       # [T, R]
+        w      = sigmoid(s @ up.T)                                        # [T, hc * hidden]
+        mixed  = mean over the hc streams of w * normed                   # [T, hidden]
+        inj    = 2 * sigmoid((normed @ inject.T) / hc_count)              # [T, hc]; [T, 0] without inject
+
+    A row's outputs depend only on that row.
+
+    Args:
+        h: Tensor[T, hc_count * hidden] float32/float16/bfloat16 (the streams).
+        norm_weight: Tensor[hc_count * hidden] float (``hc_norm``'s zero-centred weight).
+        down: Tensor[R, hc_count * hidden] of h's dtype (``input_mix_weight_down.weight``).
+        up: Tensor[hc_count * hidden, R] of h's dtype (``input_mix_weight_up.weight``).
+        inject: Tensor[hc_count, hc_count * hidden] of h's dtype (``block_inject_weight.weight``) or None.
+        hc_count: the number of streams, dividing h's features.
+        eps: ``hc_norm``'s eps, >= 0.
+
+    Returns:
+        (mixed Tensor[T, hidden], injection weights Tensor[T, hc_count] or Tensor[T, 0]), h's dtype.
+        Raises HebrusError on bad metadata.
+    """
+    rows, hidden, _ = _validate.hc_premix(h, norm_weight, down, up, inject, hc_count, eps)
+    normed = hc_rms_norm(h, norm_weight, hidden, eps)
+    weight = torch.sigmoid(F.linear(F.silu(F.linear(normed, down) / hc_count), up))
+    mixed = (weight.unflatten(-1, (hc_count, hidden)) * normed.unflatten(-1, (hc_count, hidden))).mean(dim=-2)
+    if inject is None:
+        return mixed, h.new_empty(rows, 0)
+    return mixed, 2 * torch.sigmoid(F.linear(normed, inject) / hc_count)
+
+
+def hc_post_combine(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output added back into every hyper-connection stream (the decoder layer's
+    ``hyper_input + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)``)::
+
+        result[t, c * hidden + j] = hyper[t, c * hidden + j] + (out[t, j] * inject[t, c])
+
+    with the product rounded to the dtype before the sum, as the module's two ops.
+
+    Args:
+        hyper: Tensor[T, hc * hidden] float32/float16/bfloat16.
+        out: Tensor[T, hidden] of hyper's dtype.
+        inject: Tensor[T, hc] of hyper's dtype.
+
+    Returns:
+        Tensor[T, hc * hidden] of hyper's dtype. Raises HebrusError on bad metadata.
+    """
+    _validate.hc_post_combine(hyper, out, inject)
+    return hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

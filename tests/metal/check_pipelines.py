@@ -49,6 +49,7 @@ KERNELS = {
                                  for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
     "gdn_fused": {f"{k}_{t}": 256 for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
+    "hc_premix": {f"{k}_{t}": 256 for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

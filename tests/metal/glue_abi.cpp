@@ -105,5 +105,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                  const std::string& activation) {
     return to_py(hebrus::glue::gdn_gated_rms_norm(x, gate, weight, eps, activation, kCpu));
   });
+  m.def("hc_premix", [](const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down,
+                        const at::Tensor& up, const c10::optional<at::Tensor>& inject, int64_t hc_count, double eps) {
+    return to_py(hebrus::glue::hc_premix(h, norm_weight, down, up, inject, hc_count, eps, kCpu));
+  });
+  m.def("hc_post_combine", [](const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
+    return to_py(hebrus::glue::hc_post_combine(hyper, out, inject, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -299,6 +299,17 @@ def gdn_gated_rms_norm(x, gate, weight, eps, activation, **emu):
     return run("gdn_gated_rms_norm", x, gate, weight, float(eps), str(activation), **emu)[0]
 
 
+def hc_premix(h, norm_weight, down, up, inject, hc_count, eps, **emu):
+    """hebrus::hc_premix: returns (mixed [T, hidden], weights [T, hc] or [T, 0])."""
+    mixed, weights = run("hc_premix", h, norm_weight, down, up, inject, int(hc_count), float(eps), **emu)
+    return mixed, weights
+
+
+def hc_post_combine(hyper, out, inject, **emu):
+    """hebrus::hc_post_combine: returns [T, hc * hidden]."""
+    return run("hc_post_combine", hyper, out, inject, **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from ...errors import HebrusError
-from ...hc import hyper_premix
+from ...hc import hyper_premix, post_combine
 from ...moe.block import packed_moe
 from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer
 from ...ple.row_store import DiskNgramEmbedding
@@ -207,15 +207,9 @@ def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callabl
     with timed(part):
         out = mixer(x)
     with timed("hyper-connections"):
-        h = _inject(hyper, out, inject)
+        h = post_combine(hyper, out, inject)
         x, hyper, inject = hyper_premix(layer.mlp_hyper_connection, h)
     with timed("moe"):
         out = packed_moe(layer.mlp, x)
     with timed("hyper-connections"):
-        return _inject(hyper, out, inject)
-
-
-def _inject(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
-    """A sublayer's output added back into every stream: hyper Tensor[T, hc * hidden] + out Tensor[T, hidden]
-    weighted per stream by inject Tensor[T, hc]."""
-    return hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+        return post_combine(hyper, out, inject)
