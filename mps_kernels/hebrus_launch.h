@@ -25,6 +25,10 @@
 #define HEBRUS_QSA_POOL_TG 256
 // hc_rms_norm (issue 37): one SIMD-group per (row, group), 8 per threadgroup.
 #define HEBRUS_HC_NORM_TG 256
+// qsa_token_cells (issue 37): one SIMD-group per query, 8 queries per threadgroup.
+#define HEBRUS_QSA_TOKEN_CELLS_TG 256
+// rms_norm_rope (issue 37): one SIMD-group per (token, head), 8 per threadgroup.
+#define HEBRUS_NORM_ROPE_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -87,6 +91,8 @@ namespace hebrus::metal {
 static_assert(sizeof(PleConvParams) % 8 == 0 && sizeof(PleNgramParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
+static_assert(sizeof(QsaTokenCellsParams) == 5 * 8, "QsaTokenCellsParams: 5 x 64-bit");
+static_assert(sizeof(RmsNormRopeParams) == 7 * 8, "RmsNormRopeParams: 6 x 64-bit, float, pad");
 static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
 static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
@@ -224,6 +230,44 @@ inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int
     plan.error = "more than 2^32-1 threads or group members (G * 32, G * r)";
   }
   plan.dispatch = {threads, HEBRUS_QSA_POOL_TG};
+  return plan;
+}
+
+// ---- qsa_token_cells (issue 37): one SIMD-group per query, whole SIMD-groups only -----------------------
+using QsaTokenCellsPlan = LaunchPlan<QsaTokenCellsParams>;
+
+inline QsaTokenCellsPlan plan_qsa_token_cells(int64_t queries, int64_t top_k, int64_t group_size, int64_t width,
+                                              int64_t cells) {
+  QsaTokenCellsPlan plan;
+  QsaTokenCellsParams& p = plan.params;
+  p.queries = queries;
+  p.top_k = top_k;
+  p.group_size = group_size;
+  p.width = width;
+  p.cells = cells;
+  const uint64_t threads = static_cast<uint64_t>(queries) * HEBRUS_SIMD_WIDTH;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (Tq * 32)";
+  plan.dispatch = {threads, HEBRUS_QSA_TOKEN_CELLS_TG};
+  return plan;
+}
+
+// ---- rms_norm_rope (issue 37): one SIMD-group per (token, head), whole SIMD-groups only ------------------
+using RmsNormRopePlan = LaunchPlan<RmsNormRopeParams>;
+
+inline RmsNormRopePlan plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int64_t x_stride0,
+                                          int64_t x_stride1, double eps) {
+  RmsNormRopePlan plan;
+  RmsNormRopeParams& p = plan.params;
+  p.tokens = tokens;
+  p.heads = heads;
+  p.dim = dim;
+  p.rot = rot;
+  p.x_stride0 = x_stride0;
+  p.x_stride1 = x_stride1;
+  p.eps = static_cast<float>(eps);
+  const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH;
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * 32)";
+  plan.dispatch = {threads, HEBRUS_NORM_ROPE_TG};
   return plan;
 }
 

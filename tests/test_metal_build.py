@@ -40,6 +40,8 @@ EXPECTED = {
     "moe_experts_quantized": {f"{k}_{q}_{t}" for k in ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                                         "quantized_linear") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
+    "qsa_token_cells": {"qsa_token_cells_long"},
+    "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -80,7 +82,7 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     names = set(hebrus_emu.module(stem(path)).kernels)
     assert names == EXPECTED[stem(path)]
     variants = VARIANTS.get(stem(path), ("",))
-    ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots")
+    ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots", "qsa_token_cells")
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),)) for v in variants
             for d in dtypes}

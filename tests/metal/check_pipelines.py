@@ -45,6 +45,8 @@ KERNELS = {
                                  for q in ("q4", "q8") for t in TYPES},
                               **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
+    "qsa_token_cells": {"qsa_token_cells_long": 256},
+    "rms_norm_rope": {f"rms_norm_rope_{t}": 256 for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768
