@@ -239,12 +239,7 @@ using QsaTokenCellsPlan = LaunchPlan<QsaTokenCellsParams>;
 inline QsaTokenCellsPlan plan_qsa_token_cells(int64_t queries, int64_t top_k, int64_t group_size, int64_t width,
                                               int64_t cells) {
   QsaTokenCellsPlan plan;
-  QsaTokenCellsParams& p = plan.params;
-  p.queries = queries;
-  p.top_k = top_k;
-  p.group_size = group_size;
-  p.width = width;
-  p.cells = cells;
+  plan.params = QsaTokenCellsParams{queries, top_k, group_size, width, cells};
   const uint64_t threads = static_cast<uint64_t>(queries) * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (Tq * 32)";
   plan.dispatch = {threads, HEBRUS_QSA_TOKEN_CELLS_TG};
@@ -257,14 +252,7 @@ using RmsNormRopePlan = LaunchPlan<RmsNormRopeParams>;
 inline RmsNormRopePlan plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int64_t x_stride0,
                                           int64_t x_stride1, double eps) {
   RmsNormRopePlan plan;
-  RmsNormRopeParams& p = plan.params;
-  p.tokens = tokens;
-  p.heads = heads;
-  p.dim = dim;
-  p.rot = rot;
-  p.x_stride0 = x_stride0;
-  p.x_stride1 = x_stride1;
-  p.eps = static_cast<float>(eps);
+  plan.params = RmsNormRopeParams{tokens, heads, dim, rot, x_stride0, x_stride1, static_cast<float>(eps), 0};
   const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * 32)";
   plan.dispatch = {threads, HEBRUS_NORM_ROPE_TG};
