@@ -5,6 +5,8 @@ rotary 0.25 so R = 64; indexer 4 heads of 128; budget 2048 with r = 4, so top_k 
 * norm + RoPE of one layer: attention's q (a view of q_proj's [q | gate]), k and the indexer's q, as
   ``apply_rotary_pos_emb(Qwen4ExpTextRMSNorm(x))`` with the norm fused (``hc_rms_norm``, what the packed
   forward ran before) against three ``rms_norm_rope`` calls;
+* the output gate: ``out * sigmoid(gate)`` on the gate half of q_proj's output made contiguous (what the
+  packed forward ran before) against one ``sigmoid_gate``;
 * the plan's token cells: ``group_and_tail_offsets`` + the gather ``QSACache.plan`` ran before against one
   ``qsa_token_cells``, for a decode step (one query over a 4,096-token run, 512 of its 1,024 groups
   selected) and a 512-token chunk (queries over the chunk's own run).
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from transformers.models.qwen4_exp import modeling_qwen4_exp as modeling  # noqa: E402
 
 from hebrus_torch.hc.premix import fused_norm  # noqa: E402
-from hebrus_torch.qsa.ops import qsa_token_cells, rms_norm_rope  # noqa: E402
+from hebrus_torch.qsa.ops import qsa_token_cells, rms_norm_rope, sigmoid_gate  # noqa: E402
 from hebrus_torch.qsa.runs import group_and_tail_offsets  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROT = 24, 2, 256, 64
@@ -60,6 +62,21 @@ def rope_case(tokens: int):
         return [rms_norm_rope(x, n.weight, n.eps, cos, sin) for n, x in zip(norms, (q, k, iq))]
 
     assert all(torch.equal(a, b) for a, b in zip(old(), new()))
+    return old, new
+
+
+def gate_case(tokens: int):
+    g = torch.Generator().manual_seed(tokens)
+    out = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    gate = torch.randn(tokens, HEADS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16)[..., HEAD_DIM:]
+
+    def old():
+        return out.reshape(tokens, -1).contiguous() * torch.sigmoid(gate.reshape(tokens, -1))
+
+    def new():
+        return sigmoid_gate(out, gate)
+
+    assert torch.equal(old().view(tokens, HEADS, HEAD_DIM), new())
     return old, new
 
 
@@ -102,6 +119,8 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = [("norm + RoPE of q, k, indexer q", "decode (1 token)", *rope_case(1), 200),
              ("norm + RoPE of q, k, indexer q", "512-token chunk", *rope_case(512), 2),
+             ("output gate", "decode (1 token)", *gate_case(1), 200),
+             ("output gate", "512-token chunk", *gate_case(512), 5),
              ("token cells of the plan", "decode (1 query, 4,096-token run)", *cells_case(1, 4096), 200),
              ("token cells of the plan", "512-token chunk", *cells_case(512, 512), 2)]
     print(f"load average {os.getloadavg()[0]:.1f} at the start")

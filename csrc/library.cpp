@@ -55,6 +55,9 @@ TORCH_LIBRARY(hebrus, m) {
   // Qwen4Exp's RMSNorm of every head of x [T, H, D] then transformers' rotate-half RoPE of its first R dims
   // at each token's cos/sin [T, R] in x's dtype (issue 37): a q_norm / k_norm / q_layernorm and its RoPE.
   m.def("rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
+  // The attention's output gate (issue 37): x [T, H, D] * sigmoid(gate [T, H, D]) in x's dtype, the gate read in
+  // place (a view of q_proj's output).
+  m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
   // Gated delta rule (issue 17) of the gated-delta-net layers over packed rows, recurrent form; each
   // row's state [Hv, Dk, Dv] (fp32) is updated in place.
   m.def(

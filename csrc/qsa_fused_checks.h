@@ -65,4 +65,19 @@ inline RmsNormRopeSizes check_rms_norm_rope_args(const at::Tensor& x, const at::
   return sz;
 }
 
+// ---- sigmoid_gate --------------------------------------------------------------------------------------
+
+struct SigmoidGateSizes {
+  int64_t tokens = 0, heads = 0, dim = 0;
+};
+
+inline SigmoidGateSizes check_sigmoid_gate_args(const at::Tensor& x, const at::Tensor& gate) {
+  const char* op = "sigmoid_gate";
+  check_kinds(op, {{"x", &x, 3, kAnyFloat}, {"gate", &gate, 3, kAnyFloat}});
+  check_same_dtype(op, gate, "gate", x, "x");
+  HEBRUS_CHECK(gate.sizes() == x.sizes(), HebrusError, "hebrus::", op, ": gate must have x's shape ",
+               shape_str(x.sizes()), ", got ", shape_str(gate.sizes()));
+  return {x.size(0), x.size(1), x.size(2)};
+}
+
 }  // namespace hebrus

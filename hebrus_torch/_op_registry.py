@@ -102,6 +102,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("rms_norm_rope",
            "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor",
            reference.rms_norm_rope, _CPU_MPS),
+    OpSpec("sigmoid_gate", "sigmoid_gate(Tensor x, Tensor gate) -> Tensor", reference.sigmoid_gate, _CPU_MPS),
     OpSpec("gdn_delta_rule",
            "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
            "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor",

@@ -268,6 +268,15 @@ def rms_norm_rope(x, weight, eps, cos, sin) -> None:
     check(eps >= 0, op, f"eps must be >= 0, got {eps}")
 
 
+def sigmoid_gate(x, gate) -> None:
+    """Metadata of hebrus::sigmoid_gate (issue 37)."""
+    op = "sigmoid_gate"
+    _same_device(op, x=x, gate=gate)
+    _ranks_and_dtypes(op, ("x", x, 3, FLOAT_DTYPES), ("gate", gate, 3, FLOAT_DTYPES))
+    check(gate.dtype == x.dtype, op, f"gate dtype {gate.dtype} must match x dtype {x.dtype}")
+    check(gate.shape == x.shape, op, f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+
+
 def qsa_attention(q, k, v, token_cells, scale) -> int:
     """Returns the number of query heads per KV head (Hq // Hkv)."""
     op = "qsa_attention"

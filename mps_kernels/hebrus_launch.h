@@ -29,6 +29,8 @@
 #define HEBRUS_QSA_TOKEN_CELLS_TG 256
 // rms_norm_rope (issue 37): one SIMD-group per (token, head), 8 per threadgroup.
 #define HEBRUS_NORM_ROPE_TG 256
+// sigmoid_gate (issue 37): one thread per element.
+#define HEBRUS_SIGMOID_GATE_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -93,6 +95,7 @@ static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0
 static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
 static_assert(sizeof(QsaTokenCellsParams) == 5 * 8, "QsaTokenCellsParams: 5 x 64-bit");
 static_assert(sizeof(RmsNormRopeParams) == 7 * 8, "RmsNormRopeParams: 6 x 64-bit, float, pad");
+static_assert(sizeof(SigmoidGateParams) == 5 * 8, "SigmoidGateParams: 5 x 64-bit");
 static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
 static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
@@ -256,6 +259,19 @@ inline RmsNormRopePlan plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t
   const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH;
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * 32)";
   plan.dispatch = {threads, HEBRUS_NORM_ROPE_TG};
+  return plan;
+}
+
+// ---- sigmoid_gate (issue 37): one thread per element -----------------------------------------------------
+using SigmoidGatePlan = LaunchPlan<SigmoidGateParams>;
+
+inline SigmoidGatePlan plan_sigmoid_gate(int64_t tokens, int64_t heads, int64_t dim, int64_t g_stride0,
+                                         int64_t g_stride1) {
+  SigmoidGatePlan plan;
+  const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * static_cast<uint64_t>(dim);
+  plan.params = SigmoidGateParams{static_cast<int64_t>(threads), heads, dim, g_stride0, g_stride1};
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * D)";
+  plan.dispatch = {threads, HEBRUS_SIGMOID_GATE_TG};
   return plan;
 }
 

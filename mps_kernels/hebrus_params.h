@@ -117,6 +117,16 @@ struct RmsNormRopeParams {
   hebrus_i32 pad0;
 };
 
+// hebrus::sigmoid_gate (issue 37). Threads: T * H * D, one per element. gate is read through element strides
+// of its first two dims (its last dim contiguous); x and out are contiguous.
+struct SigmoidGateParams {
+  hebrus_i64 elements;   // T * H * D
+  hebrus_i64 heads;      // H
+  hebrus_i64 dim;        // D
+  hebrus_i64 g_stride0;  // elements between gate[t, h] and gate[t + 1, h]
+  hebrus_i64 g_stride1;  // elements between gate[t, h] and gate[t, h + 1]
+};
+
 // hebrus::qsa_select. Threads: blocks x HEBRUS_QSA_SELECT_TG, one threadgroup per block of
 // consecutive queries; within a block the sequences present are handled one after the other.
 struct QsaSelectParams {

@@ -42,6 +42,7 @@ EXPECTED = {
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
     "qsa_token_cells": {"qsa_token_cells_long"},
     "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
+    "sigmoid_gate": {f"sigmoid_gate_{t}" for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",

@@ -501,3 +501,27 @@ def test_token_cells_mutations_are_caught(tmp_path, use, old, new):
     use("qsa_token_cells", mutated(tmp_path, "qsa_token_cells", "qsa_token_cells.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         token_cells_check()
+
+
+def gate_check(**emu):
+    from test_metal_qsa_fused import close
+    from test_qsa_fused_ops import gate_inputs
+
+    out, gate = gate_inputs(4, 3, 40, torch.float32, seed=6)
+    close(hebrus_emu.sigmoid_gate(out, gate, **emu), reference.sigmoid_gate(out, gate), torch.float32)
+
+
+def test_unmutated_sigmoid_gate_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        gate_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("h * p.g_stride1", "h * p.dim"),                                  # the gate's strides ignored
+    ("precise::exp(-g)", "precise::exp(g)"),                           # sigmoid(-g)
+    ("static_cast<float>(x[i])", "static_cast<float>(x[row])"),        # x indexed by the row
+], ids=["gate-stride", "sigmoid-sign", "x-row"])
+def test_sigmoid_gate_mutations_are_caught(tmp_path, use, old, new):
+    use("sigmoid_gate", mutated(tmp_path, "sigmoid_gate", "sigmoid_gate.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        gate_check()

@@ -145,3 +145,30 @@ def test_token_cells_bad_metadata_is_refused_as_on_cpu():
         for fn in (hebrus_emu.qsa_token_cells, reference.qsa_token_cells):
             with pytest.raises(HebrusError, match=match):
                 fn(*args)
+
+
+# ---- sigmoid_gate -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(5, 3, 16), (2, 24, 256), (3, 2, 40)])
+def test_sigmoid_gate_matches_reference(dtype, tokens, heads, dim):
+    from test_qsa_fused_ops import gate_inputs
+
+    out, gate = gate_inputs(tokens, heads, dim, dtype, seed=dim)
+    close(hebrus_emu.sigmoid_gate(out, gate), reference.sigmoid_gate(out, gate), dtype)
+
+
+@pytest.mark.parametrize("sched", msl_emu.SCHEDULES)
+@pytest.mark.parametrize("guard", ["end", "start"])
+def test_sigmoid_gate_rows_do_not_depend_on_the_launch(sched, guard):
+    from test_qsa_fused_ops import gate_inputs
+
+    out, gate = gate_inputs(6, 3, 40, torch.bfloat16, seed=2)
+    together = hebrus_emu.sigmoid_gate(out, gate, sched=sched, seed=3, guard=guard)
+    for t in (0, 5):
+        alone = hebrus_emu.sigmoid_gate(out[t:t + 1].clone(), gate[t:t + 1].clone(), guard=guard)
+        assert torch.equal(alone[0], together[t])
+    out0, gate0 = gate_inputs(0, 3, 40, torch.float16)
+    assert hebrus_emu.launches("sigmoid_gate", out0, gate0) == []
+    with pytest.raises(HebrusError, match="gate dtype torch.float16 must match x dtype torch.bfloat16"):
+        hebrus_emu.sigmoid_gate(out, gate.half())

@@ -1,4 +1,5 @@
-"""The indexed-attention layer's fused ops (issue 37). hebrus::rms_norm_rope: on CPU the bits of
+"""The indexed-attention layer's fused ops (issue 37). hebrus::sigmoid_gate: the module's output gate, bitwise on CPU.
+hebrus::rms_norm_rope: on CPU the bits of
 transformers' ``apply_rotary_pos_emb(Qwen4ExpTextRMSNorm(x))`` (every dtype, partial and full rotary,
 heads cut from a wider projection), rows independent. hebrus::qsa_token_cells: exactly the offsets and
 cells ``QSACache.plan`` derived with ATen ops before (selected groups in order, -1 entries skipped
@@ -16,7 +17,7 @@ from hf_models import modeling
 from hebrus_torch import reference
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp.attention import norm_and_rope
-from hebrus_torch.qsa.ops import qsa_token_cells, rms_norm_rope
+from hebrus_torch.qsa.ops import qsa_token_cells, rms_norm_rope, sigmoid_gate
 from hebrus_torch.qsa.runs import group_and_tail_offsets
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -199,3 +200,36 @@ def test_token_cells_opcheck_and_compile():
     fn = torch.compile(qsa_token_cells, fullgraph=True, backend="eager")
     got, want = fn(*args, 4), qsa_token_cells(*args, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- sigmoid_gate -------------------------------------------------------------------------------------------
+
+def gate_inputs(tokens, heads, dim, dtype, seed=0):
+    """The attention output [T, H, D] and the gate half of q_proj's [T, H, 2D] output (a strided view)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    gate = (torch.randn(tokens, heads, 2 * dim, generator=g) * 4).to(dtype)[..., dim:]
+    return out, gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(7, 3, 16), (1, 24, 256), (5, 2, 40)])
+def test_sigmoid_gate_gives_the_modules_bits(dtype, tokens, heads, dim):
+    """What Qwen4ExpTextAttention computes: attn_output [.., H * D] * sigmoid(gate [.., H * D])."""
+    out, gate = gate_inputs(tokens, heads, dim, dtype, seed=dim)
+    want = (out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))).view(tokens, heads, dim)
+    assert torch.equal(sigmoid_gate(out, gate), want)
+    assert torch.equal(reference.sigmoid_gate(out, gate), want)
+
+
+def test_sigmoid_gate_metadata_opcheck_and_compile():
+    out, gate = gate_inputs(4, 2, 16, torch.float32, seed=3)
+    for args, match in (((out, gate[:, :1]), r"gate must have x's shape \(4, 2, 16\), got \(4, 1, 16\)"),
+                        ((out, gate.half()), "gate dtype torch.float16 must match x dtype torch.float32"),
+                        ((out[0], gate[0]), "x must be 3-D")):
+        for fn in (sigmoid_gate, reference.sigmoid_gate):
+            with pytest.raises(HebrusError, match=match):
+                fn(*args)
+    torch.library.opcheck(torch.ops.hebrus.sigmoid_gate.default, (out, gate))
+    fn = torch.compile(sigmoid_gate, fullgraph=True, backend="eager")
+    assert torch.equal(fn(out, gate), sigmoid_gate(out, gate))

@@ -788,6 +788,14 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   return out;
 }
 
+// ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
+// The module's ATen sequence (a contiguous gate, sigmoid, mul), so its bits: what gated_output ran before.
+at::Tensor sigmoid_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
+  check_on_device("sigmoid_gate", at::kCPU, {{"x", &x}, {"gate", &gate}});
+  check_sigmoid_gate_args(x, gate);
+  return x.contiguous().mul(at::sigmoid(gate.contiguous()));
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -796,4 +804,5 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("qsa_select", &hebrus::qsa_select_cpu);
   m.impl("qsa_token_cells", &hebrus::qsa_token_cells_cpu);
   m.impl("rms_norm_rope", &hebrus::rms_norm_rope_cpu);
+  m.impl("sigmoid_gate", &hebrus::sigmoid_gate_cpu);
 }

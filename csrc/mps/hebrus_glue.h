@@ -414,6 +414,26 @@ inline Call rms_norm_rope(const Tensor& x_in, const Tensor& weight_in, double ep
   return call;
 }
 
+// ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
+// One launch (mps_kernels/sigmoid_gate.metal); no value to check. The gate is read in place through the
+// strides of its first two dims (a copy only where its last dim is not contiguous).
+inline Call sigmoid_gate(const Tensor& x_in, const Tensor& gate_in, c10::DeviceType device) {
+  const char* op = "sigmoid_gate";
+  check_on_device(op, device, {{"x", &x_in}, {"gate", &gate_in}});
+  const SigmoidGateSizes sz = check_sigmoid_gate_args(x_in, gate_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  Tensor out = at::empty({sz.tokens, sz.heads, sz.dim}, x_in.options());
+  call.outputs = {out};
+  if (out.numel() == 0) return call;
+  const Tensor gate = last_dim_contiguous(gate_in);
+  const auto plan = hebrus::metal::plan_sigmoid_gate(sz.tokens, sz.heads, sz.dim, gate.stride(0), gate.stride(1));
+  check_plan(op, plan.error);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x_in.contiguous(), gate, out},
+                                      {false, false, true}, plan.params, plan.dispatch));
+  return call;
+}
+
 // ---- gdn_delta_rule / gdn_delta_rule_slots ---------------------------------------------------------
 // One kernel body for both (mps_kernels/gdn_delta_rule.metal). The state (pool) is bound as it is,
 // contiguous and checked by gdn_checks.h, and updated in place; cu_seqlens and the slot ids are the

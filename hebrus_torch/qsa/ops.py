@@ -55,6 +55,13 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
         return torch.ops.hebrus.rms_norm_rope.default(x, weight, float(eps), cos, sin)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention's output gate ``x * sigmoid(gate)`` in one dispatch (issue 37); see
+    :func:`hebrus_torch.reference.sigmoid_gate`. Shapes: x, gate [T, H, D] (gate any strides) -> [T, H, D]."""
+    with translated():
+        return torch.ops.hebrus.sigmoid_gate.default(x, gate)
+
+
 @torch.library.register_fake("hebrus::qsa_pool")
 def _qsa_pool_fake(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq):
     _validate.qsa_pool(keys, cell_pos, group_cells, group_pos, norm_weight, eps, inv_freq)
@@ -77,4 +84,10 @@ def _qsa_token_cells_fake(selected, nvis, first, cells, r):
 @torch.library.register_fake("hebrus::rms_norm_rope")
 def _rms_norm_rope_fake(x, weight, eps, cos, sin):
     _validate.rms_norm_rope(x, weight, eps, cos, sin)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("hebrus::sigmoid_gate")
+def _sigmoid_gate_fake(x, gate):
+    _validate.sigmoid_gate(x, gate)
     return x.new_empty(x.shape)

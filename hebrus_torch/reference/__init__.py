@@ -13,13 +13,13 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.ple`: ``ple_ngram_ids``, ``ple_conv``, ``ple_conv_into`` and the PLE slot forms;
 - :mod:`.uniform_rows`: the drop-in's fast paths of the PLE ops on rows of equal length (not ops);
 - :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores, ``qsa_token_cells`` (issue 37);
-- :mod:`.attention`: ``qsa_attention``, ``rms_norm_rope`` (issue 37);
+- :mod:`.attention`: ``qsa_attention``, ``rms_norm_rope`` and ``sigmoid_gate`` (issue 37);
 - :mod:`.gdn`: ``gdn_delta_rule``, its slot form and the chunked slot form;
 - :mod:`.moe`: ``moe_experts`` (the routed experts of a MoE block) and ``moe_experts_quantized``, ``quantized_linear``;
 - :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm, fused: issue 37).
 """
 
-from .attention import check_token_cells_values, qsa_attention, rms_norm_rope
+from .attention import check_token_cells_values, qsa_attention, rms_norm_rope, sigmoid_gate
 from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
 from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots
 from .hc import hc_rms_norm
@@ -34,7 +34,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots",
            "moe_experts", "moe_experts_quantized", "quantized_linear", "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
-           "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "qsa_token_cells", "rms_norm_rope"]
+           "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "qsa_token_cells", "rms_norm_rope",
+           "sigmoid_gate"]
 
 # (_silu and _qsa_select_all: private, re-exported for the tests and benchmarks that call them as
 # reference._silu / reference._qsa_select_all.)

@@ -12,7 +12,7 @@ from ..errors import HebrusError
 from .checks import assert_values, checks_async
 from .hc import hc_rms_norm
 
-__all__ = ["check_token_cells_values", "qsa_attention", "rms_norm_rope"]
+__all__ = ["check_token_cells_values", "qsa_attention", "rms_norm_rope", "sigmoid_gate"]
 
 
 _ATTENTION_BLOCK_BYTES = 64 << 20  # fp32 working set of one block of queries (gathered K/V, scores)
@@ -116,3 +116,18 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     rot = rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((rot, normed[..., r:]), dim=-1)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The indexed attention's output gate (issue 37): ``x * sigmoid(gate)`` as transformers'
+    ``Qwen4ExpTextAttention`` computes it (the sigmoid rounded to x's dtype, then the product).
+
+    Args:
+        x: Tensor[T, H, D] float32/float16/bfloat16 (the attention's output, token-major);
+        gate: Tensor[T, H, D] in x's dtype, any strides (q_proj's gate half).
+
+    Returns:
+        Tensor[T, H, D] in x's dtype, contiguous.
+    """
+    _validate.sigmoid_gate(x, gate)
+    return x.contiguous() * torch.sigmoid(gate.contiguous())

@@ -47,6 +47,7 @@ KERNELS = {
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
     "qsa_token_cells": {"qsa_token_cells_long": 256},
     "rms_norm_rope": {f"rms_norm_rope_{t}": 256 for t in TYPES},
+    "sigmoid_gate": {f"sigmoid_gate_{t}": 256 for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

@@ -70,6 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const at::Tensor& sin) {
     return to_py(hebrus::glue::rms_norm_rope(x, weight, eps, cos, sin, kCpu));
   });
+  m.def("sigmoid_gate", [](const at::Tensor& x, const at::Tensor& gate) {
+    return to_py(hebrus::glue::sigmoid_gate(x, gate, kCpu));
+  });
   // The state (pool) is updated in place: the launch binds the caller's tensor itself.
   m.def("gdn_delta_rule", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                              const at::Tensor& beta, const at::Tensor& cu, const at::Tensor& state, double scale,

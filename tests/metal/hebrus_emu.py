@@ -254,6 +254,11 @@ def rms_norm_rope(x, weight, eps, cos, sin, **emu):
     return run("rms_norm_rope", x, weight, float(eps), cos, sin, **emu)[0]
 
 
+def sigmoid_gate(x, gate, **emu):
+    """hebrus::sigmoid_gate: returns out [T, H, D]."""
+    return run("sigmoid_gate", x, gate, **emu)[0]
+
+
 def gdn_delta_rule(q, k, v, g, beta, cu_seqlens, state, scale, use_qk_l2norm, **emu):
     """hebrus::gdn_delta_rule: returns out in v's dtype; state is updated in place (the glue's
     gdn_result: the fp32 output of a mixed-dtype call narrowed to v's dtype)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ...hc.premix import _is_stock_rms_norm, fused_norm
-from ...qsa.ops import rms_norm_rope
+from ...qsa.ops import rms_norm_rope, sigmoid_gate
 
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
@@ -42,10 +42,11 @@ def norm_and_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin
 
 
 def _raw_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q (not normed), k (not normed), v Tensor[..., H(kv), Dh] and the gate Tensor[..., H * Dh]."""
+    """q (not normed), k (not normed), v Tensor[..., H(kv), Dh] and the gate Tensor[..., H, Dh] (a view of
+    q_proj's output, as q)."""
     lead, hd = x.shape[:-1], attn.head_dim
     q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
-    return q, attn.k_proj(x).view(*lead, -1, hd), attn.v_proj(x).view(*lead, -1, hd), gate.reshape(*lead, -1)
+    return q, attn.k_proj(x).view(*lead, -1, hd), attn.v_proj(x).view(*lead, -1, hd), gate
 
 
 def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -79,7 +80,7 @@ def attention_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch
         and the gate Tensor[..., H * Dh] (:func:`gated_output`).
     """
     q, k, v, gate = _raw_projections(attn, x)
-    return fused_norm(attn.q_norm, q), fused_norm(attn.k_norm, k), v, gate
+    return fused_norm(attn.q_norm, q), fused_norm(attn.k_norm, k), v, gate.reshape(*x.shape[:-1], -1)
 
 
 def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -87,6 +88,14 @@ def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -
     from :func:`attention_projections` -> Tensor[..., hidden_size]."""
     out = out.reshape(*gate.shape[:-1], -1).contiguous()
     return attn.o_proj(out * torch.sigmoid(gate))
+
+
+def _gated_heads(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """:func:`gated_output` of out Tensor[T, H, Dv] and the gate's heads Tensor[T, H, Dh]: one
+    ``hebrus::sigmoid_gate`` dispatch (the gate read in place) where the shapes and dtypes match, then ``o_proj``."""
+    if out.dim() == 3 and out.shape == gate.shape and out.dtype == gate.dtype:
+        return attn.o_proj(sigmoid_gate(out, gate).view(out.shape[0], -1))
+    return gated_output(attn, out, gate.reshape(*gate.shape[:-2], -1))
 
 
 def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
@@ -103,7 +112,7 @@ def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Mod
     q, k = norm_and_rope(attn.q_norm, q, cos, sin, rope), norm_and_rope(attn.k_norm, k, cos, sin, rope)
     step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
     plan = step.qsa_select(layer_idx, q_index)
-    return gated_output(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)
+    return _gated_heads(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)
 
 
 def write_keys_and_values(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
