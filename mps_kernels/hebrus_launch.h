@@ -236,43 +236,38 @@ inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int
   return plan;
 }
 
-// ---- qsa_token_cells (issue 37): one SIMD-group per query, whole SIMD-groups only -----------------------
-using QsaTokenCellsPlan = LaunchPlan<QsaTokenCellsParams>;
-
-inline QsaTokenCellsPlan plan_qsa_token_cells(int64_t queries, int64_t top_k, int64_t group_size, int64_t width,
-                                              int64_t cells) {
-  QsaTokenCellsPlan plan;
-  plan.params = QsaTokenCellsParams{queries, top_k, group_size, width, cells};
-  const uint64_t threads = static_cast<uint64_t>(queries) * HEBRUS_SIMD_WIDTH;
-  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (Tq * 32)";
-  plan.dispatch = {threads, HEBRUS_QSA_TOKEN_CELLS_TG};
+// ---- the fused QSA-layer ops (issue 37): a parameter block and a grid of `threads` threads -----------------
+template <typename Params>
+inline LaunchPlan<Params> plan_grid(const Params& params, uint64_t threads, uint64_t group, const char* too_many) {
+  LaunchPlan<Params> plan;
+  plan.params = params;
+  if (threads > kMaxThreads) plan.error = too_many;
+  plan.dispatch = {threads, group};
   return plan;
 }
 
-// ---- rms_norm_rope (issue 37): one SIMD-group per (token, head), whole SIMD-groups only ------------------
-using RmsNormRopePlan = LaunchPlan<RmsNormRopeParams>;
-
-inline RmsNormRopePlan plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int64_t x_stride0,
-                                          int64_t x_stride1, double eps) {
-  RmsNormRopePlan plan;
-  plan.params = RmsNormRopeParams{tokens, heads, dim, rot, x_stride0, x_stride1, static_cast<float>(eps), 0};
-  const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH;
-  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * 32)";
-  plan.dispatch = {threads, HEBRUS_NORM_ROPE_TG};
-  return plan;
+// qsa_token_cells: one SIMD-group per query, whole SIMD-groups only.
+inline LaunchPlan<QsaTokenCellsParams> plan_qsa_token_cells(int64_t queries, int64_t top_k, int64_t group_size,
+                                                            int64_t width, int64_t cells) {
+  return plan_grid(QsaTokenCellsParams{queries, top_k, group_size, width, cells},
+                   static_cast<uint64_t>(queries) * HEBRUS_SIMD_WIDTH, HEBRUS_QSA_TOKEN_CELLS_TG,
+                   "more than 2^32-1 threads (Tq * 32)");
 }
 
-// ---- sigmoid_gate (issue 37): one thread per element -----------------------------------------------------
-using SigmoidGatePlan = LaunchPlan<SigmoidGateParams>;
+// rms_norm_rope: one SIMD-group per (token, head), whole SIMD-groups only.
+inline LaunchPlan<RmsNormRopeParams> plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t dim, int64_t rot,
+                                                        int64_t x_stride0, int64_t x_stride1, double eps) {
+  return plan_grid(RmsNormRopeParams{tokens, heads, dim, rot, x_stride0, x_stride1, static_cast<float>(eps), 0},
+                   static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH,
+                   HEBRUS_NORM_ROPE_TG, "more than 2^32-1 threads (T * H * 32)");
+}
 
-inline SigmoidGatePlan plan_sigmoid_gate(int64_t tokens, int64_t heads, int64_t dim, int64_t g_stride0,
-                                         int64_t g_stride1) {
-  SigmoidGatePlan plan;
+// sigmoid_gate: one thread per element.
+inline LaunchPlan<SigmoidGateParams> plan_sigmoid_gate(int64_t tokens, int64_t heads, int64_t dim, int64_t g_stride0,
+                                                       int64_t g_stride1) {
   const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * static_cast<uint64_t>(dim);
-  plan.params = SigmoidGateParams{static_cast<int64_t>(threads), heads, dim, g_stride0, g_stride1};
-  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * H * D)";
-  plan.dispatch = {threads, HEBRUS_SIGMOID_GATE_TG};
-  return plan;
+  return plan_grid(SigmoidGateParams{static_cast<int64_t>(threads), heads, dim, g_stride0, g_stride1}, threads,
+                   HEBRUS_SIGMOID_GATE_TG, "more than 2^32-1 threads (T * H * D)");
 }
 
 struct QsaSelectPlan : LaunchPlan<QsaSelectParams> {
