@@ -48,6 +48,16 @@ TORCH_LIBRARY(hebrus, m) {
       "int top_k) -> Tensor");
   // QSA attention (issue 6): softmax(scale q.k) v per query over exactly its selected cells.
   m.def("qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor");
+  // The cells each query attends (issue 37): its selected groups' r cells each, in the given order, then
+  // its raw tail, then -1 (token_cells [Tq, W] int32 and their offsets in the run [Tq, W] int64,
+  // W = top_k * r + r - 1): what qsa_attention reads, from qsa_select's groups in one dispatch.
+  m.def("qsa_token_cells(Tensor selected, Tensor nvis, Tensor first, Tensor cells, int r) -> (Tensor, Tensor)");
+  // Qwen4Exp's RMSNorm of every head of x [T, H, D] then transformers' rotate-half RoPE of its first R dims
+  // at each token's cos/sin [T, R] in x's dtype (issue 37): a q_norm / k_norm / q_layernorm and its RoPE.
+  m.def("rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
+  // The attention's output gate (issue 37): x [T, H, D] * sigmoid(gate [T, H, D]) in x's dtype, the gate read in
+  // place (a view of q_proj's output).
+  m.def("sigmoid_gate(Tensor x, Tensor gate) -> Tensor");
   // Gated delta rule (issue 17) of the gated-delta-net layers over packed rows, recurrent form; each
   // row's state [Hv, Dk, Dv] (fp32) is updated in place.
   m.def(

@@ -96,6 +96,13 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("qsa_attention",
            "qsa_attention(Tensor q, Tensor k, Tensor v, Tensor token_cells, float scale) -> Tensor",
            reference.qsa_attention, _CPU_MPS),
+    OpSpec("qsa_token_cells",
+           "qsa_token_cells(Tensor selected, Tensor nvis, Tensor first, Tensor cells, int r) -> (Tensor, Tensor)",
+           reference.qsa_token_cells, _CPU_MPS),
+    OpSpec("rms_norm_rope",
+           "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor",
+           reference.rms_norm_rope, _CPU_MPS),
+    OpSpec("sigmoid_gate", "sigmoid_gate(Tensor x, Tensor gate) -> Tensor", reference.sigmoid_gate, _CPU_MPS),
     OpSpec("gdn_delta_rule",
            "gdn_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
            "Tensor(a!) state, float scale, bool use_qk_l2norm) -> Tensor",

@@ -236,6 +236,47 @@ def qsa_select(q, pooled, seq_groups, q_row, q_groups, top_k) -> None:
     check(1 <= top_k <= 2**31 - 1, op, f"top_k must be in [1, 2147483647] (group indices are int32), got {top_k}")
 
 
+def qsa_token_cells(selected, nvis, first, cells, r) -> int:
+    """Metadata of hebrus::qsa_token_cells (issue 37); returns W = top_k * r + r - 1."""
+    op = "qsa_token_cells"
+    _same_device(op, selected=selected, nvis=nvis, first=first, cells=cells)
+    _ranks_and_dtypes(op, ("selected", selected, 2, torch.int32), ("nvis", nvis, 1, torch.int64),
+                      ("first", first, 1, torch.int64), ("cells", cells, 1, torch.int32))
+    tq = selected.shape[0]
+    check(nvis.shape[0] == tq and first.shape[0] == tq, op,
+          f"nvis and first must have Tq = {tq} entries, got {nvis.shape[0]} and {first.shape[0]}")
+    check(1 <= r <= 2**20, op, f"r must be in [1, 1048576], got {r}")
+    check(selected.shape[1] <= 2**31 // r, op,
+          f"top_k * r must stay below 2^31, got top_k = {selected.shape[1]} and r = {r}")
+    return selected.shape[1] * r + r - 1
+
+
+def rms_norm_rope(x, weight, eps, cos, sin) -> None:
+    """Metadata of hebrus::rms_norm_rope (issue 37)."""
+    op = "rms_norm_rope"
+    _same_device(op, x=x, weight=weight, cos=cos, sin=sin)
+    _ranks_and_dtypes(op, ("x", x, 3, FLOAT_DTYPES), ("weight", weight, 1, FLOAT_DTYPES),
+                      ("cos", cos, 2, FLOAT_DTYPES), ("sin", sin, 2, FLOAT_DTYPES))
+    check(cos.dtype == x.dtype, op, f"cos dtype {cos.dtype} must match x dtype {x.dtype}")
+    check(sin.dtype == x.dtype, op, f"sin dtype {sin.dtype} must match x dtype {x.dtype}")
+    tokens, _, dim = x.shape
+    check(weight.shape[0] == dim, op, f"weight must have D = {dim} entries, got {weight.shape[0]}")
+    check(cos.shape[0] == tokens and sin.shape == cos.shape, op,
+          f"cos and sin must both have shape (T, R) with T = {tokens}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    check(cos.shape[1] % 2 == 0 and cos.shape[1] <= dim, op,
+          f"the rotary dims R must be even and at most D = {dim}, got {cos.shape[1]}")
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+
+
+def sigmoid_gate(x, gate) -> None:
+    """Metadata of hebrus::sigmoid_gate (issue 37)."""
+    op = "sigmoid_gate"
+    _same_device(op, x=x, gate=gate)
+    _ranks_and_dtypes(op, ("x", x, 3, FLOAT_DTYPES), ("gate", gate, 3, FLOAT_DTYPES))
+    check(gate.dtype == x.dtype, op, f"gate dtype {gate.dtype} must match x dtype {x.dtype}")
+    check(gate.shape == x.shape, op, f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+
+
 def qsa_attention(q, k, v, token_cells, scale) -> int:
     """Returns the number of query heads per KV head (Hq // Hkv)."""
     op = "qsa_attention"

@@ -34,6 +34,12 @@
 // output feature, 256 per threadgroup.
 #define HEBRUS_HC_PREMIX_TG 256
 #define HEBRUS_HC_COMBINE_TG 256
+// qsa_token_cells (issue 37): one SIMD-group per query, 8 queries per threadgroup.
+#define HEBRUS_QSA_TOKEN_CELLS_TG 256
+// rms_norm_rope (issue 37): one SIMD-group per (token, head), 8 per threadgroup.
+#define HEBRUS_NORM_ROPE_TG 256
+// sigmoid_gate (issue 37): one thread per element.
+#define HEBRUS_SIGMOID_GATE_TG 256
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -108,6 +114,9 @@ namespace hebrus::metal {
 static_assert(sizeof(PleConvParams) % 8 == 0 && sizeof(PleNgramParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaPoolParams) % 8 == 0 && sizeof(QsaSelectParams) % 8 == 0, "params size");
 static_assert(sizeof(QsaAttentionParams) == 13 * 8, "QsaAttentionParams: 12 x 64-bit, float, pad");
+static_assert(sizeof(QsaTokenCellsParams) == 5 * 8, "QsaTokenCellsParams: 5 x 64-bit");
+static_assert(sizeof(RmsNormRopeParams) == 7 * 8, "RmsNormRopeParams: 6 x 64-bit, float, pad");
+static_assert(sizeof(SigmoidGateParams) == 5 * 8, "SigmoidGateParams: 5 x 64-bit");
 static_assert(sizeof(HebrusCheckParams) == 3 * 8, "HebrusCheckParams");
 static_assert(sizeof(PleConvSlotsParams) == 9 * 8 && sizeof(PleNgramSlotsParams) == 8 * 8, "params size");
 static_assert(sizeof(HebrusSlotsCheckParams) == 4 * 8, "HebrusSlotsCheckParams");
@@ -254,6 +263,40 @@ inline QsaPoolPlan plan_qsa_pool(int64_t cells, int64_t dim, int64_t groups, int
   }
   plan.dispatch = {threads, HEBRUS_QSA_POOL_TG};
   return plan;
+}
+
+// ---- the fused QSA-layer ops (issue 37): a parameter block and a grid of `threads` threads -----------------
+template <typename Params>
+inline LaunchPlan<Params> plan_grid(const Params& params, uint64_t threads, uint64_t group, const char* too_many) {
+  LaunchPlan<Params> plan;
+  plan.params = params;
+  if (threads > kMaxThreads) plan.error = too_many;
+  plan.dispatch = {threads, group};
+  return plan;
+}
+
+// qsa_token_cells: one SIMD-group per query, whole SIMD-groups only.
+inline LaunchPlan<QsaTokenCellsParams> plan_qsa_token_cells(int64_t queries, int64_t top_k, int64_t group_size,
+                                                            int64_t width, int64_t cells) {
+  return plan_grid(QsaTokenCellsParams{queries, top_k, group_size, width, cells},
+                   static_cast<uint64_t>(queries) * HEBRUS_SIMD_WIDTH, HEBRUS_QSA_TOKEN_CELLS_TG,
+                   "more than 2^32-1 threads (Tq * 32)");
+}
+
+// rms_norm_rope: one SIMD-group per (token, head), whole SIMD-groups only.
+inline LaunchPlan<RmsNormRopeParams> plan_rms_norm_rope(int64_t tokens, int64_t heads, int64_t dim, int64_t rot,
+                                                        int64_t x_stride0, int64_t x_stride1, double eps) {
+  return plan_grid(RmsNormRopeParams{tokens, heads, dim, rot, x_stride0, x_stride1, static_cast<float>(eps), 0},
+                   static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * HEBRUS_SIMD_WIDTH,
+                   HEBRUS_NORM_ROPE_TG, "more than 2^32-1 threads (T * H * 32)");
+}
+
+// sigmoid_gate: one thread per element.
+inline LaunchPlan<SigmoidGateParams> plan_sigmoid_gate(int64_t tokens, int64_t heads, int64_t dim, int64_t g_stride0,
+                                                       int64_t g_stride1) {
+  const uint64_t threads = static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * static_cast<uint64_t>(dim);
+  return plan_grid(SigmoidGateParams{static_cast<int64_t>(threads), heads, dim, g_stride0, g_stride1}, threads,
+                   HEBRUS_SIGMOID_GATE_TG, "more than 2^32-1 threads (T * H * D)");
 }
 
 struct QsaSelectPlan : LaunchPlan<QsaSelectParams> {

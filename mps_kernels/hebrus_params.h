@@ -95,6 +95,38 @@ struct QsaPoolParams {
   hebrus_i32 pad0;
 };
 
+// hebrus::qsa_token_cells (issue 37). Threads: Tq x 32, one SIMD-group per query.
+struct QsaTokenCellsParams {
+  hebrus_i64 queries;     // Tq
+  hebrus_i64 top_k;       // columns of selected
+  hebrus_i64 group_size;  // r
+  hebrus_i64 width;       // W = top_k * r + r - 1, columns of the outputs
+  hebrus_i64 cells;       // N, entries of cells
+};
+
+// hebrus::rms_norm_rope (issue 37). Threads: T * H SIMD-groups of 32, one per (token, head). x is read
+// through element strides of its first two dims (its last dim contiguous); cos, sin and out are contiguous.
+struct RmsNormRopeParams {
+  hebrus_i64 tokens;     // T
+  hebrus_i64 heads;      // H
+  hebrus_i64 dim;        // D
+  hebrus_i64 rot;        // R, rotary dims (even, <= D)
+  hebrus_i64 x_stride0;  // elements between x[t, h] and x[t + 1, h]
+  hebrus_i64 x_stride1;  // elements between x[t, h] and x[t, h + 1]
+  float eps;
+  hebrus_i32 pad0;
+};
+
+// hebrus::sigmoid_gate (issue 37). Threads: T * H * D, one per element. gate is read through element strides
+// of its first two dims (its last dim contiguous); x and out are contiguous.
+struct SigmoidGateParams {
+  hebrus_i64 elements;   // T * H * D
+  hebrus_i64 heads;      // H
+  hebrus_i64 dim;        // D
+  hebrus_i64 g_stride0;  // elements between gate[t, h] and gate[t + 1, h]
+  hebrus_i64 g_stride1;  // elements between gate[t, h] and gate[t, h + 1]
+};
+
 // hebrus::qsa_select. Threads: blocks x HEBRUS_QSA_SELECT_TG, one threadgroup per block of
 // consecutive queries; within a block the sequences present are handled one after the other.
 struct QsaSelectParams {

@@ -45,6 +45,9 @@ EXPECTED = {
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
     "gdn_fused": {f"{k}_{t}" for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
     "hc_premix": {f"{k}_{t}" for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
+    "qsa_token_cells": {"qsa_token_cells_long"},
+    "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
+    "sigmoid_gate": {f"sigmoid_gate_{t}" for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -97,7 +100,7 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
     names = set(hebrus_emu.module(stem(path)).kernels)
     assert names == EXPECTED[stem(path)]
     variants = VARIANTS.get(stem(path), ("",))
-    ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots")
+    ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots", "qsa_token_cells")
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
     host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),)) for v in variants
             for d in dtypes}

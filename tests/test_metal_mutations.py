@@ -572,3 +572,78 @@ def test_gdn_fused_mutations_are_caught(tmp_path, use, old, new):
     use("gdn_fused", mutated(tmp_path, "gdn_fused", "gdn_fused.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         gdn_fused_check()
+
+
+# ---- rms_norm_rope and qsa_token_cells (issue 37) ------------------------------------------------------------
+
+def norm_rope_check(**emu):
+    from test_metal_qsa_fused import close, weight
+    from test_qsa_fused_ops import rope_inputs
+
+    x, cos, sin = rope_inputs(5, 3, 80, 16, torch.float32, seed=8, wide=True)  # 80 dims: lanes stride, a tail
+    w = weight(80, seed=2)
+    close(hebrus_emu.rms_norm_rope(x, w, 1e-6, cos, sin, **emu), reference.rms_norm_rope(x, w, 1e-6, cos, sin),
+          torch.float32)
+
+
+def token_cells_check(**emu):
+    from test_qsa_fused_ops import token_cells_inputs
+
+    # 37 entries: two rounds of 32 lanes, -1 holes anywhere; runs of up to 59 groups: some selections skip groups
+    args = token_cells_inputs(9, 37, 4, seed=4, max_groups=60)
+    got, want = hebrus_emu.qsa_token_cells(*args, 4, **emu), reference.qsa_token_cells(*args, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_unmutated_fused_qsa_kernels_pass_the_checks():
+    for sched in ("forward", "reverse", "random"):
+        norm_rope_check(sched=sched, seed=1)
+        token_cells_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("simd_sum(sum_sq)", "sum_sq"),                                                          # lane-local norm
+    ("static_cast<T>(-static_cast<float>(x2))", "x2"),                                       # rotate_half's sign
+    ("for (long d = p.rot + long(lane)", "for (long d = half + long(lane)"),                 # pass-through overwrites
+    ("h * p.x_stride1", "h * p.dim"),                                                        # strides ignored
+], ids=["lane-local", "rotate-sign", "pass-through-from-half", "head-stride"])
+def test_norm_rope_mutations_are_caught(tmp_path, use, old, new):
+    use("rms_norm_rope", mutated(tmp_path, "rms_norm_rope", "rms_norm_rope.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        norm_rope_check()
+
+
+@pytest.mark.parametrize("old,new", [
+    ("kept + long(simd_prefix_exclusive_sum(keep))", "kept + long(lane)"),                   # -1 holes kept
+    ("kept += long(simd_sum(keep));", "kept += long(keep);"),                               # lane-local count
+    ("const long tail0 = q_groups * r;", "const long tail0 = kept * r;"),                   # tail after the kept
+    ("const bool in_tail = off < n;", "const bool in_tail = off <= n;"),                     # one cell too many
+], ids=["holes-kept", "lane-local-count", "tail-offset", "tail-past-run"])
+def test_token_cells_mutations_are_caught(tmp_path, use, old, new):
+    use("qsa_token_cells", mutated(tmp_path, "qsa_token_cells", "qsa_token_cells.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        token_cells_check()
+
+
+def gate_check(**emu):
+    from test_metal_qsa_fused import close
+    from test_qsa_fused_ops import gate_inputs
+
+    out, gate = gate_inputs(4, 3, 40, torch.float32, seed=6)
+    close(hebrus_emu.sigmoid_gate(out, gate, **emu), reference.sigmoid_gate(out, gate), torch.float32)
+
+
+def test_unmutated_sigmoid_gate_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        gate_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("h * p.g_stride1", "h * p.dim"),                                  # the gate's strides ignored
+    ("precise::exp(-g)", "precise::exp(g)"),                           # sigmoid(-g)
+    ("static_cast<float>(x[i])", "static_cast<float>(x[row])"),        # x indexed by the row
+], ids=["gate-stride", "sigmoid-sign", "x-row"])
+def test_sigmoid_gate_mutations_are_caught(tmp_path, use, old, new):
+    use("sigmoid_gate", mutated(tmp_path, "sigmoid_gate", "sigmoid_gate.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        gate_check()

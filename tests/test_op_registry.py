@@ -151,6 +151,7 @@ REFERENCE_NAMES = [
     "ple_ngram_ids", "ple_ngram_ids_rows", "ple_ngram_ids_slots", "qsa_attention", "qsa_pool", "qsa_scores",
     "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
+    "qsa_token_cells", "rms_norm_rope", "sigmoid_gate",
 ]
 
 

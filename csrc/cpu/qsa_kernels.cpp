@@ -17,12 +17,14 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
 #include "hebrus_params.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
+#include "qsa_fused_checks.h"
 
 namespace hebrus {
 namespace {
@@ -680,10 +682,127 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
   return out;
 }
 
+// ---- qsa_token_cells (issue 37) -----------------------------------------------------------------------
+// Per query: the r offsets of each selected group (-1 entries skipped, the others kept in their order),
+// then the raw tail's offsets, then -1; a cell is cells[first + offset]. Every value is checked before
+// anything is written; rows are independent.
+std::tuple<at::Tensor, at::Tensor> qsa_token_cells_cpu(const at::Tensor& selected_in, const at::Tensor& nvis_in,
+                                                       const at::Tensor& first_in, const at::Tensor& cells_in,
+                                                       int64_t r) {
+  const char* op = "qsa_token_cells";
+  check_on_device(op, at::kCPU, {{"selected", &selected_in}, {"nvis", &nvis_in}, {"first", &first_in},
+                                 {"cells", &cells_in}});
+  const QsaTokenCellsSizes sz = check_qsa_token_cells_args(selected_in, nvis_in, first_in, cells_in, r);
+  const at::Tensor sel_t = selected_in.contiguous(), nvis_t = nvis_in.contiguous();
+  const at::Tensor first_t = first_in.contiguous(), cells_t = cells_in.contiguous();
+  const int32_t* sel = sel_t.data_ptr<int32_t>();
+  const int64_t* nvis = nvis_t.data_ptr<int64_t>();
+  const int64_t* first = first_t.data_ptr<int64_t>();
+  const int32_t* cells = cells_t.data_ptr<int32_t>();
+  const int64_t tq = sz.tq, k = sz.top_k, w = sz.width, n = sz.cells;
+  for (int64_t t = 0; t < tq; ++t) {
+    HEBRUS_CHECK(nvis[t] >= 0 && first[t] >= 0 && first[t] <= n - nvis[t], HebrusError, "hebrus::", op,
+                 ": query ", t, " sees nvis = ", nvis[t], " cells from first = ", first[t], ", outside cells [0, ",
+                 n, ")");
+    const int64_t q_groups = nvis[t] / r;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t g = sel[t * k + j];
+      HEBRUS_CHECK(g >= -1 && g < q_groups, HebrusError, "hebrus::", op, ": selected[", t, ", ", j, "] = ", g,
+                   " is outside [-1, ", q_groups, ") (the query's complete groups)");
+    }
+  }
+  at::Tensor out_cells = at::empty({tq, w}, cells_in.options());
+  at::Tensor out_offs = at::empty({tq, w}, nvis_in.options());
+  int32_t* oc = out_cells.data_ptr<int32_t>();
+  int64_t* oo = out_offs.data_ptr<int64_t>();
+  at::parallel_for(0, tq, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int32_t* rc = oc + t * w;
+      int64_t* ro = oo + t * w;
+      const int32_t* run = cells + first[t];
+      int64_t at_col = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t g = sel[t * k + j];
+        if (g < 0) continue;
+        for (int64_t i = 0; i < r; ++i, ++at_col) {
+          ro[at_col] = g * r + i;
+          rc[at_col] = run[g * r + i];
+        }
+      }
+      for (int64_t off = (nvis[t] / r) * r; off < nvis[t]; ++off, ++at_col) {
+        ro[at_col] = off;
+        rc[at_col] = run[off];
+      }
+      for (; at_col < w; ++at_col) {
+        ro[at_col] = -1;
+        rc[at_col] = -1;
+      }
+    }
+  });
+  return {out_cells, out_offs};
+}
+
+// ---- rms_norm_rope (issue 37) -------------------------------------------------------------------------
+// The norm is hebrus::hc_rms_norm's CPU kernel (the module's ATen sequence: its bits); the RoPE is
+// transformers' apply_rotary_pos_emb element by element in x's dtype: x * cos and rotate_half(x) * sin each
+// rounded to it, then their sum (fp32 products of two 16-bit values are exact, so these are the bits of
+// torch's mul / mul / add; no contraction: the build passes -ffp-contract=off). Rows are independent.
+template <typename T>
+void rope_rows_in_place(T* out, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t dim,
+                        int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens * heads, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      T* x = out + row * dim;
+      const T* c = cos + (row / heads) * rot;
+      const T* s = sin + (row / heads) * rot;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+        const float neg_x2 = static_cast<float>(static_cast<T>(-x2));
+        const T a1 = static_cast<T>(x1 * static_cast<float>(c[d]));
+        const T b1 = static_cast<T>(neg_x2 * static_cast<float>(s[d]));
+        const T a2 = static_cast<T>(x2 * static_cast<float>(c[d + half]));
+        const T b2 = static_cast<T>(x1 * static_cast<float>(s[d + half]));
+        x[d] = static_cast<T>(static_cast<float>(a1) + static_cast<float>(b1));
+        x[d + half] = static_cast<T>(static_cast<float>(a2) + static_cast<float>(b2));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos_in,
+                             const at::Tensor& sin_in) {
+  const char* op = "rms_norm_rope";
+  check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cos", &cos_in}, {"sin", &sin_in}});
+  const RmsNormRopeSizes sz = check_rms_norm_rope_args(x, weight, eps, cos_in, sin_in);
+  static const auto norm = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("hebrus::hc_rms_norm", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>();
+  at::Tensor out = sz.dim > 0 ? norm.call(x, weight, sz.dim, eps).contiguous() : at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (out.numel() == 0 || sz.rot == 0) return out;
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
+    rope_rows_in_place<scalar_t>(out.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                                 sz.tokens, sz.heads, sz.dim, sz.rot);
+  });
+  return out;
+}
+
+// ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
+// The module's ATen sequence (a contiguous gate, sigmoid, mul), so its bits: what gated_output ran before.
+at::Tensor sigmoid_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
+  check_on_device("sigmoid_gate", at::kCPU, {{"x", &x}, {"gate", &gate}});
+  check_sigmoid_gate_args(x, gate);
+  return x.contiguous().mul(at::sigmoid(gate.contiguous()));
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("qsa_pool", &hebrus::qsa_pool_cpu);
   m.impl("qsa_select", &hebrus::qsa_select_cpu);
+  m.impl("qsa_token_cells", &hebrus::qsa_token_cells_cpu);
+  m.impl("rms_norm_rope", &hebrus::rms_norm_rope_cpu);
+  m.impl("sigmoid_gate", &hebrus::sigmoid_gate_cpu);
 }

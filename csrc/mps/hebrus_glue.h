@@ -44,6 +44,7 @@
 #include "hebrus_launch.h"
 #include "moe_checks.h"
 #include "op_checks.h"
+#include "qsa_fused_checks.h"
 
 namespace hebrus::glue {
 
@@ -359,6 +360,78 @@ inline Call qsa_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& 
                                       {q, k, v, token_cells, out}, {false, false, false, false, true}, plan.params,
                                       plan.dispatch));
   call.outputs = {out};
+  return call;
+}
+
+// ---- qsa_token_cells (issue 37) ---------------------------------------------------------------------
+// One launch (mps_kernels/qsa_token_cells.metal); the values (runs inside cells, selected groups among
+// the query's complete groups) are the kernel's to check, through the error buffer.
+inline Call qsa_token_cells(const Tensor& selected_in, const Tensor& nvis_in, const Tensor& first_in,
+                            const Tensor& cells_in, int64_t r, c10::DeviceType device) {
+  const char* op = "qsa_token_cells";
+  check_on_device(op, device, {{"selected", &selected_in}, {"nvis", &nvis_in}, {"first", &first_in},
+                               {"cells", &cells_in}});
+  const QsaTokenCellsSizes sz = check_qsa_token_cells_args(selected_in, nvis_in, first_in, cells_in, r);
+  Call call;
+  Tensor token_cells = at::empty({sz.tq, sz.width}, cells_in.options());
+  Tensor token_offsets = at::empty({sz.tq, sz.width}, nvis_in.options());
+  call.outputs = {token_cells, token_offsets};
+  if (sz.tq == 0) return call;
+  const auto plan = hebrus::metal::plan_qsa_token_cells(sz.tq, sz.top_k, sz.r, sz.width, sz.cells);
+  check_plan(op, plan.error);
+  // An empty selected or cells is bound as one unread -1 entry (no buffer of zero bytes).
+  const Tensor selected = sz.top_k > 0 ? selected_in.contiguous() : at::full({1}, -1, selected_in.options());
+  const Tensor cells = sz.cells > 0 ? cells_in.contiguous() : at::full({1}, -1, cells_in.options());
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", "long"),
+                                      {selected, nvis_in.contiguous(), first_in.contiguous(), cells, token_cells,
+                                       token_offsets},
+                                      {false, false, false, false, true, true}, plan.params, plan.dispatch));
+  return call;
+}
+
+// ---- rms_norm_rope (issue 37) -------------------------------------------------------------------------
+// One launch (mps_kernels/rms_norm_rope.metal); no value to check. x is read in place through the strides of
+// its first two dims (a copy only where its last dim is not contiguous).
+inline Call rms_norm_rope(const Tensor& x_in, const Tensor& weight_in, double eps, const Tensor& cos_in,
+                          const Tensor& sin_in, c10::DeviceType device) {
+  const char* op = "rms_norm_rope";
+  check_on_device(op, device, {{"x", &x_in}, {"weight", &weight_in}, {"cos", &cos_in}, {"sin", &sin_in}});
+  const RmsNormRopeSizes sz = check_rms_norm_rope_args(x_in, weight_in, eps, cos_in, sin_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  Tensor out = at::empty({sz.tokens, sz.heads, sz.dim}, x_in.options());
+  call.outputs = {out};
+  if (out.numel() == 0) return call;
+  const Tensor x = last_dim_contiguous(x_in);
+  const auto plan = hebrus::metal::plan_rms_norm_rope(sz.tokens, sz.heads, sz.dim, sz.rot, x.stride(0), x.stride(1),
+                                                      eps);
+  check_plan(op, plan.error);
+  const Tensor weight = weight_in.to(at::kFloat).contiguous();  // exact; the kernel reads fp32 (1 + w)
+  // No rotary dims: cos and sin are bound as one unread entry each (no buffer of zero bytes).
+  const Tensor cos = sz.rot > 0 ? cos_in.contiguous() : at::zeros({1}, x_in.options());
+  const Tensor sin = sz.rot > 0 ? sin_in.contiguous() : at::zeros({1}, x_in.options());
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x, weight, cos, sin, out},
+                                      {false, false, false, false, true}, plan.params, plan.dispatch));
+  return call;
+}
+
+// ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
+// One launch (mps_kernels/sigmoid_gate.metal); no value to check. The gate is read in place through the
+// strides of its first two dims (a copy only where its last dim is not contiguous).
+inline Call sigmoid_gate(const Tensor& x_in, const Tensor& gate_in, c10::DeviceType device) {
+  const char* op = "sigmoid_gate";
+  check_on_device(op, device, {{"x", &x_in}, {"gate", &gate_in}});
+  const SigmoidGateSizes sz = check_sigmoid_gate_args(x_in, gate_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  Tensor out = at::empty({sz.tokens, sz.heads, sz.dim}, x_in.options());
+  call.outputs = {out};
+  if (out.numel() == 0) return call;
+  const Tensor gate = last_dim_contiguous(gate_in);
+  const auto plan = hebrus::metal::plan_sigmoid_gate(sz.tokens, sz.heads, sz.dim, gate.stride(0), gate.stride(1));
+  check_plan(op, plan.error);
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {x_in.contiguous(), gate, out},
+                                      {false, false, true}, plan.params, plan.dispatch));
   return call;
 }
 

@@ -14,8 +14,8 @@ import torch
 from ..errors import HebrusError, HoleError
 from ..state.handles import SeqHandle
 from ..state.host_mirror import host_ints
-from .ops import qsa_select
-from .runs import first_hole, group_and_tail_offsets, window_starts
+from .ops import qsa_select, qsa_token_cells
+from .runs import first_hole, window_starts
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,10 +197,10 @@ class _Planning:
             raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
                               f"earlier chunk not written for this layer)")
         selected = qsa_select(q, self.pooled[layer], rows.sel_groups, rows.sel_row, rows.q_groups, int(top_k))
-        # Token offsets within the query's run: selected groups' tokens, then the tail, then -1 padding.
-        offs = group_and_tail_offsets(selected.to(torch.int64), rows.q_groups, rows.nvis_q, r)
-        at = torch.where(offs >= 0, rows.first[:, None] + offs, rows.num_visible)
-        return QSAPlan(selected_groups=selected, q_groups=rows.q_groups, token_cells=rows.cells32[at],
+        # Token offsets within the query's run (selected groups' tokens, then the tail, then -1 padding) and
+        # the cells at them: one hebrus::qsa_token_cells dispatch.
+        token_cells, offs = qsa_token_cells(selected, rows.nvis_q, rows.first, rows.cells32, r)
+        return QSAPlan(selected_groups=selected, q_groups=rows.q_groups, token_cells=token_cells,
                        token_offsets=offs, run_starts=rows.q_p0, positions=chunk.positions.clone(),
                        q_rows=rows.q_rows, compress_ratio=r, top_k=int(top_k))
 

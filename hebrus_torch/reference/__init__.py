@@ -12,8 +12,8 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.checks`: the value checks they share (raise at once on CPU, device-side asserts elsewhere);
 - :mod:`.ple`: ``ple_ngram_ids``, ``ple_conv``, ``ple_conv_into`` and the PLE slot forms;
 - :mod:`.uniform_rows`: the drop-in's fast paths of the PLE ops on rows of equal length (not ops);
-- :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores;
-- :mod:`.attention`: ``qsa_attention``;
+- :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores, ``qsa_token_cells`` (issue 37);
+- :mod:`.attention`: ``qsa_attention``, ``rms_norm_rope`` and ``sigmoid_gate`` (issue 37);
 - :mod:`.gdn`: ``gdn_delta_rule``, its slot form and the chunked slot form; the fused gates and output
   norm ``gdn_gates``, ``gdn_gated_rms_norm`` (issue 37);
 - :mod:`.moe`: ``moe_experts`` (the routed experts of a MoE block) and ``moe_experts_quantized``, ``quantized_linear``;
@@ -21,14 +21,15 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
   hyper-connections' pre-mix and post-combine), fused: issue 37.
 """
 
-from .attention import check_token_cells_values, qsa_attention
+from .attention import check_token_cells_values, qsa_attention, rms_norm_rope, sigmoid_gate
 from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
 from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots, gdn_gated_rms_norm, gdn_gates
 from .hc import hc_post_combine, hc_premix, hc_rms_norm
 from .moe import moe_experts, moe_experts_quantized, quantized_linear
 from .ple import (_silu, ple_conv, ple_conv_into, ple_conv_into_via, ple_conv_slots, ple_ngram_ids,
                   ple_ngram_ids_slots)
-from .qsa import _qsa_select_all, check_groups_contiguous, qsa_pool, qsa_scores, qsa_select, rotate_half
+from .qsa import (_qsa_select_all, check_groups_contiguous, qsa_pool, qsa_scores, qsa_select, qsa_token_cells,
+                  rotate_half)
 from .uniform_rows import ple_conv_rows, ple_ngram_ids_rows
 
 __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
@@ -36,7 +37,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "moe_experts", "moe_experts_quantized", "quantized_linear", "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
            "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "gdn_gates",
-           "gdn_gated_rms_norm", "hc_premix", "hc_post_combine"]
+           "gdn_gated_rms_norm", "hc_premix", "hc_post_combine", "qsa_token_cells", "rms_norm_rope",
+           "sigmoid_gate"]
 
 # (_silu and _qsa_select_all: private, re-exported for the tests and benchmarks that call them as
 # reference._silu / reference._qsa_select_all.)

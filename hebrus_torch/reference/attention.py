@@ -10,8 +10,9 @@ import torch
 from .. import _validate
 from ..errors import HebrusError
 from .checks import assert_values, checks_async
+from .hc import hc_rms_norm
 
-__all__ = ["check_token_cells_values", "qsa_attention"]
+__all__ = ["check_token_cells_values", "qsa_attention", "rms_norm_rope", "sigmoid_gate"]
 
 
 _ATTENTION_BLOCK_BYTES = 64 << 20  # fp32 working set of one block of queries (gathered K/V, scores)
@@ -85,3 +86,48 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_cells
         probs = torch.softmax(scores, dim=-1)
         out[sl] = torch.einsum("bgrw,bwgd->bgrd", probs, vv).reshape(n, hq, dv).to(q.dtype)
     return out
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Qwen4Exp's RMSNorm of every head, then transformers' RoPE of its first R dims (issue 37): attention's
+    ``rope(q_norm(q))``, ``rope(k_norm(k))`` and the indexer's ``rope(q_layernorm(q))`` on packed rows.
+
+    Per token t and head h: ``n = hc_rms_norm(x[t, h], weight, D, eps)`` (rounded to x's dtype), then, as
+    transformers' ``apply_rotary_pos_emb`` with cos/sin [T, R] in x's dtype::
+
+        out[t, h, :R] = n[:R] * cos[t] + rotate_half(n[:R]) * sin[t]   (each product and the sum rounded)
+        out[t, h, R:] = n[R:]
+
+    Args:
+        x: Tensor[T, H, D] float32/float16/bfloat16 (any strides); weight: Tensor[D] (the norm's
+            zero-centred weight, any float dtype); eps >= 0; cos, sin: Tensor[T, R] in x's dtype, R even, <= D.
+
+    Returns:
+        Tensor[T, H, D] in x's dtype; each (token, head) row depends only on its own inputs.
+    """
+    _validate.rms_norm_rope(x, weight, eps, cos, sin)
+    if x.shape[2] == 0:
+        return x.new_empty(x.shape)
+    normed = hc_rms_norm(x, weight, x.shape[2], eps)
+    r = cos.shape[1]
+    rot = normed[..., :r]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((rot, normed[..., r:]), dim=-1)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The indexed attention's output gate (issue 37): ``x * sigmoid(gate)`` as transformers'
+    ``Qwen4ExpTextAttention`` computes it (the sigmoid rounded to x's dtype, then the product).
+
+    Args:
+        x: Tensor[T, H, D] float32/float16/bfloat16 (the attention's output, token-major);
+        gate: Tensor[T, H, D] in x's dtype, any strides (q_proj's gate half).
+
+    Returns:
+        Tensor[T, H, D] in x's dtype, contiguous.
+    """
+    _validate.sigmoid_gate(x, gate)
+    return x.contiguous() * torch.sigmoid(gate.contiguous())

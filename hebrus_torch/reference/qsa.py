@@ -10,10 +10,10 @@ import torch
 
 from .. import _validate
 from ..errors import HebrusError, HoleError
-from ..qsa.runs import first_hole
+from ..qsa.runs import first_hole, group_and_tail_offsets
 from .checks import assert_values, checks_async
 
-__all__ = ["rotate_half", "check_groups_contiguous", "qsa_pool", "qsa_scores", "qsa_select"]
+__all__ = ["rotate_half", "check_groups_contiguous", "qsa_pool", "qsa_scores", "qsa_select", "qsa_token_cells"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -271,3 +271,49 @@ def _qsa_select_all(q, pooled, seq_groups, rows, ng, top_k, out):
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]
     heavy = torch.sort(order, dim=1).values
     return torch.where(ng[:, None] > top_k, heavy, light).to(torch.int32)
+
+
+def qsa_token_cells(selected: torch.Tensor, nvis: torch.Tensor, first: torch.Tensor, cells: torch.Tensor,
+                    r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cells each query attends, from its selected groups (issue 37; what ``QSACache.plan`` derives
+    from ``qsa_select``'s output).
+
+    Args:
+        selected: Tensor[Tq, top_k] int32, group indices within each query's run, -1 entries skipped
+            (anywhere), the others kept in their order; each in ``[-1, nvis // r)``.
+        nvis: Tensor[Tq] int64, positions in each query's run (its ``nvis // r`` complete groups, then a
+            raw tail of ``nvis % r``).
+        first: Tensor[Tq] int64, where each query's run starts in ``cells``.
+        cells: Tensor[N] int32, the runs' physical cells; query t's run is ``cells[first[t]:first[t] + nvis[t]]``.
+        r: tokens per group.
+
+    Returns:
+        (token_cells Tensor[Tq, W] int32, token_offsets Tensor[Tq, W] int64), W = top_k * r + r - 1: the
+        offsets within the run of the selected groups' r tokens each, then of the tail, then -1, and the
+        cells at them (-1 at padding).
+    """
+    _validate.qsa_token_cells(selected, nvis, first, cells, r)
+    op = "qsa_token_cells"
+    tq, n = selected.shape[0], cells.shape[0]
+    nvis64, first64 = nvis.long(), first.long()
+    q_groups = torch.div(nvis64, r, rounding_mode="floor")
+    run_ok = (nvis64 >= 0) & (first64 >= 0) & (first64 <= n - nvis64)
+    sel_ok = (selected >= -1) & (selected < q_groups[:, None])
+    if checks_async(selected.device):
+        assert_values(run_ok, op, f"each query's run [first, first + nvis) must lie in cells [0, {n})")
+        assert_values(sel_ok, op, "each selected group must be -1 or one of the query's complete groups")
+    else:
+        if not bool(run_ok.all()):
+            t = int(torch.nonzero(~run_ok)[0])
+            raise HebrusError(f"hebrus::{op}: query {t} sees nvis = {int(nvis64[t])} cells from first = "
+                              f"{int(first64[t])}, outside cells [0, {n})")
+        for t in range(tq):
+            bad = torch.nonzero(~sel_ok[t])
+            if bad.numel():
+                j = int(bad[0])
+                raise HebrusError(f"hebrus::{op}: selected[{t}, {j}] = {int(selected[t, j])} is outside [-1, "
+                                  f"{int(q_groups[t])}) (the query's complete groups)")
+    offs = group_and_tail_offsets(selected.long(), q_groups, nvis64, r)
+    at = torch.where(offs >= 0, first64[:, None] + offs, 0).clamp(0, max(n - 1, 0))
+    picked = cells[at] if n else torch.zeros_like(offs, dtype=torch.int32)
+    return torch.where(offs >= 0, picked, -1).to(torch.int32), offs

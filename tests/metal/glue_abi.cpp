@@ -62,6 +62,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("qsa_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tc,
                             double scale) { return to_py(hebrus::glue::qsa_attention(q, k, v, tc, scale, kCpu)); });
+  m.def("qsa_token_cells", [](const at::Tensor& selected, const at::Tensor& nvis, const at::Tensor& first,
+                              const at::Tensor& cells, int64_t r) {
+    return to_py(hebrus::glue::qsa_token_cells(selected, nvis, first, cells, r, kCpu));
+  });
+  m.def("rms_norm_rope", [](const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    return to_py(hebrus::glue::rms_norm_rope(x, weight, eps, cos, sin, kCpu));
+  });
+  m.def("sigmoid_gate", [](const at::Tensor& x, const at::Tensor& gate) {
+    return to_py(hebrus::glue::sigmoid_gate(x, gate, kCpu));
+  });
   // The state (pool) is updated in place: the launch binds the caller's tensor itself.
   m.def("gdn_delta_rule", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                              const at::Tensor& beta, const at::Tensor& cu, const at::Tensor& state, double scale,

@@ -243,6 +243,22 @@ def qsa_attention(q, k, v, token_cells, scale, **emu):
     return run("qsa_attention", q, k, v, token_cells, float(scale), **emu)[0]
 
 
+def qsa_token_cells(selected, nvis, first, cells, r, **emu):
+    """hebrus::qsa_token_cells: returns (token_cells [Tq, W] int32, token_offsets [Tq, W] int64)."""
+    out = run("qsa_token_cells", selected, nvis, first, cells, int(r), **emu)
+    return out[0], out[1]
+
+
+def rms_norm_rope(x, weight, eps, cos, sin, **emu):
+    """hebrus::rms_norm_rope: returns out [T, H, D]."""
+    return run("rms_norm_rope", x, weight, float(eps), cos, sin, **emu)[0]
+
+
+def sigmoid_gate(x, gate, **emu):
+    """hebrus::sigmoid_gate: returns out [T, H, D]."""
+    return run("sigmoid_gate", x, gate, **emu)[0]
+
+
 def gdn_delta_rule(q, k, v, g, beta, cu_seqlens, state, scale, use_qk_l2norm, **emu):
     """hebrus::gdn_delta_rule: returns out in v's dtype; state is updated in place (the glue's
     gdn_result: the fp32 output of a mixed-dtype call narrowed to v's dtype)."""

@@ -12,13 +12,41 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ...hc.premix import fused_norm
+from ...hc.premix import _is_stock_rms_norm, fused_norm
+from ...qsa.ops import rms_norm_rope, sigmoid_gate
 
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
 
 Rope = Callable[..., torch.Tensor]
 """transformers' ``apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1)``."""
+
+
+def _is_module_rope(rope: Rope) -> bool:
+    return getattr(rope, "__name__", None) == "apply_rotary_pos_emb" \
+        and getattr(rope, "__module__", "").startswith("transformers.")
+
+
+def norm_and_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  rope: Rope) -> torch.Tensor:
+    """``rope(norm(x))`` of heads x Tensor[..., H, D] at cos, sin Tensor[..., R]: one ``hebrus::rms_norm_rope``
+    dispatch for packed rows (x [T, H, D], cos [T, R] in x's dtype) where ``norm`` is transformers' own
+    ungrouped Qwen4Exp RMSNorm without hooks and ``rope`` its ``apply_rotary_pos_emb``; anything else runs
+    the norm (:func:`~hebrus_torch.hc.premix.fused_norm`) and ``rope`` as given."""
+    if (_is_module_rope(rope) and _is_stock_rms_norm(norm) and x.dim() == 3 and cos.dim() == 2
+            and cos.shape[0] == x.shape[0] and cos.dtype == x.dtype and sin.dtype == x.dtype
+            and sin.shape == cos.shape and cos.shape[1] % 2 == 0 and cos.shape[1] <= x.shape[2]
+            and norm.group_size in (None, x.shape[2])):
+        return rms_norm_rope(x, norm.weight, float(norm.eps), cos, sin)
+    return rope(fused_norm(norm, x), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
+
+
+def _raw_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q (not normed), k (not normed), v Tensor[..., H(kv), Dh] and the gate Tensor[..., H, Dh] (a view of
+    q_proj's output, as q)."""
+    lead, hd = x.shape[:-1], attn.head_dim
+    q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
+    return q, attn.k_proj(x).view(*lead, -1, hd), attn.v_proj(x).view(*lead, -1, hd), gate
 
 
 def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -38,8 +66,7 @@ def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch
                              dim=-1)
     lead = x.shape[:-1]
     q, raw_keys = q.reshape(*lead, -1, d), token_k.reshape(*lead, -1, d).squeeze(-2)
-    q = rope(fused_norm(indexer.q_layernorm, q), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
-    return q, raw_keys
+    return norm_and_rope(indexer.q_layernorm, q, cos, sin, rope), raw_keys
 
 
 def index_keys(indexer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -68,13 +95,8 @@ def attention_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch
         q Tensor[..., H, Dh] (``q_norm``-ed), k Tensor[..., Hkv, Dh] (``k_norm``-ed), v Tensor[..., Hkv, Dh]
         and the gate Tensor[..., H * Dh] (:func:`gated_output`).
     """
-    lead, hd = x.shape[:-1], attn.head_dim
-    q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
-    gate = gate.reshape(*lead, -1)
-    q = fused_norm(attn.q_norm, q)
-    k = fused_norm(attn.k_norm, attn.k_proj(x).view(*lead, -1, hd))
-    v = attn.v_proj(x).view(*lead, -1, hd)
-    return q, k, v, gate
+    q, k, v, gate = _raw_projections(attn, x)
+    return fused_norm(attn.q_norm, q), fused_norm(attn.k_norm, k), v, gate.reshape(*x.shape[:-1], -1)
 
 
 def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -82,6 +104,14 @@ def gated_output(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -
     from :func:`attention_projections` -> Tensor[..., hidden_size]."""
     out = out.reshape(*gate.shape[:-1], -1).contiguous()
     return attn.o_proj(out * torch.sigmoid(gate))
+
+
+def _gated_heads(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """:func:`gated_output` of out Tensor[T, H, Dv] and the gate's heads Tensor[T, H, Dh]: one
+    ``hebrus::sigmoid_gate`` dispatch (the gate read in place) where the shapes and dtypes match, then ``o_proj``."""
+    if out.dim() == 3 and out.shape == gate.shape and out.dtype == gate.dtype:
+        return attn.o_proj(sigmoid_gate(out, gate).view(out.shape[0], -1))
+    return gated_output(attn, out, gate.reshape(*gate.shape[:-2], -1))
 
 
 def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
@@ -94,11 +124,11 @@ def packed_indexed_attention(step: ChunkStep, layer_idx: int, attn: torch.nn.Mod
     """
     t = x.shape[0]
     q_index, raw_keys = index_queries_and_keys(attn.indexer, x, cos, sin, rope)
-    q, k, v, gate = attention_projections(attn, x)
-    q, k = rope(q, k, cos=cos, sin=sin)
+    q, k, v, gate = _raw_projections(attn, x)
+    q, k = norm_and_rope(attn.q_norm, q, cos, sin, rope), norm_and_rope(attn.k_norm, k, cos, sin, rope)
     step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
     plan = step.qsa_select(layer_idx, q_index)
-    return gated_output(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)
+    return _gated_heads(attn, step.qsa_attention(layer_idx, q, plan, attn.scaling), gate)
 
 
 def write_keys_and_values(step: ChunkStep, layer_idx: int, attn: torch.nn.Module, x: torch.Tensor,
@@ -108,8 +138,7 @@ def write_keys_and_values(step: ChunkStep, layer_idx: int, attn: torch.nn.Module
     positions are not needed contributes to the state (the MTP block during a trunk step)."""
     t, hd = x.shape[0], attn.head_dim
     raw_keys = index_keys(attn.indexer, x)
-    k = fused_norm(attn.k_norm, attn.k_proj(x).view(t, -1, hd))
+    k = norm_and_rope(attn.k_norm, attn.k_proj(x).view(t, -1, hd), cos, sin, rope)
     v = attn.v_proj(x).view(t, -1, hd)
-    _, k = rope(k, k, cos=cos, sin=sin)
     step.qsa_write(layer_idx, raw_keys.reshape(t, attn.indexer.index_head_dim), k, v)
 
