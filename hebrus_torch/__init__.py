@@ -18,7 +18,7 @@ from .errors import (CapacityError, CorruptStateError, DuplicateSequenceError, H
 from .ple.ops import ple_conv, ple_ngram_ids
 from .qsa.ops import qsa_pool, qsa_select
 from .qsa.attention import qsa_attention
-from .moe.ops import moe_experts, moe_experts_quantized, quantized_linear
+from .moe.ops import moe_experts, moe_experts_quantized, moe_route, moe_shared_expert, quantized_linear
 from .hc.ops import hc_rms_norm
 from .ple.state import PLEHashParams, PLESnapshot, PLEState
 from .qsa.cache import QSACache, QSAPlan, ReservedChunk
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
     "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
-    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm",
+    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm", "moe_route", "moe_shared_expert",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",
     "from_pretrained",

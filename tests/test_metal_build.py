@@ -40,6 +40,8 @@ EXPECTED = {
     "moe_experts_quantized": {f"{k}_{q}_{t}" for k in ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                                         "quantized_linear") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
+    "moe_route": {f"moe_route_{t}" for t in TYPES},
+    "moe_shared_expert": {f"moe_shared_expert_{k}_{t}" for k in ("act", "down") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",

@@ -15,7 +15,9 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores;
 - :mod:`.attention`: ``qsa_attention``;
 - :mod:`.gdn`: ``gdn_delta_rule``, its slot form and the chunked slot form;
-- :mod:`.moe`: ``moe_experts`` (the routed experts of a MoE block) and ``moe_experts_quantized``, ``quantized_linear``;
+- :mod:`.moe`: ``moe_experts`` (the routed experts of a MoE block) and ``moe_experts_quantized``, ``quantized_linear``,
+  ``moe_route`` (the block's router after its linear and the shared expert's gate) and ``moe_shared_expert``
+  (the shared expert added to the routed output: issue 37);
 - :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm, fused: issue 37).
 """
 
@@ -23,7 +25,7 @@ from .attention import check_token_cells_values, qsa_attention
 from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
 from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots
 from .hc import hc_rms_norm
-from .moe import moe_experts, moe_experts_quantized, quantized_linear
+from .moe import moe_experts, moe_experts_quantized, moe_route, moe_shared_expert, quantized_linear
 from .ple import (_silu, ple_conv, ple_conv_into, ple_conv_into_via, ple_conv_slots, ple_ngram_ids,
                   ple_ngram_ids_slots)
 from .qsa import _qsa_select_all, check_groups_contiguous, qsa_pool, qsa_scores, qsa_select, rotate_half
@@ -33,7 +35,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "qsa_select", "qsa_attention", "gdn_delta_rule", "gdn_delta_rule_slots", "gdn_chunk_delta_rule_slots",
            "moe_experts", "moe_experts_quantized", "quantized_linear", "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
-           "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm"]
+           "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "moe_route",
+           "moe_shared_expert"]
 
 # (_silu and _qsa_select_all: private, re-exported for the tests and benchmarks that call them as
 # reference._silu / reference._qsa_select_all.)

@@ -45,6 +45,8 @@ KERNELS = {
                                  for q in ("q4", "q8") for t in TYPES},
                               **{f"quantized_linear_{q}_{t}": 256 for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
+    "moe_route": {f"moe_route_{t}": 256 for t in TYPES},
+    "moe_shared_expert": {f"moe_shared_expert_{k}_{t}": 256 for k in ("act", "down") for t in TYPES},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768
