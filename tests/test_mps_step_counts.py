@@ -250,9 +250,10 @@ def test_a_speculating_step_waits_once(accept):
 
 # What the model's parts of a decode step (everything but the engine's scheduling and sampling) may
 # dispatch per decoder layer on average at the released structure: today's count, so a change that
-# adds dispatches fails here (134.75 before hc_rms_norm, 101 with it). The issue's target is 30 per layer (benchmarks/RESULTS.md, "The decode
+# adds dispatches fails here (134.75 before hc_rms_norm, 101 with it, 89 with moe_route and moe_shared_expert).
+# The issue's target is 30 per layer (benchmarks/RESULTS.md, "The decode
 # step at the released shapes"; the engine's sampling still adds 4 dispatches per request).
-RELEASED_DECODE_BUDGET_PER_LAYER = 101
+RELEASED_DECODE_BUDGET_PER_LAYER = 89
 MODEL_PARTS = [label for part, label in PARTS.items() if part != "engine"]
 
 
