@@ -18,6 +18,8 @@ import hebrus_emu  # noqa: E402
 import msl_emu  # noqa: E402
 from hebrus_torch import reference  # noqa: E402
 from hebrus_torch.errors import HebrusError  # noqa: E402
+from hebrus_torch.reference.moe import route_weights  # noqa: E402
+from moe_fused_cases import ROUTE_BAD  # noqa: E402
 
 pytestmark = [pytest.mark.metal,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
@@ -41,13 +43,7 @@ def lower_id_first(logits, shared, top_k, norm):
     """reference.moe_route with the kernel's order among equal probabilities (a stable descending sort)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    values = probs.gather(1, ids)
-    if norm:
-        values = values / values.sum(dim=-1, keepdim=True)
-    weights = values.to(logits.dtype)
-    if shared is not None:
-        weights = torch.cat([weights, torch.sigmoid(shared)], dim=1)
-    return ids, weights
+    return ids, route_weights(probs.gather(1, ids), logits.dtype, shared, norm)
 
 
 def check(got, want, dtype):
@@ -108,15 +104,7 @@ def test_top_k_over_the_kernels_limit_is_refused():
         hebrus_emu.moe_route(logits, None, 65, True)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda l, s: (l[0], s, 2), r"router_logits must be 2-D, got shape"),
-    (lambda l, s: (l.long(), s, 2), "router_logits must have dtype"),
-    (lambda l, s: (l, s.half(), 2), "shared_gate_logits dtype torch.float16 must match router_logits dtype"),
-    (lambda l, s: (l, s[:2], 2), r"shared_gate_logits must have shape \(T, S\) with T = router_logits.shape\[0\] = 3"),
-    (lambda l, s: (l, s[0], 2), "shared_gate_logits must be 2-D"),
-    (lambda l, s: (l, s, 0), r"top_k must be in \[1, E = 8\], got 0"),
-    (lambda l, s: (l, s, 9), r"top_k must be in \[1, E = 8\], got 9"),
-])
+@pytest.mark.parametrize("bad,match", ROUTE_BAD)
 def test_bad_metadata_is_refused_as_on_cpu(bad, match):
     args = bad(*make(3, 8, 1, torch.float32))
     with pytest.raises(HebrusError, match=match):

@@ -17,6 +17,7 @@ import hebrus_emu  # noqa: E402
 import msl_emu  # noqa: E402
 from hebrus_torch import reference  # noqa: E402
 from hebrus_torch.errors import HebrusError  # noqa: E402
+from moe_fused_cases import SHARED_BAD  # noqa: E402
 
 pytestmark = [pytest.mark.metal,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the emulator runs on Linux")]
@@ -69,13 +70,7 @@ def test_empty_rows_launch_nothing():
     assert hebrus_emu.moe_shared_expert(*args).shape == (0, 16)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda a: (a[0][0],) + a[1:], r"x must be 2-D, got shape"),
-    (lambda a: (a[0], a[1].double()) + a[2:], "routed dtype torch.float64 must match x dtype"),
-    (lambda a: a[:2] + (a[2][:, :-1],) + a[3:], r"gate_proj must have shape \(6, 8\), got \(6, 7\)"),
-    (lambda a: a[:4] + (a[4].T.contiguous(),) + a[5:], r"down_proj must have shape \(8, 6\), got \(6, 8\)"),
-    (lambda a: a[:5] + (a[5][:2],), r"gate must have shape \(3, 1\), got \(2, 1\)"),
-])
+@pytest.mark.parametrize("bad,match", SHARED_BAD)
 def test_bad_metadata_is_refused_as_on_cpu(bad, match):
     args = bad(make(3, 8, 6, torch.float32))
     with pytest.raises(HebrusError, match=match):

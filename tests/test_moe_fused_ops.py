@@ -18,6 +18,7 @@ import hebrus_torch
 from hebrus_torch import reference
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.moe import block
+from moe_fused_cases import ROUTE_BAD, SHARED_BAD  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -74,15 +75,7 @@ def test_empty_rows():
     assert ids.shape == (0, 3) and ids.dtype == torch.int64 and weights.shape == (0, 5)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda l, s: (l[0], s, 2), r"router_logits must be 2-D, got shape"),
-    (lambda l, s: (l.long(), s, 2), "router_logits must have dtype"),
-    (lambda l, s: (l, s.half(), 2), "shared_gate_logits dtype torch.float16 must match router_logits dtype"),
-    (lambda l, s: (l, s[:2], 2), r"shared_gate_logits must have shape \(T, S\) with T = router_logits.shape\[0\] = 3"),
-    (lambda l, s: (l, s[0], 2), "shared_gate_logits must be 2-D"),
-    (lambda l, s: (l, s, 0), r"top_k must be in \[1, E = 8\], got 0"),
-    (lambda l, s: (l, s, 9), r"top_k must be in \[1, E = 8\], got 9"),
-])
+@pytest.mark.parametrize("bad,match", ROUTE_BAD)
 def test_bad_metadata_raises_and_changes_nothing(bad, match):
     logits, shared = torch.randn(3, 8), torch.randn(3, 1)
     l0, s0 = logits.clone(), shared.clone()
@@ -177,18 +170,6 @@ def test_shared_expert_rows_are_independent():
         for t in (0, 4, 8):
             one = hebrus_torch.moe_shared_expert(x[t:t + 1], routed[t:t + 1], gp, up, dp, gate[t:t + 1])
             assert torch.equal(one[0], whole[t])
-
-
-SHARED_BAD = [
-    (lambda a: (a[0][0],) + a[1:], r"x must be 2-D, got shape"),
-    (lambda a: (a[0].long(),) + a[1:], "x must have dtype"),
-    (lambda a: (a[0], a[1].double()) + a[2:], "routed must have dtype|routed dtype torch.float64 must match x dtype"),
-    (lambda a: a[:2] + (a[2][:, :-1],) + a[3:], r"gate_proj must have shape \(6, 8\), got \(6, 7\)"),
-    (lambda a: a[:3] + (a[3][:5],) + a[4:], r"up_proj must have shape \(6, 8\), got \(5, 8\)"),
-    (lambda a: a[:4] + (a[4].T.contiguous(),) + a[5:], r"down_proj must have shape \(8, 6\), got \(6, 8\)"),
-    (lambda a: a[:5] + (a[5][:2],), r"gate must have shape \(3, 1\), got \(2, 1\)"),
-    (lambda a: a[:2] + (a[2][:0], a[3][:0], a[4][:, :0]) + a[5:], "gate_proj must have I >= 1 rows"),
-]
 
 
 @pytest.mark.parametrize("bad,match", SHARED_BAD)

@@ -178,12 +178,19 @@ def moe_route(router_logits: torch.Tensor, shared_gate_logits: torch.Tensor | No
     check_moe_route(router_logits, shared_gate_logits, top_k)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     values, ids = torch.topk(probs, top_k, dim=-1)
+    return ids, route_weights(values, router_logits.dtype, shared_gate_logits, norm_topk_prob)
+
+
+def route_weights(values: torch.Tensor, dtype: torch.dtype, shared_gate_logits: torch.Tensor | None,
+                  norm_topk_prob: bool) -> torch.Tensor:
+    """:func:`moe_route`'s weights [T, k + S] from the selected probabilities ``values`` [T, k] (fp32): renormalised
+    where ``norm_topk_prob``, cast to ``dtype``, then the sigmoid of the shared gate logits (if any)."""
     if norm_topk_prob:
         values = values / values.sum(dim=-1, keepdim=True)
-    weights = values.to(router_logits.dtype)
+    weights = values.to(dtype)
     if shared_gate_logits is not None:
         weights = torch.cat([weights, torch.sigmoid(shared_gate_logits)], dim=1)
-    return ids, weights
+    return weights
 
 
 def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
