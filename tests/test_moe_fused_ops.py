@@ -122,7 +122,7 @@ def test_route_gives_the_blocks_router_and_gate(dtype, monkeypatch):
     mlps, x = blocks(dtype)
     with torch.inference_mode():
         for mlp in mlps:
-            ids, weights, shared_gate = block.route(mlp, x)
+            ids, weights, shared_gate = block.route(mlp, x, fused=True)
             _, want_weights, want_ids = mlp.gate(x)
             assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
             assert torch.equal(shared_gate, torch.sigmoid(mlp.shared_expert_gate(x)))
@@ -192,16 +192,21 @@ def test_shared_expert_opcheck_and_compile():
     assert torch.equal(fn(*args), hebrus_torch.moe_shared_expert(*args))
 
 
-def test_packed_moe_runs_both_ops_and_gives_the_blocks_output(monkeypatch):
+@pytest.mark.parametrize("fused", [True, None])
+def test_packed_moe_runs_both_ops_and_gives_the_blocks_output(monkeypatch, fused):
+    """fused=True (the default off CPU): moe_route with the gate, then moe_shared_expert; on CPU by default the
+    gate's sigmoid and the shared expert stay module calls (row-wise in the invariance suite), same output."""
     calls = []
     for name in ("moe_route", "moe_shared_expert"):
         real = getattr(block, name)
-        monkeypatch.setattr(block, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        monkeypatch.setattr(block, name, lambda *a, _real=real, _name=name: calls.append((_name, a[1] is not None))
+                            or _real(*a))
     mlps, x = blocks(torch.float32, rows=5)
     with torch.inference_mode():
         for mlp in mlps:
-            torch.testing.assert_close(block.packed_moe(mlp, x), mlp(x[None])[0], atol=1e-6, rtol=1e-6)
-    assert calls == ["moe_route", "moe_shared_expert"] * len(mlps)
+            torch.testing.assert_close(block.packed_moe(mlp, x, fused), mlp(x[None])[0], atol=1e-6, rtol=1e-6)
+    want = [("moe_route", True), ("moe_shared_expert", True)] if fused else [("moe_route", False)]
+    assert calls == want * len(mlps)
 
 
 def test_a_wrapped_shared_expert_runs_as_itself(monkeypatch):
@@ -211,6 +216,7 @@ def test_a_wrapped_shared_expert_runs_as_itself(monkeypatch):
     mlps, x = blocks(torch.float32, rows=5)
     mlps[0].shared_expert.down_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     with torch.inference_mode():
-        torch.testing.assert_close(block.packed_moe(mlps[0], x), mlps[0](x[None])[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(block.packed_moe(mlps[0], x, fused=True), mlps[0](x[None])[0], atol=1e-6,
+                                   rtol=1e-6)
         assert block.shared_expert_weights(mlps[0].shared_expert, x) is None
     assert calls == [] and len(seen) == 2

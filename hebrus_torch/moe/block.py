@@ -77,19 +77,30 @@ def routed_experts(experts: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Te
     return experts(x, topk_ids, topk_weights)
 
 
-def route(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fuse_elementwise(x: torch.Tensor, fused: bool | None) -> bool:
+    """Whether the shared gate's sigmoid and the shared expert run inside the fused ops (``fused``, or by default
+    everywhere but on CPU). On CPU their ATen kernels give an element other bits by the row count (BLAS picks its
+    kernel by it, SPEC §8; sigmoid's vectorised body and scalar tail differ), and the engine's invariance suite
+    makes each such module call row-wise: there they stay module calls, with the same arithmetic."""
+    return fused if fused is not None else x.device.type != "cpu"
+
+
+def route(mlp: torch.nn.Module, x: torch.Tensor,
+          fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router and the shared expert's gate of a ``Qwen4ExpTextSparseMoeBlock`` over packed rows x [T, H]:
     (ids [T, k] int64, routed weights [T, k], shared gate [T, 1]), weights and gate in the logits' dtype.
 
     Where the router is transformers' own ``Qwen4ExpTextTopKRouter`` (no hooks, no autograd) its linear runs as
-    ``F.linear(x, gate.weight)`` and everything after it, with the sigmoid of ``shared_expert_gate(x)``, as one
-    ``hebrus::moe_route`` (the modules' bits on CPU); otherwise the router module and a sigmoid."""
+    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the module's bits on CPU),
+    with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (off CPU by default;
+    on CPU ``torch.sigmoid`` beside it); otherwise the router module and a sigmoid."""
     gate = mlp.gate
     if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
             torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
         logits = F.linear(x, gate.weight)
         shared_logit = mlp.shared_expert_gate(x)
-        if shared_logit.dtype == logits.dtype and not (torch.is_grad_enabled() and shared_logit.requires_grad):
+        if _fuse_elementwise(x, fused) and shared_logit.dtype == logits.dtype \
+                and not (torch.is_grad_enabled() and shared_logit.requires_grad):
             ids, weights = moe_route(logits, shared_logit, gate.top_k, gate.norm_topk_prob)
             return ids, weights[:, :gate.top_k], weights[:, gate.top_k:]
         ids, weights = moe_route(logits, None, gate.top_k, gate.norm_topk_prob)
@@ -118,18 +129,19 @@ def shared_expert_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple[tor
     return tuple(p.weight for p in projections)
 
 
-def packed_moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """A decoder layer's MoE block over packed rows: x Tensor[T, H] -> Tensor[T, H].
 
     transformers' ``Qwen4ExpTextSparseMoeBlock.forward`` step for step (router and shared gate through
     :func:`route`, routed experts through :func:`routed_experts`, the sigmoid-gated shared expert added by
-    ``moe_shared_expert`` where :func:`shared_expert_weights` allows it, else by the module's own call); any
-    other block (or one with hooks or a forward of its own) runs as the module call ``mlp(x[None])[0]``."""
+    ``moe_shared_expert`` where :func:`shared_expert_weights` allows it and :func:`_fuse_elementwise` (``fused``;
+    off CPU by default), else by the module's own call); any other block (or one with hooks or a forward of its
+    own) runs as the module call ``mlp(x[None])[0]``."""
     if type(mlp) is not _modeling().Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
         return mlp(x[None])[0]
-    ids, weights, shared_gate = route(mlp, x)
+    ids, weights, shared_gate = route(mlp, x, fused)
     routed = routed_experts(mlp.experts, x, ids, weights)
-    shared = shared_expert_weights(mlp.shared_expert, x)
+    shared = shared_expert_weights(mlp.shared_expert, x) if _fuse_elementwise(x, fused) else None
     if shared is not None and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
         return moe_shared_expert(x, routed, *shared, shared_gate)
     return routed + shared_gate * mlp.shared_expert(x)
