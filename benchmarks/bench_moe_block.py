@@ -80,7 +80,8 @@ def main() -> None:
             f"{TOP_K} of {args.experts} experts), bf16, random weights; min over {args.repeat} interleaved rounds of "
             f"the median of 5 warm calls. Load average at the start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
             f"(1 / 5 / 15 min). 'before': the router and the shared expert as module calls beside moe_experts (17 "
-            f"dispatches on MPS); 'after': packed_moe(fused=True) with moe_route and moe_shared_expert (5, what it runs off CPU).\n\n")
+            f"dispatches on MPS); 'after': packed_moe(fused=True) with moe_route and moe_shared_expert (5, what it "
+            f"runs off CPU).\n\n")
     body += table(["rows", "before ms", "after ms", "speed-up", "same bits"], rows_out)
     print(body)
     if not args.no_write:

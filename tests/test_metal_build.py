@@ -57,7 +57,8 @@ VARIANTS = {
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
             "moe_experts": ("moe_experts_act", "moe_experts_down", "moe_experts_sum"),
-            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear")}
+            "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down", "quantized_linear"),
+            "moe_shared_expert": ("moe_shared_expert_act", "moe_shared_expert_down")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
@@ -66,7 +67,8 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
            "moe_experts": ("moe_experts", ("moe_experts_act", "moe_experts_down")),
            "moe_experts_quantized": [("moe_experts_quantized", ("moe_experts_quantized_act",
                                                                 "moe_experts_quantized_down")),
-                                     ("quantized_linear", ("quantized_linear",))]}
+                                     ("quantized_linear", ("quantized_linear",))],
+           "moe_shared_expert": ("moe_shared_expert", ("moe_shared_expert_act", "moe_shared_expert_down"))}
 
 
 def stem(path: str) -> str:
