@@ -104,6 +104,16 @@ TORCH_LIBRARY(hebrus, m) {
       "int group_size, int bits) -> Tensor");
   // x [T, in] times the transpose of an affine-quantized W [out, in] (the format of moe_experts_quantized).
   m.def("quantized_linear(Tensor x, Tensor wq, Tensor scales, Tensor biases, int group_size, int bits) -> Tensor");
+  // A MoE block's router after its logits (issue 37): per row of router_logits [T, E], softmax in fp32,
+  // top-k, optional renormalisation, cast to the logits' dtype -> (ids [T, k] int64, weights [T, k + S]),
+  // the last S weights sigmoid(shared_gate_logits [T, S]) (the shared expert's gate), where given.
+  m.def("moe_route(Tensor router_logits, Tensor? shared_gate_logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)");
+  // A MoE block's shared expert added to its routed experts' output (issue 37): routed [T, H] +
+  // gate [T, 1] * down_proj(silu(gate_proj(x)) * up_proj(x)), each step rounded to x's dtype where
+  // transformers' modules round it (dense weights gate_proj / up_proj [I, H], down_proj [H, I]).
+  m.def(
+      "moe_shared_expert(Tensor x, Tensor routed, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
+      "Tensor gate) -> Tensor");
 }
 
 namespace {
@@ -168,6 +178,8 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
                          "gdn_delta_rule_slots"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
   m.impl("gdn_chunk_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
+  m.impl("moe_route", torch::autograd::autogradNotImplementedFallback());
+  m.impl("moe_shared_expert", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {

@@ -148,4 +148,62 @@ inline QuantLinearSizes check_quantized_linear_args(const at::Tensor& x, const a
   return {T, in, out};
 }
 
+// hebrus::moe_route (issue 37): router_logits [T, E] float, shared_gate_logits [T, S] in its dtype (or none),
+// 1 <= top_k <= E. Same order and messages as hebrus_torch/moe/checks.py (check_moe_route).
+struct MoeRouteSizes {
+  int64_t rows, experts, top_k, shared;  // T, E, k, S (0 without shared_gate_logits)
+};
+
+inline MoeRouteSizes check_moe_route_args(const at::Tensor& logits, const at::Tensor* shared, int64_t top_k) {
+  const char* op = "moe_route";
+  check_dims(op, logits, 2, "router_logits");
+  check_float(op, logits, "router_logits");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  int64_t S = 0;
+  if (shared != nullptr) {
+    check_dims(op, *shared, 2, "shared_gate_logits");
+    check_same_dtype(op, *shared, "shared_gate_logits", logits, "router_logits");
+    HEBRUS_CHECK(shared->size(0) == T, HebrusError, "hebrus::moe_route: shared_gate_logits must have shape (T, S) "
+                 "with T = router_logits.shape[0] = ", T, ", got ", shape_str(shared->sizes()));
+    S = shared->size(1);
+  }
+  HEBRUS_CHECK(top_k >= 1 && top_k <= E, HebrusError, "hebrus::moe_route: top_k must be in [1, E = ", E, "], got ",
+               top_k);
+  return {T, E, top_k, S};
+}
+
+// hebrus::moe_shared_expert (issue 37): x [T, H] float; routed [T, H], gate_proj / up_proj [I, H], down_proj
+// [H, I] and gate [T, 1], all in x's dtype; I >= 1. Same order and messages as hebrus_torch/moe/checks.py
+// (check_moe_shared_expert).
+struct MoeSharedSizes {
+  int64_t rows, hidden, inter;  // T, H, I
+};
+
+inline MoeSharedSizes check_moe_shared_expert_args(const at::Tensor& x, const at::Tensor& routed,
+                                                   const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                                                   const at::Tensor& down_proj, const at::Tensor& gate) {
+  const char* op = "moe_shared_expert";
+  check_dims(op, x, 2, "x");
+  check_float(op, x, "x");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"routed", &routed}, {"gate_proj", &gate_proj},
+                                {"up_proj", &up_proj}, {"down_proj", &down_proj}, {"gate", &gate}}) {
+    check_dims(op, *t, 2, name);
+    check_same_dtype(op, *t, name, x, "x");
+  }
+  const int64_t T = x.size(0), H = x.size(1), I = gate_proj.size(0);
+  const struct {
+    const char* name;
+    const at::Tensor* t;
+    int64_t rows, cols;
+  } shapes[] = {{"routed", &routed, T, H}, {"gate_proj", &gate_proj, I, H}, {"up_proj", &up_proj, I, H},
+                {"down_proj", &down_proj, H, I}, {"gate", &gate, T, 1}};
+  HEBRUS_CHECK(I >= 1, HebrusError, "hebrus::moe_shared_expert: gate_proj must have I >= 1 rows, got shape ",
+               shape_str(gate_proj.sizes()));
+  for (const auto& sh : shapes) {
+    HEBRUS_CHECK(sh.t->size(0) == sh.rows && sh.t->size(1) == sh.cols, HebrusError, "hebrus::moe_shared_expert: ",
+                 sh.name, " must have shape (", sh.rows, ", ", sh.cols, "), got ", shape_str(sh.t->sizes()));
+  }
+  return {T, H, I};
+}
+
 }  // namespace hebrus

@@ -144,6 +144,14 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("quantized_linear",
            "quantized_linear(Tensor x, Tensor wq, Tensor scales, Tensor biases, int group_size, int bits) -> Tensor",
            reference.quantized_linear, _CPU_MPS),
+    OpSpec("moe_route",
+           "moe_route(Tensor router_logits, Tensor? shared_gate_logits, int top_k, bool norm_topk_prob) "
+           "-> (Tensor, Tensor)",
+           reference.moe_route, _CPU_MPS),
+    OpSpec("moe_shared_expert",
+           "moe_shared_expert(Tensor x, Tensor routed, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
+           "Tensor gate) -> Tensor",
+           reference.moe_shared_expert, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

@@ -40,6 +40,10 @@
 #define HEBRUS_NORM_ROPE_TG 256
 // sigmoid_gate (issue 37): one thread per element.
 #define HEBRUS_SIGMOID_GATE_TG 256
+// moe_route (issue 37): one SIMD-group per row, 8 per threadgroup; a row's top-k values stay in
+// registers, so k is bounded.
+#define HEBRUS_MOE_ROUTE_TG 256
+#define HEBRUS_MOE_ROUTE_MAX_K 64
 // qsa_select: one threadgroup per block of queries; the pooled keys of a sequence are streamed in
 // tiles of HEBRUS_QSA_SELECT_TILE groups (one per thread). Two variants trade queries per block for
 // the per-query top-k capacity; both stay under Apple GPUs' 32 KiB of threadgroup memory:
@@ -135,6 +139,8 @@ static_assert(sizeof(GdnGatesParams) == 3 * 8, "GdnGatesParams: 2 x 64-bit, 2 x 
 static_assert(sizeof(GdnGatedNormParams) == 4 * 8, "GdnGatedNormParams: 2 x 64-bit, float, 3 x 32-bit");
 static_assert(sizeof(HcPremixParams) == 6 * 8, "HcPremixParams: 5 x 64-bit, float, pad");
 static_assert(sizeof(HcPostCombineParams) == 3 * 8, "HcPostCombineParams: 3 x 64-bit");
+static_assert(sizeof(MoeRouteParams) == 5 * 8, "MoeRouteParams: 4 x 64-bit, 2 x 32-bit");
+static_assert(sizeof(MoeSharedParams) == 4 * 8, "MoeSharedParams: 4 x 64-bit");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -649,6 +655,49 @@ inline HcPostCombinePlan plan_hc_post_combine(int64_t rows, int64_t hidden, int6
   const uint64_t threads = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hc) * static_cast<uint64_t>(hidden);
   if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * hc * hidden)";
   plan.dispatch = {threads, HEBRUS_HC_COMBINE_TG};
+  return plan;
+}
+
+// ---- moe_route (issue 37) ------------------------------------------------------------------------------
+// One SIMD-group per row, HEBRUS_MOE_ROUTE_TG threads per threadgroup (whole SIMD-groups only).
+using MoeRoutePlan = LaunchPlan<MoeRouteParams>;
+
+inline MoeRoutePlan plan_moe_route(int64_t rows, int64_t experts, int64_t top_k, int64_t shared, bool norm) {
+  MoeRoutePlan plan;
+  MoeRouteParams& p = plan.params;
+  p.rows = rows;
+  p.experts = experts;
+  p.top_k = top_k;
+  p.shared = shared;
+  p.norm = norm ? 1 : 0;
+  const uint64_t threads = static_cast<uint64_t>(rows) * HEBRUS_SIMD_WIDTH;
+  if (top_k > HEBRUS_MOE_ROUTE_MAX_K) plan.error = "top_k > 64 (a row's top-k values are kept in registers)";
+  if (experts >= int64_t{0x7FFFFFFF}) plan.error = "2^31-1 or more experts (ids are compared as 32-bit)";
+  if (threads > kMaxThreads) plan.error = "more than 2^32-1 threads (T * 32)";
+  plan.dispatch = {threads, HEBRUS_MOE_ROUTE_TG};
+  return plan;
+}
+
+// ---- moe_shared_expert (issue 37) ----------------------------------------------------------------------
+// Two launches of half SIMD-groups (moe_experts' layout): act over (row, i), down over (row, d).
+struct MoeSharedPlan {
+  MoeSharedParams params{};
+  Dispatch act, down;
+  const char* error = nullptr;
+};
+
+inline MoeSharedPlan plan_moe_shared_expert(int64_t rows, int64_t hidden, int64_t inter, int64_t gate_stride) {
+  MoeSharedPlan plan;
+  MoeSharedParams& p = plan.params;
+  p.rows = rows;
+  p.hidden = hidden;
+  p.inter = inter;
+  p.gate_stride = gate_stride;
+  const uint64_t act = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(inter));
+  const uint64_t down = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden));
+  if (act > kMaxThreads || down > kMaxThreads) plan.error = "more than 2^32-1 threads (T * max(I, H) * 16)";
+  plan.act = {act, HEBRUS_MOE_TG};
+  plan.down = {down, HEBRUS_MOE_TG};
   return plan;
 }
 

@@ -312,3 +312,22 @@ struct HcPostCombineParams {
   hebrus_i64 hidden;  // features per stream
   hebrus_i64 hc;      // streams
 };
+
+// hebrus::moe_route (issue 37). Threads: rows SIMD-groups of 32, one per row of router_logits.
+struct MoeRouteParams {
+  hebrus_i64 rows;     // T
+  hebrus_i64 experts;  // E
+  hebrus_i64 top_k;    // k (<= HEBRUS_MOE_ROUTE_MAX_K)
+  hebrus_i64 shared;   // S: sigmoid-gated shared-expert logits per row (0: none)
+  hebrus_i32 norm;     // 1: the top-k probabilities are renormalised to sum to 1
+  hebrus_i32 pad0;
+};
+
+// hebrus::moe_shared_expert (issue 37). Threads: half SIMD-groups (HEBRUS_MOE_LANES lanes), one per (row,
+// intermediate output) in the act launch and one per (row, hidden output) in the down launch.
+struct MoeSharedParams {
+  hebrus_i64 rows;         // T
+  hebrus_i64 hidden;       // H
+  hebrus_i64 inter;        // I
+  hebrus_i64 gate_stride;  // elements between the gates of consecutive rows
+};

@@ -48,6 +48,8 @@ EXPECTED = {
     "qsa_token_cells": {"qsa_token_cells_long"},
     "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
     "sigmoid_gate": {f"sigmoid_gate_{t}" for t in TYPES},
+    "moe_route": {f"moe_route_{t}" for t in TYPES},
+    "moe_shared_expert": {f"moe_shared_expert_{k}_{t}" for k in ("act", "down") for t in TYPES},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -68,7 +70,8 @@ FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "moe_experts_quantized": ("moe_experts_quantized_act", "moe_experts_quantized_down",
                                       "moe_experts_quantized_act_grouped", "moe_experts_quantized_down_grouped",
                                       "quantized_linear", "quantized_linear_tiled"),
-            "hc_premix": ("hc_premix_low", "hc_premix_mix", "hc_post_combine")}
+            "hc_premix": ("hc_premix_low", "hc_premix_mix", "hc_post_combine"),
+            "moe_shared_expert": ("moe_shared_expert_act", "moe_shared_expert_down")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
@@ -84,7 +87,8 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
                                                                 "moe_experts_quantized_down")),
                                      ("quantized_linear", ("quantized_linear",))],
            "hc_premix": [("hc_premix", ("hc_premix_low", "hc_premix_mix")),
-                         ("hc_post_combine", ("hc_post_combine",))]}
+                         ("hc_post_combine", ("hc_post_combine",))],
+           "moe_shared_expert": ("moe_shared_expert", ("moe_shared_expert_act", "moe_shared_expert_down"))}
 
 
 def stem(path: str) -> str:

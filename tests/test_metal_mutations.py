@@ -647,3 +647,59 @@ def test_sigmoid_gate_mutations_are_caught(tmp_path, use, old, new):
     use("sigmoid_gate", mutated(tmp_path, "sigmoid_gate", "sigmoid_gate.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         gate_check()
+
+
+# ---- moe_route (issue 37) ----------------------------------------------------------------------------------
+
+def moe_route_check(**emu):
+    from test_metal_moe_route import check, lower_id_first, make
+
+    for levels in (None, 3):                      # distinct probabilities, then ties across the top-k boundary
+        logits, gate = make(5, 70, 1, torch.float32, seed=9, levels=levels)
+        check(hebrus_emu.moe_route(logits, gate, 6, True, **emu), lower_id_first(logits, gate, 6, True),
+              torch.float32)
+
+
+def test_unmutated_moe_route_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        moe_route_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("  mx = simd_max(mx);\n", "\n"),                                                  # lane-local max
+    ("1.0f / simd_sum(sum)", "1.0f / sum"),                                          # lane-local sum
+    ("simd_min(best_v == v ? best_i : 0x7FFFFFFF)", "simd_max(best_v == v ? best_i : -1)"),  # higher id first
+    ("hebrus_route_precedes(last_v, last_i, v, e) && ", ""),                         # a slot selected twice
+    ("total = total + v;", "total = v;"),                                            # renormalised by the last
+    ("wr[p.top_k + c]", "wr[c]"),                                                    # gate over a routed weight
+], ids=["lane-local-max", "lane-local-sum", "ties-higher-id", "no-exclusion", "renorm-last", "gate-slot"])
+def test_moe_route_mutations_are_caught(tmp_path, use, old, new):
+    use("moe_route", mutated(tmp_path, "moe_route", "moe_route.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        moe_route_check()
+
+
+# ---- moe_shared_expert (issue 37) --------------------------------------------------------------------------
+
+def moe_shared_check(**emu):
+    from test_metal_moe_shared_expert import close, make
+
+    args = make(5, 40, 24, torch.float32, seed=11)   # widths with a tail of the 16 lanes
+    close(hebrus_emu.moe_shared_expert(*args, **emu), reference.moe_shared_expert(*args), torch.float32)
+
+
+def test_unmutated_moe_shared_expert_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        moe_shared_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("device const T* wu = up_proj + i * H;", "device const T* wu = gate_proj + i * H;"),     # up from the gate
+    ("gate[row * p.gate_stride]", "gate[row]"),                                               # gate stride ignored
+    ("static_cast<float>(routed[row * p.hidden + d]) + gated", "gated"),                     # routed dropped
+    ("hebrus_moe_round<T>(silu_g * hebrus_moe_round<T>(u))", "hebrus_moe_round<T>(silu_g)"),   # up dropped
+], ids=["up-from-gate", "gate-stride", "routed-dropped", "up-dropped"])
+def test_moe_shared_expert_mutations_are_caught(tmp_path, use, old, new):
+    use("moe_shared_expert", mutated(tmp_path, "moe_shared_expert", "moe_shared_expert.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        moe_shared_check()

@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -659,6 +661,38 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
   return out;
 }
 
+// hebrus::moe_route (issue 37): transformers' Qwen4ExpTextTopKRouter after its linear, and the shared expert's
+// sigmoid gate, as the modules' own ATen sequence in C++ (so their bits, and torch.topk's order among equal
+// probabilities), without the dispatcher and Python round trips of their seven ops.
+std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::optional<Tensor>& shared, int64_t top_k,
+                                         bool norm_topk_prob) {
+  const Tensor* sh = shared.has_value() ? &*shared : nullptr;
+  if (sh != nullptr) {
+    check_on_device("moe_route", at::kCPU, {{"router_logits", &logits}, {"shared_gate_logits", sh}});
+  } else {
+    check_on_device("moe_route", at::kCPU, {{"router_logits", &logits}});
+  }
+  check_moe_route_args(logits, sh, top_k);
+  const Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [values, ids] = at::topk(probs, top_k, -1);
+  if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
+  Tensor weights = values.to(logits.scalar_type());
+  if (sh != nullptr) weights = at::cat({weights, at::sigmoid(*sh)}, 1);
+  return {ids, weights};
+}
+
+// hebrus::moe_shared_expert (issue 37): transformers' Qwen4ExpTextMLP (the shared expert) times its sigmoid gate,
+// added to the routed experts' output, as the block's own ATen sequence in C++ (so its bits).
+Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor& gate_proj, const Tensor& up_proj,
+                             const Tensor& down_proj, const Tensor& gate) {
+  check_on_device("moe_shared_expert", at::kCPU,
+                  {{"x", &x}, {"routed", &routed}, {"gate_proj", &gate_proj}, {"up_proj", &up_proj},
+                   {"down_proj", &down_proj}, {"gate", &gate}});
+  check_moe_shared_expert_args(x, routed, gate_proj, up_proj, down_proj, gate);
+  const Tensor act = at::silu(at::linear(x, gate_proj)).mul(at::linear(x, up_proj));
+  return routed.add(gate.mul(at::linear(act, down_proj)));
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -666,4 +700,6 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("moe_experts", &hebrus::moe_experts_cpu);
   m.impl("moe_experts_quantized", &hebrus::moe_experts_quantized_cpu);
   m.impl("quantized_linear", &hebrus::quantized_linear_cpu);
+  m.impl("moe_route", &hebrus::moe_route_cpu);
+  m.impl("moe_shared_expert", &hebrus::moe_shared_expert_cpu);
 }

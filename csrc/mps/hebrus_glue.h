@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -724,6 +725,68 @@ inline Call moe_experts_quantized(const Tensor& x_in, const Tensor& ids_in, cons
   }
   call.launches.push_back(moe_sum_launch(b, type));
   call.outputs = {b.out};
+  return call;
+}
+
+// ---- moe_route (issue 37) ------------------------------------------------------------------------------
+// One launch (mps_kernels/moe_route.metal); no value to check. Without shared gate logits the router logits
+// are bound again in their place (the kernel reads S = 0 of them).
+inline Call moe_route(const Tensor& logits_in, const std::optional<Tensor>& shared_in, int64_t top_k, bool norm,
+                      c10::DeviceType device) {
+  const char* op = "moe_route";
+  const Tensor* shared_ptr = shared_in.has_value() ? &*shared_in : nullptr;
+  if (shared_ptr != nullptr) {
+    check_on_device(op, device, {{"router_logits", &logits_in}, {"shared_gate_logits", shared_ptr}});
+  } else {
+    check_on_device(op, device, {{"router_logits", &logits_in}});
+  }
+  const MoeRouteSizes sz = check_moe_route_args(logits_in, shared_ptr, top_k);
+  const char* type = metal_type(op, logits_in.scalar_type());
+  Call call;
+  const Tensor ids = at::empty({sz.rows, sz.top_k}, logits_in.options().dtype(at::kLong));
+  const Tensor weights = at::empty({sz.rows, sz.top_k + sz.shared}, logits_in.options());
+  call.outputs = {ids, weights};
+  if (sz.rows == 0) return call;
+  const auto plan = hebrus::metal::plan_moe_route(sz.rows, sz.experts, sz.top_k, sz.shared, norm);
+  check_plan(op, plan.error);
+  const Tensor logits = logits_in.contiguous();
+  const Tensor shared = shared_ptr != nullptr ? shared_ptr->contiguous() : logits;
+  call.launches.push_back(make_launch(op, hebrus::metal::kernel_name(op, "", type), {logits, shared, ids, weights},
+                                      {false, false, true, true}, plan.params, plan.dispatch));
+  return call;
+}
+
+// ---- moe_shared_expert (issue 37) ----------------------------------------------------------------------
+// Two launches (act, down: mps_kernels/moe_shared_expert.metal); no value to check. The gate [T, 1] is bound as
+// it is (moe_route's last column is a strided view) with its row stride in the parameter block.
+inline Call moe_shared_expert(const Tensor& x_in, const Tensor& routed_in, const Tensor& gate_proj_in,
+                              const Tensor& up_proj_in, const Tensor& down_proj_in, const Tensor& gate_in,
+                              c10::DeviceType device) {
+  const char* op = "moe_shared_expert";
+  check_on_device(op, device, {{"x", &x_in}, {"routed", &routed_in}, {"gate_proj", &gate_proj_in},
+                               {"up_proj", &up_proj_in}, {"down_proj", &down_proj_in}, {"gate", &gate_in}});
+  const MoeSharedSizes sz = check_moe_shared_expert_args(x_in, routed_in, gate_proj_in, up_proj_in, down_proj_in,
+                                                         gate_in);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.hidden == 0) {
+    call.outputs = {at::empty({sz.rows, sz.hidden}, x_in.options())};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_moe_shared_expert(sz.rows, sz.hidden, sz.inter, gate_in.stride(0));
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), routed = routed_in.contiguous(), gate_proj = gate_proj_in.contiguous(),
+               up_proj = up_proj_in.contiguous(), down_proj = down_proj_in.contiguous();
+  const Tensor act = at::empty({sz.rows, sz.inter}, x.options().dtype(at::kFloat));
+  const Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch(op, kernel_name("moe_shared_expert_act", nullptr, type),
+                                      {x, gate_proj, up_proj, act}, {false, false, false, true}, plan.params,
+                                      plan.act));
+  call.launches.push_back(make_launch(op, kernel_name("moe_shared_expert_down", nullptr, type),
+                                      {down_proj, act, gate_in, routed, out}, {false, false, false, false, true},
+                                      plan.params, plan.down));
+  call.outputs = {out};
   return call;
 }
 

@@ -1,18 +1,21 @@
 """transformers' Qwen4Exp MoE block over packed rows with its routed experts as one ``hebrus::moe_experts``
-call: what the engine's packed forward and the drop-in run. The router (softmax, top-k, renormalisation)
-and the shared expert with its sigmoid gate stay the block's own modules (three matmuls, a softmax, a
-top-k and a sigmoid beside the op). A block or an experts module that is not transformers' own (a
-subclass, a wrapped or quantized module, one with hooks, another expert layout) runs as a module call."""
+call: what the engine's packed forward and the drop-in run. The router after its linear (softmax, top-k,
+renormalisation, cast) and the shared expert's sigmoid gate are one ``hebrus::moe_route`` call, and the shared
+expert with its gate and the sum one ``hebrus::moe_shared_expert`` call (issue 37); the router's and the shared
+gate's linears stay the block's own modules. A block, a router, a shared expert or an experts module that is
+not transformers' own (a subclass, a wrapped or quantized module, one with hooks, another expert layout) runs
+as a module call."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
-from .ops import moe_experts
+from .ops import moe_experts, moe_route, moe_shared_expert
 
-__all__ = ["experts_unsupported", "routed_experts", "packed_moe"]
+__all__ = ["experts_unsupported", "routed_experts", "packed_moe", "route", "shared_expert_weights"]
 
 
 def _modeling():
@@ -74,15 +77,71 @@ def routed_experts(experts: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Te
     return experts(x, topk_ids, topk_weights)
 
 
-def packed_moe(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _fuse_elementwise(x: torch.Tensor, fused: bool | None) -> bool:
+    """Whether the shared gate's sigmoid and the shared expert run inside the fused ops (``fused``, or by default
+    everywhere but on CPU). On CPU their ATen kernels give an element other bits by the row count (BLAS picks its
+    kernel by it, SPEC §8; sigmoid's vectorised body and scalar tail differ), and the engine's invariance suite
+    makes each such module call row-wise: there they stay module calls, with the same arithmetic."""
+    return fused if fused is not None else x.device.type != "cpu"
+
+
+def route(mlp: torch.nn.Module, x: torch.Tensor,
+          fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router and the shared expert's gate of a ``Qwen4ExpTextSparseMoeBlock`` over packed rows x [T, H]:
+    (ids [T, k] int64, routed weights [T, k], shared gate [T, 1]), weights and gate in the logits' dtype.
+
+    Where the router is transformers' own ``Qwen4ExpTextTopKRouter`` (no hooks, no autograd) its linear runs as
+    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the module's bits on CPU),
+    with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (off CPU by default;
+    on CPU ``torch.sigmoid`` beside it); otherwise the router module and a sigmoid."""
+    gate = mlp.gate
+    if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
+            torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
+        logits = F.linear(x, gate.weight)
+        shared_logit = mlp.shared_expert_gate(x)
+        if _fuse_elementwise(x, fused) and shared_logit.dtype == logits.dtype \
+                and not (torch.is_grad_enabled() and shared_logit.requires_grad):
+            ids, weights = moe_route(logits, shared_logit, gate.top_k, gate.norm_topk_prob)
+            return ids, weights[:, :gate.top_k], weights[:, gate.top_k:]
+        ids, weights = moe_route(logits, None, gate.top_k, gate.norm_topk_prob)
+        return ids, weights, torch.sigmoid(shared_logit)
+    _, weights, ids = gate(x)
+    return ids, weights, torch.sigmoid(mlp.shared_expert_gate(x))
+
+
+def _plain_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+    return type(linear) is torch.nn.Linear and linear.bias is None and _plain_call(linear) \
+        and type(linear.weight) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) and linear.weight.dtype == dtype
+
+
+def shared_expert_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """(gate_proj, up_proj, down_proj) weights of transformers' own ``Qwen4ExpTextMLP`` shared expert (no hooks,
+    bias-free plain ``nn.Linear`` projections in x's dtype, SiLU, no autograd): what ``moe_shared_expert`` runs;
+    None for any other module (a quantized or wrapped one runs as itself)."""
+    projections = (getattr(shared, "gate_proj", None), getattr(shared, "up_proj", None),
+                   getattr(shared, "down_proj", None))
+    if type(shared) is not _modeling().Qwen4ExpTextMLP or not _plain_call(shared) \
+            or getattr(shared.config, "hidden_act", None) != "silu" \
+            or not all(_plain_linear(p, x.dtype) for p in projections):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in projections)):
+        return None
+    return tuple(p.weight for p in projections)
+
+
+def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """A decoder layer's MoE block over packed rows: x Tensor[T, H] -> Tensor[T, H].
 
-    transformers' ``Qwen4ExpTextSparseMoeBlock.forward`` step for step (shared expert, router, routed experts
-    through :func:`routed_experts`, sigmoid-gated shared output added); any other block (or one with hooks
-    or a forward of its own) runs as the module call ``mlp(x[None])[0]``."""
+    transformers' ``Qwen4ExpTextSparseMoeBlock.forward`` step for step (router and shared gate through
+    :func:`route`, routed experts through :func:`routed_experts`, the sigmoid-gated shared expert added by
+    ``moe_shared_expert`` where :func:`shared_expert_weights` allows it and :func:`_fuse_elementwise` (``fused``;
+    off CPU by default), else by the module's own call); any other block (or one with hooks or a forward of its
+    own) runs as the module call ``mlp(x[None])[0]``."""
     if type(mlp) is not _modeling().Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
         return mlp(x[None])[0]
-    shared = mlp.shared_expert(x)
-    _, weights, ids = mlp.gate(x)
+    ids, weights, shared_gate = route(mlp, x, fused)
     routed = routed_experts(mlp.experts, x, ids, weights)
-    return routed + torch.sigmoid(mlp.shared_expert_gate(x)) * shared
+    shared = shared_expert_weights(mlp.shared_expert, x) if _fuse_elementwise(x, fused) else None
+    if shared is not None and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
+        return moe_shared_expert(x, routed, *shared, shared_gate)
+    return routed + shared_gate * mlp.shared_expert(x)

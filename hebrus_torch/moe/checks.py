@@ -11,7 +11,8 @@ import torch
 from .. import _validate
 from ..errors import HebrusError
 
-__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids", "check_moe_experts_quantized", "check_quantized_linear"]
+__all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids", "check_moe_experts_quantized", "check_quantized_linear",
+           "check_moe_route", "check_moe_shared_expert"]
 
 OP = "moe_experts"
 
@@ -134,3 +135,50 @@ def check_quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tens
     for name, t in (("scales", scales), ("biases", biases)):
         _validate.check(tuple(t.shape) == want, LOP, f"{name} must have shape {want}, got {tuple(t.shape)}")
     return rows, in_dim, out_dim
+
+
+ROP = "moe_route"
+
+
+def check_moe_route(router_logits: torch.Tensor, shared_gate_logits: torch.Tensor | None,
+                    top_k: int) -> tuple[int, int, int, int]:
+    """``moe_route``'s arguments (csrc/moe_checks.h); returns (T, E, k, S), S = 0 without shared gate logits."""
+    tensors = {"router_logits": router_logits}
+    if shared_gate_logits is not None:
+        tensors["shared_gate_logits"] = shared_gate_logits
+    _validate._same_device(ROP, **tensors)
+    _validate._ranks_and_dtypes(ROP, ("router_logits", router_logits, 2, _validate.FLOAT_DTYPES))
+    rows, experts = router_logits.shape
+    shared = 0
+    if shared_gate_logits is not None:
+        _validate._dims(shared_gate_logits, 2, ROP, "shared_gate_logits")
+        _validate.check(shared_gate_logits.dtype == router_logits.dtype, ROP,
+                        f"shared_gate_logits dtype {shared_gate_logits.dtype} must match router_logits dtype "
+                        f"{router_logits.dtype}")
+        _validate.check(shared_gate_logits.shape[0] == rows, ROP, f"shared_gate_logits must have shape (T, S) with "
+                        f"T = router_logits.shape[0] = {rows}, got {tuple(shared_gate_logits.shape)}")
+        shared = shared_gate_logits.shape[1]
+    _validate.check(1 <= top_k <= experts, ROP, f"top_k must be in [1, E = {experts}], got {top_k}")
+    return rows, experts, top_k, shared
+
+
+SOP = "moe_shared_expert"
+
+
+def check_moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                            down_proj: torch.Tensor, gate: torch.Tensor) -> tuple[int, int, int]:
+    """``moe_shared_expert``'s arguments (csrc/moe_checks.h); returns (T, H, I)."""
+    tensors = {"x": x, "routed": routed, "gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj,
+               "gate": gate}
+    _validate._same_device(SOP, **tensors)
+    _validate._ranks_and_dtypes(SOP, ("x", x, 2, _validate.FLOAT_DTYPES))
+    for name, t in list(tensors.items())[1:]:
+        _validate._dims(t, 2, SOP, name)
+        _validate.check(t.dtype == x.dtype, SOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
+    (rows, hidden), inter = x.shape, gate_proj.shape[0]
+    _validate.check(inter >= 1, SOP, f"gate_proj must have I >= 1 rows, got shape {tuple(gate_proj.shape)}")
+    for name, want in (("routed", (rows, hidden)), ("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                       ("down_proj", (hidden, inter)), ("gate", (rows, 1))):
+        _validate.check(tuple(tensors[name].shape) == want, SOP,
+                        f"{name} must have shape ({want[0]}, {want[1]}), got {tuple(tensors[name].shape)}")
+    return rows, hidden, inter

@@ -1,13 +1,15 @@
-"""Typed wrappers and fake impls of ``hebrus::moe_experts``, ``moe_experts_quantized`` and ``quantized_linear``."""
+"""Typed wrappers and fake impls of ``hebrus::moe_experts``, ``moe_experts_quantized``, ``quantized_linear``,
+``moe_route`` and ``moe_shared_expert``."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import translated
-from .checks import check_moe_experts, check_moe_experts_quantized, check_quantized_linear
+from .checks import (check_moe_experts, check_moe_experts_quantized, check_moe_route, check_moe_shared_expert,
+                     check_quantized_linear)
 
-__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert"]
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -66,3 +68,38 @@ def quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, bi
 def _quantized_linear_fake(x, wq, scales, biases, group_size, bits):
     rows, _, out = check_quantized_linear(x, wq, scales, biases, group_size, bits)
     return x.new_empty((rows, out))
+
+
+def moe_route(router_logits: torch.Tensor, shared_gate_logits: torch.Tensor | None, top_k: int,
+              norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block's router after its linear (softmax in fp32, top-k, renormalisation, cast) and the shared
+    expert's sigmoid gate in one dispatch; see :func:`hebrus_torch.reference.moe_route`.
+
+    Shapes: router_logits [T, E] float, shared_gate_logits [T, S] in its dtype or None -> (ids [T, k] int64,
+    weights [T, k + S] in the logits' dtype: the routed weights, then the S shared gates).
+    """
+    with translated():
+        return torch.ops.hebrus.moe_route.default(router_logits, shared_gate_logits, int(top_k), bool(norm_topk_prob))
+
+
+@torch.library.register_fake("hebrus::moe_route")
+def _moe_route_fake(router_logits, shared_gate_logits, top_k, norm_topk_prob):
+    rows, _, k, shared = check_moe_route(router_logits, shared_gate_logits, top_k)
+    return (router_logits.new_empty((rows, k), dtype=torch.int64), router_logits.new_empty((rows, k + shared)))
+
+
+def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                      down_proj: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``routed + gate * down_proj(silu(gate_proj(x)) * up_proj(x))`` in one dispatch; see
+    :func:`hebrus_torch.reference.moe_shared_expert`.
+
+    Shapes: x, routed [T, H]; gate_proj, up_proj [I, H]; down_proj [H, I]; gate [T, 1]; all in x's dtype -> [T, H].
+    """
+    with translated():
+        return torch.ops.hebrus.moe_shared_expert.default(x, routed, gate_proj, up_proj, down_proj, gate)
+
+
+@torch.library.register_fake("hebrus::moe_shared_expert")
+def _moe_shared_expert_fake(x, routed, gate_proj, up_proj, down_proj, gate):
+    rows, hidden, _ = check_moe_shared_expert(x, routed, gate_proj, up_proj, down_proj, gate)
+    return x.new_empty((rows, hidden))

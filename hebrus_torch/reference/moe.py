@@ -8,11 +8,11 @@ from typing import Callable
 import torch
 
 from ..moe.checks import (MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids,
-                          check_quantized_linear)
+                          check_moe_route, check_moe_shared_expert, check_quantized_linear)
 from ..moe.quantize import unpack
 from .ple import _silu
 
-__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert"]
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,3 +149,73 @@ def _routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     for j in range(top_k):
         acc = acc + weighted[:, j]
     return out.copy_(acc)
+
+
+def moe_route(router_logits: torch.Tensor, shared_gate_logits: torch.Tensor | None, top_k: int,
+              norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block's router after its linear, and the shared expert's sigmoid gate (issue 37): transformers'
+    ``Qwen4ExpTextTopKRouter.forward`` from ``router_logits`` on, op for op::
+
+        p          = softmax(router_logits.float(), dim=-1)            (fp32)
+        v, ids     = topk(p, top_k)                                     (descending)
+        v          = v / v.sum(-1)          where norm_topk_prob
+        weights    = cat(v.to(D), sigmoid(shared_gate_logits))          (D: the logits' dtype)
+
+    Among equal probabilities the order is torch.topk's here and in the CPU kernel (which runs these ops:
+    the module's bits); the Metal kernel takes the lower expert id first. A row's outputs depend only on
+    that row.
+
+    Args:
+        router_logits: Tensor[T, E] float32/float16/bfloat16 (the router's linear of the rows).
+        shared_gate_logits: Tensor[T, S] in the logits' dtype (``shared_expert_gate``'s output), or None.
+        top_k: 1 <= top_k <= E.
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1 (the config's ``norm_topk_prob``).
+
+    Returns:
+        (ids Tensor[T, k] int64, weights Tensor[T, k + S] in the logits' dtype: the routed experts' weights,
+        then the S shared-expert gates). Raises HebrusError on bad metadata.
+    """
+    check_moe_route(router_logits, shared_gate_logits, top_k)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    return ids, route_weights(values, router_logits.dtype, shared_gate_logits, norm_topk_prob)
+
+
+def route_weights(values: torch.Tensor, dtype: torch.dtype, shared_gate_logits: torch.Tensor | None,
+                  norm_topk_prob: bool) -> torch.Tensor:
+    """:func:`moe_route`'s weights [T, k + S] from the selected probabilities ``values`` [T, k] (fp32): renormalised
+    where ``norm_topk_prob``, cast to ``dtype``, then the sigmoid of the shared gate logits (if any)."""
+    if norm_topk_prob:
+        values = values / values.sum(dim=-1, keepdim=True)
+    weights = values.to(dtype)
+    if shared_gate_logits is not None:
+        weights = torch.cat([weights, torch.sigmoid(shared_gate_logits)], dim=1)
+    return weights
+
+
+def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                      down_proj: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A MoE block's shared expert times its gate, added to the routed experts' output (issue 37): the tail of
+    transformers' ``Qwen4ExpTextSparseMoeBlock.forward``, op for op (D: x's dtype, every op rounding to D)::
+
+        shared = linear(silu(linear(x, gate_proj)) * linear(x, up_proj), down_proj)   (Qwen4ExpTextMLP)
+        out    = routed + gate * shared
+
+    The CPU kernel runs these ops (the modules' bits); the Metal kernel rounds at the same places with its
+    own summation order inside each dot product (moe_experts.metal's) and the CPU kernels' silu. A row's output
+    depends only on that row.
+
+    Args:
+        x: Tensor[T, H] float32/float16/bfloat16, the packed rows.
+        routed: Tensor[T, H] in x's dtype (``moe_experts``' output).
+        gate_proj, up_proj: Tensor[I, H] in x's dtype; down_proj: Tensor[H, I] (the shared expert's
+            ``nn.Linear`` weights), I >= 1.
+        gate: Tensor[T, 1] in x's dtype, ``sigmoid(shared_expert_gate(x))`` (``moe_route``'s last column).
+
+    Returns:
+        Tensor[T, H] in x's dtype. Raises HebrusError on bad metadata.
+    """
+    check_moe_shared_expert(x, routed, gate_proj, up_proj, down_proj, gate)
+    F = torch.nn.functional
+    shared = F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+    return routed + gate * shared

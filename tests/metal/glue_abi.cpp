@@ -123,5 +123,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_post_combine", [](const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
     return to_py(hebrus::glue::hc_post_combine(hyper, out, inject, kCpu));
   });
+  m.def("moe_route", [](const at::Tensor& logits, const std::optional<at::Tensor>& shared, int64_t top_k, bool norm) {
+    return to_py(hebrus::glue::moe_route(logits, shared, top_k, norm, kCpu));
+  });
+  m.def("moe_shared_expert", [](const at::Tensor& x, const at::Tensor& routed, const at::Tensor& gp,
+                                const at::Tensor& up, const at::Tensor& dp, const at::Tensor& gate) {
+    return to_py(hebrus::glue::moe_shared_expert(x, routed, gp, up, dp, gate, kCpu));
+  });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

@@ -326,6 +326,17 @@ def hc_post_combine(hyper, out, inject, **emu):
     return run("hc_post_combine", hyper, out, inject, **emu)[0]
 
 
+def moe_route(router_logits, shared_gate_logits, top_k, norm_topk_prob, **emu):
+    """hebrus::moe_route: returns (ids [T, k] int64, weights [T, k + S])."""
+    ids, weights = run("moe_route", router_logits, shared_gate_logits, int(top_k), bool(norm_topk_prob), **emu)
+    return ids, weights
+
+
+def moe_shared_expert(x, routed, gate_proj, up_proj, down_proj, gate, **emu):
+    """hebrus::moe_shared_expert: returns out [T, H]."""
+    return run("moe_shared_expert", x, routed, gate_proj, up_proj, down_proj, gate, **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
