@@ -1,7 +1,7 @@
 """The PLE n-gram table read from disk vs held in memory (issue 35), on a checkpoint of the released shapes per
 layer, in one run: process memory (anonymous and file-backed RSS, peak while loading), time to first token of a
 long prompt with the shards' page cache dropped and warm, decode tokens/s at 1 and 8 requests; with the table on disk
-both with the step's rows prefetched on a worker thread (the engine's default) and gathered in the PLE layer.
+both with the step's rows prefetched on a worker thread (the default on CUDA and MPS) and gathered in the PLE layer.
 
     python benchmarks/bench_ple_disk.py --dir /tmp/hebrus-ple-bench [--table-gib 4] [--experts 16] [--prompt 4096]
 
