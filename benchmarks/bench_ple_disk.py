@@ -1,7 +1,7 @@
 """The PLE n-gram table read from disk vs held in memory (issue 35), on a checkpoint of the released shapes per
 layer, in one run: process memory (anonymous and file-backed RSS, peak while loading), time to first token of a
 long prompt with the shards' page cache dropped and warm, decode tokens/s at 1 and 8 requests; with the table on disk
-both with the step's rows prefetched on a worker thread (the engine's default) and gathered in the PLE layer.
+both with the step's rows prefetched on a worker thread (the default on CUDA and MPS) and gathered in the PLE layer.
 
     python benchmarks/bench_ple_disk.py --dir /tmp/hebrus-ple-bench [--table-gib 4] [--experts 16] [--prompt 4096]
 
@@ -131,8 +131,9 @@ def drop_page_cache(directory: Path, model) -> None:
 
 
 def ttft(model, prompt: list[int], max_batch_tokens: int, prefetch: bool = True) -> dict:
-    """Time to first token of ``prompt`` (seconds), the engine thread's seconds in the PLE layer ("ple" of the
-    runner's timings: ids, the gather in place or the wait for the prefetch, upload, the layer's math) and the
+    """Time to first token of ``prompt`` (seconds; ``cpu_s``: the process's CPU seconds meanwhile, every thread, the
+    prefetch worker's included: on a loaded machine the steadier measure of the work), the engine thread's seconds
+    in the PLE layer ("ple" of the runner's timings: ids, the gather in place or the wait for the prefetch, upload, the layer's math) and the
     prefetcher's stats (None with prefetch off or the table in memory)."""
     import collections
 
@@ -142,18 +143,19 @@ def ttft(model, prompt: list[int], max_batch_tokens: int, prefetch: bool = True)
                                         max_batch_tokens=max_batch_tokens, allow_block_sharing=False,
                                         ple_prefetch=prefetch))
     engine.runner.timings = collections.Counter()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     engine.add_request(prompt, request_id="p", max_new_tokens=1, eos_token_id=-1)
     engine.run()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     engine.close()
     prefetcher = engine.runner.forward.prefetcher
-    return {"s": seconds, "ple_s": engine.runner.timings["ple"],
+    return {"s": seconds, "cpu_s": cpu, "ple_s": engine.runner.timings["ple"],
             "prefetch": None if prefetcher is None else dict(prefetcher.stats)}
 
 
-def decode_rate(model, requests: int, new_tokens: int, seed: int, prefetch: bool = True) -> float:
-    """Generated tokens per second over the steps in which every request is past its prompt."""
+def decode_rate(model, requests: int, new_tokens: int, seed: int, prefetch: bool = True) -> tuple[float, float]:
+    """Generated tokens per second over the steps in which every request is past its prompt, and per second of
+    the process's CPU time over those steps."""
     from hebrus_torch.engine import Engine, EngineConfig
 
     rng = random.Random(seed)
@@ -165,12 +167,13 @@ def decode_rate(model, requests: int, new_tokens: int, seed: int, prefetch: bool
     while any(r.num_computed < len(r.prompt) for r in engine.requests.values()):
         engine.step()
     before = sum(len(r.generated) for r in engine.requests.values())
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         engine.step()
-    rate = (sum(len(r.generated) for r in engine.requests.values()) - before) / (time.perf_counter() - t0)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    tokens = sum(len(r.generated) for r in engine.requests.values()) - before
     engine.close()
-    return rate
+    return tokens / seconds, tokens / cpu
 
 
 def table_modules(model):
@@ -218,11 +221,15 @@ def comparison(directory: Path, model, prompt: list[int], chunk: int, new_tokens
             add(f"ttft_disk_warm_{tag}", ttft(model, prompt, chunk, prefetch))
         for label, prefetch in (("disk_prefetch", True), ("disk_inplace", False)):
             for n in (1, 8):
-                add(f"decode_{label}_x{n}", decode_rate(model, n, new_tokens, n, prefetch))
+                rate, cpu_rate = decode_rate(model, n, new_tokens, n, prefetch)
+                add(f"decode_{label}_x{n}", rate)
+                add(f"decode_{label}_x{n}_cpu", cpu_rate)
         use(memory_copy())
         add("ttft_memory", ttft(model, prompt, chunk))
         for n in (1, 8):
-            add(f"decode_memory_x{n}", decode_rate(model, n, new_tokens, n))
+            rate, cpu_rate = decode_rate(model, n, new_tokens, n)
+            add(f"decode_memory_x{n}", rate)
+            add(f"decode_memory_x{n}_cpu", cpu_rate)
     use(disk)
     in_memory.clear()
     gc.collect()
@@ -375,6 +382,7 @@ def main() -> None:
                   f"{r['cold_no_hint_us']:.0f} | {r['prefetch_warm_us']:.0f} | {r['prefetch_cold_us']:.0f} |")
         print(f"load average {os.getloadavg()}")
         return
+    print(f"load average at the start {os.getloadavg()}")
     results = []
     for mode in ("disk", "memory"):
         cmd = [sys.executable, __file__, "--dir", str(args.dir), "--mode", mode, "--prompt", str(args.prompt),
@@ -402,9 +410,9 @@ def main() -> None:
     mem = c["ttft_memory"]["s"]
     print(f"\nOne process, the same weights, the table on disk (prefetch on / off) and in memory alternating, "
           f"median of {c['rounds']}; TTFT of {args.prompt} tokens:")
-    print("| table | page cache | TTFT | / memory | engine thread in the PLE layer | prefetch: steps ready / "
-          "waited, wait |")
-    print("|---|---|---|---|---|---|")
+    print("| table | page cache | TTFT | / memory | process CPU s | / memory | engine thread in the PLE layer | "
+          "prefetch: steps ready / waited, wait |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, table, cache in (("ttft_disk_cold_prefetch", "disk, prefetch", "dropped"),
                               ("ttft_disk_cold_inplace", "disk, in place", "dropped"),
                               ("ttft_disk_warm_prefetch", "disk, prefetch", "warm"),
@@ -412,11 +420,15 @@ def main() -> None:
         r = c[key]
         pf = r["prefetch"]
         waited = "-" if pf is None else f"{pf['ready']} / {pf['waits']}, {pf['wait_seconds']:.2f} s"
-        print(f"| {table} | {cache} | {r['s']:.1f} s | {r['s'] / mem:.2f}x | {r['ple_s']:.2f} s | {waited} |")
-    print("\n| decode tok/s | x1 | x8 |\n|---|---|---|")
+        print(f"| {table} | {cache} | {r['s']:.1f} s | {r['s'] / mem:.2f}x | {r['cpu_s']:.1f} | "
+              f"{r['cpu_s'] / c['ttft_memory']['cpu_s']:.2f}x | {r['ple_s']:.2f} s | {waited} |")
+    print("\n| decode | tok/s x1 | tok/s x8 | tok per CPU s x1 | / memory | tok per CPU s x8 | / memory |\n"
+          "|---|---|---|---|---|---|---|")
     for label, name in (("disk_prefetch", "disk, prefetch"), ("disk_inplace", "disk, in place"),
                         ("memory", "memory")):
-        print(f"| {name} | {c[f'decode_{label}_x1']:.2f} | {c[f'decode_{label}_x8']:.2f} |")
+        cpu1, cpu8 = c[f"decode_{label}_x1_cpu"], c[f"decode_{label}_x8_cpu"]
+        print(f"| {name} | {c[f'decode_{label}_x1']:.2f} | {c[f'decode_{label}_x8']:.2f} | {cpu1:.2f} | "
+              f"{cpu1 / c['decode_memory_x1_cpu']:.3f} | {cpu8:.2f} | {cpu8 / c['decode_memory_x8_cpu']:.3f} |")
     print(f"load average at the end {os.getloadavg()}")
     print("RAW " + json.dumps(results))
 

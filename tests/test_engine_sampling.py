@@ -238,3 +238,29 @@ def test_choices_on_tiny_capacities_always_end_and_free_everything(seed):
             assert r.status is RequestStatus.CANCELLED or 1 <= len(r.generated) <= r.max_new_tokens
     engine.clear_prefix_cache()
     assert len(engine.cache.slots.live_handles()) == 0 and engine._free_cells() == engine.config.capacity_tokens
+
+
+def test_a_batch_of_mixed_requests_picks_what_each_picks_alone():
+    """The sampler works on all rows at once (greedy rows in one argmax, sampled rows grouped by their settings):
+    each request's token, log-probabilities and alternatives, and its generator's state after, are bitwise those
+    of the request sampled alone; the caller's logits are left as they were."""
+    logits = _logits(9, 6).to(torch.bfloat16)
+    settings = [SamplingParams(), SamplingParams(logprobs=True, top_logprobs=4),
+                SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=1),
+                SamplingParams(repetition_penalty=1.3, logit_bias=((3, 5.0),), presence_penalty=0.4),
+                SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=2, logprobs=True, top_logprobs=2),
+                SamplingParams(do_sample=True, top_k=5, seed=3, frequency_penalty=1.5),
+                SamplingParams(repetition_penalty=0.8, logprobs=True)]
+    params = [settings[i % len(settings)] for i in range(11)]
+    rows = [i % 6 for i in range(11)]
+    histories = [[(3 * i + j) % V for j in range(i + 2)] for i in range(11)]
+    generated = [h[-3:] for h in histories]
+    keep = logits.clone()
+    gens = [p.generator(torch.device("cpu")) for p in params]
+    together = sample_rows(logits, params, histories, gens, rows=rows, generated=generated)
+    assert torch.equal(logits, keep)
+    for i, p in enumerate(params):
+        gen = p.generator(torch.device("cpu"))
+        assert together[i] == sample_next(logits[rows[i]], p, histories[i], gen, generated[i]), i
+        if gen is not None:
+            assert torch.equal(gens[i].get_state(), gen.get_state()), i

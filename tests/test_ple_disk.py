@@ -189,13 +189,17 @@ def test_speculation_with_the_table_on_disk_gives_the_plain_tokens(checkpoint):
     assert {r: q.generated for r, q in engine.requests.items()} == plain
 
 
-def test_large_gathers_advise_the_kernel_of_every_page_their_rows_touch(tmp_path, monkeypatch):
-    """MADV_WILLNEED ranges (runs of adjacent pages merged) cover every byte of every row gathered, in rows of
-    less and more than a page; rows stay exact with the hint on."""
+@pytest.mark.parametrize("how", ["posix_fadvise", "madvise"])
+def test_large_gathers_advise_the_kernel_of_every_page_their_rows_touch(tmp_path, monkeypatch, how):
+    """WILLNEED ranges (runs of adjacent pages merged) cover every byte of every row gathered, in rows of less and
+    more than a page; rows stay exact with the hint on. Where the OS has ``posix_fadvise`` the hint goes through it
+    on the file (a call that releases the GIL), else through ``madvise`` on the map (macOS)."""
     import mmap as mmap_module
 
-    if not hasattr(mmap_module, "MADV_WILLNEED"):
+    if how == "madvise" and not hasattr(mmap_module, "MADV_WILLNEED"):
         pytest.skip("no MADV_WILLNEED here")
+    if how == "posix_fadvise" and not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
     page = mmap_module.PAGESIZE
     for dim in (40, 3 * page // 4 + 8):                          # fp32 rows of 160 bytes and of 3 pages + 32 bytes
         shards = [torch.randn(300, dim), torch.randn(200, dim)]
@@ -211,11 +215,22 @@ def test_large_gathers_advise_the_kernel_of_every_page_their_rows_touch(tmp_path
                 return len(self.real)
 
             def madvise(self, option, start, length):
-                assert option == mmap_module.MADV_WILLNEED and start % page == 0
+                assert how == "madvise" and option == mmap_module.MADV_WILLNEED and start % page == 0
                 advised.append((start, start + length))
+
+        def fadvise(fd, start, length, advice):
+            assert how == "posix_fadvise" and fd == store._shard_fds[0] and advice == os.POSIX_FADV_WILLNEED
+            assert start % page == 0
+            advised.append((start, start + length))
         store._shard_maps = [(Recording(m), off) for m, off in store._shard_maps]
+        if how == "posix_fadvise":
+            assert all(fd is not None for fd in store._shard_fds)
+            monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        else:
+            store._shard_fds = [None] * len(store._shard_fds)
         ids = torch.tensor([0, 1, 2, 57, 58, 299, 300, 301, 450, 499, 3])
         assert torch.equal(store.gather(ids), torch.cat(shards)[ids])
+        monkeypatch.undo()
         covered = set()
         for start, stop in advised:
             covered.update(range(start, stop))

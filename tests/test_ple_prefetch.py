@@ -178,12 +178,32 @@ def test_engine_invariance_with_prefetch_on_under_every_cut(checkpoint, row_inva
         PLEPrefetcher.submit = submit
 
 
+def test_auto_prefetches_on_a_device_and_not_on_the_cpu(checkpoint):
+    """``ple_prefetch="auto"`` (the default): off for a model on the CPU (the worker would compete with torch's
+    threads for the cores), on for CUDA and MPS; True and False are taken as they are; anything else is refused."""
+    from hebrus_torch.errors import HebrusError
+    from hebrus_torch.ple.prefetch import prefetch_enabled
+
+    disk = disk_model(checkpoint)
+    assert EngineConfig().ple_prefetch == "auto"
+    for setting, on in (("auto", False), (True, True), (False, False)):
+        engine = Engine(disk, EngineConfig(capacity_tokens=64, max_sequences=1, ple_prefetch=setting))
+        assert (engine.runner.forward.prefetcher is not None) is on, setting
+    assert [prefetch_enabled("auto", torch.device(d)) for d in ("cpu", "cuda", "mps", "meta")] == [False, True, True,
+                                                                                                  False]
+    assert prefetch_enabled(True, torch.device("cpu")) and not prefetch_enabled(False, torch.device("cuda"))
+    for bad in ("on", 1, None):
+        with pytest.raises(HebrusError, match="ple_prefetch must be a bool or 'auto'"):
+            EngineConfig(ple_prefetch=bad)
+
+
 def test_speculation_with_prefetch_gives_the_plain_tokens(checkpoint):
     disk = disk_model(checkpoint)
     base = prompts_for(14, lengths=(10, 16))
     prompts = [p + p[:6] + p for p in base]
     plain, _ = run_engine(disk, prompts, max_new_tokens=12, ple_prefetch=False)
-    engine = Engine(disk, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4))
+    engine = Engine(disk, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4,
+                                       ple_prefetch=True))
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=12, eos_token_id=EOS, speculative=5)
     engine.run()
@@ -212,7 +232,8 @@ def test_a_read_error_in_the_worker_fails_that_step_which_rolls_back_and_is_retr
     model = disk_model(checkpoint)
     prompts = prompts_for(7, lengths=(10, 4, 15))
     clean, _ = run_engine(model, prompts, max_batch_tokens=7)
-    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4,
+                                        ple_prefetch=True))
     _failing_reads(monkeypatch, table_of(model).store, lambda n: n == k)
     errors = []
     execute = engine.runner.execute
@@ -238,7 +259,7 @@ def test_a_read_error_in_the_worker_fails_that_step_which_rolls_back_and_is_retr
 
 def test_a_worker_that_keeps_failing_fails_its_requests_and_the_engine_goes_on(checkpoint, monkeypatch):
     model = disk_model(checkpoint)
-    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64))
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64, ple_prefetch=True))
     broken = {"on": True}
     _failing_reads(monkeypatch, table_of(model).store, lambda n: broken["on"])
     engine.add_request([5, 6, 7, 8], request_id="doomed", max_new_tokens=3, eos_token_id=-1)
@@ -263,7 +284,7 @@ def test_the_worker_stops_with_the_engine_and_with_the_manager(checkpoint):
 
     model = disk_model(checkpoint)
     assert prefetch_workers() == []
-    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64))
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64, ple_prefetch=True))
     engine.add_request([5, 6, 7], request_id="a", max_new_tokens=2, eos_token_id=-1)
     engine.run()
     assert len(prefetch_workers()) == 1
@@ -276,7 +297,8 @@ def test_the_worker_stops_with_the_engine_and_with_the_manager(checkpoint):
     assert wait_until(lambda: prefetch_workers() == [])
 
     gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
-    manager = HebrusBatchingManager(model, gc, engine_config=EngineConfig(capacity_tokens=256, max_sequences=4))
+    config = EngineConfig(capacity_tokens=256, max_sequences=4, ple_prefetch=True)
+    manager = HebrusBatchingManager(model, gc, engine_config=config)
     manager.start()
     try:
         rid = manager.add_request([5, 6, 7, 8])
@@ -323,3 +345,73 @@ def test_on_emulated_mps_a_step_uploads_its_rows_once(checkpoint):
         assert sites == {("PLE", "ple/prefetch.py"), ("engine (schedule, sample)", "engine/sampling.py")}
     assert counted[True][1].uploads["PLE"] == 1
     assert tokens[True] == tokens[False]
+
+
+# ------------------------------------------------------------------------------------------ on a CUDA device
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_prefetched_rows_are_bitwise_the_in_place_gather(tmp_path, dtype):
+    """The device path: ids on CUDA copied to pinned host memory behind a CUDA event (the worker waits on the
+    event), the step's rows uploaded once from a pinned buffer without waiting: bitwise DiskNgramEmbedding's
+    rows for the same ids, on the ids' device."""
+    gen = torch.Generator().manual_seed(8)
+    store = store_of(tmp_path, [(torch.randn(r, 10, generator=gen) * 4).to(dtype) for r in (30, 41)], [[0], [1]])
+    cuda = torch.device("cuda")
+    prefetcher = PLEPrefetcher()
+    try:
+        for step in range(3):
+            ids = {1: torch.randint(0, 71, (7, 6), generator=gen).to(cuda),
+                   3: torch.randint(0, 71, (2, 6), generator=gen).to(cuda)}
+            rows = prefetcher.submit([PrefetchLayer(i, ids[i], store) for i in ids], cuda)
+            for i in ids:
+                for out_dtype in (dtype, torch.float32):
+                    want = DiskNgramEmbedding(store, out_dtype)(ids[i])
+                    got = rows.rows(i, out_dtype)
+                    assert got.device.type == "cuda" and want.device.type == "cuda" and got.dtype == out_dtype
+                    assert torch.equal(_bits(got), _bits(want)), (step, i, out_dtype)
+            assert prefetcher._uploaded is not None and prefetcher._uploaded.is_pinned()
+            rows.discard()
+        assert prefetcher.stats["steps"] == 3 and prefetcher.stats["errors"] == 0
+    finally:
+        prefetcher.close()
+
+
+@needs_cuda
+def test_on_cuda_the_engine_prefetches_by_default_and_gives_the_in_place_tokens_and_rows(checkpoint):
+    """With the model on CUDA, ``ple_prefetch="auto"`` (the default) prefetches; every PLE layer's rows are bitwise
+    those the in-place gather gives for the step's ids, and the greedy tokens (and every holder's digest after
+    each prompt) are those of prefetch off."""
+    from hebrus_torch.ple.prefetch import PrefetchedRows
+
+    model = eager_experts(hebrus_torch.from_pretrained(checkpoint, ple_table="disk", device="cuda"))
+    table = table_of(model)
+    prompts = prompts_for(19, lengths=(13, 5, 22))
+    checked = {"rows": 0}
+    submit, rows_of = PLEPrefetcher.submit, PrefetchedRows.rows
+
+    def recording_submit(self, layers, device):
+        out = submit(self, layers, device)
+        out._ids = {layer.layer_idx: layer.ids.clone() for layer in layers}
+        return out
+
+    def checking_rows(self, layer_idx, dtype):
+        got = rows_of(self, layer_idx, dtype)
+        want = table(self._ids[layer_idx])
+        assert got.device.type == "cuda" and torch.equal(_bits(got), _bits(want))
+        checked["rows"] += 1
+        return got
+
+    PLEPrefetcher.submit, PrefetchedRows.rows = recording_submit, checking_rows
+    try:
+        on, states_on = run_engine(model, prompts, max_new_tokens=5)
+        engine = Engine(model, EngineConfig(capacity_tokens=64, max_sequences=1))
+        assert engine.runner.forward.prefetcher is not None          # "auto" on CUDA: on
+        engine.close()
+    finally:
+        PLEPrefetcher.submit, PrefetchedRows.rows = submit, rows_of
+    off, states_off = run_engine(model, prompts, max_new_tokens=5, ple_prefetch=False)
+    assert checked["rows"] > len(prompts)
+    assert on == off and states_on == states_off

@@ -60,7 +60,8 @@ def clear_replies(checkpoint, count: int, seed: int):
 
 def test_the_released_layout_is_served_with_the_table_on_disk(checkpoint, tmp_path):
     chats = clear_replies(checkpoint, 3, seed=1)
-    with Server(checkpoint, "--ple-table", "disk", "--ple-cache-bytes", "65536", "--cb-block-size", "16",
+    with Server(checkpoint, "--ple-table", "disk", "--ple-cache-bytes", "65536", "--ple-prefetch", "on",
+                "--cb-block-size", "16",
                 "--hebrus-capacity-tokens", "1024", log=tmp_path / "server.log") as srv:
         for messages, text in chats:
             reply = srv.chat(messages, max_tokens=MAX_TOKENS)

@@ -45,10 +45,11 @@ class EngineConfig:
             ``prompt_lookup_num_tokens`` (off when it is unset). With ``method="mtp"`` the engine is built to draft
             with the model's own MTP block (``engine/mtp.py``: its cache holds the block's layer; a model without
             the block is refused here).
-        ple_prefetch: with the PLE n-gram table on disk (``from_pretrained(ple_table="disk")``), each step's
-            rows are gathered on a worker thread from the moment the step's tokens are known, while the
-            layers before the PLE layer run (docs/ple.md, "Prefetch"); False: in the PLE layer's own call.
-            No effect with the table in memory.
+        ple_prefetch: with the PLE n-gram table on disk (``from_pretrained(ple_table="disk")``), True: each
+            step's rows are gathered on a worker thread from the moment the step's tokens are known, while the
+            layers before the PLE layer run (docs/ple.md, "Prefetch"); False: in the PLE layer's own call;
+            ``"auto"`` (default): True where the model is on a device (CUDA, MPS), False on the CPU (there the
+            worker competes with torch's own threads for the cores). No effect with the table in memory.
     """
 
     capacity_tokens: int = 16384
@@ -63,7 +64,7 @@ class EngineConfig:
     prompt_cache_dir: str | os.PathLike | None = None
     prompt_cache_max_bytes: int = 4 << 30
     speculative: SpeculativeConfig | None = None
-    ple_prefetch: bool = True
+    ple_prefetch: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -74,9 +75,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
-        for name in ("chunked_prefill", "ple_prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise HebrusError(f"EngineConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise HebrusError(f"EngineConfig: chunked_prefill must be a bool, got {self.chunked_prefill!r}")
+        if not isinstance(self.ple_prefetch, bool) and self.ple_prefetch != "auto":
+            raise HebrusError(f"EngineConfig: ple_prefetch must be a bool or 'auto', got {self.ple_prefetch!r}")
         if self.prompt_cache_dir is not None and not isinstance(self.prompt_cache_dir, (str, os.PathLike)):
             raise HebrusError(f"EngineConfig: prompt_cache_dir must be None or a path, got {self.prompt_cache_dir!r}")
         value = self.prompt_cache_max_bytes

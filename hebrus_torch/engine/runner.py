@@ -38,10 +38,11 @@ class ModelRunner:
         cache: the ``ModelCache`` holding every sequence's state (built with ``with_kv=True`` when the
             model has indexed-attention layers, and with a GDN holder when it has linear-attention ones).
         ple_prefetch: with a PLE table on disk, gather each step's rows on a worker thread as the step starts
-            (``PackedQwen4Exp``'s ``ple_prefetch``; docs/ple.md).
+            (True, False, or ``"auto"``: on CUDA / MPS, not on the CPU; ``PackedQwen4Exp``'s ``ple_prefetch``;
+            docs/ple.md).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool = True):
+    def __init__(self, model: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto"):
         self.model = model
         self.text = find_text_model(model)
         self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head

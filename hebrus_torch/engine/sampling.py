@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import HebrusError
@@ -141,29 +142,60 @@ def _penalised(logits: torch.Tensor, params: SamplingParams, history: Sequence[i
                generated: Sequence[int]) -> torch.Tensor:
     """logits: Tensor[V] float32 -> a new Tensor[V] float32 after logit_bias, presence/frequency and
     repetition penalties (what greedy requests take the argmax of)."""
-    scores = logits.clone()
+    return _penalise_rows(logits.float().clone()[None], [params], [history], [generated])[0]
+
+
+def _penalise_rows(scores: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                   generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """scores: Tensor[n, V] float32, row i request i's logits, changed in place (and returned): logit_bias,
+    presence/frequency penalties, repetition penalty, in that order, each for all rows at once (the repetition
+    penalty once per distinct value: it divides by it as a scalar, as one row alone would). Each element gets
+    the operations, in the order and dtype, that one row alone gives it."""
     device = scores.device
-    if params.logit_bias:
-        ids, values = zip(*params.logit_bias)
-        scores[torch.tensor(ids, dtype=torch.int64, device=device)] += torch.tensor(values, dtype=scores.dtype,
-                                                                                    device=device)
-    if (params.presence_penalty or params.frequency_penalty) and generated:
-        counts = collections.Counter(generated)
-        ids = torch.tensor(list(counts), dtype=torch.int64, device=device)
-        n = torch.tensor(list(counts.values()), dtype=scores.dtype, device=device)
-        scores[ids] -= params.presence_penalty + params.frequency_penalty * n
-    if params.repetition_penalty != 1.0 and history:
-        idx = torch.tensor(sorted(set(history)), dtype=torch.int64, device=device)
-        seen = scores[idx]
-        scores[idx] = torch.where(seen < 0, seen * params.repetition_penalty, seen / params.repetition_penalty)
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if rows:
+        at = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+        at = (at[0], at[1])
+        scores[at] += torch.tensor(values, dtype=scores.dtype).to(device)
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if (p.presence_penalty or p.frequency_penalty) and generated[i]:
+            counts = collections.Counter(generated[i])
+            rows += [i] * len(counts)
+            cols += list(counts)
+            # presence + frequency * count in float32, as the tensor ops on one row computed it
+            n = np.asarray(list(counts.values()), dtype=np.float32)
+            values.append(np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * n)
+    if rows:
+        at = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+        at = (at[0], at[1])
+        scores[at] -= torch.from_numpy(np.concatenate(values)).to(device=device, dtype=scores.dtype)
+    by_penalty: dict[float, tuple[list[int], list[int]]] = {}
+    for i, p in enumerate(params):
+        if p.repetition_penalty != 1.0 and histories[i]:
+            seen_tokens = sorted(set(histories[i]))
+            rows, cols = by_penalty.setdefault(p.repetition_penalty, ([], []))
+            rows += [i] * len(seen_tokens)
+            cols += seen_tokens
+    for penalty, (rows, cols) in by_penalty.items():
+        at = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+        at = (at[0], at[1])
+        seen = scores[at]
+        scores[at] = torch.where(seen < 0, seen * penalty, seen / penalty)
     return scores
 
 
 def _truncated(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Tempered scores: Tensor[V] -> Tensor[V] with what top-k and top-p remove at -inf."""
+    """Tempered scores: Tensor[..., V] (rows that share ``params``' top-k and top-p) -> Tensor[..., V] with what
+    top-k and top-p remove at -inf, row by row."""
     if params.top_k > 0:
-        k = min(params.top_k, scores.numel())
-        kth = torch.topk(scores, k).values[-1]
+        k = min(params.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
     if params.top_p < 1.0:
         # transformers' TopPLogitsWarper: drop the low tail whose cumulative probability is <= 1 - top_p,
@@ -171,8 +203,8 @@ def _truncated(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, descending=False)
         cum = sorted_scores.softmax(-1).cumsum(-1)
         remove = cum <= (1 - params.top_p)
-        remove[-1] = False
-        scores = scores.masked_fill(remove.scatter(0, order, remove), -math.inf)
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
     return scores
 
 
@@ -233,43 +265,136 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
     Returns:
         (the picks, ``also``'s values as floats; [] without it).
     """
-    if rows is None:
-        rows = range(len(params))
+    n = len(params)
     width = max((p.top_logprobs for p in params), default=0)
-    picks: list[torch.Tensor] = []   # per request: [token, logprob, top ids..., top logprobs...] fp64 on the device
-    for i, p in enumerate(params):
-        scores = _penalised(logits[rows[i]].float(), p, histories[i], generated[i] if generated is not None else ())
-        if p.do_sample:
-            if p.temperature != 1.0:
-                scores = scores / p.temperature
-            token = torch.multinomial(_truncated(scores, p).softmax(-1), 1, generator=generators[i])[0]
-        else:
-            token = torch.argmax(scores)
-        parts = [token.double()[None]]
-        if p.logprobs:
-            lp = scores.log_softmax(-1)
-            parts.append(lp.gather(0, token.view(1)).double())     # (lp[token] reads the index on the host)
-            if width:
-                top = torch.topk(lp, min(p.top_logprobs, lp.numel()))
-                pad = width - top.values.numel()
-                parts += [top.indices.double(), scores.new_zeros(pad, dtype=torch.float64),
-                          top.values.double(), scores.new_zeros(pad, dtype=torch.float64)]
-        picks.append(torch.cat(parts) if len(parts) > 1 else parts[0])   # ids < 2**53, fp32 exact in fp64
-    size = 2 + 2 * width
-    picks = [torch.nn.functional.pad(x, (0, size - x.numel())) if x.numel() < size else x for x in picks]
-    parts = ([torch.stack(picks).flatten()] if picks else []) + ([also] if also is not None else [])
+    size = 2 + 2 * width if any(p.logprobs for p in params) else 1   # per request: token[, logprob, tops...]
+    table = _picks_table(logits, params, histories, generators, list(range(n) if rows is None else rows),
+                         generated if generated is not None else [()] * n, size, width) if n else None
+    parts = [t for t in (table, also) if t is not None]
     if not parts:
         return [], []
     flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()   # the step's one read of the device
-    values = [flat[i * size:(i + 1) * size] for i in range(len(picks))]
-    extra = flat[len(picks) * size:]
-    out = []
+    values = [flat[i * size:(i + 1) * size] for i in range(n)]
+    extra = flat[n * size:]
+    picks = []
     for row, p in zip(values, params):
         if not p.logprobs:
-            out.append(Pick(int(row[0])))
+            picks.append(Pick(int(row[0])))
             continue
         k = p.top_logprobs
         top = tuple((int(t), v) for t, v in zip(row[2:2 + k], row[2 + width:2 + width + k])
                     if v != -math.inf)          # (a grammar's mask leaves fewer than k possible tokens)
-        out.append(Pick(int(row[0]), row[1], top))
-    return out, extra
+        picks.append(Pick(int(row[0]), row[1], top))
+    return picks, extra
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device)
+
+
+def _penalises(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+# On the CPU the plain greedy rows are cast and reduced in blocks of about this many bytes of float32 (temporaries
+# the allocator reuses, in cache) and the other rows one at a time (each row's float32 copies as small as one row
+# alone makes them: per-op overhead is microseconds there); on a device every row of a group goes at once.
+_CPU_BLOCK_BYTES = 2 << 20
+
+
+def _rows_of(table: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, bool]:
+    """(table[rows], whether it is a view of ``table``): a view where ``rows`` are consecutive, else a gather (one
+    upload of the indices)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return table[rows[0]:rows[0] + len(rows)], True
+    return table.index_select(0, _upload(rows, table.device)), False
+
+
+def _picks_table(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]],
+                 generators: Sequence[torch.Generator | None], rows: list[int], generated: Sequence[Sequence[int]],
+                 size: int, width: int) -> torch.Tensor:
+    """Every request's pick on the device, flat float64 [n * size]: per request its token, then (``size`` > 1)
+    its log-probability, ``width`` top ids and ``width`` top log-probabilities (zeros past its own
+    ``top_logprobs``). Batched: plain greedy rows (no penalty, no log-probabilities) take one argmax together; the
+    others go in groups of
+    equal (temperature, top-k, top-p) when sampling, one group when greedy, each row drawing from its own
+    generator. On a device the dispatches do not depend on the number of requests (the draws aside); each row's
+    values are those it alone would get."""
+    n = len(params)
+    device = logits.device
+    picked = logits if rows == list(range(logits.shape[0])) else logits.index_select(0, _upload(rows, device))
+    on_cpu = device.type == "cpu"
+    block = max(1, _CPU_BLOCK_BYTES // (4 * picked.shape[-1])) if on_cpu else n
+    out = torch.zeros(n, size, dtype=torch.float64, device=device) if size > 1 else None
+    plain: list[int] = []                              # greedy rows without penalties or log-probabilities
+    groups: dict[tuple | None, list[int]] = {}         # the others: (temperature, top-k, top-p) if sampled, else None
+    for i, p in enumerate(params):
+        if p.do_sample or p.logprobs or _penalises(p):
+            groups.setdefault((p.temperature, p.top_k, p.top_p) if p.do_sample else None, []).append(i)
+        else:
+            plain.append(i)
+    chosen_at: list[int] = []                          # rows, in the order of the tokens in ``chosen``
+    chosen: list[torch.Tensor] = []
+    if plain:
+        chosen += [torch.argmax(_rows_of(picked, plain[b:b + block])[0].float(), -1)
+                   for b in range(0, len(plain), block)]
+        chosen_at += plain
+    for key, members in groups.items():
+        step = 1 if on_cpu else len(members)
+        for b in range(0, len(members), step):
+            part = members[b:b + step]
+            view, is_view = _rows_of(picked, part)
+            scores = view.float()
+            if any(_penalises(params[i]) for i in part):
+                shared = scores is view and is_view and picked is logits        # (the caller's logits: not in place)
+                scores = _penalise_rows(scores.clone() if shared else scores, [params[i] for i in part],
+                                        [histories[i] for i in part], [generated[i] for i in part])
+            if key is None:
+                tokens_of_part = torch.argmax(scores, -1)
+            else:
+                if key[0] != 1.0:
+                    scores = scores / key[0]
+                probs = _truncated(scores, params[part[0]]).softmax(-1)
+                draws = [torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(part)]
+                tokens_of_part = torch.cat(draws) if len(draws) > 1 else draws[0]   # (each its own generator)
+            chosen_at += part
+            chosen.append(tokens_of_part)
+            if out is not None and any(params[i].logprobs for i in part):
+                _logprob_columns(out, scores, part, params, tokens_of_part, width)
+    tokens = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
+    if chosen_at != list(range(n)):                    # into request order
+        tokens = torch.empty_like(tokens).index_copy_(0, _upload(chosen_at, device), tokens)
+    if out is None:
+        return tokens.double()                         # ids < 2**53: exact in fp64
+    out[:, 0] = tokens.double()
+    return out.flatten()
+
+
+def _logprob_columns(out: torch.Tensor, scores: torch.Tensor, part: list[int], params: Sequence[SamplingParams],
+                     tokens: torch.Tensor, width: int) -> None:
+    """Into ``out`` [n, 2 + 2 width], for the rows of ``part`` that ask for log-probabilities: column 1 the chosen
+    token's (``tokens`` [p]: the part's tokens), then the top ids and their log-probabilities (one topk per
+    distinct ``top_logprobs``). ``scores`` [p, V]: the part's scores after penalties and temperature, before
+    top-k / top-p."""
+    device = out.device
+    asking = [j for j, i in enumerate(part) if params[i].logprobs]
+    if len(asking) < len(part):
+        local = _upload(asking, device)
+        scores, tokens = scores.index_select(0, local), tokens.index_select(0, local)      # [a, V], [a]
+    lp = scores.log_softmax(-1)
+    where = [part[j] for j in asking]
+    at = _upload(where, device)
+    out[at, 1] = lp.gather(1, tokens[:, None])[:, 0].double()
+    by_k: dict[int, list[int]] = {}
+    for a, i in enumerate(where):
+        if params[i].top_logprobs:
+            by_k.setdefault(params[i].top_logprobs, []).append(a)
+    for k, which in by_k.items():
+        sub, rows_out = lp, at
+        if len(which) < len(where):
+            pick = _upload(which, device)
+            sub, rows_out = lp.index_select(0, pick), at.index_select(0, pick)
+        top = torch.topk(sub, min(k, sub.shape[-1]))
+        k = top.values.shape[-1]
+        out[rows_out, 2:2 + k] = top.indices.double()
+        out[rows_out, 2 + width:2 + width + k] = top.values.double()

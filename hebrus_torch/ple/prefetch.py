@@ -26,10 +26,15 @@ import torch
 from ..errors import HebrusError
 from .row_store import PLERowStore
 
-__all__ = ["PLEPrefetchError", "PrefetchLayer", "PLEPrefetcher", "PrefetchedRows", "WORKER_NAME"]
+__all__ = ["PLEPrefetchError", "PrefetchLayer", "PLEPrefetcher", "PrefetchedRows", "WORKER_NAME", "AUTO_DEVICES",
+           "prefetch_enabled"]
 
 WORKER_NAME = "hebrus-ple-prefetch"
 """The prefix of the worker thread's name."""
+
+AUTO_DEVICES = ("cuda", "mps")
+"""Where ``ple_prefetch="auto"`` turns the prefetch on: the model's device types whose work runs beside the host's.
+On the CPU the worker's reads would compete with torch's own threads for the cores (docs/ple.md, "Prefetch")."""
 
 _ALIGN = 16     # each layer's rows start at a multiple of this many bytes of the buffer (any dtype can view them)
 
@@ -37,6 +42,16 @@ _ALIGN = 16     # each layer's rows start at a multiple of this many bytes of th
 class PLEPrefetchError(HebrusError):
     """The worker could not gather a step's PLE rows (a read error, an id outside the table): raised on the engine
     thread by the PLE layer of that step; the step publishes nothing and the next one starts afresh."""
+
+
+def prefetch_enabled(setting: bool | str, device: torch.device) -> bool:
+    """Whether a model on ``device`` prefetches: ``setting`` True / False as given, ``"auto"``: on a device of
+    :data:`AUTO_DEVICES` (CUDA, MPS), off on the CPU."""
+    if setting == "auto" and not isinstance(setting, bool):
+        return device.type in AUTO_DEVICES
+    if not isinstance(setting, bool):
+        raise HebrusError(f"ple_prefetch must be a bool or 'auto', got {setting!r}")
+    return setting
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ transformers drop-in call it unchanged.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,17 +55,24 @@ class PLERowStore:
         self._maps: list[mmap.mmap] = []
         self._views: list[np.ndarray] = []
         self._shard_maps: list[tuple[mmap.mmap, int]] = []      # per shard: its file's map, its data offset
+        self._shard_fds: list[int | None] = []     # per shard: a descriptor of its file (posix_fadvise), if any
+        fds: list[int] = []
         starts = [0]
-        by_file: dict[str, mmap.mmap] = {}
+        by_file: dict[str, tuple[mmap.mmap, int | None]] = {}
         for shard in shards:
-            mapped = by_file.get(shard.file)
+            mapped, fd = by_file.get(shard.file, (None, None))
             if mapped is None:
                 with open(shard.file, "rb") as f:
-                    mapped = by_file[shard.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 if hasattr(mmap, "MADV_RANDOM"):
                     mapped.madvise(mmap.MADV_RANDOM)   # rows are scattered: no readahead of their neighbours
+                if hasattr(os, "posix_fadvise"):
+                    fd = os.open(shard.file, os.O_RDONLY)
+                    fds.append(fd)
+                by_file[shard.file] = (mapped, fd)
                 self._maps.append(mapped)
             self._shard_maps.append((mapped, shard.offset))
+            self._shard_fds.append(fd)
             self._views.append(np.frombuffer(mapped, dtype=np.uint8, count=shard.rows * self.row_bytes,
                                              offset=shard.offset).reshape(shard.rows, self.row_bytes))
             starts.append(starts[-1] + shard.rows)
@@ -71,6 +80,7 @@ class PLERowStore:
         self.num_rows = int(self._starts[-1])
         self._touched = 0
         self._lock = threading.RLock()          # (release() from the budget check runs under it)
+        weakref.finalize(self, _close_all, fds)
         self.stats = {"calls": 0, "rows": 0, "unique_rows": 0, "releases": 0}
 
     @property
@@ -110,20 +120,29 @@ class PLERowStore:
         return rows
 
     def _will_need(self, unique: np.ndarray, shard_of: np.ndarray) -> None:
-        """MADV_WILLNEED on the pages of these rows (runs of adjacent pages merged): a hint, never an error."""
-        if not hasattr(mmap, "MADV_WILLNEED"):
+        """Ask the kernel to read the pages of these rows (runs of adjacent pages merged): a hint, never an error.
+        ``posix_fadvise(POSIX_FADV_WILLNEED)`` on the file where there is one (Linux: what ``MADV_WILLNEED`` on a
+        file mapping does, through a call that releases the GIL, so the engine thread runs on while a cold hint
+        waits for the filesystem), else ``madvise(MADV_WILLNEED)`` on the map (macOS)."""
+        if not hasattr(mmap, "MADV_WILLNEED") and not hasattr(os, "posix_fadvise"):
             return
         page = mmap.PAGESIZE
         for s in np.unique(shard_of):
             mapped, offset = self._shard_maps[s]
+            fd = self._shard_fds[s]
             begin = offset + (unique[shard_of == s] - self._starts[s]) * self.row_bytes
             first = begin // page                                   # rows sorted: so are their pages
             last = (begin + self.row_bytes - 1) // page
             starts = np.flatnonzero(np.concatenate([[True], first[1:] > last[:-1] + 1]))
             ends = np.concatenate([starts[1:] - 1, [first.size - 1]])
-            for lo, hi in zip(first[starts], last[ends]):
-                start = int(lo) * page
-                mapped.madvise(mmap.MADV_WILLNEED, start, min(len(mapped), (int(hi) + 1) * page) - start)
+            lo = first[starts] * page
+            length = np.minimum(len(mapped), (last[ends] + 1) * page) - lo
+            if fd is not None:
+                for start, n in zip(lo.tolist(), length.tolist()):
+                    os.posix_fadvise(fd, start, n, os.POSIX_FADV_WILLNEED)
+            elif hasattr(mmap, "MADV_WILLNEED"):
+                for start, n in zip(lo.tolist(), length.tolist()):
+                    mapped.madvise(mmap.MADV_WILLNEED, start, n)
 
     def _account(self, unique_rows: int) -> None:
         if self.cache_bytes is None or not hasattr(mmap, "MADV_DONTNEED"):
@@ -140,6 +159,14 @@ class PLERowStore:
                     mapped.madvise(mmap.MADV_DONTNEED)
             self._touched = 0
             self.stats["releases"] += 1
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class DiskNgramEmbedding(torch.nn.Module):

@@ -40,6 +40,9 @@ def _hebrus_parser() -> argparse.ArgumentParser:
                         "quarter of physical memory)")
     p.add_argument("--ple-cache-bytes", type=int, default=None,
                    help="with the table on disk, release its mapped pages past N bytes (default: 1/8 of memory)")
+    p.add_argument("--ple-prefetch", choices=("auto", "on", "off"), default="auto",
+                   help="with the table on disk, gather each step's rows on a worker thread: on, off, or auto (on "
+                        "for a model on CUDA or MPS, off on the CPU)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /hebrus/* and /metrics "
                         f"(default: ${API_KEY_ENV})")
@@ -74,6 +77,9 @@ hebrus options:
                                   memory; the log says which ran (docs/ple.md)
   --ple-cache-bytes N             with the table on disk, release the pages it maps past about N bytes (they stay
                                   in the OS page cache); default: an eighth of physical memory
+  --ple-prefetch {auto,on,off}    with the table on disk, gather each step's rows on a worker thread while the
+                                  layers before the PLE layer run: `auto` (default) is on for a model on CUDA or
+                                  MPS and off on the CPU, where the worker competes with torch's threads
   --api-key KEY                   require `Authorization: Bearer KEY` on /v1/*, /hebrus/* and /metrics
                                   (/health stays open); default: the HEBRUS_API_KEY environment variable
 
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     from .app import patch_transformers_serve
     from .loading import PLEOptions, set_ple_options
 
-    set_ple_options(PLEOptions(table=ns.ple_table, cache_bytes=ns.ple_cache_bytes))
+    set_ple_options(PLEOptions(table=ns.ple_table, cache_bytes=ns.ple_cache_bytes, prefetch=ns.ple_prefetch))
 
     patch_transformers_serve(HebrusServeSettings(capacity_tokens=ns.hebrus_capacity_tokens,
                                                  max_sequences=ns.hebrus_max_sequences,

@@ -25,16 +25,23 @@ logger = logging.getLogger("hebrus_torch.serve")
 
 @dataclass(frozen=True)
 class PLEOptions:
-    """``--ple-table`` (auto, disk, memory) and ``--ple-cache-bytes`` (None: an eighth of physical memory)."""
+    """``--ple-table`` (auto, disk, memory), ``--ple-cache-bytes`` (None: an eighth of physical memory) and
+    ``--ple-prefetch`` (auto, on, off: ``EngineConfig.ple_prefetch`` "auto", True, False)."""
     table: str = "auto"
     cache_bytes: int | None = None
+    prefetch: str = "auto"
+
+    @property
+    def engine_prefetch(self) -> bool | str:
+        """``EngineConfig.ple_prefetch`` for ``prefetch``."""
+        return {"on": True, "off": False}.get(self.prefetch, "auto")
 
 
 _ple_options = PLEOptions()
 
 
 def set_ple_options(options: PLEOptions) -> None:
-    """What ``python -m hebrus_torch.serve`` read from ``--ple-table`` / ``--ple-cache-bytes``."""
+    """What ``python -m hebrus_torch.serve`` read from ``--ple-table`` / ``--ple-cache-bytes`` / ``--ple-prefetch``."""
     global _ple_options
     _ple_options = options
 
@@ -70,6 +77,7 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
                      if v is not None}
         if not settings.block_sharing:
             overrides["allow_block_sharing"] = False
+        overrides["ple_prefetch"] = ple_options().engine_prefetch
         draft = None
         if settings.speculative_method == "mtp":
             from hebrus_torch.engine.speculative import SpeculativeConfig

@@ -21,7 +21,7 @@ import torch
 from ...errors import HebrusError
 from ...hc import hyper_premix, post_combine
 from ...moe.block import packed_moe
-from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer
+from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefetch_enabled
 from ...ple.row_store import DiskNgramEmbedding
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
@@ -77,10 +77,11 @@ class PackedQwen4Exp:
             when the model has indexed-attention layers, with a GDN holder when it has linear-attention ones.
         ple_prefetch: for PLE layers whose n-gram table is on disk (``DiskNgramEmbedding``), compute the step's
             n-gram ids as the step starts and gather their rows on a worker thread (:attr:`prefetcher`) while
-            the layers before run; False: each PLE layer gathers its rows in its own call.
+            the layers before run; False: each PLE layer gathers its rows in its own call; ``"auto"``: True where
+            the model is on CUDA or MPS, False on the CPU (``ple.prefetch.prefetch_enabled``).
     """
 
-    def __init__(self, text: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool = True) -> None:
+    def __init__(self, text: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto") -> None:
         self.text = text
         self.config = text.config
         types = list(self.config.layer_types)
@@ -100,7 +101,8 @@ class PackedQwen4Exp:
                                       f"ModelCache's GDN holder: {why}")
         self.hc_count = int(self.config.hc_count)
         self._disk_tables = self._disk_ple_layers()
-        self.prefetcher = PLEPrefetcher() if ple_prefetch and self._disk_tables else None
+        on = prefetch_enabled(ple_prefetch, text.embed_tokens.weight.device)
+        self.prefetcher = PLEPrefetcher() if on and self._disk_tables else None
         """The step's PLE rows gathered off the engine thread (None: no table on disk, or prefetch off)."""
         self.rope_rows = RopeRows(text.rotary_emb)
         self.rope = _rope_function() if "indexed_attention" in types else None
