@@ -697,9 +697,25 @@ def test_bad_speculative_flags_are_refused():
 
     for argv, match in ((["m", "--speculative-tokens", "40"], "speculative-tokens"),
                         (["m", "--draft-model", "/nonexistent/dir"], "draft-model"),
-                        (["m", "--speculative-method", "mtp", "--draft-model", "."], "leave --draft-model out")):
+                        (["m", "--speculative-method", "mtp", "--draft-model", "."], "leave --draft-model out"),
+                        (["m", "--speculative-disable-by-batch-size", "-1"], "disable-by-batch-size")):
         with pytest.raises(SystemExit, match=match):
             serve.main(argv)
+
+
+def test_speculative_flags_make_the_engine_s_speculative_config():
+    from hebrus_torch.engine.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+    from hebrus_torch.serving.loading import speculative_config
+    from hebrus_torch.serving.settings import HebrusServeSettings
+
+    assert speculative_config(HebrusServeSettings()) is None
+    plain = speculative_config(HebrusServeSettings(speculative_tokens=4))
+    assert (plain.num_draft_tokens, plain.method, plain.disable_by_batch_size) == (4, "ngram",
+                                                                                  DEFAULT_DISABLE_BY_BATCH_SIZE)
+    mtp = speculative_config(HebrusServeSettings(speculative_method="mtp", speculative_disable_by_batch_size=1))
+    assert (mtp.num_draft_tokens, mtp.method, mtp.disable_by_batch_size) == (3, "mtp", 1)
+    unlimited = speculative_config(HebrusServeSettings(speculative_tokens=2, speculative_disable_by_batch_size=0))
+    assert unlimited.disable_by_batch_size is None
 
 
 def test_mtp_speculative_serving_gives_the_plain_replies(checkpoint, tmp_path):

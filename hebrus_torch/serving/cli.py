@@ -33,6 +33,9 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-method", choices=("ngram", "mtp"), default=None,
                    help="who drafts: ngram (prompt lookup, or --draft-model; the default) or mtp (the checkpoint's "
                         "own MTP block; 3 tokens unless --speculative-tokens says otherwise)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="no request drafts in a step where more than N requests decode (default: the engine's, "
+                        "8; 0: no limit)")
     p.add_argument("--draft-model", default=None,
                    help="a small Qwen4Exp checkpoint with the same tokenizer that drafts for speculation")
     p.add_argument("--ple-table", choices=("auto", "disk", "memory"), default="auto",
@@ -70,6 +73,10 @@ hebrus options:
                                   who drafts: ngram (prompt lookup, or --draft-model; default) or mtp: the
                                   checkpoint's own MTP block (mtp.*; refused at start without one), 3 tokens
                                   per step unless --speculative-tokens says otherwise
+  --speculative-disable-by-batch-size N
+                                  no request drafts in a step where more than N requests are decoding (default
+                                  8, SpeculativeConfig.disable_by_batch_size; 0: no limit; on a CPU-only server
+                                  1 is faster: docs/engine.md)
   --draft-model DIR               a small Qwen4Exp checkpoint (same tokenizer) that drafts instead
   --ple-table {auto,disk,memory}  the PLE n-gram table (95 GiB in the released checkpoint): `disk` gathers each
                                   step's rows from the checkpoint's own files (memory-mapped), `memory` holds it
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     if ns.speculative_tokens is not None and not 0 <= ns.speculative_tokens <= 32:
         raise SystemExit(f"--speculative-tokens must be in [0, 32], got {ns.speculative_tokens}")
+    if ns.speculative_disable_by_batch_size is not None and ns.speculative_disable_by_batch_size < 0:
+        raise SystemExit(f"--speculative-disable-by-batch-size must be >= 0, got {ns.speculative_disable_by_batch_size}")
     if ns.speculative_method == "mtp" and ns.draft_model is not None:
         raise SystemExit("--speculative-method mtp drafts with the checkpoint's MTP block: leave --draft-model out")
     if ns.draft_model is not None and not os.path.isdir(ns.draft_model):
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  prompt_cache_max_bytes=ns.prompt_cache_max_bytes,
                                                  speculative_tokens=ns.speculative_tokens,
                                                  speculative_method=ns.speculative_method or "ngram",
+                                                 speculative_disable_by_batch_size=ns.speculative_disable_by_batch_size,
                                                  draft_model=ns.draft_model,
                                                  api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):

@@ -15,7 +15,7 @@ from transformers.cli.serving import model_manager as tf_model_manager
 from transformers.cli.serving import utils as tf_utils
 
 from . import settings as serve_settings
-from .settings import QWEN4_MODEL_TYPES
+from .settings import QWEN4_MODEL_TYPES, HebrusServeSettings
 from .shutdown import register_manager
 
 __all__ = ["prepare_model", "HebrusModelManager", "PLEOptions", "set_ple_options", "ple_options"]
@@ -79,15 +79,9 @@ def prepare_model(model: Any, tokenizer: Any = None) -> Any:
             overrides["allow_block_sharing"] = False
         overrides["ple_prefetch"] = ple_options().engine_prefetch
         draft = None
-        if settings.speculative_method == "mtp":
-            from hebrus_torch.engine.speculative import SpeculativeConfig
-
-            tokens = settings.speculative_tokens if settings.speculative_tokens is not None else 3
-            overrides["speculative"] = SpeculativeConfig(tokens, method="mtp")
-        elif settings.speculative_tokens:
-            from hebrus_torch.engine.speculative import SpeculativeConfig
-
-            overrides["speculative"] = SpeculativeConfig(settings.speculative_tokens)
+        speculative = speculative_config(settings)
+        if speculative is not None:
+            overrides["speculative"] = speculative
         if settings.draft_model:
             draft = _load_draft(settings.draft_model, self)
         engine_config = mgr.engine_config_from(self, continuous_batching_config, workload_hints, **overrides)
@@ -218,3 +212,17 @@ def _load_in_place(model_dir: str, device: Any, dtype: Any, attn_implementation:
     logger.warning("hebrus: %s%s loaded in place; PLE n-gram table (%.2f GiB) %s [--ple-table %s]",
                    f"{role} " if role else "", model_dir, loaded.ple_table_bytes / 2**30, where, options.table)
     return model
+
+
+def speculative_config(settings: HebrusServeSettings):
+    """The engine's ``SpeculativeConfig`` for the server's flags, or None where it does not speculate."""
+    from hebrus_torch.engine.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+    limit = settings.speculative_disable_by_batch_size
+    limit = DEFAULT_DISABLE_BY_BATCH_SIZE if limit is None else (limit or None)
+    if settings.speculative_method == "mtp":
+        tokens = settings.speculative_tokens if settings.speculative_tokens is not None else 3
+        return SpeculativeConfig(tokens, method="mtp", disable_by_batch_size=limit)
+    if settings.speculative_tokens:
+        return SpeculativeConfig(settings.speculative_tokens, disable_by_batch_size=limit)
+    return None

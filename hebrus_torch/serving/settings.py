@@ -32,6 +32,8 @@ class HebrusServeSettings:
             from it (``engine/draft_model.py``).
         speculative_method: ``"ngram"`` (the above) or ``"mtp"``: every request drafts with the checkpoint's own
             MTP block (``engine/mtp.py``), ``speculative_tokens`` tokens per step (3 when unset).
+        speculative_disable_by_batch_size: ``SpeculativeConfig.disable_by_batch_size`` (None: its default; 0:
+            no limit).
     """
 
     capacity_tokens: int | None = None
@@ -45,6 +47,7 @@ class HebrusServeSettings:
     speculative_tokens: int | None = None
     draft_model: str | None = None
     speculative_method: str = "ngram"
+    speculative_disable_by_batch_size: int | None = None
 
 
 _current = HebrusServeSettings()
