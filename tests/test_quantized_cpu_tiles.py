@@ -7,8 +7,6 @@ capability (AVX-512's table lookup of 4-bit codes, AVX2's 8-lane registers, the 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import torch
 import hebrus_torch
 from hebrus_torch.moe.quantize import quantize, unpack
 from test_moe_quantized import quantized_inputs
-from test_quantized_linear import linear_inputs
+from test_quantized_linear import assert_same_bits_on_every_capability, linear_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANES = 16
@@ -101,22 +99,7 @@ torch.save(outs, sys.argv[1])
 
 
 def test_moe_every_cpu_capability_gives_the_same_bits(tmp_path):
-    with open("/proc/cpuinfo") as f:
-        flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-    capabilities = ["default"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) + (
-        ["avx512"] if "avx512f" in flags else [])
-    results = {}
-    for capability in capabilities:
-        env = {k: v for k, v in os.environ.items() if k != "HEBRUS_CPU_CAPABILITY"}
-        env.update(HEBRUS_CPU_CAPABILITY=capability, PYTHONPATH=ROOT)
-        out = tmp_path / f"{capability}.pt"
-        done = subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, str(out), os.path.join(ROOT, "tests")],
-                              env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert done.returncode == 0, done.stderr[-4000:]
-        results[capability] = torch.load(out)
-    for capability, outs in results.items():
-        for key, got in outs.items():
-            assert torch.equal(got, results["default"][key]), (capability, key)
+    assert_same_bits_on_every_capability(tmp_path, _CAPABILITY_SCRIPT, os.path.join(ROOT, "tests"))
 
 
 def test_released_shape_rows_alone_and_in_a_batch():

@@ -519,9 +519,18 @@ HEBRUS_TEMPLATE_VECTOR_CLONES void down_items(const W& down, const std::vector<I
   }
 }
 
-// The pairs' rows of x (or act) and their group lane sums, for the quantized kernel.
-HEBRUS_INLINE void gather_pair_rows(QuantScratch& sc, const int64_t* pairs, int64_t n, int64_t divisor,
-                                    const float* rows, int64_t stride, const float* sums, int64_t sums_stride) {
+// An item's pairs (pairs[0 .. n), each p = t * k + j) with their rows of x (or act) and group lane sums gathered
+// into sc for the quantized kernel, and sc's room for the widened scales and biases of param_rows weight rows.
+struct ItemPairs {
+  const int64_t* pairs;
+  int64_t n;
+};
+
+HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, const Item& it, int64_t divisor,
+                                   const float* rows, int64_t stride, const float* sums, int64_t sums_stride,
+                                   int64_t param_rows, int64_t groups) {
+  const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+  const int64_t* pairs = g.order.data() + s;
   sc.x.resize(n);
   sc.xsums.resize(n);
   for (int64_t q = 0; q < n; ++q) {
@@ -529,6 +538,9 @@ HEBRUS_INLINE void gather_pair_rows(QuantScratch& sc, const int64_t* pairs, int6
     sc.xsums[q] = sums + (pairs[q] / divisor) * sums_stride;
   }
   sc.out.resize(n * kTileRows);
+  sc.scales.resize(param_rows * groups);
+  sc.biases.resize(param_rows * groups);
+  return {pairs, n};
 }
 
 // Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1.
@@ -541,11 +553,8 @@ void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& i
   const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
-    const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s, count = it.end - it.begin;
-    const int64_t* pairs = g.order.data() + s;
-    gather_pair_rows(sc, pairs, n, top_k, xf, hp, xsums, gsp);
-    sc.scales.resize(2 * count * groups);
-    sc.biases.resize(2 * count * groups);
+    const int64_t count = it.end - it.begin;
+    const auto [pairs, n] = start_item(sc, g, it, top_k, xf, hp, xsums, gsp, 2 * count, groups);
     w.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
     w.widen_params(it.expert, inter + it.begin, count, sc.scales.data() + count * groups,
                    sc.biases.data() + count * groups);
@@ -576,11 +585,8 @@ void quant_down_items(const QuantRows<T, BITS>& down, const std::vector<Item>& i
   const int64_t groups = down.groups(), chunks = (int64_t{1} << down.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
-    const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s, count = it.end - it.begin;
-    const int64_t* pairs = g.order.data() + s;
-    gather_pair_rows(sc, pairs, n, 1, act, ip, asums, gsi);
-    sc.scales.resize(count * groups);
-    sc.biases.resize(count * groups);
+    const int64_t count = it.end - it.begin;
+    const auto [pairs, n] = start_item(sc, g, it, 1, act, ip, asums, gsi, count, groups);
     down.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
     for (int64_t d = it.begin; d < it.end; d += kTileRows) {
       const int64_t tile_end = std::min(d + kTileRows, it.end);
