@@ -7,18 +7,25 @@ transformers' experts on its default ``grouped_mm`` path (issue 36); and one rel
 Per case: the median time of a call with cold caches (a 1 GiB buffer is streamed between calls, as the
 other layers of a decode step would), the bytes of expert weights the call must read (each distinct expert
 hit once: codes, scales and biases for the quantized ops) and that over the time as a fraction of the
-machine's copy bandwidth (common.copy_bandwidth). The layer has fewer experts than the released 512
+copy bandwidth sampled right after each call (common.copy_sample). The layer has fewer experts than the released 512
 (``--experts``, memory): a call reads only the experts its rows hit, so the time depends on the rows and
 k, not on E, once the weights are out of cache.
 
-    python benchmarks/bench_moe.py [--experts 64] [--threads N] [--repeat 5] [--no-write]
+Every case of a row count is timed once per round, the rounds interleaved (so a change of the shared machine's
+load falls on all of them alike), each call followed by a copy-bandwidth sample (common.copy_sample) that its
+bytes are compared with; the figures are medians over the rounds. ``--threads 1 2`` runs the whole table at each
+thread count.
+
+    python benchmarks/bench_moe.py [--experts 64] [--threads 1 2] [--repeat 5] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -26,11 +33,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import hebrus_torch  # noqa: E402
 from hebrus_torch.moe.quantize import quantize  # noqa: E402
-from common import bandwidth_note, copy_bandwidth, machine, table, timeit, write_section  # noqa: E402
+from common import copy_sample, flush_caches, machine, table, write_section  # noqa: E402
 
 HIDDEN, INTER, TOP_K, GROUP = 2560, 640, 10, 64
 PROJ_OUT = 10240          # in_proj_qkv of a released linear-attention layer: [10240, 2560]
-SECTION = "MoE layer: moe_experts vs transformers' grouped_mm (issue 36)"
+SECTION = "MoE layer: moe_experts vs transformers' grouped_mm, 1 and 2 threads (issue 36)"
 
 
 def routing(rows: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +45,22 @@ def routing(rows: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(rows)])
     w = torch.rand(rows, TOP_K, generator=g)
     return ids, w / w.sum(-1, keepdim=True)
+
+
+def interleaved(cases, repeat: int) -> dict[str, list[tuple[float, float]]]:
+    """{label: [(seconds, copy bytes/s right after)] * repeat}: one untimed call of every case, then `repeat`
+    rounds each timing every case once after a cache flush."""
+    for _, fn, _ in cases:
+        fn()
+    samples: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in cases}
+    for _ in range(repeat):
+        for label, fn, _ in cases:
+            flush_caches()
+            t0 = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - t0
+            samples[label].append((seconds, copy_sample()))
+    return samples
 
 
 def hf_experts(gate_up: torch.Tensor, down: torch.Tensor):
@@ -55,19 +78,18 @@ def hf_experts(gate_up: torch.Tensor, down: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, nargs="*", default=[])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 8, 64])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = args.threads or [torch.get_num_threads()]
     experts = args.experts
     g = torch.Generator().manual_seed(0)
     gate_up32 = torch.randn(experts, 2 * INTER, HIDDEN, generator=g) * HIDDEN ** -0.5
     down32 = torch.randn(experts, HIDDEN, INTER, generator=g) * INTER ** -0.5
-    bandwidth = copy_bandwidth()
     load = os.getloadavg()[0]
+    bandwidths = []
     rows_out = []
     with torch.inference_mode():
         variants = []
@@ -107,24 +129,35 @@ def main() -> None:
                               lambda tensors=tensors, bits=bits: hebrus_torch.quantized_linear(xb, *tensors, GROUP,
                                                                                                bits),
                               sum(t.numel() * t.element_size() for t in tensors)))
-            times = {label: timeit(fn, repeat=args.repeat, cold=True) for label, fn, _ in cases}
-            for label, _, nbytes in cases:
-                t = times[label]
-                base = times["projection: F.linear bf16" if label.startswith("projection")
-                             else "transformers grouped_mm bfloat16"]
-                rows_out.append([str(rows), str(hit), label, f"{t * 1e3:.2f}", f"{nbytes / 2**20:.0f}",
-                                 f"{nbytes / t / 1e9:.1f}", f"{nbytes / t / bandwidth:.2f}", f"{base / t:.2f}x"])
-                print(" | ".join(rows_out[-1]), flush=True)
-    body = (f"Machine: {machine()}. `python benchmarks/bench_moe.py --experts {experts}`. One layer's routed experts "
-            f"at the released shape (H {HIDDEN}, I {INTER}, top {TOP_K}), {experts} experts (the time depends on the "
-            f"experts hit, not on E, once weights are out of cache); random routing; median of {args.repeat} calls, "
-            f"each after a 1 GiB cache flush. Bytes: the weights of the distinct experts hit (quantized: codes + "
-            f"bf16 scales and biases, group {GROUP}). Copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-            f"({bandwidth_note()}). Load average at the start: {load:.1f}. The last column is the speed-up over "
-            f"transformers' bf16 grouped_mm path at the same rows (the projection rows: over bf16 F.linear of "
-            f"the same [{PROJ_OUT}, {HIDDEN}] weight, 'experts hit' not applying).\n\n")
-    body += table(["rows", "experts hit", "path", "ms", "weights MiB", "GB/s", "of copy bw", "vs bf16 baseline"],
-                  rows_out)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                samples = interleaved(cases, args.repeat)
+                bandwidths += [bw for per_case in samples.values() for _, bw in per_case]
+                times = {label: statistics.median(t for t, _ in per_case) for label, per_case in samples.items()}
+                for label, _, nbytes in cases:
+                    t = times[label]
+                    base = times["projection: F.linear bf16" if label.startswith("projection")
+                                 else "transformers grouped_mm bfloat16"]
+                    of_copy = statistics.median(nbytes / s / bw for s, bw in samples[label])
+                    rows_out.append([str(rows), str(threads), str(hit), label, f"{t * 1e3:.2f}",
+                                     f"{nbytes / 2**20:.0f}", f"{nbytes / t / 1e9:.1f}", f"{of_copy:.2f}",
+                                     f"{base / t:.2f}x"])
+                    print(" | ".join(rows_out[-1]), flush=True)
+    threads_arg = " ".join(str(t) for t in thread_counts)
+    body = (f"Machine: {machine()}. `python benchmarks/bench_moe.py --experts {experts} --threads {threads_arg} "
+            f"--repeat {args.repeat}`. One layer's routed experts at the released shape (H {HIDDEN}, I {INTER}, "
+            f"top {TOP_K}), {experts} experts (the time depends on the experts hit, not on E, once weights are out "
+            f"of cache); random routing; median of {args.repeat} calls, each after a 1 GiB cache flush, the cases of "
+            f"a row count and thread count interleaved round by round. Bytes: the weights of the distinct experts hit "
+            f"(quantized: codes + bf16 scales and biases, group {GROUP}). 'of copy bw': the median over the calls of "
+            f"their GB/s over a 256 MiB copy's (read + write counted) timed right after each; those samples ranged "
+            f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s, median "
+            f"{statistics.median(bandwidths) / 1e9:.1f}. Load average at the start: {load:.1f}, at the end: "
+            f"{os.getloadavg()[0]:.1f}. The last column is the speed-up over transformers' bf16 grouped_mm path at "
+            f"the same rows and threads (the projection rows: over bf16 F.linear of the same [{PROJ_OUT}, {HIDDEN}] "
+            f"weight, 'experts hit' not applying).\n\n")
+    body += table(["rows", "threads", "experts hit", "path", "ms", "weights MiB", "GB/s", "of copy bw",
+                   "vs bf16 baseline"], rows_out)
     print(body)
     if not args.no_write:
         write_section(SECTION, body)

@@ -69,7 +69,9 @@ torch.save(outs, sys.argv[1])
 """
 
 
-def test_every_cpu_capability_gives_the_same_bits(tmp_path):
+def assert_same_bits_on_every_capability(tmp_path, script: str, *args: str) -> None:
+    """Runs `script` (which saves a dict of tensors to sys.argv[1]; `args` follow) under every HEBRUS_CPU_CAPABILITY
+    this CPU has and compares each tensor with the portable build's bit for bit."""
     with open("/proc/cpuinfo") as f:
         flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     capabilities = ["default"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) + (
@@ -79,13 +81,17 @@ def test_every_cpu_capability_gives_the_same_bits(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "HEBRUS_CPU_CAPABILITY"}
         env.update(HEBRUS_CPU_CAPABILITY=capability, PYTHONPATH=ROOT)
         out = tmp_path / f"{capability}.pt"
-        done = subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT, str(out)], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-c", script, str(out), *args], env=env, capture_output=True,
                               text=True, timeout=300, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-4000:]
         results[capability] = torch.load(out)
     for capability, outs in results.items():
         for key, got in outs.items():
             assert torch.equal(got, results["default"][key]), (capability, key)
+
+
+def test_every_cpu_capability_gives_the_same_bits(tmp_path):
+    assert_same_bits_on_every_capability(tmp_path, _CAPABILITY_SCRIPT)
 
 
 @pytest.mark.parametrize("args", [linear_inputs(4, 64, 9, torch.float32, 4, 32),

@@ -77,6 +77,7 @@ struct DenseRows {
   int64_t rows, cols;
 
   HEBRUS_INLINE const T* row(int64_t e, int64_t r) const { return base + (e * rows + r) * cols; }
+  static HEBRUS_INLINE int64_t place(int64_t d) { return d; }
   // Columns [c, c + kLanes) of row r of expert e (c + kLanes <= cols).
   HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const { return load_row<T>(row(e, r) + c); }
   // Columns [c, cols), zero-padded to kLanes.
@@ -87,64 +88,64 @@ struct DenseRows {
   }
 };
 
-// Rows of quantized expert matrices (hebrus_torch/moe/quantize.py): codes packed into int32 words
-// [E, rows, cols * BITS / 32], scales and biases [E, rows, cols / group] in T. cols is a multiple of the group
-// (>= 32), so kLanes columns from a multiple of kLanes lie in one group and no row has a tail. The kernels read
-// codes (as floats) and each group's scale and bias, never a dequantized value (the fold above).
-typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+// ---- The quantized dot products ----
+//
+// The order of the 16 columns of a chunk in the kernels' registers: each chunk's codes are read without a shuffle,
+// as 64-bit pieces broadcast to every pair of 32-bit lanes, each lane shifting its word by its place in it. A
+// 4-bit chunk is one piece and lane i holds column (i & 1) * 8 + (i >> 1); an 8-bit chunk is two pieces, one a
+// half of 8 lanes, and lane i holds column (i & 8) + (i & 1) * 4 + ((i >> 1) & 3). The rows of x are stored in the
+// same order (place), so lane i multiplies the code and the value of one column and sums, as before, the columns
+// of one lane of the file's order in ascending order; each accumulator is put back in column order (unpermute)
+// before reduce_lanes.
+template <int BITS>
+struct CodeOrder {
+  static constexpr int kBits = BITS;
+  // The lane column d mod 16 is read into.
+  static HEBRUS_INLINE int64_t place(int64_t d) {
+    const int64_t l = d & 15, chunk = d & ~int64_t{15};
+    if constexpr (BITS == 4) {
+      return chunk | (l < 8 ? 2 * l : 2 * (l - 8) + 1);
+    } else {
+      return chunk | (l & 8) | (2 * (l & 3) + ((l >> 2) & 1));
+    }
+  }
+  static HEBRUS_INLINE Vec unpermute(Vec v) {
+    if constexpr (BITS == 4) {
+      return HEBRUS_SHUFFLE(v, v, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    } else {
+      return HEBRUS_SHUFFLE(v, v, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    }
+  }
+};
 
+// Quantized expert matrices (hebrus_torch/moe/quantize.py): codes packed into int32 words [E, rows, cols * BITS / 32],
+// scales and biases [E, rows, cols / group] in T. cols is a multiple of the group (>= 32), so every 16 columns from a
+// multiple of 16 lie in one group and no row has a tail. The kernels (quant_tile_dots) read codes as floats and
+// each group's scale and bias, never a dequantized value (the fold above).
 template <typename T, int BITS>
 struct QuantRows {
   static constexpr bool kQuantized = true;
+  static constexpr int kBits = BITS;
   const uint32_t* codes_base;
   const T* scales;
   const T* biases;
   int64_t rows, cols;
-  int group_shift;  // log2 of the group size (32, 64 or 128): no division in the loop
+  int group_shift;  // log2 of the group size (32, 64 or 128)
 
-  // The codes of columns [c, c + kLanes) of row r of expert e, as floats.
-  HEBRUS_INLINE Vec codes(int64_t e, int64_t r, int64_t c) const {
-    constexpr int kPerWord = 32 / BITS;
-    constexpr uint32_t kMask = (1u << BITS) - 1u;
-    const uint32_t* w = codes_base + (e * rows + r) * (cols / kPerWord) + c / kPerWord;
-    // Lane i holds its word, shifted by its place in it: one vector shift and mask, then a signed
-    // conversion (codes < 256: exact; AVX2 has no unsigned one).
-    VecU words;
-    if constexpr (BITS == 4) {
-      const uint32_t w0 = w[0], w1 = w[1];
-      words = VecU{w0, w0, w0, w0, w0, w0, w0, w0, w1, w1, w1, w1, w1, w1, w1, w1};
-    } else {
-      const uint32_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-      words = VecU{w0, w0, w0, w0, w1, w1, w1, w1, w2, w2, w2, w2, w3, w3, w3, w3};
+  HEBRUS_INLINE int64_t groups() const { return cols >> group_shift; }
+  HEBRUS_INLINE const uint32_t* row_codes(int64_t e, int64_t r) const {
+    return codes_base + (e * rows + r) * (cols * BITS / 32);
+  }
+  // Where column d of a row of x goes in the kernels' fp32 copy of that row.
+  static HEBRUS_INLINE int64_t place(int64_t d) { return CodeOrder<BITS>::place(d); }
+
+  // The scales and biases of rows [r0, r0 + count) of expert e in fp32: s[(r - r0) * groups + g].
+  void widen_params(int64_t e, int64_t r0, int64_t count, float* s, float* b) const {
+    const int64_t first = (e * rows + r0) * groups(), n = count * groups();
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = static_cast<float>(scales[first + i]);
+      b[i] = static_cast<float>(biases[first + i]);
     }
-    constexpr VecU kShifts = BITS == 4 ? VecU{0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28}
-                                       : VecU{0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
-    return __builtin_convertvector(reinterpret_cast<VecIdx>((words >> kShifts) & kMask), Vec);
-  }
-  // The scale and bias of the group of column c of row r of expert e.
-  HEBRUS_INLINE float scale(int64_t e, int64_t r, int64_t c) const {
-    return static_cast<float>(scales[((e * rows + r) * cols + c) >> group_shift]);
-  }
-  HEBRUS_INLINE float bias(int64_t e, int64_t r, int64_t c) const {
-    return static_cast<float>(biases[((e * rows + r) * cols + c) >> group_shift]);
-  }
-};
-
-// Quantized rows staged in fp32 scratch (codes as floats, one scale and bias per group): the values QuantRows
-// gives, so the bits of reading the codes in place. Rows are numbered from 0; e is ignored.
-struct StagedQuantRows {
-  static constexpr bool kQuantized = true;
-  const float* q;   // [rows, cols]
-  const float* sb;  // [rows, 2 * cols / group]: each group's scale, then its bias
-  int64_t rows, cols;
-  int group_shift;
-
-  HEBRUS_INLINE Vec codes(int64_t, int64_t r, int64_t c) const { return load_vec(q + r * cols + c); }
-  HEBRUS_INLINE float scale(int64_t, int64_t r, int64_t c) const {
-    return sb[2 * ((r * cols + c) >> group_shift)];
-  }
-  HEBRUS_INLINE float bias(int64_t, int64_t r, int64_t c) const {
-    return sb[2 * ((r * cols + c) >> group_shift) + 1];
   }
 };
 
@@ -159,53 +160,235 @@ HEBRUS_INLINE void group_lane_sums(const float* x, int64_t cols, int group_shift
   }
 }
 
-// out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O weight rows, each sum in
-// the fixed lane order. The xs rows are fp32 and zero-padded to a multiple of kLanes. Quantized W: the fold,
-// with xsums[p] the group lane sums of xs[p] (group_lane_sums); dense W ignores xsums.
+// Code readers: chunk c (columns [16c, 16c + 16)) of a row of packed codes as floats in CodeOrder's lanes, as V
+// (16 lanes, or 8: then part h of 2 gives lanes [8h, 8h + 8)). The codes are < 256, so every conversion is exact
+// and every reader gives the same floats. (GCC 12 builds a 16-lane vector from two 64-bit pieces, or widens bytes,
+// through the stack or lane by lane: an 8-bit chunk is read as two 8-lane halves everywhere.)
+typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint64_t VecU64 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef float VecH __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+typedef int32_t VecHI __attribute__((vector_size(kLanes / 2 * sizeof(int32_t))));
+typedef uint32_t VecHU __attribute__((vector_size(kLanes / 2 * sizeof(uint32_t))));
+typedef uint64_t VecHU64 __attribute__((vector_size(kLanes / 2 * sizeof(uint32_t))));
+
+HEBRUS_INLINE uint64_t load_u64(const uint32_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Lane i's shift of the broadcast 4-bit piece: 4 * (i >> 1).
+constexpr VecU kCodeShift4 = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
+
+// 4-bit codes, 16 lanes: one broadcast, shift, mask and conversion.
+struct Codes4Wide : CodeOrder<4> {
+  using V = Vec;
+  static HEBRUS_INLINE V codes(const uint32_t* row, int64_t c, int) {
+    const VecU words = (VecU)(VecU64{} + load_u64(row + 2 * c));
+    return __builtin_convertvector((VecIdx)((words >> kCodeShift4) & 15u), Vec);
+  }
+};
+
+// 4-bit codes, 16 lanes, where a vector permute takes its index modulo 16 (AVX-512's vpermps): the shifted word
+// indexes a table of the 16 codes' floats, with no mask and no conversion. GCC only (clang's vector extensions have
+// no permute by a variable index): elsewhere Codes4Wide.
+struct Codes4Permute : Codes4Wide {
+#if defined(__GNUC__) && !defined(__clang__)
+  static HEBRUS_INLINE Vec codes(const uint32_t* row, int64_t c, int) {
+    constexpr Vec kValues = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const VecU words = (VecU)(VecU64{} + load_u64(row + 2 * c));
+    return __builtin_shuffle(kValues, (VecIdx)(words >> kCodeShift4));
+  }
+#endif
+};
+
+// 8 lanes a register: part h of the 16 (one 64-bit piece of an 8-bit chunk, or the 4-bit chunk's piece with the
+// shifts of lanes [8h, 8h + 8)).
+template <int BITS>
+struct CodesHalf : CodeOrder<BITS> {
+  using V = VecH;
+  static HEBRUS_INLINE V codes(const uint32_t* row, int64_t c, int h) {
+    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    if constexpr (BITS == 4) {
+      constexpr VecHU kShift = {0, 0, 4, 4, 8, 8, 12, 12};
+      const VecHU words = (VecHU)(VecHU64{} + load_u64(row + 2 * c));
+      return __builtin_convertvector((VecHI)((words >> (kShift + 16u * h)) & kMask), VecH);
+    } else {
+      constexpr VecHU kShift = {0, 0, 8, 8, 16, 16, 24, 24};
+      const VecHU words = (VecHU)(VecHU64{} + load_u64(row + 4 * c + 2 * h));
+      return __builtin_convertvector((VecHI)((words >> kShift) & kMask), VecH);
+    }
+  }
+};
+
+constexpr int kTileRows = 4;  // weight rows of a tile: their dot products with one row of x run side by side
+constexpr int kTilePairs = 4; // rows of x a tile reads each loaded chunk of codes against, at most
+
+// Weight rows of a tile: packed codes, and each group's scale and bias widened to fp32. While a tile runs, the
+// codes kPrefetchBytes past each of its rows are prefetched: the next tiles' rows (a work item's tiles walk its
+// rows in address order), which a decode step's short rows (320 bytes for a 4-bit down row) would not give the
+// hardware's stream prefetcher time to find.
+constexpr int64_t kPrefetchBytes = 4096;
+
+struct QuantTile {
+  const uint32_t* codes[kTileRows];
+  const float* scales[kTileRows];
+  const float* biases[kTileRows];
+};
+
+template <typename V>
+HEBRUS_INLINE V load_part(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// out[p * kTileRows + o] = the folded dot product of weight row o with x[p], P rows of x, each of them with its group
+// lane sums xsums[p] (group_lane_sums), both in CodeOrder's lanes. Per lane, as the file's header says: in each
+// group qx = sum of q * x over its columns in ascending order (the first product stands for 0 + q * x: qx's sign
+// of zero is lost in acc + (qx * s + xs * b), as acc is never -0), then acc = acc + (qx * s + xs * b).
+template <typename C, int P>
+HEBRUS_INLINE void quant_tile_dots(const QuantTile& w, const float* const* x, const float* const* xsums,
+                                   int64_t groups, int64_t group_chunks, float* out) {
+  using V = typename C::V;
+  constexpr int kWidth = sizeof(V) / sizeof(float), kParts = kLanes / kWidth;
+  V acc[P][kTileRows][kParts];
+  for (int p = 0; p < P; ++p)
+    for (int o = 0; o < kTileRows; ++o)
+      for (int h = 0; h < kParts; ++h) acc[p][o][h] = V{};
+  constexpr int64_t kCodeBytes = kLanes * (C::kBits) / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * group_chunks;
+    for (int o = 0; o < kTileRows; ++o)
+      __builtin_prefetch(reinterpret_cast<const char*>(w.codes[o]) + c0 * kCodeBytes + kPrefetchBytes);
+    // Each chunk of x is loaded once for the tile's rows, each chunk of codes once for the tile's rows of x.
+    V qx[P][kTileRows][kParts];
+    auto chunk = [&](int64_t c, auto first) HEBRUS_LAMBDA_INLINE {
+      for (int h = 0; h < kParts; ++h) {
+        V xv[P];
+        for (int p = 0; p < P; ++p) xv[p] = load_part<V>(x[p] + c * kLanes + h * kWidth);
+        for (int o = 0; o < kTileRows; ++o) {
+          const V q = C::codes(w.codes[o], c, h);
+          for (int p = 0; p < P; ++p) {
+            if constexpr (decltype(first)::value) {
+              qx[p][o][h] = q * xv[p];
+            } else {
+              qx[p][o][h] += q * xv[p];
+            }
+          }
+        }
+      }
+    };
+    chunk(c0, std::true_type{});
+    for (int64_t c = c0 + 1; c < c0 + group_chunks; ++c) chunk(c, std::false_type{});
+    for (int o = 0; o < kTileRows; ++o) {
+      const float s = w.scales[o][g], b = w.biases[o][g];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < kParts; ++h)
+          acc[p][o][h] += qx[p][o][h] * s + load_part<V>(xsums[p] + g * kLanes + h * kWidth) * b;
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    for (int o = 0; o < kTileRows; ++o) {
+      Vec lanes;
+      std::memcpy(&lanes, acc[p][o], sizeof(lanes));
+      out[p * kTileRows + o] = reduce_lanes(C::unpermute(lanes));
+    }
+  }
+}
+
+// A tile against n rows of x, PAIRS (4, 2 or 1: what the registers hold) at a time: out [n, kTileRows].
+template <typename C, int PAIRS>
+HEBRUS_INLINE void quant_tile_rows(const QuantTile& w, const float* const* x, const float* const* xsums, int64_t n,
+                                   int64_t groups, int64_t group_chunks, float* out) {
+  int64_t p = 0;
+  for (; p + PAIRS <= n; p += PAIRS)
+    quant_tile_dots<C, PAIRS>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+  if (PAIRS > 2 && p + 2 <= n) {
+    quant_tile_dots<C, 2>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+    p += 2;
+  }
+  if (PAIRS > 1 && p < n) quant_tile_dots<C, 1>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+}
+
+using QuantTileKernel = void (*)(const QuantTile&, const float* const*, const float* const*, int64_t, int64_t,
+                                 int64_t, float*);
+
+// One function per instruction set, each compiling the same source (so the same bits: -ffp-contract=off and a
+// fixed order of every sum); cpu_capability() picks one, HEBRUS_CPU_CAPABILITY lowers it.
+template <int BITS>
+__attribute__((noinline)) void quant_tile_rows_portable(const QuantTile& w, const float* const* x,
+                                                        const float* const* xsums, int64_t n, int64_t groups,
+                                                        int64_t group_chunks, float* out) {
+  quant_tile_rows<std::conditional_t<BITS == 4, Codes4Wide, CodesHalf<8>>, 1>(w, x, xsums, n, groups, group_chunks,
+                                                                             out);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <int BITS>
+HEBRUS_AVX2 __attribute__((noinline)) void quant_tile_rows_avx2(const QuantTile& w, const float* const* x,
+                                                                const float* const* xsums, int64_t n, int64_t groups,
+                                                                int64_t group_chunks, float* out) {
+  quant_tile_rows<CodesHalf<BITS>, 1>(w, x, xsums, n, groups, group_chunks, out);
+}
+
+// 8-bit chunks are 8-lane halves here too (CodesHalf): AVX-512VL's 32 ymm registers hold the running sums of 2 rows
+// of x against 4 weight rows, two halves each.
+template <int BITS>
+__attribute__((target("avx512f,avx512vl"), noinline)) void quant_tile_rows_avx512(const QuantTile& w,
+                                                                                   const float* const* x,
+                                                                                   const float* const* xsums,
+                                                                                   int64_t n, int64_t groups,
+                                                                                   int64_t group_chunks, float* out) {
+  if constexpr (BITS == 4) {
+    quant_tile_rows<Codes4Permute, kTilePairs>(w, x, xsums, n, groups, group_chunks, out);
+  } else {
+    quant_tile_rows<CodesHalf<8>, 2>(w, x, xsums, n, groups, group_chunks, out);
+  }
+}
+#endif
+
+template <int BITS>
+QuantTileKernel quant_tile_kernel() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const CpuCapability isa = cpu_capability();
+  if (isa >= CpuCapability::kAvx512 && __builtin_cpu_supports("avx512vl")) return &quant_tile_rows_avx512<BITS>;
+  if (isa >= CpuCapability::kAvx512) return &quant_tile_rows_avx2<BITS>;  // no VL (Xeon Phi)
+  if (isa == CpuCapability::kAvx2) return &quant_tile_rows_avx2<BITS>;
+#endif
+  return &quant_tile_rows_portable<BITS>;
+}
+
+// What a pass item of quantized rows needs besides its inputs: the kernel, the widened scales and biases of the
+// item's rows, its pairs' rows of x and the results of a tile.
+struct QuantScratch {
+  QuantTileKernel kernel;
+  std::vector<float> scales, biases, out;
+  std::vector<const float*> x, xsums;
+};
+
+// out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
+// the fixed lane order. The xs rows are fp32 and zero-padded to a multiple of kLanes.
 template <int P, int O, typename W>
 HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], const float* const (&xs)[P],
-                             const float* const (&xsums)[P], float (&out)[P][O]) {
+                             float (&out)[P][O]) {
   Vec acc[P][O];
   for (int p = 0; p < P; ++p)
     for (int o = 0; o < O; ++o) acc[p][o] = Vec{};
   const int64_t n = w.cols;
-  if constexpr (W::kQuantized) {
-    const int64_t group = int64_t{1} << w.group_shift;
-    for (int64_t g0 = 0; g0 < n; g0 += group) {
-      Vec qx[P][O];
-      for (int p = 0; p < P; ++p)
-        for (int o = 0; o < O; ++o) qx[p][o] = Vec{};
-      for (int64_t c = g0; c < g0 + group; c += kLanes) {
-        Vec qv[O];
-        for (int o = 0; o < O; ++o) qv[o] = w.codes(e, wrows[o], c);
-        for (int p = 0; p < P; ++p) {
-          const Vec xv = load_vec(xs[p] + c);
-          for (int o = 0; o < O; ++o) qx[p][o] += qv[o] * xv;
-        }
-      }
-      for (int o = 0; o < O; ++o) {
-        const float s = w.scale(e, wrows[o], g0), b = w.bias(e, wrows[o], g0);
-        for (int p = 0; p < P; ++p) {
-          const Vec xsum = load_vec(xsums[p] + (g0 >> w.group_shift) * kLanes);
-          acc[p][o] += qx[p][o] * s + xsum * b;
-        }
-      }
+  const int64_t full = n / kLanes * kLanes;
+  for (int64_t c = 0; c < full; c += kLanes) {
+    Vec wv[O];
+    for (int o = 0; o < O; ++o) wv[o] = w.load(e, wrows[o], c);
+    for (int p = 0; p < P; ++p) {
+      const Vec xv = load_vec(xs[p] + c);
+      for (int o = 0; o < O; ++o) acc[p][o] += wv[o] * xv;
     }
-  } else {
-    const int64_t full = n / kLanes * kLanes;
-    for (int64_t c = 0; c < full; c += kLanes) {
-      Vec wv[O];
-      for (int o = 0; o < O; ++o) wv[o] = w.load(e, wrows[o], c);
-      for (int p = 0; p < P; ++p) {
-        const Vec xv = load_vec(xs[p] + c);
-        for (int o = 0; o < O; ++o) acc[p][o] += wv[o] * xv;
-      }
-    }
-    if (full < n) {
-      for (int o = 0; o < O; ++o) {
-        const Vec wv = w.load_tail(e, wrows[o], full);
-        for (int p = 0; p < P; ++p) acc[p][o] += wv * load_vec(xs[p] + full);
-      }
+  }
+  if (full < n) {
+    for (int o = 0; o < O; ++o) {
+      const Vec wv = w.load_tail(e, wrows[o], full);
+      for (int p = 0; p < P; ++p) acc[p][o] += wv * load_vec(xs[p] + full);
     }
   }
   for (int p = 0; p < P; ++p)
@@ -254,174 +437,192 @@ struct Problem {
   T* out;                 // [T, H]
 };
 
-// Quantized rows read by more than one tile of pairs are staged once into fp32 scratch (StagedQuantRows: the
-// same values, so the bits of reading them in place); dense rows are read in place.
-template <typename W>
-HEBRUS_INLINE bool stage_rows(int64_t n) {
-  return W::kQuantized && n > kPairTile;
+// The finishing step of pass A: the activation of pair p at intermediate i from its gate and up dot products,
+// stored at place(i) of the pair's act row (the down projection's reading order).
+template <typename T, typename W>
+HEBRUS_INLINE void store_act(float* act, int64_t ip, int64_t p, int64_t i, float gate, float up) {
+  const float g = round_to<T>(gate), u = round_to<T>(up);
+  act[p * ip + W::place(i)] = round_to<T>(round_to<T>(silu(g)) * u);
 }
 
-// Row r of expert e staged as row `slot` of a StagedQuantRows over q and sb.
-template <typename W>
-HEBRUS_INLINE void stage_row(const W& w, int64_t e, int64_t r, float* q, float* sb, int64_t slot) {
-  const int64_t groups = w.cols >> w.group_shift;
-  for (int64_t c = 0; c < w.cols; c += kLanes) {
-    const Vec v = w.codes(e, r, c);
-    std::memcpy(q + slot * w.cols + c, &v, sizeof(v));
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    sb[2 * (slot * groups + g)] = w.scale(e, r, g << w.group_shift);
-    sb[2 * (slot * groups + g) + 1] = w.bias(e, r, g << w.group_shift);
-  }
+// The finishing step of pass B: output d of pair p, weighted.
+template <typename T>
+HEBRUS_INLINE void store_weighted(float* y, int64_t hidden, int64_t p, int64_t d, float v, const float* w,
+                                  bool round_product) {
+  const float prod = round_to<T>(v) * w[p];
+  y[p * hidden + d] = round_product ? round_to<T>(prod) : prod;
 }
 
-// Scratch of a pass item: `rows` staged rows of `cols` values (codes, then scales and biases).
-struct StageScratch {
-  std::vector<float> q, sb;
-  void reserve(int64_t rows, int64_t cols) {
-    q.resize(rows * cols);
-    sb.resize(rows * 2 * cols / 32);
-  }
-};
-
-// Pass A for the pairs [0, n) of one item: act[p][i] for i in [begin, end). xsums: group lane sums of xf's rows
-// (quantized W), gsp floats a row.
+// Pass A for the pairs [0, n) of one item, dense rows: act[p][i] for i in [begin, end).
 template <typename T, typename W>
 HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t* pairs, int64_t n, const float* xf,
-                                int64_t hp, const float* xsums, int64_t gsp, int64_t top_k, int64_t inter, float* act,
-                                int64_t ip, StageScratch& scratch) {
+                                int64_t hp, int64_t top_k, int64_t inter, float* act, int64_t ip) {
   for (int64_t i = it.begin; i < it.end; ++i) {
-    auto finish = [&](int64_t p, const float (&gu)[2]) HEBRUS_LAMBDA_INLINE {
-      const float g = round_to<T>(gu[0]), u = round_to<T>(gu[1]);
-      act[p * ip + i] = round_to<T>(round_to<T>(silu(g)) * u);
-    };
-    auto run_pairs = [&](const auto& rows, int64_t e, const int64_t (&wrows)[2]) HEBRUS_LAMBDA_INLINE {
-      int64_t q = 0;
-      for (; q + kPairTile <= n; q += kPairTile) {
-        const float* xs[kPairTile];
-        const float* ss[kPairTile];
-        for (int64_t r = 0; r < kPairTile; ++r) {
-          xs[r] = xf + (pairs[q + r] / top_k) * hp;
-          ss[r] = xsums + (pairs[q + r] / top_k) * gsp;
-        }
-        float out[kPairTile][2];
-        tile_dots<kPairTile, 2>(rows, e, wrows, xs, ss, out);
-        for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], out[r]);
-      }
-      for (; q < n; ++q) {
-        const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
-        const float* ss[1] = {xsums + (pairs[q] / top_k) * gsp};
-        float out[1][2];
-        tile_dots<1, 2>(rows, e, wrows, xs, ss, out);
-        finish(pairs[q], out[0]);
-      }
-    };
-    if constexpr (W::kQuantized) {
-      if (stage_rows<W>(n)) {
-        stage_row(gate_up, it.expert, i, scratch.q.data(), scratch.sb.data(), 0);
-        stage_row(gate_up, it.expert, inter + i, scratch.q.data(), scratch.sb.data(), 1);
-        run_pairs(StagedQuantRows{scratch.q.data(), scratch.sb.data(), 2, gate_up.cols, gate_up.group_shift}, 0,
-                  {0, 1});
-        continue;
-      }
+    const int64_t wrows[2] = {i, inter + i};
+    int64_t q = 0;
+    for (; q + kPairTile <= n; q += kPairTile) {
+      const float* xs[kPairTile];
+      for (int64_t r = 0; r < kPairTile; ++r) xs[r] = xf + (pairs[q + r] / top_k) * hp;
+      float out[kPairTile][2];
+      tile_dots<kPairTile, 2>(gate_up, it.expert, wrows, xs, out);
+      for (int64_t r = 0; r < kPairTile; ++r) store_act<T, W>(act, ip, pairs[q + r], i, out[r][0], out[r][1]);
     }
-    run_pairs(gate_up, it.expert, {i, inter + i});
+    for (; q < n; ++q) {
+      const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
+      float out[1][2];
+      tile_dots<1, 2>(gate_up, it.expert, wrows, xs, out);
+      store_act<T, W>(act, ip, pairs[q], i, out[0][0], out[0][1]);
+    }
   }
 }
 
-// Pass B for the pairs [0, n) of one item: y[p][d] = weighted down-projection outputs, d in [begin, end).
-// asums: group lane sums of the act rows (quantized W), gsi floats a pair.
+// Pass B for the pairs [0, n) of one item, dense rows: y[p][d] = weighted down-projection outputs, d in [begin, end).
 template <typename T, typename W>
 HEBRUS_INLINE void down_item(const W& down, const Item& it, const int64_t* pairs, int64_t n, const float* act,
-                             int64_t ip, const float* asums, int64_t gsi, const float* w, bool round_product,
-                             float* y, int64_t hidden, StageScratch& scratch) {
+                             int64_t ip, const float* w, bool round_product, float* y, int64_t hidden) {
   for (int64_t d = it.begin; d < it.end; ++d) {
-    auto finish = [&](int64_t p, float v) HEBRUS_LAMBDA_INLINE {
-      const float prod = round_to<T>(v) * w[p];
-      y[p * hidden + d] = round_product ? round_to<T>(prod) : prod;
-    };
-    auto run_pairs = [&](const auto& rows, int64_t e, const int64_t (&wrows)[1]) HEBRUS_LAMBDA_INLINE {
-      int64_t q = 0;
-      for (; q + kPairTile <= n; q += kPairTile) {
-        const float* xs[kPairTile];
-        const float* ss[kPairTile];
-        for (int64_t r = 0; r < kPairTile; ++r) {
-          xs[r] = act + pairs[q + r] * ip;
-          ss[r] = asums + pairs[q + r] * gsi;
-        }
-        float out[kPairTile][1];
-        tile_dots<kPairTile, 1>(rows, e, wrows, xs, ss, out);
-        for (int64_t r = 0; r < kPairTile; ++r) finish(pairs[q + r], out[r][0]);
-      }
-      for (; q < n; ++q) {
-        const float* xs[1] = {act + pairs[q] * ip};
-        const float* ss[1] = {asums + pairs[q] * gsi};
-        float out[1][1];
-        tile_dots<1, 1>(rows, e, wrows, xs, ss, out);
-        finish(pairs[q], out[0][0]);
-      }
-    };
-    if constexpr (W::kQuantized) {
-      if (stage_rows<W>(n)) {
-        stage_row(down, it.expert, d, scratch.q.data(), scratch.sb.data(), 0);
-        run_pairs(StagedQuantRows{scratch.q.data(), scratch.sb.data(), 1, down.cols, down.group_shift}, 0, {0});
-        continue;
-      }
+    const int64_t wrows[1] = {d};
+    int64_t q = 0;
+    for (; q + kPairTile <= n; q += kPairTile) {
+      const float* xs[kPairTile];
+      for (int64_t r = 0; r < kPairTile; ++r) xs[r] = act + pairs[q + r] * ip;
+      float out[kPairTile][1];
+      tile_dots<kPairTile, 1>(down, it.expert, wrows, xs, out);
+      for (int64_t r = 0; r < kPairTile; ++r) store_weighted<T>(y, hidden, pairs[q + r], d, out[r][0], w, round_product);
     }
-    run_pairs(down, it.expert, {d});
+    for (; q < n; ++q) {
+      const float* xs[1] = {act + pairs[q] * ip};
+      float out[1][1];
+      tile_dots<1, 1>(down, it.expert, wrows, xs, out);
+      store_weighted<T>(y, hidden, pairs[q], d, out[0][0], w, round_product);
+    }
   }
 }
 
 template <typename T, typename W>
 HEBRUS_TEMPLATE_VECTOR_CLONES void gate_up_items(const W& gate_up, const std::vector<Item>& items, const ExpertGroups& g,
                                                  int64_t begin, int64_t end, const float* xf, int64_t hp,
-                                                 const float* xsums, int64_t gsp, int64_t top_k, int64_t inter,
-                                                 float* act, int64_t ip) {
-  StageScratch scratch;
-  if (W::kQuantized) scratch.reserve(2, gate_up.cols);
+                                                 int64_t top_k, int64_t inter, float* act, int64_t ip) {
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
     const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-    gate_up_item<T>(gate_up, it, g.order.data() + s, n, xf, hp, xsums, gsp, top_k, inter, act, ip, scratch);
+    gate_up_item<T>(gate_up, it, g.order.data() + s, n, xf, hp, top_k, inter, act, ip);
   }
 }
 
 template <typename T, typename W>
 HEBRUS_TEMPLATE_VECTOR_CLONES void down_items(const W& down, const std::vector<Item>& items, const ExpertGroups& g,
-                                              int64_t begin, int64_t end, const float* act, int64_t ip,
-                                              const float* asums, int64_t gsi, const float* w, bool round_product,
-                                              float* y, int64_t hidden) {
-  StageScratch scratch;
-  if (W::kQuantized) scratch.reserve(1, down.cols);
+                                              int64_t begin, int64_t end, const float* act, int64_t ip, const float* w,
+                                              bool round_product, float* y, int64_t hidden) {
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
     const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-    down_item<T>(down, it, g.order.data() + s, n, act, ip, asums, gsi, w, round_product, y, hidden, scratch);
+    down_item<T>(down, it, g.order.data() + s, n, act, ip, w, round_product, y, hidden);
   }
 }
 
-// Group lane sums of `count` rows of `cols` values (stride `stride`) into sums (`cols / group * kLanes` a row),
-// for quantized W; nothing for dense W.
-template <typename W>
-void row_group_sums(const W& w, const float* rows, int64_t count, int64_t cols, int64_t stride,
-                    std::vector<float>& sums) {
-  if constexpr (W::kQuantized) {
-    const int64_t per_row = (cols >> w.group_shift) * kLanes;
-    sums.resize(count * per_row);
-    at::parallel_for(0, count, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) group_lane_sums(rows + r * stride, cols, w.group_shift, sums.data() + r * per_row);
-    });
-  } else {
-    (void)w, (void)rows, (void)count, (void)cols, (void)stride;
-    sums.clear();
+// An item's pairs (pairs[0 .. n), each p = t * k + j) with their rows of x (or act) and group lane sums gathered
+// into sc for the quantized kernel, and sc's room for the widened scales and biases of param_rows weight rows.
+struct ItemPairs {
+  const int64_t* pairs;
+  int64_t n;
+};
+
+HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, const Item& it, int64_t divisor,
+                                   const float* rows, int64_t stride, const float* sums, int64_t sums_stride,
+                                   int64_t param_rows, int64_t groups) {
+  const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+  const int64_t* pairs = g.order.data() + s;
+  sc.x.resize(n);
+  sc.xsums.resize(n);
+  for (int64_t q = 0; q < n; ++q) {
+    sc.x[q] = rows + (pairs[q] / divisor) * stride;
+    sc.xsums[q] = sums + (pairs[q] / divisor) * sums_stride;
   }
+  sc.out.resize(n * kTileRows);
+  sc.scales.resize(param_rows * groups);
+  sc.biases.resize(param_rows * groups);
+  return {pairs, n};
+}
+
+// Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1.
+template <typename T, int BITS>
+void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& items, const ExpertGroups& g,
+                         int64_t begin, int64_t end, const float* xf, int64_t hp, const float* xsums, int64_t gsp,
+                         int64_t top_k, int64_t inter, float* act, int64_t ip, QuantTileKernel kernel) {
+  using W = QuantRows<T, BITS>;
+  QuantScratch sc;
+  const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes;
+  for (int64_t k = begin; k < end; ++k) {
+    const Item& it = items[k];
+    const int64_t count = it.end - it.begin;
+    const auto [pairs, n] = start_item(sc, g, it, top_k, xf, hp, xsums, gsp, 2 * count, groups);
+    w.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
+    w.widen_params(it.expert, inter + it.begin, count, sc.scales.data() + count * groups,
+                   sc.biases.data() + count * groups);
+    for (int64_t i = it.begin; i < it.end; i += 2) {
+      const int64_t pair_end = std::min(i + 2, it.end);
+      QuantTile tile;
+      for (int o = 0; o < kTileRows; ++o) {
+        const int64_t r = std::min(i + o / 2, pair_end - 1), up = o % 2;  // a lone i is read twice
+        tile.codes[o] = w.row_codes(it.expert, up * inter + r);
+        tile.scales[o] = sc.scales.data() + (up * count + r - it.begin) * groups;
+        tile.biases[o] = sc.biases.data() + (up * count + r - it.begin) * groups;
+      }
+      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data());
+      for (int64_t q = 0; q < n; ++q) {
+        const float* o = sc.out.data() + q * kTileRows;
+        for (int64_t r = i; r < pair_end; ++r) store_act<T, W>(act, ip, pairs[q], r, o[2 * (r - i)], o[2 * (r - i) + 1]);
+      }
+    }
+  }
+}
+
+// Pass B over quantized rows: tiles of kTileRows consecutive down rows.
+template <typename T, int BITS>
+void quant_down_items(const QuantRows<T, BITS>& down, const std::vector<Item>& items, const ExpertGroups& g,
+                      int64_t begin, int64_t end, const float* act, int64_t ip, const float* asums, int64_t gsi,
+                      const float* w, bool round_product, float* y, int64_t hidden, QuantTileKernel kernel) {
+  QuantScratch sc;
+  const int64_t groups = down.groups(), chunks = (int64_t{1} << down.group_shift) / kLanes;
+  for (int64_t k = begin; k < end; ++k) {
+    const Item& it = items[k];
+    const int64_t count = it.end - it.begin;
+    const auto [pairs, n] = start_item(sc, g, it, 1, act, ip, asums, gsi, count, groups);
+    down.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
+    for (int64_t d = it.begin; d < it.end; d += kTileRows) {
+      const int64_t tile_end = std::min(d + kTileRows, it.end);
+      QuantTile tile;
+      for (int o = 0; o < kTileRows; ++o) {
+        const int64_t r = std::min(d + o, tile_end - 1);  // a short tile repeats its last row
+        tile.codes[o] = down.row_codes(it.expert, r);
+        tile.scales[o] = sc.scales.data() + (r - it.begin) * groups;
+        tile.biases[o] = sc.biases.data() + (r - it.begin) * groups;
+      }
+      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data());
+      for (int64_t q = 0; q < n; ++q)
+        for (int64_t r = d; r < tile_end; ++r)
+          store_weighted<T>(y, hidden, pairs[q], r, sc.out[q * kTileRows + (r - d)], w, round_product);
+    }
+  }
+}
+
+// Group lane sums of `count` rows of `cols` values (stride `stride`) into sums (`cols / group * kLanes` a row).
+inline void row_group_sums(int group_shift, const float* rows, int64_t count, int64_t cols, int64_t stride,
+                           std::vector<float>& sums) {
+  const int64_t per_row = (cols >> group_shift) * kLanes;
+  sums.resize(count * per_row);
+  at::parallel_for(0, count, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) group_lane_sums(rows + r * stride, cols, group_shift, sums.data() + r * per_row);
+  });
 }
 
 // The three passes over rows [t0, t1), with the expert matrices read through GU and DN (dense or
-// quantized rows).
+// quantized rows, both of one kind: the activations are stored in the order DN reads them, GU::place).
 template <typename T, typename GU, typename DN>
 void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t t0, int64_t t1, std::vector<float>& xf,
                std::vector<float>& act, std::vector<float>& y) {
+  static_assert(std::is_same_v<GU, DN>, "gate_up and down rows of one kind");
   const int64_t k = pr.top_k, H = pr.hidden, I = pr.inter;
   const int64_t hp = round_up(H, kLanes), ip = round_up(I, kLanes);
   const int64_t rows = t1 - t0, pairs = rows * k;
@@ -430,23 +631,34 @@ void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t 
   y.resize(pairs * H);
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      for (int64_t d = 0; d < H; ++d) xf[r * hp + d] = static_cast<float>(pr.x[(t0 + r) * H + d]);
+      for (int64_t d = 0; d < H; ++d) xf[r * hp + GU::place(d)] = static_cast<float>(pr.x[(t0 + r) * H + d]);
   });
   const ExpertGroups g = group_pairs(pr.ids + t0 * k, pairs, pr.experts);
   const float* w = pr.weights + t0 * k;
-  std::vector<float> xsums, asums;
-  row_group_sums(gate_up, xf.data(), rows, H, hp, xsums);
-  const int64_t gsp = rows > 0 && !xsums.empty() ? static_cast<int64_t>(xsums.size()) / rows : 0;
   const std::vector<Item> a_items = items_of(g.hit, I, kInterBlock);
-  at::parallel_for(0, static_cast<int64_t>(a_items.size()), 1, [&](int64_t b, int64_t e) {
-    gate_up_items<T>(gate_up, a_items, g, b, e, xf.data(), hp, xsums.data(), gsp, k, I, act.data(), ip);
-  });
-  row_group_sums(down, act.data(), pairs, I, ip, asums);
-  const int64_t gsi = pairs > 0 && !asums.empty() ? static_cast<int64_t>(asums.size()) / pairs : 0;
   const std::vector<Item> b_items = items_of(g.hit, H, kHiddenBlock);
-  at::parallel_for(0, static_cast<int64_t>(b_items.size()), 1, [&](int64_t b, int64_t e) {
-    down_items<T>(down, b_items, g, b, e, act.data(), ip, asums.data(), gsi, w, pr.round_product, y.data(), H);
-  });
+  const int64_t a_count = static_cast<int64_t>(a_items.size()), b_count = static_cast<int64_t>(b_items.size());
+  if constexpr (GU::kQuantized) {
+    const QuantTileKernel kernel = quant_tile_kernel<GU::kBits>();
+    std::vector<float> xsums, asums;
+    row_group_sums(gate_up.group_shift, xf.data(), rows, H, hp, xsums);
+    const int64_t gsp = (H >> gate_up.group_shift) * kLanes, gsi = (I >> down.group_shift) * kLanes;
+    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+      quant_gate_up_items(gate_up, a_items, g, b, e, xf.data(), hp, xsums.data(), gsp, k, I, act.data(), ip, kernel);
+    });
+    row_group_sums(down.group_shift, act.data(), pairs, I, ip, asums);
+    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+      quant_down_items(down, b_items, g, b, e, act.data(), ip, asums.data(), gsi, w, pr.round_product, y.data(), H,
+                       kernel);
+    });
+  } else {
+    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+      gate_up_items<T>(gate_up, a_items, g, b, e, xf.data(), hp, k, I, act.data(), ip);
+    });
+    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+      down_items<T>(down, b_items, g, b, e, act.data(), ip, w, pr.round_product, y.data(), H);
+    });
+  }
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* o = pr.out + (t0 + r) * H;
@@ -562,67 +774,40 @@ Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const 
   return out;
 }
 
-// hebrus::quantized_linear: out[t][o] = round(dot(W[o], x_t)) folded as the MoE kernel folds it (QuantRows,
-// tile_dots), so each output depends only on its own row of x. Work items are blocks of kLinearBlock outputs;
-// inside one, kLinearRows weight rows are read at a time against tiles of kPairTile rows of x, the weight rows
-// staged once into fp32 scratch when more than one tile reads them (the same values, so the same bits).
-constexpr int64_t kLinearRows = 4;    // weight rows per tile (independent sums in flight at decode)
+// hebrus::quantized_linear: out[t][o] = round(dot(W[o], x_t)) folded as the MoE kernel folds it (quant_tile_dots),
+// so each output depends only on its own row of x, however many rows come with it: a tile of kTileRows weight rows
+// reads each chunk of codes once for up to kTilePairs rows of x (the tile's codes then stay in L1 for the next rows).
+// Work items are blocks of kLinearBlock outputs, their scales and biases widened once.
 constexpr int64_t kLinearBlock = 64;  // outputs per work item
 
-template <typename T, typename W, int O>
-HEBRUS_INLINE void linear_rows(const W& w, const int64_t (&wrows)[O], const float* xf, const float* xsums,
-                               int64_t gs, int64_t rows, int64_t in, T* out, int64_t out_dim) {
-  int64_t t = 0;
-  auto store = [&](int64_t t0, int p, const float (&v)[O]) HEBRUS_LAMBDA_INLINE {
-    for (int o = 0; o < O; ++o) out[(t0 + p) * out_dim + wrows[o]] = static_cast<T>(v[o]);
-  };
-  for (; t + kPairTile <= rows; t += kPairTile) {
-    const float* xs[kPairTile];
-    const float* ss[kPairTile];
-    for (int64_t p = 0; p < kPairTile; ++p) {
-      xs[p] = xf + (t + p) * in;
-      ss[p] = xsums + (t + p) * gs;
-    }
-    float acc[kPairTile][O];
-    tile_dots<kPairTile, O>(w, 0, wrows, xs, ss, acc);
-    for (int p = 0; p < kPairTile; ++p) store(t, p, acc[p]);
+template <typename T, int BITS>
+void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t begin, int64_t end, const float* xf,
+                  const float* xsums, int64_t rows, T* out, int64_t out_dim) {
+  QuantScratch sc;
+  const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes, count = end - begin;
+  sc.x.resize(rows);
+  sc.xsums.resize(rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    sc.x[t] = xf + t * w.cols;
+    sc.xsums[t] = xsums + t * groups * kLanes;
   }
-  for (; t < rows; ++t) {
-    const float* xs[1] = {xf + t * in};
-    const float* ss[1] = {xsums + t * gs};
-    float acc[1][O];
-    tile_dots<1, O>(w, 0, wrows, xs, ss, acc);
-    store(t, 0, acc[0]);
-  }
-}
-
-template <typename T, typename W>
-HEBRUS_TEMPLATE_VECTOR_CLONES void linear_block(const W& w, int64_t begin, int64_t end, const float* xf,
-                                                const float* xsums, int64_t gs, int64_t rows, int64_t in, T* out,
-                                                int64_t out_dim) {
-  const bool staged = rows > kPairTile;
-  StageScratch scratch;
-  if (staged) scratch.reserve(kLinearRows, in);
-  // Outputs [o0, o0 + O); staged, they are scratch rows 0 .. O - 1, stored through out + o0.
-  auto run = [&](auto count, int64_t o0) HEBRUS_LAMBDA_INLINE {
-    constexpr int O = decltype(count)::value;
-    if (staged) {
-      int64_t local[O];
-      for (int o = 0; o < O; ++o) {
-        stage_row(w, 0, o0 + o, scratch.q.data(), scratch.sb.data(), o);
-        local[o] = o;
-      }
-      linear_rows<T>(StagedQuantRows{scratch.q.data(), scratch.sb.data(), O, in, w.group_shift}, local, xf, xsums,
-                     gs, rows, in, out + o0, out_dim);
-    } else {
-      int64_t wrows[O];
-      for (int o = 0; o < O; ++o) wrows[o] = o0 + o;
-      linear_rows<T>(w, wrows, xf, xsums, gs, rows, in, out, out_dim);
+  sc.out.resize(rows * kTileRows);
+  sc.scales.resize(count * groups);
+  sc.biases.resize(count * groups);
+  w.widen_params(0, begin, count, sc.scales.data(), sc.biases.data());
+  for (int64_t o0 = begin; o0 < end; o0 += kTileRows) {
+    const int64_t tile_end = std::min(o0 + kTileRows, end);
+    QuantTile tile;
+    for (int o = 0; o < kTileRows; ++o) {
+      const int64_t r = std::min(o0 + o, tile_end - 1);  // a short tile repeats its last row
+      tile.codes[o] = w.row_codes(0, r);
+      tile.scales[o] = sc.scales.data() + (r - begin) * groups;
+      tile.biases[o] = sc.biases.data() + (r - begin) * groups;
     }
-  };
-  int64_t o = begin;
-  for (; o + kLinearRows <= end; o += kLinearRows) run(std::integral_constant<int, kLinearRows>{}, o);
-  for (; o < end; ++o) run(std::integral_constant<int, 1>{}, o);
+    kernel(tile, sc.x.data(), sc.xsums.data(), rows, groups, chunks, sc.out.data());
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t o = o0; o < tile_end; ++o) out[t * out_dim + o] = static_cast<T>(sc.out[t * kTileRows + (o - o0)]);
+  }
 }
 
 Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& scales, const Tensor& biases,
@@ -639,21 +824,23 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
   auto run = [&](auto tag, auto bits_tag) {
     using T = decltype(tag);
     constexpr int B = decltype(bits_tag)::value;
-    const QuantRows<T, B> w{codes, sc.data_ptr<T>(), bi.data_ptr<T>(), sz.out, sz.in, shift};
+    using W = QuantRows<T, B>;
+    const W w{codes, sc.data_ptr<T>(), bi.data_ptr<T>(), sz.out, sz.in, shift};
+    const QuantTileKernel kernel = quant_tile_kernel<B>();
     const T* xp = xc.data_ptr<T>();
     T* op = out.data_ptr<T>();
     std::vector<float> xf, xsums;
-    const int64_t gs = (sz.in >> shift) * kLanes;
     for (int64_t t0 = 0; t0 < sz.rows; t0 += chunk) {
       const int64_t rows = std::min(sz.rows, t0 + chunk) - t0;
       xf.resize(rows * sz.in);
-      for (int64_t i = 0; i < rows * sz.in; ++i) xf[i] = static_cast<float>(xp[t0 * sz.in + i]);
-      row_group_sums(w, xf.data(), rows, sz.in, sz.in, xsums);
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t d = 0; d < sz.in; ++d) xf[t * sz.in + W::place(d)] = static_cast<float>(xp[(t0 + t) * sz.in + d]);
+      row_group_sums(shift, xf.data(), rows, sz.in, sz.in, xsums);
       const int64_t blocks = (sz.out + kLinearBlock - 1) / kLinearBlock;
       at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
         for (int64_t blk = b; blk < e; ++blk)
-          linear_block<T>(w, blk * kLinearBlock, std::min(sz.out, (blk + 1) * kLinearBlock), xf.data(),
-                          xsums.data(), gs, rows, sz.in, op + t0 * sz.out, sz.out);
+          linear_block<T>(w, kernel, blk * kLinearBlock, std::min(sz.out, (blk + 1) * kLinearBlock), xf.data(),
+                          xsums.data(), rows, op + t0 * sz.out, sz.out);
       });
     }
   };
@@ -695,6 +882,7 @@ Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor
 
 }  // namespace
 }  // namespace hebrus
+
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("moe_experts", &hebrus::moe_experts_cpu);

@@ -1,0 +1,114 @@
+"""The CPU kernels of the quantized ops (csrc/cpu/moe_kernels.cpp) give the folded dot product's exact bits
+(docs/quantization.md: per lane of 16 the group's q * x and x summed in ascending order, acc + (qx * s + xs * b),
+then reduce_lanes' pairwise tree) however the rows come: alone, in tiles of up to 4 rows of x against 4 weight rows,
+in a short last tile (weight rows or rows of x), for every bit width, group size and dtype, and on every CPU
+capability (AVX-512's table lookup of 4-bit codes, AVX2's 8-lane registers, the portable code)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hebrus_torch
+from hebrus_torch.moe.quantize import quantize, unpack
+from test_moe_quantized import quantized_inputs
+from test_quantized_linear import assert_same_bits_on_every_capability, linear_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LANES = 16
+
+
+def folded_bits(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int,
+                bits: int) -> torch.Tensor:
+    """x [T, in] @ W.T in the kernels' exact order, one fp32 operation at a time (torch's elementwise ops round
+    each to fp32), rounded to x's dtype: [T, out]."""
+    rows, n = x.shape
+    out_dim = wq.shape[0]
+    chunks = group // LANES
+    xv = x.float().reshape(rows, n // group, chunks, LANES)
+    qv = unpack(wq, bits).float().reshape(out_dim, n // group, chunks, LANES)
+    s, b = scales.float(), biases.float()
+    acc = torch.zeros(rows, out_dim, LANES)
+    for g in range(n // group):
+        qx = torch.zeros(rows, out_dim, LANES)
+        xs = torch.zeros(rows, LANES)
+        for c in range(chunks):
+            qx = qx + qv[None, :, g, c] * xv[:, None, g, c]
+            xs = xs + xv[:, g, c]
+        acc = acc + (qx * s[None, :, g, None] + xs[:, None, :] * b[None, :, g, None])
+    r = acc[..., :8] + acc[..., 8:]
+    r = r[..., :4] + r[..., 4:]
+    r = r[..., :2] + r[..., 2:]
+    return (r[..., 0] + r[..., 1]).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)])
+def test_quantized_linear_is_the_folded_order_bit_for_bit(dtype, bits, group):
+    """9 rows (tiles of 4, 4, 1) against 70 outputs (a block of 64, then 6: a full tile and a short one)."""
+    x, wq, s, b, _, _ = linear_inputs(9, 256, 70, dtype, bits, group, seed=bits * group + 1)
+    assert torch.equal(hebrus_torch.quantized_linear(x, wq, s, b, group, bits), folded_bits(x, wq, s, b, group, bits))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("rows", (1, 2, 3, 5, 7))
+def test_quantized_linear_short_tiles(bits, group, rows):
+    """Odd row counts (a tile of 2 or 1 after tiles of 4) and out dims 1..5 (one short tile of weight rows)."""
+    for out_dim in (1, 2, 3, 5):
+        x, wq, s, b, _, _ = linear_inputs(rows, 128, out_dim, torch.bfloat16, bits, group, seed=rows * 10 + out_dim)
+        assert torch.equal(hebrus_torch.quantized_linear(x, wq, s, b, group, bits),
+                           folded_bits(x, wq, s, b, group, bits)), out_dim
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_quantized_linear_chunk_invariance(bits, group):
+    """13 rows cut into consecutive pieces of every size 1..13: each row's bits are those of the whole batch."""
+    x, *rest = linear_inputs(13, 192, 37, torch.bfloat16, bits, group, seed=bits)
+    whole = hebrus_torch.quantized_linear(x, *rest)
+    for size in range(1, 14):
+        parts = [hebrus_torch.quantized_linear(x[t:t + size], *rest) for t in range(0, 13, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)])
+def test_moe_chunk_invariance(bits, group):
+    """11 rows over 3 experts (each expert about 7 pairs: tiles of 4, 2 and 1 rows of x in both passes) cut into
+    pieces of several sizes: the same bits."""
+    x, ids, w, *rest = quantized_inputs(11, 128, 128, 3, 2, torch.bfloat16, bits, group, seed=bits + group)
+    whole = hebrus_torch.moe_experts_quantized(x, ids, w, *rest)
+    for size in (1, 2, 3, 4, 5, 6, 11):
+        parts = [hebrus_torch.moe_experts_quantized(x[t:t + size], ids[t:t + size], w[t:t + size], *rest)
+                 for t in range(0, 11, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
+_CAPABILITY_SCRIPT = """
+import sys, torch, hebrus_torch
+sys.path.insert(0, sys.argv[2])
+from test_moe_quantized import quantized_inputs
+outs = {}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for bits, group in ((4, 32), (4, 128), (8, 64)):
+        for rows in (1, 6):
+            args = quantized_inputs(rows, 128, 128, 3, 2, dtype, bits, group, seed=rows + bits)
+            outs[f"{dtype} {bits} {rows}"] = hebrus_torch.moe_experts_quantized(*args)
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_moe_every_cpu_capability_gives_the_same_bits(tmp_path):
+    assert_same_bits_on_every_capability(tmp_path, _CAPABILITY_SCRIPT, os.path.join(ROOT, "tests"))
+
+
+def test_released_shape_rows_alone_and_in_a_batch():
+    """in_proj_qkv's input width (2560) at 4 bits / group 64: rows 0 and 5 of 6 alone equal the batch's."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 2560, generator=gen).bfloat16()
+    w = (torch.randn(40, 2560, generator=gen) * 2560 ** -0.5).bfloat16()
+    q = quantize(w, 4, 64)
+    whole = hebrus_torch.quantized_linear(x, *q, 64, 4)
+    assert torch.equal(whole, folded_bits(x, *q, 64, 4))
+    for t in (0, 5):
+        assert torch.equal(hebrus_torch.quantized_linear(x[t:t + 1], *q, 64, 4)[0], whole[t])
