@@ -55,6 +55,7 @@ def convert_child(llama_dir: str, model_dir: str, outfile: str) -> None:
         w.add_tokenizer_pre("whitespace")
         w.add_token_list([f"t{i}" for i in range(n)])
         w.add_token_types([1] * n)
+        w.add_token_merges(["t 0"])      # llama.cpp reads a "whitespace" vocabulary as BPE: it needs merges
         w.add_eos_token_id(int(self.hparams.get("eos_token_id") or 3))
         w.add_bos_token_id(int(self.hparams.get("bos_token_id") or 1))
 
