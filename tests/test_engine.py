@@ -21,6 +21,7 @@ import torch
 from hf_models import modeling, tiny_indexer_config  # noqa: E402  (skips without transformers)
 
 import hebrus_torch as ht
+from hebrus_torch.gdn import fused as gdn_fused_module
 from hebrus_torch.hc import premix as hc_premix_module
 from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
 
@@ -142,6 +143,21 @@ def row_invariant(monkeypatch):
         return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
     monkeypatch.setattr(hc_premix_module, "hc_premix", premix_rowwise)
+    # The fused GDN gates and gated norm run ATen's softplus / exp / sigmoid / SiLU inside their CPU kernels
+    # (the formulas' bits): their vectorised body and scalar tail differ by where an element sits, so they
+    # are run row by row here too.
+    for name in ("gdn_gates", "gdn_gated_rms_norm"):
+        fused = getattr(gdn_fused_module, name)
+
+        def fused_rowwise(x, paired, *args, _fused=fused):     # (a, b, ...) / (x, gate, ...): rows paired
+            if x.dim() != 2 or x.shape[0] <= 1:
+                return _fused(x, paired, *args)
+            rows = [_fused(x[i:i + 1], paired[i:i + 1], *args) for i in range(x.shape[0])]
+            if isinstance(rows[0], tuple):
+                return tuple(torch.cat(parts) for parts in zip(*rows))
+            return torch.cat(rows)
+
+        monkeypatch.setattr(gdn_fused_module, name, fused_rowwise)
 
 
 # ------------------------------------------------------------------------------------------ parity
