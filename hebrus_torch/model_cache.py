@@ -409,7 +409,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         self._backup = None
 
     def _txn_savepoint(self) -> tuple:
-        return (self.slots.generation.tolist(), self.slots.live.tolist(),
+        return (*self.slots.lists(),
                 {k: list(v) for k, v in self._snapshots.items()}, dict(self._origin))
 
     def _txn_restore(self, savepoint: tuple) -> None:

@@ -13,15 +13,10 @@ import torch.nn.functional as F
 
 from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
+from ..integrations.qwen4_exp.common import _modeling          # (transformers itself is imported lazily)
 from .ops import moe_experts, moe_route, moe_shared_expert
 
 __all__ = ["experts_unsupported", "routed_experts", "packed_moe", "route", "shared_expert_weights"]
-
-
-def _modeling():
-    from ..integrations.qwen4_exp.common import _modeling as modeling
-
-    return modeling()
 
 
 @torch.compiler.assume_constant_result

@@ -81,8 +81,8 @@ class _Transactions:
     def _savepoint(self) -> _Savepoint:
         txn = self._txn
         return _Savepoint(
-            log_len=len(txn.log), runs=dict(self._runs), generation=self.slots.generation.tolist(),
-            live=self.slots.live.tolist(), heads=(self._cell_head, self._row_head),
+            log_len=len(txn.log), runs=dict(self._runs), generation=list(self.slots._generation),
+            live=list(self.slots._live), heads=(self._cell_head, self._row_head),
             tensors={name: getattr(self, name) for name in _STATE_TENSORS},
             new_cells=list(txn.new_cells), pending=[list(p) for p in txn.pending], evict=dict(txn.evict),
             dtype=self.dtype)
@@ -123,8 +123,9 @@ class _Transactions:
         cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
         if cells is not None:
             live = cells[self.cell_ref[cells] > 0]
-            for layer in range(self.num_layers):
-                miss = live[self._unwritten[layer, live]]
+            unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
+            for layer in range(self.num_layers) if bool(unwritten.any()) else ():
+                miss = live[unwritten[layer]]
                 if miss.numel():
                     at = self._dev(miss)
                     for name in ("keys", "k_cache", "v_cache"):
