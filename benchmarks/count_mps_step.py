@@ -105,6 +105,10 @@ def per_layer(counts: StepCounts, layer_types: list[str], ple_layers: int) -> di
 def released_report(args) -> None:
     dtype = getattr(torch, args.dtype)
     model = released_structure_model(args.hidden, args.inter, dtype=dtype, layers=args.layers)
+    if args.quantize:
+        from hebrus_torch.convert.model import quantize_model
+
+        quantize_model(model, bits=args.quantize, group_size=32)     # (the converter's categories; tiny widths)
     layer_types = list(model.config.layer_types)
     runs = {}
     for batch in args.batches:
@@ -189,6 +193,8 @@ def main() -> None:
                         help="--released: requests decoding, comma-separated")
     parser.add_argument("--inter", type=int, default=64, help="--released: expert / shared-expert intermediate")
     parser.add_argument("--dtype", default="bfloat16", help="--released: weight dtype")
+    parser.add_argument("--quantize", type=int, choices=(4, 8), default=None,
+                        help="--released: the converter's weights quantized to this many bits (group 32)")
     parser.add_argument("--check-widths", action="store_true", help="--released: recount at twice the widths")
     parser.add_argument("--markdown", action="store_true", help="--released: RESULTS.md table rows")
     args = parser.parse_args()
