@@ -114,13 +114,19 @@ def last_logits(llm) -> "numpy.ndarray":
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
-def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[list[int], list[float]]:
+def open_llama(path: str, n_ctx: int, kv: str, logits_all: bool = False):
+    """A llama-cpp-python ``Llama`` of the GGUF at ``path`` on one thread, its KV cache ``kv`` ('f32' or 'f16')."""
     import llama_cpp
-    import numpy as np
 
     ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[kv]
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + new + 16, n_batch=512, n_threads=1,
-                          n_threads_batch=1, type_k=ggml, type_v=ggml, verbose=False)
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1,
+                           type_k=ggml, type_v=ggml, logits_all=logits_all, verbose=False)
+
+
+def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[list[int], list[float]]:
+    import numpy as np
+
+    llm = open_llama(path, len(prompt) + new + 16, kv)
     llm.eval(prompt)
     tokens, times = [int(np.argmax(last_logits(llm)))], []
     while len(tokens) < new:
@@ -133,12 +139,9 @@ def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[li
 
 def llamacpp_prompt_logits(path: str, prompt: list[int], kv: str) -> "numpy.ndarray":
     """llama.cpp's float32 logits ``[len(prompt), vocab]`` of every prompt position (one eval, ``logits_all``)."""
-    import llama_cpp
     import numpy as np
 
-    ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[kv]
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + 16, n_batch=512, n_threads=1, n_threads_batch=1,
-                          type_k=ggml, type_v=ggml, logits_all=True, verbose=False)
+    llm = open_llama(path, len(prompt) + 16, kv, logits_all=True)
     llm.eval(prompt)
     return np.array(llm.scores[:len(prompt)], dtype=np.float32)
 
