@@ -220,11 +220,11 @@ def main() -> None:
         f"fp32 weights. One request, a {args.prompt}-token random prompt, {args.new} greedy tokens; median decode step (CPU time) over "
         f"{args.repeat} decodes per path, interleaved (the prompt's step not counted); 'engine / this': the "
         f"engine's step over the row's. Tokens compared with transformers' greedy generate; 'prompt logits': the "
-        f"largest |difference| of llama.cpp's logits at the {args.prompt} prompt positions from transformers' "
-        f"(max |logit| {abs(ref_logits).max():.2f}).",
+        f"largest absolute difference of llama.cpp's logits at the {args.prompt} prompt positions from transformers' "
+        f"(largest absolute logit {abs(ref_logits).max():.2f}).",
         "",
         table(["path", "decode step (ms, median)", "tok/s", "engine / this", "tokens = transformers'",
-               "prompt logits: max |diff| vs transformers'"], rows),
+               "prompt logits: largest difference from transformers'"], rows),
     ]
     if why_not is not None:
         lines += ["", f"llama.cpp not measured: {why_not}. For comparison, {QUOTED}."]
