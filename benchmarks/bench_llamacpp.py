@@ -1,18 +1,23 @@
 """One person chatting: a 1-request greedy decode of the engine side by side with llama.cpp (issue 37).
 
 The model is the small random Qwen4Exp llama.cpp's converter takes (``profile_engine_decode.llamacpp_variant``:
-hidden 256, 4 layers, PLE on one layer with ``ple_embed_dim`` = hidden, sigmoid output gate, vocab 4096),
-fp32, one thread. One request of ``--prompt`` random tokens decodes ``--new`` tokens greedily (each step timed
-in CPU time of the process, which a shared machine's other jobs stretch far less than wall time; both paths
-run on this process's one thread):
+hidden 256, 4 layers, PLE on one layer with ``ple_embed_dim`` = hidden, sigmoid output gate, partial rotary 0.25
+written in the config, vocab 4096), fp32, one thread. One request of ``--prompt`` random tokens decodes ``--new``
+tokens greedily (each step timed in CPU time of the process, which a shared machine's other jobs stretch far
+less than wall time; both paths run on this process's one thread):
 
 - the engine (``Engine.step``; decode steps timed, the prefill step not),
-- llama.cpp through llama-cpp-python (``Llama.eval`` of one token per step and an argmax of its logits;
-  the prompt's eval not timed), F32 and F16 KV cache, where ``llama_cpp`` imports. The model is converted
-  with the converter of the llama.cpp tree given by ``--llama-cpp-dir`` (or ``$LLAMA_CPP_DIR``: the sdist's
-  ``vendor/llama.cpp``, which holds ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``); a random
-  model has no tokenizer, so the GGUF gets a stand-in vocabulary of 4096 named tokens (ids are fed directly).
+- llama.cpp through llama-cpp-python (``Llama.eval`` of one token per step and an argmax of its logits, read
+  from the context with ``llama_get_logits_ith``; the prompt's eval not timed), F32 and F16 KV cache, where
+  ``llama_cpp`` imports. The model is converted with the converter of the llama.cpp tree given by
+  ``--llama-cpp-dir`` (or ``$LLAMA_CPP_DIR``: the sdist's ``vendor/llama.cpp``, which holds
+  ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``); a random model has no tokenizer, so the GGUF gets
+  a stand-in vocabulary of 4096 named tokens (ids are fed directly, no BOS added).
 - transformers' ``generate`` (greedy), whose tokens both are checked against.
+
+That both compute the same function is checked, not assumed: each row counts its greedy tokens equal to
+transformers' (and says where the first one differs), and each llama.cpp row gives the largest difference of
+llama.cpp's logits of the prompt (``logits_all``, a separate context, not timed) from transformers'.
 
 Without llama-cpp-python the llama.cpp rows say so and give the figures issue 37 quotes, marked as quoted.
 Writes its RESULTS.md section unless ``--no-write``.
@@ -99,21 +104,53 @@ def engine_decode(model, prompt: list[int], new: int) -> tuple[list[int], list[f
     return list(engine.requests["r"].generated), times
 
 
-def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[list[int], list[float]]:
+def last_logits(llm) -> "numpy.ndarray":
+    """The float32 logits ``[vocab]`` of the last token ``llm`` evaluated, a view of llama.cpp's buffer (valid
+    until the next eval). Read from the context: without ``logits_all``, llama-cpp-python 0.3.36's ``eval`` no
+    longer copies them into ``Llama.scores``, which it leaves unwritten (an argmax of it is of garbage)."""
     import llama_cpp
     import numpy as np
 
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
+def open_llama(path: str, n_ctx: int, kv: str, logits_all: bool = False):
+    """A llama-cpp-python ``Llama`` of the GGUF at ``path`` on one thread, its KV cache ``kv`` ('f32' or 'f16')."""
+    import llama_cpp
+
     ggml = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[kv]
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + new + 16, n_batch=512, n_threads=1,
-                          n_threads_batch=1, type_k=ggml, type_v=ggml, verbose=False)
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=1, n_threads_batch=1,
+                           type_k=ggml, type_v=ggml, logits_all=logits_all, verbose=False)
+
+
+def llamacpp_decode(path: str, prompt: list[int], new: int, kv: str) -> tuple[list[int], list[float]]:
+    import numpy as np
+
+    llm = open_llama(path, len(prompt) + new + 16, kv)
     llm.eval(prompt)
-    tokens, times = [int(np.argmax(llm.scores[llm.n_tokens - 1]))], []
+    tokens, times = [int(np.argmax(last_logits(llm)))], []
     while len(tokens) < new:
         t0 = time.process_time()
         llm.eval([tokens[-1]])
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens.append(int(np.argmax(last_logits(llm))))
         times.append(time.process_time() - t0)
     return tokens, times
+
+
+def llamacpp_prompt_logits(path: str, prompt: list[int], kv: str) -> "numpy.ndarray":
+    """llama.cpp's float32 logits ``[len(prompt), vocab]`` of every prompt position (one eval, ``logits_all``)."""
+    import numpy as np
+
+    llm = open_llama(path, len(prompt) + 16, kv, logits_all=True)
+    llm.eval(prompt)
+    return np.array(llm.scores[:len(prompt)], dtype=np.float32)
+
+
+def agreement(tokens: list[int], ref: list[int]) -> str:
+    """'equal/total', and where the first token differs (0-based) if one does."""
+    same = sum(a == b for a, b in zip(tokens, ref))
+    first = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None)
+    return f"{same}/{len(ref)}" + ("" if first is None else f" (first differs at {first})")
 
 
 def main() -> None:
@@ -139,6 +176,8 @@ def main() -> None:
     with torch.inference_mode():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=args.new, min_new_tokens=args.new,
                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, args.prompt:].tolist()
+        ref_logits = model(torch.tensor([prompt]), use_cache=False).logits[0].float().numpy()
+    logit_diff: dict[str, float] = {}
     runs: dict[str, tuple[list[int], list[float]]] = {}
     engine_decode(model, prompt, 4)                                           # warm up
     paths = {"hebrus_torch engine": lambda: engine_decode(model, prompt, args.new)}
@@ -154,7 +193,9 @@ def main() -> None:
         try:
             gguf = to_gguf(model, args.llama_cpp_dir, work)
             for kv in ("f32", "f16"):
-                paths[f"llama.cpp, {kv.upper()} KV"] = lambda kv=kv: llamacpp_decode(gguf, prompt, args.new, kv)
+                name = f"llama.cpp, {kv.upper()} KV"
+                paths[name] = lambda kv=kv: llamacpp_decode(gguf, prompt, args.new, kv)
+                logit_diff[name] = float(abs(llamacpp_prompt_logits(gguf, prompt, kv) - ref_logits).max())
         except Exception as err:  # noqa: BLE001 - reported in the results
             why_not = f"conversion failed: {err}"
     for _ in range(args.repeat):                      # interleaved: a slow spell of the machine hits every path
@@ -168,19 +209,22 @@ def main() -> None:
     rows = []
     for name, (tokens, times) in runs.items():
         step = statistics.median(times)
-        same = sum(a == b for a, b in zip(tokens, ref))
+        diff = f"{logit_diff[name]:.1e}" if name in logit_diff else "-"
         rows.append([name, f"{step * 1e3:.2f}", f"{1 / step:.0f}", f"{engine_step / step:.2f}",
-                     f"{same}/{args.new}"])
+                     agreement(tokens, ref), diff])
     load = os.getloadavg()
     lines = [
         f"Machine: {machine()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. Model: the llama.cpp-"
         f"convertible small random Qwen4Exp (hidden 256, 4 layers: linear, indexed, linear, indexed; PLE on "
-        f"layer 0 with ple_embed_dim 256; sigmoid output gate; 8 experts top-2; vocab 4096), fp32 weights. One "
-        f"request, a {args.prompt}-token random prompt, {args.new} greedy tokens; median decode step (CPU time) over "
+        f"layer 0 with ple_embed_dim 256; sigmoid output gate; partial rotary 0.25; 8 experts top-2; vocab 4096), "
+        f"fp32 weights. One request, a {args.prompt}-token random prompt, {args.new} greedy tokens; median decode step (CPU time) over "
         f"{args.repeat} decodes per path, interleaved (the prompt's step not counted); 'engine / this': the "
-        f"engine's step over the row's. Tokens compared with transformers' greedy generate.",
+        f"engine's step over the row's. Tokens compared with transformers' greedy generate; 'prompt logits': the "
+        f"largest absolute difference of llama.cpp's logits at the {args.prompt} prompt positions from transformers' "
+        f"(largest absolute logit {abs(ref_logits).max():.2f}).",
         "",
-        table(["path", "decode step (ms, median)", "tok/s", "engine / this", "tokens = transformers'"], rows),
+        table(["path", "decode step (ms, median)", "tok/s", "engine / this", "tokens = transformers'",
+               "prompt logits: largest difference from transformers'"], rows),
     ]
     if why_not is not None:
         lines += ["", f"llama.cpp not measured: {why_not}. For comparison, {QUOTED}."]

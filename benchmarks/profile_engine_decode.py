@@ -48,12 +48,21 @@ CLOCK = time.process_time
 """The process's CPU time (one thread): a shared machine's other jobs stretch wall time, far less this."""
 
 
+LLAMACPP_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+"""The variant's rotary settings. The partial rotary factor must be in the config: llama.cpp's converter
+(``conversion/qwen.py``, ``Qwen3NextModel.set_gguf_parameters``) writes ``rope.dimension_count`` as head_dim
+times ``rope_parameters.get("partial_rotary_factor", 0.25)``, transformers' Qwen4Exp rotary defaults to 1.0: a
+config without it rotates all 64 dimensions in transformers and 16 in llama.cpp. 0.25 is the released model's."""
+
+
 def llamacpp_variant(seed: int = 0) -> torch.nn.Module:
     """bench_engine's small random Qwen4Exp changed to what llama.cpp's converter takes: PLE on one layer
-    (decoder layer 0), ``ple_embed_dim`` = hidden (256), the linear attention's output gate a sigmoid."""
+    (decoder layer 0), ``ple_embed_dim`` = hidden (256), the linear attention's output gate a sigmoid, and
+    the rotary factor written out (:data:`LLAMACPP_ROPE`), so that llama.cpp computes the same function."""
     from bench_engine import small_model
 
-    return small_model(seed, ple_layer_ids=[1], ple_embed_dim=256, output_gate_type="sigmoid")
+    return small_model(seed, ple_layer_ids=[1], ple_embed_dim=256, output_gate_type="sigmoid",
+                       rope_parameters=dict(LLAMACPP_ROPE))
 
 
 class _CpuClock:
