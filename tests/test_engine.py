@@ -329,6 +329,41 @@ def test_a_one_token_difference_is_never_shared():
 
 
 # ------------------------------------------------------------------------------------------ faults
+def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
+    """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule") or the
+    engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
+    bitwise). Returns the call counter ``{"n": calls so far}``."""
+    calls = {"n": 0}
+
+    def fault(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == k:
+            raise RuntimeError(f"injected fault at call {k}")
+
+    if target == "hook":
+        engine._fault_hook = lambda plan: fault()
+    else:
+        holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa, "delta_rule": engine.cache.gdn}[target]
+        name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]
+        original = getattr(holder, name)
+
+        def faulty(*args, _orig=original, **kwargs):
+            fault()
+            return _orig(*args, **kwargs)
+        monkeypatch.setattr(holder, name, faulty)
+    execute = engine.runner.execute
+
+    def checked(*args, _exec=execute):
+        before = engine.cache.digest()
+        try:
+            return _exec(*args)
+        except RuntimeError:
+            assert engine.cache.digest() == before      # rolled back bitwise
+            raise
+    engine.runner.execute = checked
+    return calls
+
+
 @pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
 def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
     model = make_model("lin-idx", seed=7)
@@ -336,36 +371,7 @@ def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(t
     clean, _ = run_engine(model, prompts, max_batch_tokens=7)
     for k in range(1, 12, 3):
         engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
-        calls = {"n": 0}
-        digests = []
-
-        def fault(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == k:
-                raise RuntimeError(f"injected fault at call {k}")
-
-        if target == "hook":
-            engine._fault_hook = lambda plan: (digests.append(engine.cache.digest()), fault())
-        else:
-            holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa,
-                      "delta_rule": engine.cache.gdn}[target]
-            name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]
-            original = getattr(holder, name)
-
-            def faulty(*args, _orig=original, **kwargs):
-                fault()
-                return _orig(*args, **kwargs)
-            monkeypatch.setattr(holder, name, faulty)
-            execute = engine.runner.execute
-
-            def checked(*args, _exec=execute):
-                before = engine.cache.digest()
-                try:
-                    return _exec(*args)
-                except RuntimeError:
-                    assert engine.cache.digest() == before      # rolled back bitwise
-                    raise
-            engine.runner.execute = checked
+        calls = inject_fault(engine, target, k, monkeypatch)
         for i, p in enumerate(prompts):
             engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)
         engine.run()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_engine import (EOS, SHAPES, eager_experts, make_model, prompts_for, reference_tokens,  # noqa: F401
+from test_engine import (EOS, SHAPES, eager_experts, inject_fault, make_model, prompts_for, reference_tokens,  # noqa: F401
                          row_invariant)
 
 from hebrus_torch import HebrusError
@@ -334,35 +334,7 @@ def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_req
         directory = tmp_path / f"k{k}"
         shutil.copytree(warm, directory)
         engine = Engine(model, EngineConfig(**dict(CFG, max_batch_tokens=7), prompt_cache_dir=directory))
-        calls = {"n": 0}
-
-        def fault(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == k:
-                raise RuntimeError(f"injected fault at call {k}")
-
-        if target == "hook":
-            engine._fault_hook = lambda plan: fault()
-        else:
-            holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa,
-                      "delta_rule": engine.cache.gdn}[target]
-            name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]
-            original = getattr(holder, name)
-
-            def faulty(*args, _orig=original, **kwargs):
-                fault()
-                return _orig(*args, **kwargs)
-            monkeypatch.setattr(holder, name, faulty)
-        execute = engine.runner.execute
-
-        def checked(*args, _exec=execute):
-            before = engine.cache.digest()
-            try:
-                return _exec(*args)
-            except RuntimeError:
-                assert engine.cache.digest() == before      # rolled back bitwise
-                raise
-        engine.runner.execute = checked
+        calls = inject_fault(engine, target, k, monkeypatch)
         for i, p in enumerate(turn2):
             engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)
         engine.run()
