@@ -90,7 +90,10 @@ def run_engine(model, prompts, max_new_tokens=6, order=None, **config) -> tuple[
     order = order if order is not None else range(len(prompts))
     for i in order:
         engine.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=max_new_tokens, eos_token_id=EOS)
-    engine.run()
+    try:
+        engine.run()
+    finally:
+        engine.close()          # (its PLE prefetch worker, where it has one, stops here, not at collection)
     tokens = {rid: req.generated for rid, req in engine.requests.items()}
     assert all(req.status is RequestStatus.FINISHED for req in engine.requests.values())
     return tokens, states
