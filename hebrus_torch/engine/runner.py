@@ -27,8 +27,6 @@ from .logits_layout import LogitsLayout
 
 __all__ = ["ModelRunner", "find_text_model"]
 
-"""What ``_timed`` / ``_part`` give when nothing times or names the parts (reentrant: one instance serves all)."""
-
 
 class ModelRunner:
     """Runs packed steps of a transformers Qwen4Exp model over one ``ModelCache``.

@@ -55,6 +55,7 @@ def find_text_model(model: torch.nn.Module, who: str = "engine") -> torch.nn.Mod
 
 
 _NO_PART = contextlib.nullcontext()
+"""What ``_timed`` / ``_part`` give when nothing times or names the parts (reentrant: one instance serves all)."""
 
 
 def _untimed(part: str) -> ContextManager:
