@@ -342,3 +342,19 @@ def test_other_quantized_shared_experts_run_as_modules(monkeypatch, change):
         torch.testing.assert_close(block.packed_moe(mlp, x, fused=True), mlp(x[None])[0], atol=1e-5, rtol=1e-5)
         assert block.shared_expert_quantized_weights(sh, x) is None
     assert calls == []
+
+
+def test_packed_moe_with_the_quantized_shared_expert_op_compiles_fullgraph(monkeypatch):
+    """The selection of the fused tail (module types, bits / group sizes, autograd) traces without a graph break."""
+    calls = []
+    real = block.moe_shared_expert_quantized
+    monkeypatch.setattr(block, "moe_shared_expert_quantized", lambda *a: calls.append(1) or real(*a))
+    mlp, x = quantized_block(torch.float32, 4, 32)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = block.packed_moe(mlp, x, True)
+            got = torch.compile(lambda v: block.packed_moe(mlp, v, True), fullgraph=True, backend="aot_eager")(x)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want) and len(calls) >= 2
