@@ -114,6 +114,12 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "moe_shared_expert(Tensor x, Tensor routed, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor gate) -> Tensor");
+  // moe_shared_expert with the three projections affine-quantized (the format of quantized_linear, one
+  // group_size / bits for all three): each projection is quantized_linear's (codes, scales, biases).
+  m.def(
+      "moe_shared_expert_quantized(Tensor x, Tensor routed, Tensor gate_proj_q, Tensor gate_proj_scales, "
+      "Tensor gate_proj_biases, Tensor up_proj_q, Tensor up_proj_scales, Tensor up_proj_biases, Tensor down_proj_q, "
+      "Tensor down_proj_scales, Tensor down_proj_biases, Tensor gate, int group_size, int bits) -> Tensor");
 }
 
 namespace {
@@ -180,6 +186,7 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   m.impl("gdn_chunk_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
   m.impl("moe_route", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_shared_expert", torch::autograd::autogradNotImplementedFallback());
+  m.impl("moe_shared_expert_quantized", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <utility>
 
 #include "hebrus_check.h"
@@ -172,6 +173,20 @@ inline MoeRouteSizes check_moe_route_args(const at::Tensor& logits, const at::Te
   return {T, E, top_k, S};
 }
 
+// 2-D tensors of the shapes the checks derived, in order: "hebrus::<op>: <name> must have shape (r, c), got ...".
+struct ShapeWant {
+  const char* name;
+  const at::Tensor* t;
+  int64_t rows, cols;
+};
+
+inline void check_shapes_2d(const char* op, std::initializer_list<ShapeWant> wants) {
+  for (const auto& w : wants) {
+    HEBRUS_CHECK(w.t->size(0) == w.rows && w.t->size(1) == w.cols, HebrusError, "hebrus::", op, ": ", w.name,
+                 " must have shape (", w.rows, ", ", w.cols, "), got ", shape_str(w.t->sizes()));
+  }
+}
+
 // hebrus::moe_shared_expert (issue 37): x [T, H] float; routed [T, H], gate_proj / up_proj [I, H], down_proj
 // [H, I] and gate [T, 1], all in x's dtype; I >= 1. Same order and messages as hebrus_torch/moe/checks.py
 // (check_moe_shared_expert).
@@ -191,18 +206,56 @@ inline MoeSharedSizes check_moe_shared_expert_args(const at::Tensor& x, const at
     check_same_dtype(op, *t, name, x, "x");
   }
   const int64_t T = x.size(0), H = x.size(1), I = gate_proj.size(0);
-  const struct {
-    const char* name;
-    const at::Tensor* t;
-    int64_t rows, cols;
-  } shapes[] = {{"routed", &routed, T, H}, {"gate_proj", &gate_proj, I, H}, {"up_proj", &up_proj, I, H},
-                {"down_proj", &down_proj, H, I}, {"gate", &gate, T, 1}};
   HEBRUS_CHECK(I >= 1, HebrusError, "hebrus::moe_shared_expert: gate_proj must have I >= 1 rows, got shape ",
                shape_str(gate_proj.sizes()));
-  for (const auto& sh : shapes) {
-    HEBRUS_CHECK(sh.t->size(0) == sh.rows && sh.t->size(1) == sh.cols, HebrusError, "hebrus::moe_shared_expert: ",
-                 sh.name, " must have shape (", sh.rows, ", ", sh.cols, "), got ", shape_str(sh.t->sizes()));
+  check_shapes_2d(op, {{"routed", &routed, T, H}, {"gate_proj", &gate_proj, I, H}, {"up_proj", &up_proj, I, H},
+                       {"down_proj", &down_proj, H, I}, {"gate", &gate, T, 1}});
+  return {T, H, I};
+}
+
+// hebrus::moe_shared_expert_quantized (issue 37): moe_shared_expert with its three projections affine-quantized
+// (hebrus_torch/moe/quantize.py; one bits / group_size for all three): <proj>_q [out, in * bits / 32] int32,
+// <proj>_scales / <proj>_biases [out, in / group_size] in x's dtype, gate_proj / up_proj [I, H], down_proj
+// [H, I]; H and I multiples of group_size. Same order and messages as hebrus_torch/moe/checks.py
+// (check_moe_shared_expert_quantized).
+inline MoeSharedSizes check_moe_shared_expert_quantized_args(
+    const at::Tensor& x, const at::Tensor& routed, const at::Tensor& gate_proj_q, const at::Tensor& gate_proj_scales,
+    const at::Tensor& gate_proj_biases, const at::Tensor& up_proj_q, const at::Tensor& up_proj_scales,
+    const at::Tensor& up_proj_biases, const at::Tensor& down_proj_q, const at::Tensor& down_proj_scales,
+    const at::Tensor& down_proj_biases, const at::Tensor& gate, int64_t group_size, int64_t bits) {
+  const char* op = "moe_shared_expert_quantized";
+  const char* pre = "hebrus::moe_shared_expert_quantized: ";
+  check_quant_format(op, x, group_size, bits);
+  check_kinds(op, {{"gate_proj_q", &gate_proj_q, 2, at::kInt},
+                   {"up_proj_q", &up_proj_q, 2, at::kInt},
+                   {"down_proj_q", &down_proj_q, 2, at::kInt}});
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"routed", &routed},
+                                {"gate_proj_scales", &gate_proj_scales}, {"gate_proj_biases", &gate_proj_biases},
+                                {"up_proj_scales", &up_proj_scales}, {"up_proj_biases", &up_proj_biases},
+                                {"down_proj_scales", &down_proj_scales}, {"down_proj_biases", &down_proj_biases},
+                                {"gate", &gate}}) {
+    check_dims(op, *t, 2, name);
+    check_same_dtype(op, *t, name, x, "x");
   }
+  const int64_t T = x.size(0), H = x.size(1), I = gate_proj_q.size(0), per_word = 32 / bits;
+  HEBRUS_CHECK(I >= 1, HebrusError, pre, "gate_proj_q must have I >= 1 rows, got shape ",
+               shape_str(gate_proj_q.sizes()));
+  HEBRUS_CHECK(H % group_size == 0, HebrusError, pre, "H = x.shape[1] = ", H, " must be a multiple of group_size ",
+               group_size);
+  HEBRUS_CHECK(I % group_size == 0, HebrusError, pre, "I = gate_proj_q.shape[0] = ", I,
+               " must be a multiple of group_size ", group_size);
+  const int64_t hg = H / group_size, ig = I / group_size;
+  check_shapes_2d(op, {{"routed", &routed, T, H},
+                       {"gate_proj_q", &gate_proj_q, I, H / per_word},
+                       {"gate_proj_scales", &gate_proj_scales, I, hg},
+                       {"gate_proj_biases", &gate_proj_biases, I, hg},
+                       {"up_proj_q", &up_proj_q, I, H / per_word},
+                       {"up_proj_scales", &up_proj_scales, I, hg},
+                       {"up_proj_biases", &up_proj_biases, I, hg},
+                       {"down_proj_q", &down_proj_q, H, I / per_word},
+                       {"down_proj_scales", &down_proj_scales, H, ig},
+                       {"down_proj_biases", &down_proj_biases, H, ig},
+                       {"gate", &gate, T, 1}});
   return {T, H, I};
 }
 

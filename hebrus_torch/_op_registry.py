@@ -153,6 +153,12 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "moe_shared_expert(Tensor x, Tensor routed, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
            "Tensor gate) -> Tensor",
            reference.moe_shared_expert, _CPU_MPS),
+    OpSpec("moe_shared_expert_quantized",
+           "moe_shared_expert_quantized(Tensor x, Tensor routed, Tensor gate_proj_q, Tensor gate_proj_scales, "
+           "Tensor gate_proj_biases, Tensor up_proj_q, Tensor up_proj_scales, Tensor up_proj_biases, "
+           "Tensor down_proj_q, Tensor down_proj_scales, Tensor down_proj_biases, Tensor gate, int group_size, "
+           "int bits) -> Tensor",
+           reference.moe_shared_expert_quantized, _CPU_MPS),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

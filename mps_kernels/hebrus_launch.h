@@ -140,7 +140,7 @@ static_assert(sizeof(GdnGatedNormParams) == 4 * 8, "GdnGatedNormParams: 2 x 64-b
 static_assert(sizeof(HcPremixParams) == 6 * 8, "HcPremixParams: 5 x 64-bit, float, pad");
 static_assert(sizeof(HcPostCombineParams) == 3 * 8, "HcPostCombineParams: 3 x 64-bit");
 static_assert(sizeof(MoeRouteParams) == 5 * 8, "MoeRouteParams: 4 x 64-bit, 2 x 32-bit");
-static_assert(sizeof(MoeSharedParams) == 4 * 8, "MoeSharedParams: 4 x 64-bit");
+static_assert(sizeof(MoeSharedParams) == 5 * 8, "MoeSharedParams: 5 x 64-bit");
 
 // dispatchThreads(threads) in threadgroups of `group` threads; threads == 0 means nothing to launch.
 struct Dispatch {
@@ -678,21 +678,24 @@ inline MoeRoutePlan plan_moe_route(int64_t rows, int64_t experts, int64_t top_k,
   return plan;
 }
 
-// ---- moe_shared_expert (issue 37) ----------------------------------------------------------------------
-// Two launches of half SIMD-groups (moe_experts' layout): act over (row, i), down over (row, d).
+// ---- moe_shared_expert, moe_shared_expert_quantized (issue 37) -------------------------------------------
+// Two launches of half SIMD-groups (moe_experts' layout): act over (row, i), down over (row, d); group_size 0
+// for dense projections.
 struct MoeSharedPlan {
   MoeSharedParams params{};
   Dispatch act, down;
   const char* error = nullptr;
 };
 
-inline MoeSharedPlan plan_moe_shared_expert(int64_t rows, int64_t hidden, int64_t inter, int64_t gate_stride) {
+inline MoeSharedPlan plan_moe_shared_expert(int64_t rows, int64_t hidden, int64_t inter, int64_t gate_stride,
+                                            int64_t group_size = 0) {
   MoeSharedPlan plan;
   MoeSharedParams& p = plan.params;
   p.rows = rows;
   p.hidden = hidden;
   p.inter = inter;
   p.gate_stride = gate_stride;
+  p.group_size = group_size;
   const uint64_t act = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(inter));
   const uint64_t down = moe_half_simd_threads(static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden));
   if (act > kMaxThreads || down > kMaxThreads) plan.error = "more than 2^32-1 threads (T * max(I, H) * 16)";

@@ -323,11 +323,13 @@ struct MoeRouteParams {
   hebrus_i32 pad0;
 };
 
-// hebrus::moe_shared_expert (issue 37). Threads: half SIMD-groups (HEBRUS_MOE_LANES lanes), one per (row,
-// intermediate output) in the act launch and one per (row, hidden output) in the down launch.
+// hebrus::moe_shared_expert and moe_shared_expert_quantized (issue 37). Threads: half SIMD-groups
+// (HEBRUS_MOE_LANES lanes), one per (row, intermediate output) in the act launch and one per (row, hidden
+// output) in the down launch.
 struct MoeSharedParams {
   hebrus_i64 rows;         // T
   hebrus_i64 hidden;       // H
   hebrus_i64 inter;        // I
   hebrus_i64 gate_stride;  // elements between the gates of consecutive rows
+  hebrus_i64 group_size;   // the quantized projections' group size (0: dense projections)
 };

@@ -1,7 +1,8 @@
 #pragma once
-// What the moe_experts kernels (moe_experts.metal, moe_experts_quantized.metal) share: the CPU kernels'
-// silu, the rounding to the storage type, the half-SIMD-group reduction in the CPU kernels' order, the
-// grouped path's tile staging and lane sums, and the sum over each row's slots (instantiated in
+// What the moe_experts kernels (moe_experts.metal, moe_experts_quantized.metal; moe_shared_expert.metal too)
+// share: the CPU kernels' silu, the rounding to the storage type, the half-SIMD-group reduction in the CPU
+// kernels' order, the grouped path's tile staging and lane sums, the quantized codes and their group fold, and
+// the sum over each row's slots (instantiated in
 // moe_experts.metal with the route kernel; the quantized op launches both from there).
 #include "hebrus_metal_common.h"
 
@@ -141,3 +142,51 @@ template <typename T>
   out[t * p.hidden + d] = static_cast<T>(s);
 }
 
+// ---- affine-quantized weights (moe_experts_quantized.metal, moe_shared_expert.metal) -------------------------
+
+// The code of value d of a quantized row.
+template <int BITS>
+inline uint hebrus_moe_code_bits(device const uint* codes, long d) {
+  const long per_word = 32 / BITS;
+  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
+}
+
+// The code of value d of a quantized row, as a float.
+template <int BITS>
+inline float hebrus_moe_code(device const uint* codes, long d) {
+  return float(hebrus_moe_code_bits<BITS>(codes, d));
+}
+
+// acc + (qx * s + xs * b): one group of a folded dot product (s, b the group's scale and bias).
+template <typename T>
+inline float hebrus_moe_fold(float acc, float qx, float xs, device const T* scales, device const T* biases, long g) {
+  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));
+}
+
+// The rows of an affine-quantized matrix W [rows, cols] (codes [rows, cols * BITS / 32], scales / biases
+// [rows, cols / group_size] of T; cols a multiple of group_size): dot(r, v, l) is lane l's part of W[r] . v,
+// folded per group as the CPU kernels fold it (the lane's values d = l, l + 16, ... of each group in ascending
+// order, then hebrus_moe_fold). quantized_linear's and moe_shared_expert_quantized's weight reads.
+template <int BITS, typename T>
+struct HebrusMoeQuantRows {
+  device const uint* codes;
+  device const T* scales;
+  device const T* biases;
+  long cols, group_size;
+
+  template <typename V>
+  float dot(long r, device const V* v, long l) const {
+    const long words = cols * BITS / 32, groups = cols / group_size;
+    float acc = 0.0f;
+    for (long g0 = 0; g0 < cols; g0 += group_size) {
+      float qx = 0.0f, xs = 0.0f;
+      for (long d = g0 + l; d < g0 + group_size; d += HEBRUS_MOE_LANES) {
+        const float xv = static_cast<float>(v[d]);
+        qx = qx + hebrus_moe_code<BITS>(codes + r * words, d) * xv;
+        xs = xs + xv;
+      }
+      acc = hebrus_moe_fold(acc, qx, xs, scales + r * groups, biases + r * groups, g0 / group_size);
+    }
+    return acc;
+  }
+};

@@ -10,25 +10,6 @@
 // library also holds hebrus::quantized_linear's kernel (the same fold and lane order, one launch).
 #include "moe_experts.h"
 
-// The code of value d of a quantized row.
-template <int BITS>
-inline uint hebrus_moe_code_bits(device const uint* codes, long d) {
-  const long per_word = 32 / BITS;
-  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
-}
-
-// The code of value d of a quantized row, as a float.
-template <int BITS>
-inline float hebrus_moe_code(device const uint* codes, long d) {
-  return float(hebrus_moe_code_bits<BITS>(codes, d));
-}
-
-// acc + (qx * s + xs * b): one group of a folded dot product (s, b the group's scale and bias).
-template <typename T>
-inline float hebrus_moe_fold(float acc, float qx, float xs, device const T* scales, device const T* biases, long g) {
-  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));
-}
-
 // ---- the grouped (prefill) path: the tile machinery of moe_experts.h over codes ---------------------------
 
 // The codes of inputs [k0, k0 + TILE_K) of weight rows base + o0 + c, c < TILE_COLS (rows of `width` values,
@@ -286,21 +267,8 @@ template <int BITS, typename T>
   const long l = long(lane % HEBRUS_MOE_LANES);
   const long t = item / p.out, o = item % p.out;
   const bool valid = t < p.rows;
-  float acc = 0.0f;
-  if (valid) {
-    const long words = p.in * BITS / 32, groups = p.in / p.group_size;
-    device const T* xr = x + t * p.in;
-    for (long g0 = 0; g0 < p.in; g0 += p.group_size) {
-      float qx = 0.0f, xs = 0.0f;
-      for (long d = g0 + l; d < g0 + p.group_size; d += HEBRUS_MOE_LANES) {
-        const float xv = static_cast<float>(xr[d]);
-        qx = qx + hebrus_moe_code<BITS>(wq + o * words, d) * xv;
-        xs = xs + xv;
-      }
-      acc = hebrus_moe_fold(acc, qx, xs, scales + o * groups, biases + o * groups, g0 / p.group_size);
-    }
-  }
-  acc = hebrus_moe_reduce(acc);
+  const HebrusMoeQuantRows<BITS, T> w{wq, scales, biases, p.in, p.group_size};
+  const float acc = hebrus_moe_reduce(valid ? w.dot(o, x + t * p.in, l) : 0.0f);
   if (valid && l == 0) {
     out[t * p.out + o] = static_cast<T>(acc);
   }

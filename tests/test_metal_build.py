@@ -49,7 +49,9 @@ EXPECTED = {
     "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
     "sigmoid_gate": {f"sigmoid_gate_{t}" for t in TYPES},
     "moe_route": {f"moe_route_{t}" for t in TYPES},
-    "moe_shared_expert": {f"moe_shared_expert_{k}_{t}" for k in ("act", "down") for t in TYPES},
+    "moe_shared_expert": {*(f"moe_shared_expert_{k}_{t}" for k in ("act", "down") for t in TYPES),
+                          *(f"moe_shared_expert_quantized_{k}_{q}_{t}" for k in ("act", "down") for q in ("q4", "q8")
+                            for t in TYPES)},
 }
 # The op of a kernel file whose stem is not the op's name.
 CHECK_KERNELS = {"ple_conv_check_cu", "ple_ngram_ids_check_cu", "ple_conv_slots_check", "ple_ngram_ids_slots_check",
@@ -60,6 +62,9 @@ VARIANTS = {
     "qsa_attention": tuple(f"h{h}_d{d}" for h in (1, 2, 4, 8) for d in (64, 128, 256)),
     "gdn_delta_rule": ("k32", "k64", "k128", "k256"),
     "moe_experts_quantized": ("q4", "q8"),
+    # (an op's own entry, where one file holds kernels with and without variants)
+    "moe_shared_expert_quantized_act": ("q4", "q8"),
+    "moe_shared_expert_quantized_down": ("q4", "q8"),
 }
 # Files holding the kernels of several ops (one templated body): the ops, as the host names them.
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
@@ -71,7 +76,8 @@ FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
                                       "moe_experts_quantized_act_grouped", "moe_experts_quantized_down_grouped",
                                       "quantized_linear", "quantized_linear_tiled"),
             "hc_premix": ("hc_premix_low", "hc_premix_mix", "hc_post_combine"),
-            "moe_shared_expert": ("moe_shared_expert_act", "moe_shared_expert_down")}
+            "moe_shared_expert": ("moe_shared_expert_act", "moe_shared_expert_down", "moe_shared_expert_quantized_act",
+                                  "moe_shared_expert_quantized_down")}
 # The glue function whose make_launch calls build a file's launches, and the kernels they bind, in order (a list
 # of them for a file whose kernels several glue functions launch).
 GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots", "gdn_delta_rule")),
@@ -88,7 +94,9 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
                                      ("quantized_linear", ("quantized_linear",))],
            "hc_premix": [("hc_premix", ("hc_premix_low", "hc_premix_mix")),
                          ("hc_post_combine", ("hc_post_combine",))],
-           "moe_shared_expert": ("moe_shared_expert", ("moe_shared_expert_act", "moe_shared_expert_down"))}
+           "moe_shared_expert": [("moe_shared_expert", ("moe_shared_expert_act", "moe_shared_expert_down")),
+                                 ("moe_shared_expert_quantized", ("moe_shared_expert_quantized_act",
+                                                                  "moe_shared_expert_quantized_down"))]}
 
 
 def stem(path: str) -> str:
@@ -103,11 +111,10 @@ def test_every_op_has_a_kernel_file():
 def test_builds_with_gxx_and_names_match_the_host_helper(path):
     names = set(hebrus_emu.module(stem(path)).kernels)
     assert names == EXPECTED[stem(path)]
-    variants = VARIANTS.get(stem(path), ("",))
     ids = stem(path) in ("ple_ngram_ids", "ple_ngram_ids_slots", "qsa_token_cells")
     dtypes = [hebrus_emu.torch.int64] if ids else list(hebrus_emu.METAL_TYPE)[:3]
-    host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),)) for v in variants
-            for d in dtypes}
+    host = {hebrus_emu.kernel_name(op, v, d) for op in FILE_OPS.get(stem(path), (stem(path),))
+            for v in VARIANTS.get(op, VARIANTS.get(stem(path), ("",))) for d in dtypes}
     if "gdn_chunk_delta_rule_slots" in FILE_OPS.get(stem(path), ()):  # g and beta in float32 with 16-bit q, k, v
         host |= {hebrus_emu.kernel_name("gdn_chunk_delta_rule_slots", "gf32", d) for d in dtypes[1:]}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings

@@ -455,23 +455,27 @@ def moe_quantized_check(**emu):
     assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
 
 
-@pytest.mark.parametrize("old,new", [
-    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+@pytest.mark.parametrize("file,old,new", [
+    ("moe_experts.h", "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return ((codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u)) ^ 1u;"),
-    ("  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
+    ("moe_experts.h", "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
      "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
-    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+    ("moe_experts.h", "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
-    ("    out[t * p.out + o] = static_cast<T>(acc);", "    out[o * p.rows + t] = static_cast<T>(acc);"),
-    ("    const long gi = (k0 + g0) / group_size;", "    const long gi = g0 / group_size;"),  # the step's groups
-    ("      out[t * p.out + o] = static_cast<T>(acc[j]);", "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
-    ("    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);",
+    ("moe_experts_quantized.metal", "    out[t * p.out + o] = static_cast<T>(acc);",
+     "    out[o * p.rows + t] = static_cast<T>(acc);"),
+    ("moe_experts_quantized.metal", "    const long gi = (k0 + g0) / group_size;",
+     "    const long gi = g0 / group_size;"),  # the step's groups
+    ("moe_experts_quantized.metal", "      out[t * p.out + o] = static_cast<T>(acc[j]);",
+     "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
+    ("moe_experts_quantized.metal",
+     "    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);",
      "    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o0) * words, d)) : uchar(0);"),
 ], ids=["code-flipped", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed", "group-of-the-step",
         "tiled-output-cell-dropped", "staged-codes-one-row"])
-def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
+def test_moe_quantized_mutations_are_caught(tmp_path, use, file, old, new):
     moe_quantized_check()
-    use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))
+    use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", file, old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
         moe_quantized_check()
 
@@ -694,7 +698,7 @@ def test_unmutated_moe_shared_expert_passes_the_check():
 
 
 @pytest.mark.parametrize("old,new", [
-    ("device const T* wu = up_proj + i * H;", "device const T* wu = gate_proj + i * H;"),     # up from the gate
+    ("HebrusMoeDenseRows<T>{up_proj, p.hidden}", "HebrusMoeDenseRows<T>{gate_proj, p.hidden}"),  # up from the gate
     ("gate[row * p.gate_stride]", "gate[row]"),                                               # gate stride ignored
     ("static_cast<float>(routed[row * p.hidden + d]) + gated", "gated"),                     # routed dropped
     ("hebrus_moe_round<T>(silu_g * hebrus_moe_round<T>(u))", "hebrus_moe_round<T>(silu_g)"),   # up dropped
@@ -703,3 +707,35 @@ def test_moe_shared_expert_mutations_are_caught(tmp_path, use, old, new):
     use("moe_shared_expert", mutated(tmp_path, "moe_shared_expert", "moe_shared_expert.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         moe_shared_check()
+
+
+def moe_shared_quantized_check(**emu):
+    from moe_fused_cases import quantized_shared_args
+    from test_metal_moe_shared_expert import quantized_close
+
+    for bits in (4, 8):
+        args = quantized_shared_args(3, 128, 64, torch.float32, bits, 64, seed=12 + bits)
+        quantized_close(hebrus_emu.moe_shared_expert_quantized(*args, **emu), args, torch.float32)
+
+
+def test_unmutated_moe_shared_expert_quantized_passes_the_check():
+    for sched in ("forward", "reverse", "random"):
+        moe_shared_quantized_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("file,old,new", [
+    ("moe_shared_expert.metal", "Rows{up_proj_q, up_proj_scales, up_proj_biases, p.hidden, p.group_size}",
+     "Rows{up_proj_q, gate_proj_scales, up_proj_biases, p.hidden, p.group_size}"),    # up's scales of the gate
+    ("moe_shared_expert.metal", "down_proj_q, down_proj_scales, down_proj_biases, p.inter, p.group_size}",
+     "down_proj_q, down_proj_scales, down_proj_scales, p.inter, p.group_size}"),      # down's biases dropped
+    ("moe_shared_expert.metal", "down_proj_q, down_proj_scales, down_proj_biases, p.inter, p.group_size}",
+     "down_proj_q, down_proj_scales, down_proj_biases, p.inter, 32}"),                # the group size ignored
+    ("moe_shared_expert.metal", "Rows{up_proj_q, up_proj_scales, up_proj_biases, p.hidden, p.group_size}",
+     "Rows{gate_proj_q, up_proj_scales, up_proj_biases, p.hidden, p.group_size}"),     # up's codes of the gate
+    ("moe_experts.h", "        qx = qx + hebrus_moe_code<BITS>(codes + r * words, d) * xv;",
+     "        qx = qx + hebrus_moe_code<BITS>(codes + r * cols, d) * xv;"),            # row stride in values
+], ids=["up-scales-of-gate", "down-biases-dropped", "group-size-ignored", "up-codes-of-gate", "code-row-stride"])
+def test_moe_shared_expert_quantized_mutations_are_caught(tmp_path, use, file, old, new):
+    use("moe_shared_expert", mutated(tmp_path, "moe_shared_expert", file, old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        moe_shared_quantized_check()

@@ -372,3 +372,21 @@ def test_moe_experts_quantized_and_linear_both_paths_on_device():
     x, *rest = linear_inputs(20, 256, 37, torch.float16, 8, 32, seed=4)
     whole = hebrus_torch.quantized_linear(*mps(x, *rest[:3]), *rest[3:]).cpu()
     assert torch.equal(hebrus_torch.quantized_linear(*mps(x[7:8], *rest[:3]), *rest[3:]).cpu()[0], whole[7])
+
+
+# ---- moe_shared_expert_quantized (issue 37) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_moe_shared_expert_quantized_on_device(bits):
+    """The quantized shared expert's two launches: within roundings of the CPU kernel (the modules' bits), and a
+    row alone gives that row of the whole launch, bitwise."""
+    from moe_fused_cases import quantized_shared_args
+
+    args = quantized_shared_args(9, 128, 64, torch.bfloat16, bits, 64, seed=bits)
+    tensors, scalars = args[:12], args[12:]
+    whole = hebrus_torch.moe_shared_expert_quantized(*mps(*tensors), *scalars).cpu()
+    want = hebrus_torch.moe_shared_expert_quantized(*args)
+    torch.testing.assert_close(whole.float(), want.float(), atol=3e-2, rtol=3e-2)   # (silu, sums in another order)
+    one = hebrus_torch.moe_shared_expert_quantized(*mps(tensors[0][4:5], tensors[1][4:5], *tensors[2:11],
+                                                        tensors[11][4:5]), *scalars).cpu()
+    assert torch.equal(one[0], whole[4])

@@ -1,8 +1,9 @@
 """The MoE block's fused ops (issue 37). hebrus::moe_route: the router after its linear (softmax in fp32, top-k,
 renormalisation, cast) and the shared expert's sigmoid gate in one dispatch; hebrus::moe_shared_expert: the
-shared expert times its gate added to the routed output in one dispatch. On CPU both give the bits of
-transformers' modules (Qwen4ExpTextTopKRouter with torch.topk's order among equal probabilities, the block's
-sigmoid, Qwen4ExpTextMLP and the block's sum) in every dtype; rows are independent of each other; bad metadata
+shared expert times its gate added to the routed output in one dispatch; hebrus::moe_shared_expert_quantized: the
+same over a shared expert whose projections are QuantizedLinear (4 and 8 bits, groups of 32, 64, 128). On CPU they
+give the bits of transformers' modules (Qwen4ExpTextTopKRouter with torch.topk's order among equal probabilities,
+the block's sigmoid, Qwen4ExpTextMLP (with its QuantizedLinear projections) and the block's sum) in every dtype; rows are independent of each other; bad metadata
 is refused with a HebrusError; opcheck (schema, fake, autograd registration) passes and they compile in a full
 graph. The engine's MoE block (hebrus_torch.moe.block.packed_moe) runs them and still gives the block's
 output."""
@@ -18,7 +19,8 @@ import hebrus_torch
 from hebrus_torch import reference
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.moe import block
-from moe_fused_cases import ROUTE_BAD, SHARED_BAD  # noqa: E402
+from hebrus_torch.moe.quantized_linear import quantize_linears
+from moe_fused_cases import ROUTE_BAD, SHARED_BAD, SHARED_QUANT_BAD, quantized_shared_args  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -142,13 +144,19 @@ def test_a_hooked_router_runs_as_itself(monkeypatch):
 
 # ---- moe_shared_expert ----------------------------------------------------------------------------------------
 
-def shared_args(mlp, x, k=3, seed=1):
-    """The op's arguments for a block: a random routed output, and the gate as moe_route returns it (the last
-    column of [T, k + 1] weights: a strided view)."""
+def routed_and_gate(mlp, x, k=3, seed=1):
+    """A random routed output, and the block's shared gate as moe_route returns it (the last column of [T, k + 1]
+    weights: a strided view)."""
     routed = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
     weights = torch.cat([torch.rand(x.shape[0], k).to(x.dtype), torch.sigmoid(mlp.shared_expert_gate(x))], dim=1)
+    return routed, weights[:, k:]
+
+
+def shared_args(mlp, x):
+    """The op's arguments for a block (:func:`routed_and_gate`)."""
+    routed, gate = routed_and_gate(mlp, x)
     sh = mlp.shared_expert
-    return routed, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight, weights[:, k:]
+    return routed, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight, gate
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -220,3 +228,133 @@ def test_a_wrapped_shared_expert_runs_as_itself(monkeypatch):
                                    rtol=1e-6)
         assert block.shared_expert_weights(mlps[0].shared_expert, x) is None
     assert calls == [] and len(seen) == 2
+
+
+# ---- moe_shared_expert_quantized --------------------------------------------------------------------------------
+
+SHARED_PROJECTIONS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+
+
+def quantized_block(dtype, bits, group_size, hidden=256, inter=128, seed=0):
+    """transformers' MoE block with random weights and its shared expert's projections QuantizedLinear (what the
+    converter writes by default), and packed rows x [9, hidden]."""
+    config = M.Qwen4ExpTextConfig(hidden_size=hidden, shared_expert_intermediate_size=inter, moe_intermediate_size=32,
+                                  num_experts=4, num_experts_per_tok=2)
+    mlp = M.Qwen4ExpTextSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    mlp = quantize_linears(mlp.to(dtype).eval(), SHARED_PROJECTIONS, bits, group_size)
+    return mlp, torch.randn(9, hidden, generator=g).to(dtype)
+
+
+def quantized_args(mlp, x):
+    """The op's arguments for a block with a quantized shared expert (:func:`routed_and_gate`)."""
+    routed, gate = routed_and_gate(mlp, x)
+    sh = mlp.shared_expert
+    tensors = [t for p in (sh.gate_proj, sh.up_proj, sh.down_proj) for t in (p.weight, p.scales, p.biases)]
+    return (x, routed, *tensors, gate, sh.gate_proj.group_size, sh.gate_proj.bits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_shared_expert_quantized_cpu_kernel_gives_the_modules_bits(dtype, bits, group_size):
+    """The CPU kernel = the block's tail with its QuantizedLinear shared expert, bit for bit; the reference (torch's
+    sums of the folded groups) to rounding."""
+    mlp, x = quantized_block(dtype, bits, group_size)
+    with torch.inference_mode():
+        args = quantized_args(mlp, x)
+        want = args[1] + torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+        assert torch.equal(hebrus_torch.moe_shared_expert_quantized(*args), want)
+        tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+        torch.testing.assert_close(reference.moe_shared_expert_quantized(*args), want, atol=tol, rtol=tol)
+
+
+def test_shared_expert_quantized_rows_are_independent():
+    mlp, x = quantized_block(torch.bfloat16, 4, 64)
+    with torch.inference_mode():
+        args = quantized_args(mlp, x)
+        whole = hebrus_torch.moe_shared_expert_quantized(*args)
+        for t in (0, 4, 8):
+            one = hebrus_torch.moe_shared_expert_quantized(x[t:t + 1], args[1][t:t + 1], *args[2:11],
+                                                           args[11][t:t + 1], *args[12:])
+            assert torch.equal(one[0], whole[t])
+
+
+def test_shared_expert_quantized_empty_rows():
+    args = quantized_shared_args(0, 64, 32, torch.float16, 4, 32)
+    assert hebrus_torch.moe_shared_expert_quantized(*args).shape == (0, 64)
+
+
+@pytest.mark.parametrize("bad,match", SHARED_QUANT_BAD)
+def test_shared_expert_quantized_bad_metadata_raises_and_changes_nothing(bad, match):
+    args = quantized_shared_args(3, 64, 32, torch.float32, 4, 32)
+    before = [a.clone() for a in args[:12]]
+    for fn in (hebrus_torch.moe_shared_expert_quantized, reference.moe_shared_expert_quantized):
+        with pytest.raises(HebrusError, match=match):
+            fn(*bad(args))
+    assert all(torch.equal(a, b) for a, b in zip(args, before))
+
+
+def test_shared_expert_quantized_opcheck_and_compile():
+    op = torch.ops.hebrus.moe_shared_expert_quantized.default
+    for dtype, bits in ((torch.float32, 4), (torch.bfloat16, 8)):
+        args = quantized_shared_args(3, 64, 32, dtype, bits, 32)
+        torch.library.opcheck(op, args)
+    fn = torch.compile(hebrus_torch.moe_shared_expert_quantized, fullgraph=True, backend="eager")
+    assert torch.equal(fn(*args), hebrus_torch.moe_shared_expert_quantized(*args))
+
+
+@pytest.mark.parametrize("fused", [True, None])
+def test_packed_moe_runs_the_quantized_shared_expert_op(monkeypatch, fused):
+    """A block whose shared expert is QuantizedLinear (the converter's default): with fused=True (the default off
+    CPU) the tail is one moe_shared_expert_quantized call, with the block's output; on CPU by default the module
+    call."""
+    calls = []
+    for name in ("moe_shared_expert", "moe_shared_expert_quantized"):
+        real = getattr(block, name)
+        monkeypatch.setattr(block, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    for bits, group_size in ((4, 32), (8, 128)):
+        mlp, x = quantized_block(torch.float32, bits, group_size)
+        with torch.inference_mode():
+            torch.testing.assert_close(block.packed_moe(mlp, x, fused), mlp(x[None])[0], atol=1e-5, rtol=1e-5)
+    assert calls == (["moe_shared_expert_quantized"] * 2 if fused else [])
+
+
+@pytest.mark.parametrize("change", ["mixed_bits", "mixed_groups", "one_plain_linear", "hooked"])
+def test_other_quantized_shared_experts_run_as_modules(monkeypatch, change):
+    calls = []
+    real = block.moe_shared_expert_quantized
+    monkeypatch.setattr(block, "moe_shared_expert_quantized", lambda *a: calls.append(1) or real(*a))
+    mlp, x = quantized_block(torch.float32, 4, 32)
+    sh = mlp.shared_expert
+    if change == "mixed_bits":
+        sh.up_proj = type(sh.up_proj).from_linear(torch.nn.Linear(256, 128, bias=False), 8, 32)
+    elif change == "mixed_groups":
+        sh.down_proj = type(sh.down_proj).from_linear(torch.nn.Linear(128, 256, bias=False), 4, 64)
+    elif change == "one_plain_linear":
+        sh.gate_proj = torch.nn.Linear(256, 128, bias=False)
+    else:
+        sh.down_proj.register_forward_hook(lambda mod, args, out: None)
+    with torch.inference_mode():
+        torch.testing.assert_close(block.packed_moe(mlp, x, fused=True), mlp(x[None])[0], atol=1e-5, rtol=1e-5)
+        assert block.shared_expert_quantized_weights(sh, x) is None
+    assert calls == []
+
+
+def test_packed_moe_with_the_quantized_shared_expert_op_compiles_fullgraph(monkeypatch):
+    """The selection of the fused tail (module types, bits / group sizes, autograd) traces without a graph break."""
+    calls = []
+    real = block.moe_shared_expert_quantized
+    monkeypatch.setattr(block, "moe_shared_expert_quantized", lambda *a: calls.append(1) or real(*a))
+    mlp, x = quantized_block(torch.float32, 4, 32)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = block.packed_moe(mlp, x, True)
+            got = torch.compile(lambda v: block.packed_moe(mlp, v, True), fullgraph=True, backend="aot_eager")(x)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want) and len(calls) >= 2

@@ -25,6 +25,7 @@ from hebrus_torch import _emulate
 from hebrus_torch._extension import has_native_kernel
 from hebrus_torch.engine import Engine, EngineConfig
 from hebrus_torch.engine.step_counts import PARTS, count_step
+from hebrus_torch.moe.quantized_linear import QuantizedLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_QSA = dict(layer_types=["linear_attention"] * 2, ple_layer_ids=[1, 2], num_hidden_layers=2)
@@ -261,9 +262,14 @@ RELEASED_DECODE_BUDGET_PER_LAYER = 29.75
 MODEL_PARTS = [label for part, label in PARTS.items() if part != "engine"]
 
 
-def released_decode_counts(batches=(1, 8, 64), context: int = 8):
-    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16)."""
-    model = released_structure_model(64, 16, vocab=512)
+def released_decode_counts(batches=(1, 8, 64), context: int = 8, inter: int = 16, quantize: int | None = None):
+    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16; with
+    ``quantize`` bits, quantized in memory as the converter quantizes it, in groups of 32)."""
+    model = released_structure_model(64, inter, vocab=512)
+    if quantize:
+        from hebrus_torch.convert.model import quantize_model
+
+        quantize_model(model, bits=quantize, group_size=32)
     out = {}
     gen = torch.Generator().manual_seed(5)
     for batch in batches:
@@ -298,6 +304,22 @@ def test_released_structure_decode_waits_once_and_dispatches_the_same_whatever_t
             assert model_dispatches(c) == first, (batch, model_dispatches(c), first)
             assert c.ops[PARTS["moe"]]["hebrus.moe_experts"] == layers          # one experts dispatch per layer
     assert sum(first.values()) / layers <= RELEASED_DECODE_BUDGET_PER_LAYER, counts[1][0].table()
+
+
+def test_released_structure_4bit_moe_dispatches_what_the_bf16_one_does():
+    """The converter's 4-bit weights (the shared expert's projections QuantizedLinear by default) leave the MoE's
+    dispatches of a decode step as they are with bf16 weights: moe_shared_expert_quantized takes the place of
+    moe_shared_expert (before it, the quantized shared expert ran as its modules: 11 dispatches per layer, not 5)."""
+    moe = PARTS["moe"]
+    plain = released_decode_counts((1,), inter=32)[1][1][0]
+    model, quantized = released_decode_counts((1,), inter=32, quantize=4)
+    step = quantized[1][0]
+    layers = model.config.num_hidden_layers
+    shared = [m for name, m in model.named_modules() if name.endswith("mlp.shared_expert.down_proj")]
+    assert len(shared) == layers and all(isinstance(m, QuantizedLinear) for m in shared)
+    assert step.ops[moe]["hebrus.moe_shared_expert_quantized"] == layers, step.ops[moe]
+    assert plain.ops[moe]["hebrus.moe_shared_expert"] == layers
+    assert step.dispatches[moe] == plain.dispatches[moe], (step.ops[moe], plain.ops[moe])
 
 
 def engine_part_of_decode(batch: int, params_of=lambda i: None, prompt_len: int = 8):

@@ -880,6 +880,31 @@ Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor
   return routed.add(gate.mul(at::linear(act, down_proj)));
 }
 
+// hebrus::moe_shared_expert_quantized (issue 37): moe_shared_expert over a shared expert whose projections are
+// QuantizedLinear modules, as the modules run it: each projection is hebrus::quantized_linear's CPU kernel (so its
+// bits), then the block's silu, product, gate and sum.
+Tensor moe_shared_expert_quantized_cpu(const Tensor& x, const Tensor& routed, const Tensor& gate_proj_q,
+                                       const Tensor& gate_proj_scales, const Tensor& gate_proj_biases,
+                                       const Tensor& up_proj_q, const Tensor& up_proj_scales,
+                                       const Tensor& up_proj_biases, const Tensor& down_proj_q,
+                                       const Tensor& down_proj_scales, const Tensor& down_proj_biases,
+                                       const Tensor& gate, int64_t group_size, int64_t bits) {
+  check_on_device("moe_shared_expert_quantized", at::kCPU,
+                  {{"x", &x}, {"routed", &routed}, {"gate_proj_q", &gate_proj_q},
+                   {"gate_proj_scales", &gate_proj_scales}, {"gate_proj_biases", &gate_proj_biases},
+                   {"up_proj_q", &up_proj_q}, {"up_proj_scales", &up_proj_scales}, {"up_proj_biases", &up_proj_biases},
+                   {"down_proj_q", &down_proj_q}, {"down_proj_scales", &down_proj_scales},
+                   {"down_proj_biases", &down_proj_biases}, {"gate", &gate}});
+  check_moe_shared_expert_quantized_args(x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q,
+                                         up_proj_scales, up_proj_biases, down_proj_q, down_proj_scales,
+                                         down_proj_biases, gate, group_size, bits);
+  const Tensor act =
+      at::silu(quantized_linear_cpu(x, gate_proj_q, gate_proj_scales, gate_proj_biases, group_size, bits))
+          .mul(quantized_linear_cpu(x, up_proj_q, up_proj_scales, up_proj_biases, group_size, bits));
+  return routed.add(
+      gate.mul(quantized_linear_cpu(act, down_proj_q, down_proj_scales, down_proj_biases, group_size, bits)));
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -890,4 +915,5 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("quantized_linear", &hebrus::quantized_linear_cpu);
   m.impl("moe_route", &hebrus::moe_route_cpu);
   m.impl("moe_shared_expert", &hebrus::moe_shared_expert_cpu);
+  m.impl("moe_shared_expert_quantized", &hebrus::moe_shared_expert_quantized_cpu);
 }

@@ -790,6 +790,57 @@ inline Call moe_shared_expert(const Tensor& x_in, const Tensor& routed_in, const
   return call;
 }
 
+// ---- moe_shared_expert_quantized (issue 37) --------------------------------------------------------------
+// moe_shared_expert's two launches over quantized projections (moe_shared_expert.metal's
+// moe_shared_expert_quantized_act / _down, variant q4 / q8); no value to check. The gate is bound as it is.
+inline Call moe_shared_expert_quantized(const Tensor& x_in, const Tensor& routed_in, const Tensor& gate_proj_q_in,
+                                        const Tensor& gate_proj_scales_in, const Tensor& gate_proj_biases_in,
+                                        const Tensor& up_proj_q_in, const Tensor& up_proj_scales_in,
+                                        const Tensor& up_proj_biases_in, const Tensor& down_proj_q_in,
+                                        const Tensor& down_proj_scales_in, const Tensor& down_proj_biases_in,
+                                        const Tensor& gate_in, int64_t group_size, int64_t bits,
+                                        c10::DeviceType device) {
+  const char* op = "moe_shared_expert_quantized";
+  check_on_device(op, device,
+                  {{"x", &x_in}, {"routed", &routed_in}, {"gate_proj_q", &gate_proj_q_in},
+                   {"gate_proj_scales", &gate_proj_scales_in}, {"gate_proj_biases", &gate_proj_biases_in},
+                   {"up_proj_q", &up_proj_q_in}, {"up_proj_scales", &up_proj_scales_in},
+                   {"up_proj_biases", &up_proj_biases_in}, {"down_proj_q", &down_proj_q_in},
+                   {"down_proj_scales", &down_proj_scales_in}, {"down_proj_biases", &down_proj_biases_in},
+                   {"gate", &gate_in}});
+  const MoeSharedSizes sz = check_moe_shared_expert_quantized_args(
+      x_in, routed_in, gate_proj_q_in, gate_proj_scales_in, gate_proj_biases_in, up_proj_q_in, up_proj_scales_in,
+      up_proj_biases_in, down_proj_q_in, down_proj_scales_in, down_proj_biases_in, gate_in, group_size, bits);
+  const char* type = metal_type(op, x_in.scalar_type());
+  Call call;
+  if (sz.rows == 0 || sz.hidden == 0) {
+    call.outputs = {at::empty({sz.rows, sz.hidden}, x_in.options())};
+    return call;
+  }
+  const auto plan = hebrus::metal::plan_moe_shared_expert(sz.rows, sz.hidden, sz.inter, gate_in.stride(0), group_size);
+  check_plan(op, plan.error);
+  const Tensor x = x_in.contiguous(), routed = routed_in.contiguous();
+  const Tensor gate_proj_q = gate_proj_q_in.contiguous(), gate_proj_scales = gate_proj_scales_in.contiguous(),
+               gate_proj_biases = gate_proj_biases_in.contiguous(), up_proj_q = up_proj_q_in.contiguous(),
+               up_proj_scales = up_proj_scales_in.contiguous(), up_proj_biases = up_proj_biases_in.contiguous(),
+               down_proj_q = down_proj_q_in.contiguous(), down_proj_scales = down_proj_scales_in.contiguous(),
+               down_proj_biases = down_proj_biases_in.contiguous();
+  const Tensor act = at::empty({sz.rows, sz.inter}, x.options().dtype(at::kFloat));
+  const Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  using hebrus::metal::kernel_name;
+  const char* variant = bits == 4 ? "q4" : "q8";
+  call.launches.push_back(make_launch("moe_shared_expert", kernel_name("moe_shared_expert_quantized_act", variant, type),
+                                      {x, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q, up_proj_scales,
+                                       up_proj_biases, act},
+                                      {false, false, false, false, false, false, false, true}, plan.params, plan.act));
+  call.launches.push_back(make_launch("moe_shared_expert",
+                                      kernel_name("moe_shared_expert_quantized_down", variant, type),
+                                      {down_proj_q, down_proj_scales, down_proj_biases, act, gate_in, routed, out},
+                                      {false, false, false, false, false, false, true}, plan.params, plan.down));
+  call.outputs = {out};
+  return call;
+}
+
 // ---- hc_rms_norm (issue 37) ----------------------------------------------------------------------------
 // One launch (mps_kernels/hc_rms_norm.metal); no value to check, so nothing for the error buffer.
 inline Call hc_rms_norm(const Tensor& x_in, const Tensor& weight_in, int64_t group_size, double eps,

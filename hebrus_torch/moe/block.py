@@ -1,10 +1,10 @@
 """transformers' Qwen4Exp MoE block over packed rows with its routed experts as one ``hebrus::moe_experts``
 call: what the engine's packed forward and the drop-in run. The router after its linear (softmax, top-k,
 renormalisation, cast) and the shared expert's sigmoid gate are one ``hebrus::moe_route`` call, and the shared
-expert with its gate and the sum one ``hebrus::moe_shared_expert`` call (issue 37); the router's and the shared
-gate's linears stay the block's own modules. A block, a router, a shared expert or an experts module that is
-not transformers' own (a subclass, a wrapped or quantized module, one with hooks, another expert layout) runs
-as a module call."""
+expert with its gate and the sum one ``hebrus::moe_shared_expert`` call (``moe_shared_expert_quantized`` where its
+projections are ``QuantizedLinear``; issue 37); the router's and the shared gate's linears stay the block's own
+modules. A block, a router, a shared expert or an experts module that is not transformers' own (a subclass, a
+wrapped module, one with hooks, another expert layout) runs as a module call."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
 from ..integrations.qwen4_exp.common import _modeling          # (transformers itself is imported lazily)
-from .ops import moe_experts, moe_route, moe_shared_expert
+from .ops import moe_experts, moe_route, moe_shared_expert, moe_shared_expert_quantized
+from .quantized_linear import QuantizedLinear
 
-__all__ = ["experts_unsupported", "routed_experts", "packed_moe", "route", "shared_expert_weights"]
+__all__ = ["experts_unsupported", "routed_experts", "packed_moe", "route", "shared_expert_weights",
+           "shared_expert_quantized_weights"]
 
 
 @torch.compiler.assume_constant_result
@@ -109,19 +111,46 @@ def _plain_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
         and type(linear.weight) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) and linear.weight.dtype == dtype
 
 
-def shared_expert_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """(gate_proj, up_proj, down_proj) weights of transformers' own ``Qwen4ExpTextMLP`` shared expert (no hooks,
-    bias-free plain ``nn.Linear`` projections in x's dtype, SiLU, no autograd): what ``moe_shared_expert`` runs;
-    None for any other module (a quantized or wrapped one runs as itself)."""
+def _plain_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+    return type(linear) is QuantizedLinear and _plain_call(linear) and linear.scales.dtype == dtype \
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor)
+                for t in (linear.weight, linear.scales, linear.biases))
+
+
+def _shared_projections(shared: torch.nn.Module, x: torch.Tensor, plain) -> tuple[torch.nn.Module, ...] | None:
+    """(gate_proj, up_proj, down_proj) of transformers' own ``Qwen4ExpTextMLP`` (no hooks, SiLU, no autograd)
+    where ``plain(projection, x.dtype)`` holds for all three; else None."""
     projections = (getattr(shared, "gate_proj", None), getattr(shared, "up_proj", None),
                    getattr(shared, "down_proj", None))
     if type(shared) is not _modeling().Qwen4ExpTextMLP or not _plain_call(shared) \
             or getattr(shared.config, "hidden_act", None) != "silu" \
-            or not all(_plain_linear(p, x.dtype) for p in projections):
+            or not all(plain(p, x.dtype) for p in projections):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.weight.requires_grad for p in projections)):
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for p in projections
+                                                           for t in p.parameters())):
         return None
-    return tuple(p.weight for p in projections)
+    return projections
+
+
+def shared_expert_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """(gate_proj, up_proj, down_proj) weights of transformers' own ``Qwen4ExpTextMLP`` shared expert (no hooks,
+    bias-free plain ``nn.Linear`` projections in x's dtype, SiLU, no autograd): what ``moe_shared_expert`` runs;
+    None for any other module (a quantized one: :func:`shared_expert_quantized_weights`; a wrapped one runs as
+    itself)."""
+    projections = _shared_projections(shared, x, _plain_linear)
+    return None if projections is None else tuple(p.weight for p in projections)
+
+
+def shared_expert_quantized_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple | None:
+    """The arguments of ``moe_shared_expert_quantized`` after x, routed for transformers' own ``Qwen4ExpTextMLP``
+    whose three projections are :class:`QuantizedLinear` modules (no hooks, scales in x's dtype, one bits /
+    group_size for all three, SiLU, no autograd): ((codes, scales, biases) of gate_proj, up_proj, down_proj,
+    group_size, bits); None for any other module."""
+    projections = _shared_projections(shared, x, _plain_quantized_linear)
+    if projections is None or len({(p.bits, p.group_size) for p in projections}) != 1:
+        return None
+    tensors = tuple(t for p in projections for t in (p.weight, p.scales, p.biases))
+    return tensors, projections[0].group_size, projections[0].bits
 
 
 def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
@@ -129,14 +158,20 @@ def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None)
 
     transformers' ``Qwen4ExpTextSparseMoeBlock.forward`` step for step (router and shared gate through
     :func:`route`, routed experts through :func:`routed_experts`, the sigmoid-gated shared expert added by
-    ``moe_shared_expert`` where :func:`shared_expert_weights` allows it and :func:`_fuse_elementwise` (``fused``;
-    off CPU by default), else by the module's own call); any other block (or one with hooks or a forward of its
+    ``moe_shared_expert`` where :func:`shared_expert_weights` allows it, or ``moe_shared_expert_quantized`` where
+    :func:`shared_expert_quantized_weights` does, and :func:`_fuse_elementwise` (``fused``; off CPU by default),
+    else by the module's own call); any other block (or one with hooks or a forward of its
     own) runs as the module call ``mlp(x[None])[0]``."""
     if type(mlp) is not _modeling().Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
         return mlp(x[None])[0]
     ids, weights, shared_gate = route(mlp, x, fused)
     routed = routed_experts(mlp.experts, x, ids, weights)
-    shared = shared_expert_weights(mlp.shared_expert, x) if _fuse_elementwise(x, fused) else None
-    if shared is not None and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
-        return moe_shared_expert(x, routed, *shared, shared_gate)
+    if _fuse_elementwise(x, fused) and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
+        shared = shared_expert_weights(mlp.shared_expert, x)
+        if shared is not None:
+            return moe_shared_expert(x, routed, *shared, shared_gate)
+        quantized = shared_expert_quantized_weights(mlp.shared_expert, x)
+        if quantized is not None:
+            tensors, group_size, bits = quantized
+            return moe_shared_expert_quantized(x, routed, *tensors, shared_gate, group_size, bits)
     return routed + shared_gate * mlp.shared_expert(x)

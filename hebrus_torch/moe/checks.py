@@ -12,7 +12,7 @@ from .. import _validate
 from ..errors import HebrusError
 
 __all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids", "check_moe_experts_quantized", "check_quantized_linear",
-           "check_moe_route", "check_moe_shared_expert"]
+           "check_moe_route", "check_moe_shared_expert", "check_moe_shared_expert_quantized"]
 
 OP = "moe_experts"
 
@@ -177,8 +177,51 @@ def check_moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: to
         _validate.check(t.dtype == x.dtype, SOP, f"{name} dtype {t.dtype} must match x dtype {x.dtype}")
     (rows, hidden), inter = x.shape, gate_proj.shape[0]
     _validate.check(inter >= 1, SOP, f"gate_proj must have I >= 1 rows, got shape {tuple(gate_proj.shape)}")
-    for name, want in (("routed", (rows, hidden)), ("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                       ("down_proj", (hidden, inter)), ("gate", (rows, 1))):
-        _validate.check(tuple(tensors[name].shape) == want, SOP,
+    _check_shapes_2d(SOP, tensors, (("routed", (rows, hidden)), ("gate_proj", (inter, hidden)),
+                                    ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)), ("gate", (rows, 1))))
+    return rows, hidden, inter
+
+
+def _check_shapes_2d(op: str, tensors: dict[str, torch.Tensor], wants) -> None:
+    """``(name, (rows, cols))`` each, in order (csrc/moe_checks.h check_shapes_2d)."""
+    for name, want in wants:
+        _validate.check(tuple(tensors[name].shape) == want, op,
                         f"{name} must have shape ({want[0]}, {want[1]}), got {tuple(tensors[name].shape)}")
+
+
+SQOP = "moe_shared_expert_quantized"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gate_proj_q: torch.Tensor,
+                                      gate_proj_scales: torch.Tensor, gate_proj_biases: torch.Tensor,
+                                      up_proj_q: torch.Tensor, up_proj_scales: torch.Tensor,
+                                      up_proj_biases: torch.Tensor, down_proj_q: torch.Tensor,
+                                      down_proj_scales: torch.Tensor, down_proj_biases: torch.Tensor,
+                                      gate: torch.Tensor, group_size: int, bits: int) -> tuple[int, int, int]:
+    """``moe_shared_expert_quantized``'s arguments (csrc/moe_checks.h); returns (T, H, I)."""
+    weights = (gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q, up_proj_scales, up_proj_biases,
+               down_proj_q, down_proj_scales, down_proj_biases)
+    names = [f"{p}_{part}" for p in PROJECTIONS for part in ("q", "scales", "biases")]
+    tensors = {"x": x, "routed": routed, **dict(zip(names, weights)), "gate": gate}
+    _validate._same_device(SQOP, **tensors)
+    _validate.check(bits in (4, 8), SQOP, f"bits must be 4 or 8, got {bits}")
+    _validate.check(group_size in (32, 64, 128), SQOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    _validate._ranks_and_dtypes(SQOP, ("x", x, 2, _validate.FLOAT_DTYPES),
+                                *((f"{p}_q", tensors[f"{p}_q"], 2, torch.int32) for p in PROJECTIONS))
+    for name in ("routed", *(n for n in names if not n.endswith("_q")), "gate"):
+        _validate._dims(tensors[name], 2, SQOP, name)
+        _validate.check(tensors[name].dtype == x.dtype, SQOP,
+                        f"{name} dtype {tensors[name].dtype} must match x dtype {x.dtype}")
+    (rows, hidden), inter, per_word = x.shape, gate_proj_q.shape[0], 32 // bits
+    _validate.check(inter >= 1, SQOP, f"gate_proj_q must have I >= 1 rows, got shape {tuple(gate_proj_q.shape)}")
+    _validate.check(hidden % group_size == 0, SQOP, f"H = x.shape[1] = {hidden} must be a multiple of group_size "
+                    f"{group_size}")
+    _validate.check(inter % group_size == 0, SQOP, f"I = gate_proj_q.shape[0] = {inter} must be a multiple of "
+                    f"group_size {group_size}")
+    wants = [("routed", (rows, hidden))]
+    for proj, (out_dim, in_dim) in zip(PROJECTIONS, ((inter, hidden), (inter, hidden), (hidden, inter))):
+        wants += [(f"{proj}_q", (out_dim, in_dim // per_word)), (f"{proj}_scales", (out_dim, in_dim // group_size)),
+                  (f"{proj}_biases", (out_dim, in_dim // group_size))]
+    _check_shapes_2d(SQOP, tensors, (*wants, ("gate", (rows, 1))))
     return rows, hidden, inter

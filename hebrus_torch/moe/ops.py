@@ -1,5 +1,5 @@
 """Typed wrappers and fake impls of ``hebrus::moe_experts``, ``moe_experts_quantized``, ``quantized_linear``,
-``moe_route`` and ``moe_shared_expert``."""
+``moe_route``, ``moe_shared_expert`` and ``moe_shared_expert_quantized``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import torch
 
 from ..errors import translated
 from .checks import (check_moe_experts, check_moe_experts_quantized, check_moe_route, check_moe_shared_expert,
-                     check_quantized_linear)
+                     check_moe_shared_expert_quantized, check_quantized_linear)
 
-__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert",
+           "moe_shared_expert_quantized"]
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -102,4 +103,32 @@ def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Te
 @torch.library.register_fake("hebrus::moe_shared_expert")
 def _moe_shared_expert_fake(x, routed, gate_proj, up_proj, down_proj, gate):
     rows, hidden, _ = check_moe_shared_expert(x, routed, gate_proj, up_proj, down_proj, gate)
+    return x.new_empty((rows, hidden))
+
+
+def moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gate_proj_q: torch.Tensor,
+                                gate_proj_scales: torch.Tensor, gate_proj_biases: torch.Tensor, up_proj_q: torch.Tensor,
+                                up_proj_scales: torch.Tensor, up_proj_biases: torch.Tensor, down_proj_q: torch.Tensor,
+                                down_proj_scales: torch.Tensor, down_proj_biases: torch.Tensor, gate: torch.Tensor,
+                                group_size: int, bits: int) -> torch.Tensor:
+    """``moe_shared_expert`` over affine-quantized projections (each a ``QuantizedLinear``'s codes, scales and
+    biases, one ``group_size`` / ``bits`` for all three); see :func:`hebrus_torch.reference.moe_shared_expert_quantized`.
+
+    Shapes: x, routed [T, H]; gate_proj_q, up_proj_q [I, H * bits / 32] int32 and their scales / biases
+    [I, H / group_size]; down_proj_q [H, I * bits / 32] int32 and its scales / biases [H, I / group_size]; gate
+    [T, 1]; floats in x's dtype -> [T, H].
+    """
+    with translated():
+        return torch.ops.hebrus.moe_shared_expert_quantized.default(
+            x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q, up_proj_scales, up_proj_biases,
+            down_proj_q, down_proj_scales, down_proj_biases, gate, int(group_size), int(bits))
+
+
+@torch.library.register_fake("hebrus::moe_shared_expert_quantized")
+def _moe_shared_expert_quantized_fake(x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q,
+                                      up_proj_scales, up_proj_biases, down_proj_q, down_proj_scales, down_proj_biases,
+                                      gate, group_size, bits):
+    rows, hidden, _ = check_moe_shared_expert_quantized(
+        x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q, up_proj_scales, up_proj_biases,
+        down_proj_q, down_proj_scales, down_proj_biases, gate, group_size, bits)
     return x.new_empty((rows, hidden))

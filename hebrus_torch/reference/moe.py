@@ -8,11 +8,13 @@ from typing import Callable
 import torch
 
 from ..moe.checks import (MoeSizes, check_moe_experts, check_moe_experts_quantized, check_moe_ids,
-                          check_moe_route, check_moe_shared_expert, check_quantized_linear)
+                          check_moe_route, check_moe_shared_expert, check_moe_shared_expert_quantized,
+                          check_quantized_linear)
 from ..moe.quantize import unpack
 from .ple import _silu
 
-__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert"]
+__all__ = ["moe_experts", "moe_experts_quantized", "quantized_linear", "moe_route", "moe_shared_expert",
+           "moe_shared_expert_quantized"]
 
 
 def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -219,3 +221,41 @@ def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Te
     F = torch.nn.functional
     shared = F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
     return routed + gate * shared
+
+
+def moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gate_proj_q: torch.Tensor,
+                                gate_proj_scales: torch.Tensor, gate_proj_biases: torch.Tensor, up_proj_q: torch.Tensor,
+                                up_proj_scales: torch.Tensor, up_proj_biases: torch.Tensor, down_proj_q: torch.Tensor,
+                                down_proj_scales: torch.Tensor, down_proj_biases: torch.Tensor, gate: torch.Tensor,
+                                group_size: int, bits: int) -> torch.Tensor:
+    """:func:`moe_shared_expert` with its three projections affine-quantized (issue 37): the shared expert of a
+    converted model, whose ``gate_proj`` / ``up_proj`` / ``down_proj`` are ``QuantizedLinear`` modules
+    (:mod:`hebrus_torch.moe.quantize`'s format, one ``group_size`` / ``bits`` for all three), op for op::
+
+        shared = ql(silu(ql(x, gate_proj)) * ql(x, up_proj), down_proj)    (ql: :func:`quantized_linear`)
+        out    = routed + gate * shared
+
+    The CPU kernel runs ``hebrus::quantized_linear``'s CPU kernel for each ``ql`` and these ops (the modules'
+    bits); the Metal kernel rounds at the same places, its dot products folded as quantized_linear's Metal kernel
+    folds them, with the CPU kernels' silu. A row's output depends only on that row.
+
+    Args:
+        x: Tensor[T, H] float32/float16/bfloat16; routed: Tensor[T, H] in x's dtype.
+        gate_proj_q, up_proj_q: Tensor[I, H * bits / 32] int32; their scales / biases Tensor[I, H / group_size].
+        down_proj_q: Tensor[H, I * bits / 32] int32; its scales / biases Tensor[H, I / group_size]. Scales and
+            biases in x's dtype; H and I >= 1 multiples of ``group_size``.
+        gate: Tensor[T, 1] in x's dtype. group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns:
+        Tensor[T, H] in x's dtype. Raises HebrusError on bad metadata.
+    """
+    check_moe_shared_expert_quantized(x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q,
+                                      up_proj_scales, up_proj_biases, down_proj_q, down_proj_scales, down_proj_biases,
+                                      gate, group_size, bits)
+
+    def ql(v, q, scales, biases):
+        return quantized_linear(v, q, scales, biases, group_size, bits)
+
+    act = torch.nn.functional.silu(ql(x, gate_proj_q, gate_proj_scales, gate_proj_biases))
+    act = act * ql(x, up_proj_q, up_proj_scales, up_proj_biases)
+    return routed + gate * ql(act, down_proj_q, down_proj_scales, down_proj_biases)

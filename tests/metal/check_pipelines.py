@@ -54,7 +54,9 @@ KERNELS = {
     "rms_norm_rope": {f"rms_norm_rope_{t}": 256 for t in TYPES},
     "sigmoid_gate": {f"sigmoid_gate_{t}": 256 for t in TYPES},
     "moe_route": {f"moe_route_{t}": 256 for t in TYPES},
-    "moe_shared_expert": {f"moe_shared_expert_{k}_{t}": 256 for k in ("act", "down") for t in TYPES},
+    "moe_shared_expert": {**{f"moe_shared_expert_{k}_{t}": 256 for k in ("act", "down") for t in TYPES},
+                          **{f"moe_shared_expert_quantized_{k}_{q}_{t}": 256 for k in ("act", "down")
+                             for q in ("q4", "q8") for t in TYPES}},
 }
 SIMD_WIDTH = 32
 MAX_TG_MEMORY = 32768

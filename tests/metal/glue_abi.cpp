@@ -130,5 +130,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 const at::Tensor& up, const at::Tensor& dp, const at::Tensor& gate) {
     return to_py(hebrus::glue::moe_shared_expert(x, routed, gp, up, dp, gate, kCpu));
   });
+  m.def("moe_shared_expert_quantized",
+        [](const at::Tensor& x, const at::Tensor& routed, const at::Tensor& gq, const at::Tensor& gs,
+           const at::Tensor& gb, const at::Tensor& uq, const at::Tensor& us, const at::Tensor& ub,
+           const at::Tensor& dq, const at::Tensor& ds, const at::Tensor& db, const at::Tensor& gate,
+           int64_t group_size, int64_t bits) {
+          return to_py(hebrus::glue::moe_shared_expert_quantized(x, routed, gq, gs, gb, uq, us, ub, dq, ds, db, gate,
+                                                                 group_size, bits, kCpu));
+        });
   m.def("error_buffer_bytes", [] { return sizeof(HebrusErrorMessages); });
 }

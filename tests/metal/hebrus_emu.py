@@ -337,6 +337,15 @@ def moe_shared_expert(x, routed, gate_proj, up_proj, down_proj, gate, **emu):
     return run("moe_shared_expert", x, routed, gate_proj, up_proj, down_proj, gate, **emu)[0]
 
 
+def moe_shared_expert_quantized(x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q, up_proj_scales,
+                                up_proj_biases, down_proj_q, down_proj_scales, down_proj_biases, gate, group_size, bits,
+                                **emu):
+    """hebrus::moe_shared_expert_quantized: returns out [T, H]."""
+    return run("moe_shared_expert_quantized", x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q,
+               up_proj_scales, up_proj_biases, down_proj_q, down_proj_scales, down_proj_biases, gate, int(group_size),
+               int(bits), **emu)[0]
+
+
 def launches(op: str, *args):
     """The glue's launches of one call, without running them."""
     with errors.translated():
