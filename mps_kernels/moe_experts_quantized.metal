@@ -8,26 +8,8 @@
 // group (ascending d), then acc = acc + (qx * s + xs * b), s and b the group's scale and bias. Variants q4 and
 // q8 are the bit widths; H and I are multiples of the group size (32, 64 or 128), so no row has a tail. The
 // library also holds hebrus::quantized_linear's kernel (the same fold and lane order, one launch).
+#include "hebrus_quant.h"
 #include "moe_experts.h"
-
-// The code of value d of a quantized row.
-template <int BITS>
-inline uint hebrus_moe_code_bits(device const uint* codes, long d) {
-  const long per_word = 32 / BITS;
-  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
-}
-
-// The code of value d of a quantized row, as a float.
-template <int BITS>
-inline float hebrus_moe_code(device const uint* codes, long d) {
-  return float(hebrus_moe_code_bits<BITS>(codes, d));
-}
-
-// acc + (qx * s + xs * b): one group of a folded dot product (s, b the group's scale and bias).
-template <typename T>
-inline float hebrus_moe_fold(float acc, float qx, float xs, device const T* scales, device const T* biases, long g) {
-  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));
-}
 
 // ---- the grouped (prefill) path: the tile machinery of moe_experts.h over codes ---------------------------
 

@@ -261,9 +261,14 @@ RELEASED_DECODE_BUDGET_PER_LAYER = 29.75
 MODEL_PARTS = [label for part, label in PARTS.items() if part != "engine"]
 
 
-def released_decode_counts(batches=(1, 8, 64), context: int = 8):
-    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16)."""
+def released_decode_counts(batches=(1, 8, 64), context: int = 8, quantize: int | None = None):
+    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16; with
+    ``quantize`` bits, the converter's weights quantized in groups of 32, as count_mps_step.py --quantize)."""
     model = released_structure_model(64, 16, vocab=512)
+    if quantize is not None:
+        from hebrus_torch.convert.model import quantize_model
+
+        quantize_model(model, bits=quantize, group_size=32)
     out = {}
     gen = torch.Generator().manual_seed(5)
     for batch in batches:
@@ -298,6 +303,18 @@ def test_released_structure_decode_waits_once_and_dispatches_the_same_whatever_t
             assert model_dispatches(c) == first, (batch, model_dispatches(c), first)
             assert c.ops[PARTS["moe"]]["hebrus.moe_experts"] == layers          # one experts dispatch per layer
     assert sum(first.values()) / layers <= RELEASED_DECODE_BUDGET_PER_LAYER, counts[1][0].table()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_released_structure_hyper_connections_dispatch_what_bf16_does(bits):
+    """With the converter's 4/8-bit weights (hyper-connection projections QuantizedLinear) each pre-mix is one
+    hc_premix_quantized, as bf16's is one hc_premix: the hyper-connections dispatch the same (was 26 per layer
+    against 4, every pre-mix as module calls)."""
+    part = PARTS["hyper-connections"]
+    _, dense = released_decode_counts(batches=(1,))
+    model, quantized = released_decode_counts(batches=(1,), quantize=bits)
+    assert quantized[1][0].dispatches[part] == dense[1][0].dispatches[part], quantized[1][0].ops[part]
+    assert quantized[1][0].ops[part]["hebrus.hc_premix_quantized"] == 2 * model.config.num_hidden_layers + 1
 
 
 def engine_part_of_decode(batch: int, params_of=lambda i: None, prompt_len: int = 8):
