@@ -455,23 +455,31 @@ def moe_quantized_check(**emu):
     assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
 
 
-@pytest.mark.parametrize("old,new", [
-    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+# (the code read and the fold are hebrus_quant.h's, shared with hc_premix.metal's quantized pre-mix)
+@pytest.mark.parametrize("file,old,new", [
+    ("hebrus_quant.h",
+     "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return ((codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u)) ^ 1u;"),
-    ("  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
+    ("hebrus_quant.h",
+     "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
      "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
-    ("  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+    ("hebrus_quant.h",
+     "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
-    ("    out[t * p.out + o] = static_cast<T>(acc);", "    out[o * p.rows + t] = static_cast<T>(acc);"),
-    ("    const long gi = (k0 + g0) / group_size;", "    const long gi = g0 / group_size;"),  # the step's groups
-    ("      out[t * p.out + o] = static_cast<T>(acc[j]);", "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
-    ("    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);",
+    ("moe_experts_quantized.metal", "    out[t * p.out + o] = static_cast<T>(acc);",
+     "    out[o * p.rows + t] = static_cast<T>(acc);"),
+    ("moe_experts_quantized.metal", "    const long gi = (k0 + g0) / group_size;",
+     "    const long gi = g0 / group_size;"),                                                  # the step's groups
+    ("moe_experts_quantized.metal", "      out[t * p.out + o] = static_cast<T>(acc[j]);",
+     "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
+    ("moe_experts_quantized.metal",
+     "    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o) * words, d)) : uchar(0);",
      "    dst[v] = o < count && d < width ? uchar(hebrus_moe_code_bits<BITS>(codes + (base + o0) * words, d)) : uchar(0);"),
 ], ids=["code-flipped", "fold-bias-as-scale", "codes-big-end-first", "linear-output-transposed", "group-of-the-step",
         "tiled-output-cell-dropped", "staged-codes-one-row"])
-def test_moe_quantized_mutations_are_caught(tmp_path, use, old, new):
+def test_moe_quantized_mutations_are_caught(tmp_path, use, file, old, new):
     moe_quantized_check()
-    use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", "moe_experts_quantized.metal", old, new))
+    use("moe_experts_quantized", mutated(tmp_path, "moe_experts_quantized", file, old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError, torch.AcceleratorError)):
         moe_quantized_check()
 
