@@ -94,12 +94,13 @@ struct HcQuantProjection {
 
 inline int64_t check_hc_quant_projection(const char* op, const HcQuantProjection& w, const at::Tensor& h, int64_t in,
                                          int64_t out_rows, const char* out_name, int64_t group_size, int64_t bits) {
-  const std::string q = std::string(w.name) + "_q", scales = std::string(w.name) + "_scales",
-                    biases = std::string(w.name) + "_biases";
+  const std::string q = std::string(w.name) + "_q";
+  const std::pair<std::string, const at::Tensor*> params[] = {{std::string(w.name) + "_scales", w.scales},
+                                                              {std::string(w.name) + "_biases", w.biases}};
   check_kinds(op, {{q.c_str(), w.q, 2, at::kInt}});
-  for (const auto& [name, t] : {std::pair<const std::string*, const at::Tensor*>{&scales, w.scales}, {&biases, w.biases}}) {
-    check_dims(op, *t, 2, name->c_str());
-    check_same_dtype(op, *t, name->c_str(), h, "h");
+  for (const auto& [name, t] : params) {
+    check_dims(op, *t, 2, name.c_str());
+    check_same_dtype(op, *t, name.c_str(), h, "h");
   }
   HEBRUS_CHECK(in % group_size == 0, HebrusError, "hebrus::", op, ": ", w.name, "'s input dimension ", in,
                " must be a multiple of group_size ", group_size);
@@ -107,8 +108,8 @@ inline int64_t check_hc_quant_projection(const char* op, const HcQuantProjection
   HEBRUS_CHECK((out_rows < 0 ? out >= 1 : out == out_rows) && w.q->size(1) * (32 / bits) == in, HebrusError,
                "hebrus::", op, ": ", q, " must be [", out_name, ", ", in, " * bits / 32 = ", in * bits / 32,
                "], got shape ", shape_str(w.q->sizes()));
-  for (const auto& [name, t] : {std::pair<const std::string*, const at::Tensor*>{&scales, w.scales}, {&biases, w.biases}}) {
-    HEBRUS_CHECK(t->size(0) == out && t->size(1) == in / group_size, HebrusError, "hebrus::", op, ": ", *name,
+  for (const auto& [name, t] : params) {
+    HEBRUS_CHECK(t->size(0) == out && t->size(1) == in / group_size, HebrusError, "hebrus::", op, ": ", name,
                  " must be [", out, ", ", in / group_size, "], got shape ", shape_str(t->sizes()));
   }
   return out;

@@ -32,7 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
     "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
-    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm", "hc_premix", "hc_premix_quantized", "hc_post_combine",
+    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm", "hc_premix",
+    "hc_premix_quantized", "hc_post_combine",
     "moe_route", "moe_shared_expert",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",

@@ -1,7 +1,8 @@
 // CPU kernels of the fused hyper-connection ops (issue 37). hc_rms_norm runs the ATen sequence of
 // transformers' Qwen4ExpTextRMSNorm, hc_premix that of Qwen4ExpTextGatedResidual (hc_premix_quantized:
-// with QuantizedLinear projections) and hc_post_combine the decoder layer's injection (hebrus_torch/reference/hc.py) in C++: the module's bits, without
-// the Python and dispatcher round trips of their ops; on MPS each op is one Metal launch
+// with QuantizedLinear projections) and hc_post_combine the decoder layer's injection
+// (hebrus_torch/reference/hc.py) in C++: the module's bits, without the Python and dispatcher round trips
+// of their ops; on MPS each op is one Metal launch
 // (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -55,7 +56,8 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_quantized_cpu(
   const c10::optional<HcQuantProjection> inject = hc_quant_inject(inject_q, inject_scales, inject_biases);
   check_on_device(op, c10::DeviceType::CPU,
                   {{"h", &h}, {"norm_weight", &norm_weight}, {"down_q", &down_q}, {"down_scales", &down_scales},
-                   {"down_biases", &down_biases}, {"up_q", &up_q}, {"up_scales", &up_scales}, {"up_biases", &up_biases}});
+                   {"down_biases", &down_biases}, {"up_q", &up_q}, {"up_scales", &up_scales},
+                   {"up_biases", &up_biases}});
   if (inject.has_value()) {
     check_on_device(op, c10::DeviceType::CPU, {{"h", &h}, {"inject_q", inject->q}, {"inject_scales", inject->scales},
                                                {"inject_biases", inject->biases}});

@@ -39,7 +39,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "moe_experts", "moe_experts_quantized", "quantized_linear", "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
            "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "gdn_gates",
-           "gdn_gated_rms_norm", "hc_premix", "hc_premix_quantized", "hc_post_combine", "qsa_token_cells", "rms_norm_rope",
+           "gdn_gated_rms_norm", "hc_premix", "hc_premix_quantized", "hc_post_combine", "qsa_token_cells",
+           "rms_norm_rope",
            "sigmoid_gate", "moe_route",
            "moe_shared_expert"]
 
