@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "hebrus_check.h"
+#include "moe_checks.h"
 #include "op_checks.h"
 
 namespace hebrus {
@@ -41,22 +44,29 @@ struct HcPremixSizes {
   bool has_inject = false;
 };
 
+// The pre-mix ops' streams (h [T, D], already checked 2-D float): hc_count divides D, norm_weight has D entries.
+inline HcPremixSizes check_hc_streams(const char* op, const at::Tensor& h, const at::Tensor& norm_weight,
+                                      int64_t hc_count) {
+  HcPremixSizes sz;
+  sz.rows = h.size(0);
+  sz.dim = h.size(1);
+  sz.hc = hc_count;
+  HEBRUS_CHECK(hc_count >= 1 && sz.dim % hc_count == 0, HebrusError, "hebrus::", op,
+               ": hc_count must be >= 1 and divide D = ", sz.dim, ", got ", hc_count);
+  sz.hidden = sz.dim / hc_count;
+  HEBRUS_CHECK(norm_weight.size(0) == sz.dim, HebrusError, "hebrus::", op, ": norm_weight must have D = ", sz.dim,
+               " entries, got ", norm_weight.size(0));
+  return sz;
+}
+
 inline HcPremixSizes check_hc_premix_args(const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down,
                                           const at::Tensor& up, const c10::optional<at::Tensor>& inject,
                                           int64_t hc_count, double eps) {
   const char* op = "hc_premix";
   check_kinds(op, {{"h", &h, 2, kAnyFloat}, {"norm_weight", &norm_weight, 1, kAnyFloat}, {"down", &down, 2, kAnyFloat},
                    {"up", &up, 2, kAnyFloat}});
-  HcPremixSizes sz;
-  sz.rows = h.size(0);
-  sz.dim = h.size(1);
-  sz.hc = hc_count;
+  HcPremixSizes sz = check_hc_streams(op, h, norm_weight, hc_count);
   sz.has_inject = inject.has_value() && inject->defined();
-  HEBRUS_CHECK(hc_count >= 1 && sz.dim % hc_count == 0, HebrusError, "hebrus::", op,
-               ": hc_count must be >= 1 and divide D = ", sz.dim, ", got ", hc_count);
-  sz.hidden = sz.dim / hc_count;
-  HEBRUS_CHECK(norm_weight.size(0) == sz.dim, HebrusError, "hebrus::", op, ": norm_weight must have D = ", sz.dim,
-               " entries, got ", norm_weight.size(0));
   check_same_dtype(op, down, "down", h, "h");
   check_same_dtype(op, up, "up", h, "h");
   sz.rank = down.size(0);
@@ -73,6 +83,69 @@ inline HcPremixSizes check_hc_premix_args(const at::Tensor& h, const at::Tensor&
   }
   HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::", op, ": eps must be >= 0, got ", eps);
   return sz;
+}
+
+// One affine-quantized projection of hc_premix_quantized, W [out, in]: <name>_q [out, in * bits / 32] int32,
+// <name>_scales / <name>_biases [out, in / group_size] of h's dtype. out_rows < 0: any out >= 1 (returned).
+struct HcQuantProjection {
+  const char* name;
+  const at::Tensor *q, *scales, *biases;
+};
+
+inline int64_t check_hc_quant_projection(const char* op, const HcQuantProjection& w, const at::Tensor& h, int64_t in,
+                                         int64_t out_rows, const char* out_name, int64_t group_size, int64_t bits) {
+  const std::string q = std::string(w.name) + "_q";
+  const std::pair<std::string, const at::Tensor*> params[] = {{std::string(w.name) + "_scales", w.scales},
+                                                              {std::string(w.name) + "_biases", w.biases}};
+  check_kinds(op, {{q.c_str(), w.q, 2, at::kInt}});
+  for (const auto& [name, t] : params) {
+    check_dims(op, *t, 2, name.c_str());
+    check_same_dtype(op, *t, name.c_str(), h, "h");
+  }
+  HEBRUS_CHECK(in % group_size == 0, HebrusError, "hebrus::", op, ": ", w.name, "'s input dimension ", in,
+               " must be a multiple of group_size ", group_size);
+  const int64_t out = w.q->size(0);
+  HEBRUS_CHECK((out_rows < 0 ? out >= 1 : out == out_rows) && w.q->size(1) * (32 / bits) == in, HebrusError,
+               "hebrus::", op, ": ", q, " must be [", out_name, ", ", in, " * bits / 32 = ", in * bits / 32,
+               "], got shape ", shape_str(w.q->sizes()));
+  for (const auto& [name, t] : params) {
+    HEBRUS_CHECK(t->size(0) == out && t->size(1) == in / group_size, HebrusError, "hebrus::", op, ": ", name,
+                 " must be [", out, ", ", in / group_size, "], got shape ", shape_str(t->sizes()));
+  }
+  return out;
+}
+
+// hebrus::hc_premix_quantized: hc_premix with down [R, D], up [D, R] and inject [hc, D] (all three of inject's
+// tensors or none) affine-quantized with one group_size and bits. Same order and messages as
+// hebrus_torch/_validate.py's hc_premix_quantized.
+inline HcPremixSizes check_hc_premix_quantized_args(
+    const at::Tensor& h, const at::Tensor& norm_weight, const HcQuantProjection& down, const HcQuantProjection& up,
+    const c10::optional<HcQuantProjection>& inject, int64_t hc_count, double eps, int64_t group_size, int64_t bits) {
+  const char* op = "hc_premix_quantized";
+  check_quant_options(op, group_size, bits);
+  check_kinds(op, {{"h", &h, 2, kAnyFloat}, {"norm_weight", &norm_weight, 1, kAnyFloat}});
+  HcPremixSizes sz = check_hc_streams(op, h, norm_weight, hc_count);
+  sz.has_inject = inject.has_value();
+  const std::string dim = "D = " + std::to_string(sz.dim);
+  sz.rank = check_hc_quant_projection(op, down, h, sz.dim, -1, "R >= 1", group_size, bits);
+  check_hc_quant_projection(op, up, h, sz.rank, sz.dim, dim.c_str(), group_size, bits);
+  if (sz.has_inject) {
+    const std::string hc = "hc_count = " + std::to_string(hc_count);
+    check_hc_quant_projection(op, *inject, h, sz.dim, hc_count, hc.c_str(), group_size, bits);
+  }
+  HEBRUS_CHECK(eps >= 0, HebrusError, "hebrus::", op, ": eps must be >= 0, got ", eps);
+  return sz;
+}
+
+// inject_q / inject_scales / inject_biases of hc_premix_quantized: all three given, or none.
+inline c10::optional<HcQuantProjection> hc_quant_inject(const c10::optional<at::Tensor>& q,
+                                                        const c10::optional<at::Tensor>& scales,
+                                                        const c10::optional<at::Tensor>& biases) {
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  HEBRUS_CHECK(given(q) == given(scales) && given(q) == given(biases), HebrusError,
+               "hebrus::hc_premix_quantized: inject_q, inject_scales and inject_biases must be given together");
+  if (!given(q)) return c10::nullopt;
+  return HcQuantProjection{"inject", &*q, &*scales, &*biases};
 }
 
 struct HcPostCombineSizes {

@@ -91,6 +91,13 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "hc_premix(Tensor h, Tensor norm_weight, Tensor down, Tensor up, Tensor? inject, int hc_count, float eps) "
       "-> (Tensor, Tensor)");
+  // hc_premix with down, up and inject affine-quantized (hebrus_torch/moe/quantize.py; one group_size and bits
+  // for the three): <name>_q [out, in * bits / 32] int32, <name>_scales / _biases [out, in / group_size] of h's
+  // dtype; inject's three tensors all given or none. On CPU: the module path's bits (QuantizedLinear calls).
+  m.def(
+      "hc_premix_quantized(Tensor h, Tensor norm_weight, Tensor down_q, Tensor down_scales, Tensor down_biases, "
+      "Tensor up_q, Tensor up_scales, Tensor up_biases, Tensor? inject_q, Tensor? inject_scales, "
+      "Tensor? inject_biases, int hc_count, float eps, int group_size, int bits) -> (Tensor, Tensor)");
   // The hyper-connection post-combine: hyper [T, hc * hidden] + out [T, hidden] weighted per stream by
   // inject [T, hc] (the decoder layer's `hyper_input + (out.unsqueeze(-2) * w.unsqueeze(-1)).flatten(-2)`).
   m.def("hc_post_combine(Tensor hyper, Tensor out, Tensor inject) -> Tensor");

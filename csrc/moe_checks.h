@@ -61,11 +61,16 @@ inline MoeSizes check_moe_experts_args(const at::Tensor& x, const at::Tensor& to
   return {T, H, k, E, I};
 }
 
-// The quantized ops' first checks: bits (4 or 8), group_size (32, 64 or 128), then x 2-D and float.
-inline void check_quant_format(const char* op, const at::Tensor& x, int64_t group_size, int64_t bits) {
+// bits (4 or 8), then group_size (32, 64 or 128): the first checks of every op over quantized weights.
+inline void check_quant_options(const char* op, int64_t group_size, int64_t bits) {
   HEBRUS_CHECK(bits == 4 || bits == 8, HebrusError, "hebrus::", op, ": bits must be 4 or 8, got ", bits);
   HEBRUS_CHECK(group_size == 32 || group_size == 64 || group_size == 128, HebrusError, "hebrus::", op,
                ": group_size must be 32, 64 or 128, got ", group_size);
+}
+
+// The quantized MoE ops' first checks: check_quant_options, then x 2-D and float.
+inline void check_quant_format(const char* op, const at::Tensor& x, int64_t group_size, int64_t bits) {
+  check_quant_options(op, group_size, bits);
   check_dims(op, x, 2, "x");
   check_float(op, x, "x");
 }

@@ -20,7 +20,7 @@ from .qsa.ops import qsa_pool, qsa_select
 from .qsa.attention import qsa_attention
 from .moe.ops import (moe_experts, moe_experts_quantized, moe_route, moe_shared_expert, moe_shared_expert_quantized,
                       quantized_linear)
-from .hc.ops import hc_post_combine, hc_premix, hc_rms_norm
+from .hc.ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 from .ple.state import PLEHashParams, PLESnapshot, PLEState
 from .qsa.cache import QSACache, QSAPlan, ReservedChunk
 from .state import SeqHandle, transaction
@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "errors", "HebrusError", "HoleError", "NonSuccessorError", "StaleHandleError", "CapacityError",
     "CorruptStateError", "DuplicateSequenceError", "ple_ngram_ids", "ple_conv", "qsa_pool", "qsa_select", "qsa_attention",
-    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm", "hc_premix", "hc_post_combine",
+    "moe_experts", "moe_experts_quantized", "quantized_linear", "hc_rms_norm", "hc_premix",
+    "hc_premix_quantized", "hc_post_combine",
     "moe_route", "moe_shared_expert", "moe_shared_expert_quantized",
     "PLEState", "PLESnapshot", "PLEHashParams", "QSACache", "QSAPlan", "ReservedChunk", "SeqHandle",
     "transaction", "ModelCache", "Batch", "ChunkStep", "CacheSnapshot", "GDNState", "GDNSnapshot",

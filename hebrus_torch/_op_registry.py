@@ -131,6 +131,11 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "hc_premix(Tensor h, Tensor norm_weight, Tensor down, Tensor up, Tensor? inject, int hc_count, "
            "float eps) -> (Tensor, Tensor)",
            reference.hc_premix, _CPU_MPS),
+    OpSpec("hc_premix_quantized",
+           "hc_premix_quantized(Tensor h, Tensor norm_weight, Tensor down_q, Tensor down_scales, Tensor down_biases, "
+           "Tensor up_q, Tensor up_scales, Tensor up_biases, Tensor? inject_q, Tensor? inject_scales, "
+           "Tensor? inject_biases, int hc_count, float eps, int group_size, int bits) -> (Tensor, Tensor)",
+           reference.hc_premix_quantized, _CPU_MPS),
     OpSpec("hc_post_combine",
            "hc_post_combine(Tensor hyper, Tensor out, Tensor inject) -> Tensor",
            reference.hc_post_combine, _CPU_MPS),

@@ -389,6 +389,59 @@ def hc_rms_norm(x, weight, group_size, eps) -> tuple[int, int]:
     return rows, dim
 
 
+def _hc_streams(op: str, h, norm_weight, hc_count) -> tuple[int, int]:
+    """The pre-mix ops' streams (h already checked 2-D float): returns (T, D)."""
+    rows, dim = h.shape
+    check(hc_count >= 1 and dim % hc_count == 0, op, f"hc_count must be >= 1 and divide D = {dim}, got {hc_count}")
+    check(norm_weight.shape[0] == dim, op, f"norm_weight must have D = {dim} entries, got {norm_weight.shape[0]}")
+    return rows, dim
+
+
+def _hc_quant_projection(op: str, name: str, q, scales, biases, h, in_dim: int, out_rows: int | None,
+                         out_name: str, group_size: int, bits: int) -> int:
+    """One quantized projection W [out, in] of hc_premix_quantized (csrc/hc_checks.h); returns out."""
+    _ranks_and_dtypes(op, (f"{name}_q", q, 2, torch.int32))
+    for suffix, t in (("scales", scales), ("biases", biases)):
+        _dims(t, 2, op, f"{name}_{suffix}")
+        check(t.dtype == h.dtype, op, f"{name}_{suffix} dtype {t.dtype} must match h dtype {h.dtype}")
+    check(in_dim % group_size == 0, op, f"{name}'s input dimension {in_dim} must be a multiple of group_size "
+          f"{group_size}")
+    out = q.shape[0]
+    check((out >= 1 if out_rows is None else out == out_rows) and q.shape[1] * (32 // bits) == in_dim, op,
+          f"{name}_q must be [{out_name}, {in_dim} * bits / 32 = {in_dim * bits // 32}], got shape {tuple(q.shape)}")
+    for suffix, t in (("scales", scales), ("biases", biases)):
+        check(tuple(t.shape) == (out, in_dim // group_size), op,
+              f"{name}_{suffix} must be [{out}, {in_dim // group_size}], got shape {tuple(t.shape)}")
+    return out
+
+
+def hc_premix_quantized(h, norm_weight, down_q, down_scales, down_biases, up_q, up_scales, up_biases, inject_q,
+                        inject_scales, inject_biases, hc_count, eps, group_size, bits) -> tuple[int, int, int]:
+    """Metadata of hebrus::hc_premix_quantized; returns (T, hidden, R). Same order and messages as
+    csrc/hc_checks.h (check_hc_premix_quantized_args)."""
+    op = "hc_premix_quantized"
+    inject = (inject_q, inject_scales, inject_biases)
+    has_inject = inject_q is not None
+    check(all((t is not None) == has_inject for t in inject), op,
+          "inject_q, inject_scales and inject_biases must be given together")
+    tensors = {"h": h, "norm_weight": norm_weight, "down_q": down_q, "down_scales": down_scales,
+               "down_biases": down_biases, "up_q": up_q, "up_scales": up_scales, "up_biases": up_biases}
+    if has_inject:
+        tensors.update(inject_q=inject_q, inject_scales=inject_scales, inject_biases=inject_biases)
+    _same_device(op, **tensors)
+    check(bits in (4, 8), op, f"bits must be 4 or 8, got {bits}")
+    check(group_size in (32, 64, 128), op, f"group_size must be 32, 64 or 128, got {group_size}")
+    _ranks_and_dtypes(op, ("h", h, 2, FLOAT_DTYPES), ("norm_weight", norm_weight, 1, FLOAT_DTYPES))
+    rows, dim = _hc_streams(op, h, norm_weight, hc_count)
+    rank = _hc_quant_projection(op, "down", down_q, down_scales, down_biases, h, dim, None, "R >= 1", group_size,
+                                bits)
+    _hc_quant_projection(op, "up", up_q, up_scales, up_biases, h, rank, dim, f"D = {dim}", group_size, bits)
+    if has_inject:
+        _hc_quant_projection(op, "inject", *inject, h, dim, hc_count, f"hc_count = {hc_count}", group_size, bits)
+    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+    return rows, dim // hc_count, rank
+
+
 def hc_premix(h, norm_weight, down, up, inject, hc_count, eps) -> tuple[int, int, int]:
     """Metadata of hebrus::hc_premix; returns (T, hidden, R): h [T, hc_count * hidden], down [R, D]."""
     op = "hc_premix"
@@ -398,9 +451,7 @@ def hc_premix(h, norm_weight, down, up, inject, hc_count, eps) -> tuple[int, int
     _same_device(op, **tensors)
     _ranks_and_dtypes(op, ("h", h, 2, FLOAT_DTYPES), ("norm_weight", norm_weight, 1, FLOAT_DTYPES),
                       ("down", down, 2, FLOAT_DTYPES), ("up", up, 2, FLOAT_DTYPES))
-    rows, dim = h.shape
-    check(hc_count >= 1 and dim % hc_count == 0, op, f"hc_count must be >= 1 and divide D = {dim}, got {hc_count}")
-    check(norm_weight.shape[0] == dim, op, f"norm_weight must have D = {dim} entries, got {norm_weight.shape[0]}")
+    rows, dim = _hc_streams(op, h, norm_weight, hc_count)
     check(down.dtype == h.dtype, op, f"down dtype {down.dtype} must match h dtype {h.dtype}")
     check(up.dtype == h.dtype, op, f"up dtype {up.dtype} must match h dtype {h.dtype}")
     rank = down.shape[0]

@@ -137,7 +137,7 @@ static_assert(HEBRUS_MOE_TILE_K % 128 == 0 && HEBRUS_MOE_TILE_K % HEBRUS_MOE_LAN
 static_assert(sizeof(HcRmsNormParams) == 4 * 8, "HcRmsNormParams: 3 x 64-bit, float, pad");
 static_assert(sizeof(GdnGatesParams) == 3 * 8, "GdnGatesParams: 2 x 64-bit, 2 x 32-bit");
 static_assert(sizeof(GdnGatedNormParams) == 4 * 8, "GdnGatedNormParams: 2 x 64-bit, float, 3 x 32-bit");
-static_assert(sizeof(HcPremixParams) == 6 * 8, "HcPremixParams: 5 x 64-bit, float, pad");
+static_assert(sizeof(HcPremixParams) == 6 * 8, "HcPremixParams: 5 x 64-bit, float, int32");
 static_assert(sizeof(HcPostCombineParams) == 3 * 8, "HcPostCombineParams: 3 x 64-bit");
 static_assert(sizeof(MoeRouteParams) == 5 * 8, "MoeRouteParams: 4 x 64-bit, 2 x 32-bit");
 static_assert(sizeof(MoeSharedParams) == 5 * 8, "MoeSharedParams: 5 x 64-bit");
@@ -626,8 +626,8 @@ inline GdnGatedNormPlan plan_gdn_gated_rms_norm(int64_t rows, int64_t dim, doubl
 }
 
 // ---- hc_premix, hc_post_combine (issue 37) -------------------------------------------------------------
-// hc_premix: low launches rows * (rank + injects) SIMD-groups (whole SIMD-groups only), mix launches
-// rows * hidden threads.
+// hc_premix (and hc_premix_quantized, group_size > 0): low launches rows * (rank + injects) SIMD-groups (whole
+// SIMD-groups only), mix launches rows * hidden threads.
 struct HcPremixPlan {
   HcPremixParams params{};
   Dispatch low, mix;
@@ -635,9 +635,10 @@ struct HcPremixPlan {
 };
 
 inline HcPremixPlan plan_hc_premix(int64_t rows, int64_t hidden, int64_t hc, int64_t rank, int64_t injects,
-                                   double eps) {
+                                   double eps, int64_t group_size = 0) {
   HcPremixPlan plan;
-  plan.params = HcPremixParams{rows, hidden, hc, rank, injects, static_cast<float>(eps), 0};
+  plan.params = HcPremixParams{rows,    hidden, hc, rank, injects, static_cast<float>(eps),
+                               static_cast<int32_t>(group_size)};
   const uint64_t low = static_cast<uint64_t>(rows) * static_cast<uint64_t>(rank + injects) * HEBRUS_SIMD_WIDTH;
   const uint64_t mix = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
   if (low > kMaxThreads) plan.error = "more than 2^32-1 threads (T * (R + hc) * 32)";

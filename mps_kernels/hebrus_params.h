@@ -294,7 +294,7 @@ struct GdnGatedNormParams {
   hebrus_i32 sigmoid;        // 1: act = sigmoid, 0: silu
 };
 
-// hebrus::hc_premix (issue 37). Two launches (hc_premix.metal): low, one SIMD-group per (row, output o)
+// hebrus::hc_premix and hebrus::hc_premix_quantized (issue 37). Two launches (hc_premix.metal): low, one SIMD-group per (row, output o)
 // for o in [0, rank + injects); mix, one thread per (row, feature k of a stream).
 struct HcPremixParams {
   hebrus_i64 rows;     // T
@@ -303,7 +303,7 @@ struct HcPremixParams {
   hebrus_i64 rank;     // R (down's rows)
   hebrus_i64 injects;  // hc with block_inject_weight, 0 without
   float eps;
-  hebrus_i32 pad0;
+  hebrus_i32 group_size;  // hc_premix_quantized: the projections' group size (32, 64 or 128); 0 for hc_premix
 };
 
 // hebrus::hc_post_combine (issue 37). Threads: rows * hc * hidden, one per output feature.

@@ -5,6 +5,7 @@
 // the sum over each row's slots (instantiated in
 // moe_experts.metal with the route kernel; the quantized op launches both from there).
 #include "hebrus_metal_common.h"
+#include "hebrus_quant.h"
 
 // exp(x) of the CPU kernels' silu (hebrus_simd.h exp_silu), operation for operation.
 inline float hebrus_moe_exp_silu(float x) {
@@ -144,24 +145,7 @@ template <typename T>
 
 // ---- affine-quantized weights (moe_experts_quantized.metal, moe_shared_expert.metal) -------------------------
 
-// The code of value d of a quantized row.
-template <int BITS>
-inline uint hebrus_moe_code_bits(device const uint* codes, long d) {
-  const long per_word = 32 / BITS;
-  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);
-}
-
-// The code of value d of a quantized row, as a float.
-template <int BITS>
-inline float hebrus_moe_code(device const uint* codes, long d) {
-  return float(hebrus_moe_code_bits<BITS>(codes, d));
-}
-
-// acc + (qx * s + xs * b): one group of a folded dot product (s, b the group's scale and bias).
-template <typename T>
-inline float hebrus_moe_fold(float acc, float qx, float xs, device const T* scales, device const T* biases, long g) {
-  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));
-}
+// (the code read and the group fold: hebrus_quant.h, shared with hc_premix.metal's quantized pre-mix)
 
 // The rows of an affine-quantized matrix W [rows, cols] (codes [rows, cols * BITS / 32], scales / biases
 // [rows, cols / group_size] of T; cols a multiple of group_size): dot(r, v, l) is lane l's part of W[r] . v,

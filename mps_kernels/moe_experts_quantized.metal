@@ -8,6 +8,7 @@
 // group (ascending d), then acc = acc + (qx * s + xs * b), s and b the group's scale and bias. Variants q4 and
 // q8 are the bit widths; H and I are multiples of the group size (32, 64 or 128), so no row has a tail. The
 // library also holds hebrus::quantized_linear's kernel (the same fold and lane order, one launch).
+#include "hebrus_quant.h"
 #include "moe_experts.h"
 
 // ---- the grouped (prefill) path: the tile machinery of moe_experts.h over codes ---------------------------

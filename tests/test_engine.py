@@ -135,17 +135,19 @@ def row_invariant(monkeypatch):
     for owner, name in ((torch, "sigmoid"), (torch.nn.functional, "sigmoid"), (torch.nn.functional, "silu"),
                         (torch.nn.functional, "softplus"), (torch.Tensor, "sigmoid")):
         monkeypatch.setattr(owner, name, rowwise_unary(getattr(owner, name)))
-    # The fused hyper-connection pre-mix runs the modules' projections and activations inside its CPU kernel
-    # (ATen's linear, the modules' bits): it is run row by row here, as F.linear is.
-    fused_premix = hc_premix_module.hc_premix
+    # The fused hyper-connection pre-mixes run the modules' projections and activations inside their CPU kernels
+    # (ATen's linear or quantized_linear, silu, sigmoid: the modules' bits): they are run row by row here, as
+    # F.linear and the activations are.
+    for name in ("hc_premix", "hc_premix_quantized"):
+        fused_premix = getattr(hc_premix_module, name)
 
-    def premix_rowwise(h, *args):
-        if h.dim() != 2 or h.shape[0] <= 1:
-            return fused_premix(h, *args)
-        rows = [fused_premix(h[i:i + 1], *args) for i in range(h.shape[0])]
-        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        def premix_rowwise(h, *args, _fused=fused_premix):
+            if h.dim() != 2 or h.shape[0] <= 1:
+                return _fused(h, *args)
+            rows = [_fused(h[i:i + 1], *args) for i in range(h.shape[0])]
+            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
-    monkeypatch.setattr(hc_premix_module, "hc_premix", premix_rowwise)
+        monkeypatch.setattr(hc_premix_module, name, premix_rowwise)
     # The fused GDN gates and gated norm run ATen's softplus / exp / sigmoid / SiLU inside their CPU kernels
     # (the formulas' bits): their vectorised body and scalar tail differ by where an element sits, so they
     # are run row by row here too.

@@ -44,7 +44,9 @@ EXPECTED = {
                                                         "quantized_linear_tiled") for q in ("q4", "q8") for t in TYPES},
     "hc_rms_norm": {f"hc_rms_norm_{t}" for t in TYPES},
     "gdn_fused": {f"{k}_{t}" for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
-    "hc_premix": {f"{k}_{t}" for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
+    "hc_premix": {f"{k}_{t}" for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES}
+    | {f"{k}_{q}_{t}" for k in ("hc_premix_quantized_low", "hc_premix_quantized_mix") for q in ("q4", "q8")
+       for t in TYPES},
     "qsa_token_cells": {"qsa_token_cells_long"},
     "rms_norm_rope": {f"rms_norm_rope_{t}" for t in TYPES},
     "sigmoid_gate": {f"sigmoid_gate_{t}" for t in TYPES},
@@ -66,6 +68,8 @@ VARIANTS = {
     "moe_shared_expert_quantized_act": ("q4", "q8"),
     "moe_shared_expert_quantized_down": ("q4", "q8"),
 }
+# Quantized kernels (variants q4 / q8) in a file whose other kernels have no variant.
+QUANTIZED_VARIANTS = {"hc_premix": {k: ("q4", "q8") for k in ("hc_premix_quantized_low", "hc_premix_quantized_mix")}}
 # Files holding the kernels of several ops (one templated body): the ops, as the host names them.
 FILE_OPS = {"gdn_delta_rule": ("gdn_delta_rule", "gdn_delta_rule_slots"),
             "gdn_chunk_delta_rule": ("gdn_chunk_delta_rule_slots",),
@@ -93,6 +97,7 @@ GLUE_FN = {"gdn_delta_rule": ("gdn_delta_rule_launches", ("gdn_delta_rule_slots"
                                                                 "moe_experts_quantized_down")),
                                      ("quantized_linear", ("quantized_linear",))],
            "hc_premix": [("hc_premix", ("hc_premix_low", "hc_premix_mix")),
+                         ("hc_premix_quantized", ("hc_premix_quantized_low", "hc_premix_quantized_mix")),
                          ("hc_post_combine", ("hc_post_combine",))],
            "moe_shared_expert": [("moe_shared_expert", ("moe_shared_expert_act", "moe_shared_expert_down")),
                                  ("moe_shared_expert_quantized", ("moe_shared_expert_quantized_act",
@@ -117,6 +122,8 @@ def test_builds_with_gxx_and_names_match_the_host_helper(path):
             for v in VARIANTS.get(op, VARIANTS.get(stem(path), ("",))) for d in dtypes}
     if "gdn_chunk_delta_rule_slots" in FILE_OPS.get(stem(path), ()):  # g and beta in float32 with 16-bit q, k, v
         host |= {hebrus_emu.kernel_name("gdn_chunk_delta_rule_slots", "gf32", d) for d in dtypes[1:]}
+    for op, file_variants in QUANTIZED_VARIANTS.get(stem(path), {}).items():  # a file's quantized op beside dense ones
+        host |= {hebrus_emu.kernel_name(op, v, d) for v in file_variants for d in dtypes}
     assert host == names - CHECK_KERNELS  # hebrus::metal::kernel_name builds exactly the kernels' host_name strings
 
 

@@ -37,12 +37,12 @@ def make(rows, hc, hidden, rank, dtype, inject=True, seed=0):
     return h, norm_weight, down, up, inj, hc, 1e-6
 
 
-def close(got, want, dtype):
-    """fp32: the dot products' order and the platform's exp / rsqrt only. Half types: every op rounds as
-    the module's, so a value differs from the module's only where an fp32 sum in another order rounds
-    to a neighbour and that propagates (within 2 ulp of the dtype, rare)."""
+def close(got, want, dtype, fp32_tol=(1e-6, 1e-5)):
+    """fp32: the dot products' order and the platform's exp / rsqrt only (within ``fp32_tol``: atol, rtol).
+    Half types: every op rounds as the module's, so a value differs from the module's only where an fp32 sum
+    in another order rounds to a neighbour and that propagates (within 2 ulp of the dtype, rare)."""
     if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=fp32_tol[0], rtol=fp32_tol[1])
     else:
         eps = torch.finfo(dtype).eps
         torch.testing.assert_close(got.float(), want.float(), atol=2 * eps, rtol=2 * eps)
@@ -55,12 +55,16 @@ def close(got, want, dtype):
                                                  (40, 2, 16, 4)])
 def test_premix_matches_reference(dtype, inject, rows, hc, hidden, rank):
     args = make(rows, hc, hidden, rank, dtype, inject, seed=rows + hidden)
-    mixed, weights = hebrus_emu.hc_premix(*args)
-    want_mixed, want_weights = reference.hc_premix(*args)
+    assert_outputs_close(hebrus_emu.hc_premix(*args), reference.hc_premix(*args), dtype)
+
+
+def assert_outputs_close(got, want, dtype, fp32_tol=(1e-6, 1e-5)):
+    """A pre-mix's (mixed, weights) against the reference's: shapes, dtype, then :func:`close`."""
+    (mixed, weights), (want_mixed, want_weights) = got, want
     assert mixed.shape == want_mixed.shape and weights.shape == want_weights.shape
     assert mixed.dtype == weights.dtype == dtype
-    close(mixed, want_mixed, dtype)
-    close(weights, want_weights, dtype)
+    close(mixed, want_mixed, dtype, fp32_tol)
+    close(weights, want_weights, dtype, fp32_tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -455,17 +455,21 @@ def moe_quantized_check(**emu):
     assert torch.equal(hebrus_emu.quantized_linear(*lin, **emu), hebrus_torch.quantized_linear(*lin))
 
 
+# (the code read and the fold are hebrus_quant.h's, shared with hc_premix.metal's quantized pre-mix)
 @pytest.mark.parametrize("file,old,new", [
-    ("moe_experts.h", "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+    ("hebrus_quant.h",
+     "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return ((codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u)) ^ 1u;"),
-    ("moe_experts.h", "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
+    ("hebrus_quant.h",
+     "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(biases[g]));",
      "  return acc + (qx * static_cast<float>(scales[g]) + xs * static_cast<float>(scales[g]));"),
-    ("moe_experts.h", "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
+    ("hebrus_quant.h",
+     "  return (codes[d / per_word] >> uint((d % per_word) * BITS)) & ((1u << BITS) - 1u);",
      "  return (codes[d / per_word] >> uint((per_word - 1 - d % per_word) * BITS)) & ((1u << BITS) - 1u);"),
     ("moe_experts_quantized.metal", "    out[t * p.out + o] = static_cast<T>(acc);",
      "    out[o * p.rows + t] = static_cast<T>(acc);"),
     ("moe_experts_quantized.metal", "    const long gi = (k0 + g0) / group_size;",
-     "    const long gi = g0 / group_size;"),  # the step's groups
+     "    const long gi = g0 / group_size;"),                                                  # the step's groups
     ("moe_experts_quantized.metal", "      out[t * p.out + o] = static_cast<T>(acc[j]);",
      "      out[t * p.out + o0 + j] = static_cast<T>(acc[j]);"),
     ("moe_experts_quantized.metal",
@@ -522,13 +526,14 @@ def test_unmutated_hc_kernels_pass_their_checks(stem):
      "i += HEBRUS_SIMD_WIDTH + 1) {\n    const float v = static_cast<float>(x[first + i]);\n    sum_sq"),  # skips
     ("hc_premix", "simd_sum(sum_sq)", "sum_sq"),                                             # lane-local norm
     ("hc_premix", "simd_sum(sum_sq) / float(p.hidden)", "simd_sum(sum_sq) / float(p.hc * p.hidden)"),  # row norm
-    ("hc_premix", "hc_normed(hr, norm_weight, j, inv_c)", "hc_normed(hr, norm_weight, i, inv_c)"),  # stream 0's
+    ("hc_premix", "static_cast<float>(wr[j]) * hc_normed(hr, nw, j, inv)",
+     "static_cast<float>(wr[j]) * hc_normed(hr, nw, j - begin, inv)"),                        # stream 0's
     ("hc_premix", "hc_round<T>(hc_round<T>(dot) / float(p.hc))", "hc_round<T>(dot)"),       # no / hc_count
     ("hc_premix", "2.0f * hc_round<T>(hc_sigmoid(scaled))", "hc_round<T>(hc_sigmoid(scaled))"),  # no 2 x
     ("hc_premix", "inv[t * p.hc + c]))", "inv[t * p.hc]))"),                                 # stream 0's norm
     ("hc_premix", "weights[t * p.injects + (o - p.rank)]", "weights[t * p.injects]"),         # one weight per row
     ("hc_premix", "static_cast<T>(sum / float(p.hc))", "static_cast<T>(sum)"),               # sum, not mean
-    ("hc_premix", "for (long r = 0; r < p.rank; ++r)", "for (long r = 1; r < p.rank; ++r)"), # skips a rank
+    ("hc_premix", "for (long c = 0; c < cols; ++c)", "for (long c = 1; c < cols; ++c)"),     # skips a rank
     ("hc_premix", "inject[t * p.hc + c]", "inject[t * p.hc]"),                               # combine: stream 0
 ], ids=["norm-lane-local", "norm-mean-over-row", "norm-weight-row-offset", "norm-stride-skips",
         "premix-lane-local", "premix-norm-over-row", "premix-dot-reads-stream-0", "premix-no-div", "premix-no-2x",
@@ -538,6 +543,37 @@ def test_hc_mutations_are_caught(tmp_path, use, stem, old, new):
     use(stem, mutated(tmp_path, stem, f"{stem}.metal", old, new))
     with pytest.raises((AssertionError, msl_emu.MSLError)):
         HC_CHECKS[stem]()
+
+
+def hc_premix_quantized_check(**emu):
+    from test_metal_hc_premix_quantized import close, make
+
+    for bits in (4, 8):     # hidden 40 with groups of 32: groups inside a stream and groups that span two
+        args = make(5, 4, 40, 64, torch.float32, bits, 32, seed=8 + bits)
+        got, want = hebrus_emu.hc_premix_quantized(*args, **emu), reference.hc_premix_quantized(*args)
+        close(got[0], want[0], torch.float32)
+        close(got[1], want[1], torch.float32)
+
+
+def test_unmutated_quantized_premix_passes_its_check():
+    for sched in ("forward", "reverse", "random"):
+        hc_premix_quantized_check(sched=sched, seed=1)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("acc = hebrus_moe_fold(acc, qx, xs,", "acc = hebrus_moe_fold(acc, qx, 0.0f,"),              # low: no biases
+    ("biases + r * groups, g0 / group_size);\n    }\n    return u;",
+     "biases + r * groups, 0);\n    }\n    return u;"),                                          # mix: group 0's
+    ("const long first = hebrus_max(g0, begin)", "const long first = g0"),                      # span: other stream
+    ("last = hebrus_min(g0 + group_size, end)", "last = g0 + group_size"),                      # span: next stream
+    ("cr = codes + r * (cols * BITS / 32);\n    const long groups = cols / group_size;\n    for (long g0 = begin",
+     "cr = codes + r * (cols / 32);\n    const long groups = cols / group_size;\n    for (long g0 = begin"),  # row
+], ids=["low-no-bias", "mix-group-0-scale", "span-reads-previous-stream", "span-reads-next-stream",
+        "low-code-row-stride"])
+def test_quantized_premix_mutations_are_caught(tmp_path, use, old, new):
+    use("hc_premix", mutated(tmp_path, "hc_premix", "hc_premix.metal", old, new))
+    with pytest.raises((AssertionError, msl_emu.MSLError)):
+        hc_premix_quantized_check()
 
 
 # ---- gdn_gates, gdn_gated_rms_norm (issue 37) ---------------------------------------------------------------

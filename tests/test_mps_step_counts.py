@@ -262,11 +262,12 @@ RELEASED_DECODE_BUDGET_PER_LAYER = 29.75
 MODEL_PARTS = [label for part, label in PARTS.items() if part != "engine"]
 
 
-def released_decode_counts(batches=(1, 8, 64), context: int = 8, inter: int = 16, quantize: int | None = None):
-    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16; with
-    ``quantize`` bits, quantized in memory as the converter quantizes it, in groups of 32)."""
+def released_decode_counts(batches=(1, 8, 64), context: int = 8, quantize: int | None = None, inter: int = 16):
+    """{batch: [counts of two successive decode steps]} of the released structure at tiny widths (bf16, expert
+    intermediate ``inter``; with ``quantize`` bits, the converter's weights quantized in groups of 32, as
+    count_mps_step.py --quantize)."""
     model = released_structure_model(64, inter, vocab=512)
-    if quantize:
+    if quantize is not None:
         from hebrus_torch.convert.model import quantize_model
 
         quantize_model(model, bits=quantize, group_size=32)
@@ -320,6 +321,21 @@ def test_released_structure_4bit_moe_dispatches_what_the_bf16_one_does():
     assert step.ops[moe]["hebrus.moe_shared_expert_quantized"] == layers, step.ops[moe]
     assert plain.ops[moe]["hebrus.moe_shared_expert"] == layers
     assert step.dispatches[moe] == plain.dispatches[moe], (step.ops[moe], plain.ops[moe])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_released_structure_hyper_connections_dispatch_what_bf16_does(bits):
+    """With the converter's 4/8-bit weights (hyper-connection projections QuantizedLinear) each pre-mix is one
+    hc_premix_quantized, as bf16's is one hc_premix: the hyper-connections dispatch the same (was 26 per layer
+    against 4, every pre-mix as module calls)."""
+    part = PARTS["hyper-connections"]
+    _, dense = released_decode_counts(batches=(1,), inter=32)
+    model, quantized = released_decode_counts(batches=(1,), quantize=bits, inter=32)    # (experts: I = 32)
+    counts = quantized[1][0]
+    assert counts.dispatches[part] == dense[1][0].dispatches[part], counts.ops[part]
+    assert counts.ops[part]["hebrus.hc_premix_quantized"] == 2 * model.config.num_hidden_layers
+    mixer = sum(ops["hebrus.hc_premix_quantized"] for label, ops in counts.ops.items() if label != part)
+    assert mixer == 1                                      # the final hyper_connection_mixer ("other")
 
 
 def engine_part_of_decode(batch: int, params_of=lambda i: None, prompt_len: int = 8):

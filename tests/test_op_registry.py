@@ -147,7 +147,7 @@ def test_an_op_not_native_on_the_emulated_device_runs_its_composite(monkeypatch)
 REFERENCE_NAMES = [
     "assert_values", "check_cu_seqlens_values", "check_groups_contiguous", "check_slot_values",
     "check_token_cells_values", "checks_async", "gdn_chunk_delta_rule_slots", "gdn_delta_rule",
-    "gdn_delta_rule_slots", "gdn_gated_rms_norm", "gdn_gates", "hc_post_combine", "hc_premix", "hc_rms_norm", "moe_experts", "moe_experts_quantized", "moe_route", "moe_shared_expert", "moe_shared_expert_quantized", "ple_conv", "ple_conv_into", "ple_conv_into_via", "ple_conv_rows", "ple_conv_slots",
+    "gdn_delta_rule_slots", "gdn_gated_rms_norm", "gdn_gates", "hc_post_combine", "hc_premix", "hc_premix_quantized", "hc_rms_norm", "moe_experts", "moe_experts_quantized", "moe_route", "moe_shared_expert", "moe_shared_expert_quantized", "ple_conv", "ple_conv_into", "ple_conv_into_via", "ple_conv_rows", "ple_conv_slots",
     "ple_ngram_ids", "ple_ngram_ids_rows", "ple_ngram_ids_slots", "qsa_attention", "qsa_pool", "qsa_scores",
     "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",

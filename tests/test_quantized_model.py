@@ -18,6 +18,7 @@ from test_engine_speculative import assert_greedy_speculation_is_plain
 
 import hebrus_torch
 from hebrus_torch.convert import convert, quantize_model
+from hebrus_torch.hc.premix import _fusable_quantized_premix
 from hebrus_torch.loading.mtp import load_mtp
 from hebrus_torch.moe.quantized_experts import QuantizedExperts
 from hebrus_torch.moe.quantized_linear import QuantizedLinear
@@ -32,15 +33,18 @@ def _one_thread(one_thread):
     """(conftest's one_thread for every test here)"""
 
 
-def tiny_config():
-    """The tiny indexer model (widths of 32, so every projection and expert quantizes at group 32)."""
-    return tiny_indexer_config(vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+def tiny_config(hc_lowrank: int = 8):
+    """The tiny indexer model (widths of 32, so every projection and expert quantizes at group 32; the
+    hyper-connections' input_mix_weight_up too where ``hc_lowrank`` is 32, so their pre-mixes run as
+    hc_premix_quantized; at 8 it stays dense and they run as module calls)."""
+    return tiny_indexer_config(vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                               hc_lowrank=hc_lowrank)
 
 
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory) -> Path:
-    """The tiny model at 4 bits."""
-    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(), seed=21, dtype=torch.float32,
+    """The tiny model at 4 bits (every hyper-connection projection quantized)."""
+    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(hc_lowrank=32), seed=21, dtype=torch.float32,
                            max_shard_size="40KB")
     return convert(src, tmp_path_factory.mktemp("dst") / "q4", bits=4, group_size=32)
 
@@ -58,6 +62,9 @@ def model(quantized_dir):
     loaded = hebrus_torch.from_pretrained(quantized_dir)
     assert sum(type(m) is QuantizedExperts for m in loaded.modules()) == 2
     assert sum(type(m) is QuantizedLinear for m in loaded.modules()) >= 15
+    premixes = [m for m in loaded.modules() if type(m).__name__ == "Qwen4ExpTextGatedResidual"]
+    assert premixes and all(_fusable_quantized_premix(m, torch.empty(1, m.hc_count * m.hidden_size))
+                            for m in premixes)                # (the engine runs them as hc_premix_quantized)
     return loaded
 
 

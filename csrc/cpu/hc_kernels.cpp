@@ -1,7 +1,8 @@
 // CPU kernels of the fused hyper-connection ops (issue 37). hc_rms_norm runs the ATen sequence of
-// transformers' Qwen4ExpTextRMSNorm, hc_premix that of Qwen4ExpTextGatedResidual and hc_post_combine
-// the decoder layer's injection (hebrus_torch/reference/hc.py) in C++: the module's bits, without
-// the Python and dispatcher round trips of their ops; on MPS each op is one Metal launch
+// transformers' Qwen4ExpTextRMSNorm, hc_premix that of Qwen4ExpTextGatedResidual (hc_premix_quantized:
+// with QuantizedLinear projections) and hc_post_combine the decoder layer's injection
+// (hebrus_torch/reference/hc.py) in C++: the module's bits, without the Python and dispatcher round trips
+// of their ops; on MPS each op is one Metal launch
 // (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -10,6 +11,7 @@
 
 #include "../hc_checks.h"
 #include "../op_checks.h"
+#include "quantized_linear.h"
 
 namespace hebrus {
 namespace {
@@ -43,6 +45,38 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::
   return {mixed, injection};
 }
 
+// hc_premix's sequence with each projection a QuantizedLinear call (hebrus::quantized_linear's CPU kernel):
+// premix_by_modules' bits for a module whose projections are QuantizedLinear (hebrus_torch/hc/premix.py).
+std::tuple<at::Tensor, at::Tensor> hc_premix_quantized_cpu(
+    const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down_q, const at::Tensor& down_scales,
+    const at::Tensor& down_biases, const at::Tensor& up_q, const at::Tensor& up_scales, const at::Tensor& up_biases,
+    const c10::optional<at::Tensor>& inject_q, const c10::optional<at::Tensor>& inject_scales,
+    const c10::optional<at::Tensor>& inject_biases, int64_t hc_count, double eps, int64_t group_size, int64_t bits) {
+  const char* op = "hc_premix_quantized";
+  const c10::optional<HcQuantProjection> inject = hc_quant_inject(inject_q, inject_scales, inject_biases);
+  check_on_device(op, c10::DeviceType::CPU,
+                  {{"h", &h}, {"norm_weight", &norm_weight}, {"down_q", &down_q}, {"down_scales", &down_scales},
+                   {"down_biases", &down_biases}, {"up_q", &up_q}, {"up_scales", &up_scales},
+                   {"up_biases", &up_biases}});
+  if (inject.has_value()) {
+    check_on_device(op, c10::DeviceType::CPU, {{"h", &h}, {"inject_q", inject->q}, {"inject_scales", inject->scales},
+                                               {"inject_biases", inject->biases}});
+  }
+  const HcQuantProjection down{"down", &down_q, &down_scales, &down_biases}, up{"up", &up_q, &up_scales, &up_biases};
+  const HcPremixSizes sz =
+      check_hc_premix_quantized_args(h, norm_weight, down, up, inject, hc_count, eps, group_size, bits);
+  auto linear = [&](const at::Tensor& x, const HcQuantProjection& w) {
+    return quantized_linear_cpu(x, *w.q, *w.scales, *w.biases, group_size, bits);
+  };
+  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
+  const at::Tensor low = at::silu(linear(normed, down).div(hc_count));
+  const at::Tensor weight = at::sigmoid(linear(low, up)).unflatten(-1, {sz.hc, sz.hidden});
+  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
+  at::Tensor injection = inject.has_value() ? at::sigmoid(linear(normed, *inject).div(hc_count)).mul(2)
+                                            : at::empty({sz.rows, 0}, h.options());
+  return {mixed, injection};
+}
+
 // The decoder layer's post-combine, hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2): the
 // module's bits (each product rounded to the dtype, then the sum).
 at::Tensor hc_post_combine_cpu(const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
@@ -57,5 +91,6 @@ at::Tensor hc_post_combine_cpu(const at::Tensor& hyper, const at::Tensor& out, c
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("hc_rms_norm", &hebrus::hc_rms_norm_cpu);
   m.impl("hc_premix", &hebrus::hc_premix_cpu);
+  m.impl("hc_premix_quantized", &hebrus::hc_premix_quantized_cpu);
   m.impl("hc_post_combine", &hebrus::hc_post_combine_cpu);
 }

@@ -34,6 +34,7 @@
 
 #include "cpu/hebrus_simd.h"
 #include "cpu/hebrus_widen.h"
+#include "cpu/quantized_linear.h"
 #include "hebrus_check.h"
 #include "moe_checks.h"
 #include "op_checks.h"
@@ -810,6 +811,10 @@ void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t b
   }
 }
 
+}  // namespace
+
+// Outside the anonymous namespace: hc_premix_quantized's CPU kernel (hc_kernels.cpp) runs it as the module's
+// QuantizedLinear does (cpu/quantized_linear.h).
 Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& scales, const Tensor& biases,
                             int64_t group_size, int64_t bits) {
   check_on_device("quantized_linear", at::kCPU, {{"x", &x}, {"wq", &wq}, {"scales", &scales}, {"biases", &biases}});
@@ -847,6 +852,8 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
   dispatch_quantized(x.scalar_type(), bits, run);
   return out;
 }
+
+namespace {
 
 // hebrus::moe_route (issue 37): transformers' Qwen4ExpTextTopKRouter after its linear, and the shared expert's
 // sigmoid gate, as the modules' own ATen sequence in C++ (so their bits, and torch.topk's order among equal

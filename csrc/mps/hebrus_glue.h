@@ -925,6 +925,26 @@ inline Call gdn_gated_rms_norm(const Tensor& x_in, const Tensor& gate_in, const 
 }
 
 // ---- hc_premix, hc_post_combine (issue 37) ---------------------------------------------------------------
+// What hc_premix and hc_premix_quantized allocate: the outputs (mixed [T, hidden], weights [T, hc] or [T, 0]) and,
+// for T > 0, the launches' fp32 scratch inv [T, hc] and low [T, R] and the low launch's weights buffer (a 1-entry
+// scratch without inject).
+struct HcPremixBuffers {
+  int64_t injects = 0;
+  Tensor mixed, weights, inv, low, weights_out;
+};
+
+inline HcPremixBuffers hc_premix_buffers(const HcPremixSizes& sz, const Tensor& h) {
+  HcPremixBuffers b;
+  b.injects = sz.has_inject ? sz.hc : 0;
+  b.mixed = at::empty({sz.rows, sz.hidden}, h.options());
+  b.weights = at::empty({sz.rows, b.injects}, h.options());
+  if (sz.rows == 0) return b;
+  b.inv = at::empty({sz.rows, sz.hc}, h.options().dtype(at::kFloat));
+  b.low = at::empty({sz.rows, sz.rank}, h.options().dtype(at::kFloat));
+  b.weights_out = sz.has_inject ? b.weights : at::empty({1}, h.options());
+  return b;
+}
+
 // hc_premix: two launches (mps_kernels/hc_premix.metal: low, then mix) through fp32 scratch inv [T, hc] and
 // low [T, R]; no value to check. Without inject the low launch reads down in its place and writes a
 // 1-entry scratch, and the op returns weights [T, 0].
@@ -937,30 +957,70 @@ inline Call hc_premix(const Tensor& h_in, const Tensor& norm_weight_in, const Te
   }
   const HcPremixSizes sz = check_hc_premix_args(h_in, norm_weight_in, down_in, up_in, inject_in, hc_count, eps);
   const char* type = metal_type(op, h_in.scalar_type());
-  const int64_t injects = sz.has_inject ? sz.hc : 0;
-  Tensor mixed = at::empty({sz.rows, sz.hidden}, h_in.options());
-  Tensor weights = at::empty({sz.rows, injects}, h_in.options());
+  const HcPremixBuffers b = hc_premix_buffers(sz, h_in);
   Call call;
-  if (sz.rows == 0) {
-    call.outputs = {mixed, weights};
-    return call;
-  }
-  const auto plan = hebrus::metal::plan_hc_premix(sz.rows, sz.hidden, sz.hc, sz.rank, injects, eps);
+  call.outputs = {b.mixed, b.weights};
+  if (sz.rows == 0) return call;
+  const auto plan = hebrus::metal::plan_hc_premix(sz.rows, sz.hidden, sz.hc, sz.rank, b.injects, eps);
   check_plan(op, plan.error);
   const Tensor h = h_in.contiguous(), down = down_in.contiguous(), up = up_in.contiguous();
   const Tensor norm_weight = norm_weight_in.to(at::kFloat).contiguous();  // exact; the kernels read fp32 (1 + w)
   const Tensor inject = sz.has_inject ? inject_in->contiguous() : down;
-  const Tensor inv = at::empty({sz.rows, sz.hc}, h.options().dtype(at::kFloat));
-  const Tensor low = at::empty({sz.rows, sz.rank}, h.options().dtype(at::kFloat));
-  const Tensor weights_out = sz.has_inject ? weights : at::empty({1}, h.options());
   using hebrus::metal::kernel_name;
   call.launches.push_back(make_launch(op, kernel_name("hc_premix_low", nullptr, type),
-                                      {h, norm_weight, down, inject, inv, low, weights_out},
+                                      {h, norm_weight, down, inject, b.inv, b.low, b.weights_out},
                                       {false, false, false, false, true, true, true}, plan.params, plan.low));
   call.launches.push_back(make_launch(op, kernel_name("hc_premix_mix", nullptr, type),
-                                      {h, norm_weight, up, inv, low, mixed}, {false, false, false, false, false, true},
-                                      plan.params, plan.mix));
-  call.outputs = {mixed, weights};
+                                      {h, norm_weight, up, b.inv, b.low, b.mixed},
+                                      {false, false, false, false, false, true}, plan.params, plan.mix));
+  return call;
+}
+
+// hc_premix_quantized: hc_premix's two launches with the quantized kernels (hc_premix_quantized_low / _mix,
+// variant q4 / q8) reading each projection's codes, scales and biases; without inject the low launch reads down's
+// three in its place.
+inline Call hc_premix_quantized(const Tensor& h_in, const Tensor& norm_weight_in, const Tensor& down_q_in,
+                                const Tensor& down_scales_in, const Tensor& down_biases_in, const Tensor& up_q_in,
+                                const Tensor& up_scales_in, const Tensor& up_biases_in,
+                                const c10::optional<Tensor>& inject_q_in, const c10::optional<Tensor>& inject_scales_in,
+                                const c10::optional<Tensor>& inject_biases_in, int64_t hc_count, double eps,
+                                int64_t group_size, int64_t bits, c10::DeviceType device) {
+  const char* op = "hc_premix_quantized";
+  const c10::optional<HcQuantProjection> inject_in = hc_quant_inject(inject_q_in, inject_scales_in, inject_biases_in);
+  check_on_device(op, device, {{"h", &h_in}, {"norm_weight", &norm_weight_in}, {"down_q", &down_q_in},
+                               {"down_scales", &down_scales_in}, {"down_biases", &down_biases_in}, {"up_q", &up_q_in},
+                               {"up_scales", &up_scales_in}, {"up_biases", &up_biases_in}});
+  if (inject_in.has_value()) {
+    check_on_device(op, device, {{"h", &h_in}, {"inject_q", inject_in->q}, {"inject_scales", inject_in->scales},
+                                 {"inject_biases", inject_in->biases}});
+  }
+  const HcPremixSizes sz = check_hc_premix_quantized_args(
+      h_in, norm_weight_in, {"down", &down_q_in, &down_scales_in, &down_biases_in},
+      {"up", &up_q_in, &up_scales_in, &up_biases_in}, inject_in, hc_count, eps, group_size, bits);
+  const char* type = metal_type(op, h_in.scalar_type());
+  const HcPremixBuffers b = hc_premix_buffers(sz, h_in);
+  Call call;
+  call.outputs = {b.mixed, b.weights};
+  if (sz.rows == 0) return call;
+  const auto plan = hebrus::metal::plan_hc_premix(sz.rows, sz.hidden, sz.hc, sz.rank, b.injects, eps, group_size);
+  check_plan(op, plan.error);
+  const Tensor h = h_in.contiguous(), down_q = down_q_in.contiguous(), down_scales = down_scales_in.contiguous(),
+               down_biases = down_biases_in.contiguous(), up_q = up_q_in.contiguous(),
+               up_scales = up_scales_in.contiguous(), up_biases = up_biases_in.contiguous();
+  const Tensor norm_weight = norm_weight_in.to(at::kFloat).contiguous();  // exact; the kernels read fp32 (1 + w)
+  const Tensor inject_q = sz.has_inject ? inject_in->q->contiguous() : down_q;
+  const Tensor inject_scales = sz.has_inject ? inject_in->scales->contiguous() : down_scales;
+  const Tensor inject_biases = sz.has_inject ? inject_in->biases->contiguous() : down_biases;
+  const char* variant = bits == 4 ? "q4" : "q8";
+  using hebrus::metal::kernel_name;
+  call.launches.push_back(make_launch("hc_premix", kernel_name("hc_premix_quantized_low", variant, type),
+                                      {h, norm_weight, down_q, down_scales, down_biases, inject_q, inject_scales,
+                                       inject_biases, b.inv, b.low, b.weights_out},
+                                      {false, false, false, false, false, false, false, false, true, true, true},
+                                      plan.params, plan.low));
+  call.launches.push_back(make_launch("hc_premix", kernel_name("hc_premix_quantized_mix", variant, type),
+                                      {h, norm_weight, up_q, up_scales, up_biases, b.inv, b.low, b.mixed},
+                                      {false, false, false, false, false, false, false, true}, plan.params, plan.mix));
   return call;
 }
 

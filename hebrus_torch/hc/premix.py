@@ -5,9 +5,11 @@ three norms), and the hyper-connections of a decoder layer over packed rows: the
 post-combine as one ``hebrus::hc_post_combine`` (:func:`post_combine`).
 
 The pre-mix is fused whole only where its norm is transformers' own ``Qwen4ExpTextRMSNorm`` and its
-three projections are plain ``nn.Linear`` without bias, in h's dtype, all without hooks; otherwise
-(a user's quantized or LoRA-wrapped projection, a hooked module) the projections run as module calls
-and only the norm is fused where it can be. On CPU the fused ops give the modules' bits
+three projections are plain ``nn.Linear`` without bias, in h's dtype, all without hooks
+(``hebrus::hc_premix``), or all :class:`~hebrus_torch.moe.quantized_linear.QuantizedLinear` of one bits and
+group size with scales in h's dtype, without hooks (``hebrus::hc_premix_quantized``: the converter's 4/8-bit
+checkpoints); otherwise (a mix of the two, a LoRA-wrapped projection, a hooked module) the projections run as
+module calls and only the norm is fused where it can be. On CPU the fused ops give the modules' bits
 (tests/test_hc_ops.py), so the engine's outputs are unchanged there.
 """
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import hc_post_combine, hc_premix, hc_rms_norm
+from ..moe.quantized_linear import QuantizedLinear
+from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 
 __all__ = ["hyper_premix", "post_combine", "fused_norm", "premix_by_modules", "post_combine_by_ops"]
 
@@ -44,18 +47,39 @@ def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool
         and not linear._forward_hooks and not linear._forward_pre_hooks
 
 
+def _projections(hc: torch.nn.Module) -> list[torch.nn.Module]:
+    return [p for p in (hc.input_mix_weight_down, hc.input_mix_weight_up, hc.block_inject_weight) if p is not None]
+
+
+def _stock_norm(hc: torch.nn.Module, h: torch.Tensor) -> bool:
+    return _is_stock_rms_norm(hc.hc_norm) and hc.hc_norm.group_size == hc.hidden_size \
+        and hc.hc_norm.weight.dtype in _FLOATS and h.dtype in _FLOATS
+
+
 def _fusable_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
     """Whether ``hc(h)`` is exactly ``hebrus::hc_premix`` of its weights (stock norm, plain projections)."""
-    return _is_stock_rms_norm(hc.hc_norm) and hc.hc_norm.group_size == hc.hidden_size \
-        and hc.hc_norm.weight.dtype in _FLOATS and h.dtype in _FLOATS \
-        and _is_plain_linear(hc.input_mix_weight_down, h.dtype) and _is_plain_linear(hc.input_mix_weight_up, h.dtype) \
-        and (hc.block_inject_weight is None or _is_plain_linear(hc.block_inject_weight, h.dtype))
+    return _stock_norm(hc, h) and all(_is_plain_linear(p, h.dtype) for p in _projections(hc))
+
+
+def _is_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype, bits: int, group_size: int) -> bool:
+    return type(linear) is QuantizedLinear and linear.bits == bits and linear.group_size == group_size \
+        and linear.scales.dtype == dtype and not linear._forward_hooks and not linear._forward_pre_hooks
+
+
+def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
+    """Whether ``hc(h)`` is exactly ``hebrus::hc_premix_quantized`` of its weights (stock norm, every projection a
+    QuantizedLinear of one bits and group size)."""
+    down = hc.input_mix_weight_down
+    if not _stock_norm(hc, h) or type(down) is not QuantizedLinear:
+        return False
+    return all(_is_quantized_linear(p, h.dtype, down.bits, down.group_size) for p in _projections(hc))
 
 
 def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     """``hc(h)`` of a ``Qwen4ExpTextGatedResidual`` for h [T, hc * hidden]: (mixed [T, hidden], h,
     injection weights [T, hc]), or only mixed where the module has no ``block_inject_weight``. One
-    ``hc_premix`` dispatch where the module is stock (:func:`_fusable_premix`)."""
+    ``hc_premix`` dispatch where the module is stock (:func:`_fusable_premix`), one ``hc_premix_quantized``
+    where its projections are the converter's QuantizedLinear (:func:`_fusable_quantized_premix`)."""
     if type(hc).__name__ != "Qwen4ExpTextGatedResidual" or not type(hc).__module__.startswith("transformers.") \
             or hc._forward_hooks or hc._forward_pre_hooks or h.dim() != 2 \
             or h.shape[-1] != hc.hc_count * hc.hidden_size:
@@ -65,6 +89,13 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
         mixed, weights = hc_premix(h, hc.hc_norm.weight, hc.input_mix_weight_down.weight,
                                    hc.input_mix_weight_up.weight, inject, hc.hc_count, float(hc.hc_norm.eps))
         return mixed if inject is None else (mixed, h, weights)
+    if _fusable_quantized_premix(hc, h):
+        down, up, inj = hc.input_mix_weight_down, hc.input_mix_weight_up, hc.block_inject_weight
+        inject = (inj.weight, inj.scales, inj.biases) if inj is not None else (None, None, None)
+        mixed, weights = hc_premix_quantized(h, hc.hc_norm.weight, down.weight, down.scales, down.biases, up.weight,
+                                             up.scales, up.biases, *inject, hc.hc_count, float(hc.hc_norm.eps),
+                                             down.group_size, down.bits)
+        return mixed if inj is None else (mixed, h, weights)
     return premix_by_modules(hc, h)
 
 

@@ -20,14 +20,14 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
   ``moe_route`` (the block's router after its linear and the shared expert's gate), ``moe_shared_expert``
   (the shared expert added to the routed output) and ``moe_shared_expert_quantized`` (the same over quantized
   projections): issue 37;
-- :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm), ``hc_premix`` and ``hc_post_combine`` (the
-  hyper-connections' pre-mix and post-combine), fused: issue 37.
+- :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm), ``hc_premix`` (``hc_premix_quantized`` with its
+  projections quantized) and ``hc_post_combine`` (the hyper-connections' pre-mix and post-combine), fused: issue 37.
 """
 
 from .attention import check_token_cells_values, qsa_attention, rms_norm_rope, sigmoid_gate
 from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
 from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots, gdn_gated_rms_norm, gdn_gates
-from .hc import hc_post_combine, hc_premix, hc_rms_norm
+from .hc import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 from .moe import (moe_experts, moe_experts_quantized, moe_route, moe_shared_expert, moe_shared_expert_quantized,
                   quantized_linear)
 from .ple import (_silu, ple_conv, ple_conv_into, ple_conv_into_via, ple_conv_slots, ple_ngram_ids,
@@ -41,7 +41,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "moe_experts", "moe_experts_quantized", "quantized_linear", "check_cu_seqlens_values", "check_slot_values", "checks_async", "assert_values",
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
            "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "gdn_gates",
-           "gdn_gated_rms_norm", "hc_premix", "hc_post_combine", "qsa_token_cells", "rms_norm_rope",
+           "gdn_gated_rms_norm", "hc_premix", "hc_premix_quantized", "hc_post_combine", "qsa_token_cells",
+           "rms_norm_rope",
            "sigmoid_gate", "moe_route",
            "moe_shared_expert", "moe_shared_expert_quantized"]
 

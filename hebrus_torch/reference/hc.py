@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validate
+from .moe import quantized_linear
 
 
 def hc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
@@ -68,6 +69,43 @@ def hc_premix(h: torch.Tensor, norm_weight: torch.Tensor, down: torch.Tensor, up
     if inject is None:
         return mixed, h.new_empty(rows, 0)
     return mixed, 2 * torch.sigmoid(F.linear(normed, inject) / hc_count)
+
+
+def hc_premix_quantized(h: torch.Tensor, norm_weight: torch.Tensor, down_q: torch.Tensor, down_scales: torch.Tensor,
+                        down_biases: torch.Tensor, up_q: torch.Tensor, up_scales: torch.Tensor, up_biases: torch.Tensor,
+                        inject_q: torch.Tensor | None, inject_scales: torch.Tensor | None,
+                        inject_biases: torch.Tensor | None, hc_count: int, eps: float, group_size: int,
+                        bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hc_premix` with its three projections affine-quantized (:mod:`hebrus_torch.moe.quantize`; one
+    ``group_size`` and ``bits`` for all): each ``F.linear`` of :func:`hc_premix` becomes
+    :func:`hebrus_torch.reference.quantized_linear` (the group-folded product ``s * sum(q x) + b * sum(x)`` in
+    fp32, rounded to h's dtype), every other op as in :func:`hc_premix`. The module path of a
+    ``Qwen4ExpTextGatedResidual`` whose projections are ``QuantizedLinear`` (the CPU kernel gives its bits;
+    this reference matches them to the rounding of the folded sums). A row's outputs depend only on that row.
+
+    Args:
+        h, norm_weight, hc_count, eps: as :func:`hc_premix`.
+        down_q / down_scales / down_biases: ``input_mix_weight_down`` quantized, W [R, D]: Tensor[R, D * bits / 32]
+            int32 and Tensor[R, D / group_size] of h's dtype (twice).
+        up_q / up_scales / up_biases: ``input_mix_weight_up`` quantized, W [D, R] (R a multiple of group_size).
+        inject_q / inject_scales / inject_biases: ``block_inject_weight`` quantized, W [hc_count, D], or all None.
+        group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns:
+        (mixed Tensor[T, hidden], injection weights Tensor[T, hc_count] or Tensor[T, 0]), h's dtype.
+        Raises HebrusError on bad metadata.
+    """
+    rows, hidden, _ = _validate.hc_premix_quantized(h, norm_weight, down_q, down_scales, down_biases, up_q, up_scales,
+                                                    up_biases, inject_q, inject_scales, inject_biases, hc_count, eps,
+                                                    group_size, bits)
+    normed = hc_rms_norm(h, norm_weight, hidden, eps)
+    low = F.silu(quantized_linear(normed, down_q, down_scales, down_biases, group_size, bits) / hc_count)
+    weight = torch.sigmoid(quantized_linear(low, up_q, up_scales, up_biases, group_size, bits))
+    mixed = (weight.unflatten(-1, (hc_count, hidden)) * normed.unflatten(-1, (hc_count, hidden))).mean(dim=-2)
+    if inject_q is None:
+        return mixed, h.new_empty(rows, 0)
+    inject = quantized_linear(normed, inject_q, inject_scales, inject_biases, group_size, bits)
+    return mixed, 2 * torch.sigmoid(inject / hc_count)
 
 
 def hc_post_combine(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,9 @@ KERNELS = {
                                  for q in ("q4", "q8") for t in TYPES}},
     "hc_rms_norm": {f"hc_rms_norm_{t}": 256 for t in TYPES},
     "gdn_fused": {f"{k}_{t}": 256 for k in ("gdn_gates", "gdn_gated_rms_norm") for t in TYPES},
-    "hc_premix": {f"{k}_{t}": 256 for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
+    "hc_premix": {**{f"{k}_{t}": 256 for k in ("hc_premix_low", "hc_premix_mix", "hc_post_combine") for t in TYPES},
+                  **{f"{k}_{q}_{t}": 256 for k in ("hc_premix_quantized_low", "hc_premix_quantized_mix")
+                     for q in ("q4", "q8") for t in TYPES}},
     "qsa_token_cells": {"qsa_token_cells_long": 256},
     "rms_norm_rope": {f"rms_norm_rope_{t}": 256 for t in TYPES},
     "sigmoid_gate": {f"sigmoid_gate_{t}": 256 for t in TYPES},

@@ -120,6 +120,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         const at::Tensor& up, const c10::optional<at::Tensor>& inject, int64_t hc_count, double eps) {
     return to_py(hebrus::glue::hc_premix(h, norm_weight, down, up, inject, hc_count, eps, kCpu));
   });
+  m.def("hc_premix_quantized",
+        [](const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down_q, const at::Tensor& down_scales,
+           const at::Tensor& down_biases, const at::Tensor& up_q, const at::Tensor& up_scales,
+           const at::Tensor& up_biases, const c10::optional<at::Tensor>& inject_q,
+           const c10::optional<at::Tensor>& inject_scales, const c10::optional<at::Tensor>& inject_biases,
+           int64_t hc_count, double eps, int64_t group_size, int64_t bits) {
+          return to_py(hebrus::glue::hc_premix_quantized(h, norm_weight, down_q, down_scales, down_biases, up_q,
+                                                         up_scales, up_biases, inject_q, inject_scales, inject_biases,
+                                                         hc_count, eps, group_size, bits, kCpu));
+        });
   m.def("hc_post_combine", [](const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
     return to_py(hebrus::glue::hc_post_combine(hyper, out, inject, kCpu));
   });

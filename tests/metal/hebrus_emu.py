@@ -321,6 +321,15 @@ def hc_premix(h, norm_weight, down, up, inject, hc_count, eps, **emu):
     return mixed, weights
 
 
+def hc_premix_quantized(h, norm_weight, down_q, down_scales, down_biases, up_q, up_scales, up_biases, inject_q,
+                        inject_scales, inject_biases, hc_count, eps, group_size, bits, **emu):
+    """hebrus::hc_premix_quantized: returns (mixed [T, hidden], weights [T, hc] or [T, 0])."""
+    mixed, weights = run("hc_premix_quantized", h, norm_weight, down_q, down_scales, down_biases, up_q, up_scales,
+                         up_biases, inject_q, inject_scales, inject_biases, int(hc_count), float(eps), int(group_size),
+                         int(bits), **emu)
+    return mixed, weights
+
+
 def hc_post_combine(hyper, out, inject, **emu):
     """hebrus::hc_post_combine: returns [T, hc * hidden]."""
     return run("hc_post_combine", hyper, out, inject, **emu)[0]
