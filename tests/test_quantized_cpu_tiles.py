@@ -84,6 +84,31 @@ def test_moe_chunk_invariance(bits, group):
         assert torch.equal(torch.cat(parts), whole), size
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 64), (8, 128)])
+def test_quantized_linear_rows_alone_and_in_batches_of_7_8_64(bits, group):
+    """64 rows, alone (each chunk of codes unpacked in registers), in batches of 7 and 8 and all together (each
+    tile's codes widened once into scratch, then read by row tiles of 4, 2 and 1): every row the folded order's
+    bits whichever way it comes."""
+    x, wq, s, b, _, _ = linear_inputs(64, 256, 22, torch.bfloat16, bits, group, seed=bits + group)
+    whole = hebrus_torch.quantized_linear(x, wq, s, b, group, bits)
+    assert torch.equal(whole, folded_bits(x, wq, s, b, group, bits))
+    for size in (1, 7, 8):
+        parts = [hebrus_torch.quantized_linear(x[t:t + size], wq, s, b, group, bits) for t in range(0, 64, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_moe_rows_alone_and_in_batches_of_7_8_64(bits, group):
+    """64 rows over 4 experts, top 2 (about 32 pairs an expert at 64 rows, 3-4 at 7 or 8, 0-2 alone: the codes
+    unpacked in registers or widened once per tile): each row's bits the same in every cut."""
+    x, ids, w, *rest = quantized_inputs(64, 128, 128, 4, 2, torch.bfloat16, bits, group, seed=7 * bits + group)
+    whole = hebrus_torch.moe_experts_quantized(x, ids, w, *rest)
+    for size in (1, 7, 8):
+        parts = [hebrus_torch.moe_experts_quantized(x[t:t + size], ids[t:t + size], w[t:t + size], *rest)
+                 for t in range(0, 64, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
 _CAPABILITY_SCRIPT = """
 import sys, torch, hebrus_torch
 sys.path.insert(0, sys.argv[2])
@@ -91,7 +116,7 @@ from test_moe_quantized import quantized_inputs
 outs = {}
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for bits, group in ((4, 32), (4, 128), (8, 64)):
-        for rows in (1, 6):
+        for rows in (1, 6, 24):
             args = quantized_inputs(rows, 128, 128, 3, 2, dtype, bits, group, seed=rows + bits)
             outs[f"{dtype} {bits} {rows}"] = hebrus_torch.moe_experts_quantized(*args)
 torch.save(outs, sys.argv[1])
