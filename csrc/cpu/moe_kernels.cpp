@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/claim_pool.h"
 #include "cpu/hebrus_simd.h"
 #include "cpu/hebrus_widen.h"
 #include "hebrus_check.h"
@@ -47,6 +48,7 @@ constexpr int64_t kPairTile = 4;           // pairs sharing one load of a weight
 constexpr int64_t kInterBlock = 32;        // intermediate outputs (gate and up rows) per pass-A item
 constexpr int64_t kHiddenBlock = 64;       // hidden outputs (down rows) per pass-B item
 constexpr int64_t kChunkBytes = 64 << 20;  // fp32 scratch of one chunk of rows
+constexpr int64_t kRowGrain = 16;          // rows a unit of the per-row loops (fewer rows: no threads)
 
 // The lambdas of the hot loops are inlined into each vector clone that calls them (a lambda is a function
 // of its own, which GCC would otherwise compile for the baseline target).
@@ -431,6 +433,13 @@ struct QuantScratch {
   std::vector<const float*> x, xsums;
 };
 
+// The calling thread's scratch, kept between calls (a work unit is as short as one block of a decode step's
+// projection: its vectors are not allocated again for each).
+QuantScratch& thread_scratch() {
+  thread_local QuantScratch scratch;
+  return scratch;
+}
+
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
 // the fixed lane order. The xs rows are fp32 and zero-padded to a multiple of kLanes.
 template <int P, int O, typename W>
@@ -605,7 +614,7 @@ HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, cons
     sc.xsums[q] = sums + (pairs[q] / divisor) * sums_stride;
   }
   sc.out.resize(n * kTileRows);
-  sc.codes.resize(kTileRows * codes_cols);
+  if (n > 1) sc.codes.resize(kTileRows * codes_cols);  // only a batch widens codes
   sc.scales.resize(param_rows * groups);
   sc.biases.resize(param_rows * groups);
   return {pairs, n};
@@ -617,7 +626,7 @@ void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& i
                          int64_t begin, int64_t end, const float* xf, int64_t hp, const float* xsums, int64_t gsp,
                          int64_t top_k, int64_t inter, float* act, int64_t ip, QuantTileKernel kernel) {
   using W = QuantRows<T, BITS>;
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
@@ -649,7 +658,7 @@ template <typename T, int BITS>
 void quant_down_items(const QuantRows<T, BITS>& down, const std::vector<Item>& items, const ExpertGroups& g,
                       int64_t begin, int64_t end, const float* act, int64_t ip, const float* asums, int64_t gsi,
                       const float* w, bool round_product, float* y, int64_t hidden, QuantTileKernel kernel) {
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = down.groups(), chunks = (int64_t{1} << down.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
@@ -678,7 +687,7 @@ inline void row_group_sums(int group_shift, const float* rows, int64_t count, in
                            std::vector<float>& sums) {
   const int64_t per_row = (cols >> group_shift) * kLanes;
   sums.resize(count * per_row);
-  at::parallel_for(0, count, 16, [&](int64_t b, int64_t e) {
+  claim_parallel_for(count, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) group_lane_sums(rows + r * stride, cols, group_shift, sums.data() + r * per_row);
   });
 }
@@ -695,7 +704,7 @@ void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t 
   xf.assign(rows * hp, 0.f);
   act.assign(pairs * ip, 0.f);
   y.resize(pairs * H);
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+  claim_parallel_for(rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (int64_t d = 0; d < H; ++d) xf[r * hp + GU::place(d)] = static_cast<float>(pr.x[(t0 + r) * H + d]);
   });
@@ -709,23 +718,23 @@ void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t 
     std::vector<float> xsums, asums;
     row_group_sums(gate_up.group_shift, xf.data(), rows, H, hp, xsums);
     const int64_t gsp = (H >> gate_up.group_shift) * kLanes, gsi = (I >> down.group_shift) * kLanes;
-    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(a_count, 1, [&](int64_t b, int64_t e) {
       quant_gate_up_items(gate_up, a_items, g, b, e, xf.data(), hp, xsums.data(), gsp, k, I, act.data(), ip, kernel);
     });
     row_group_sums(down.group_shift, act.data(), pairs, I, ip, asums);
-    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(b_count, 1, [&](int64_t b, int64_t e) {
       quant_down_items(down, b_items, g, b, e, act.data(), ip, asums.data(), gsi, w, pr.round_product, y.data(), H,
                        kernel);
     });
   } else {
-    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(a_count, 1, [&](int64_t b, int64_t e) {
       gate_up_items<T>(gate_up, a_items, g, b, e, xf.data(), hp, k, I, act.data(), ip);
     });
-    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(b_count, 1, [&](int64_t b, int64_t e) {
       down_items<T>(down, b_items, g, b, e, act.data(), ip, w, pr.round_product, y.data(), H);
     });
   }
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+  claim_parallel_for(rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* o = pr.out + (t0 + r) * H;
       for (int64_t d = 0; d < H; ++d) {
@@ -849,7 +858,7 @@ constexpr int64_t kLinearBlock = 64;  // outputs per work item
 template <typename T, int BITS>
 void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t begin, int64_t end, const float* xf,
                   const float* xsums, int64_t rows, T* out, int64_t out_dim) {
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes, count = end - begin;
   sc.x.resize(rows);
   sc.xsums.resize(rows);
@@ -858,7 +867,7 @@ void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t b
     sc.xsums[t] = xsums + t * groups * kLanes;
   }
   sc.out.resize(rows * kTileRows);
-  sc.codes.resize(kTileRows * w.cols);
+  if (rows > 1) sc.codes.resize(kTileRows * w.cols);  // only a batch widens codes
   sc.scales.resize(count * groups);
   sc.biases.resize(count * groups);
   w.widen_params(0, begin, count, sc.scales.data(), sc.biases.data());
@@ -904,7 +913,7 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
         for (int64_t d = 0; d < sz.in; ++d) xf[t * sz.in + W::place(d)] = static_cast<float>(xp[(t0 + t) * sz.in + d]);
       row_group_sums(shift, xf.data(), rows, sz.in, sz.in, xsums);
       const int64_t blocks = (sz.out + kLinearBlock - 1) / kLinearBlock;
-      at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+      claim_parallel_for(blocks, 1, [&](int64_t b, int64_t e) {
         for (int64_t blk = b; blk < e; ++blk)
           linear_block<T>(w, kernel, blk * kLinearBlock, std::min(sz.out, (blk + 1) * kLinearBlock), xf.data(),
                           xsums.data(), rows, op + t0 * sz.out, sz.out);
