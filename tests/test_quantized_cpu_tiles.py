@@ -7,6 +7,8 @@ capability (AVX-512's table lookup of 4-bit codes, AVX2's 8-lane registers, the 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,3 +139,46 @@ def test_released_shape_rows_alone_and_in_a_batch():
     assert torch.equal(whole, folded_bits(x, *q, 64, 4))
     for t in (0, 5):
         assert torch.equal(hebrus_torch.quantized_linear(x[t:t + 1], *q, 64, 4)[0], whole[t])
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_the_same_bits_at_every_thread_count(bits):
+    """The work units (blocks of outputs, MoE items) are claimed by whichever thread is free
+    (csrc/cpu/claim_pool.cpp): 1, 2 and 3 threads give the same bits, for a decode row and a batch."""
+    lin = linear_inputs(24, 256, 300, torch.bfloat16, bits, 64, seed=bits)
+    moe = quantized_inputs(24, 128, 128, 6, 3, torch.bfloat16, bits, 32, seed=bits)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs[n] = [hebrus_torch.quantized_linear(*lin), hebrus_torch.quantized_linear(lin[0][:1], *lin[1:]),
+                       hebrus_torch.moe_experts_quantized(*moe)]
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        for got, want in zip(outs[n], outs[1]):
+            assert torch.equal(got, want), n
+
+
+_FORK_SCRIPT = """
+import os, sys, torch, hebrus_torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized_linear import linear_inputs
+torch.set_num_threads(2)
+args = linear_inputs(8, 256, 300, torch.bfloat16, 4, 64)
+want = hebrus_torch.quantized_linear(*args)          # the parent's pool has started its worker
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)
+    os._exit(0 if torch.equal(hebrus_torch.quantized_linear(*args), want) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_runs_the_ops_with_threads():
+    """A child forked after the parent's pool started has none of its workers: it starts its own (no hang)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, os.path.join(ROOT, "tests")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-4000:]
