@@ -182,3 +182,25 @@ def test_a_forked_child_runs_the_ops_with_threads():
     done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, os.path.join(ROOT, "tests")], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_workers_run_under_the_callers_flush_to_zero():
+    """torch.set_flush_denormal sets the calling thread's modes only: the pool's workers take the caller's for its
+    units, so products in the subnormal range flush alike whichever thread runs a block (2 threads against 1)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2560, generator=gen) * 1e-36
+    q = quantize(torch.randn(4096, 2560, generator=gen) * 1e-3, 4, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        hebrus_torch.quantized_linear(x, *q, 64, 4)     # the workers start (a thread starts with its creator's modes)
+        assert torch.set_flush_denormal(True)
+        torch.set_num_threads(1)
+        want = hebrus_torch.quantized_linear(x, *q, 64, 4)
+        torch.set_num_threads(2)
+        for _ in range(20):
+            assert torch.equal(hebrus_torch.quantized_linear(x, *q, 64, 4), want)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    assert not torch.equal(hebrus_torch.quantized_linear(x, *q, 64, 4), want)   # the inputs do reach subnormals

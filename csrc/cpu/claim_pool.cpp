@@ -12,6 +12,11 @@
 #include <mutex>
 #include <thread>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define HEBRUS_HAS_MXCSR 1
+#endif
+
 namespace hebrus {
 namespace {
 
@@ -26,9 +31,17 @@ struct Job {
   std::atomic<int64_t> done{0};       // units finished
   std::mutex error_mutex;
   std::exception_ptr error;
+#ifdef HEBRUS_HAS_MXCSR
+  unsigned int csr = _mm_getcsr();    // the caller's flush-to-zero / denormals-are-zero (torch.set_flush_denormal):
+                                      // a worker runs the caller's units under the caller's modes
+#endif
 
   // Runs units until none is left to claim (a late worker claims none: next is past the last unit).
   void work() {
+#ifdef HEBRUS_HAS_MXCSR
+    const unsigned int own_csr = _mm_getcsr();
+    if (own_csr != csr) _mm_setcsr(csr);
+#endif
     in_claimed_unit = true;
     for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
          u = next.fetch_add(1, std::memory_order_relaxed)) {
@@ -42,6 +55,9 @@ struct Job {
       done.fetch_add(1, std::memory_order_release);
     }
     in_claimed_unit = false;
+#ifdef HEBRUS_HAS_MXCSR
+    if (own_csr != csr) _mm_setcsr(own_csr);
+#endif
   }
 };
 
