@@ -72,7 +72,7 @@ class Pool {
       for (int i = workers_; i < job->helpers; ++i) std::thread([this] { loop(); }).detach();
       workers_ = std::max(workers_, job->helpers);
       job_ = job;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     job->work();
@@ -86,23 +86,37 @@ class Pool {
   }
 
  private:
+  // After a job a worker watches for the next one for about kSpin pauses (tens of microseconds) before it sleeps: a
+  // decode step's projections come a few tens of microseconds apart, and waking a sleeping thread costs about as
+  // much as a short projection's share (measured on the idle VM: 30 us more for a 0.1 ms call at 2 threads).
+  static constexpr int kSpin = 2000;
+
   void loop() {
     uint64_t seen = 0;
     for (;;) {
+      for (int i = 0; i < kSpin && generation_.load(std::memory_order_acquire) == seen; ++i) pause();
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        cv_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+        seen = generation_.load(std::memory_order_relaxed);
         job = job_;
       }
       if (job && job->joined.fetch_add(1, std::memory_order_relaxed) < job->helpers) job->work();
     }
   }
 
+  static void pause() {
+#ifdef HEBRUS_HAS_MXCSR
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
   std::mutex mutex_;
   std::condition_variable cv_;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // written under mutex_, read without it while a worker spins
   int workers_ = 0;
   std::shared_ptr<Job> job_;
 };
