@@ -7,6 +7,8 @@ capability (AVX-512's table lookup of 4-bit codes, AVX2's 8-lane registers, the 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,6 +86,31 @@ def test_moe_chunk_invariance(bits, group):
         assert torch.equal(torch.cat(parts), whole), size
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 64), (8, 128)])
+def test_quantized_linear_rows_alone_and_in_batches_of_7_8_64(bits, group):
+    """64 rows, alone (each chunk of codes unpacked in registers), in batches of 7 and 8 and all together (each
+    tile's codes widened once into scratch, then read by row tiles of 4, 2 and 1): every row the folded order's
+    bits whichever way it comes."""
+    x, wq, s, b, _, _ = linear_inputs(64, 256, 22, torch.bfloat16, bits, group, seed=bits + group)
+    whole = hebrus_torch.quantized_linear(x, wq, s, b, group, bits)
+    assert torch.equal(whole, folded_bits(x, wq, s, b, group, bits))
+    for size in (1, 7, 8):
+        parts = [hebrus_torch.quantized_linear(x[t:t + size], wq, s, b, group, bits) for t in range(0, 64, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_moe_rows_alone_and_in_batches_of_7_8_64(bits, group):
+    """64 rows over 4 experts, top 2 (about 32 pairs an expert at 64 rows, 3-4 at 7 or 8, 0-2 alone: the codes
+    unpacked in registers or widened once per tile): each row's bits the same in every cut."""
+    x, ids, w, *rest = quantized_inputs(64, 128, 128, 4, 2, torch.bfloat16, bits, group, seed=7 * bits + group)
+    whole = hebrus_torch.moe_experts_quantized(x, ids, w, *rest)
+    for size in (1, 7, 8):
+        parts = [hebrus_torch.moe_experts_quantized(x[t:t + size], ids[t:t + size], w[t:t + size], *rest)
+                 for t in range(0, 64, size)]
+        assert torch.equal(torch.cat(parts), whole), size
+
+
 _CAPABILITY_SCRIPT = """
 import sys, torch, hebrus_torch
 sys.path.insert(0, sys.argv[2])
@@ -91,7 +118,7 @@ from test_moe_quantized import quantized_inputs
 outs = {}
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for bits, group in ((4, 32), (4, 128), (8, 64)):
-        for rows in (1, 6):
+        for rows in (1, 6, 24):
             args = quantized_inputs(rows, 128, 128, 3, 2, dtype, bits, group, seed=rows + bits)
             outs[f"{dtype} {bits} {rows}"] = hebrus_torch.moe_experts_quantized(*args)
 torch.save(outs, sys.argv[1])
@@ -112,3 +139,68 @@ def test_released_shape_rows_alone_and_in_a_batch():
     assert torch.equal(whole, folded_bits(x, *q, 64, 4))
     for t in (0, 5):
         assert torch.equal(hebrus_torch.quantized_linear(x[t:t + 1], *q, 64, 4)[0], whole[t])
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_the_same_bits_at_every_thread_count(bits):
+    """The work units (blocks of outputs, MoE items) are claimed by whichever thread is free
+    (csrc/cpu/claim_pool.cpp): 1, 2 and 3 threads give the same bits, for a decode row and a batch."""
+    lin = linear_inputs(24, 256, 300, torch.bfloat16, bits, 64, seed=bits)
+    moe = quantized_inputs(24, 128, 128, 6, 3, torch.bfloat16, bits, 32, seed=bits)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs[n] = [hebrus_torch.quantized_linear(*lin), hebrus_torch.quantized_linear(lin[0][:1], *lin[1:]),
+                       hebrus_torch.moe_experts_quantized(*moe)]
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        for got, want in zip(outs[n], outs[1]):
+            assert torch.equal(got, want), n
+
+
+_FORK_SCRIPT = """
+import os, sys, torch, hebrus_torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized_linear import linear_inputs
+torch.set_num_threads(2)
+args = linear_inputs(8, 256, 300, torch.bfloat16, 4, 64)
+want = hebrus_torch.quantized_linear(*args)          # the parent's pool has started its worker
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)
+    os._exit(0 if torch.equal(hebrus_torch.quantized_linear(*args), want) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_runs_the_ops_with_threads():
+    """A child forked after the parent's pool started has none of its workers: it starts its own (no hang)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, os.path.join(ROOT, "tests")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_workers_run_under_the_callers_flush_to_zero():
+    """torch.set_flush_denormal sets the calling thread's modes only: the pool's workers take the caller's for its
+    units, so products in the subnormal range flush alike whichever thread runs a block (2 threads against 1)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2560, generator=gen) * 1e-36
+    q = quantize(torch.randn(4096, 2560, generator=gen) * 1e-3, 4, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        hebrus_torch.quantized_linear(x, *q, 64, 4)     # the workers start (a thread starts with its creator's modes)
+        assert torch.set_flush_denormal(True)
+        torch.set_num_threads(1)
+        want = hebrus_torch.quantized_linear(x, *q, 64, 4)
+        torch.set_num_threads(2)
+        for _ in range(20):
+            assert torch.equal(hebrus_torch.quantized_linear(x, *q, 64, 4), want)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    assert not torch.equal(hebrus_torch.quantized_linear(x, *q, 64, 4), want)   # the inputs do reach subnormals

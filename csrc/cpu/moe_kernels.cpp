@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/claim_pool.h"
 #include "cpu/hebrus_simd.h"
 #include "cpu/hebrus_widen.h"
 #include "cpu/quantized_linear.h"
@@ -48,6 +49,7 @@ constexpr int64_t kPairTile = 4;           // pairs sharing one load of a weight
 constexpr int64_t kInterBlock = 32;        // intermediate outputs (gate and up rows) per pass-A item
 constexpr int64_t kHiddenBlock = 64;       // hidden outputs (down rows) per pass-B item
 constexpr int64_t kChunkBytes = 64 << 20;  // fp32 scratch of one chunk of rows
+constexpr int64_t kRowGrain = 16;          // rows a unit of the per-row loops (fewer rows: no threads)
 
 // The lambdas of the hot loops are inlined into each vector clone that calls them (a lambda is a function
 // of its own, which GCC would otherwise compile for the baseline target).
@@ -231,11 +233,14 @@ constexpr int kTilePairs = 4; // rows of x a tile reads each loaded chunk of cod
 // hardware's stream prefetcher time to find.
 constexpr int64_t kPrefetchBytes = 4096;
 
-struct QuantTile {
-  const uint32_t* codes[kTileRows];
+// CODE: uint32_t (packed codes, read by a code reader) or float (the codes already widened: WidenedCodes).
+template <typename CODE>
+struct TileOf {
+  const CODE* codes[kTileRows];
   const float* scales[kTileRows];
   const float* biases[kTileRows];
 };
+using QuantTile = TileOf<uint32_t>;
 
 template <typename V>
 HEBRUS_INLINE V load_part(const float* p) {
@@ -248,8 +253,8 @@ HEBRUS_INLINE V load_part(const float* p) {
 // lane sums xsums[p] (group_lane_sums), both in CodeOrder's lanes. Per lane, as the file's header says: in each
 // group qx = sum of q * x over its columns in ascending order (the first product stands for 0 + q * x: qx's sign
 // of zero is lost in acc + (qx * s + xs * b), as acc is never -0), then acc = acc + (qx * s + xs * b).
-template <typename C, int P>
-HEBRUS_INLINE void quant_tile_dots(const QuantTile& w, const float* const* x, const float* const* xsums,
+template <typename C, int P, typename CODE>
+HEBRUS_INLINE void quant_tile_dots(const TileOf<CODE>& w, const float* const* x, const float* const* xsums,
                                    int64_t groups, int64_t group_chunks, float* out) {
   using V = typename C::V;
   constexpr int kWidth = sizeof(V) / sizeof(float), kParts = kLanes / kWidth;
@@ -260,8 +265,10 @@ HEBRUS_INLINE void quant_tile_dots(const QuantTile& w, const float* const* x, co
   constexpr int64_t kCodeBytes = kLanes * (C::kBits) / 8;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t c0 = g * group_chunks;
-    for (int o = 0; o < kTileRows; ++o)
-      __builtin_prefetch(reinterpret_cast<const char*>(w.codes[o]) + c0 * kCodeBytes + kPrefetchBytes);
+    if constexpr (std::is_same_v<CODE, uint32_t>) {
+      for (int o = 0; o < kTileRows; ++o)
+        __builtin_prefetch(reinterpret_cast<const char*>(w.codes[o]) + c0 * kCodeBytes + kPrefetchBytes);
+    }
     // Each chunk of x is loaded once for the tile's rows, each chunk of codes once for the tile's rows of x.
     V qx[P][kTileRows][kParts];
     auto chunk = [&](int64_t c, auto first) HEBRUS_LAMBDA_INLINE {
@@ -298,10 +305,46 @@ HEBRUS_INLINE void quant_tile_dots(const QuantTile& w, const float* const* x, co
   }
 }
 
+// The codes of a tile's rows widened to floats once (WIDEN's reader, CodeOrder's lanes), so that a batch's row tiles
+// load them instead of unpacking them again: V-wide parts of the 16 floats of a chunk from a row of the scratch.
+template <int BITS, typename V_>
+struct WidenedCodes : CodeOrder<BITS> {
+  using V = V_;
+  static HEBRUS_INLINE V codes(const float* row, int64_t c, int h) {
+    return load_part<V>(row + c * kLanes + h * int64_t{sizeof(V) / sizeof(float)});
+  }
+};
+
+// scratch[o * chunks * kLanes + c * kLanes + l] = lane l of chunk c of weight row o's codes as floats (exact: the
+// codes are < 256), with C's reader; a short tile's repeated last row is widened once.
+template <typename C>
+HEBRUS_INLINE void widen_tile(const QuantTile& w, int64_t chunks, float* scratch, TileOf<float>& wide) {
+  using V = typename C::V;
+  constexpr int kWidth = sizeof(V) / sizeof(float), kParts = kLanes / kWidth;
+  constexpr int64_t kCodeWords = kLanes * C::kBits / 32;
+  for (int o = 0; o < kTileRows; ++o) {
+    wide.scales[o] = w.scales[o];
+    wide.biases[o] = w.biases[o];
+    if (o > 0 && w.codes[o] == w.codes[o - 1]) {
+      wide.codes[o] = wide.codes[o - 1];
+      continue;
+    }
+    float* row = scratch + o * chunks * kLanes;
+    wide.codes[o] = row;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if ((c & 3) == 0) __builtin_prefetch(reinterpret_cast<const char*>(w.codes[o] + c * kCodeWords) + kPrefetchBytes);
+      for (int h = 0; h < kParts; ++h) {
+        const V q = C::codes(w.codes[o], c, h);
+        std::memcpy(row + c * kLanes + h * kWidth, &q, sizeof(q));
+      }
+    }
+  }
+}
+
 // A tile against n rows of x, PAIRS (4, 2 or 1: what the registers hold) at a time: out [n, kTileRows].
-template <typename C, int PAIRS>
-HEBRUS_INLINE void quant_tile_rows(const QuantTile& w, const float* const* x, const float* const* xsums, int64_t n,
-                                   int64_t groups, int64_t group_chunks, float* out) {
+template <typename C, int PAIRS, typename CODE>
+HEBRUS_INLINE void quant_tile_row_tiles(const TileOf<CODE>& w, const float* const* x, const float* const* xsums,
+                                        int64_t n, int64_t groups, int64_t group_chunks, float* out) {
   int64_t p = 0;
   for (; p + PAIRS <= n; p += PAIRS)
     quant_tile_dots<C, PAIRS>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
@@ -312,42 +355,64 @@ HEBRUS_INLINE void quant_tile_rows(const QuantTile& w, const float* const* x, co
   if (PAIRS > 1 && p < n) quant_tile_dots<C, 1>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
 }
 
+// The tile against n rows of x. Up to PACKED_UP_TO rows read the packed codes with C's reader, PAIRS at a time (a
+// decode step: each chunk unpacked once for every PAIRS rows); more rows would unpack every chunk again for each
+// PAIRS of them, so the tile's codes are widened once into scratch (kTileRows * groups * group_chunks * kLanes
+// floats, L1/L2-sized) and the rows read them WIDE_PAIRS at a time with W's reader. Each row's arithmetic is the
+// same either way (the same floats in the same lanes, the same operations in the same order): only where a code's
+// float comes from differs.
+template <typename C, int PAIRS, int PACKED_UP_TO, typename W, int WIDE_PAIRS>
+HEBRUS_INLINE void quant_tile_rows(const QuantTile& w, const float* const* x, const float* const* xsums, int64_t n,
+                                   int64_t groups, int64_t group_chunks, float* out, float* scratch) {
+  if (n <= PACKED_UP_TO) {
+    quant_tile_row_tiles<C, PAIRS>(w, x, xsums, n, groups, group_chunks, out);
+    return;
+  }
+  TileOf<float> wide;
+  widen_tile<C>(w, groups * group_chunks, scratch, wide);
+  quant_tile_row_tiles<W, WIDE_PAIRS>(wide, x, xsums, n, groups, group_chunks, out);
+}
+
 using QuantTileKernel = void (*)(const QuantTile&, const float* const*, const float* const*, int64_t, int64_t,
-                                 int64_t, float*);
+                                 int64_t, float*, float*);
 
 // One function per instruction set, each compiling the same source (so the same bits: -ffp-contract=off and a
 // fixed order of every sum); cpu_capability() picks one, HEBRUS_CPU_CAPABILITY lowers it.
+#define HEBRUS_TILE_KERNEL_ARGS                                                                                  \
+  const QuantTile &w, const float *const *x, const float *const *xsums, int64_t n, int64_t groups,               \
+      int64_t group_chunks, float *out, float *scratch
+#define HEBRUS_TILE_KERNEL_CALL w, x, xsums, n, groups, group_chunks, out, scratch
+
 template <int BITS>
-__attribute__((noinline)) void quant_tile_rows_portable(const QuantTile& w, const float* const* x,
-                                                        const float* const* xsums, int64_t n, int64_t groups,
-                                                        int64_t group_chunks, float* out) {
-  quant_tile_rows<std::conditional_t<BITS == 4, Codes4Wide, CodesHalf<8>>, 1>(w, x, xsums, n, groups, group_chunks,
-                                                                             out);
+__attribute__((noinline)) void quant_tile_rows_portable(HEBRUS_TILE_KERNEL_ARGS) {
+  quant_tile_rows<std::conditional_t<BITS == 4, Codes4Wide, CodesHalf<8>>, 1, 1, WidenedCodes<BITS, Vec>, 1>(
+      HEBRUS_TILE_KERNEL_CALL);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <int BITS>
-HEBRUS_AVX2 __attribute__((noinline)) void quant_tile_rows_avx2(const QuantTile& w, const float* const* x,
-                                                                const float* const* xsums, int64_t n, int64_t groups,
-                                                                int64_t group_chunks, float* out) {
-  quant_tile_rows<CodesHalf<BITS>, 1>(w, x, xsums, n, groups, group_chunks, out);
+HEBRUS_AVX2 __attribute__((noinline)) void quant_tile_rows_avx2(HEBRUS_TILE_KERNEL_ARGS) {
+  quant_tile_rows<CodesHalf<BITS>, 1, 1, WidenedCodes<BITS, VecH>, 1>(HEBRUS_TILE_KERNEL_CALL);
 }
 
-// 8-bit chunks are 8-lane halves here too (CodesHalf): AVX-512VL's 32 ymm registers hold the running sums of 2 rows
-// of x against 4 weight rows, two halves each.
+// 4-bit chunks are unpacked by a table lookup (Codes4Permute), 4 rows of x a tile, at any row count: the unpacking
+// is two instructions a chunk for 4 rows' 8 products, and the tile's codes stay in L1 where a widened tile would
+// not (measured: widening made 64 rows 1.25x slower in the MoE, 8 rows 1.4x slower in quantized_linear). 8-bit
+// chunks are unpacked as 8-lane halves (CodesHalf): AVX-512VL's 32 ymm registers hold the running sums of 2 rows of
+// x against 4 weight rows, two halves each; from 5 rows of x they are widened, and read as 16-lane registers, 4
+// rows of x a tile.
 template <int BITS>
-__attribute__((target("avx512f,avx512vl"), noinline)) void quant_tile_rows_avx512(const QuantTile& w,
-                                                                                   const float* const* x,
-                                                                                   const float* const* xsums,
-                                                                                   int64_t n, int64_t groups,
-                                                                                   int64_t group_chunks, float* out) {
+__attribute__((target("avx512f,avx512vl"), noinline)) void quant_tile_rows_avx512(HEBRUS_TILE_KERNEL_ARGS) {
   if constexpr (BITS == 4) {
-    quant_tile_rows<Codes4Permute, kTilePairs>(w, x, xsums, n, groups, group_chunks, out);
+    (void)scratch;
+    quant_tile_row_tiles<Codes4Permute, kTilePairs>(w, x, xsums, n, groups, group_chunks, out);
   } else {
-    quant_tile_rows<CodesHalf<8>, 2>(w, x, xsums, n, groups, group_chunks, out);
+    quant_tile_rows<CodesHalf<8>, 2, 4, WidenedCodes<8, Vec>, kTilePairs>(HEBRUS_TILE_KERNEL_CALL);
   }
 }
 #endif
+#undef HEBRUS_TILE_KERNEL_ARGS
+#undef HEBRUS_TILE_KERNEL_CALL
 
 template <int BITS>
 QuantTileKernel quant_tile_kernel() {
@@ -365,8 +430,16 @@ QuantTileKernel quant_tile_kernel() {
 struct QuantScratch {
   QuantTileKernel kernel;
   std::vector<float> scales, biases, out;
+  std::vector<float> codes;  // a tile's codes widened (quant_tile_rows): kTileRows rows of the weight's columns
   std::vector<const float*> x, xsums;
 };
+
+// The calling thread's scratch, kept between calls (a work unit is as short as one block of a decode step's
+// projection: its vectors are not allocated again for each).
+QuantScratch& thread_scratch() {
+  thread_local QuantScratch scratch;
+  return scratch;
+}
 
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
 // the fixed lane order. The xs rows are fp32 and zero-padded to a multiple of kLanes.
@@ -523,7 +596,8 @@ HEBRUS_TEMPLATE_VECTOR_CLONES void down_items(const W& down, const std::vector<I
 }
 
 // An item's pairs (pairs[0 .. n), each p = t * k + j) with their rows of x (or act) and group lane sums gathered
-// into sc for the quantized kernel, and sc's room for the widened scales and biases of param_rows weight rows.
+// into sc for the quantized kernel, and sc's room for the widened scales and biases of param_rows weight rows and
+// for a tile's codes widened (codes_cols columns a row).
 struct ItemPairs {
   const int64_t* pairs;
   int64_t n;
@@ -531,7 +605,7 @@ struct ItemPairs {
 
 HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, const Item& it, int64_t divisor,
                                    const float* rows, int64_t stride, const float* sums, int64_t sums_stride,
-                                   int64_t param_rows, int64_t groups) {
+                                   int64_t param_rows, int64_t groups, int64_t codes_cols) {
   const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
   const int64_t* pairs = g.order.data() + s;
   sc.x.resize(n);
@@ -541,6 +615,7 @@ HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, cons
     sc.xsums[q] = sums + (pairs[q] / divisor) * sums_stride;
   }
   sc.out.resize(n * kTileRows);
+  if (n > 1) sc.codes.resize(kTileRows * codes_cols);  // only a batch widens codes
   sc.scales.resize(param_rows * groups);
   sc.biases.resize(param_rows * groups);
   return {pairs, n};
@@ -552,12 +627,12 @@ void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& i
                          int64_t begin, int64_t end, const float* xf, int64_t hp, const float* xsums, int64_t gsp,
                          int64_t top_k, int64_t inter, float* act, int64_t ip, QuantTileKernel kernel) {
   using W = QuantRows<T, BITS>;
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
     const int64_t count = it.end - it.begin;
-    const auto [pairs, n] = start_item(sc, g, it, top_k, xf, hp, xsums, gsp, 2 * count, groups);
+    const auto [pairs, n] = start_item(sc, g, it, top_k, xf, hp, xsums, gsp, 2 * count, groups, w.cols);
     w.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
     w.widen_params(it.expert, inter + it.begin, count, sc.scales.data() + count * groups,
                    sc.biases.data() + count * groups);
@@ -570,7 +645,7 @@ void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& i
         tile.scales[o] = sc.scales.data() + (up * count + r - it.begin) * groups;
         tile.biases[o] = sc.biases.data() + (up * count + r - it.begin) * groups;
       }
-      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data());
+      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data(), sc.codes.data());
       for (int64_t q = 0; q < n; ++q) {
         const float* o = sc.out.data() + q * kTileRows;
         for (int64_t r = i; r < pair_end; ++r) store_act<T, W>(act, ip, pairs[q], r, o[2 * (r - i)], o[2 * (r - i) + 1]);
@@ -584,12 +659,12 @@ template <typename T, int BITS>
 void quant_down_items(const QuantRows<T, BITS>& down, const std::vector<Item>& items, const ExpertGroups& g,
                       int64_t begin, int64_t end, const float* act, int64_t ip, const float* asums, int64_t gsi,
                       const float* w, bool round_product, float* y, int64_t hidden, QuantTileKernel kernel) {
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = down.groups(), chunks = (int64_t{1} << down.group_shift) / kLanes;
   for (int64_t k = begin; k < end; ++k) {
     const Item& it = items[k];
     const int64_t count = it.end - it.begin;
-    const auto [pairs, n] = start_item(sc, g, it, 1, act, ip, asums, gsi, count, groups);
+    const auto [pairs, n] = start_item(sc, g, it, 1, act, ip, asums, gsi, count, groups, down.cols);
     down.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
     for (int64_t d = it.begin; d < it.end; d += kTileRows) {
       const int64_t tile_end = std::min(d + kTileRows, it.end);
@@ -600,7 +675,7 @@ void quant_down_items(const QuantRows<T, BITS>& down, const std::vector<Item>& i
         tile.scales[o] = sc.scales.data() + (r - it.begin) * groups;
         tile.biases[o] = sc.biases.data() + (r - it.begin) * groups;
       }
-      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data());
+      kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data(), sc.codes.data());
       for (int64_t q = 0; q < n; ++q)
         for (int64_t r = d; r < tile_end; ++r)
           store_weighted<T>(y, hidden, pairs[q], r, sc.out[q * kTileRows + (r - d)], w, round_product);
@@ -613,7 +688,7 @@ inline void row_group_sums(int group_shift, const float* rows, int64_t count, in
                            std::vector<float>& sums) {
   const int64_t per_row = (cols >> group_shift) * kLanes;
   sums.resize(count * per_row);
-  at::parallel_for(0, count, 16, [&](int64_t b, int64_t e) {
+  claim_parallel_for(count, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) group_lane_sums(rows + r * stride, cols, group_shift, sums.data() + r * per_row);
   });
 }
@@ -630,7 +705,7 @@ void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t 
   xf.assign(rows * hp, 0.f);
   act.assign(pairs * ip, 0.f);
   y.resize(pairs * H);
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+  claim_parallel_for(rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (int64_t d = 0; d < H; ++d) xf[r * hp + GU::place(d)] = static_cast<float>(pr.x[(t0 + r) * H + d]);
   });
@@ -644,23 +719,23 @@ void run_chunk(const Problem<T>& pr, const GU& gate_up, const DN& down, int64_t 
     std::vector<float> xsums, asums;
     row_group_sums(gate_up.group_shift, xf.data(), rows, H, hp, xsums);
     const int64_t gsp = (H >> gate_up.group_shift) * kLanes, gsi = (I >> down.group_shift) * kLanes;
-    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(a_count, 1, [&](int64_t b, int64_t e) {
       quant_gate_up_items(gate_up, a_items, g, b, e, xf.data(), hp, xsums.data(), gsp, k, I, act.data(), ip, kernel);
     });
     row_group_sums(down.group_shift, act.data(), pairs, I, ip, asums);
-    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(b_count, 1, [&](int64_t b, int64_t e) {
       quant_down_items(down, b_items, g, b, e, act.data(), ip, asums.data(), gsi, w, pr.round_product, y.data(), H,
                        kernel);
     });
   } else {
-    at::parallel_for(0, a_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(a_count, 1, [&](int64_t b, int64_t e) {
       gate_up_items<T>(gate_up, a_items, g, b, e, xf.data(), hp, k, I, act.data(), ip);
     });
-    at::parallel_for(0, b_count, 1, [&](int64_t b, int64_t e) {
+    claim_parallel_for(b_count, 1, [&](int64_t b, int64_t e) {
       down_items<T>(down, b_items, g, b, e, act.data(), ip, w, pr.round_product, y.data(), H);
     });
   }
-  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+  claim_parallel_for(rows, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* o = pr.out + (t0 + r) * H;
       for (int64_t d = 0; d < H; ++d) {
@@ -784,7 +859,7 @@ constexpr int64_t kLinearBlock = 64;  // outputs per work item
 template <typename T, int BITS>
 void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t begin, int64_t end, const float* xf,
                   const float* xsums, int64_t rows, T* out, int64_t out_dim) {
-  QuantScratch sc;
+  QuantScratch& sc = thread_scratch();
   const int64_t groups = w.groups(), chunks = (int64_t{1} << w.group_shift) / kLanes, count = end - begin;
   sc.x.resize(rows);
   sc.xsums.resize(rows);
@@ -793,6 +868,7 @@ void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t b
     sc.xsums[t] = xsums + t * groups * kLanes;
   }
   sc.out.resize(rows * kTileRows);
+  if (rows > 1) sc.codes.resize(kTileRows * w.cols);  // only a batch widens codes
   sc.scales.resize(count * groups);
   sc.biases.resize(count * groups);
   w.widen_params(0, begin, count, sc.scales.data(), sc.biases.data());
@@ -805,7 +881,7 @@ void linear_block(const QuantRows<T, BITS>& w, QuantTileKernel kernel, int64_t b
       tile.scales[o] = sc.scales.data() + (r - begin) * groups;
       tile.biases[o] = sc.biases.data() + (r - begin) * groups;
     }
-    kernel(tile, sc.x.data(), sc.xsums.data(), rows, groups, chunks, sc.out.data());
+    kernel(tile, sc.x.data(), sc.xsums.data(), rows, groups, chunks, sc.out.data(), sc.codes.data());
     for (int64_t t = 0; t < rows; ++t)
       for (int64_t o = o0; o < tile_end; ++o) out[t * out_dim + o] = static_cast<T>(sc.out[t * kTileRows + (o - o0)]);
   }
@@ -842,7 +918,7 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
         for (int64_t d = 0; d < sz.in; ++d) xf[t * sz.in + W::place(d)] = static_cast<float>(xp[(t0 + t) * sz.in + d]);
       row_group_sums(shift, xf.data(), rows, sz.in, sz.in, xsums);
       const int64_t blocks = (sz.out + kLinearBlock - 1) / kLinearBlock;
-      at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+      claim_parallel_for(blocks, 1, [&](int64_t b, int64_t e) {
         for (int64_t blk = b; blk < e; ++blk)
           linear_block<T>(w, kernel, blk * kLinearBlock, std::min(sz.out, (blk + 1) * kLinearBlock), xf.data(),
                           xsums.data(), rows, op + t0 * sz.out, sz.out);
