@@ -35,6 +35,9 @@ SPECULATIVE_METHODS = ("ngram", "mtp")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """``SpeculativeConfig.disable_by_batch_size``'s default (measured: benchmarks/RESULTS.md, "MTP speculation made
 cheaper")."""
+DEFAULT_CONFIDENCE_THRESHOLD = 0.4
+"""``SpeculativeConfig.confidence_threshold``'s default (transformers' ``assistant_confidence_threshold`` is 0.4 too;
+measured: benchmarks/RESULTS.md, "MTP drafting trained unrolled, and its confidence rule")."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ class SpeculativeConfig:
             A verification costs more than the plain decode step it replaces wherever a step's cost grows with
             its tokens, and a large batch's step is bound by its arithmetic rather than by reading the weights:
             there a verification is never paid back (benchmarks/RESULTS.md, "MTP speculation made cheaper").
+        confidence_threshold: ``method="mtp"`` only: the drafter stops a request's draft at the first position
+            where the MTP block's distribution (processed as the request's sampling processes the target's:
+            ``target_scores``; for a sampled request the one its draft is drawn from) has its largest probability
+            below this; that position is not drafted, so it costs neither a drafting pass nor a verification
+            row, and a drafting round stops when every request in it has stopped. The rule reads only the
+            block's own distribution before the token is drawn, so a drafted token is still drawn from the q
+            the verifier is given: greedy tokens stay those of plain decoding and sampled ones keep the
+            target's distribution. A request whose first position is below it drafts nothing in that step,
+            and that counts as a verification that accepted nothing for its back-off (``SpecState``).
+            In [0, 1); 0 turns the rule off.
     """
 
     num_draft_tokens: int = 0
@@ -66,6 +79,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     method: str = "ngram"
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
 
     def __post_init__(self) -> None:
         def bad_int(v, lo, hi):
@@ -83,6 +97,9 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and bad_int(self.disable_by_batch_size, 1, 1 << 30):
             raise BadRequestError(f"SpeculativeConfig: disable_by_batch_size must be None or an int >= 1, got "
                                   f"{self.disable_by_batch_size!r}")
+        c = self.confidence_threshold
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:   # (NaN fails too)
+            raise BadRequestError(f"SpeculativeConfig: confidence_threshold must be a number in [0, 1), got {c!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise BadRequestError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, got "
                                   f"{self.method!r}")
@@ -114,6 +131,7 @@ class SpecState:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    confidence_stops: int = 0       # drafts the MTP drafter cut short (``SpeculativeConfig.confidence_threshold``)
 
     def next_length(self, config: SpeculativeConfig) -> int:
         if not config.adaptive:
@@ -136,10 +154,19 @@ class SpecState:
         else:
             self.length = max(1, accepted + 1)
         if accepted == 0:
-            self.misses += 1
-            self.pause = 4 ** min(self.misses, 3) - 1
+            self._missed()
         else:
             self.misses = 0
+
+    def unsure(self, config: SpeculativeConfig) -> None:
+        """The drafter stopped at the first position (``confidence_threshold``): nothing drafted this step; for
+        the back-off the same as a verification that accepted nothing (the draft length stays)."""
+        if config.adaptive:
+            self._missed()
+
+    def _missed(self) -> None:
+        self.misses += 1
+        self.pause = 4 ** min(self.misses, 3) - 1
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
