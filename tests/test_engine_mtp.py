@@ -462,3 +462,26 @@ def test_mtp_speculation_under_preemption_faults_and_cancellation(fault_at, monk
     assert {r: q.generated for r, q in engine.requests.items() if r != "r1"} == {r: t for r, t in ref.items()
                                                                                  if r != "r1"}
     assert len(engine.cache.slots.live_handles()) == len(engine.kept_sequences())
+
+
+def test_the_benchmark_trains_the_draft_the_drafter_runs(monkeypatch):
+    """bench_mtp.py's unrolled training forward (``unrolled_logits``: every frontier's chain of 3 draft steps at
+    once, the earlier steps' K/V kept) gives, for the chain at the prompt's frontier fed the drafted tokens,
+    the reference block's logits at each draft position (both attending densely)."""
+    import bench_mtp
+
+    model = with_mtp(make_model("lin-idx", seed=21))
+    indexer = model.mtp.block.self_attn.indexer
+    monkeypatch.setattr(indexer, "token_budget", 1024)
+    monkeypatch.setattr(indexer, "block_topk", 256)
+    tokens = prompts_for(21, lengths=(13,))[0]
+    drafts, want = reference_drafts(model, tokens, 3)
+    seq = tokens + drafts + [5]
+    h = trunk_streams(model, seq)
+    monkeypatch.setattr(indexer, "forward", lambda hidden, pe, mask, cache: mask)     # (sdpa: a bool mask)
+    with torch.no_grad():
+        got = bench_mtp.unrolled_logits(model, model.mtp, torch.cat([torch.zeros_like(h[:1]), h[:-1]])[None],
+                                        torch.tensor([seq]), len(tokens) - 1, 3)
+    assert [g.shape[1] for g in got] == [4, 3, 2]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0, 0], w, atol=2e-5, rtol=2e-5)
