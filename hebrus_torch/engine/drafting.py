@@ -27,7 +27,7 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
     A request drafts nothing in a step where more requests decode than its ``disable_by_batch_size``.
     ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
     ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup);
-    an MTP request that ``confidence_threshold`` stopped before its first token counts a miss for its back-off."""
+    ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
@@ -56,11 +56,9 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
         if group:
             for (req, _), draft in zip(group, _ask(who, group, vocab_size, stop_speculating)):
                 drafts[req] = draft
-    for req, _ in asking_mtp:
-        if stopped is not None and req in stopped and req.spec.error is None:
+    for req, k in asking_mtp:
+        if stopped is not None and stopped.get(req, k) < k and req.spec.error is None:
             req.spec.confidence_stops += 1
-            if not drafts[req]:
-                req.spec.unsure(req.speculative)     # (nothing to verify: the back-off counts it as a miss)
     return {r: d for r, d in drafts.items() if d}
 
 

@@ -131,7 +131,7 @@ class MTPDrafter:
         self._probs: dict[Request, torch.Tensor] = {}
         self._generators: dict[Request, torch.Generator] = {}
         self.passes = 0                                   # packed MTP passes run for drafting
-        self.stopped: dict[Request, int] = {}     # requests whose draft confidence_threshold cut short -> tokens
+        self.stopped: dict[Request, int] = {}     # requests whose draft confidence_threshold ended -> tokens
         #                                           drafted (propose_drafts empties it before asking)
         runner.mtp = self
         copy = cache.copy
@@ -262,14 +262,13 @@ class MTPDrafter:
                     for row, (i, t, c) in enumerate(zip(active, read[0], read[1])):
                         req, k = live[i]
                         threshold = req.speculative.confidence_threshold
-                        if c < threshold:       # (decided on the block's distribution alone, not on the token)
-                            self.stopped[req] = j
-                            continue
                         out[req].append(int(t))
                         feed[i] = int(t)
                         if dists[row] is not None:
                             probs[i].append(dists[row])
-                        if k > j + 1:
+                        if c < threshold:       # the last position drafted for it (the token is still proposed)
+                            self.stopped[req] = j + 1
+                        elif k > j + 1:
                             going.append(row)
                     streams = streams[going]
                     active = [active[row] for row in going]

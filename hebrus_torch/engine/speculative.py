@@ -61,16 +61,17 @@ class SpeculativeConfig:
             A verification costs more than the plain decode step it replaces wherever a step's cost grows with
             its tokens, and a large batch's step is bound by its arithmetic rather than by reading the weights:
             there a verification is never paid back (benchmarks/RESULTS.md, "MTP speculation made cheaper").
-        confidence_threshold: ``method="mtp"`` only: the drafter stops a request's draft at the first position
-            where the MTP block's distribution (processed as the request's sampling processes the target's:
-            ``target_scores``; for a sampled request the one its draft is drawn from) has its largest probability
-            below this; that position is not drafted, so it costs neither a drafting pass nor a verification
-            row, and a drafting round stops when every request in it has stopped. The rule reads only the
-            block's own distribution before the token is drawn, so a drafted token is still drawn from the q
-            the verifier is given: greedy tokens stay those of plain decoding and sampled ones keep the
-            target's distribution. A request whose first position is below it drafts nothing in that step,
-            and that counts as a verification that accepted nothing for its back-off (``SpecState``).
-            In [0, 1); 0 turns the rule off.
+        confidence_threshold: ``method="mtp"`` only: a request's draft ends at the first position where the
+            MTP block's distribution (processed as the request's sampling processes the target's:
+            ``target_scores``; for a sampled request the one its draft is drawn from) has its largest
+            probability below this: that position's token is still proposed (and verified), the later ones
+            are not drafted, so they cost neither a drafting pass nor a verification row, and a drafting round
+            stops when every request in it has ended (transformers' ``assistant_confidence_threshold``, same
+            default). Whether to go on is decided from the block's own distribution and the tokens drafted
+            before, never from the target: greedy tokens stay those of plain decoding and sampled ones keep
+            the target's distribution (each drafted token is still drawn from the q the verifier is given).
+            In [0, 1); 0 turns the rule off. (Dropping the unsure position too, and counting a first
+            position dropped as a miss for the back-off, measured worse: benchmarks/RESULTS.md.)
     """
 
     num_draft_tokens: int = 0
@@ -131,7 +132,7 @@ class SpecState:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-    confidence_stops: int = 0       # drafts the MTP drafter cut short (``SpeculativeConfig.confidence_threshold``)
+    confidence_stops: int = 0       # MTP drafts ended before their length by ``SpeculativeConfig.confidence_threshold``
 
     def next_length(self, config: SpeculativeConfig) -> int:
         if not config.adaptive:
@@ -154,19 +155,10 @@ class SpecState:
         else:
             self.length = max(1, accepted + 1)
         if accepted == 0:
-            self._missed()
+            self.misses += 1
+            self.pause = 4 ** min(self.misses, 3) - 1
         else:
             self.misses = 0
-
-    def unsure(self, config: SpeculativeConfig) -> None:
-        """The drafter stopped at the first position (``confidence_threshold``): nothing drafted this step; for
-        the back-off the same as a verification that accepted nothing (the draft length stays)."""
-        if config.adaptive:
-            self._missed()
-
-    def _missed(self) -> None:
-        self.misses += 1
-        self.pause = 4 ** min(self.misses, 3) - 1
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
