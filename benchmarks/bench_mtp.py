@@ -157,14 +157,15 @@ def unrolled_logits(model, mtp, inputs: torch.Tensor, tokens: torch.Tensor, firs
     return out
 
 
-def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3) -> dict:
+def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0) -> dict:
     """Training of ``mtp`` on the model's greedy continuations; returns what it did.
 
     ``unroll`` 1: one draft step, teacher-forced (entry p is the trunk's streams at p - 1 and the token at p,
     and predicts the token at p + 1). ``unroll`` k > 1: the draft as the drafter runs it (``unrolled_logits``),
     k steps from every frontier of the continuation, the block fed its own output streams from step 2 on; the
-    loss is the sum of the k steps' cross entropies, the gradient flowing through the fed-back streams. Adam;
-    the learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``."""
+    loss is the sum of the k steps' cross entropies, the gradient flowing through the fed-back streams; the first
+    ``warm`` share of ``seconds`` trains one step teacher-forced (a cheaper step: more of them). Adam; the
+    learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``."""
     g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
     prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(corpus)]
@@ -184,7 +185,7 @@ def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 
     implementation, experts._experts_implementation = experts._experts_implementation, "eager"
     mtp.train()
     opt = torch.optim.Adam(mtp.parameters(), lr=lr)
-    steps, losses, t0 = 0, [], time.perf_counter()
+    steps, warm_steps, losses, t0 = 0, 0, [], time.perf_counter()
     batch = 8
     while (elapsed := time.perf_counter() - t0) < seconds:
         for group in opt.param_groups:
@@ -193,20 +194,22 @@ def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 
         tokens = seqs[idx]
         per_step = [torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
                                                       tokens[:, PROMPT + j:PROMPT + j + logits.shape[1]].reshape(-1))
-                    for j, logits in enumerate(unrolled_logits(model, mtp, inputs[idx], tokens, PROMPT - 1, unroll))]
+                    for j, logits in enumerate(unrolled_logits(model, mtp, inputs[idx], tokens, PROMPT - 1,
+                                                               1 if elapsed < warm * seconds else unroll))]
         loss = sum(per_step)
         opt.zero_grad()
         loss.backward()
         opt.step()
         steps += 1
         losses.append([x.item() for x in per_step])
+        warm_steps += elapsed < warm * seconds
     del indexer.forward
     experts._experts_implementation = implementation
     mtp.eval()
     first = [statistics.mean(col) for col in zip(*losses[:5])]
     last = [statistics.mean(col) for col in zip(*losses[-5:])]
     return {"steps": steps, "seconds": time.perf_counter() - t0, "first": first[0], "last": last[0],
-            "first_per_step": first, "last_per_step": last, "unroll": unroll, "lr": lr,
+            "first_per_step": first, "last_per_step": last, "unroll": unroll, "lr": lr, "warm_steps": warm_steps,
             "sequences": len(seqs), "tokens": seqs.numel()}
 
 
@@ -235,7 +238,7 @@ def copy_model(layers: int) -> torch.nn.Module:
 
 
 def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int,
-                       unroll: int = 1, lr: float = 3e-3) -> tuple:
+                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0) -> tuple:
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.testing import random_mtp, save_mtp
 
@@ -247,7 +250,7 @@ def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, re
     if retrain or not model.hebrus_checkpoint.mtp:
         torch.set_num_threads(threads)
         mtp = random_mtp(model.config, 5)
-        info = dict(train(model, mtp, seconds, corpus, unroll, lr), threads=threads)
+        info = dict(train(model, mtp, seconds, corpus, unroll, lr, warm), threads=threads)
         save_mtp(path, mtp)
         record.write_text(json.dumps(info))
         model = from_pretrained(path)
@@ -303,6 +306,8 @@ def main() -> None:
     ap.add_argument("--unroll", type=int, default=1,
                     help="draft steps trained (1: teacher-forced; k: the draft unrolled as the drafter runs it)")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warm", type=float, default=0.0,
+                    help="with --unroll: the share of --train-seconds trained teacher-forced first")
     ap.add_argument("--threshold", type=float, default=None,
                     help="the 'MTP trained' and 'MTP untrained' rows' confidence_threshold (default: the config's)")
     ap.add_argument("--baseline-checkpoint", default=None,
@@ -328,7 +333,7 @@ def main() -> None:
     path.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers,
-                                     args.unroll, args.lr)
+                                     args.unroll, args.lr, args.warm)
     layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
     torch.set_num_threads(args.bench_threads)
@@ -420,7 +425,8 @@ def main() -> None:
     trained_note = ("the block as the checkpoint had it (not retrained in this run)" if info is None else
                     f"trained {info['seconds']:.0f} s ({info['steps']} Adam steps of 8 sequences, {info['sequences']} "
                     f"sequences of {PROMPT} + {CORPUS_NEW} tokens; "
-                    + (f"the draft unrolled {info['unroll']} steps, cross entropy per step "
+                    + (f"{info.get('warm_steps', 0)} of them one step teacher-forced, then the draft unrolled "
+                       f"{info['unroll']} steps, cross entropy per step "
                        f"{' / '.join(f'{x:.2f}' for x in info['first_per_step'])} -> "
                        f"{' / '.join(f'{x:.2f}' for x in info['last_per_step'])}"
                        if info.get("unroll", 1) > 1 else
@@ -430,7 +436,7 @@ def main() -> None:
     text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
             f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
             f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}"
-            f"{f' --unroll {args.unroll}' if args.unroll != 1 else ''}"
+            f"{f' --unroll {args.unroll}' if args.unroll != 1 else ''}{f' --warm {args.warm:g}' if args.warm else ''}"
             f"{f' --threshold {args.threshold:g}' if args.threshold is not None else ''}"
             f"{f' --baseline-checkpoint {args.baseline_checkpoint}' if args.baseline_checkpoint else ''}"
             f"{f' --paths {chr(34)}{args.paths}{chr(34)}' if args.paths else ''}`, {time.strftime('%Y-%m-%d')}: "
