@@ -157,7 +157,8 @@ def unrolled_logits(model, mtp, inputs: torch.Tensor, tokens: torch.Tensor, firs
     return out
 
 
-def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0) -> dict:
+def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0,
+          keep: Path | None = None) -> dict:
     """Training of ``mtp`` on the model's greedy continuations; returns what it did.
 
     ``unroll`` 1: one draft step, teacher-forced (entry p is the trunk's streams at p - 1 and the token at p,
@@ -165,14 +166,21 @@ def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 
     k steps from every frontier of the continuation, the block fed its own output streams from step 2 on; the
     loss is the sum of the k steps' cross entropies, the gradient flowing through the fed-back streams; the first
     ``warm`` share of ``seconds`` trains one step teacher-forced (a cheaper step: more of them). Adam; the
-    learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``."""
+    learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``. ``keep``: a file the corpus (its
+    tokens and the trunk's streams) is read from when it holds this corpus, else written to."""
     g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
     prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(corpus)]
-    with torch.inference_mode():
-        out = generate(model, prompts, CORPUS_NEW)["out"]
-    seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])               # [N, T]
-    streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+    kept = torch.load(keep) if keep is not None and keep.exists() else None
+    if kept is not None and kept["seqs"].shape == (corpus, PROMPT + CORPUS_NEW):
+        seqs, streams = kept["seqs"], kept["streams"]
+    else:
+        with torch.inference_mode():
+            out = generate(model, prompts, CORPUS_NEW)["out"]
+        seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])           # [N, T]
+        streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+        if keep is not None:
+            torch.save({"seqs": seqs, "streams": streams}, keep)
     inputs = torch.cat([torch.zeros_like(streams[:, :1]), streams[:, :-1]], dim=1)     # entry p: (h_{p-1}, t_p)
     t = seqs.shape[1]
     indexer = mtp.block.self_attn.indexer
@@ -238,7 +246,7 @@ def copy_model(layers: int) -> torch.nn.Module:
 
 
 def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int,
-                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0) -> tuple:
+                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0, init: str | None = None) -> tuple:
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.testing import random_mtp, save_mtp
 
@@ -250,7 +258,12 @@ def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, re
     if retrain or not model.hebrus_checkpoint.mtp:
         torch.set_num_threads(threads)
         mtp = random_mtp(model.config, 5)
-        info = dict(train(model, mtp, seconds, corpus, unroll, lr, warm), threads=threads)
+        if init is not None:            # (go on from another checkpoint's block: the same trunk)
+            from hebrus_torch.engine.mtp import mtp_module
+
+            mtp.load_state_dict(mtp_module(from_pretrained(init)).state_dict())
+        info = dict(train(model, mtp, seconds, corpus, unroll, lr, warm, keep=path / "mtp_corpus.pt"),
+                    threads=threads, init=init)
         save_mtp(path, mtp)
         record.write_text(json.dumps(info))
         model = from_pretrained(path)
@@ -306,6 +319,8 @@ def main() -> None:
     ap.add_argument("--unroll", type=int, default=1,
                     help="draft steps trained (1: teacher-forced; k: the draft unrolled as the drafter runs it)")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--init-checkpoint", default=None,
+                    help="train on from this checkpoint's MTP block (the same trunk) instead of a random one")
     ap.add_argument("--warm", type=float, default=0.0,
                     help="with --unroll: the share of --train-seconds trained teacher-forced first")
     ap.add_argument("--threshold", type=float, default=None,
@@ -333,7 +348,7 @@ def main() -> None:
     path.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers,
-                                     args.unroll, args.lr, args.warm)
+                                     args.unroll, args.lr, args.warm, args.init_checkpoint)
     layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
     torch.set_num_threads(args.bench_threads)
