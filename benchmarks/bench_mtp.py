@@ -441,7 +441,9 @@ def main() -> None:
                     f"trained {info['seconds']:.0f} s ({info['steps']} Adam steps of 8 sequences, {info['sequences']} "
                     f"sequences of {PROMPT} + {CORPUS_NEW} tokens; "
                     + (f"{info.get('warm_steps', 0)} of them one step teacher-forced, then the draft unrolled "
-                       f"{info['unroll']} steps, cross entropy per step "
+                       f"{info['unroll']} steps"
+                       + (f" (from the block of {info['init']})" if info.get("init") else "")
+                       + ", cross entropy per step "
                        f"{' / '.join(f'{x:.2f}' for x in info['first_per_step'])} -> "
                        f"{' / '.join(f'{x:.2f}' for x in info['last_per_step'])}"
                        if info.get("unroll", 1) > 1 else
