@@ -19,7 +19,9 @@ Drafting (``propose_batch``, before the step is planned; one packed MTP pass per
 speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
 (streams at ``P - 1``, ``t``) at position ``P``; its output streams go through its mixer and the trunk's
 ``lm_head`` to draft ``d1``; then (its own output streams, ``d1``) at ``P + 1``, and so on. These passes run in a
-``ModelCache`` transaction that is always rolled back: drafting leaves the cache bitwise as it was.
+``ModelCache`` transaction that is always rolled back: drafting leaves the cache bitwise as it was. A request's
+draft ends after the first position whose distribution's largest probability is below its
+``SpeculativeConfig.confidence_threshold`` (that token still proposed); the round stops once every request's has.
 
 QSA selection inside the block: every draft position runs the block's own indexer over its layer's pooled keys
 and selects for itself (the same selection rule as the trunk's layers and transformers' module, position by
