@@ -6,7 +6,9 @@ Qwen4Exp with its mixing paths scaled, so that its next token depends mostly on 
 gives it more decoder layers, so that the one-layer block is a smaller share of a step), its fixed
 corpus is its own greedy continuations (``--corpus`` prompts of 64 random tokens, seed 11, 128 tokens each),
 and the block learns, at every position p of a continuation, the token after next from the trunk's pre-mixer
-streams at p - 1 and the token at p (one draft step, teacher-forced; cross entropy; Adam). The trained block
+streams at p - 1 and the token at p (one draft step, teacher-forced; cross entropy; Adam); with ``--unroll k``
+it learns the draft as the drafter runs it, k steps from every frontier, steps 2..k fed its own output streams
+(``unrolled_logits``; the loss summed over the k steps). The trained block
 is written into the checkpoint in the released layout (``testing.save_mtp``), and the model measured is
 that checkpoint loaded by ``hebrus_torch.from_pretrained`` (its MTP block read lazily at the first MTP
 engine). A checkpoint that already has its block is measured as it is (``--retrain`` trains again).
@@ -24,7 +26,10 @@ at most ``SpeculativeConfig.disable_by_batch_size`` requests decode (the default
 "no batch cutoff" measure speculation with the cutoff off. ``--cpu-time`` times runs by the process's CPU time
 (one thread; a machine shared with other jobs). ``--nothing-accepted-pairs N`` measures instead, in N paired
 rounds, plain decoding against an engine that writes the block's K/V without drafting and against the untrained
-block with its back-off: the cost where nothing is accepted, less noisy than the table's rotating repeats.
+block with its back-off (with and without the confidence rule): the cost where nothing is accepted, less noisy
+than the table's rotating repeats. The MTP rows draft under ``SpeculativeConfig.confidence_threshold`` (its
+default, or ``--threshold``) unless they say "no confidence rule"; ``--baseline-checkpoint`` adds a row for
+another checkpoint's block (the same trunk, e.g. one trained teacher-forced) with the rule off.
 
     python benchmarks/bench_mtp.py [--checkpoint DIR] [--train-seconds 180] [--counts 1,8] [--k 3] [--no-write]
         [--cpu-time]
@@ -67,7 +72,8 @@ def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None) ->
     c = engine.counters
     return {"wall": wall, "tokens": sum(len(r.generated) for r in engine.requests.values()),
             "drafted": c.spec_drafted_tokens, "accepted": c.spec_accepted_tokens, "rows": c.spec_verify_rows,
-            "steps": c.steps, "out": {r.request_id: r.generated for r in engine.requests.values()}}
+            "steps": c.steps, "passes": getattr(engine.mtp_drafter, "passes", 0),
+            "out": {r.request_id: r.generated for r in engine.requests.values()}}
 
 
 def trunk_streams(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,52 +88,137 @@ def trunk_streams(model, tokens: torch.Tensor) -> torch.Tensor:
     return got["h"]
 
 
-def train(model, mtp, seconds: float, corpus: int) -> dict:
-    """Teacher-forced training of ``mtp`` on the model's greedy continuations; returns what it did."""
+class _Keys:
+    """The block's K/V of the draft steps run so far (transformers' cache interface, one layer): each step's
+    attention sees the earlier steps' keys and its own."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def chain_mask(t: int, first: int, chains: int, step: int) -> torch.Tensor:
+    """Bool Tensor[chains, t + (step - 1) * chains]: what draft step ``step`` (1-based, >= 2) of the chains from
+    frontiers ``first``, ``first + 1``, ... sees among the keys of step 1 (the t entries a trunk step writes,
+    position q built from the trunk's streams at q - 1 and the token at q) and of steps 2..step (``chains``
+    entries each, chain c's at position first + c + i - 1): the step-1 entries at positions <= its frontier and
+    its own chain's later entries, as the drafter's cache holds them when it runs pass ``step`` from that
+    frontier."""
+    frontier = first + torch.arange(chains)[:, None]
+    trunk = torch.arange(t)[None, :] <= frontier
+    own = torch.eye(chains, dtype=torch.bool).repeat(1, step - 1)
+    return torch.cat([trunk, own], dim=1)
+
+
+def unrolled_logits(model, mtp, inputs: torch.Tensor, tokens: torch.Tensor, first: int, unroll: int
+                    ) -> list[torch.Tensor]:
+    """The draft unrolled ``unroll`` steps from every frontier p >= ``first`` of a batch, as the drafter runs it,
+    with the true tokens fed: inputs Tensor[B, T, hc * hidden] (entry q's trunk streams, those at q - 1),
+    tokens Tensor[B, T] -> per step j (1-based) the logits Tensor[B, T - first - j, V] of the chains from
+    frontiers first .. T - 1 - j (step j of chain p predicts the token at p + j).
+
+    Step 1 is the block over all T entries (causal); step j + 1 of chain p is fed step j's output streams
+    (before the mixer) and the token at p + j, at position p + j, and attends to the step-1 entries up to p
+    and its own chain's (``chain_mask``; the earlier steps' K/V kept, not recomputed). The indexer must attend
+    densely (``train`` replaces its forward)."""
     from hebrus_torch.models.qwen4_exp.mtp import causal_mask, mtp_logits
 
+    batch, t = tokens.shape
+    embed, rotary = model.model.embed_tokens, model.model.rotary_emb
+    chains = t - 1 - first
+    eager = mtp.block.self_attn.config._attn_implementation == "eager"
+    keys = _Keys()
+    x = mtp.fuse(inputs, embed(tokens))                                                   # step 1: [B, T, W]
+    rows = torch.arange(t)
+    out = []
+    for j in range(1, unroll + 1):
+        if j == 1:
+            mask = causal_mask(mtp, t, x)
+        else:
+            mask = chain_mask(t, first, chains, j)[None, None]
+            if eager:
+                mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, torch.finfo(x.dtype).min)
+        cos_sin = rotary(x[..., :mtp.hidden_size], (rows + j - 1).view(1, 1, -1).expand(3, batch, -1))
+        h = mtp.block(x, position_embeddings=cos_sin, attention_mask=mask.expand(batch, 1, -1, -1),
+                      past_key_values=keys)
+        h = h[0] if isinstance(h, tuple) else h
+        if j == 1:
+            h = h[:, first:first + chains]                            # (the chains' first steps)
+        out.append(mtp_logits(mtp, model.lm_head, h[:, :chains - (j - 1)]))
+        if j < unroll:                              # step j + 1 of chain c: these streams, the token at p_c + j
+            nxt = torch.cat([tokens[:, first + j:], tokens[:, -1:].expand(-1, j)], dim=1)[:, :chains]
+            x = mtp.fuse(h, embed(nxt))                                # (chains past the end: unused)
+            rows = first + torch.arange(chains)
+    return out
+
+
+def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0,
+          keep: Path | None = None) -> dict:
+    """Training of ``mtp`` on the model's greedy continuations; returns what it did.
+
+    ``unroll`` 1: one draft step, teacher-forced (entry p is the trunk's streams at p - 1 and the token at p,
+    and predicts the token at p + 1). ``unroll`` k > 1: the draft as the drafter runs it (``unrolled_logits``),
+    k steps from every frontier of the continuation, the block fed its own output streams from step 2 on; the
+    loss is the sum of the k steps' cross entropies, the gradient flowing through the fed-back streams; the first
+    ``warm`` share of ``seconds`` trains one step teacher-forced (a cheaper step: more of them). Adam; the
+    learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``. ``keep``: a file the corpus (its
+    tokens and the trunk's streams) is read from when it holds this corpus, else written to."""
     g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
     prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(corpus)]
-    with torch.inference_mode():
-        out = generate(model, prompts, CORPUS_NEW)["out"]
-    seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])               # [N, T]
-    streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+    kept = torch.load(keep) if keep is not None and keep.exists() else None
+    if kept is not None and kept["seqs"].shape == (corpus, PROMPT + CORPUS_NEW):
+        seqs, streams = kept["seqs"], kept["streams"]
+    else:
+        with torch.inference_mode():
+            out = generate(model, prompts, CORPUS_NEW)["out"]
+        seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])           # [N, T]
+        streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+        if keep is not None:
+            torch.save({"seqs": seqs, "streams": streams}, keep)
     inputs = torch.cat([torch.zeros_like(streams[:, :1]), streams[:, :-1]], dim=1)     # entry p: (h_{p-1}, t_p)
     t = seqs.shape[1]
     indexer = mtp.block.self_attn.indexer
-    assert t <= indexer.token_budget, "training attends densely: sequences within the indexer's budget"
+    assert t + unroll <= indexer.token_budget, "training attends densely: sequences within the indexer's budget"
     # (every query sees its whole history)
     indexer.forward = lambda hidden, pe, mask, cache: mask if mask.dtype == torch.bool else mask == 0
-    embed, rotary = model.model.embed_tokens, model.model.rotary_emb
-    pos = torch.arange(t).view(1, 1, -1).expand(3, 1, -1)
-    mask = causal_mask(mtp, t, streams)
     for p in model.parameters():
         p.requires_grad_(False)
     experts = mtp.block.mlp.experts.config          # (the block's own config: per-expert matmuls train faster)
     implementation, experts._experts_implementation = experts._experts_implementation, "eager"
     mtp.train()
-    opt = torch.optim.Adam(mtp.parameters(), lr=3e-3)
-    steps, losses, t0 = 0, [], time.perf_counter()
+    opt = torch.optim.Adam(mtp.parameters(), lr=lr)
+    steps, warm_steps, losses, t0 = 0, 0, [], time.perf_counter()
     batch = 8
-    while time.perf_counter() - t0 < seconds:
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        for group in opt.param_groups:
+            group["lr"] = lr * max(0.1, 1.0 - elapsed / seconds)
         idx = torch.randint(0, len(seqs), (batch,))
-        x = mtp.fuse(inputs[idx], embed(seqs[idx]))
-        cos_sin = rotary(x[..., :mtp.hidden_size], pos.expand(3, batch, -1))
-        h = mtp.block(x, position_embeddings=cos_sin, attention_mask=mask.expand(batch, 1, t, t))
-        h = h[0] if isinstance(h, tuple) else h
-        logits = mtp_logits(mtp, model.lm_head, h[:, PROMPT - 1:-1])                  # entries p predict t_{p+1}
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), seqs[idx, PROMPT:].reshape(-1))
+        tokens = seqs[idx]
+        per_step = [torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                      tokens[:, PROMPT + j:PROMPT + j + logits.shape[1]].reshape(-1))
+                    for j, logits in enumerate(unrolled_logits(model, mtp, inputs[idx], tokens, PROMPT - 1,
+                                                               1 if elapsed < warm * seconds else unroll))]
+        loss = sum(per_step)
         opt.zero_grad()
         loss.backward()
         opt.step()
         steps += 1
-        losses.append(loss.item())
+        losses.append([x.item() for x in per_step])
+        warm_steps += elapsed < warm * seconds
     del indexer.forward
     experts._experts_implementation = implementation
     mtp.eval()
-    return {"steps": steps, "seconds": time.perf_counter() - t0, "first": statistics.mean(losses[:5]),
-            "last": statistics.mean(losses[-5:]), "sequences": len(seqs), "tokens": seqs.numel()}
+    first = [statistics.mean(col) for col in zip(*losses[:5])]
+    last = [statistics.mean(col) for col in zip(*losses[-5:])]
+    return {"steps": steps, "seconds": time.perf_counter() - t0, "first": first[0], "last": last[0],
+            "first_per_step": first, "last_per_step": last, "unroll": unroll, "lr": lr, "warm_steps": warm_steps,
+            "sequences": len(seqs), "tokens": seqs.numel()}
 
 
 def copy_model(layers: int) -> torch.nn.Module:
@@ -154,7 +245,8 @@ def copy_model(layers: int) -> torch.nn.Module:
     return model
 
 
-def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int) -> tuple:
+def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int,
+                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0, init: str | None = None) -> tuple:
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.testing import random_mtp, save_mtp
 
@@ -166,7 +258,12 @@ def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, re
     if retrain or not model.hebrus_checkpoint.mtp:
         torch.set_num_threads(threads)
         mtp = random_mtp(model.config, 5)
-        info = dict(train(model, mtp, seconds, corpus), threads=threads)
+        if init is not None:            # (go on from another checkpoint's block: the same trunk)
+            from hebrus_torch.engine.mtp import mtp_module
+
+            mtp.load_state_dict(mtp_module(from_pretrained(init)).state_dict())
+        info = dict(train(model, mtp, seconds, corpus, unroll, lr, warm, keep=path / "mtp_corpus.pt"),
+                    threads=threads, init=init)
         save_mtp(path, mtp)
         record.write_text(json.dumps(info))
         model = from_pretrained(path)
@@ -192,7 +289,9 @@ def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(7)
     configs = {"plain": None, "MTP block's K/V written, no drafts": SpeculativeConfig(0, method="mtp"),
-               "MTP untrained, back-off": SpeculativeConfig(k, method="mtp")}
+               "MTP untrained, back-off": SpeculativeConfig(k, method="mtp"),
+               "MTP untrained, back-off, no confidence rule": SpeculativeConfig(k, method="mtp",
+                                                                               confidence_threshold=0.0)}
     rows = []
     model.mtp = untrained
     for n in counts:
@@ -217,6 +316,18 @@ def main() -> None:
     ap.add_argument("--checkpoint", default="/tmp/hebrus_bench_mtp")
     ap.add_argument("--train-seconds", type=float, default=300.0)
     ap.add_argument("--corpus", type=int, default=32)
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="draft steps trained (1: teacher-forced; k: the draft unrolled as the drafter runs it)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--init-checkpoint", default=None,
+                    help="train on from this checkpoint's MTP block (the same trunk) instead of a random one")
+    ap.add_argument("--warm", type=float, default=0.0,
+                    help="with --unroll: the share of --train-seconds trained teacher-forced first")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="the 'MTP trained' and 'MTP untrained' rows' confidence_threshold (default: the config's)")
+    ap.add_argument("--baseline-checkpoint", default=None,
+                    help="also measure this checkpoint's MTP block (same trunk), the confidence rule off")
+    ap.add_argument("--paths", default=None, help="path names to measure, separated by ';' (default: all)")
     ap.add_argument("--retrain", action="store_true")
     ap.add_argument("--layers", type=int, default=4, help="the copy model's decoder layers (even; for a new checkpoint)")
     ap.add_argument("--threads", type=int, default=2, help="threads while training")
@@ -236,7 +347,8 @@ def main() -> None:
     path = Path(args.checkpoint)
     path.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
-    model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers)
+    model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers,
+                                     args.unroll, args.lr, args.warm, args.init_checkpoint)
     layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
     torch.set_num_threads(args.bench_threads)
@@ -246,10 +358,27 @@ def main() -> None:
     trained = mtp_module(model)                     # (read from the checkpoint's files now)
     untrained = random_mtp(model.config, 6).to(trained.fc_hidden.weight.dtype)
     vocab = model.config.vocab_size
-    paths = {"prompt lookup": (SpeculativeConfig(args.k), None), "MTP trained": (SpeculativeConfig(
-        args.k, method="mtp"), trained), "MTP untrained": (SpeculativeConfig(args.k, method="mtp"), untrained),
-             "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp",
-                                                              disable_by_batch_size=None), untrained)}
+    threshold = SpeculativeConfig(args.k).confidence_threshold if args.threshold is None else args.threshold
+    paths = {"prompt lookup": (SpeculativeConfig(args.k), None),
+             "MTP trained": (SpeculativeConfig(args.k, method="mtp", confidence_threshold=threshold), trained),
+             "MTP trained, no confidence rule": (SpeculativeConfig(args.k, method="mtp", confidence_threshold=0.0),
+                                                 trained)}
+    if args.baseline_checkpoint:         # (the same trunk, another block: e.g. one trained teacher-forced)
+        from hebrus_torch.loading import from_pretrained
+
+        baseline = mtp_module(from_pretrained(args.baseline_checkpoint))
+        paths["MTP baseline block, no confidence rule"] = (
+            SpeculativeConfig(args.k, method="mtp", confidence_threshold=0.0), baseline)
+    paths.update({
+        "MTP untrained": (SpeculativeConfig(args.k, method="mtp", confidence_threshold=threshold), untrained),
+        "MTP untrained, no confidence rule": (SpeculativeConfig(args.k, method="mtp", confidence_threshold=0.0),
+                                              untrained),
+        "MTP untrained, no back-off": (SpeculativeConfig(args.k, adaptive=False, method="mtp",
+                                                         disable_by_batch_size=None, confidence_threshold=0.0),
+                                       untrained)})
+    if args.paths:
+        keep = args.paths.split(";")
+        paths = {name: v for name, v in paths.items() if name in keep}
     cutoff = SpeculativeConfig(args.k).disable_by_batch_size
     uncut = {"prompt lookup, no batch cutoff": (SpeculativeConfig(args.k, disable_by_batch_size=None), None),
              "MTP trained, no batch cutoff": (SpeculativeConfig(args.k, method="mtp", disable_by_batch_size=None),
@@ -268,7 +397,7 @@ def main() -> None:
                 f"{time.strftime('%Y-%m-%d')}: {machine()}, load average at the start {load_start:.1f}, at the end "
                 f"{os.getloadavg()[0]:.1f}. Model: bench_speculative.py's copy model with {layers} decoder layers, a "
                 f"random MTP block (nothing accepted). Prompts: {PROMPT} random tokens, {args.new} greedy tokens per "
-                f"request, every request at once. Each round runs the three paths one after another "
+                f"request, every request at once. Each round runs the paths one after another "
                 f"({'CPU time of the process' if args.cpu_time else 'wall time'}); {args.nothing_accepted_pairs} rounds. "
                 f"Time per token: the run's time over the tokens one request generates.\n\n" + text)
         print(text)
@@ -304,17 +433,31 @@ def main() -> None:
             acc = f"{last['accepted'] / last['drafted']:.2f}" if last["drafted"] else "-"
             per_row = f"{(last['accepted'] + last['rows']) / last['rows']:.2f}" if last["rows"] else "-"
             rows.append([str(n), name, f"{tps:.1f}", f"{ratio:.2f}x", acc,
-                         per_position(logs[name], args.k) if name != "plain" else "-", per_row, str(last["steps"])])
+                         per_position(logs[name], args.k) if name != "plain" else "-", per_row, str(last["steps"]),
+                         str(last["passes"]) if name.startswith("MTP") else "-"])
             print(rows[-1], flush=True)
     SpecState.update = update
     trained_note = ("the block as the checkpoint had it (not retrained in this run)" if info is None else
                     f"trained {info['seconds']:.0f} s ({info['steps']} Adam steps of 8 sequences, {info['sequences']} "
-                    f"sequences of {PROMPT} + {CORPUS_NEW} tokens; cross entropy {info['first']:.2f} -> "
-                    f"{info['last']:.2f}) on {info['threads']} threads"
+                    f"sequences of {PROMPT} + {CORPUS_NEW} tokens; "
+                    + (f"{info.get('warm_steps', 0)} of them one step teacher-forced, then the draft unrolled "
+                       f"{info['unroll']} steps"
+                       + (f" (from the block of {info['init']})" if info.get("init") else "")
+                       + ", cross entropy per step "
+                       f"{' / '.join(f'{x:.2f}' for x in info['first_per_step'])} -> "
+                       f"{' / '.join(f'{x:.2f}' for x in info['last_per_step'])}"
+                       if info.get("unroll", 1) > 1 else
+                       f"one draft step, teacher-forced, cross entropy {info['first']:.2f} -> {info['last']:.2f}")
+                    + f"; Adam, lr {info.get('lr', 3e-3):g}) on {info['threads']} threads"
                     + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
     text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
             f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
-            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}`, {time.strftime('%Y-%m-%d')}: {machine()}, "
+            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}"
+            f"{f' --unroll {args.unroll}' if args.unroll != 1 else ''}{f' --warm {args.warm:g}' if args.warm else ''}"
+            f"{f' --threshold {args.threshold:g}' if args.threshold is not None else ''}"
+            f"{f' --baseline-checkpoint {args.baseline_checkpoint}' if args.baseline_checkpoint else ''}"
+            f"{f' --paths {chr(34)}{args.paths}{chr(34)}' if args.paths else ''}`, {time.strftime('%Y-%m-%d')}: "
+            f"{machine()}, "
             f"load average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f}.\n"
             f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "
             f"fp32, mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
@@ -322,13 +465,16 @@ def main() -> None:
             f"corpus's), {args.new} tokens generated per request, greedy, every request at once; engine capacity "
             f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length, no drafting in "
             f"a step where more than {cutoff} requests decode (the default `disable_by_batch_size`) unless the row "
-            f"says 'no batch cutoff' (the 'no back-off' row has no cutoff either). tok/s: median of {args.repeat} runs "
+            f"says 'no batch cutoff' (the 'no back-off' row has no cutoff either); the MTP rows' "
+            f"`confidence_threshold` {threshold:g} unless the row says 'no confidence rule' (0). "
+            f"tok/s: median of {args.repeat} runs "
             f"({'CPU time of the process' if args.cpu_time else 'wall time'}); vs plain: median of the per-repeat "
             f"ratios of that time; acceptance: accepted / "
-            f"drafted, overall and per draft position, of the last run; steps of the last run. Greedy tokens "
+            f"drafted, overall and per draft position, of the last run; steps and the MTP drafter's packed passes "
+            f"of the last run. Greedy tokens "
             f"asserted equal to plain decoding's in every run.\n\n")
     text += table(["requests", "path", "tok/s", "vs plain", "acceptance", "acceptance per position",
-                   "tokens per verification", "steps"], rows)
+                   "tokens per verification", "steps", "drafting passes"], rows)
     print(text)
     if not args.no_write:
         write_section(args.section, text)

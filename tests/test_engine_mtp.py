@@ -24,7 +24,7 @@ from test_engine_speculative import generate_batch_once, run as speculative_run
 
 import hebrus_torch.engine.mtp as engine_mtp
 from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
-from hebrus_torch.engine.speculative import SpeculativeConfig
+from hebrus_torch.engine.speculative import SpecState, SpeculativeConfig
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp.mtp import reference_mtp
 from hebrus_torch.testing import random_mtp
@@ -41,7 +41,9 @@ def with_mtp(model, seed: int = 7):
 
 
 def mtp_config(k: int, **kw) -> SpeculativeConfig:
-    return SpeculativeConfig(k, method="mtp", **kw)
+    """MTP speculation with k drafts; the confidence rule off unless ``kw`` sets it (a random block's
+    distribution is flat: with the default threshold it would draft nothing)."""
+    return SpeculativeConfig(k, method="mtp", **{"confidence_threshold": 0.0, **kw})
 
 
 def run(model, prompts, *, spec=None, digests=None, order=None, **config):
@@ -178,9 +180,11 @@ def test_the_drafter_keeps_recent_streams_and_block_boundaries_only():
 
 
 # ------------------------------------------------------------------------------------------ exactness
-def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6):
+def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6, wrong: float = 0.0):
     """Bias the MTP drafts towards the plain run's continuation at random positions (random MTP weights accept
-    almost nothing), so that every accepted length occurs; the drafts still come from the MTP passes."""
+    almost nothing), so that every accepted length occurs; the drafts still come from the MTP passes. With
+    ``wrong``, at that share of the other positions towards another token (a confident draft that is
+    rejected); elsewhere the random block's flat distribution (below a ``confidence_threshold`` of 0.5)."""
     rng = random.Random(seed)
     truth = {tuple(p): ref[f"r{i}"] for i, p in enumerate(prompts)}
     original = engine_mtp.target_scores
@@ -189,33 +193,38 @@ def _steer(monkeypatch, prompts, ref, seed: int, rate: float = 0.6):
         scores, sampled = original(logits, sampling, tokens, generated)
         prompt = tuple(tokens[:len(tokens) - len(generated)])
         cont = truth.get(prompt, [])
-        if len(generated) < len(cont) and rng.random() < rate:
-            scores = scores.clone()
-            scores[cont[len(generated)]] += 1e4
+        if len(generated) < len(cont):
+            u = rng.random()
+            if u < rate + wrong:
+                scores = scores.clone()
+                scores[(cont[len(generated)] + (0 if u < rate else 1)) % scores.shape[-1]] += 1e4
         return scores, sampled
     monkeypatch.setattr(engine_mtp, "target_scores", steered)
 
 
 def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
                                            cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2]), (2, None, 3, [2, 3, 0, 1]),
-                                                  (3, 32, 8, None))) -> None:
+                                                  (3, 32, 8, None)), threshold: float = 0.0) -> None:
     """MTP speculation (each (seed, max_batch_tokens, k, arrival order) of ``cases``, drafts steered) gives the
     plain run's greedy tokens; every holder (the MTP layer included) the digests of an engine that writes the MTP
     layer without speculating, at every common frontier; the trunk's recurrent holders those of the plain engine.
-    ``model.mtp`` is the block; ``prompts``: 4 of them."""
+    ``model.mtp`` is the block; ``prompts``: 4 of them. ``threshold``: the drafter's ``confidence_threshold``
+    (above 0: some steered drafts are confidently wrong, the unsteered positions stop the drafts)."""
     plain_digests: dict = {}
     ref, _ = run(model, prompts, digests=plain_digests, max_new_tokens=14)
     layer_digests: dict = {}
     same, _ = run(model, prompts, spec=mtp_config(0), digests=layer_digests, max_new_tokens=14)
     assert same == ref
+    stops = 0                               # drafts the confidence rule ended before their length
     for seed, budget, k, order in cases:
-        _steer(monkeypatch, prompts, ref, seed)
+        _steer(monkeypatch, prompts, ref, seed, wrong=0.25 if threshold else 0.0)
         digests: dict = {}
-        tokens, engine = run(model, prompts, spec=mtp_config(k), digests=digests, max_batch_tokens=budget,
-                             max_new_tokens=14, order=order)
+        tokens, engine = run(model, prompts, spec=mtp_config(k, confidence_threshold=threshold), digests=digests,
+                             max_batch_tokens=budget, max_new_tokens=14, order=order)
         assert tokens == ref, (seed, budget, k)
         c = engine.counters
         assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
+        stops += sum(r.spec.confidence_stops for r in engine.requests.values())
         assert c.spec_rollbacks > 0 and c.spec_drafter_errors == 0
         common = set(digests) & set(layer_digests)
         assert len(common) >= len(digests) // 2
@@ -224,12 +233,83 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
         recurrent = len(engine.cache.holders) - 1            # the trunk's recurrent holders (PLE, GDN): all but QSA
         for key in set(digests) & set(plain_digests):
             assert digests[key][:recurrent] == plain_digests[key][:recurrent], (seed, key)
+    assert (stops > 0) == (threshold > 0)
 
 
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
 def test_greedy_mtp_speculation_gives_the_plain_tokens_and_state(shape, row_invariant, monkeypatch):
     model = with_mtp(eager_experts(make_model(shape, seed=23)))
     assert_greedy_mtp_speculation_is_plain(model, prompts_for(23, lengths=(14, 6, 21, 3)), monkeypatch)
+
+
+def test_greedy_mtp_speculation_with_the_confidence_rule_gives_the_plain_tokens_and_state(row_invariant,
+                                                                                           monkeypatch):
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=23)))
+    assert_greedy_mtp_speculation_is_plain(model, prompts_for(23, lengths=(14, 6, 21, 3)), monkeypatch,
+                                           cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2])), threshold=0.5)
+
+
+# ------------------------------------------------------------------------------------------ the confidence rule
+def _scripted(monkeypatch, confident: dict[int, int], token: int = 7) -> dict[int, int]:
+    """The drafter's (greedy) distribution made sure of ``token`` at the first ``confident[t]`` draft positions of
+    the request whose prompt starts with t, flat (the random block's) after; returns the dict to fill with each
+    such request's token count before drafting."""
+    base: dict[int, int] = {}
+    original = engine_mtp.target_scores
+
+    def scripted(logits, sampling, tokens, generated):
+        scores, sampled = original(logits, sampling, tokens, generated)
+        if len(tokens) - base[tokens[0]] < confident[tokens[0]]:
+            scores = scores.clone()
+            scores[token] += 1e4
+        return scores, scores
+    monkeypatch.setattr(engine_mtp, "target_scores", scripted)
+    return base
+
+
+def test_the_confidence_rule_ends_each_draft_and_the_round(monkeypatch):
+    """A request's draft ends at its first position below ``confidence_threshold`` (that token still proposed, no
+    later one drafted); the round stops when every request has ended, so it runs as many passes as the longest
+    draft; ``SpecState.confidence_stops`` counts the drafts ended before their length. With the rule off the
+    same block drafts every position, the same tokens first."""
+    from hebrus_torch.engine.drafting import propose_drafts
+
+    model = with_mtp(make_model("lin-idx", seed=28))
+    prompts = [[11, 5, 6, 7], [12, 5, 6, 7, 8], [13, 9, 20]]
+    confident = {11: 2, 12: 1, 13: 0}
+    drafts = {}
+    for threshold in (0.5, 0.0):
+        engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                            speculative=mtp_config(4, confidence_threshold=threshold)))
+        reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)] for p in prompts]
+        while any(not r.generated for r in reqs):
+            engine.step()
+        base = _scripted(monkeypatch, confident)
+        base.update({r.tokens[0]: len(r.tokens) for r in reqs})
+        passes = engine.mtp_drafter.passes
+        drafts[threshold] = engine.mtp_drafter.propose_batch(reqs, [4, 4, 4])
+        assert engine.mtp_drafter.passes - passes == (3 if threshold else 4)
+        if threshold:
+            assert engine.mtp_drafter.stopped == {reqs[0]: 3, reqs[1]: 2, reqs[2]: 1}
+            for r in reqs:                  # (the flat block's first steps backed off: start afresh)
+                r.spec = SpecState()
+            got = propose_drafts(engine.scheduler.running, None, vocab_size=engine.vocab_size, capacity_tokens=256,
+                                 stop_speculating=lambda r, why: None, mtp_drafter=engine.mtp_drafter)
+            assert [len(got[r]) for r in reqs] == [2, 2, 1]        # (the adaptive first length: 2)
+            assert [r.spec.confidence_stops for r in reqs] == [0, 0, 1]
+        monkeypatch.undo()
+    assert [d[:c] for d, c in zip(drafts[0.5], (2, 1, 0))] == [[7, 7], [7], []]
+    assert [len(d) for d in drafts[0.5]] == [3, 2, 1]
+    assert [len(d) for d in drafts[0.0]] == [4, 4, 4]
+    assert [d[:len(e)] for d, e in zip(drafts[0.0], drafts[0.5])] == drafts[0.5]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), float("inf"), "0.5", True, None])
+def test_a_bad_confidence_threshold_is_refused(bad):
+    with pytest.raises(BadRequestError, match="confidence_threshold"):
+        SpeculativeConfig(2, method="mtp", confidence_threshold=bad)
+    assert issubclass(BadRequestError, HebrusError)
+    assert SpeculativeConfig(2, method="mtp", confidence_threshold=0).confidence_threshold == 0
 
 
 def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distribution(monkeypatch):
@@ -250,6 +330,42 @@ def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distributio
     assert ea.counters.spec_drafted_tokens > 0
     assert asked and all(q is not None and q.shape[-1] == model.config.vocab_size for q in asked)
     assert not ea.mtp_drafter._probs and not ea.mtp_drafter._generators     # released with the requests
+
+
+def test_sampled_mtp_speculation_with_the_confidence_rule_gives_the_verifier_one_q_per_draft(monkeypatch):
+    """Sampled requests under the rule: the distribution drafts are drawn from is sure of a token at random
+    positions, flat elsewhere (stopped); the verifier gets one q row per drafted token, runs reproduce."""
+    model = with_mtp(make_model("lin-idx", seed=24))
+    prompts = prompts_for(24, lengths=(9, 5, 12))
+    rng = random.Random(3)
+    original = engine_mtp.target_scores
+
+    def sure_at_times(logits, sampling, tokens, generated):
+        scores, sampled = original(logits, sampling, tokens, generated)
+        if rng.random() < 0.7:
+            sampled = sampled.clone()
+            sampled[rng.randrange(4, 50)] += 1e4
+        return scores, sampled
+    monkeypatch.setattr(engine_mtp, "target_scores", sure_at_times)
+    shapes = []
+    original_probs = engine_mtp.MTPDrafter.draft_probs
+
+    def draft_probs(self, request, n):
+        q = original_probs(self, request, n)
+        shapes.append((n, None if q is None else q.shape[0]))
+        return q
+    monkeypatch.setattr(engine_mtp.MTPDrafter, "draft_probs", draft_probs)
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=5)
+    got = []
+    for _ in range(2):
+        rng.seed(3)
+        tokens, engine = run(model, prompts, spec=mtp_config(3, confidence_threshold=0.5, adaptive=False),
+                             sampling=sampling, max_new_tokens=10)
+        got.append(tokens)
+        assert engine.counters.spec_drafted_tokens > 0
+        assert sum(r.spec.confidence_stops for r in engine.requests.values()) > 0
+    assert got[0] == got[1]
+    assert shapes and all(n == rows for n, rows in shapes)
 
 
 # ------------------------------------------------------------------------------------------ refusals
@@ -302,7 +418,8 @@ def test_generate_batch_speculates_with_the_mtp_block():
     htx.apply(model)
     try:
         outs, counters = [], []
-        for extra in ({}, {"speculative_method": "mtp", "num_assistant_tokens": 3}):
+        for extra in ({}, {"speculative_method": "mtp", "num_assistant_tokens": 3,
+                           "assistant_confidence_threshold": 0.0}):
             gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=EOS, pad_token_id=0, **extra)
             tokens, engine_counters = generate_batch_once(model, prompts, gc, cb)
             outs.append(tokens)
@@ -345,3 +462,26 @@ def test_mtp_speculation_under_preemption_faults_and_cancellation(fault_at, monk
     assert {r: q.generated for r, q in engine.requests.items() if r != "r1"} == {r: t for r, t in ref.items()
                                                                                  if r != "r1"}
     assert len(engine.cache.slots.live_handles()) == len(engine.kept_sequences())
+
+
+def test_the_benchmark_trains_the_draft_the_drafter_runs(monkeypatch):
+    """bench_mtp.py's unrolled training forward (``unrolled_logits``: every frontier's chain of 3 draft steps at
+    once, the earlier steps' K/V kept) gives, for the chain at the prompt's frontier fed the drafted tokens,
+    the reference block's logits at each draft position (both attending densely)."""
+    import bench_mtp
+
+    model = with_mtp(make_model("lin-idx", seed=21))
+    indexer = model.mtp.block.self_attn.indexer
+    monkeypatch.setattr(indexer, "token_budget", 1024)
+    monkeypatch.setattr(indexer, "block_topk", 256)
+    tokens = prompts_for(21, lengths=(13,))[0]
+    drafts, want = reference_drafts(model, tokens, 3)
+    seq = tokens + drafts + [5]
+    h = trunk_streams(model, seq)
+    monkeypatch.setattr(indexer, "forward", lambda hidden, pe, mask, cache: mask)     # (sdpa: a bool mask)
+    with torch.no_grad():
+        got = bench_mtp.unrolled_logits(model, model.mtp, torch.cat([torch.zeros_like(h[:1]), h[:-1]])[None],
+                                        torch.tensor([seq]), len(tokens) - 1, 3)
+    assert [g.shape[1] for g in got] == [4, 3, 2]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0, 0], w, atol=2e-5, rtol=2e-5)

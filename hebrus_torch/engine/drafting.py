@@ -26,7 +26,8 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
     length, its ``max_new_tokens`` and the cache allow (requests without drafts are left out).
     A request drafts nothing in a step where more requests decode than its ``disable_by_batch_size``.
     ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
-    ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup)."""
+    ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup);
+    ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
@@ -48,10 +49,16 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
             drafts[req] = spec.lookup.propose(req.tokens, k)
         else:
             asking.append((req, k))
+    stopped = getattr(mtp_drafter, "stopped", None)
+    if asking_mtp and stopped is not None:
+        stopped.clear()
     for who, group in ((drafter, asking), (mtp_drafter, asking_mtp)):
         if group:
             for (req, _), draft in zip(group, _ask(who, group, vocab_size, stop_speculating)):
                 drafts[req] = draft
+    for req, k in asking_mtp:
+        if stopped is not None and stopped.get(req, k) < k and req.spec.error is None:
+            req.spec.confidence_stops += 1
     return {r: d for r, d in drafts.items() if d}
 
 

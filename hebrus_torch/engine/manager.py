@@ -158,10 +158,13 @@ class HebrusBatchingManager:
         self.engine_config = engine_config or engine_config_from(model, continuous_batching_config, workload_hints)
         if (getattr(self.generation_config, "speculative_method", None) == "mtp"
                 and self.engine_config.speculative is None):
-            # (generate_batch: GenerationConfig(speculative_method="mtp", num_assistant_tokens=k))
+            # (generate_batch: GenerationConfig(speculative_method="mtp", num_assistant_tokens=k), and its
+            # assistant_confidence_threshold, when set, as the drafter's confidence_threshold)
             k = getattr(self.generation_config, "num_assistant_tokens", None) or 3
+            threshold = getattr(self.generation_config, "assistant_confidence_threshold", None)
+            extra = {} if threshold is None else {"confidence_threshold": threshold}
             self.engine_config = dataclasses.replace(self.engine_config, speculative=SpeculativeConfig(
-                min(int(k), MAX_DRAFT_TOKENS), method="mtp"))
+                min(int(k), MAX_DRAFT_TOKENS), method="mtp", **extra))
         self.tokenizer = tokenizer
         self.draft_model = (draft_model if draft_model is not None
                             else getattr(self.generation_config, "assistant_model", None))

@@ -19,7 +19,9 @@ Drafting (``propose_batch``, before the step is planned; one packed MTP pass per
 speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
 (streams at ``P - 1``, ``t``) at position ``P``; its output streams go through its mixer and the trunk's
 ``lm_head`` to draft ``d1``; then (its own output streams, ``d1``) at ``P + 1``, and so on. These passes run in a
-``ModelCache`` transaction that is always rolled back: drafting leaves the cache bitwise as it was.
+``ModelCache`` transaction that is always rolled back: drafting leaves the cache bitwise as it was. A request's
+draft ends after the first position whose distribution's largest probability is below its
+``SpeculativeConfig.confidence_threshold`` (that token still proposed); the round stops once every request's has.
 
 QSA selection inside the block: every draft position runs the block's own indexer over its layer's pooled keys
 and selects for itself (the same selection rule as the trunk's layers and transformers' module, position by
@@ -131,6 +133,8 @@ class MTPDrafter:
         self._probs: dict[Request, torch.Tensor] = {}
         self._generators: dict[Request, torch.Generator] = {}
         self.passes = 0                                   # packed MTP passes run for drafting
+        self.stopped: dict[Request, int] = {}     # requests whose draft confidence_threshold ended -> tokens
+        #                                           drafted (propose_drafts empties it before asking)
         runner.mtp = self
         copy = cache.copy
 
@@ -239,7 +243,7 @@ class MTPDrafter:
                     streams = packed_mtp(step, self.trunk, self.mtp, streams, step.batch.tokens, cos, sin)
                     logits = mtp_logits(self.mtp, self.runner.lm_head, streams)
                     self.passes += 1
-                    picks = []
+                    picks, confidences, dists = [], [], []
                     for row, i in enumerate(active):
                         req = live[i][0]
                         drafted = out[req]
@@ -247,16 +251,29 @@ class MTPDrafter:
                                                         req.tokens + drafted, req.generated + drafted)
                         if req.sampling.do_sample:
                             q = sampled.softmax(-1)
-                            probs[i].append(q)
+                            dists.append(q)
                             picks.append(torch.multinomial(q, 1, generator=self._generator(req))[0])
+                            confidences.append(q.max())
                         else:
+                            dists.append(None)
                             picks.append(scores.argmax())
-                    for i, t in zip(active, torch.stack(picks).tolist()):   # the next pass feeds them: one read
-                        out[live[i][0]].append(int(t))
+                            confidences.append(scores.softmax(-1).max())
+                    # the next pass feeds the picks: one read (token ids are exact in float64)
+                    read = torch.stack([torch.stack(picks).double(), torch.stack(confidences).double()]).tolist()
+                    going = []
+                    for row, (i, t, c) in enumerate(zip(active, read[0], read[1])):
+                        req, k = live[i]
+                        threshold = req.speculative.confidence_threshold
+                        out[req].append(int(t))
                         feed[i] = int(t)
-                    keep = [row for row, i in enumerate(active) if live[i][1] > j + 1]
-                    streams = streams[keep]
-                    active = [active[row] for row in keep]
+                        if dists[row] is not None:
+                            probs[i].append(dists[row])
+                        if c < threshold:       # the last position drafted for it (the token is still proposed)
+                            self.stopped[req] = j + 1
+                        elif k > j + 1:
+                            going.append(row)
+                    streams = streams[going]
+                    active = [active[row] for row in going]
                 raise _Discard
         except _Discard:
             pass

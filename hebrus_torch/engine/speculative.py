@@ -35,6 +35,10 @@ SPECULATIVE_METHODS = ("ngram", "mtp")
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """``SpeculativeConfig.disable_by_batch_size``'s default (measured: benchmarks/RESULTS.md, "MTP speculation made
 cheaper")."""
+DEFAULT_CONFIDENCE_THRESHOLD = 0.1
+"""``SpeculativeConfig.confidence_threshold``'s default (measured: benchmarks/RESULTS.md, "MTP speculation: the block
+trained unrolled and the confidence rule, what the sections show"; transformers' ``assistant_confidence_threshold``
+is 0.4, which here ended drafts that would have been accepted)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,17 @@ class SpeculativeConfig:
             A verification costs more than the plain decode step it replaces wherever a step's cost grows with
             its tokens, and a large batch's step is bound by its arithmetic rather than by reading the weights:
             there a verification is never paid back (benchmarks/RESULTS.md, "MTP speculation made cheaper").
+        confidence_threshold: ``method="mtp"`` only: a request's draft ends at the first position where the
+            MTP block's distribution (processed as the request's sampling processes the target's:
+            ``target_scores``; for a sampled request the one its draft is drawn from) has its largest
+            probability below this: that position's token is still proposed (and verified), the later ones
+            are not drafted, so they cost neither a drafting pass nor a verification row, and a drafting round
+            stops when every request in it has ended (transformers' ``assistant_confidence_threshold``; its
+            default, 0.4, measured worse here than 0.1). Whether to go on is decided from the block's own distribution and the tokens drafted
+            before, never from the target: greedy tokens stay those of plain decoding and sampled ones keep
+            the target's distribution (each drafted token is still drawn from the q the verifier is given).
+            In [0, 1); 0 turns the rule off. (Dropping the unsure position too, and counting a first
+            position dropped as a miss for the back-off, measured worse: benchmarks/RESULTS.md.)
     """
 
     num_draft_tokens: int = 0
@@ -66,6 +81,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     method: str = "ngram"
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
 
     def __post_init__(self) -> None:
         def bad_int(v, lo, hi):
@@ -83,6 +99,9 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and bad_int(self.disable_by_batch_size, 1, 1 << 30):
             raise BadRequestError(f"SpeculativeConfig: disable_by_batch_size must be None or an int >= 1, got "
                                   f"{self.disable_by_batch_size!r}")
+        c = self.confidence_threshold
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:   # (NaN fails too)
+            raise BadRequestError(f"SpeculativeConfig: confidence_threshold must be a number in [0, 1), got {c!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise BadRequestError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, got "
                                   f"{self.method!r}")
@@ -114,6 +133,7 @@ class SpecState:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    confidence_stops: int = 0       # MTP drafts ended before their length by ``SpeculativeConfig.confidence_threshold``
 
     def next_length(self, config: SpeculativeConfig) -> int:
         if not config.adaptive:
