@@ -307,6 +307,22 @@ def test_released_structure_decode_waits_once_and_dispatches_the_same_whatever_t
     assert sum(first.values()) / layers <= RELEASED_DECODE_BUDGET_PER_LAYER, counts[1][0].table()
 
 
+def test_released_structure_4bit_decode_dispatches_what_the_bf16_one_does():
+    """With the converter's 4-bit weights (the experts and every projection it quantizes) a decode step waits once
+    and its model parts dispatch exactly what bf16's do, within the per-layer budget, at 1 and 8 requests: the
+    pre-mix and the shared expert run as hc_premix_quantized and moe_shared_expert_quantized (before them, 50.2
+    dispatches per layer at the released 48 layers against bf16's 22.2)."""
+    model, counts = released_decode_counts(batches=(1, 8), quantize=4, inter=32)
+    _, plain = released_decode_counts(batches=(1,), inter=32)
+    want = sum(model_dispatches(plain[1][0]).values())
+    for batch, steps in counts.items():
+        for c in steps:
+            assert c.total_syncs == 1, (batch, c.sync_sites)
+            assert_runs_on_mps(c)
+            assert sum(model_dispatches(c).values()) == want, (batch, model_dispatches(c), model_dispatches(plain[1][0]))
+    assert want / model.config.num_hidden_layers <= RELEASED_DECODE_BUDGET_PER_LAYER
+
+
 def test_released_structure_4bit_moe_dispatches_what_the_bf16_one_does():
     """The converter's 4-bit weights (the shared expert's projections QuantizedLinear by default) leave the MoE's
     dispatches of a decode step as they are with bf16 weights: moe_shared_expert_quantized takes the place of
