@@ -360,6 +360,14 @@ class _Lifecycle:
                            None if v is None else v[layer])
             return chunk
 
+    def _range_of(self, seq: SeqHandle, p0: int, p1: int) -> tuple[int, _Run, tuple[int, float], tuple[int, int]]:
+        """For ``remove`` / ``shift``: the sequence's slot and settled run, the range ``[a, b)`` asked (``p0 < 0``:
+        from 0, ``p1 < 0``: to the end, b infinite) and the run's own ``[s, e)``."""
+        slot = self._slot(seq)
+        self._settle(slot)
+        run = self._runs[slot]
+        return slot, run, (max(p0, 0), math.inf if p1 < 0 else p1), (run.p0, run.p0 + run.n)
+
     def remove(self, seq: SeqHandle, p0: int, p1: int) -> None:
         """llama.cpp ``seq_rm``: drop positions ``[p0, p1)`` (``p0 < 0`` means 0, ``p1 < 0`` means "to the
         end"). Only a prefix, a suffix or the whole run may go; a middle range would leave a hole and
@@ -367,12 +375,7 @@ class _Lifecycle:
         when the prefix length is a multiple of r)."""
         p0, p1 = as_int("QSACache.remove: p0", p0), as_int("QSACache.remove: p1", p1)
         with self._op():
-            slot = self._slot(seq)
-            self._settle(slot)
-            run = self._runs[slot]
-            a = max(p0, 0)
-            b = math.inf if p1 < 0 else p1
-            s, e = run.p0, run.p0 + run.n
+            slot, run, (a, b), (s, e) = self._range_of(seq, p0, p1)
             if run.n == 0 or b <= a or b <= s or a >= e:
                 return
             if a <= s and b >= e:
@@ -419,12 +422,7 @@ class _Lifecycle:
         p0, p1 = as_int("QSACache.shift: p0", p0), as_int("QSACache.shift: p1", p1)
         delta = as_int("QSACache.shift: delta", delta)
         with self._op():
-            slot = self._slot(seq)
-            self._settle(slot)
-            run = self._runs[slot]
-            a = max(p0, 0)
-            b = math.inf if p1 < 0 else p1
-            s, e = run.p0, run.p0 + run.n
+            slot, run, (a, b), (s, e) = self._range_of(seq, p0, p1)
             if run.n == 0 or delta == 0 or b <= a or b <= s or a >= e:
                 return
             if not (a <= s and b >= e):
