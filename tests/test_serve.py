@@ -698,13 +698,18 @@ def test_bad_speculative_flags_are_refused():
     for argv, match in ((["m", "--speculative-tokens", "40"], "speculative-tokens"),
                         (["m", "--draft-model", "/nonexistent/dir"], "draft-model"),
                         (["m", "--speculative-method", "mtp", "--draft-model", "."], "leave --draft-model out"),
-                        (["m", "--speculative-disable-by-batch-size", "-1"], "disable-by-batch-size")):
+                        (["m", "--speculative-disable-by-batch-size", "-1"], "disable-by-batch-size"),
+                        (["m", "--speculative-method", "mtp", "--speculative-confidence-threshold", "1.5"],
+                         r"confidence-threshold must be in \[0, 1\)"),
+                        (["m", "--speculative-method", "mtp", "--speculative-confidence-threshold", "nan"],
+                         r"confidence-threshold must be in \[0, 1\)"),
+                        (["m", "--speculative-confidence-threshold", "0.2"], "mtp only")):
         with pytest.raises(SystemExit, match=match):
             serve.main(argv)
 
 
 def test_speculative_flags_make_the_engine_s_speculative_config():
-    from hebrus_torch.engine.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+    from hebrus_torch.engine.speculative import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_DISABLE_BY_BATCH_SIZE
     from hebrus_torch.serving.loading import speculative_config
     from hebrus_torch.serving.settings import HebrusServeSettings
 
@@ -716,6 +721,11 @@ def test_speculative_flags_make_the_engine_s_speculative_config():
     assert (mtp.num_draft_tokens, mtp.method, mtp.disable_by_batch_size) == (3, "mtp", 1)
     unlimited = speculative_config(HebrusServeSettings(speculative_tokens=2, speculative_disable_by_batch_size=0))
     assert unlimited.disable_by_batch_size is None
+    assert mtp.confidence_threshold == DEFAULT_CONFIDENCE_THRESHOLD
+    sure = speculative_config(HebrusServeSettings(speculative_method="mtp", speculative_confidence_threshold=0.3))
+    assert (sure.method, sure.confidence_threshold) == ("mtp", 0.3)
+    off = speculative_config(HebrusServeSettings(speculative_method="mtp", speculative_confidence_threshold=0.0))
+    assert off.confidence_threshold == 0.0
 
 
 def test_mtp_speculative_serving_gives_the_plain_replies(checkpoint, tmp_path):

@@ -34,6 +34,8 @@ class HebrusServeSettings:
             MTP block (``engine/mtp.py``), ``speculative_tokens`` tokens per step (3 when unset).
         speculative_disable_by_batch_size: ``SpeculativeConfig.disable_by_batch_size`` (None: its default; 0:
             no limit).
+        speculative_confidence_threshold: ``SpeculativeConfig.confidence_threshold`` of MTP drafting (None: its
+            default).
     """
 
     capacity_tokens: int | None = None
@@ -48,6 +50,7 @@ class HebrusServeSettings:
     draft_model: str | None = None
     speculative_method: str = "ngram"
     speculative_disable_by_batch_size: int | None = None
+    speculative_confidence_threshold: float | None = None
 
 
 _current = HebrusServeSettings()
