@@ -225,6 +225,7 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
         c = engine.counters
         assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
         stops += sum(r.spec.confidence_stops for r in engine.requests.values())
+        assert c.spec_confidence_stops == sum(r.spec.confidence_stops for r in engine.requests.values())
         assert c.spec_rollbacks > 0 and c.spec_drafter_errors == 0
         common = set(digests) & set(layer_digests)
         assert len(common) >= len(digests) // 2

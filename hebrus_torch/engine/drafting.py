@@ -21,13 +21,14 @@ __all__ = ["propose_drafts"]
 
 def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int, capacity_tokens: int,
                    stop_speculating: Callable[[Request, str], None],
-                   mtp_drafter: Any = None) -> dict[Request, list[int]]:
+                   mtp_drafter: Any = None, counters: Any = None) -> dict[Request, list[int]]:
     """The drafts of the requests of ``running`` that decode and speculate, as many tokens as each one's adaptive
     length, its ``max_new_tokens`` and the cache allow (requests without drafts are left out).
     A request drafts nothing in a step where more requests decode than its ``disable_by_batch_size``.
     ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
     ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup);
-    ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length."""
+    ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length (and
+    ``counters.spec_confidence_stops``, the engine's ``EngineCounters``, where given)."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
@@ -59,6 +60,8 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
     for req, k in asking_mtp:
         if stopped is not None and stopped.get(req, k) < k and req.spec.error is None:
             req.spec.confidence_stops += 1
+            if counters is not None:
+                counters.spec_confidence_stops += 1
     return {r: d for r, d in drafts.items() if d}
 
 

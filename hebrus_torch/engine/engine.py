@@ -254,7 +254,7 @@ class Engine:
         outputs = self._apply_cancellations()
         drafts = propose_drafts(self.scheduler.running, self.drafter, vocab_size=self.vocab_size,
                                 capacity_tokens=self.config.capacity_tokens, stop_speculating=self._stop_speculating,
-                                mtp_drafter=self.mtp_drafter)
+                                mtp_drafter=self.mtp_drafter, counters=self.counters)
         drafts = grammar_drafts(drafts)
         plan = self.scheduler.schedule(drafts=drafts)
         for victim in plan.preempted:
