@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import HebrusError
+from .moe.quantize import check_quant_options
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = ("silu", "none")
@@ -429,8 +430,7 @@ def hc_premix_quantized(h, norm_weight, down_q, down_scales, down_biases, up_q, 
     if has_inject:
         tensors.update(inject_q=inject_q, inject_scales=inject_scales, inject_biases=inject_biases)
     _same_device(op, **tensors)
-    check(bits in (4, 8), op, f"bits must be 4 or 8, got {bits}")
-    check(group_size in (32, 64, 128), op, f"group_size must be 32, 64 or 128, got {group_size}")
+    check_quant_options(bits, group_size, op=op)
     _ranks_and_dtypes(op, ("h", h, 2, FLOAT_DTYPES), ("norm_weight", norm_weight, 1, FLOAT_DTYPES))
     rows, dim = _hc_streams(op, h, norm_weight, hc_count)
     rank = _hc_quant_projection(op, "down", down_q, down_scales, down_biases, h, dim, None, "R >= 1", group_size,

@@ -10,6 +10,7 @@ import torch
 
 from .. import _validate
 from ..errors import HebrusError
+from .quantize import check_quant_options
 
 __all__ = ["MoeSizes", "check_moe_experts", "check_moe_ids", "check_moe_experts_quantized", "check_quantized_linear",
            "check_moe_route", "check_moe_shared_expert", "check_moe_shared_expert_quantized"]
@@ -81,8 +82,7 @@ def check_moe_experts_quantized(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     _validate._same_device(QOP, x=x, topk_ids=topk_ids, topk_weights=topk_weights, gate_up_q=gate_up_q,
                            gate_up_scales=gate_up_scales, gate_up_biases=gate_up_biases, down_q=down_q,
                            down_scales=down_scales, down_biases=down_biases)
-    _validate.check(bits in (4, 8), QOP, f"bits must be 4 or 8, got {bits}")
-    _validate.check(group_size in (32, 64, 128), QOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    check_quant_options(bits, group_size, op=QOP)
     _validate._ranks_and_dtypes(QOP, ("x", x, 2, _validate.FLOAT_DTYPES),
                                 ("topk_ids", topk_ids, 2, (torch.int64, torch.int32)),
                                 ("topk_weights", topk_weights, 2, _validate.FLOAT_DTYPES),
@@ -119,8 +119,7 @@ def check_quantized_linear(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tens
                            group_size: int, bits: int) -> tuple[int, int, int]:
     """``quantized_linear``'s arguments (csrc/moe_checks.h); returns (T, in, out)."""
     _validate._same_device(LOP, x=x, wq=wq, scales=scales, biases=biases)
-    _validate.check(bits in (4, 8), LOP, f"bits must be 4 or 8, got {bits}")
-    _validate.check(group_size in (32, 64, 128), LOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    check_quant_options(bits, group_size, op=LOP)
     _validate._ranks_and_dtypes(LOP, ("x", x, 2, _validate.FLOAT_DTYPES), ("wq", wq, 2, torch.int32))
     for name, t in (("scales", scales), ("biases", biases)):
         _validate._dims(t, 2, LOP, name)
@@ -205,8 +204,7 @@ def check_moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gat
     names = [f"{p}_{part}" for p in PROJECTIONS for part in ("q", "scales", "biases")]
     tensors = {"x": x, "routed": routed, **dict(zip(names, weights)), "gate": gate}
     _validate._same_device(SQOP, **tensors)
-    _validate.check(bits in (4, 8), SQOP, f"bits must be 4 or 8, got {bits}")
-    _validate.check(group_size in (32, 64, 128), SQOP, f"group_size must be 32, 64 or 128, got {group_size}")
+    check_quant_options(bits, group_size, op=SQOP)
     _validate._ranks_and_dtypes(SQOP, ("x", x, 2, _validate.FLOAT_DTYPES),
                                 *((f"{p}_q", tensors[f"{p}_q"], 2, torch.int32) for p in PROJECTIONS))
     for name in ("routed", *(n for n in names if not n.endswith("_q")), "gate"):
