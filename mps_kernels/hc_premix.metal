@@ -88,7 +88,7 @@ struct HcQuantRows {
       float qx = 0.0f, xs = 0.0f;
       for (long j = first + long(lane); j < last; j += HEBRUS_SIMD_WIDTH) {
         const float x = hc_normed(hr, nw, j, inv);
-        qx = qx + hebrus_moe_code<BITS>(cr, j) * x;
+        qx = fma(hebrus_moe_code<BITS>(cr, j), x, qx);
         xs = xs + x;
       }
       acc = hebrus_moe_fold(acc, qx, xs, scales + r * groups, biases + r * groups, g0 / group_size);
@@ -104,7 +104,7 @@ struct HcQuantRows {
     for (long g0 = 0; g0 < cols; g0 += group_size) {
       float qx = 0.0f, xs = 0.0f;
       for (long c = g0; c < g0 + group_size; ++c) {
-        qx = qx + hebrus_moe_code<BITS>(cr, c) * x[c];
+        qx = fma(hebrus_moe_code<BITS>(cr, c), x[c], qx);
         xs = xs + x[c];
       }
       u = hebrus_moe_fold(u, qx, xs, scales + r * groups, biases + r * groups, g0 / group_size);

@@ -166,7 +166,7 @@ struct HebrusMoeQuantRows {
       float qx = 0.0f, xs = 0.0f;
       for (long d = g0 + l; d < g0 + group_size; d += HEBRUS_MOE_LANES) {
         const float xv = static_cast<float>(v[d]);
-        qx = qx + hebrus_moe_code<BITS>(codes + r * words, d) * xv;
+        qx = fma(hebrus_moe_code<BITS>(codes + r * words, d), xv, qx);
         xs = xs + xv;
       }
       acc = hebrus_moe_fold(acc, qx, xs, scales + r * groups, biases + r * groups, g0 / group_size);

@@ -42,7 +42,7 @@ inline void hebrus_moe_tile_qdots(thread float* acc, threadgroup const uchar* co
     for (long m = g0 + long(l); m < g0 + group_size; m += HEBRUS_MOE_LANES) {
       const float xv = xrow[m];
       for (int j = 0; j < HEBRUS_MOE_CELL_COLS; ++j) {
-        qx[j] = qx[j] + float(codes[j * HEBRUS_MOE_TILE_K + m]) * xv;
+        qx[j] = fma(float(codes[j * HEBRUS_MOE_TILE_K + m]), xv, qx[j]);
       }
       xs = xs + xv;
     }
@@ -197,8 +197,8 @@ template <int BITS, typename T>
       float qg = 0.0f, qu = 0.0f, xs = 0.0f;
       for (long d = g0 + l; d < g0 + p.group_size; d += HEBRUS_MOE_LANES) {
         const float xv = static_cast<float>(xr[d]);
-        qg = qg + hebrus_moe_code<BITS>(gate_up_q + gate_row * words, d) * xv;
-        qu = qu + hebrus_moe_code<BITS>(gate_up_q + up_row * words, d) * xv;
+        qg = fma(hebrus_moe_code<BITS>(gate_up_q + gate_row * words, d), xv, qg);
+        qu = fma(hebrus_moe_code<BITS>(gate_up_q + up_row * words, d), xv, qu);
         xs = xs + xv;
       }
       const long gi = g0 / p.group_size;
@@ -239,7 +239,7 @@ template <int BITS, typename T>
     for (long g0 = 0; g0 < I; g0 += p.group_size) {
       float qx = 0.0f, xs = 0.0f;
       for (long c = g0 + l; c < g0 + p.group_size; c += HEBRUS_MOE_LANES) {
-        qx = qx + hebrus_moe_code<BITS>(down_q + row * words, c) * a[c];
+        qx = fma(hebrus_moe_code<BITS>(down_q + row * words, c), a[c], qx);
         xs = xs + a[c];
       }
       y = hebrus_moe_fold(y, qx, xs, down_scales + row * groups, down_biases + row * groups, g0 / p.group_size);

@@ -768,8 +768,8 @@ def test_unmutated_moe_shared_expert_quantized_passes_the_check():
      "down_proj_q, down_proj_scales, down_proj_biases, p.inter, 32}"),                # the group size ignored
     ("moe_shared_expert.metal", "Rows{up_proj_q, up_proj_scales, up_proj_biases, p.hidden, p.group_size}",
      "Rows{gate_proj_q, up_proj_scales, up_proj_biases, p.hidden, p.group_size}"),     # up's codes of the gate
-    ("moe_experts.h", "        qx = qx + hebrus_moe_code<BITS>(codes + r * words, d) * xv;",
-     "        qx = qx + hebrus_moe_code<BITS>(codes + r * cols, d) * xv;"),            # row stride in values
+    ("moe_experts.h", "        qx = fma(hebrus_moe_code<BITS>(codes + r * words, d), xv, qx);",
+     "        qx = fma(hebrus_moe_code<BITS>(codes + r * cols, d), xv, qx);"),            # row stride in values
 ], ids=["up-scales-of-gate", "down-biases-dropped", "group-size-ignored", "up-codes-of-gate", "code-row-stride"])
 def test_moe_shared_expert_quantized_mutations_are_caught(tmp_path, use, file, old, new):
     use("moe_shared_expert", mutated(tmp_path, "moe_shared_expert", file, old, new))

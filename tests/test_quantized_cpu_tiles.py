@@ -1,5 +1,5 @@
 """The CPU kernels of the quantized ops (csrc/cpu/moe_kernels.cpp) give the folded dot product's exact bits
-(docs/quantization.md: per lane of 16 the group's q * x and x summed in ascending order, acc + (qx * s + xs * b),
+(docs/quantization.md: per lane of 16 the group's qx = fma(q, x, qx) and x summed in ascending order, acc + (qx * s + xs * b),
 then reduce_lanes' pairwise tree) however the rows come: alone, in tiles of up to 4 rows of x against 4 weight rows,
 in a short last tile (weight rows or rows of x), for every bit width, group size and dtype, and on every CPU
 capability (AVX-512's table lookup of 4-bit codes, AVX2's 8-lane registers, the portable code)."""
@@ -22,6 +22,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANES = 16
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c rounded once to fp32 (std::fma's bits) for fp32 tensors: the product is exact in fp64, the fp64 sum
+    is corrected where its own rounding lands on a halfway point between two floats (the double rounding that
+    ``(a * b + c).float()`` in fp64 alone would get wrong)."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bp = s - cd
+    err = (cd - (s - bp)) + (p - bp)                      # s + err == p + c exactly (TwoSum)
+    r = s.float()
+    d = s - r.double()
+    other = torch.nextafter(r, torch.where(d > 0, torch.tensor(float("inf")), torch.tensor(float("-inf"))))
+    halfway = (d != 0) & (other.double() - s == d)
+    return torch.where(halfway & (err != 0) & ((err > 0) == (d > 0)), other, r)
+
+
 def folded_bits(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int,
                 bits: int) -> torch.Tensor:
     """x [T, in] @ W.T in the kernels' exact order, one fp32 operation at a time (torch's elementwise ops round
@@ -37,7 +53,7 @@ def folded_bits(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases:
         qx = torch.zeros(rows, out_dim, LANES)
         xs = torch.zeros(rows, LANES)
         for c in range(chunks):
-            qx = qx + qv[None, :, g, c] * xv[:, None, g, c]
+            qx = fma32(qv[None, :, g, c].expand_as(qx), xv[:, None, g, c].expand_as(qx), qx)
             xs = xs + xv[:, g, c]
         acc = acc + (qx * s[None, :, g, None] + xs[:, None, :] * b[None, :, g, None])
     r = acc[..., :8] + acc[..., 8:]
@@ -204,3 +220,13 @@ def test_workers_run_under_the_callers_flush_to_zero():
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
     assert not torch.equal(hebrus_torch.quantized_linear(x, *q, 64, 4), want)   # the inputs do reach subnormals
+
+
+def test_fma32_rounds_once():
+    """The reference's fused multiply-add: 130 * (16519105 * 2^-55) + 1 is 1 + 2^-24 + 2^-54, just past the halfway
+    point between 1 and 1 + 2^-23; fp64 alone rounds it to the halfway point, which fp32 then rounds to even (1)."""
+    a = torch.tensor([130.0, 130.0, 3.0])
+    b = torch.tensor([16519105 * 2.0 ** -55, -16519105 * 2.0 ** -55, 0.5])
+    c = torch.tensor([1.0, -1.0, 0.25])
+    assert fma32(a, b, c).tolist() == [1 + 2.0 ** -23, -(1 + 2.0 ** -23), 1.75]
+    assert (a.double() * b.double() + c.double()).float().tolist()[:2] == [1.0, -1.0]

@@ -12,8 +12,8 @@
 // rows, how pairs are grouped by expert, the thread count or the CPU's vector width).
 //
 // Quantized weights (moe_experts_quantized, quantized_linear) are never dequantized: each group's dot product is
-// folded as MLX's qmv folds it, s * sum(q * x) + b * sum(x) (per lane: the group's q * x and x summed in
-// ascending d, then acc + (qx * s + xs * b)); the lane sums of x per group (xs) are computed once per row of x.
+// folded as MLX's qmv folds it, s * sum(q * x) + b * sum(x) (per lane: the group's qx = fma(q, x, qx) and xs = xs + x
+// in ascending d, then acc + (qx * s + xs * b)); the lane sums of x per group (xs) are computed once per row of x.
 //
 // Work: pairs sorted by expert (a stable counting sort), then three passes over a chunk of rows:
 // A (expert, block of I) -> activations, B (expert, block of H) -> weighted outputs, C (row) -> sums.
@@ -224,6 +224,35 @@ struct CodesHalf : CodeOrder<BITS> {
   }
 };
 
+// The fused multiply-adds of the quantized dot products, a register of V (Vec or VecH) at a time, each one rounding
+// (std::fma's bits). The portable kernel's is FusedMulAdd's lane loop; the x86 kernels' are single instructions
+// (GCC does not turn a 16-lane loop of fmaf into one inside the tile loops' unrolled bodies).
+struct PortableFma {
+  template <typename V>
+  static HEBRUS_INLINE V apply(V a, V b, V c) {
+    return FusedMulAdd::apply(a, b, c);
+  }
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The instructions' builtins rather than their intrinsics: the tile loops' lambdas are compiled for the baseline
+// target and inlined into the ISA's kernel, and GCC refuses to inline a target("avx512f") intrinsic into them; a
+// builtin is checked where it is expanded, inside the kernel.
+struct Avx2Fma {
+  static HEBRUS_INLINE VecH apply(VecH a, VecH b, VecH c) {
+    return (VecH)__builtin_ia32_vfmaddps256((__v8sf)a, (__v8sf)b, (__v8sf)c);
+  }
+};
+
+#define HEBRUS_AVX512 __attribute__((target("avx512f,avx512vl,fma")))
+struct Avx512Fma {
+  static HEBRUS_INLINE Vec apply(Vec a, Vec b, Vec c) {
+    return (Vec)__builtin_ia32_vfmaddps512_mask((__v16sf)a, (__v16sf)b, (__v16sf)c, (__mmask16)-1, 4);
+  }
+  static HEBRUS_INLINE VecH apply(VecH a, VecH b, VecH c) { return Avx2Fma::apply(a, b, c); }
+};
+#endif
+
 constexpr int kTileRows = 4;  // weight rows of a tile: their dot products with one row of x run side by side
 constexpr int kTilePairs = 4; // rows of x a tile reads each loaded chunk of codes against, at most
 
@@ -251,9 +280,10 @@ HEBRUS_INLINE V load_part(const float* p) {
 
 // out[p * kTileRows + o] = the folded dot product of weight row o with x[p], P rows of x, each of them with its group
 // lane sums xsums[p] (group_lane_sums), both in CodeOrder's lanes. Per lane, as the file's header says: in each
-// group qx = sum of q * x over its columns in ascending order (the first product stands for 0 + q * x: qx's sign
-// of zero is lost in acc + (qx * s + xs * b), as acc is never -0), then acc = acc + (qx * s + xs * b).
-template <typename C, int P, typename CODE>
+// group qx = fma(q, x, qx) over its columns in ascending order from qx = 0 (the first product stands for
+// fma(q, x, 0): qx's sign of zero is lost in acc + (qx * s + xs * b), as acc is never -0), then
+// acc = acc + (qx * s + xs * b). F: the fused multiply-add (PortableFma, Avx2Fma, Avx512Fma: the same bits).
+template <typename C, int P, typename F, typename CODE>
 HEBRUS_INLINE void quant_tile_dots(const TileOf<CODE>& w, const float* const* x, const float* const* xsums,
                                    int64_t groups, int64_t group_chunks, float* out) {
   using V = typename C::V;
@@ -281,7 +311,7 @@ HEBRUS_INLINE void quant_tile_dots(const TileOf<CODE>& w, const float* const* x,
             if constexpr (decltype(first)::value) {
               qx[p][o][h] = q * xv[p];
             } else {
-              qx[p][o][h] += q * xv[p];
+              qx[p][o][h] = F::apply(q, xv[p], qx[p][o][h]);
             }
           }
         }
@@ -342,17 +372,17 @@ HEBRUS_INLINE void widen_tile(const QuantTile& w, int64_t chunks, float* scratch
 }
 
 // A tile against n rows of x, PAIRS (4, 2 or 1: what the registers hold) at a time: out [n, kTileRows].
-template <typename C, int PAIRS, typename CODE>
+template <typename C, int PAIRS, typename F, typename CODE>
 HEBRUS_INLINE void quant_tile_row_tiles(const TileOf<CODE>& w, const float* const* x, const float* const* xsums,
                                         int64_t n, int64_t groups, int64_t group_chunks, float* out) {
   int64_t p = 0;
   for (; p + PAIRS <= n; p += PAIRS)
-    quant_tile_dots<C, PAIRS>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+    quant_tile_dots<C, PAIRS, F>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
   if (PAIRS > 2 && p + 2 <= n) {
-    quant_tile_dots<C, 2>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+    quant_tile_dots<C, 2, F>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
     p += 2;
   }
-  if (PAIRS > 1 && p < n) quant_tile_dots<C, 1>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
+  if (PAIRS > 1 && p < n) quant_tile_dots<C, 1, F>(w, x + p, xsums + p, groups, group_chunks, out + p * kTileRows);
 }
 
 // The tile against n rows of x. Up to PACKED_UP_TO rows read the packed codes with C's reader, PAIRS at a time (a
@@ -361,16 +391,16 @@ HEBRUS_INLINE void quant_tile_row_tiles(const TileOf<CODE>& w, const float* cons
 // floats, L1/L2-sized) and the rows read them WIDE_PAIRS at a time with W's reader. Each row's arithmetic is the
 // same either way (the same floats in the same lanes, the same operations in the same order): only where a code's
 // float comes from differs.
-template <typename C, int PAIRS, int PACKED_UP_TO, typename W, int WIDE_PAIRS>
+template <typename C, int PAIRS, int PACKED_UP_TO, typename W, int WIDE_PAIRS, typename F>
 HEBRUS_INLINE void quant_tile_rows(const QuantTile& w, const float* const* x, const float* const* xsums, int64_t n,
                                    int64_t groups, int64_t group_chunks, float* out, float* scratch) {
   if (n <= PACKED_UP_TO) {
-    quant_tile_row_tiles<C, PAIRS>(w, x, xsums, n, groups, group_chunks, out);
+    quant_tile_row_tiles<C, PAIRS, F>(w, x, xsums, n, groups, group_chunks, out);
     return;
   }
   TileOf<float> wide;
   widen_tile<C>(w, groups * group_chunks, scratch, wide);
-  quant_tile_row_tiles<W, WIDE_PAIRS>(wide, x, xsums, n, groups, group_chunks, out);
+  quant_tile_row_tiles<W, WIDE_PAIRS, F>(wide, x, xsums, n, groups, group_chunks, out);
 }
 
 using QuantTileKernel = void (*)(const QuantTile&, const float* const*, const float* const*, int64_t, int64_t,
@@ -385,14 +415,14 @@ using QuantTileKernel = void (*)(const QuantTile&, const float* const*, const fl
 
 template <int BITS>
 __attribute__((noinline)) void quant_tile_rows_portable(HEBRUS_TILE_KERNEL_ARGS) {
-  quant_tile_rows<std::conditional_t<BITS == 4, Codes4Wide, CodesHalf<8>>, 1, 1, WidenedCodes<BITS, Vec>, 1>(
-      HEBRUS_TILE_KERNEL_CALL);
+  quant_tile_rows<std::conditional_t<BITS == 4, Codes4Wide, CodesHalf<8>>, 1, 1, WidenedCodes<BITS, Vec>, 1,
+                  PortableFma>(HEBRUS_TILE_KERNEL_CALL);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <int BITS>
 HEBRUS_AVX2 __attribute__((noinline)) void quant_tile_rows_avx2(HEBRUS_TILE_KERNEL_ARGS) {
-  quant_tile_rows<CodesHalf<BITS>, 1, 1, WidenedCodes<BITS, VecH>, 1>(HEBRUS_TILE_KERNEL_CALL);
+  quant_tile_rows<CodesHalf<BITS>, 1, 1, WidenedCodes<BITS, VecH>, 1, Avx2Fma>(HEBRUS_TILE_KERNEL_CALL);
 }
 
 // 4-bit chunks are unpacked by a table lookup (Codes4Permute), 4 rows of x a tile, at any row count: the unpacking
@@ -402,12 +432,12 @@ HEBRUS_AVX2 __attribute__((noinline)) void quant_tile_rows_avx2(HEBRUS_TILE_KERN
 // x against 4 weight rows, two halves each; from 5 rows of x they are widened, and read as 16-lane registers, 4
 // rows of x a tile.
 template <int BITS>
-__attribute__((target("avx512f,avx512vl"), noinline)) void quant_tile_rows_avx512(HEBRUS_TILE_KERNEL_ARGS) {
+HEBRUS_AVX512 __attribute__((noinline)) void quant_tile_rows_avx512(HEBRUS_TILE_KERNEL_ARGS) {
   if constexpr (BITS == 4) {
     (void)scratch;
-    quant_tile_row_tiles<Codes4Permute, kTilePairs>(w, x, xsums, n, groups, group_chunks, out);
+    quant_tile_row_tiles<Codes4Permute, kTilePairs, Avx512Fma>(w, x, xsums, n, groups, group_chunks, out);
   } else {
-    quant_tile_rows<CodesHalf<8>, 2, 4, WidenedCodes<8, Vec>, kTilePairs>(HEBRUS_TILE_KERNEL_CALL);
+    quant_tile_rows<CodesHalf<8>, 2, 4, WidenedCodes<8, Vec>, kTilePairs, Avx512Fma>(HEBRUS_TILE_KERNEL_CALL);
   }
 }
 #endif
@@ -621,9 +651,11 @@ HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, cons
   return {pairs, n};
 }
 
-// Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1.
+// Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1. Cloned per vector
+// ISA for the activations' silu: its fused multiply-adds are instructions there, calls to libm's fmaf in the baseline
+// target (the same bits; the calls were ~3% of a 1-row 4-bit call).
 template <typename T, int BITS>
-void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& items, const ExpertGroups& g,
+HEBRUS_TEMPLATE_VECTOR_CLONES void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& items, const ExpertGroups& g,
                          int64_t begin, int64_t end, const float* xf, int64_t hp, const float* xsums, int64_t gsp,
                          int64_t top_k, int64_t inter, float* act, int64_t ip, QuantTileKernel kernel) {
   using W = QuantRows<T, BITS>;
