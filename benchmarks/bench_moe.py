@@ -17,6 +17,10 @@ bytes are compared with; the figures are medians over the rounds. ``--threads 1 
 thread count.
 
     python benchmarks/bench_moe.py [--experts 64] [--threads 1 2] [--repeat 5] [--no-write]
+    python benchmarks/bench_moe.py --experts 512 --dtypes bfloat16 --bits 4 8   # the released layer, ~9 GB
+
+``--dtypes`` / ``--bits`` pick the dense and quantized cases (every case's weights are resident at once: at the
+released 512 experts fp32 alone is 10 GB).
 """
 
 from __future__ import annotations
@@ -81,29 +85,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=[])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 8, 64])
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--bits", type=int, nargs="*", default=[8, 4], choices=[8, 4])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     thread_counts = args.threads or [torch.get_num_threads()]
     experts = args.experts
     g = torch.Generator().manual_seed(0)
-    gate_up32 = torch.randn(experts, 2 * INTER, HIDDEN, generator=g) * HIDDEN ** -0.5
-    down32 = torch.randn(experts, HIDDEN, INTER, generator=g) * INTER ** -0.5
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    stored = torch.float32 if torch.float32 in dtypes else torch.bfloat16  # one expert at a time in fp32
+    gate_up_all = torch.stack([(torch.randn(2 * INTER, HIDDEN, generator=g) * HIDDEN ** -0.5).to(stored)
+                               for _ in range(experts)])
+    down_all = torch.stack([(torch.randn(HIDDEN, INTER, generator=g) * INTER ** -0.5).to(stored)
+                            for _ in range(experts)])
     load = os.getloadavg()[0]
     bandwidths = []
     rows_out = []
     with torch.inference_mode():
         variants = []
-        for dtype in (torch.float32, torch.bfloat16):
-            gu, dn = gate_up32.to(dtype), down32.to(dtype)
+        for dtype in dtypes:
+            gu, dn = gate_up_all.to(dtype), down_all.to(dtype)
             variants.append((str(dtype).split(".")[1], dtype, gu, dn, hf_experts(gu, dn)))
-        del gate_up32, down32
-        bf16 = variants[1]
         quantized = []
-        for bits in (8, 4):
-            parts = [quantize(bf16[2][e], bits, GROUP) + quantize(bf16[3][e], bits, GROUP) for e in range(experts)]
+        for bits in args.bits:
+            parts = [quantize(gate_up_all[e].bfloat16(), bits, GROUP) + quantize(down_all[e].bfloat16(), bits, GROUP)
+                     for e in range(experts)]
             quantized.append((bits, [torch.stack([p[i] for p in parts]) for i in range(6)]))
+            del parts
+        del gate_up_all, down_all
         proj = (torch.randn(PROJ_OUT, HIDDEN, generator=g) * HIDDEN ** -0.5).bfloat16()
-        proj_q = {bits: quantize(proj, bits, GROUP) for bits in (8, 4)}
+        proj_q = {bits: quantize(proj, bits, GROUP) for bits in args.bits}
         for rows in args.rows:
             ids, w = routing(rows, experts, rows)
             hit = int(ids.unique().numel())
@@ -136,16 +147,19 @@ def main() -> None:
                 times = {label: statistics.median(t for t, _ in per_case) for label, per_case in samples.items()}
                 for label, _, nbytes in cases:
                     t = times[label]
-                    base = times["projection: F.linear bf16" if label.startswith("projection")
-                                 else "transformers grouped_mm bfloat16"]
+                    base = times.get("projection: F.linear bf16" if label.startswith("projection")
+                                     else "transformers grouped_mm bfloat16", float("nan"))
                     of_copy = statistics.median(nbytes / s / bw for s, bw in samples[label])
                     rows_out.append([str(rows), str(threads), str(hit), label, f"{t * 1e3:.2f}",
                                      f"{nbytes / 2**20:.0f}", f"{nbytes / t / 1e9:.1f}", f"{of_copy:.2f}",
                                      f"{base / t:.2f}x"])
                     print(" | ".join(rows_out[-1]), flush=True)
     threads_arg = " ".join(str(t) for t in thread_counts)
+    options = (f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != ["float32", "bfloat16"] else "") + (
+        f" --bits {' '.join(map(str, args.bits))}" if args.bits != [8, 4] else "") + (
+        f" --rows {' '.join(map(str, args.rows))}" if args.rows != [1, 8, 64] else "")
     body = (f"Machine: {machine()}. `python benchmarks/bench_moe.py --experts {experts} --threads {threads_arg} "
-            f"--repeat {args.repeat}`. One layer's routed experts at the released shape (H {HIDDEN}, I {INTER}, "
+            f"--repeat {args.repeat}{options}`. One layer's routed experts at the released shape (H {HIDDEN}, I {INTER}, "
             f"top {TOP_K}), {experts} experts (the time depends on the experts hit, not on E, once weights are out "
             f"of cache); random routing; median of {args.repeat} calls, each after a 1 GiB cache flush, the cases of "
             f"a row count and thread count interleaved round by round. Bytes: the weights of the distinct experts hit "
