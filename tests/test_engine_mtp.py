@@ -356,6 +356,35 @@ def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(
     assert a.generated == b.generated
 
 
+def test_a_request_that_does_not_draft_again_writes_its_deferred_block_entries_every_max_pending_steps(
+        row_invariant, monkeypatch):
+    """What is deferred stays bounded: a request backed off for good has at most ``MAX_PENDING`` block entries
+    waiting; then they are written in one packed write (not one per step), and the cache is the always-writing
+    engine's once caught up."""
+    monkeypatch.setattr(engine_mtp, "MAX_PENDING", 5)
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=31)))
+    rows = _written_rows(monkeypatch)
+    lazy, eager = _lockstep(model, prompts_for(31, lengths=(7,))[0], monkeypatch, max_new_tokens=30)
+    a, b = lazy.requests["r"], eager.requests["r"]
+    while not a.generated:                                      # (the prompt, in chunks)
+        lazy.step()
+        eager.step()
+    a.spec.pause = b.spec.pause = 10 ** 6
+    seen = []                  # per step: the entries deferred after it, the lazy engine's writes in it
+    while len(seen) < 20:
+        del rows[:]
+        lazy.step()
+        seen.append((len(lazy.mtp_drafter.pending_positions(a.seq)) if a.seq is not None else None, list(rows)))
+        eager.step()
+        assert a.generated == b.generated
+        if a.status.is_done:
+            break
+        assert caught_up_digests(lazy, a.seq) == tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert len(seen) >= 11
+    assert [n for n, _ in seen[:10]] == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    assert [w for _, w in seen[:11]] == [[], [], [], [], [], [5], [], [], [], [], [5]]
+
+
 def test_drafts_after_a_catch_up_equal_those_of_the_always_written_block(row_invariant, monkeypatch):
     """The drafts (every ``propose_batch`` answer) of an engine that defers the block's writes of backed-off steps
     are those of one that writes them in every step, under continuous batching with steered acceptance."""

@@ -97,7 +97,8 @@ def mtp_model_cache(model: torch.nn.Module, mtp: Qwen4ExpMTP, *, capacity_tokens
 
 
 MAX_PENDING = 64
-"""Block entries deferred per sequence at most (a back-off pauses a request for at most 63 decode steps)."""
+"""Block entries deferred per sequence before they are written (a back-off pauses a request for at most 63 decode
+steps; one that never drafts again writes them every ``MAX_PENDING`` steps, in one packed write)."""
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -262,9 +263,14 @@ class MTPDrafter:
     def defer(self, requests: Sequence[Request]) -> None:
         """The next trunk step defers the block's K/V write of these requests' decode rows (the engine passes the
         requests that speculate with the block and drafted nothing this step) while :attr:`defer_writes` is on;
-        a request with ``MAX_PENDING`` entries deferred writes its rows again (what is kept stays bounded)."""
-        self._deferring = {r.seq for r in requests if r.seq is not None
-                           and len(self._pending.get(r.seq, ())) < MAX_PENDING} if self.defer_writes else set()
+        those with ``MAX_PENDING`` entries deferred are caught up first (what is kept stays bounded)."""
+        if not self.defer_writes:
+            self._deferring = set()
+            return
+        self._deferring = {r.seq for r in requests if r.seq is not None}
+        full = [s for s in self._deferring if len(self._pending.get(s, ())) >= MAX_PENDING]
+        if full:
+            self.catch_up(full)
 
     @torch.no_grad()
     def catch_up(self, seqs: Sequence[SeqHandle]) -> int:
