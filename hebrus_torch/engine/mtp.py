@@ -222,11 +222,14 @@ class MTPDrafter:
         later = [n == 1 and seq in self._deferring for seq, p, n in rows]
         if not any(later):
             return None
-        seqs, spans, at, i = [], [], [], 0
+        # the deferred rows' tokens, copied out of the step's batch in one gather
+        tokens = step.batch.tokens.index_select(0, _index([first_at[r] for r, d in enumerate(later) if d],
+                                                          step.batch.tokens))
+        seqs, spans, at, i, j = [], [], [], 0, 0
         for row, ((seq, p, n), defer) in enumerate(zip(rows, later)):
             if defer:
-                token = step.batch.tokens[first_at[row]:first_at[row] + 1].clone()
-                staged[row] = staged[row] + ({p: (firsts[row], token)},)
+                staged[row] = staged[row] + ({p: (firsts[row], tokens[j:j + 1])},)
+                j += 1
             else:
                 seqs.append(seq)
                 spans.append(range(p, p + n))
@@ -242,19 +245,26 @@ class MTPDrafter:
         staged, self._staged = self._staged, None
         recent = MAX_DRAFT_TOKENS + 1
         for seq, p, rows, *deferred in staged or ():
-            kept = {q: r for q, r in self._streams.get(seq, {}).items()
-                    if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
+            kept = self._streams.get(seq)
+            if kept and next(reversed(kept)) == p - 1:    # the row goes on from the last position kept (positions
+                stale = p - recent                        # are kept in increasing order): drop what fell behind
+                for q in [q for q in kept if q < stale and (q + 1) % self.block_size]:
+                    del kept[q]
+            else:                                         # (a first row, or one after a rewind or a fork)
+                kept = {q: r for q, r in (kept or {}).items()
+                        if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
+                self._streams[seq] = kept
             kept.update(rows)
-            self._streams[seq] = kept
             pending = self._pending.get(seq)
             if pending is not None or deferred:       # (positions from the row's first on are this step's)
-                pending = {q: e for q, e in (pending or {}).items() if q < p}
+                if pending is None:
+                    pending = self._pending[seq] = {}
+                elif next(reversed(pending), -1) >= p:
+                    pending = self._pending[seq] = {q: e for q, e in pending.items() if q < p}
                 if deferred:
                     pending.update(deferred[0])
-                if pending:
-                    self._pending[seq] = pending
-                else:
-                    self._pending.pop(seq, None)
+                if not pending:
+                    del self._pending[seq]
         if len(self._streams) > 2 * self.cache.slots.capacity:
             self._streams = {s: v for s, v in self._streams.items() if self._live(s)}
         if len(self._pending) > 2 * self.cache.slots.capacity:
