@@ -13,7 +13,11 @@ transaction (``mtp_write``: the block's K/V and indexer keys only), from the str
 and, for each row's first position, the streams its sequence's previous step left (kept here per sequence,
 for the last positions of each step's rows and at every ``block_size`` boundary, so that a prefix forked at a
 block boundary finds them; a state restored from a prompt-cache file has none: zero streams, which changes
-drafts, never tokens).
+drafts, never tokens). Except (``MTPDrafter.defer_writes``) the decode rows of requests that speculate and drafted
+nothing in the step: their entries wait (the streams before and the token kept per position; zeros in the cache)
+and are written in one packed write (``catch_up``) before the request drafts again, before its state is saved,
+or every ``MAX_PENDING`` positions; a fork copies them. Once caught up the cache is what writing them in every
+step leaves.
 
 Drafting (``propose_batch``, before the step is planned; one packed MTP pass per draft position for all
 speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
