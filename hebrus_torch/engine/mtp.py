@@ -310,8 +310,9 @@ class MTPDrafter:
             known = [i for i, (b, _) in enumerate(rows) if b is not None]
             if known:
                 previous.index_copy_(0, _index(known, previous), torch.stack([rows[i][0] for i in known]))
-            positions = torch.tensor([q for span in spans for q in span], dtype=torch.int64, device=device)
-            cos, sin = self.trunk.rope_rows(positions, int(positions.max()), previous)
+            flat = [q for span in spans for q in span]
+            positions = torch.tensor(flat, dtype=torch.int64, device=device)
+            cos, sin = self.trunk.rope_rows(positions, max(flat), previous)
             with self.cache._atomic():
                 mtp_write(ChunkStep.held(self.cache, seqs_w, spans), self.trunk, self.mtp, previous, tokens, cos, sin)
             self.caught_up += len(rows)
