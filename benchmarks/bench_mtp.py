@@ -26,7 +26,8 @@ at most ``SpeculativeConfig.disable_by_batch_size`` requests decode (the default
 "no batch cutoff" measure speculation with the cutoff off. ``--cpu-time`` times runs by the process's CPU time
 (one thread; a machine shared with other jobs). ``--nothing-accepted-pairs N`` measures instead, in N paired
 rounds, plain decoding against an engine that writes the block's K/V without drafting and against the untrained
-block with its back-off (with and without the confidence rule): the cost where nothing is accepted, less noisy
+block with its back-off (with and without the confidence rule; with its backed-off steps' block writes deferred,
+as by default, and written in every step): the cost where nothing is accepted, less noisy
 than the table's rotating repeats. The MTP rows draft under ``SpeculativeConfig.confidence_threshold`` (its
 default, or ``--threshold``) unless they say "no confidence rule"; ``--baseline-checkpoint`` adds a row for
 another checkpoint's block (the same trunk, e.g. one trained teacher-forced) with the rule off.
@@ -60,10 +61,13 @@ CLOCK = time.perf_counter
 machine wall time also counts the other jobs' turns, CPU time far less)."""
 
 
-def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None) -> dict:
+def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None, defer: bool = True) -> dict:
+    """One engine run of the prompts (``defer``: the MTP drafter's ``defer_writes``)."""
     cfg = EngineConfig(capacity_tokens=65536, max_sequences=max(8, len(prompts)), max_batch_tokens=512,
                        speculative=spec)
     engine = Engine(model, cfg)
+    if engine.mtp_drafter is not None:
+        engine.mtp_drafter.defer_writes = defer
     t0 = CLOCK()
     for i, p in enumerate(prompts):
         engine.add_request(p, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)
@@ -285,13 +289,15 @@ def per_position(log: list[tuple[int, int]], k: int) -> str:
 def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int, pairs: int) -> tuple[list, str]:
     """The cost where nothing is accepted, paired: per count, ``pairs`` rounds of plain decoding, the block's K/V
     written without speculating (``SpeculativeConfig(0, method="mtp")``) and the untrained block with the
-    back-off, one after another in each round; per row the median of the per-round ratios of time to plain."""
+    back-off (its backed-off steps' block writes deferred, as by default, and written in every step), one after
+    another in each round; per row the median of the per-round ratios of time to plain."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(7)
-    configs = {"plain": None, "MTP block's K/V written, no drafts": SpeculativeConfig(0, method="mtp"),
-               "MTP untrained, back-off": SpeculativeConfig(k, method="mtp"),
-               "MTP untrained, back-off, no confidence rule": SpeculativeConfig(k, method="mtp",
-                                                                               confidence_threshold=0.0)}
+    configs = {"plain": (None, True), "MTP block's K/V written, no drafts": (SpeculativeConfig(0, method="mtp"), True),
+               "MTP untrained, back-off": (SpeculativeConfig(k, method="mtp"), True),
+               "MTP untrained, back-off, block written every step": (SpeculativeConfig(k, method="mtp"), False),
+               "MTP untrained, back-off, no confidence rule": (SpeculativeConfig(k, method="mtp",
+                                                                                confidence_threshold=0.0), True)}
     rows = []
     model.mtp = untrained
     for n in counts:
@@ -300,8 +306,8 @@ def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int
         with torch.inference_mode():
             generate(model, prompts[:1], 4)
             for _ in range(pairs):
-                for name, spec in configs.items():
-                    times[name].append(generate(model, prompts, new, spec)["wall"])
+                for name, (spec, defer) in configs.items():
+                    times[name].append(generate(model, prompts, new, spec, defer)["wall"])
         for name in configs:
             ratio = statistics.median(p / t for p, t in zip(times["plain"], times[name]))
             rows.append([str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])

@@ -161,6 +161,18 @@ class ChunkStep:
         every row recurrent. Set by the engine's runner (chunks cut at aligned positions)."""
         self.chunk = cache._reserve_step(batch)
 
+    @classmethod
+    def held(cls, cache: "ModelCache", seqs: Sequence[SeqHandle], positions: Sequence[Sequence[int]]) -> "ChunkStep":
+        """A step over positions the sequences already hold (row i: ``positions[i]`` of ``seqs[i]``), inside an open
+        transaction, for :meth:`qsa_write` only: it (re)writes one indexed layer's entries there
+        (``QSACache.held_chunk``: the old content undo-logged, the groups that contain them re-pooled). Nothing
+        is reserved and no batch is fed (``batch`` is None): what a layer whose writes were deferred, or a subset
+        of a step's rows, is written with (the MTP block's, ``engine/mtp.py``)."""
+        step = cls.__new__(cls)
+        step.cache, step.batch, step.gdn_start_positions = cache, None, None
+        step.chunk = cache._need("qsa").held_chunk(seqs, positions)
+        return step
+
     @property
     def positions(self) -> torch.Tensor | None:
         """Tensor[T] int64: the logical position of every packed token (None without a QSA cache)."""

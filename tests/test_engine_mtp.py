@@ -46,13 +46,38 @@ def mtp_config(k: int, **kw) -> SpeculativeConfig:
     return SpeculativeConfig(k, method="mtp", **{"confidence_threshold": 0.0, **kw})
 
 
+class _Peek(Exception):
+    """Rolls back the transaction a caught-up digest is taken in."""
+
+
+def caught_up_digests(engine, seq) -> tuple:
+    """Every holder's digest of ``seq`` as it will be once the MTP block's deferred entries are written
+    (``MTPDrafter.catch_up`` inside a transaction that is rolled back: the run goes on as it was)."""
+    drafter = engine.mtp_drafter
+    if drafter is None or not drafter.pending_positions(seq):
+        return tuple(h.digest(seq) for h in engine.cache.holders)
+    pending, caught = dict(drafter._pending), drafter.caught_up
+    got = None
+    try:
+        with engine.cache.transaction():
+            assert drafter.catch_up([seq]) > 0
+            got = tuple(h.digest(seq) for h in engine.cache.holders)
+            raise _Peek
+    except _Peek:
+        pass
+    finally:
+        drafter._pending, drafter.caught_up = pending, caught
+    return got
+
+
 def run(model, prompts, *, spec=None, digests=None, order=None, **config):
     """test_engine_speculative's ``run`` with ``spec`` the engine's default, the requests arriving in ``order``
-    (their ids and the digests' keys stay those of their place in ``prompts``)."""
+    (their ids and the digests' keys stay those of their place in ``prompts``); the digests are those once the MTP
+    block's deferred entries are written (``caught_up_digests``)."""
     order = list(order) if order is not None else list(range(len(prompts)))
     got: dict = {}
     tokens, engine = speculative_run(model, [prompts[i] for i in order], digests=got if digests is not None else None,
-                                     speculative=spec, **config)
+                                     digest=caught_up_digests, speculative=spec, **config)
     name = {f"r{j}": f"r{i}" for j, i in enumerate(order)}
     if digests is not None:
         digests.update({(name[rid], n): d for (rid, n), d in got.items()})
@@ -248,6 +273,142 @@ def test_greedy_mtp_speculation_with_the_confidence_rule_gives_the_plain_tokens_
     model = with_mtp(eager_experts(make_model("lin-idx", seed=23)))
     assert_greedy_mtp_speculation_is_plain(model, prompts_for(23, lengths=(14, 6, 21, 3)), monkeypatch,
                                            cases=((0, 16, 4, None), (1, 7, 6, [3, 1, 0, 2])), threshold=0.5)
+
+
+# ------------------------------------------------------------------------------------------ deferred block writes
+def _written_rows(monkeypatch) -> list[int]:
+    """The rows of every ``mtp_write`` call (the block's K/V written), appended as they run."""
+    rows: list[int] = []
+    original = engine_mtp.mtp_write
+
+    def counting(step, trunk, mtp, streams, *args):
+        rows.append(int(streams.shape[0]))
+        return original(step, trunk, mtp, streams, *args)
+    monkeypatch.setattr(engine_mtp, "mtp_write", counting)
+    return rows
+
+
+def _lockstep(model, prompt, monkeypatch, max_new_tokens: int = 40):
+    """Two engines on one request whose random block's drafts are all rejected (so it backs off): one deferring
+    the block's writes of its backed-off steps, one writing them in every step; both stepped once per yield."""
+    engines = []
+    for defer in (True, False):
+        engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                            speculative=mtp_config(2)))
+        engine.mtp_drafter.defer_writes = defer
+        engine.add_request(prompt, request_id="r", max_new_tokens=max_new_tokens, eos_token_id=None)
+        engines.append(engine)
+    return engines
+
+
+def test_a_backed_off_request_defers_the_block_write_until_it_drafts_again(row_invariant, monkeypatch):
+    """While a request whose drafts are rejected is backed off, its decode steps write none of the block's entries
+    (every trunk step wrote every row's before); they wait, and are written in one packed write when it drafts
+    again: at every frontier the cache, once caught up, is bitwise the always-writing engine's."""
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=29)))
+    rows = _written_rows(monkeypatch)
+    lazy, eager = _lockstep(model, prompts_for(29, lengths=(11,))[0], monkeypatch)
+    quiet = most = 0
+    written = {True: 0, False: 0}
+    while lazy.has_unfinished():
+        del rows[:]
+        lazy.step()
+        quiet += not rows
+        written[True] += sum(rows)
+        del rows[:]
+        eager.step()
+        written[False] += sum(rows)
+        a, b = lazy.requests["r"], eager.requests["r"]
+        assert a.generated == b.generated
+        if a.status.is_done:
+            break
+        most = max(most, len(lazy.mtp_drafter.pending_positions(a.seq)))
+        assert caught_up_digests(lazy, a.seq) == tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert a.spec.verify_steps >= 3 and a.spec.accepted_tokens == 0        # (drafted again after each back-off)
+    assert quiet >= 10 and most >= 15
+    assert lazy.mtp_drafter.caught_up >= 3 + 15 and eager.mtp_drafter.caught_up == 0
+    assert written[True] < written[False] - 10
+
+
+def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(row_invariant, monkeypatch):
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=30)))
+    lazy, eager = _lockstep(model, prompts_for(30, lengths=(9,))[0], monkeypatch)
+    a, b = lazy.requests["r"], eager.requests["r"]
+    while len(lazy.mtp_drafter.pending_positions(a.seq)) < 5:
+        lazy.step()
+        eager.step()
+        assert not a.status.is_done
+    want = tuple(h.digest(b.seq) for h in eager.cache.holders)
+    pending = lazy.mtp_drafter.pending_positions(a.seq)
+    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) != want        # (zero until caught up)
+    child = lazy.cache.fork(a.seq)
+    assert lazy.mtp_drafter.pending_positions(child) == pending
+    data = lazy.cache.save(child)                        # writes the child's deferred entries first
+    assert lazy.mtp_drafter.pending_positions(child) == []
+    restored = lazy.cache.restore(data)
+    assert tuple(h.digest(restored) for h in lazy.cache.holders) == want
+    assert tuple(h.digest(child) for h in lazy.cache.holders) == want
+    assert caught_up_digests(lazy, a.seq) == want
+    lazy.cache.free(restored)
+    lazy.cache.free(child)
+    lazy.run()
+    eager.run()
+    assert a.generated == b.generated
+
+
+def test_a_request_that_does_not_draft_again_writes_its_deferred_block_entries_every_max_pending_steps(
+        row_invariant, monkeypatch):
+    """What is deferred stays bounded: a request backed off for good has at most ``MAX_PENDING`` block entries
+    waiting; then they are written in one packed write (not one per step), and the cache is the always-writing
+    engine's once caught up."""
+    monkeypatch.setattr(engine_mtp, "MAX_PENDING", 5)
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=31)))
+    rows = _written_rows(monkeypatch)
+    lazy, eager = _lockstep(model, prompts_for(31, lengths=(7,))[0], monkeypatch, max_new_tokens=30)
+    a, b = lazy.requests["r"], eager.requests["r"]
+    while not a.generated:                                      # (the prompt, in chunks)
+        lazy.step()
+        eager.step()
+    a.spec.pause = b.spec.pause = 10 ** 6
+    seen = []                  # per step: the entries deferred after it, the lazy engine's writes in it
+    while len(seen) < 20:
+        del rows[:]
+        lazy.step()
+        seen.append((len(lazy.mtp_drafter.pending_positions(a.seq)) if a.seq is not None else None, list(rows)))
+        eager.step()
+        assert a.generated == b.generated
+        if a.status.is_done:
+            break
+        assert caught_up_digests(lazy, a.seq) == tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert len(seen) >= 11
+    assert [n for n, _ in seen[:10]] == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    assert [w for _, w in seen[:11]] == [[], [], [], [], [], [5], [], [], [], [], [5]]
+
+
+def test_drafts_after_a_catch_up_equal_those_of_the_always_written_block(row_invariant, monkeypatch):
+    """The drafts (every ``propose_batch`` answer) of an engine that defers the block's writes of backed-off steps
+    are those of one that writes them in every step, under continuous batching with steered acceptance."""
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=23)))
+    prompts = prompts_for(23, lengths=(14, 6, 21, 3))
+    ref, _ = run(model, prompts, max_new_tokens=14)
+    pristine, original = engine_mtp.target_scores, engine_mtp.MTPDrafter.propose_batch
+    drafted, caught = {}, {}
+    for defer in (True, False):
+        seen = drafted[defer] = []
+
+        def recording(self, requests, lengths, _seen=seen):
+            out = original(self, requests, lengths)
+            _seen.append([(r.request_id, len(r.tokens), list(d)) for r, d in zip(requests, out)])
+            return out
+        monkeypatch.setattr(engine_mtp.MTPDrafter, "propose_batch", recording)
+        monkeypatch.setattr(engine_mtp.MTPDrafter, "defer_writes", defer)
+        monkeypatch.setattr(engine_mtp, "target_scores", pristine)
+        _steer(monkeypatch, prompts, ref, 1)
+        tokens, engine = run(model, prompts, spec=mtp_config(3), max_new_tokens=14, max_batch_tokens=16)
+        assert tokens == ref
+        caught[defer] = engine.mtp_drafter.caught_up
+    assert drafted[True] == drafted[False] and len(drafted[True]) > 5
+    assert caught[True] > 0 and caught[False] == 0
 
 
 # ------------------------------------------------------------------------------------------ the confidence rule

@@ -44,7 +44,9 @@ def oracle(reference: dict[str, list[int]], seed: int, error_rate: float = 0.35,
 
 
 def run(model, prompts, *, spec=None, drafter=None, draft_model=None, max_new_tokens=12, sampling=None,
-        digests=None, **config):
+        digests=None, digest=None, **config):
+    """Each prompt's greedy tokens and the engine; ``digests`` gets every running request's holders' digests after
+    each step, by ``(request id, frontier)`` (``digest(engine, seq)`` gives them where set)."""
     cfg = dict(capacity_tokens=1024, max_sequences=8, max_batch_tokens=16, block_size=4)
     cfg.update(config)
     engine = Engine(model, EngineConfig(**cfg), drafter=drafter, draft_model=draft_model)
@@ -56,7 +58,9 @@ def run(model, prompts, *, spec=None, drafter=None, draft_model=None, max_new_to
         if digests is not None:
             for req in engine.scheduler.running:
                 if req.seq is not None:
-                    digests[(req.request_id, req.num_computed)] = tuple(h.digest(req.seq) for h in engine.cache.holders)
+                    digests[(req.request_id, req.num_computed)] = (
+                        digest(engine, req.seq) if digest is not None else
+                        tuple(h.digest(req.seq) for h in engine.cache.holders))
     assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values()), \
         [(r.request_id, r.error) for r in engine.requests.values()]
     return {rid: r.generated for rid, r in engine.requests.items()}, engine

@@ -354,6 +354,41 @@ def test_rewrite_replaces_keys_and_groups(cache):
     check_invariants(cache)
 
 
+def test_a_held_chunk_writes_a_layer_late_as_if_written_with_its_chunks(cache):
+    """``held_chunk``: a layer left unwritten (zero) at some committed positions is written there later, at any
+    positions the runs hold, in one chunk over several sequences: then the cache digests as one whose every chunk
+    wrote that layer; a rollback undoes it; outside a transaction, or at positions not held, it is refused."""
+    a, b = cache.new_sequence(), cache.new_sequence()
+    ka, _, _ = stream(9, seed=2)
+    kb, _, _ = stream(6, seed=3)
+    ref = make_cache()
+    ra, rb = ref.new_sequence(), ref.new_sequence()
+    append_chunks(ref, ra, ka, [9])
+    append_chunks(ref, rb, kb, [6])
+    with transaction(cache):             # layer 1 written for a's first 5 positions and nowhere else
+        chunk = cache.reserve([a, b], [9, 6])
+        cache.write(0, chunk, torch.cat([ka[0], kb[0]]))
+        cache.write(1, cache.held_chunk([a], [range(5)]), ka[1][:5])
+    assert torch.equal(cache.keys_of(a, 1)[5:], torch.zeros(4, D)) and cache.digest() != ref.digest()
+    with pytest.raises(HebrusError, match="inside a transaction"):
+        cache.held_chunk([a], [[5]])
+    before = cache.digest()
+    with pytest.raises(HebrusError, match="holds positions"):
+        with transaction(cache):
+            cache.held_chunk([b], [[2, 6]])
+    with pytest.raises(RuntimeError, match="undone"):
+        with transaction(cache):
+            cache.write(1, cache.held_chunk([b, a], [[5, 0, 3, 1, 2, 4], [8, 6, 5, 7]]),
+                        torch.cat([kb[1][[5, 0, 3, 1, 2, 4]], ka[1][[8, 6, 5, 7]]]))
+            raise RuntimeError("undone")
+    assert cache.digest() == before
+    with transaction(cache):
+        cache.write(1, cache.held_chunk([b, a], [[5, 0, 3, 1, 2, 4], [8, 6, 5, 7]]),
+                    torch.cat([kb[1][[5, 0, 3, 1, 2, 4]], ka[1][[8, 6, 5, 7]]]))
+    assert cache.digest() == ref.digest()
+    check_invariants(cache)
+
+
 def test_write_needs_the_reserving_transaction(cache):
     a = cache.new_sequence()
     chunk = cache.reserve([a], [4])          # autocommitted: zeros

@@ -256,6 +256,9 @@ class Engine:
                                 capacity_tokens=self.config.capacity_tokens, stop_speculating=self._stop_speculating,
                                 mtp_drafter=self.mtp_drafter, counters=self.counters)
         drafts = grammar_drafts(drafts)
+        if self.mtp_drafter is not None:      # (their rows' block entries wait until they draft again)
+            self.mtp_drafter.defer([r for r in self.scheduler.running if r not in drafts and r.speculative.enabled
+                                    and r.speculative.method == "mtp"])
         plan = self.scheduler.schedule(drafts=drafts)
         for victim in plan.preempted:
             self.release_draft(victim)

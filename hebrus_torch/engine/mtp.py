@@ -13,7 +13,11 @@ transaction (``mtp_write``: the block's K/V and indexer keys only), from the str
 and, for each row's first position, the streams its sequence's previous step left (kept here per sequence,
 for the last positions of each step's rows and at every ``block_size`` boundary, so that a prefix forked at a
 block boundary finds them; a state restored from a prompt-cache file has none: zero streams, which changes
-drafts, never tokens).
+drafts, never tokens). Except (``MTPDrafter.defer_writes``) the decode rows of requests that speculate and drafted
+nothing in the step: their entries wait (the streams before and the token kept per position; zeros in the cache)
+and are written in one packed write (``catch_up``) before the request drafts again, before its state is saved,
+or every ``MAX_PENDING`` positions; a fork copies them. Once caught up the cache is what writing them in every
+step leaves.
 
 Drafting (``propose_batch``, before the step is planned; one packed MTP pass per draft position for all
 speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
@@ -96,6 +100,11 @@ def mtp_model_cache(model: torch.nn.Module, mtp: Qwen4ExpMTP, *, capacity_tokens
     return ModelCache(qsa=qsa, ple=ple, gdn=gdn, top_k=q.top_k, keep_snapshots=keep_snapshots)
 
 
+MAX_PENDING = 64
+"""Block entries deferred per sequence before they are written (a back-off pauses a request for at most 63 decode
+steps; one that never drafts again writes them every ``MAX_PENDING`` steps, in one packed write)."""
+
+
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     """Row indices as an int64 Tensor on ``like``'s device."""
     return torch.tensor(rows, dtype=torch.int64, device=like.device)
@@ -117,6 +126,10 @@ class MTPDrafter:
         block_size: the prefix-sharing block (streams are kept at its boundaries).
     """
 
+    defer_writes: bool = True
+    """Defer the block's K/V write of the decode rows of requests that drafted nothing in the step (backed off)
+    until they draft again (:meth:`catch_up`); False: every trunk step writes every row's entries."""
+
     def __init__(self, model: torch.nn.Module, mtp: Qwen4ExpMTP, runner: ModelRunner, *, vocab_size: int,
                  block_size: int = 64):
         cache = runner.cache
@@ -135,13 +148,24 @@ class MTPDrafter:
         self.passes = 0                                   # packed MTP passes run for drafting
         self.stopped: dict[Request, int] = {}     # requests whose draft confidence_threshold ended -> tokens
         #                                           drafted (propose_drafts empties it before asking)
+        self._deferring: set[SeqHandle] = set()
+        # seq -> position q -> (the trunk's streams Tensor[hc * hidden] at q - 1 or None, the token Tensor[1] at q):
+        # the block's entries a trunk step did not write (zero in the cache until caught up)
+        self._pending: dict[SeqHandle, dict[int, tuple[torch.Tensor | None, torch.Tensor]]] = {}
+        self.caught_up = 0                                # entries written late by catch_up
         runner.mtp = self
-        copy = cache.copy
+        copy, save_unpacked = cache.copy, cache.save_unpacked
 
         def copy_with_streams(src: SeqHandle, dst: SeqHandle, _copy: Callable = copy) -> None:
             _copy(src, dst)
             self._streams[dst] = dict(self._streams.get(src, {}))
+            self._pending[dst] = dict(self._pending.get(src, {}))
         cache.copy = copy_with_streams                    # (ModelCache.fork copies through it)
+
+        def save_caught_up(seq: SeqHandle, _save: Callable = save_unpacked) -> Any:
+            self.catch_up([seq])
+            return _save(seq)
+        cache.save_unpacked = save_caught_up              # (a saved state has the block's entries; save too)
 
     # ------------------------------------------------------------------ the runner's hook
     def forward(self, step: ChunkStep, positions: torch.Tensor, last: int, starts: Sequence[int],
@@ -165,21 +189,57 @@ class MTPDrafter:
             kept_at.extend(at + q - p for q in keep)
             staged.append((seq, p, keep))
             at += n
-        previous = h.new_zeros(h.shape)
-        known = [i for i, f in enumerate(firsts) if f is not None]
-        if known:
-            previous.index_copy_(0, _index([first_at[i] for i in known], h), torch.stack([firsts[i] for i in known]))
-        if shifted:
-            previous.index_copy_(0, _index([i + 1 for i in shifted], h), h.index_select(0, _index(shifted, h)))
         kept = h.index_select(0, _index(kept_at, h))        # (a copy: the rows outlive the step's h)
         at = 0
         for i, (seq, p, keep) in enumerate(staged):
             staged[i] = (seq, p, dict(zip(keep, kept[at:at + len(keep)])))
             at += len(keep)
-        with timed("mtp"):
-            mtp_write(step, self.trunk, self.mtp, previous, step.batch.tokens, cos, sin)
+        deferred = self._defer(step, starts, counts, firsts, first_at, staged)
+        if deferred != ():
+            previous = h.new_zeros(h.shape)
+            known = [i for i, f in enumerate(firsts) if f is not None]
+            if known:
+                previous.index_copy_(0, _index([first_at[i] for i in known], h),
+                                     torch.stack([firsts[i] for i in known]))
+            if shifted:
+                previous.index_copy_(0, _index([i + 1 for i in shifted], h), h.index_select(0, _index(shifted, h)))
+            with timed("mtp"):
+                if deferred is None:
+                    mtp_write(step, self.trunk, self.mtp, previous, step.batch.tokens, cos, sin)
+                else:
+                    seqs, spans, at = deferred
+                    written = _index(at, h)
+                    mtp_write(ChunkStep.held(self.cache, seqs, spans), self.trunk, self.mtp,
+                              previous.index_select(0, written), step.batch.tokens.index_select(0, written),
+                              cos.index_select(0, written), sin.index_select(0, written))
         self._staged = staged
         return hyper_premix(self.trunk.text.hyper_connection_mixer, h)     # (as PackedQwen4Exp's own)
+
+    def _defer(self, step: ChunkStep, starts: Sequence[int], counts: Sequence[int], firsts: list,
+               first_at: list[int], staged: list) -> tuple | None:
+        """Which of the step's rows write the block's entries now: None where all do, () where none does, else
+        (their seqs, their positions, their token indices); each staged row that defers gets the entry it defers
+        (a decode row of a request in ``_deferring``: {position: (the streams before it, its token)})."""
+        if not self._deferring:
+            return None
+        rows = [(seq, p, n) for seq, p, n in zip(step.batch.seqs, starts, counts) if n]
+        later = [n == 1 and seq in self._deferring for seq, p, n in rows]
+        if not any(later):
+            return None
+        # the deferred rows' tokens, copied out of the step's batch in one gather
+        tokens = step.batch.tokens.index_select(0, _index([first_at[r] for r, d in enumerate(later) if d],
+                                                          step.batch.tokens))
+        seqs, spans, at, i, j = [], [], [], 0, 0
+        for row, ((seq, p, n), defer) in enumerate(zip(rows, later)):
+            if defer:
+                staged[row] = staged[row] + ({p: (firsts[row], tokens[j:j + 1])},)
+                j += 1
+            else:
+                seqs.append(seq)
+                spans.append(range(p, p + n))
+                at.extend(range(i, i + n))
+            i += n
+        return (seqs, spans, at) if seqs else ()
 
     def published(self) -> None:
         """The step committed: its streams become the sequences' (positions from each row's first on replace
@@ -188,13 +248,81 @@ class MTPDrafter:
         hc * hidden values per token, copied on every fork)."""
         staged, self._staged = self._staged, None
         recent = MAX_DRAFT_TOKENS + 1
-        for seq, p, rows in staged or ():
-            kept = {q: r for q, r in self._streams.get(seq, {}).items()
-                    if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
+        for seq, p, rows, *deferred in staged or ():
+            kept = self._streams.get(seq)
+            if kept and next(reversed(kept)) == p - 1:    # the row goes on from the last position kept (positions
+                stale = p - recent                        # are kept in increasing order): drop what fell behind
+                for q in [q for q in kept if q < stale and (q + 1) % self.block_size]:
+                    del kept[q]
+            else:                                         # (a first row, or one after a rewind or a fork)
+                kept = {q: r for q, r in (kept or {}).items()
+                        if p - recent <= q < p or (q < p and (q + 1) % self.block_size == 0)}
+                self._streams[seq] = kept
             kept.update(rows)
-            self._streams[seq] = kept
+            pending = self._pending.get(seq)
+            if pending is not None or deferred:       # (positions from the row's first on are this step's)
+                if pending is None:
+                    pending = self._pending[seq] = {}
+                elif next(reversed(pending), -1) >= p:
+                    pending = self._pending[seq] = {q: e for q, e in pending.items() if q < p}
+                if deferred:
+                    pending.update(deferred[0])
+                if not pending:
+                    del self._pending[seq]
         if len(self._streams) > 2 * self.cache.slots.capacity:
             self._streams = {s: v for s, v in self._streams.items() if self._live(s)}
+        if len(self._pending) > 2 * self.cache.slots.capacity:
+            self._pending = {s: v for s, v in self._pending.items() if self._live(s)}
+
+    def defer(self, requests: Sequence[Request]) -> None:
+        """The next trunk step defers the block's K/V write of these requests' decode rows (the engine passes the
+        requests that speculate with the block and drafted nothing this step) while :attr:`defer_writes` is on;
+        those with ``MAX_PENDING`` entries deferred are caught up first (what is kept stays bounded)."""
+        if not self.defer_writes:
+            self._deferring = set()
+            return
+        self._deferring = {r.seq for r in requests if r.seq is not None}
+        full = [s for s in self._deferring if len(self._pending.get(s, ())) >= MAX_PENDING]
+        if full:
+            self.catch_up(full)
+
+    @torch.no_grad()
+    def catch_up(self, seqs: Sequence[SeqHandle]) -> int:
+        """Write the block's entries the trunk steps deferred for these sequences (those at positions they still
+        hold), in one packed write inside an atomic cache operation: the cache then holds what writing them in
+        every step would have left (tested bitwise with row-invariant layers). Returns the entries written."""
+        rows, seqs_w, spans = [], [], []
+        for seq in dict.fromkeys(seqs):
+            pending = self._pending.get(seq)
+            if not pending or not self._live(seq):
+                continue
+            p0, n = self.cache.qsa.run(seq)
+            held = sorted(q for q in pending if p0 <= q < p0 + n)
+            if held:
+                seqs_w.append(seq)
+                spans.append(held)
+                rows.extend(pending[q] for q in held)
+        if rows:
+            device = self.runner.device
+            tokens = torch.cat([t for _, t in rows])
+            like = self.trunk.text.embed_tokens.weight
+            previous = torch.zeros((len(rows), self.width), dtype=like.dtype, device=device)
+            known = [i for i, (b, _) in enumerate(rows) if b is not None]
+            if known:
+                previous.index_copy_(0, _index(known, previous), torch.stack([rows[i][0] for i in known]))
+            flat = [q for span in spans for q in span]
+            positions = torch.tensor(flat, dtype=torch.int64, device=device)
+            cos, sin = self.trunk.rope_rows(positions, max(flat), previous)
+            with self.cache._atomic():
+                mtp_write(ChunkStep.held(self.cache, seqs_w, spans), self.trunk, self.mtp, previous, tokens, cos, sin)
+            self.caught_up += len(rows)
+        for seq in seqs:
+            self._pending.pop(seq, None)
+        return len(rows)
+
+    def pending_positions(self, seq: SeqHandle) -> list[int]:
+        """The positions whose block entries are deferred for ``seq`` (zero in the cache until :meth:`catch_up`)."""
+        return sorted(self._pending.get(seq, ()))
 
     def _live(self, seq: SeqHandle) -> bool:
         try:
@@ -216,6 +344,7 @@ class MTPDrafter:
                 if k > 0 and r.seq is not None and r.num_computed == len(r.tokens) - 1]
         if not live:
             return [out[r] for r in requests]
+        self.catch_up([req.seq for req, _ in live])
         device = self.runner.device
         dtype = self.trunk.text.embed_tokens.weight.dtype
         streams = torch.zeros((len(live), self.width), dtype=dtype, device=device)

@@ -263,6 +263,35 @@ class _Lifecycle:
             return ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
                                  self._txn.token, tuple(starts), tuple(anchors), cells, positions)
 
+    def held_chunk(self, seqs: Sequence[SeqHandle], positions: Sequence[Sequence[int]]) -> ReservedChunk:
+        """A chunk over positions the sequences already hold (row i: ``positions[i]`` of ``seqs[i]``, in any order,
+        each held by its run), for :meth:`write` to rewrite one layer's entries there inside the current
+        transaction (the old content undo-logged, the groups that contain them re-pooled): what a layer whose
+        writes were deferred (the MTP block's, ``engine/mtp.py``) catches up with. Nothing is reserved."""
+        if self._txn is None:
+            raise HebrusError("QSACache.held_chunk: only inside a transaction (the rewrite is undo-logged)")
+        seqs = list(seqs)
+        if len(positions) != len(seqs):
+            raise HebrusError(f"QSACache.held_chunk: {len(seqs)} sequences but {len(positions)} position lists")
+        cells, pos, bounds = [], [], [0]
+        for seq, ps in zip(seqs, positions):
+            run = self._view(self._slot(seq))
+            ps_t = torch.tensor([as_int("QSACache.held_chunk: a position", p) for p in ps], dtype=torch.int64)
+            if ps_t.numel() and (int(ps_t.min()) < run.p0 or int(ps_t.max()) >= run.p0 + run.n):
+                raise HebrusError(f"QSACache.held_chunk: {seq} holds positions [{run.p0}, {run.p0 + run.n - 1}], "
+                                  f"not all of {sorted(int(p) for p in ps)}")
+            cells.append(run.cells.tensor()[ps_t - run.p0])
+            pos.append(ps_t)
+            bounds.append(bounds[-1] + ps_t.numel())
+        if len({self._slot(s) for s in seqs}) != len(seqs):
+            raise HebrusError(f"QSACache.held_chunk: a sequence appears twice in one chunk: {seqs}")
+        cells_t = torch.cat(cells) if cells else torch.empty(0, dtype=torch.int64)
+        pos_t = torch.cat(pos) if pos else torch.empty(0, dtype=torch.int64)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        dev_cells, dev_positions, dev_cu = self._upload(cells_t, pos_t, cu)
+        return ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self), self._txn.token,
+                             None, None, cells_t, pos_t)
+
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
         """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
         cells = run.cells.tensor()
