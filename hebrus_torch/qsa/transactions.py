@@ -120,7 +120,9 @@ class _Transactions:
         txn = self._txn
         for slot in sorted(txn.evict):
             self._settle(slot)
-        cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
+        # One allocation's cells are distinct already (and only their set matters below): unique only merges.
+        cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
+            if txn.new_cells else None
         if cells is not None:
             live = cells[self.cell_ref[cells] > 0]
             unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
