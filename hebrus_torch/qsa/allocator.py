@@ -55,7 +55,9 @@ class _Allocator:
                 raise CapacityError(f"QSACache: {count} cells needed but only {nfree} of {self.capacity} are free "
                                     f"(cell capacity exhausted)")
             chosen = self._pick(free, count, self._cell_head, self._freed_cells)
-        self._log_content(chosen[self._freed_cells[chosen]])
+        freed = self._freed_cells[chosen]
+        if bool(freed.any()):                       # (a mask gather only where some cell was freed in this block)
+            self._log_content(chosen[freed])
         self._cell_head = (int(chosen[-1]) + 1) % self.capacity
         self._set(self.cell_ref, chosen, 1)
         if bool(self._unwritten[:, chosen].any()):

@@ -326,7 +326,10 @@ class _Lifecycle:
             if t == 0:
                 return
             cells, dev_cells = chunk._host()[0], chunk.cells
-            written = cells[~self._unwritten[layer, cells]]   # a rewrite: keep the old content for undo
+            # A rewrite keeps the old content for undo. (A boolean-mask gather costs a nonzero pass, several times
+            # an any(): it runs only where some cell was written before.)
+            rewritten = ~self._unwritten[layer, cells]
+            written = cells[rewritten] if bool(rewritten.any()) else cells[:0]
             if written.numel():
                 txn = self._txn
                 at = self._dev(written)

@@ -124,7 +124,8 @@ class _Transactions:
         cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
             if txn.new_cells else None
         if cells is not None:
-            live = cells[self.cell_ref[cells] > 0]
+            held = self.cell_ref[cells] > 0
+            live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
             for layer in range(self.num_layers) if bool(unwritten.any()) else ():
                 miss = live[unwritten[layer]]
