@@ -327,8 +327,10 @@ class _Lifecycle:
                 return
             cells, dev_cells = chunk._host()[0], chunk.cells
             # A rewrite keeps the old content for undo. (A boolean-mask gather costs a nonzero pass, several times
-            # an any(): it runs only where some cell was written before.)
-            rewritten = ~self._unwritten[layer, cells]
+            # an any(): it runs only where some cell was written before.) The flags read here (a copy) are also
+            # the undo entry of clearing them below: nothing between changes them.
+            unwritten_before = self._unwritten[layer, cells]
+            rewritten = ~unwritten_before
             written = cells[rewritten] if bool(rewritten.any()) else cells[:0]
             if written.numel():
                 txn = self._txn
@@ -337,15 +339,22 @@ class _Lifecycle:
                     tt = getattr(self, name)
                     if tt is not None:
                         txn.log.append((tt, (layer, at), tt[layer, at].clone()))
-            # The cache carries no autograd history: activations that require grad are stored detached.
-            self.keys[layer].index_copy_(0, dev_cells, keys.detach().to(device=self.device, dtype=self.dtype))
+            device = self.device
+            self.keys[layer].index_copy_(0, dev_cells, self._as_stored(keys, device))
             if self.has_kv:
-                self.k_cache[layer].index_copy_(0, dev_cells, k.detach().to(device=self.device, dtype=self.dtype))
-                self.v_cache[layer].index_copy_(0, dev_cells, v.detach().to(device=self.device, dtype=self.dtype))
+                self.k_cache[layer].index_copy_(0, dev_cells, self._as_stored(k, device))
+                self.v_cache[layer].index_copy_(0, dev_cells, self._as_stored(v, device))
             if written.numel():
                 self._repool_touching(layer, written)
-            self._set(self._unwritten, (layer, cells), False)
+            self._set(self._unwritten, (layer, cells), False, old=unwritten_before)
             self._resolve_pending(layer)
+
+    def _as_stored(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """x as the cache stores it: detached (the cache carries no autograd history: activations that require grad
+        are stored detached), on the cache's device, in its dtype; x itself where it already is (no op)."""
+        if x.requires_grad or x.dtype != self.dtype or x.device != device:
+            return x.detach().to(device=device, dtype=self.dtype)
+        return x
 
     def append(self, seq: SeqHandle, keys_per_layer: Sequence[torch.Tensor], first_position: int | None = None,
                k: Sequence[torch.Tensor] | None = None, v: Sequence[torch.Tensor] | None = None) -> ReservedChunk:

@@ -51,9 +51,11 @@ class _Savepoint:
 class _Transactions:
     """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
 
-    def _set(self, tensor: torch.Tensor, idx: Any, value: Any) -> None:
+    def _set(self, tensor: torch.Tensor, idx: Any, value: Any, old: torch.Tensor | None = None) -> None:
         """``tensor[idx] = value`` with the old values recorded in the undo log. ``idx`` and ``value`` are
-        host data; for a device tensor their tensors are uploaded first."""
+        host data; for a device tensor their tensors are uploaded first. ``old``: the caller's copy of
+        ``tensor[idx]`` as it is now, a tensor of its own (a host tensor's advanced-index gather), logged
+        instead of gathering it again."""
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
         if tensor.device.type != "cpu":
@@ -61,7 +63,7 @@ class _Transactions:
                 if isinstance(idx, tuple) else (self._dev(idx) if isinstance(idx, torch.Tensor) else idx)
             if isinstance(value, torch.Tensor) and value.dim():
                 value = self._dev(value)
-        txn.log.append((tensor, idx, tensor[idx].clone()))
+        txn.log.append((tensor, idx, tensor[idx].clone() if old is None else old))
         tensor[idx] = value
         if tensor is self.cell_pos or tensor is self.cell_ref:
             self._cells_version += 1
