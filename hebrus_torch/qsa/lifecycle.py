@@ -23,6 +23,11 @@ from .planning import ReservedChunk
 from .runs import MAX_POSITION, _Run, _Vec, first_hole, window_start
 
 
+_LISTED_POSITIONS = 64
+"""Up to this many tokens, ``reserve`` lists the chunk's positions on the host (a decode step's rows); a longer
+chunk computes them with tensor ops (faster than a Python list there). The same tensor either way."""
+
+
 class _Lifecycle:
     """Per-sequence runs of :class:`QSACache` and the operations on them."""
 
@@ -224,15 +229,21 @@ class _Lifecycle:
                 anchors.append(run.p0)
             total = sum(counts)
             cells = self._alloc_cells(total)
-            counts_t = torch.tensor(counts, dtype=torch.int64)
-            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-            if seqs:
-                cu[1:] = torch.cumsum(counts_t, 0)
-            # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
-            # no position, so any start in range will do)
-            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
-            offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
-            positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
+            bounds = [0]
+            for c in counts:
+                bounds.append(bounds[-1] + c)      # the row boundaries (cu_seqlens), from the host's counts
+            cu = torch.tensor(bounds, dtype=torch.int64)
+            if total <= _LISTED_POSITIONS:
+                # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
+                # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
+                positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
+            else:
+                counts_t = torch.tensor(counts, dtype=torch.int64)
+                # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
+                # no position, so any start in range will do)
+                starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
+                offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
+                positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
             if total:
                 self._set(self.cell_pos, cells, positions)
                 self._set(self._unwritten, (slice(None), cells), True)
@@ -240,9 +251,6 @@ class _Lifecycle:
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
             n_groups: list[int] = []
-            bounds = [0]
-            for c in counts:
-                bounds.append(bounds[-1] + c)      # = cu, from the host's counts (no read back)
             for i, (slot, run) in enumerate(zip(slots, runs)):
                 grown = _Run(run.p0, run.n + counts[i], run.cells.extend(cells[bounds[i]:bounds[i + 1]]), run.groups)
                 new_runs.append(grown)
