@@ -279,13 +279,15 @@ class _Planning:
                                 f"{int(pos_h[j])} sees [{int(q_p0[j])}, {int(pos_h[j])}] but the "
                                 f"run now starts at {p0_list[i]} (evicted or moved since reserve: plan a windowed "
                                 f"chunk in the transaction that reserved it)")
-        q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
         # Pooled rows of each row's visible groups, -1 past the end.
         gcounts = [g.numel() for g in grp]
         flat = torch.cat(grp)
         max_g = max(gcounts + [1])
-        seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
-        if flat.numel():
+        if b == 1 and flat.numel():
+            seq_groups = flat.view(1, -1)       # one row (one person's decode): its groups are the table as they are
+        else:
+            seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
+        if flat.numel() and b > 1:
             gc = torch.tensor(gcounts, dtype=torch.int64)
             g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
             g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
@@ -296,6 +298,7 @@ class _Planning:
             # Every query's anchor is its row's p0 (q_skip = 0): one pair per row with queries, in row order.
             sel_groups, sel_row = self._row_pairs(seq_groups, counts)
         else:
+            q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
             key = q_rows * (max_g + 1) + q_skip
             pairs, sel_row = torch.unique(key, return_inverse=True)
             cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
