@@ -355,6 +355,9 @@ class _Lifecycle:
             if written.numel():
                 self._repool_touching(layer, written)
             self._set(self._unwritten, (layer, cells), False, old=unwritten_before)
+            # (plan's "keys written" check of this chunk and layer needs no read while nothing it reads changes:
+            # flags are set again only for cells taken afresh, or by an undo, both of which change the layout key)
+            self._txn.written[layer] = (self._layout_key(chunk),)
             self._resolve_pending(layer)
 
     def _as_stored(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -174,7 +174,8 @@ class _Planning:
         # Everything up to the selection is decided on the host bookkeeping (runs, cell_pos, the chunk's
         # host cells and positions); the kernels get their index tensors uploaded, none read back.
         cells_h, pos_h = chunk._host()
-        if bool(self._unwritten[layer, cells_h].any()):
+        written = self._txn is not None and self._same_layout(self._txn.written.get(layer), self._layout_key(chunk))
+        if not written and bool(self._unwritten[layer, cells_h].any()):
             raise HebrusError(f"QSACache.plan: layer {layer} keys of this chunk are not written yet; call write first")
         if t == 0:
             self._visible_runs(chunk, slots)                 # (its checks)

@@ -30,6 +30,7 @@ class _Txn:
         self.new_cells: list[torch.Tensor] = []                 # cells reserved in this transaction
         self.pending: list[list[torch.Tensor]] = []             # per layer: rows that may be pending
         self.evict: dict[int, int] = {}                         # window: slot -> p0 once its chunk is planned
+        self.written: dict[int, tuple] = {}     # layer -> (layout key,) of the chunk write cleared its flags for
         self.base: _Savepoint | None = None
         self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
 
