@@ -268,8 +268,12 @@ class _Lifecycle:
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
             self._txn.evict.update(evict)
             dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu.to(torch.int32))
-            return ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
-                                 self._txn.token, tuple(starts), tuple(anchors), cells, positions)
+            chunk = ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
+                                  self._txn.token, tuple(starts), tuple(anchors), cells, positions)
+            # Its cells hold its positions with a reference each, by construction: what _check_chunk reads, under
+            # the layout key as it is now (any later change of runs or cells makes the first check read them).
+            self._chunk_checked = (self._layout_key(chunk), tuple(slots))
+            return chunk
 
     def _check_run(self, seq: SeqHandle, run: _Run, what: str) -> None:
         """HoleError unless the run's cells hold exactly positions p0, p0+1, ... (vectorised)."""
