@@ -20,6 +20,7 @@ import torch
 
 from ..errors import HebrusError
 from ..model_cache import Batch, ModelCache
+from ..module_calls import linear
 from ..models.qwen4_exp import PackedQwen4Exp, find_text_model
 from ..models.qwen4_exp.forward import _NO_PART
 from ..state.handles import SeqHandle
@@ -134,7 +135,7 @@ class ModelRunner:
                     hidden = self.forward(step, pos, last, timed=self._timed)
                 else:
                     hidden = self.mtp.forward(step, pos, last, list(positions), counts, self._timed)
-                logits = self.lm_head(hidden.index_select(0, ends)).float()
+                logits = linear(self.lm_head, hidden.index_select(0, ends)).float()
             result = logits
             if consume is not None:
                 with self._part("engine"):

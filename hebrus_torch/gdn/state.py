@@ -199,7 +199,8 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
         act = _ACTIVATIONS[act]
         if x.dim() != 2 or x.shape[1] != self.conv_dim:
             raise HebrusError(f"GDNState.conv: x must be [T, conv_dim] = [T, {self.conv_dim}], got {list(x.shape)}")
-        if torch.promote_types(x.dtype, self.conv_state.dtype) != self.conv_state.dtype:
+        state_dtype = self.conv_state.dtype
+        if x.dtype != state_dtype and torch.promote_types(x.dtype, state_dtype) != state_dtype:
             # The tail is stored in the state's dtype: one narrower than x would round it at every step
             # boundary, so outputs would depend on how the stream was cut (SPEC §5.1).
             raise HebrusError(f"GDNState.conv: x is {x.dtype} but the conv state is {self.conv_state.dtype}, which "
@@ -216,7 +217,11 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
             got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise HebrusError(f"GDNState.conv: layer {layer} weight must be [conv_dim, K] = {list(want)} (or "
                               f"transformers' [conv_dim, 1, K]), got {got}")
-        weight = weight.reshape(want).to(device=x.device, dtype=x.dtype)
+        # (Each call only where it changes something, as PLEState.conv: the same weight reaches the op.)
+        if weight.shape != want:
+            weight = weight.reshape(want)
+        if weight.dtype != x.dtype or weight.device != x.device:
+            weight = weight.to(device=x.device, dtype=x.dtype)
         pool = self.conv_state[layer]
         index = self._slot_index(slots, pool.device)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

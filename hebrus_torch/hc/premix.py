@@ -24,9 +24,21 @@ from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 __all__ = ["hyper_premix", "post_combine", "fused_norm", "premix_by_modules", "post_combine_by_ops"]
 
 
+_TRANSFORMERS_CLASS: dict[type, str | None] = {}
+"""Class -> its name where the class is one of transformers' own (defined in a ``transformers.`` module), else
+None: a fact of the class, asked once per class rather than per call."""
+
+
+def _transformers_name(cls: type) -> str | None:
+    if cls in _TRANSFORMERS_CLASS:
+        return _TRANSFORMERS_CLASS[cls]
+    name = cls.__name__ if cls.__module__.startswith("transformers.") else None
+    _TRANSFORMERS_CLASS[cls] = name
+    return name
+
+
 def _is_stock_rms_norm(norm: torch.nn.Module) -> bool:
-    cls = type(norm)
-    return cls.__name__ == "Qwen4ExpTextRMSNorm" and cls.__module__.startswith("transformers.") \
+    return _transformers_name(type(norm)) == "Qwen4ExpTextRMSNorm" \
         and not norm._forward_hooks and not norm._forward_pre_hooks
 
 
@@ -43,22 +55,42 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool:
-    return type(linear) is torch.nn.Linear and linear.bias is None and linear.weight.dtype == dtype \
-        and not linear._forward_hooks and not linear._forward_pre_hooks
+    if type(linear) is not torch.nn.Linear or linear._forward_hooks or linear._forward_pre_hooks:
+        return False
+    params = linear._parameters          # (weight and bias live here: read without Module.__getattr__)
+    return params["bias"] is None and params["weight"].dtype == dtype
+
+
+def _sub(module: torch.nn.Module, name: str):
+    """``getattr(module, name)`` for a submodule, read from ``module._modules`` (no ``Module.__getattr__``); a
+    name set to None before any module was assigned to it lives in the instance's ``__dict__`` instead."""
+    found = module._modules.get(name, _ABSENT)
+    return getattr(module, name) if found is _ABSENT else found
+
+
+_ABSENT = object()
 
 
 def _projections(hc: torch.nn.Module) -> list[torch.nn.Module]:
-    return [p for p in (hc.input_mix_weight_down, hc.input_mix_weight_up, hc.block_inject_weight) if p is not None]
+    return [p for p in (_sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up"),
+                        _sub(hc, "block_inject_weight")) if p is not None]
 
 
 def _stock_norm(hc: torch.nn.Module, h: torch.Tensor) -> bool:
-    return _is_stock_rms_norm(hc.hc_norm) and hc.hc_norm.group_size == hc.hidden_size \
-        and hc.hc_norm.weight.dtype in _FLOATS and h.dtype in _FLOATS
+    norm = _sub(hc, "hc_norm")
+    return _is_stock_rms_norm(norm) and norm.group_size == hc.hidden_size \
+        and norm._parameters["weight"].dtype in _FLOATS and h.dtype in _FLOATS
 
 
 def _fusable_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
     """Whether ``hc(h)`` is exactly ``hebrus::hc_premix`` of its weights (stock norm, plain projections)."""
-    return _stock_norm(hc, h) and all(_is_plain_linear(p, h.dtype) for p in _projections(hc))
+    if not _stock_norm(hc, h):
+        return False
+    dtype = h.dtype
+    for p in _projections(hc):
+        if not _is_plain_linear(p, dtype):
+            return False
+    return True
 
 
 def _is_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype, bits: int, group_size: int) -> bool:
@@ -79,15 +111,22 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     """``hc(h)`` of a ``Qwen4ExpTextGatedResidual`` for h [T, hc * hidden]: (mixed [T, hidden], h,
     injection weights [T, hc]), or only mixed where the module has no ``block_inject_weight``. One
     ``hc_premix`` dispatch where the module is stock (:func:`_fusable_premix`), one ``hc_premix_quantized``
-    where its projections are the converter's QuantizedLinear (:func:`_fusable_quantized_premix`)."""
-    if type(hc).__name__ != "Qwen4ExpTextGatedResidual" or not type(hc).__module__.startswith("transformers.") \
-            or hc._forward_hooks or hc._forward_pre_hooks or h.dim() != 2 \
-            or h.shape[-1] != hc.hc_count * hc.hidden_size:
+    where its projections are the converter's QuantizedLinear (:func:`_fusable_quantized_premix`).
+
+    Called for every hyper-connection of every layer and step: the checks read the modules' own dicts
+    (``_modules``, ``_parameters``) rather than through ``nn.Module.__getattr__`` (the same objects), and the
+    class test is cached per class; hooks, submodules and weights are read afresh on every call, so a module
+    wrapped or hooked between steps takes the module path from its next call."""
+    if _transformers_name(type(hc)) != "Qwen4ExpTextGatedResidual" or hc._forward_hooks or hc._forward_pre_hooks \
+            or h.dim() != 2 or h.shape[-1] != hc.hc_count * hc.hidden_size:
         return hc(h)
     if _fusable_premix(hc, h):
-        inject = hc.block_inject_weight.weight if hc.block_inject_weight is not None else None
-        mixed, weights = hc_premix(h, hc.hc_norm.weight, hc.input_mix_weight_down.weight,
-                                   hc.input_mix_weight_up.weight, inject, hc.hc_count, float(hc.hc_norm.eps))
+        inj = _sub(hc, "block_inject_weight")
+        inject = inj._parameters["weight"] if inj is not None else None
+        norm = _sub(hc, "hc_norm")
+        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
+        mixed, weights = hc_premix(h, norm._parameters["weight"], down._parameters["weight"],
+                                   up._parameters["weight"], inject, hc.hc_count, float(norm.eps))
         return mixed if inject is None else (mixed, h, weights)
     if _fusable_quantized_premix(hc, h):
         down, up, inj = hc.input_mix_weight_down, hc.input_mix_weight_up, hc.block_inject_weight

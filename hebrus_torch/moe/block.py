@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
+from ..module_calls import linear
 from ..integrations.qwen4_exp.common import _modeling          # (transformers itself is imported lazily)
 from .ops import moe_experts, moe_route, moe_shared_expert, moe_shared_expert_quantized
 from .quantized_linear import QuantizedLinear
@@ -95,7 +96,7 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
     if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
             torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
         logits = F.linear(x, gate.weight)
-        shared_logit = mlp.shared_expert_gate(x)
+        shared_logit = linear(mlp.shared_expert_gate, x)
         if _fuse_elementwise(x, fused) and shared_logit.dtype == logits.dtype \
                 and not (torch.is_grad_enabled() and shared_logit.requires_grad):
             ids, weights = moe_route(logits, shared_logit, gate.top_k, gate.norm_topk_prob)

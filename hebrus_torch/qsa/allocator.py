@@ -28,7 +28,7 @@ class _Allocator:
         per sequence, and the scan is O(capacity): 0.45 ms a step at 65536 cells); None otherwise."""
         if self._alloc_generator is not None or head + count > ref.numel():
             return None
-        if bool((ref[head:head + count] != 0).any()) or bool(precious[head:head + count].any()):
+        if bool(ref[head:head + count].any()) or bool(precious[head:head + count].any()):     # (any: nonzero)
             return None
         return torch.arange(head, head + count, dtype=torch.int64)
 
@@ -55,8 +55,13 @@ class _Allocator:
                 raise CapacityError(f"QSACache: {count} cells needed but only {nfree} of {self.capacity} are free "
                                     f"(cell capacity exhausted)")
             chosen = self._pick(free, count, self._cell_head, self._freed_cells)
-        self._log_content(chosen[self._freed_cells[chosen]])
-        self._cell_head = (int(chosen[-1]) + 1) % self.capacity
+            freed = self._freed_cells[chosen]
+            if bool(freed.any()):                   # (a mask gather only where some cell was freed in this block)
+                self._log_content(chosen[freed])
+            last = int(chosen[-1])
+        else:               # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
+            last = self._cell_head + count - 1
+        self._cell_head = (last + 1) % self.capacity
         self._set(self.cell_ref, chosen, 1)
         if bool(self._unwritten[:, chosen].any()):
             self._set(self._unwritten, (slice(None), chosen), False)
@@ -90,13 +95,16 @@ class _Allocator:
                 self._grow_rows(count - nfree)
                 free = self.group_ref == 0
             chosen = self._pick(free, count, self._row_head, self._freed_rows)
-        pre = chosen[self._freed_rows[chosen]]
-        if pre.numel():
-            txn = self._txn
-            at = self._dev(pre)
-            txn.log.append((self.pooled, (slice(None), at), self.pooled[:, at].clone()))
-            txn.log.append((self._pending, (slice(None), pre), self._pending[:, pre].clone()))
-        self._row_head = (int(chosen[-1]) + 1) % self.group_capacity
+            pre = chosen[self._freed_rows[chosen]]
+            if pre.numel():
+                txn = self._txn
+                at = self._dev(pre)
+                txn.log.append((self.pooled, (slice(None), at), self.pooled[:, at].clone()))
+                txn.log.append((self._pending, (slice(None), pre), self._pending[:, pre].clone()))
+            last = int(chosen[-1])
+        else:               # (the head's rows, none freed in this block: _at_head checked; no read of chosen)
+            last = self._row_head + count - 1
+        self._row_head = (last + 1) % self.group_capacity
         self._set(self.group_ref, chosen, 1)
         return chosen
 

@@ -23,6 +23,11 @@ from .planning import ReservedChunk
 from .runs import MAX_POSITION, _Run, _Vec, first_hole, window_start
 
 
+_LISTED_POSITIONS = 64
+"""Up to this many tokens, ``reserve`` lists the chunk's positions on the host (a decode step's rows); a longer
+chunk computes them with tensor ops (faster than a Python list there). The same tensor either way."""
+
+
 class _Lifecycle:
     """Per-sequence runs of :class:`QSACache` and the operations on them."""
 
@@ -224,15 +229,21 @@ class _Lifecycle:
                 anchors.append(run.p0)
             total = sum(counts)
             cells = self._alloc_cells(total)
-            counts_t = torch.tensor(counts, dtype=torch.int64)
-            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-            if seqs:
-                cu[1:] = torch.cumsum(counts_t, 0)
-            # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
-            # no position, so any start in range will do)
-            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
-            offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
-            positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
+            bounds = [0]
+            for c in counts:
+                bounds.append(bounds[-1] + c)      # the row boundaries (cu_seqlens), from the host's counts
+            cu = torch.tensor(bounds, dtype=torch.int64)
+            if total <= _LISTED_POSITIONS:
+                # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
+                # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
+                positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
+            else:
+                counts_t = torch.tensor(counts, dtype=torch.int64)
+                # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
+                # no position, so any start in range will do)
+                starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
+                offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
+                positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
             if total:
                 self._set(self.cell_pos, cells, positions)
                 self._set(self._unwritten, (slice(None), cells), True)
@@ -240,9 +251,6 @@ class _Lifecycle:
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
             n_groups: list[int] = []
-            bounds = [0]
-            for c in counts:
-                bounds.append(bounds[-1] + c)      # = cu, from the host's counts (no read back)
             for i, (slot, run) in enumerate(zip(slots, runs)):
                 grown = _Run(run.p0, run.n + counts[i], run.cells.extend(cells[bounds[i]:bounds[i + 1]]), run.groups)
                 new_runs.append(grown)
@@ -260,8 +268,12 @@ class _Lifecycle:
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
             self._txn.evict.update(evict)
             dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu.to(torch.int32))
-            return ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
-                                 self._txn.token, tuple(starts), tuple(anchors), cells, positions)
+            chunk = ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
+                                  self._txn.token, tuple(starts), tuple(anchors), cells, positions)
+            # Its cells hold its positions with a reference each, by construction: what _check_chunk reads, under
+            # the layout key as it is now (any later change of runs or cells makes the first check read them).
+            self._chunk_checked = (self._layout_key(chunk), tuple(slots))
+            return chunk
 
     def held_chunk(self, seqs: Sequence[SeqHandle], positions: Sequence[Sequence[int]]) -> ReservedChunk:
         """A chunk over positions the sequences already hold (row i: ``positions[i]`` of ``seqs[i]``, in any order,
@@ -355,7 +367,12 @@ class _Lifecycle:
             if t == 0:
                 return
             cells, dev_cells = chunk._host()[0], chunk.cells
-            written = cells[~self._unwritten[layer, cells]]   # a rewrite: keep the old content for undo
+            # A rewrite keeps the old content for undo. (A boolean-mask gather costs a nonzero pass, several times
+            # an any(): it runs only where some cell was written before.) The flags read here (a copy) are also
+            # the undo entry of clearing them below: nothing between changes them.
+            unwritten_before = self._unwritten[layer, cells]
+            rewritten = ~unwritten_before
+            written = cells[rewritten] if bool(rewritten.any()) else cells[:0]
             if written.numel():
                 txn = self._txn
                 at = self._dev(written)
@@ -363,15 +380,25 @@ class _Lifecycle:
                     tt = getattr(self, name)
                     if tt is not None:
                         txn.log.append((tt, (layer, at), tt[layer, at].clone()))
-            # The cache carries no autograd history: activations that require grad are stored detached.
-            self.keys[layer].index_copy_(0, dev_cells, keys.detach().to(device=self.device, dtype=self.dtype))
+            device = self.device
+            self.keys[layer].index_copy_(0, dev_cells, self._as_stored(keys, device))
             if self.has_kv:
-                self.k_cache[layer].index_copy_(0, dev_cells, k.detach().to(device=self.device, dtype=self.dtype))
-                self.v_cache[layer].index_copy_(0, dev_cells, v.detach().to(device=self.device, dtype=self.dtype))
+                self.k_cache[layer].index_copy_(0, dev_cells, self._as_stored(k, device))
+                self.v_cache[layer].index_copy_(0, dev_cells, self._as_stored(v, device))
             if written.numel():
                 self._repool_touching(layer, written)
-            self._set(self._unwritten, (layer, cells), False)
+            self._set(self._unwritten, (layer, cells), False, old=unwritten_before)
+            # (plan's "keys written" check of this chunk and layer needs no read while nothing it reads changes:
+            # flags are set again only for cells taken afresh, or by an undo, both of which change the layout key)
+            self._txn.written[layer] = (self._layout_key(chunk),)
             self._resolve_pending(layer)
+
+    def _as_stored(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """x as the cache stores it: detached (the cache carries no autograd history: activations that require grad
+        are stored detached), on the cache's device, in its dtype; x itself where it already is (no op)."""
+        if x.requires_grad or x.dtype != self.dtype or x.device != device:
+            return x.detach().to(device=device, dtype=self.dtype)
+        return x
 
     def append(self, seq: SeqHandle, keys_per_layer: Sequence[torch.Tensor], first_position: int | None = None,
                k: Sequence[torch.Tensor] | None = None, v: Sequence[torch.Tensor] | None = None) -> ReservedChunk:

@@ -174,7 +174,8 @@ class _Planning:
         # Everything up to the selection is decided on the host bookkeeping (runs, cell_pos, the chunk's
         # host cells and positions); the kernels get their index tensors uploaded, none read back.
         cells_h, pos_h = chunk._host()
-        if bool(self._unwritten[layer, cells_h].any()):
+        written = self._txn is not None and self._same_layout(self._txn.written.get(layer), self._layout_key(chunk))
+        if not written and bool(self._unwritten[layer, cells_h].any()):
             raise HebrusError(f"QSACache.plan: layer {layer} keys of this chunk are not written yet; call write first")
         if t == 0:
             self._visible_runs(chunk, slots)                 # (its checks)
@@ -193,7 +194,10 @@ class _Planning:
             rows = self._plan_rows(chunk, slots, cells_h, pos_h)
             if self._txn is not None:
                 self._plan_rows_memo = (key, rows)
-        if rows.flat.numel() and bool(self._pending[layer, rows.flat].any()):
+        # Inside a transaction a pending row is one of txn.pending[layer] (none is left pending at commit), so an
+        # empty list means nothing of this layer is pending: the check needs no ops then.
+        if rows.flat.numel() and (self._txn is None or self._txn.pending[layer]) \
+                and bool(self._pending[layer, rows.flat].any()):
             raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
                               f"earlier chunk not written for this layer)")
         selected = qsa_select(q, self.pooled[layer], rows.sel_groups, rows.sel_row, rows.q_groups, int(top_k))
@@ -222,6 +226,18 @@ class _Planning:
             vis.append(run.cells.tensor()[:nvis])
             grp.append(run.groups.tensor()[:nvis // self.compress_ratio])
         return counts, p0_list, nvis_list, vis, grp
+
+    @staticmethod
+    def _row_pairs(seq_groups: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection rows where every query's anchor is its row's p0: seq_groups Tensor[B, G] int64 of the rows
+        with a query, and per query its selection row Tensor[T] int64 (what ``torch.unique(q_rows * (G + 1),
+        return_inverse=True)`` gives, from the host counts)."""
+        rows = [i for i, c in enumerate(counts) if c]
+        sel_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([counts[i] for i in rows]),
+                                          output_size=sum(counts))
+        if len(rows) == len(counts):
+            return seq_groups, sel_row
+        return seq_groups[torch.tensor(rows, dtype=torch.int64)], sel_row
 
     def _plan_rows(self, chunk: ReservedChunk, slots: list[int], cells_h: torch.Tensor,
                    pos_h: torch.Tensor) -> "_PlanRows":
@@ -264,24 +280,31 @@ class _Planning:
                                 f"{int(pos_h[j])} sees [{int(q_p0[j])}, {int(pos_h[j])}] but the "
                                 f"run now starts at {p0_list[i]} (evicted or moved since reserve: plan a windowed "
                                 f"chunk in the transaction that reserved it)")
-        q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
         # Pooled rows of each row's visible groups, -1 past the end.
         gcounts = [g.numel() for g in grp]
         flat = torch.cat(grp)
         max_g = max(gcounts + [1])
-        seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
-        if flat.numel():
+        if b == 1 and flat.numel():
+            seq_groups = flat.view(1, -1)       # one row (one person's decode): its groups are the table as they are
+        else:
+            seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
+        if flat.numel() and b > 1:
             gc = torch.tensor(gcounts, dtype=torch.int64)
             g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
             g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
                                                                           output_size=flat.numel())
             seq_groups[g_rows, g_cols] = flat
         # One selection row per (row, anchor) pair: the row's groups from the query's anchor on.
-        key = q_rows * (max_g + 1) + q_skip
-        pairs, sel_row = torch.unique(key, return_inverse=True)
-        cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
-        sel_groups = torch.where(cols < max_g, seq_groups[(pairs // (max_g + 1))[:, None], cols.clamp(max=max_g - 1)],
-                                 -1)
+        if self.window is None:
+            # Every query's anchor is its row's p0 (q_skip = 0): one pair per row with queries, in row order.
+            sel_groups, sel_row = self._row_pairs(seq_groups, counts)
+        else:
+            q_skip = (q_p0 - row_p0) // r           # the row's groups before the query's anchor
+            key = q_rows * (max_g + 1) + q_skip
+            pairs, sel_row = torch.unique(key, return_inverse=True)
+            cols = (pairs % (max_g + 1))[:, None] + self._arange(max_g)[None, :]
+            sel_groups = torch.where(cols < max_g,
+                                     seq_groups[(pairs // (max_g + 1))[:, None], cols.clamp(max=max_g - 1)], -1)
         nvis_q = pos_h - q_p0 + 1
         q_groups = (nvis_q // r).to(torch.int32)
         # Padding reads a -1 appended to the visible cells: one gather, no masking pass after it.

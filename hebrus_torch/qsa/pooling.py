@@ -42,18 +42,23 @@ class _Pooling:
         txn = self._txn
         if not txn.pending[layer]:
             return
-        rows = torch.unique(torch.cat(txn.pending[layer]))
-        rows = rows[self._pending[layer, rows]]
+        # (One list entry holds distinct rows already, and only their set matters here; a boolean-mask gather, a
+        # nonzero pass, runs only where the mask drops some rows.)
+        listed = txn.pending[layer]
+        rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
+        still = self._pending[layer, rows]
+        rows = rows if bool(still.all()) else rows[still]
         if rows.numel() == 0:
             txn.pending[layer] = []
             return
         ready = ~self._unwritten[layer][self._pend_cells[rows]].any(dim=1)
-        r_rows = rows[ready]
+        all_ready = bool(ready.all())
+        r_rows = rows if all_ready else rows[ready]
         if r_rows.numel():
             pooled = self._pool(layer, self._pend_cells[r_rows], self._pend_pos[r_rows])
             self.pooled[layer, self._dev(r_rows)] = pooled        # pending rows: content invisible, no undo needed
             self._set(self._pending, (layer, r_rows), False)
-        txn.pending[layer] = [rows[~ready]] if bool((~ready).any()) else []
+        txn.pending[layer] = [] if all_ready else [rows[~ready]]
 
     def _groups_for(self, run: _Run, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.compress_ratio

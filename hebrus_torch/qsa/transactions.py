@@ -30,6 +30,7 @@ class _Txn:
         self.new_cells: list[torch.Tensor] = []                 # cells reserved in this transaction
         self.pending: list[list[torch.Tensor]] = []             # per layer: rows that may be pending
         self.evict: dict[int, int] = {}                         # window: slot -> p0 once its chunk is planned
+        self.written: dict[int, tuple] = {}     # layer -> (layout key,) of the chunk write cleared its flags for
         self.base: _Savepoint | None = None
         self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
 
@@ -51,9 +52,11 @@ class _Savepoint:
 class _Transactions:
     """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
 
-    def _set(self, tensor: torch.Tensor, idx: Any, value: Any) -> None:
+    def _set(self, tensor: torch.Tensor, idx: Any, value: Any, old: torch.Tensor | None = None) -> None:
         """``tensor[idx] = value`` with the old values recorded in the undo log. ``idx`` and ``value`` are
-        host data; for a device tensor their tensors are uploaded first."""
+        host data; for a device tensor their tensors are uploaded first. ``old``: the caller's copy of
+        ``tensor[idx]`` as it is now, a tensor of its own (a host tensor's advanced-index gather), logged
+        instead of gathering it again."""
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
         if tensor.device.type != "cpu":
@@ -61,7 +64,7 @@ class _Transactions:
                 if isinstance(idx, tuple) else (self._dev(idx) if isinstance(idx, torch.Tensor) else idx)
             if isinstance(value, torch.Tensor) and value.dim():
                 value = self._dev(value)
-        txn.log.append((tensor, idx, tensor[idx].clone()))
+        txn.log.append((tensor, idx, tensor[idx].clone() if old is None else old))
         tensor[idx] = value
         if tensor is self.cell_pos or tensor is self.cell_ref:
             self._cells_version += 1
@@ -120,9 +123,12 @@ class _Transactions:
         txn = self._txn
         for slot in sorted(txn.evict):
             self._settle(slot)
-        cells = torch.unique(torch.cat(txn.new_cells)) if txn.new_cells else None
+        # One allocation's cells are distinct already (and only their set matters below): unique only merges.
+        cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
+            if txn.new_cells else None
         if cells is not None:
-            live = cells[self.cell_ref[cells] > 0]
+            held = self.cell_ref[cells] > 0
+            live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
             for layer in range(self.num_layers) if bool(unwritten.any()) else ():
                 miss = live[unwritten[layer]]

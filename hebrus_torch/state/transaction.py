@@ -99,6 +99,15 @@ def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
     _end(begun, "_txn_finish")
 
 
+def _distinct(members) -> list[Transactional]:
+    """``members`` in order, each object once (by identity)."""
+    out: list[Transactional] = []
+    for m in members:
+        if all(m is not u for u in out):
+            out.append(m)
+    return out
+
+
 def _roll_back(holders) -> None:
     _end(holders, "_txn_rollback")
 
@@ -122,15 +131,21 @@ def _end(holders, hook: str) -> None:
 def atomic(*holders: Transactional) -> Iterator[None]:
     """Run one operation atomically: as its own transaction over ``holders`` when none is open, else
     between savepoints of the open one (a failure undoes this operation only, and re-raises)."""
-    members: list[Transactional] = []
-    for holder in holders:
-        members += [m for m in holder._txn_members() if all(m is not u for u in members)]
-    if not any(m.in_transaction for m in members):
+    # (Every holder operation inside a step's transaction passes here: the common case, one holder whose one
+    # member is in the open transaction, reads each flag once and builds no list it does not use.)
+    if len(holders) == 1:
+        members = holders[0]._txn_members()
+        if len(members) > 1:
+            members = _distinct(members)
+    else:
+        members = _distinct(m for holder in holders for m in holder._txn_members())
+    inside = [m.in_transaction for m in members]
+    if not any(inside):
         with transaction(*members):
             yield
         return
-    outside = [type(m).__name__ for m in members if not m.in_transaction]
-    if outside:
+    if not all(inside):
+        outside = [type(m).__name__ for m, on in zip(members, inside) if not on]
         raise HebrusError(f"an operation over {', '.join(type(m).__name__ for m in members)} runs inside a "
                           f"transaction that does not include {', '.join(outside)}")
     savepoints = [(m, m._txn_savepoint()) for m in members]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ...hc.premix import _is_stock_rms_norm, fused_norm
+from ...module_calls import linear
 from ...qsa.ops import rms_norm_rope, sigmoid_gate
 
 if TYPE_CHECKING:
@@ -45,8 +46,8 @@ def _raw_projections(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tens
     """q (not normed), k (not normed), v Tensor[..., H(kv), Dh] and the gate Tensor[..., H, Dh] (a view of
     q_proj's output, as q)."""
     lead, hd = x.shape[:-1], attn.head_dim
-    q, gate = torch.chunk(attn.q_proj(x).view(*lead, -1, hd * 2), 2, dim=-1)
-    return q, attn.k_proj(x).view(*lead, -1, hd), attn.v_proj(x).view(*lead, -1, hd), gate
+    q, gate = torch.chunk(linear(attn.q_proj, x).view(*lead, -1, hd * 2), 2, dim=-1)
+    return q, linear(attn.k_proj, x).view(*lead, -1, hd), linear(attn.v_proj, x).view(*lead, -1, hd), gate
 
 
 def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -62,7 +63,7 @@ def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch
         (one index kv head).
     """
     d = indexer.index_head_dim
-    q, token_k = torch.split(indexer.index_qk_proj(x), [indexer.index_n_heads * d, indexer.index_kv_heads * d],
+    q, token_k = torch.split(linear(indexer.index_qk_proj, x), [indexer.index_n_heads * d, indexer.index_kv_heads * d],
                              dim=-1)
     lead = x.shape[:-1]
     q, raw_keys = q.reshape(*lead, -1, d), token_k.reshape(*lead, -1, d).squeeze(-2)
@@ -110,7 +111,7 @@ def _gated_heads(attn: torch.nn.Module, out: torch.Tensor, gate: torch.Tensor) -
     """:func:`gated_output` of out Tensor[T, H, Dv] and the gate's heads Tensor[T, H, Dh]: one
     ``hebrus::sigmoid_gate`` dispatch (the gate read in place) where the shapes and dtypes match, then ``o_proj``."""
     if out.dim() == 3 and out.shape == gate.shape and out.dtype == gate.dtype:
-        return attn.o_proj(sigmoid_gate(out, gate).view(out.shape[0], -1))
+        return linear(attn.o_proj, sigmoid_gate(out, gate).view(out.shape[0], -1))
     return gated_output(attn, out, gate.reshape(*gate.shape[:-2], -1))
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ...gdn.fused import _sigmoid, _softplus, layer_gates, output_norm  # noqa: F401 (_sigmoid, _softplus: their old home)
+from ...module_calls import linear
 
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
@@ -45,16 +46,16 @@ def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
     T = hidden.shape[0]
     hk, hv = module.num_k_heads, module.num_v_heads
     dk, dv = module.head_k_dim, module.head_v_dim
-    mixed = module.in_proj_qkv(hidden)                                   # [T, conv_dim]
-    z = module.in_proj_z(hidden).reshape(T, hv, dv)
-    b = module.in_proj_b(hidden)
-    a = module.in_proj_a(hidden)
+    mixed = linear(module.in_proj_qkv, hidden)                                   # [T, conv_dim]
+    z = linear(module.in_proj_z, hidden).reshape(T, hv, dv)
+    b = linear(module.in_proj_b, hidden)
+    a = linear(module.in_proj_a, hidden)
     g, beta = layer_gates(module, a, b)
     mixed = conv(mixed, module.conv1d.weight, module.activation)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     out = delta_rule(q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
     out = output_norm(module.norm, out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
-    return module.out_proj(out)
+    return linear(module.out_proj, out)
 
 
 def packed_gated_delta_net(step: ChunkStep, layer_idx: int, module: torch.nn.Module,
