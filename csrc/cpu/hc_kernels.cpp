@@ -25,6 +25,23 @@ at::Tensor hc_rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, int64_
   return out.mul(weight.to(at::kFloat).add(1.0)).to(x.scalar_type()).view(x.sizes());
 }
 
+enum class HcProjection { kDown, kUp, kInject };
+
+// The pre-mix after its checks, each projection `project(x, which)` (a dense or a quantized linear): the module's
+// sequence, so hc_premix and hc_premix_quantized give premix_by_modules' bits for their kinds of projection.
+template <typename Project>
+std::tuple<at::Tensor, at::Tensor> premix_sequence(const at::Tensor& h, const at::Tensor& norm_weight,
+                                                   const HcPremixSizes& sz, int64_t hc_count, double eps,
+                                                   bool has_inject, Project project) {
+  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
+  const at::Tensor low = at::silu(project(normed, HcProjection::kDown).div(hc_count));
+  const at::Tensor weight = at::sigmoid(project(low, HcProjection::kUp)).unflatten(-1, {sz.hc, sz.hidden});
+  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
+  at::Tensor injection = has_inject ? at::sigmoid(project(normed, HcProjection::kInject).div(hc_count)).mul(2)
+                                    : at::empty({sz.rows, 0}, h.options());
+  return {mixed, injection};
+}
+
 // Qwen4ExpTextGatedResidual.forward's ATen sequence (the projections are F.linear of plain nn.Linear
 // weights without bias, as the module's own calls): the module's bits, in one dispatch.
 std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::Tensor& norm_weight,
@@ -36,13 +53,9 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::
                                                       {"up", &up}});
   if (has_inject) check_on_device("hc_premix", c10::DeviceType::CPU, {{"h", &h}, {"inject", &*inject}});
   const HcPremixSizes sz = check_hc_premix_args(h, norm_weight, down, up, inject, hc_count, eps);
-  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
-  const at::Tensor low = at::silu(at::linear(normed, down).div(hc_count));
-  const at::Tensor weight = at::sigmoid(at::linear(low, up)).unflatten(-1, {sz.hc, sz.hidden});
-  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
-  at::Tensor injection = has_inject ? at::sigmoid(at::linear(normed, *inject).div(hc_count)).mul(2)
-                                    : at::empty({sz.rows, 0}, h.options());
-  return {mixed, injection};
+  return premix_sequence(h, norm_weight, sz, hc_count, eps, has_inject, [&](const at::Tensor& x, HcProjection which) {
+    return at::linear(x, which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject);
+  });
 }
 
 // hc_premix's sequence with each projection a QuantizedLinear call (hebrus::quantized_linear's CPU kernel):
@@ -65,16 +78,12 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_quantized_cpu(
   const HcQuantProjection down{"down", &down_q, &down_scales, &down_biases}, up{"up", &up_q, &up_scales, &up_biases};
   const HcPremixSizes sz =
       check_hc_premix_quantized_args(h, norm_weight, down, up, inject, hc_count, eps, group_size, bits);
-  auto linear = [&](const at::Tensor& x, const HcQuantProjection& w) {
-    return quantized_linear_cpu(x, *w.q, *w.scales, *w.biases, group_size, bits);
-  };
-  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
-  const at::Tensor low = at::silu(linear(normed, down).div(hc_count));
-  const at::Tensor weight = at::sigmoid(linear(low, up)).unflatten(-1, {sz.hc, sz.hidden});
-  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
-  at::Tensor injection = inject.has_value() ? at::sigmoid(linear(normed, *inject).div(hc_count)).mul(2)
-                                            : at::empty({sz.rows, 0}, h.options());
-  return {mixed, injection};
+  return premix_sequence(h, norm_weight, sz, hc_count, eps, inject.has_value(),
+                         [&](const at::Tensor& x, HcProjection which) {
+                           const HcQuantProjection& w =
+                               which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject;
+                           return quantized_linear_cpu(x, *w.q, *w.scales, *w.biases, group_size, bits);
+                         });
 }
 
 // The decoder layer's post-combine, hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2): the
