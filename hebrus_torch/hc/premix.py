@@ -61,14 +61,14 @@ def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool
     return params["bias"] is None and params["weight"].dtype == dtype
 
 
+_ABSENT = object()
+
+
 def _sub(module: torch.nn.Module, name: str):
     """``getattr(module, name)`` for a submodule, read from ``module._modules`` (no ``Module.__getattr__``); a
     name set to None before any module was assigned to it lives in the instance's ``__dict__`` instead."""
     found = module._modules.get(name, _ABSENT)
     return getattr(module, name) if found is _ABSENT else found
-
-
-_ABSENT = object()
 
 
 def _projections(hc: torch.nn.Module) -> list[torch.nn.Module]:
@@ -101,7 +101,7 @@ def _is_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype, bits: int,
 def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
     """Whether ``hc(h)`` is exactly ``hebrus::hc_premix_quantized`` of its weights (stock norm, every projection a
     QuantizedLinear of one bits and group size)."""
-    down = hc.input_mix_weight_down
+    down = _sub(hc, "input_mix_weight_down")
     if not _stock_norm(hc, h) or type(down) is not QuantizedLinear:
         return False
     return all(_is_quantized_linear(p, h.dtype, down.bits, down.group_size) for p in _projections(hc))
@@ -129,9 +129,10 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
                                    up._parameters["weight"], inject, hc.hc_count, float(norm.eps))
         return mixed if inject is None else (mixed, h, weights)
     if _fusable_quantized_premix(hc, h):
-        down, up, inj = hc.input_mix_weight_down, hc.input_mix_weight_up, hc.block_inject_weight
+        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
+        inj = _sub(hc, "block_inject_weight")
         inject = (inj.weight, inj.scales, inj.biases) if inj is not None else (None, None, None)
-        mixed, weights = hc_premix_quantized(h, hc.hc_norm.weight, down.weight, down.scales, down.biases, up.weight,
+        mixed, weights = hc_premix_quantized(h, _sub(hc, "hc_norm")._parameters["weight"], down.weight, down.scales, down.biases, up.weight,
                                              up.scales, up.biases, *inject, hc.hc_count, float(hc.hc_norm.eps),
                                              down.group_size, down.bits)
         return mixed if inj is None else (mixed, h, weights)
