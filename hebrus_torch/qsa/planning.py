@@ -288,12 +288,12 @@ class _Planning:
             seq_groups = flat.view(1, -1)       # one row (one person's decode): its groups are the table as they are
         else:
             seq_groups = torch.full((b, max_g), -1, dtype=torch.int64)
-        if flat.numel() and b > 1:
-            gc = torch.tensor(gcounts, dtype=torch.int64)
-            g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
-            g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
-                                                                          output_size=flat.numel())
-            seq_groups[g_rows, g_cols] = flat
+            if flat.numel():
+                gc = torch.tensor(gcounts, dtype=torch.int64)
+                g_rows = torch.repeat_interleave(torch.arange(b), gc, output_size=flat.numel())
+                g_cols = self._arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(gc, 0) - gc, gc,
+                                                                              output_size=flat.numel())
+                seq_groups[g_rows, g_cols] = flat
         # One selection row per (row, anchor) pair: the row's groups from the query's anchor on.
         if self.window is None:
             # Every query's anchor is its row's p0 (q_skip = 0): one pair per row with queries, in row order.
