@@ -110,6 +110,14 @@ def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=like.device)
 
 
+def _place_known(previous: torch.Tensor, at: Sequence[int], streams: Sequence[torch.Tensor | None]) -> None:
+    """previous[at[i]] = streams[i] for each stream that is known (not None), in one copy: the rows of the other
+    entries keep their zeros (an entry at a sequence's first position has no stream before it)."""
+    known = [i for i, s in enumerate(streams) if s is not None]
+    if known:
+        previous.index_copy_(0, _index([at[i] for i in known], previous), torch.stack([streams[i] for i in known]))
+
+
 class _Discard(Exception):
     """Raised at the end of drafting: the drafting transaction publishes nothing."""
 
@@ -197,10 +205,7 @@ class MTPDrafter:
         deferred = self._defer(step, starts, counts, firsts, first_at, staged)
         if deferred != ():
             previous = h.new_zeros(h.shape)
-            known = [i for i, f in enumerate(firsts) if f is not None]
-            if known:
-                previous.index_copy_(0, _index([first_at[i] for i in known], h),
-                                     torch.stack([firsts[i] for i in known]))
+            _place_known(previous, first_at, firsts)
             if shifted:
                 previous.index_copy_(0, _index([i + 1 for i in shifted], h), h.index_select(0, _index(shifted, h)))
             with timed("mtp"):
@@ -307,9 +312,7 @@ class MTPDrafter:
             tokens = torch.cat([t for _, t in rows])
             like = self.trunk.text.embed_tokens.weight
             previous = torch.zeros((len(rows), self.width), dtype=like.dtype, device=device)
-            known = [i for i, (b, _) in enumerate(rows) if b is not None]
-            if known:
-                previous.index_copy_(0, _index(known, previous), torch.stack([rows[i][0] for i in known]))
+            _place_known(previous, range(len(rows)), [before for before, _ in rows])
             flat = [q for span in spans for q in span]
             positions = torch.tensor(flat, dtype=torch.int64, device=device)
             cos, sin = self.trunk.rope_rows(positions, max(flat), previous)
