@@ -106,16 +106,16 @@ class _Keys:
         return self.k, self.v
 
 
-def chain_mask(t: int, first: int, chains: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def chain_mask(t: int, first: int, chains: int, step: int) -> torch.Tensor:
     """Bool Tensor[chains, t + (step - 1) * chains]: what draft step ``step`` (1-based, >= 2) of the chains from
     frontiers ``first``, ``first + 1``, ... sees among the keys of step 1 (the t entries a trunk step writes,
     position q built from the trunk's streams at q - 1 and the token at q) and of steps 2..step (``chains``
     entries each, chain c's at position first + c + i - 1): the step-1 entries at positions <= its frontier and
     its own chain's later entries, as the drafter's cache holds them when it runs pass ``step`` from that
     frontier."""
-    frontier = first + torch.arange(chains, device=device)[:, None]
-    trunk = torch.arange(t, device=device)[None, :] <= frontier
-    own = torch.eye(chains, dtype=torch.bool, device=device).repeat(1, step - 1)
+    frontier = first + torch.arange(chains)[:, None]
+    trunk = torch.arange(t)[None, :] <= frontier
+    own = torch.eye(chains, dtype=torch.bool).repeat(1, step - 1)
     return torch.cat([trunk, own], dim=1)
 
 
@@ -138,15 +138,15 @@ def unrolled_logits(model, mtp, inputs: torch.Tensor, tokens: torch.Tensor, firs
     eager = mtp.block.self_attn.config._attn_implementation == "eager"
     keys = _Keys()
     x = mtp.fuse(inputs, embed(tokens))                                                   # step 1: [B, T, W]
-    rows = torch.arange(t, device=tokens.device)
+    rows = torch.arange(t)
     out = []
     for j in range(1, unroll + 1):
         if j == 1:
             mask = causal_mask(mtp, t, x)
         else:
-            mask = chain_mask(t, first, chains, j, tokens.device)[None, None]
+            mask = chain_mask(t, first, chains, j)[None, None]
             if eager:
-                mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, torch.finfo(x.dtype).min)
+                mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, torch.finfo(x.dtype).min)
         cos_sin = rotary(x[..., :mtp.hidden_size], (rows + j - 1).view(1, 1, -1).expand(3, batch, -1))
         h = mtp.block(x, position_embeddings=cos_sin, attention_mask=mask.expand(batch, 1, -1, -1),
                       past_key_values=keys)
@@ -157,65 +157,34 @@ def unrolled_logits(model, mtp, inputs: torch.Tensor, tokens: torch.Tensor, firs
         if j < unroll:                              # step j + 1 of chain c: these streams, the token at p_c + j
             nxt = torch.cat([tokens[:, first + j:], tokens[:, -1:].expand(-1, j)], dim=1)[:, :chains]
             x = mtp.fuse(h, embed(nxt))                                # (chains past the end: unused)
-            rows = first + torch.arange(chains, device=tokens.device)
+            rows = first + torch.arange(chains)
     return out
 
 
-def greedy_continuations(model, prompts: list[list[int]], new: int, batch: int = 512) -> torch.Tensor:
-    """The model's greedy continuations by transformers' ``generate`` on the model's device (the corpus where
-    the engine, a CPU runtime, would take too long: a GPU): Tensor[N, prompt + new] int64, on the CPU. Fp32
-    throughout (TF32 off), so the tokens are the engine's but where two logits tie within a GPU's rounding."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    device = next(model.parameters()).device
-    out = []
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[i:i + batch], device=device)
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(seq.cpu())
-    return torch.cat(out)
-
-
-def corpus(model, size: int, keep: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training corpus: ``size`` prompts of 64 random tokens (seed 11), each with the model's 128 greedy
-    tokens (the engine's on the CPU, ``greedy_continuations`` on another device) -> (seqs Tensor[N, T] int64,
-    streams Tensor[N, T, hc * hidden]: the trunk's pre-mixer streams), on the model's device. ``keep``: a file
-    the corpus is read from when it holds this corpus, else written to."""
-    g = torch.Generator().manual_seed(11)
-    vocab = model.config.vocab_size
-    device = next(model.parameters()).device
-    prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(size)]
-    kept = torch.load(keep) if keep is not None and keep.exists() else None
-    if kept is not None and kept["seqs"].shape == (size, PROMPT + CORPUS_NEW):
-        return kept["seqs"].to(device), kept["streams"].to(device)
-    if device.type == "cpu":
-        with torch.inference_mode():
-            out = generate(model, prompts, CORPUS_NEW)["out"]
-        seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])           # [N, T]
-    else:
-        seqs = greedy_continuations(model, prompts, CORPUS_NEW).to(device)
-    chunk = 8 if device.type == "cpu" else 256
-    streams = torch.cat([trunk_streams(model, seqs[i:i + chunk]) for i in range(0, len(seqs), chunk)])
-    if keep is not None:
-        torch.save({"seqs": seqs.cpu(), "streams": streams.cpu()}, keep)
-    return seqs, streams
-
-
-def train(model, mtp, seconds: float, corpus_size: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0,
-          keep: Path | None = None, batch: int = 8) -> dict:
-    """Training of ``mtp`` on the model's greedy continuations (``corpus``), on the model's device; returns
-    what it did.
+def train(model, mtp, seconds: float, corpus: int, unroll: int = 1, lr: float = 3e-3, warm: float = 0.0,
+          keep: Path | None = None) -> dict:
+    """Training of ``mtp`` on the model's greedy continuations; returns what it did.
 
     ``unroll`` 1: one draft step, teacher-forced (entry p is the trunk's streams at p - 1 and the token at p,
     and predicts the token at p + 1). ``unroll`` k > 1: the draft as the drafter runs it (``unrolled_logits``),
     k steps from every frontier of the continuation, the block fed its own output streams from step 2 on; the
     loss is the sum of the k steps' cross entropies, the gradient flowing through the fed-back streams; the first
-    ``warm`` share of ``seconds`` trains one step teacher-forced (a cheaper step: more of them). Adam on
-    ``batch`` sequences a step; the learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``."""
+    ``warm`` share of ``seconds`` trains one step teacher-forced (a cheaper step: more of them). Adam; the
+    learning rate falls linearly from ``lr`` to a tenth of it over ``seconds``. ``keep``: a file the corpus (its
+    tokens and the trunk's streams) is read from when it holds this corpus, else written to."""
+    g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
-    seqs, streams = corpus(model, corpus_size, keep)
+    prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(corpus)]
+    kept = torch.load(keep) if keep is not None and keep.exists() else None
+    if kept is not None and kept["seqs"].shape == (corpus, PROMPT + CORPUS_NEW):
+        seqs, streams = kept["seqs"], kept["streams"]
+    else:
+        with torch.inference_mode():
+            out = generate(model, prompts, CORPUS_NEW)["out"]
+        seqs = torch.tensor([p + out[f"r{i}"] for i, p in enumerate(prompts)])           # [N, T]
+        streams = torch.cat([trunk_streams(model, seqs[i:i + 8]) for i in range(0, len(seqs), 8)])
+        if keep is not None:
+            torch.save({"seqs": seqs, "streams": streams}, keep)
     inputs = torch.cat([torch.zeros_like(streams[:, :1]), streams[:, :-1]], dim=1)     # entry p: (h_{p-1}, t_p)
     t = seqs.shape[1]
     indexer = mtp.block.self_attn.indexer
@@ -229,10 +198,11 @@ def train(model, mtp, seconds: float, corpus_size: int, unroll: int = 1, lr: flo
     mtp.train()
     opt = torch.optim.Adam(mtp.parameters(), lr=lr)
     steps, warm_steps, losses, t0 = 0, 0, [], time.perf_counter()
+    batch = 8
     while (elapsed := time.perf_counter() - t0) < seconds:
         for group in opt.param_groups:
             group["lr"] = lr * max(0.1, 1.0 - elapsed / seconds)
-        idx = torch.randint(0, len(seqs), (batch,), device=seqs.device)
+        idx = torch.randint(0, len(seqs), (batch,))
         tokens = seqs[idx]
         per_step = [torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
                                                       tokens[:, PROMPT + j:PROMPT + j + logits.shape[1]].reshape(-1))
@@ -252,7 +222,7 @@ def train(model, mtp, seconds: float, corpus_size: int, unroll: int = 1, lr: flo
     last = [statistics.mean(col) for col in zip(*losses[-5:])]
     return {"steps": steps, "seconds": time.perf_counter() - t0, "first": first[0], "last": last[0],
             "first_per_step": first, "last_per_step": last, "unroll": unroll, "lr": lr, "warm_steps": warm_steps,
-            "sequences": len(seqs), "tokens": seqs.numel(), "batch": batch, "device": str(seqs.device)}
+            "sequences": len(seqs), "tokens": seqs.numel()}
 
 
 def copy_model(layers: int) -> torch.nn.Module:
@@ -280,8 +250,7 @@ def copy_model(layers: int) -> torch.nn.Module:
 
 
 def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, retrain: bool, layers: int,
-                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0, init: str | None = None,
-                       device: str = "cpu", batch: int = 8) -> tuple:
+                       unroll: int = 1, lr: float = 3e-3, warm: float = 0.0, init: str | None = None) -> tuple:
     from hebrus_torch.loading import from_pretrained
     from hebrus_torch.testing import random_mtp, save_mtp
 
@@ -297,16 +266,9 @@ def trained_checkpoint(path: Path, seconds: float, corpus: int, threads: int, re
             from hebrus_torch.engine.mtp import mtp_module
 
             mtp.load_state_dict(mtp_module(from_pretrained(init)).state_dict())
-        trunk = model
-        if device != "cpu":     # (transformers' own model of the checkpoint: every weight on the device)
-            from transformers import AutoModelForCausalLM
-
-            trunk = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            trunk.config._experts_implementation = "eager"
-            trunk.to(device)
-        info = dict(train(trunk, mtp.to(device), seconds, corpus, unroll, lr, warm, keep=path / "mtp_corpus.pt",
-                          batch=batch), threads=threads, init=init)
-        save_mtp(path, mtp.cpu())
+        info = dict(train(model, mtp, seconds, corpus, unroll, lr, warm, keep=path / "mtp_corpus.pt"),
+                    threads=threads, init=init)
+        save_mtp(path, mtp)
         record.write_text(json.dumps(info))
         model = from_pretrained(path)
     elif record.exists():
@@ -375,10 +337,6 @@ def main() -> None:
     ap.add_argument("--retrain", action="store_true")
     ap.add_argument("--layers", type=int, default=4, help="the copy model's decoder layers (even; for a new checkpoint)")
     ap.add_argument("--threads", type=int, default=2, help="threads while training")
-    ap.add_argument("--train-device", default="cpu",
-                    help="where the block trains and its corpus is generated (e.g. cuda: transformers' generate)")
-    ap.add_argument("--train-batch", type=int, default=8, help="sequences per Adam step")
-    ap.add_argument("--train-only", action="store_true", help="train (or find) the block, measure nothing")
     ap.add_argument("--bench-threads", type=int, default=1)
     ap.add_argument("--counts", default="1,8")
     ap.add_argument("--k", type=int, default=3)
@@ -396,12 +354,9 @@ def main() -> None:
     path.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     model, info = trained_checkpoint(path, args.train_seconds, args.corpus, args.threads, args.retrain, args.layers,
-                                     args.unroll, args.lr, args.warm, args.init_checkpoint, args.train_device,
-                                     args.train_batch)
+                                     args.unroll, args.lr, args.warm, args.init_checkpoint)
     layers = model.config.num_hidden_layers
     print("training:", info, flush=True)
-    if args.train_only:
-        return
     torch.set_num_threads(args.bench_threads)
     from hebrus_torch.engine.mtp import mtp_module
     from hebrus_torch.testing import random_mtp
