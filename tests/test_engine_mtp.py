@@ -41,9 +41,9 @@ def with_mtp(model, seed: int = 7):
 
 
 def mtp_config(k: int, **kw) -> SpeculativeConfig:
-    """MTP speculation with k drafts; the confidence rule off unless ``kw`` sets it (a random block's
-    distribution is flat: with the default threshold it would draft nothing)."""
-    return SpeculativeConfig(k, method="mtp", **{"confidence_threshold": 0.0, **kw})
+    """MTP speculation with k drafts; the confidence rule and the first-token rule off unless ``kw`` sets them
+    (a random block's distribution is flat: with the default thresholds it would propose nothing)."""
+    return SpeculativeConfig(k, method="mtp", **{"confidence_threshold": 0.0, "first_token_threshold": 0.0, **kw})
 
 
 class _Peek(Exception):
@@ -466,12 +466,62 @@ def test_the_confidence_rule_ends_each_draft_and_the_round(monkeypatch):
     assert [d[:len(e)] for d, e in zip(drafts[0.0], drafts[0.5])] == drafts[0.5]
 
 
+@pytest.mark.parametrize("name", ["confidence_threshold", "first_token_threshold"])
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), float("inf"), "0.5", True, None])
-def test_a_bad_confidence_threshold_is_refused(bad):
-    with pytest.raises(BadRequestError, match="confidence_threshold"):
-        SpeculativeConfig(2, method="mtp", confidence_threshold=bad)
+def test_a_bad_confidence_threshold_is_refused(bad, name):
+    with pytest.raises(BadRequestError, match=name):
+        SpeculativeConfig(2, method="mtp", **{name: bad})
     assert issubclass(BadRequestError, HebrusError)
-    assert SpeculativeConfig(2, method="mtp", confidence_threshold=0).confidence_threshold == 0
+    assert getattr(SpeculativeConfig(2, method="mtp", **{name: 0}), name) == 0
+
+
+def test_an_unsure_first_token_proposes_nothing_and_counts_as_a_miss():
+    """A round whose first drafted token is below ``first_token_threshold`` (the random block's flat distribution
+    against 0.5) proposes nothing: no verification row, the tokens of plain decoding, and the back-off of a miss
+    (pauses 3, 15: 3 rounds in 65 tokens, 4 and 16 steps apart). With the rule off the same block's first tokens
+    are proposed and rejected, in rounds as far apart."""
+    model = with_mtp(make_model("lin-idx", seed=29))
+    prompt = prompts_for(29, lengths=(7,))[0]
+    generated = []
+    assert SpeculativeConfig(4, method="mtp").first_token_threshold == 0.02
+    for first in (None, 0.5, 0.0):
+        spec = None if first is None else mtp_config(4, first_token_threshold=first)
+        engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, block_size=4, speculative=spec))
+        req = engine.requests[engine.add_request(prompt, max_new_tokens=65, eos_token_id=None)]
+        passes = []
+        while engine.has_unfinished():
+            before = getattr(engine.mtp_drafter, "passes", 0)
+            engine.step()
+            passes.append(getattr(engine.mtp_drafter, "passes", 0) - before)
+        generated.append(req.generated)
+        assert len(req.generated) == 65 and req.generated == generated[0]
+        if first is None:
+            continue
+        c = engine.counters
+        rounds = [i for i, n in enumerate(passes) if n]
+        assert [b - a for a, b in zip(rounds, rounds[1:])] == [4, 16]
+        if first:
+            assert (c.spec_drafted_tokens, c.spec_verify_rows, req.spec.drafted_tokens) == (0, 0, 0)
+            assert c.spec_unsure_rounds == req.spec.unsure_rounds == 3 and req.spec.misses == 3
+        else:
+            assert c.spec_unsure_rounds == 0
+            assert c.spec_drafted_tokens > 0 and c.spec_accepted_tokens == 0 and c.spec_verify_rows == 3
+
+
+def test_an_unsure_round_is_a_miss_without_a_verification():
+    cfg = SpeculativeConfig(3, method="mtp")
+    spec = SpecState()
+    pauses = []
+    for _ in range(4):
+        spec.unsure_round(cfg)
+        pauses.append(spec.pause)
+    assert pauses == [3, 15, 63, 63] and spec.misses == 4 and spec.unsure_rounds == 4
+    assert (spec.drafted_tokens, spec.verify_steps) == (0, 0)
+    spec.update(cfg, 2, 1)                    # a verification that accepted something ends the run of misses
+    assert (spec.misses, spec.length) == (0, 2)
+    fixed = SpecState()
+    fixed.unsure_round(SpeculativeConfig(3, method="mtp", adaptive=False))
+    assert (fixed.pause, fixed.misses, fixed.unsure_rounds) == (0, 0, 1)
 
 
 def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distribution(monkeypatch):

@@ -28,7 +28,8 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
     ``stop_speculating(request, why)`` is called for a request whose drafter failed. Requests with
     ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup);
     ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length (and
-    ``counters.spec_confidence_stops``, the engine's ``EngineCounters``, where given)."""
+    ``counters.spec_confidence_stops``, the engine's ``EngineCounters``, where given); an MTP round that proposed
+    nothing (``first_token_threshold``) is the request's ``SpecState.unsure_round`` (``spec_unsure_rounds``)."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
@@ -58,7 +59,14 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
             for (req, _), draft in zip(group, _ask(who, group, vocab_size, stop_speculating)):
                 drafts[req] = draft
     for req, k in asking_mtp:
-        if stopped is not None and stopped.get(req, k) < k and req.spec.error is None:
+        if stopped is None or req.spec.error is not None:
+            continue
+        ended = stopped.get(req, k)
+        if ended == 0:
+            req.spec.unsure_round(req.speculative)
+            if counters is not None:
+                counters.spec_unsure_rounds += 1
+        elif ended < k:
             req.spec.confidence_stops += 1
             if counters is not None:
                 counters.spec_confidence_stops += 1

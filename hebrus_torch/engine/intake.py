@@ -118,7 +118,8 @@ def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what:
     if default is not None and default.method == "mtp" and value:     # (an MTP engine: that many MTP drafts)
         return SpeculativeConfig(value, adaptive=default.adaptive, method="mtp",
                                  disable_by_batch_size=default.disable_by_batch_size,
-                                 confidence_threshold=default.confidence_threshold)
+                                 confidence_threshold=default.confidence_threshold,
+                                 first_token_threshold=default.first_token_threshold)
     return SpeculativeConfig(value)
 
 

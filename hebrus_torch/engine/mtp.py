@@ -154,7 +154,7 @@ class MTPDrafter:
         self._probs: dict[Request, torch.Tensor] = {}
         self._generators: dict[Request, torch.Generator] = {}
         self.passes = 0                                   # packed MTP passes run for drafting
-        self.stopped: dict[Request, int] = {}     # requests whose draft confidence_threshold ended -> tokens
+        self.stopped: dict[Request, int] = {}     # requests whose draft a threshold ended -> tokens (0: unsure round)
         #                                           drafted (propose_drafts empties it before asking)
         self._deferring: set[SeqHandle] = set()
         # seq -> position q -> (the trunk's streams Tensor[hc * hidden] at q - 1 or None, the token Tensor[1] at q):
@@ -396,6 +396,9 @@ class MTPDrafter:
                     for row, (i, t, c) in enumerate(zip(active, read[0], read[1])):
                         req, k = live[i]
                         threshold = req.speculative.confidence_threshold
+                        if j == 0 and c < req.speculative.first_token_threshold:
+                            self.stopped[req] = 0           # an unsure round: nothing proposed
+                            continue
                         out[req].append(int(t))
                         feed[i] = int(t)
                         if dists[row] is not None:

@@ -39,6 +39,10 @@ DEFAULT_CONFIDENCE_THRESHOLD = 0.1
 """``SpeculativeConfig.confidence_threshold``'s default (measured: benchmarks/RESULTS.md, "MTP speculation: the block
 trained unrolled and the confidence rule, what the sections show"; transformers' ``assistant_confidence_threshold``
 is 0.4, which here ended drafts that would have been accepted)."""
+DEFAULT_FIRST_TOKEN_THRESHOLD = 0.02
+"""``SpeculativeConfig.first_token_threshold``'s default (measured: benchmarks/RESULTS.md, "MTP: unsure rounds
+propose nothing"): on the trained 12-layer benchmark block no round whose first token was accepted had it below
+0.02, 9 of its 20 rounds that accepted nothing did, and a random block's first tokens all do."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class SpeculativeConfig:
             the target's distribution (each drafted token is still drawn from the q the verifier is given).
             In [0, 1); 0 turns the rule off. (Dropping the unsure position too, and counting a first
             position dropped as a miss for the back-off, measured worse: benchmarks/RESULTS.md.)
+        first_token_threshold: ``method="mtp"`` only: a drafting round proposes nothing for a request whose
+            first drafted token has its largest probability (as for ``confidence_threshold``) below this: an
+            *unsure round*, no verification row, a miss for the back-off (``SpecState``). Unlike
+            ``confidence_threshold``'s later positions, a first token that unsure is almost never accepted (RESULTS,
+            "MTP: unsure rounds propose nothing"): proposing it pays a verification for nothing. Decided from the
+            block's own distribution, so exactness is untouched. In [0, 1); 0 turns it off.
     """
 
     num_draft_tokens: int = 0
@@ -82,6 +92,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
+    first_token_threshold: float = DEFAULT_FIRST_TOKEN_THRESHOLD
 
     def __post_init__(self) -> None:
         def bad_int(v, lo, hi):
@@ -99,9 +110,10 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and bad_int(self.disable_by_batch_size, 1, 1 << 30):
             raise BadRequestError(f"SpeculativeConfig: disable_by_batch_size must be None or an int >= 1, got "
                                   f"{self.disable_by_batch_size!r}")
-        c = self.confidence_threshold
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:   # (NaN fails too)
-            raise BadRequestError(f"SpeculativeConfig: confidence_threshold must be a number in [0, 1), got {c!r}")
+        for name in ("confidence_threshold", "first_token_threshold"):
+            c = getattr(self, name)
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:   # (NaN fails too)
+                raise BadRequestError(f"SpeculativeConfig: {name} must be a number in [0, 1), got {c!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise BadRequestError(f"SpeculativeConfig: method must be one of {SPECULATIVE_METHODS}, got "
                                   f"{self.method!r}")
@@ -123,6 +135,9 @@ class SpecState:
     first time and 1 after. (A verification whose drafts are all rejected costs more than the plain
     decode step it replaces wherever a step's cost grows with its tokens, as on a CPU: back-off by 4
     rather than 2 halves what such a request pays in its first 64 tokens; measured in RESULTS.)
+    An unsure MTP round (``SpeculativeConfig.first_token_threshold``: nothing proposed) counts as a miss: it
+    almost always is one (RESULTS, "MTP: unsure rounds propose nothing"), and it costs its drafting pass but no
+    verification.
     """
 
     length: int = 0                 # tokens to draft next time (0: not yet set)
@@ -134,6 +149,7 @@ class SpecState:
     accepted_tokens: int = 0
     verify_steps: int = 0
     confidence_stops: int = 0       # MTP drafts ended before their length by ``SpeculativeConfig.confidence_threshold``
+    unsure_rounds: int = 0          # MTP rounds that proposed nothing (``SpeculativeConfig.first_token_threshold``)
 
     def next_length(self, config: SpeculativeConfig) -> int:
         if not config.adaptive:
@@ -156,10 +172,20 @@ class SpecState:
         else:
             self.length = max(1, accepted + 1)
         if accepted == 0:
-            self.misses += 1
-            self.pause = 4 ** min(self.misses, 3) - 1
+            self._missed()
         else:
             self.misses = 0
+
+    def unsure_round(self, config: SpeculativeConfig) -> None:
+        """An MTP round proposed nothing for this request (its first token below ``first_token_threshold``): a
+        miss for the back-off, with no verification."""
+        self.unsure_rounds += 1
+        if config.adaptive:
+            self._missed()
+
+    def _missed(self) -> None:
+        self.misses += 1
+        self.pause = 4 ** min(self.misses, 3) - 1
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

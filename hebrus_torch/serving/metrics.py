@@ -109,6 +109,8 @@ class _EngineCollector:
                  ("hebrus_spec_accepted_tokens", "spec_accepted_tokens", "Drafted tokens accepted"),
                  ("hebrus_spec_confidence_stops", "spec_confidence_stops",
                   "MTP drafts the confidence threshold ended before their length"),
+                 ("hebrus_spec_unsure_rounds", "spec_unsure_rounds",
+                  "MTP drafting rounds that proposed nothing (first token below the first-token threshold)"),
                  ("hebrus_prompt_cache_file_hits", "prompt_cache_hits", "Requests restored from a prompt-cache file"),
                  ("hebrus_engine_steps", "steps", "Engine steps run"),
                  ("hebrus_engine_failed_steps", "failed_steps", "Engine steps that raised (retried or failed)"))
