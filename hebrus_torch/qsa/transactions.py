@@ -130,14 +130,17 @@ class _Transactions:
             held = self.cell_ref[cells] > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
-            for layer in range(self.num_layers) if bool(unwritten.any()) else ():
-                miss = live[unwritten[layer]]
-                if miss.numel():
-                    at = self._dev(miss)
-                    for name in ("keys", "k_cache", "v_cache"):
-                        t = getattr(self, name)
-                        if t is not None:
-                            self._set(t, (layer, at), 0)
+            if bool(unwritten.any()):
+                # Every (layer, cell) pair in one index, whatever the layers (a layer whose writes wait, as the MTP
+                # block's, costs no per-layer pass). No undo entry: a cell unwritten here was taken in this
+                # transaction, so its old content is either a free cell's (no state: digest and save skip free
+                # cells) or was logged when it was taken (_alloc_cells), as ``write`` relies on for the same cells.
+                layers, at = unwritten.nonzero(as_tuple=True)
+                miss = (self._dev(layers), self._dev(live[at]))
+                for name in ("keys", "k_cache", "v_cache"):
+                    t = getattr(self, name)
+                    if t is not None:
+                        t.index_put_(miss, t.new_zeros(()))
         pooled: list[tuple[int, torch.Tensor]] = []
         for layer in range(self.num_layers):
             if txn.pending[layer]:
