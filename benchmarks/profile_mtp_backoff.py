@@ -12,7 +12,12 @@ Then one backed-off step of each is recorded (a ``TorchDispatchMode``: every ATe
 the ops the MTP step dispatches beyond the plain one are listed by name; with ``--profile`` the backed-off steps
 run under cProfile too and the functions whose time differs most are printed.
 
-    python benchmarks/profile_mtp_backoff.py [--layers 4] [--requests 1] [--steps 60] [--profile]
+With ``--runs N`` it measures instead N whole runs (``--new`` tokens per request, the prefill included) of the two
+engines with their steps interleaved the same way: per run the plain engine's CPU time over the MTP engine's, the
+ratio bench_mtp.py's ``--nothing-accepted-pairs`` measures, with each step of one paired with the same step of the
+other rather than whole runs one after another (less noise on a shared machine).
+
+    python benchmarks/profile_mtp_backoff.py [--layers 4] [--requests 1] [--steps 60] [--profile] [--runs N]
 """
 
 from __future__ import annotations
@@ -61,6 +66,25 @@ def engines(model, prompts: list[list[int]], k: int, new: int) -> tuple[Engine, 
     return out[0], out[1]
 
 
+def interleaved_runs(model, prompts: list[list[int]], k: int, new: int, runs: int) -> list[float]:
+    """``runs`` whole runs (the prompts' prefill and ``new`` greedy tokens each) of a plain engine and an MTP one,
+    their steps interleaved (one of each in turn, so that both see the same load at each step); per run, the plain
+    engine's CPU time over the MTP engine's (the tokens asserted equal)."""
+    ratios = []
+    for _ in range(runs):
+        plain, mtp = engines(model, prompts, k, new)
+        spent = {id(plain): 0.0, id(mtp): 0.0}
+        while plain.has_unfinished() or mtp.has_unfinished():
+            for engine in (plain, mtp):
+                if engine.has_unfinished():
+                    t0 = CLOCK()
+                    engine.step()
+                    spent[id(engine)] += CLOCK() - t0
+        assert [r.generated for r in plain.requests.values()] == [r.generated for r in mtp.requests.values()]
+        ratios.append(spent[id(plain)] / spent[id(mtp)])
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -69,16 +93,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="backed-off steps timed (at most 63)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh pairs of engines, their steps pooled")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--runs", type=int, default=0,
+                    help="instead: this many whole runs of --new tokens, plain and MTP steps interleaved")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--checkpoint", default=None,
+                    help="load the trunk from this checkpoint (bench_mtp.py's --checkpoint) instead of building it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from bench_mtp import PROMPT, copy_model
     from hebrus_torch.testing import random_mtp
 
-    model = copy_model(args.layers)
+    if args.checkpoint:
+        from hebrus_torch.loading import from_pretrained
+
+        model = from_pretrained(args.checkpoint)
+        args.layers = model.config.num_hidden_layers
+    else:
+        model = copy_model(args.layers)
     model.mtp = random_mtp(model.config, 6)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, model.config.vocab_size, (PROMPT,), generator=g).tolist()
                for _ in range(args.requests)]
+    if args.runs:
+        with torch.inference_mode():
+            interleaved_runs(model, prompts[:1], args.k, 4, 1)             # (warm-up)
+            ratios = interleaved_runs(model, prompts, args.k, args.new, args.runs)
+        print(f"{args.layers} layers, {args.requests} request(s), {args.new} tokens each, {args.runs} runs with the "
+              f"steps interleaved: plain / MTP {statistics.median(ratios):.3f}x (median; quartiles "
+              f"{' / '.join(f'{q:.3f}' for q in statistics.quantiles(ratios, n=4))})", flush=True)
+        return
     steps = min(args.steps, 63)
     ratios, times = [], {"plain": [], "mtp": []}
     profiles = {"plain": cProfile.Profile(), "mtp": cProfile.Profile()} if args.profile else None
