@@ -330,6 +330,49 @@ def test_a_backed_off_request_defers_the_block_write_until_it_drafts_again(row_i
     assert written[True] < written[False] - 10
 
 
+def test_backed_off_requests_decoding_together_defer_without_a_write_and_catch_up_exactly(row_invariant,
+                                                                                           monkeypatch):
+    """Several requests backed off together: their steps' rows are all deferred decode rows (the drafter stages
+    them without a write or an index list: ``_defer_all``), while steps that also prefill another request's chunk
+    defer some rows and write the others; at every frontier each request's cache, once caught up, is bitwise the
+    always-writing engine's, and the tokens are the same."""
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=32)))
+    rows = _written_rows(monkeypatch)
+    together = []
+    original = engine_mtp.MTPDrafter._defer_all
+
+    def counting(self, seqs, *args):
+        together.append(len(seqs))
+        return original(self, seqs, *args)
+    monkeypatch.setattr(engine_mtp.MTPDrafter, "_defer_all", counting)
+    prompts = prompts_for(32, lengths=(5, 9, 26))
+    engines = []
+    for defer in (True, False):
+        engine = Engine(model, EngineConfig(capacity_tokens=512, max_sequences=4, block_size=4, max_batch_tokens=8,
+                                            speculative=mtp_config(2)))
+        engine.mtp_drafter.defer_writes = defer
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=30, eos_token_id=None)
+        engines.append(engine)
+    lazy, eager = engines
+    mixed = 0
+    while lazy.has_unfinished():
+        del rows[:]
+        before = len(together)
+        lazy.step()
+        mixed += bool(rows) and len(together) == before and any(
+            r.seq is not None and lazy.mtp_drafter.pending_positions(r.seq) for r in lazy.scheduler.running)
+        eager.step()
+        for rid, a in lazy.requests.items():
+            b = eager.requests[rid]
+            assert a.generated == b.generated
+            if a.seq is not None and not a.status.is_done:
+                assert caught_up_digests(lazy, a.seq) == tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert not eager.has_unfinished()
+    assert max(together) >= 2 and len(together) >= 10 and mixed >= 1
+    assert lazy.mtp_drafter.caught_up > 0 and eager.mtp_drafter.caught_up == 0
+
+
 def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(row_invariant, monkeypatch):
     model = with_mtp(eager_experts(make_model("lin-idx", seed=30)))
     lazy, eager = _lockstep(model, prompts_for(30, lengths=(9,))[0], monkeypatch)

@@ -341,6 +341,63 @@ def test_unwritten_layer_is_zero_at_commit(cache):
     check_invariants(cache)
 
 
+def test_cells_left_unwritten_are_zero_at_commit_in_every_layer_and_plane():
+    """A commit zero-fills every (layer, cell) pair never written, in keys and K/V (one indexed fill for all layers,
+    as the MTP block's deferred layer leaves one per decode step), on cells that held another sequence's content;
+    written pairs keep theirs, and the groups pool as a rebuild does."""
+    cache = make_cache(16, num_layers=3, kv=True)
+    old = cache.new_sequence()
+    ko, k_o, v_o = stream(12, seed=4, num_layers=3, kv=True)
+    cache.append(old, ko, k=k_o, v=v_o)
+    cache.free(old)                                     # (its cells keep its content: the next run reuses them)
+    a = cache.new_sequence()
+    keys, k, v = stream(10, seed=5, num_layers=3, kv=True)
+    with transaction(cache):
+        first = cache.reserve([a], [4])
+        rest = cache.reserve([a], [6])
+        for layer in range(3):
+            cache.write(layer, first, keys[layer][:4], k[layer][:4], v[layer][:4])
+        cache.write(1, rest, keys[1][4:], k[1][4:], v[1][4:])
+    cells = cache.cells_of(a)
+    assert set(cells.tolist()) & set(range(12))          # (some cells held the freed sequence's content)
+    for layer in range(3):
+        n = 10 if layer == 1 else 4
+        for plane, want in ((cache.keys, keys), (cache.k_cache, k), (cache.v_cache, v)):
+            got = plane[layer, cells]
+            assert torch.equal(got[:n], want[layer][:n]), (layer, plane.shape)
+            assert not got[n:].any(), (layer, plane.shape)
+    check_invariants(cache)
+
+
+def test_a_commit_refused_after_the_zero_fill_gives_freed_cells_their_content_back(monkeypatch):
+    """The zero-fill of cells left unwritten keeps no undo entry of its own: a cell freed and taken again in the
+    same block had its content logged when it was taken, so a commit refused after the fill (the pooling kernel
+    here) restores it bitwise, and the holder digests as before."""
+    cache = make_cache(8, kv=True)
+    b = cache.new_sequence()
+    kb, k_b, v_b = stream(8, seed=6, kv=True)
+    cache.append(b, kb, k=k_b, v=v_b)
+    a = cache.new_sequence()
+    before = cache.digest()
+    keys, k, v = stream(6, seed=7, kv=True)
+
+    def refuse(*args, **kwargs):
+        raise HoleError("injected refusal of the pooling kernel")
+
+    with pytest.raises(HoleError, match="injected"):
+        with transaction(cache):
+            cache.free(b)
+            chunk = cache.reserve([a], [6])               # (b's cells: no other is free)
+            cache.write(0, chunk, keys[0], k[0], v[0])    # layer 1 left unwritten: zero-filled, its groups pending
+            monkeypatch.setattr(cache, "_pool", refuse)
+    assert cache.digest() == before
+    assert torch.equal(cache.keys_of(b, 1), kb[1])
+    cells = cache.cells_of(b)
+    assert torch.equal(cache.k_cache[1, cells], k_b[1]) and torch.equal(cache.v_cache[1, cells], v_b[1])
+    monkeypatch.undo()
+    check_invariants(cache)
+
+
 def test_rewrite_replaces_keys_and_groups(cache):
     a = cache.new_sequence()
     keys, _, _ = stream(8)

@@ -182,6 +182,10 @@ class MTPDrafter:
         transaction); returns the mixer's output Tensor[T, hidden] as ``PackedQwen4Exp`` does."""
         self._staged = None
         h, (cos, sin) = self.trunk.streams(step, positions, last, timed)
+        seqs = step.batch.seqs
+        if self._deferring and self._deferring.issuperset(seqs) and all(n == 1 for n in counts):
+            self._staged = self._defer_all(seqs, starts, h, step.batch.tokens)
+            return hyper_premix(self.trunk.text.hyper_connection_mixer, h)
         # Entry q of the block takes the streams at q - 1: the row's own h one token back, and for a row's first
         # token what its sequence's previous step left (zeros where none is kept); one copy each for all rows.
         firsts, first_at, shifted, kept_at, staged = [], [], [], [], []
@@ -219,6 +223,17 @@ class MTPDrafter:
                               cos.index_select(0, written), sin.index_select(0, written))
         self._staged = staged
         return hyper_premix(self.trunk.text.hyper_connection_mixer, h)     # (as PackedQwen4Exp's own)
+
+    def _defer_all(self, seqs: Sequence[SeqHandle], starts: Sequence[int], h: torch.Tensor,
+                   tokens: torch.Tensor) -> list[tuple]:
+        """The staged rows of a step whose rows are all deferred decode rows (every speculating request backed
+        off): nothing is written; row i keeps its streams h[i] (one copy of h: the rows outlive the step's h) and
+        defers {p: (the streams before it, its token Tensor[1], a view of the step's own tokens)}: what the general
+        path stages for such rows, without its index lists."""
+        rows = h.clone().unbind(0)
+        firsts = tokens.view(-1, 1).unbind(0)
+        return [(seq, p, {p: row}, {p: (self._streams.get(seq, {}).get(p - 1), token)})
+                for seq, p, row, token in zip(seqs, starts, rows, firsts)]
 
     def _defer(self, step: ChunkStep, starts: Sequence[int], counts: Sequence[int], firsts: list,
                first_at: list[int], staged: list) -> tuple | None:

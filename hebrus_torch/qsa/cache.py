@@ -199,6 +199,7 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         self._freed_rows = torch.zeros(gcap, dtype=torch.bool, device=host)
         self.slots = SlotTable(max_sequences, "QSACache")
         self._runs: dict[int, _Run] = _RunTable()
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}    # (_zero_of: a fill's value)
         self._cells_version = 0       # counts writes of cell_pos / cell_ref (see _layout_key)
         self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
         self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout

@@ -130,24 +130,40 @@ class _Transactions:
             held = self.cell_ref[cells] > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
-            for layer in range(self.num_layers) if bool(unwritten.any()) else ():
-                miss = live[unwritten[layer]]
-                if miss.numel():
-                    at = self._dev(miss)
-                    for name in ("keys", "k_cache", "v_cache"):
-                        t = getattr(self, name)
-                        if t is not None:
-                            self._set(t, (layer, at), 0)
+            if bool(unwritten.any()):
+                # Every (layer, cell) pair in one index, whatever the layers (a layer whose writes wait, as the MTP
+                # block's, costs no per-layer pass). No undo entry: a cell unwritten here was taken in this
+                # transaction, so its old content is either a free cell's (no state: digest and save skip free
+                # cells) or was logged when it was taken (_alloc_cells), as ``write`` relies on for the same cells.
+                layers, at = unwritten.nonzero(as_tuple=True)
+                miss = (self._dev(layers), self._dev(live[at]))
+                for name in ("keys", "k_cache", "v_cache"):
+                    t = getattr(self, name)
+                    if t is not None:
+                        t.index_put_(miss, self._zero_of(t))
         pooled: list[tuple[int, torch.Tensor]] = []
         for layer in range(self.num_layers):
-            if txn.pending[layer]:
-                rows = torch.unique(torch.cat(txn.pending[layer]))
-                rows = rows[self._pending[layer, rows]]
+            listed = txn.pending[layer]
+            if listed:
+                # (one list entry holds distinct rows already; a boolean-mask gather only where some was resolved)
+                rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
+                still = self._pending[layer, rows]
+                rows = rows if bool(still.all()) else rows[still]
                 if rows.numel():
-                    self._set(self.pooled, (layer, rows),
-                              self._pool(layer, self._pend_cells[rows], self._pend_pos[rows]))
+                    # No undo entry, as _resolve_pending: a pending row was given its group in this transaction
+                    # (none is pending at its start), so its content is invisible until the commit clears the flag.
+                    self.pooled[layer, self._dev(rows)] = self._pool(layer, self._pend_cells[rows],
+                                                                     self._pend_pos[rows])
                     pooled.append((layer, rows))
         txn.prepared = (cells, pooled)
+
+    def _zero_of(self, t: torch.Tensor) -> torch.Tensor:
+        """A 0-dim zero of ``t``'s dtype on its device (made once per dtype and device: the fill's value)."""
+        key = (t.dtype, t.device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = t.new_zeros(())
+        return zero
 
     def _txn_commit(self) -> None:
         """Clear the transaction's flags. The undo log is kept until ``_txn_finish`` (every flag was set
