@@ -80,6 +80,20 @@ def generate(model, prompts, new: int, spec: SpeculativeConfig | None = None, de
             "out": {r.request_id: r.generated for r in engine.requests.values()}}
 
 
+def generate_solo(model, prompts, new: int, spec: SpeculativeConfig | None = None) -> dict:
+    """Each prompt run alone (one request, an engine of its own), one after another: ``generate``'s figures summed
+    over the prompts (one person's turns: how much a 1-request figure depends on the prompt)."""
+    total: dict = {"out": {}}
+    for i, p in enumerate(prompts):
+        one = generate(model, [p], new, spec)
+        for key, value in one.items():
+            if key == "out":
+                total["out"][f"r{i}"] = value["r0"]
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 def trunk_streams(model, tokens: torch.Tensor) -> torch.Tensor:
     """The trunk's pre-mixer streams [B, T, hc * hidden] (transformers' forward, a hook on the last layer)."""
     got = {}
@@ -310,7 +324,7 @@ def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int
                     times[name].append(generate(model, prompts, new, spec, defer)["wall"])
         for name in configs:
             ratio = statistics.median(p / t for p, t in zip(times["plain"], times[name]))
-            rows.append([str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
+            rows.append([f"1 ({args.solo} prompts, each alone)" if solo else str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
             print(rows[-1], flush=True)
     text = table(["requests", "path", "time per generated token of a request (ms, median)", "vs plain (median of rounds)"],
                  rows)
@@ -342,6 +356,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--solo", type=int, default=1,
+                    help="the 1-request row runs this many prompts, each alone, one after another (times summed)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--section", default="Speculation from the MTP block, trained here (issue 38)")
     ap.add_argument("--cpu-time", action="store_true", help="time runs by the process's CPU time, not wall time")
@@ -415,6 +431,10 @@ def main() -> None:
     rows = []
     for n in (int(x) for x in args.counts.split(",")):
         prompts = [torch.randint(4, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+        solo = n == 1 and args.solo > 1
+        if solo:                # (the first is the prompt above; g draws the later rows' prompts as before)
+            again = torch.Generator().manual_seed(7)
+            prompts = [torch.randint(4, vocab, (PROMPT,), generator=again).tolist() for _ in range(args.solo)]
         chosen = dict(paths, **(uncut if cutoff is not None and n > cutoff else {}))
         names = ["plain", *chosen]
         runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -427,7 +447,7 @@ def main() -> None:
                     if mtp is not None:
                         model.mtp = mtp
                     log.clear()
-                    runs[name].append(generate(model, prompts, args.new, spec))
+                    runs[name].append((generate_solo if solo else generate)(model, prompts, args.new, spec))
                     logs[name] = list(log)
         model.mtp = trained
         plain = runs["plain"]
@@ -438,7 +458,7 @@ def main() -> None:
             last = runs[name][-1]
             acc = f"{last['accepted'] / last['drafted']:.2f}" if last["drafted"] else "-"
             per_row = f"{(last['accepted'] + last['rows']) / last['rows']:.2f}" if last["rows"] else "-"
-            rows.append([str(n), name, f"{tps:.1f}", f"{ratio:.2f}x", acc,
+            rows.append([f"1 ({args.solo} prompts, each alone)" if solo else str(n), name, f"{tps:.1f}", f"{ratio:.2f}x", acc,
                          per_position(logs[name], args.k) if name != "plain" else "-", per_row, str(last["steps"]),
                          str(last["passes"]) if name.startswith("MTP") else "-"])
             print(rows[-1], flush=True)
@@ -458,7 +478,7 @@ def main() -> None:
                     + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
     text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
             f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
-            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}"
+            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}{f' --solo {args.solo}' if args.solo > 1 else ''}"
             f"{f' --unroll {args.unroll}' if args.unroll != 1 else ''}{f' --warm {args.warm:g}' if args.warm else ''}"
             f"{f' --threshold {args.threshold:g}' if args.threshold is not None else ''}"
             f"{f' --baseline-checkpoint {args.baseline_checkpoint}' if args.baseline_checkpoint else ''}"
@@ -468,7 +488,10 @@ def main() -> None:
             f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "
             f"fp32, mixing paths scaled by 0.01) written as a checkpoint and loaded by from_pretrained, its MTP block "
             f"{trained_note}; untrained = a random block. Prompts: {PROMPT} random tokens (not the training "
-            f"corpus's), {args.new} tokens generated per request, greedy, every request at once; engine capacity "
+            f"corpus's), {args.new} tokens generated per request, greedy, every request at once"
+            + (f" (the 1-request row: {args.solo} prompts, each run alone in an engine of its own, one after "
+               f"another; times, tokens, steps and counts summed over them)" if args.solo > 1 else "")
+            + f"; engine capacity "
             f"65536, max_batch_tokens 512, up to {args.k} drafts per step with the adaptive length, no drafting in "
             f"a step where more than {cutoff} requests decode (the default `disable_by_batch_size`) unless the row "
             f"says 'no batch cutoff' (the 'no back-off' row has no cutoff either); the MTP rows' "
