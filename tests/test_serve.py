@@ -703,13 +703,18 @@ def test_bad_speculative_flags_are_refused():
                          r"confidence-threshold must be in \[0, 1\)"),
                         (["m", "--speculative-method", "mtp", "--speculative-confidence-threshold", "nan"],
                          r"confidence-threshold must be in \[0, 1\)"),
-                        (["m", "--speculative-confidence-threshold", "0.2"], "mtp only")):
+                        (["m", "--speculative-confidence-threshold", "0.2"], "mtp only"),
+                        (["m", "--speculative-method", "mtp", "--speculative-first-token-threshold", "-0.1"],
+                         r"first-token-threshold must be in \[0, 1\)"),
+                        (["m", "--speculative-first-token-threshold", "0.2"], "first-token-threshold applies to "
+                                                                              "--speculative-method mtp only")):
         with pytest.raises(SystemExit, match=match):
             serve.main(argv)
 
 
 def test_speculative_flags_make_the_engine_s_speculative_config():
-    from hebrus_torch.engine.speculative import DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_DISABLE_BY_BATCH_SIZE
+    from hebrus_torch.engine.speculative import (DEFAULT_CONFIDENCE_THRESHOLD, DEFAULT_DISABLE_BY_BATCH_SIZE,
+                                                 DEFAULT_FIRST_TOKEN_THRESHOLD)
     from hebrus_torch.serving.loading import speculative_config
     from hebrus_torch.serving.settings import HebrusServeSettings
 
@@ -726,6 +731,9 @@ def test_speculative_flags_make_the_engine_s_speculative_config():
     assert (sure.method, sure.confidence_threshold) == ("mtp", 0.3)
     off = speculative_config(HebrusServeSettings(speculative_method="mtp", speculative_confidence_threshold=0.0))
     assert off.confidence_threshold == 0.0
+    assert mtp.first_token_threshold == DEFAULT_FIRST_TOKEN_THRESHOLD
+    first = speculative_config(HebrusServeSettings(speculative_method="mtp", speculative_first_token_threshold=0.3))
+    assert (first.first_token_threshold, first.confidence_threshold) == (0.3, DEFAULT_CONFIDENCE_THRESHOLD)
 
 
 def test_mtp_speculative_serving_gives_the_plain_replies(checkpoint, tmp_path):

@@ -39,6 +39,9 @@ def _hebrus_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-confidence-threshold", type=float, default=None,
                    help="--speculative-method mtp: a draft ends after the first token the MTP block is less sure of "
                         "than this probability (default: the engine's, 0.1; 0: off)")
+    p.add_argument("--speculative-first-token-threshold", type=float, default=None,
+                   help="--speculative-method mtp: a round proposes nothing for a request whose first drafted token "
+                        "the MTP block is less sure of than this probability (default: the engine's, 0.02; 0: off)")
     p.add_argument("--draft-model", default=None,
                    help="a small Qwen4Exp checkpoint with the same tokenizer that drafts for speculation")
     p.add_argument("--ple-table", choices=("auto", "disk", "memory"), default="auto",
@@ -84,6 +87,10 @@ hebrus options:
                                   with --speculative-method mtp, a request's draft ends after the first token
                                   whose probability under the MTP block is below P (default 0.1,
                                   SpeculativeConfig.confidence_threshold; 0: every draft has its full length)
+  --speculative-first-token-threshold P
+                                  with --speculative-method mtp, a drafting round proposes nothing for a request
+                                  whose first drafted token's probability is below P, and counts as a miss for
+                                  its back-off (default 0.02, SpeculativeConfig.first_token_threshold; 0: off)
   --draft-model DIR               a small Qwen4Exp checkpoint (same tokenizer) that drafts instead
   --ple-table {auto,disk,memory}  the PLE n-gram table (95 GiB in the released checkpoint): `disk` gathers each
                                   step's rows from the checkpoint's own files (memory-mapped), `memory` holds it
@@ -115,11 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--speculative-tokens must be in [0, 32], got {ns.speculative_tokens}")
     if ns.speculative_disable_by_batch_size is not None and ns.speculative_disable_by_batch_size < 0:
         raise SystemExit(f"--speculative-disable-by-batch-size must be >= 0, got {ns.speculative_disable_by_batch_size}")
-    threshold = ns.speculative_confidence_threshold
-    if threshold is not None and not 0.0 <= threshold < 1.0:       # (NaN too)
-        raise SystemExit(f"--speculative-confidence-threshold must be in [0, 1), got {threshold}")
-    if threshold is not None and ns.speculative_method != "mtp":
-        raise SystemExit("--speculative-confidence-threshold applies to --speculative-method mtp only")
+    for flag in ("confidence", "first_token"):
+        value = getattr(ns, f"speculative_{flag}_threshold")
+        name = f"--speculative-{flag.replace('_', '-')}-threshold"
+        if value is not None and not 0.0 <= value < 1.0:       # (NaN too)
+            raise SystemExit(f"{name} must be in [0, 1), got {value}")
+        if value is not None and ns.speculative_method != "mtp":
+            raise SystemExit(f"{name} applies to --speculative-method mtp only")
     if ns.speculative_method == "mtp" and ns.draft_model is not None:
         raise SystemExit("--speculative-method mtp drafts with the checkpoint's MTP block: leave --draft-model out")
     if ns.draft_model is not None and not os.path.isdir(ns.draft_model):
@@ -149,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  speculative_tokens=ns.speculative_tokens,
                                                  speculative_method=ns.speculative_method or "ngram",
                                                  speculative_disable_by_batch_size=ns.speculative_disable_by_batch_size,
-                                                 speculative_confidence_threshold=threshold,
+                                                 speculative_confidence_threshold=ns.speculative_confidence_threshold,
+                                                 speculative_first_token_threshold=(
+                                                     ns.speculative_first_token_threshold),
                                                  draft_model=ns.draft_model,
                                                  api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None))
     if not any(a in ("--continuous-batching", "--no-continuous-batching") for a in rest):

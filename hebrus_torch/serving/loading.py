@@ -222,8 +222,9 @@ def speculative_config(settings: HebrusServeSettings):
     limit = DEFAULT_DISABLE_BY_BATCH_SIZE if limit is None else (limit or None)
     if settings.speculative_method == "mtp":
         tokens = settings.speculative_tokens if settings.speculative_tokens is not None else 3
-        extra = {} if settings.speculative_confidence_threshold is None else \
-            {"confidence_threshold": settings.speculative_confidence_threshold}
+        extra = {name: value for name, value in (("confidence_threshold", settings.speculative_confidence_threshold),
+                                                 ("first_token_threshold", settings.speculative_first_token_threshold))
+                 if value is not None}
         return SpeculativeConfig(tokens, method="mtp", disable_by_batch_size=limit, **extra)
     if settings.speculative_tokens:
         return SpeculativeConfig(settings.speculative_tokens, disable_by_batch_size=limit)

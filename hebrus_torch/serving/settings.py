@@ -36,6 +36,8 @@ class HebrusServeSettings:
             no limit).
         speculative_confidence_threshold: ``SpeculativeConfig.confidence_threshold`` of MTP drafting (None: its
             default).
+        speculative_first_token_threshold: ``SpeculativeConfig.first_token_threshold`` of MTP drafting (None: its
+            default).
     """
 
     capacity_tokens: int | None = None
@@ -51,6 +53,7 @@ class HebrusServeSettings:
     speculative_method: str = "ngram"
     speculative_disable_by_batch_size: int | None = None
     speculative_confidence_threshold: float | None = None
+    speculative_first_token_threshold: float | None = None
 
 
 _current = HebrusServeSettings()
