@@ -40,8 +40,8 @@ DEFAULT_CONFIDENCE_THRESHOLD = 0.1
 trained unrolled and the confidence rule, what the sections show"; transformers' ``assistant_confidence_threshold``
 is 0.4, which here ended drafts that would have been accepted)."""
 DEFAULT_FIRST_TOKEN_THRESHOLD = 0.02
-"""``SpeculativeConfig.first_token_threshold``'s default (measured: benchmarks/RESULTS.md, "MTP: unsure rounds
-propose nothing"): on the trained 12-layer benchmark block no round whose first token was accepted had it below
+"""``SpeculativeConfig.first_token_threshold``'s default (measured: benchmarks/RESULTS.md, "MTP: unsure first
+tokens propose nothing"): on the trained 12-layer benchmark block no round whose first token was accepted had it below
 0.02, 9 of its 20 rounds that accepted nothing did, and a random block's first tokens all do."""
 
 
@@ -81,7 +81,7 @@ class SpeculativeConfig:
             first drafted token has its largest probability (as for ``confidence_threshold``) below this: an
             *unsure round*, no verification row, a miss for the back-off (``SpecState``). Unlike
             ``confidence_threshold``'s later positions, a first token that unsure is almost never accepted (RESULTS,
-            "MTP: unsure rounds propose nothing"): proposing it pays a verification for nothing. Decided from the
+            "MTP: unsure first tokens propose nothing"): proposing it pays a verification for nothing. Decided from the
             block's own distribution, so exactness is untouched. In [0, 1); 0 turns it off.
     """
 
@@ -136,7 +136,7 @@ class SpecState:
     decode step it replaces wherever a step's cost grows with its tokens, as on a CPU: back-off by 4
     rather than 2 halves what such a request pays in its first 64 tokens; measured in RESULTS.)
     An unsure MTP round (``SpeculativeConfig.first_token_threshold``: nothing proposed) counts as a miss: it
-    almost always is one (RESULTS, "MTP: unsure rounds propose nothing"), and it costs its drafting pass but no
+    almost always is one (RESULTS, "MTP: unsure first tokens propose nothing"), and it costs its drafting pass but no
     verification.
     """
 
