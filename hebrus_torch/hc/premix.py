@@ -129,11 +129,12 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
                                    up._parameters["weight"], inject, hc.hc_count, float(norm.eps))
         return mixed if inject is None else (mixed, h, weights)
     if _fusable_quantized_premix(hc, h):
-        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
         inj = _sub(hc, "block_inject_weight")
         inject = (inj.weight, inj.scales, inj.biases) if inj is not None else (None, None, None)
-        mixed, weights = hc_premix_quantized(h, _sub(hc, "hc_norm")._parameters["weight"], down.weight, down.scales, down.biases, up.weight,
-                                             up.scales, up.biases, *inject, hc.hc_count, float(hc.hc_norm.eps),
+        norm = _sub(hc, "hc_norm")
+        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
+        mixed, weights = hc_premix_quantized(h, norm._parameters["weight"], down.weight, down.scales, down.biases,
+                                             up.weight, up.scales, up.biases, *inject, hc.hc_count, float(norm.eps),
                                              down.group_size, down.bits)
         return mixed if inj is None else (mixed, h, weights)
     return premix_by_modules(hc, h)
