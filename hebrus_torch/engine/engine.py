@@ -218,7 +218,7 @@ class Engine:
                                 eos_token_id=eos_token_id, stop_strings=stop_strings, streaming=streaming,
                                 record_timestamps=record_timestamps, user_data=user_data, speculative=speculative,
                                 constraint=constraint)
-        if request.speculative.enabled and request.speculative.method == "mtp" and self.mtp_drafter is None:
+        if request.speculative.drafts_with_mtp and self.mtp_drafter is None:
             raise BadRequestError(f"engine: request {rid!r} speculates with method 'mtp', and this engine was not "
                                   f"built for it (EngineConfig(speculative=SpeculativeConfig(..., method='mtp')))")
         return request
@@ -257,8 +257,8 @@ class Engine:
                                 mtp_drafter=self.mtp_drafter, counters=self.counters)
         drafts = grammar_drafts(drafts)
         if self.mtp_drafter is not None:      # (their rows' block entries wait until they draft again)
-            self.mtp_drafter.defer([r for r in self.scheduler.running if r not in drafts and r.speculative.enabled
-                                    and r.speculative.method == "mtp"])
+            self.mtp_drafter.defer([r for r in self.scheduler.running
+                                    if r not in drafts and r.speculative.drafts_with_mtp])
         plan = self.scheduler.schedule(drafts=drafts)
         for victim in plan.preempted:
             self.release_draft(victim)

@@ -122,6 +122,11 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.num_draft_tokens > 0
 
+    @property
+    def drafts_with_mtp(self) -> bool:
+        """Whether the request drafts with the checkpoint's MTP block (enabled, ``method="mtp"``)."""
+        return self.enabled and self.method == "mtp"
+
 
 @dataclass
 class SpecState:
