@@ -240,7 +240,7 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
     layer_digests: dict = {}
     same, _ = run(model, prompts, spec=mtp_config(0), digests=layer_digests, max_new_tokens=14)
     assert same == ref
-    stops = 0                               # drafts the confidence rule ended before their length
+    stops = rides = 0                       # drafts the confidence rule ended before their length; rides
     for seed, budget, k, order in cases:
         _steer(monkeypatch, prompts, ref, seed, wrong=0.25 if threshold else 0.0)
         digests: dict = {}
@@ -250,6 +250,7 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
         c = engine.counters
         assert c.spec_verify_rows > 0 and 0 < c.spec_accepted_tokens < c.spec_drafted_tokens
         stops += sum(r.spec.confidence_stops for r in engine.requests.values())
+        rides += c.spec_rides
         assert c.spec_confidence_stops == sum(r.spec.confidence_stops for r in engine.requests.values())
         assert c.spec_rollbacks > 0 and c.spec_drafter_errors == 0
         common = set(digests) & set(layer_digests)
@@ -260,6 +261,7 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
         for key in set(digests) & set(plain_digests):
             assert digests[key][:recurrent] == plain_digests[key][:recurrent], (seed, key)
     assert (stops > 0) == (threshold > 0)
+    assert rides > 0                        # (paused requests rode others' rounds, exactly too)
 
 
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
@@ -565,6 +567,47 @@ def test_an_unsure_round_is_a_miss_without_a_verification():
     fixed = SpecState()
     fixed.unsure_round(SpeculativeConfig(3, method="mtp", adaptive=False))
     assert (fixed.pause, fixed.misses, fixed.unsure_rounds) == (0, 0, 1)
+
+
+def test_a_paused_request_rides_a_round_others_draft_in():
+    """A request in its back-off pause joins (rides) the round of a request that drafts, with its adaptive length
+    but at least 2; with every request paused nobody drafts and no pass runs. A ride that accepts nothing
+    leaves the pause counting down (no miss more); one that accepts something ends it; an unsure ride is no miss."""
+    from hebrus_torch.engine.config import EngineCounters
+    from hebrus_torch.engine.drafting import propose_drafts
+
+    model = with_mtp(make_model("lin-idx", seed=30))
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                        speculative=mtp_config(4)))
+    reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)]
+            for p in prompts_for(30, lengths=(6, 9))]
+    while any(not r.generated for r in reqs):
+        engine.step()
+
+    def propose(counters):
+        passes = engine.mtp_drafter.passes
+        got = propose_drafts(engine.scheduler.running, None, vocab_size=engine.vocab_size, capacity_tokens=256,
+                             stop_speculating=lambda r, why: None, mtp_drafter=engine.mtp_drafter, counters=counters)
+        return {reqs.index(r): len(d) for r, d in got.items()}, engine.mtp_drafter.passes - passes
+
+    counters = EngineCounters()
+    reqs[0].spec, reqs[1].spec = SpecState(length=4), SpecState(length=1, misses=1, pause=3)
+    assert propose(counters) == ({0: 4, 1: 2}, 4)
+    assert (reqs[1].spec.riding, reqs[1].spec.rides, counters.spec_rides) == (True, 1, 1)
+    assert (reqs[0].spec.riding, reqs[1].spec.pause) == (False, 2)
+    reqs[1].spec.update(reqs[1].speculative, 2, 0)         # a missed ride: no miss more, the pause goes on
+    assert (reqs[1].spec.misses, reqs[1].spec.pause, reqs[1].spec.length, reqs[1].spec.riding) == (1, 2, 1, False)
+    reqs[0].spec.pause = 5                                 # everybody paused: no round, nobody rides
+    assert propose(counters) == ({}, 0)
+    assert (reqs[1].spec.pause, counters.spec_rides) == (1, 1)
+    reqs[0].spec.pause = 0
+    assert propose(counters)[0] == {0: 4, 1: 2} and reqs[1].spec.pause == 0
+    reqs[1].spec.pause = 3
+    reqs[1].spec.update(reqs[1].speculative, 2, 1)         # a ride that accepted something ends the pause
+    assert (reqs[1].spec.misses, reqs[1].spec.pause, reqs[1].spec.length) == (0, 0, 2)
+    reqs[1].spec = SpecState(length=1, misses=2, pause=9, riding=True)
+    reqs[1].spec.unsure_round(reqs[1].speculative)          # an unsure ride: no miss either
+    assert (reqs[1].spec.misses, reqs[1].spec.pause, reqs[1].spec.unsure_rounds) == (2, 9, 1)
 
 
 def test_sampled_mtp_speculation_is_reproducible_and_drafts_with_its_distribution(monkeypatch):

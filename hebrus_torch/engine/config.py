@@ -121,3 +121,4 @@ class EngineCounters:
     spec_drafter_errors: int = 0        # requests that stopped speculating: their drafter raised or proposed junk
     spec_confidence_stops: int = 0      # MTP drafts SpeculativeConfig.confidence_threshold ended before their length
     spec_unsure_rounds: int = 0         # MTP rounds that proposed nothing (SpeculativeConfig.first_token_threshold)
+    spec_rides: int = 0                 # MTP rounds joined by a paused request (SpecState.ride_length)

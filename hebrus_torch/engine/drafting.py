@@ -29,10 +29,13 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
     ``method="mtp"`` ask ``mtp_drafter`` (all of them in one batch), the others ``drafter`` (None: prompt lookup);
     ``SpecState.confidence_stops`` counts the MTP drafts that ``confidence_threshold`` ended before their length (and
     ``counters.spec_confidence_stops``, the engine's ``EngineCounters``, where given); an MTP round that proposed
-    nothing (``first_token_threshold``) is the request's ``SpecState.unsure_round`` (``spec_unsure_rounds``)."""
+    nothing (``first_token_threshold``) is the request's ``SpecState.unsure_round`` (``spec_unsure_rounds``).
+    MTP requests in their back-off pause ride a round that other MTP requests draft in (``SpecState.ride_length``;
+    ``counters.spec_rides``)."""
     drafts: dict[Request, list[int]] = {}
     asking: list[tuple[Request, int]] = []
     asking_mtp: list[tuple[Request, int]] = []
+    riders: list[tuple[Request, int]] = []
     decoding = sum(1 for req in running if req.remaining == 1)
     for req in running:
         spec, cfg = req.spec, req.speculative
@@ -40,8 +43,12 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
             continue
         if cfg.disable_by_batch_size is not None and decoding > cfg.disable_by_batch_size:
             continue                   # (before next_length: a step without drafting counts for no back-off)
-        k = min(spec.next_length(cfg), req.max_new_tokens - len(req.generated) - 1, capacity_tokens - req.num_tokens - 1)
+        room = min(req.max_new_tokens - len(req.generated) - 1, capacity_tokens - req.num_tokens - 1)
+        k = min(spec.next_length(cfg), room)
+        spec.riding = False
         if k <= 0:
+            if cfg.method == "mtp" and mtp_drafter is not None and min(spec.ride_length(cfg), room) > 0:
+                riders.append((req, min(spec.ride_length(cfg), room)))
             continue
         if cfg.method == "mtp" and mtp_drafter is not None:
             asking_mtp.append((req, k))
@@ -51,6 +58,13 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
             drafts[req] = spec.lookup.propose(req.tokens, k)
         else:
             asking.append((req, k))
+    if asking_mtp and riders:
+        for req, _ in riders:
+            req.spec.riding = True
+            req.spec.rides += 1
+            if counters is not None:
+                counters.spec_rides += 1
+        asking_mtp += riders
     stopped = getattr(mtp_drafter, "stopped", None)
     if asking_mtp and stopped is not None:
         stopped.clear()

@@ -143,6 +143,12 @@ class SpecState:
     An unsure MTP round (``SpeculativeConfig.first_token_threshold``: nothing proposed) counts as a miss: it
     almost always is one (RESULTS, "MTP: unsure first tokens propose nothing"), and it costs its drafting pass but no
     verification.
+
+    A paused MTP request *rides* (``riding``): in a step where other MTP requests draft, it joins their round
+    (``ride_length``), since a row more in passes that run anyway and its verification rows cost a
+    small part of the step that a pass or a verification of its own would (RESULTS, "MTP at 8 requests: paused
+    requests ride"). A ride that accepts something ends the pause (the request drafts again as after any
+    accepted draft); one that accepts nothing, or is unsure, counts for nothing: the pause goes on counting down.
     """
 
     length: int = 0                 # tokens to draft next time (0: not yet set)
@@ -155,6 +161,8 @@ class SpecState:
     verify_steps: int = 0
     confidence_stops: int = 0       # MTP drafts ended before their length by ``SpeculativeConfig.confidence_threshold``
     unsure_rounds: int = 0          # MTP rounds that proposed nothing (``SpeculativeConfig.first_token_threshold``)
+    rides: int = 0                  # MTP rounds joined while paused
+    riding: bool = False            # this step's draft is a ride (set by the step's drafting)
 
     def next_length(self, config: SpeculativeConfig) -> int:
         if not config.adaptive:
@@ -170,8 +178,14 @@ class SpecState:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.verify_steps += 1
+        riding, self.riding = self.riding, False
         if not config.adaptive:
             return
+        if riding:
+            if accepted == 0:
+                self.length = 1
+                return                  # a missed ride: the pause goes on
+            self.pause = 0
         if accepted == drafted:
             self.length = min(config.num_draft_tokens, 2 * drafted)
         else:
@@ -185,8 +199,18 @@ class SpecState:
         """An MTP round proposed nothing for this request (its first token below ``first_token_threshold``): a
         miss for the back-off, with no verification."""
         self.unsure_rounds += 1
-        if config.adaptive:
+        riding, self.riding = self.riding, False
+        if config.adaptive and not riding:
             self._missed()
+
+    def ride_length(self, config: SpeculativeConfig) -> int:
+        """Tokens to draft when joining another request's MTP round during a pause (asked where ``next_length`` gave 0;
+        0 if not adaptive):
+        the adaptive length, and at least a first draft's (``min(K, 2)``; a pause follows a miss, after which the
+        length is 1 or 2, and a ride of 1 would only ever win one token)."""
+        if not config.adaptive or self.length == 0:
+            return 0
+        return max(self.length, min(config.num_draft_tokens, 2))
 
     def _missed(self) -> None:
         self.misses += 1

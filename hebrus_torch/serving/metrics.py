@@ -111,6 +111,7 @@ class _EngineCollector:
                   "MTP drafts the confidence threshold ended before their length"),
                  ("hebrus_spec_unsure_rounds", "spec_unsure_rounds",
                   "MTP drafting rounds that proposed nothing (first token below the first-token threshold)"),
+                 ("hebrus_spec_rides", "spec_rides", "MTP drafting rounds joined by a request in its back-off pause"),
                  ("hebrus_prompt_cache_file_hits", "prompt_cache_hits", "Requests restored from a prompt-cache file"),
                  ("hebrus_engine_steps", "steps", "Engine steps run"),
                  ("hebrus_engine_failed_steps", "failed_steps", "Engine steps that raised (retried or failed)"))
