@@ -176,6 +176,7 @@ def test_drafting_is_batched_one_pass_per_draft_position():
     engine.step()
     engine.runner.parts = None
     assert "mtp" in Parts.seen and Parts.seen <= set(PARTS)
+    engine.mtp_drafter.min_pass_share = 0.0        # (every pass a draft asks for: no round cut short)
     alone = [engine.mtp_drafter.propose_batch([r], [k])[0] for r, k in zip(reqs, (3, 1, 2))]
     passes = engine.mtp_drafter.passes
     together = engine.mtp_drafter.propose_batch(reqs, [3, 1, 2])
@@ -241,7 +242,17 @@ def assert_greedy_mtp_speculation_is_plain(model, prompts, monkeypatch,
     same, _ = run(model, prompts, spec=mtp_config(0), digests=layer_digests, max_new_tokens=14)
     assert same == ref
     stops = rides = 0                       # drafts the confidence rule ended before their length; rides
-    for seed, budget, k, order in cases:
+    for case, (seed, budget, k, order) in enumerate(cases):
+        if case == 0:                       # rounds cut short by MTPDrafter.min_pass_share (the default): exact too
+            pristine = engine_mtp.target_scores
+            _steer(monkeypatch, prompts, ref, seed, wrong=0.25 if threshold else 0.0)
+            digests = {}
+            tokens, _ = run(model, prompts, spec=mtp_config(k, confidence_threshold=threshold), digests=digests,
+                            max_batch_tokens=budget, max_new_tokens=14, order=order)
+            common = set(digests) & set(layer_digests)
+            assert tokens == ref and common and all(digests[key] == layer_digests[key] for key in common)
+            monkeypatch.setattr(engine_mtp, "target_scores", pristine)
+        monkeypatch.setattr(engine_mtp.MTPDrafter, "min_pass_share", 0.0)    # every pass a draft asks for
         _steer(monkeypatch, prompts, ref, seed, wrong=0.25 if threshold else 0.0)
         digests: dict = {}
         tokens, engine = run(model, prompts, spec=mtp_config(k, confidence_threshold=threshold), digests=digests,
@@ -488,6 +499,7 @@ def test_the_confidence_rule_ends_each_draft_and_the_round(monkeypatch):
     for threshold in (0.5, 0.0):
         engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
                                             speculative=mtp_config(4, confidence_threshold=threshold)))
+        engine.mtp_drafter.min_pass_share = 0.0    # (rounds as long as their longest draft)
         reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)] for p in prompts]
         while any(not r.generated for r in reqs):
             engine.step()
@@ -509,6 +521,32 @@ def test_the_confidence_rule_ends_each_draft_and_the_round(monkeypatch):
     assert [len(d) for d in drafts[0.5]] == [3, 2, 1]
     assert [len(d) for d in drafts[0.0]] == [4, 4, 4]
     assert [d[:len(e)] for d, e in zip(drafts[0.0], drafts[0.5])] == drafts[0.5]
+
+
+def test_a_round_ends_when_too_few_of_its_requests_still_draft(monkeypatch):
+    """``MTPDrafter.min_pass_share``: the round's next pass runs only while the requests still drafting are at least
+    that share of the round's; the drafts of those left end where the round does (the same tokens first). Off (0):
+    as many passes as the longest confident draft."""
+    model = with_mtp(make_model("lin-idx", seed=28))
+    prompts = [[11, 5, 6, 7], [12, 5, 6, 7, 8], [13, 9, 20]]
+    got = {}
+    for share in (0.0, 0.5, 0.7):
+        engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                            speculative=mtp_config(4, confidence_threshold=0.5)))
+        engine.mtp_drafter.min_pass_share = share
+        reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)] for p in prompts]
+        while any(not r.generated for r in reqs):
+            engine.step()
+        base = _scripted(monkeypatch, {11: 3, 12: 1, 13: 0})
+        base.update({r.tokens[0]: len(r.tokens) for r in reqs})
+        passes = engine.mtp_drafter.passes
+        got[share] = (engine.mtp_drafter.propose_batch(reqs, [4, 4, 4]), engine.mtp_drafter.passes - passes)
+        monkeypatch.undo()
+    (full, n_full), (half, n_half), (most, n_most) = got[0.0], got[0.5], got[0.7]
+    assert [len(d) for d in full] == [4, 2, 1] and n_full == 4
+    assert [len(d) for d in half] == [2, 2, 1] and n_half == 2      # (pass 2 had 1 of 3 going on: < 1.5)
+    assert [len(d) for d in most] == [1, 1, 1] and n_most == 1      # (pass 1 had 2 of 3 going on: < 2.1)
+    assert all(d == f[:len(d)] for d, f in zip(half + most, full + full))
 
 
 @pytest.mark.parametrize("name", ["confidence_threshold", "first_token_threshold"])
@@ -579,6 +617,7 @@ def test_a_paused_request_rides_a_round_others_draft_in():
     model = with_mtp(make_model("lin-idx", seed=30))
     engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
                                         speculative=mtp_config(4)))
+    engine.mtp_drafter.min_pass_share = 0.0        # (the rider's 2 drafts do not cut the other's 4 short)
     reqs = [engine.requests[engine.add_request(p, max_new_tokens=20, eos_token_id=None)]
             for p in prompts_for(30, lengths=(6, 9))]
     while any(not r.generated for r in reqs):

@@ -329,6 +329,41 @@ def test_speculation_mixed_with_prefills_and_plain_decodes(row_invariant):
         assert req.generated == ref[late.get(rid, rid)], rid
 
 
+def test_greedy_rows_verified_together_give_each_row_s_own_verdict(monkeypatch):
+    """``verify_rows`` verifies the greedy rows without logit processors or top log-probabilities in one block:
+    each row's verdict (accepted drafts, the token after them, log-probabilities) is the one it gets verified
+    alone (the row-by-row path), beside rows that stay on that path (sampled, penalised, with top_logprobs), with
+    drafts that are all right, partly right and empty, and ties in the logits."""
+    vocab = 50
+    g = torch.Generator().manual_seed(3)
+    shapes = [(3, dict()), (0, dict()), (4, dict(logprobs=True)), (2, dict(do_sample=True, temperature=0.7)),
+              (2, dict(repetition_penalty=1.3)), (3, dict(logprobs=True, top_logprobs=3)), (5, dict()), (1, dict())]
+    offsets, drafts, params, histories, at = [], [], [], [], 0
+    logits = torch.randn(sum(k + 1 for k, _ in shapes), vocab, generator=g)
+    logits[at + 1, 7] = logits[at + 1, 9] = logits[at + 1].max() + 1.0          # a tie: the first index wins
+    for i, (k, kw) in enumerate(shapes):
+        truth = logits[at:at + k + 1].argmax(-1).tolist()
+        d = truth[:k] if i % 3 else truth[:k // 2] + [(t + 1) % vocab for t in truth[k // 2:k]]
+        offsets.append(at)
+        drafts.append(d)
+        params.append(SamplingParams(seed=i, **kw))
+        histories.append([1, 2, 3 + i])
+        at += k + 1
+    gens = lambda: [torch.Generator().manual_seed(50 + i) for i in range(len(shapes))]   # noqa: E731
+    import hebrus_torch.engine.speculative as speculative
+
+    calls = []
+    original = speculative.target_scores
+    monkeypatch.setattr(speculative, "target_scores", lambda *a: calls.append(1) or original(*a))
+    together = verify_rows(logits, offsets, drafts, params, histories, gens())
+    assert len(calls) == 3 + 3 + 4          # (only the sampled, penalised and top_logprobs rows, position by position)
+    alone = [verify_rows(logits[o:o + len(d) + 1], [0], [d], [p], [h], [gen])[0]
+             for o, d, p, h, gen in zip(offsets, drafts, params, histories, gens())]
+    assert together == alone
+    assert [together[i].accepted for i in (0, 1, 2, 5, 6, 7)] == [1, 0, 4, 3, 2, 1]
+    assert together[2].logprobs is not None and together[5].tops is not None
+
+
 # ------------------------------------------------------------------------------------------ sampling
 def _distribution(samples: list[int], vocab: int) -> torch.Tensor:
     return torch.bincount(torch.tensor(samples), minlength=vocab).double() / len(samples)

@@ -134,6 +134,13 @@ class MTPDrafter:
         block_size: the prefix-sharing block (streams are kept at its boundaries).
     """
 
+    min_pass_share: float = 0.75
+    """A drafting round's next pass runs only while the requests still drafting are at least this share of those
+    the round started with; the drafts of the others end where the round does. A pass costs about the same for one
+    row as for eight (a layer's fixed cost per call), so the last passes of a round, for the one or two longest
+    drafts, cost the whole batch a pass for a token or less each (benchmarks/RESULTS.md, "MTP at 8 requests: paused
+    requests ride, rounds end with their majority"). A request drafting alone is never cut. 0 turns it off."""
+
     defer_writes: bool = True
     """Defer the block's K/V write of the decode rows of requests that drafted nothing in the step (backed off)
     until they draft again (:meth:`catch_up`); False: every trunk step writes every row's entries."""
@@ -422,6 +429,8 @@ class MTPDrafter:
                             self.stopped[req] = j + 1
                         elif k > j + 1:
                             going.append(row)
+                    if len(going) < self.min_pass_share * len(live):
+                        going = []              # too few rows left for another pass: the round ends here
                     streams = streams[going]
                     active = [active[row] for row in going]
                 raise _Discard

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .sampling import BadRequestError, SamplingParams, _penalised, _truncated
+from .sampling import BadRequestError, SamplingParams, _penalised, _penalises, _truncated
 
 __all__ = ["SpeculativeConfig", "SpecState", "NgramIndex", "prompt_lookup", "Verdict", "verification", "verify_rows",
            "target_scores"]
@@ -325,7 +325,33 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
     """
     packed: list[torch.Tensor] = []
     vocab = logits.shape[-1]
+    # Greedy rows without logit processors or top log-probabilities verify together: their scores are their
+    # logits as they are (target_scores changes nothing there), so one argmax / log_softmax over all their
+    # positions gives each position what its own row's would (the rows of a reduction are independent).
+    together = [r for r, p in enumerate(params)
+                if not p.do_sample and not _penalises(p) and not (p.logprobs and p.top_logprobs)]
+    if len(together) < 2:
+        together = []
+    block_at: dict[int, int] = {}          # row -> its first position in the block
+    if together:
+        index, dvec = [], []
+        for r in together:
+            block_at[r] = len(index)
+            k = len(drafts[r])
+            index.extend(range(offsets[r], offsets[r] + k + 1))
+            dvec.extend(list(drafts[r]) + [0])
+        dev = logits.device
+        rows = logits.index_select(0, torch.tensor(index, dtype=torch.int64).to(dev)).float()
+        d_all = torch.tensor(dvec, dtype=torch.int64).to(dev)
+        picks = rows.argmax(-1)
+        logp = rows.log_softmax(-1)
+        packed.append(torch.stack([picks.double(), (picks == d_all).double(),
+                                   logp.gather(1, picks[:, None])[:, 0].double(),
+                                   logp.gather(1, d_all[:, None])[:, 0].double()]).flatten())
+    size = len(index) if together else 0
     for r, (off, d, p) in enumerate(zip(offsets, drafts, params)):
+        if r in block_at:
+            continue
         k = len(d)
         dev = logits.device
         d_t = torch.tensor(list(d), dtype=torch.int64).to(dev) if k else torch.zeros(0, dtype=torch.int64, device=dev)
@@ -367,14 +393,21 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
 
     def finish(values: list[float]) -> list[Verdict]:
         out: list[Verdict] = []
-        at = 0
-        for d, p in zip(drafts, params):
+        at = 4 * size                       # (the block of the rows verified together comes first)
+        for r, (d, p) in enumerate(zip(drafts, params)):
             k = len(d)
-            cand = values[at:at + k + 1]
-            accept = values[at + k + 1:at + 2 * k + 1]
-            lp_cand = values[at + 2 * k + 1:at + 3 * k + 2]
-            lp_draft = values[at + 3 * k + 2:at + 4 * k + 2]
-            at += 4 * k + 2
+            if r in block_at:               # the block: [picks, accepts, their log-probs, the drafts'] of `size` each
+                s0 = block_at[r]
+                cand = values[s0:s0 + k + 1]
+                accept = values[size + s0:size + s0 + k]
+                lp_cand = values[2 * size + s0:2 * size + s0 + k + 1]
+                lp_draft = values[3 * size + s0:3 * size + s0 + k]
+            else:
+                cand = values[at:at + k + 1]
+                accept = values[at + k + 1:at + 2 * k + 1]
+                lp_cand = values[at + 2 * k + 1:at + 3 * k + 2]
+                lp_draft = values[at + 3 * k + 2:at + 4 * k + 2]
+                at += 4 * k + 2
             m = next((j for j in range(k) if accept[j] < 0.5), k)
             lps = (lp_draft[:m] + [lp_cand[m]]) if p.logprobs else None
             tops = None
