@@ -145,10 +145,10 @@ class SpecState:
     verification.
 
     A paused MTP request *rides* (``riding``): in a step where other MTP requests draft, it joins their round
-    (``ride_length``), since a row more in passes that run anyway and its verification rows cost a
-    small part of the step that a pass or a verification of its own would (RESULTS, "MTP at 8 requests: paused
-    requests ride"). A ride that accepts something ends the pause (the request drafts again as after any
-    accepted draft); one that accepts nothing, or is unsure, counts for nothing: the pause goes on counting down.
+    (``ride_length``): a row more in passes that run anyway, and its verification rows, cost a small part of what a
+    pass or a verification of its own would (RESULTS, "MTP at 8 requests: paused requests ride, rounds end with
+    their majority"). A ride that accepts something ends the pause (the request drafts again as after any accepted
+    draft); one that accepts nothing, or is unsure, counts for nothing: the pause goes on counting down.
     """
 
     length: int = 0                 # tokens to draft next time (0: not yet set)
