@@ -47,8 +47,9 @@ def propose_drafts(running: Sequence[Request], drafter: Any, *, vocab_size: int,
         k = min(spec.next_length(cfg), room)
         spec.riding = False
         if k <= 0:
-            if cfg.method == "mtp" and mtp_drafter is not None and min(spec.ride_length(cfg), room) > 0:
-                riders.append((req, min(spec.ride_length(cfg), room)))
+            ride = min(spec.ride_length(cfg), room) if cfg.method == "mtp" and mtp_drafter is not None else 0
+            if ride > 0:
+                riders.append((req, ride))
             continue
         if cfg.method == "mtp" and mtp_drafter is not None:
             asking_mtp.append((req, k))

@@ -204,10 +204,9 @@ class SpecState:
             self._missed()
 
     def ride_length(self, config: SpeculativeConfig) -> int:
-        """Tokens to draft when joining another request's MTP round during a pause (asked where ``next_length`` gave 0;
-        0 if not adaptive):
-        the adaptive length, and at least a first draft's (``min(K, 2)``; a pause follows a miss, after which the
-        length is 1 or 2, and a ride of 1 would only ever win one token)."""
+        """Tokens to draft when joining another request's MTP round during a pause (asked where ``next_length``
+        gave 0; 0 if not adaptive): the adaptive length, and at least a first draft's (``min(K, 2)``; a pause
+        follows a miss, after which the length is 1 or 2, and a ride of 1 would only ever win one token)."""
         if not config.adaptive or self.length == 0:
             return 0
         return max(self.length, min(config.num_draft_tokens, 2))
