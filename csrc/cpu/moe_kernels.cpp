@@ -455,13 +455,14 @@ QuantTileKernel quant_tile_kernel() {
   return &quant_tile_rows_portable<BITS>;
 }
 
-// What a pass item of quantized rows needs besides its inputs: the kernel, the widened scales and biases of the
-// item's rows, its pairs' rows of x and the results of a tile.
+// What a pass item needs besides its inputs. Quantized rows: the kernel, the widened scales and biases of the
+// item's rows, its pairs' rows of x and the results of a tile. Dense rows: pass A's dot products (gate_up_item).
 struct QuantScratch {
   QuantTileKernel kernel;
   std::vector<float> scales, biases, out;
   std::vector<float> codes;  // a tile's codes widened (quant_tile_rows): kTileRows rows of the weight's columns
   std::vector<const float*> x, xsums;
+  std::vector<float> dots;   // the dense pass A's: [pair][gate / up][intermediate of the item]
 };
 
 // The calling thread's scratch, kept between calls (a work unit is as short as one block of a decode step's
@@ -565,7 +566,7 @@ template <typename T, typename W>
 HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t* pairs, int64_t n, const float* xf,
                                 int64_t hp, int64_t top_k, int64_t inter, float* act, int64_t ip) {
   const int64_t width = it.end - it.begin;
-  static thread_local std::vector<float> scratch;
+  std::vector<float>& scratch = thread_scratch().dots;
   scratch.resize(static_cast<size_t>(2 * n * width));
   float* dots = scratch.data();  // pair q: gates at dots[2 q width + j], ups at dots[(2 q + 1) width + j]
   for (int64_t i = it.begin; i < it.end; ++i) {

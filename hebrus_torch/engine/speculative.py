@@ -332,8 +332,9 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
     if len(together) < 2:
         together = []
     block_at: dict[int, int] = {}          # row -> its first position in the block
+    index: list[int] = []                  # the block's positions (rows of logits)
     if together:
-        index, dvec = [], []
+        dvec = []
         for r in together:
             block_at[r] = len(index)
             k = len(drafts[r])
@@ -347,7 +348,7 @@ def verification(logits: torch.Tensor, offsets: Sequence[int], drafts: Sequence[
         packed.append(torch.stack([picks.double(), (picks == d_all).double(),
                                    logp.gather(1, picks[:, None])[:, 0].double(),
                                    logp.gather(1, d_all[:, None])[:, 0].double()]).flatten())
-    size = len(index) if together else 0
+    size = len(index)
     for r, (off, d, p) in enumerate(zip(offsets, drafts, params)):
         if r in block_at:
             continue
