@@ -324,7 +324,7 @@ def nothing_accepted_pairs(model, untrained, counts: list[int], k: int, new: int
                     times[name].append(generate(model, prompts, new, spec, defer)["wall"])
         for name in configs:
             ratio = statistics.median(p / t for p, t in zip(times["plain"], times[name]))
-            rows.append([f"1 ({args.solo} prompts, each alone)" if solo else str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
+            rows.append([str(n), name, f"{1e3 * statistics.median(times[name]) / new:.2f}", f"{ratio:.3f}x"])
             print(rows[-1], flush=True)
     text = table(["requests", "path", "time per generated token of a request (ms, median)", "vs plain (median of rounds)"],
                  rows)
