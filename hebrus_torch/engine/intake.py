@@ -5,6 +5,7 @@ stop strings, speculation, structured output), and the coercion of token-id inpu
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import operator
 from typing import Any, Iterable, Sequence
 
@@ -115,11 +116,8 @@ def speculative_config(engine: Any, value: SpeculativeConfig | int | None, what:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequestError(f"{what}: speculative must be a SpeculativeConfig, an int or None, got {value!r}")
     default = engine.config.speculative
-    if default is not None and default.method == "mtp" and value:     # (an MTP engine: that many MTP drafts)
-        return SpeculativeConfig(value, adaptive=default.adaptive, method="mtp",
-                                 disable_by_batch_size=default.disable_by_batch_size,
-                                 confidence_threshold=default.confidence_threshold,
-                                 first_token_threshold=default.first_token_threshold)
+    if default is not None and default.method == "mtp" and value:     # (an MTP engine: that many MTP drafts,
+        return dataclasses.replace(default, num_draft_tokens=value)   # every other setting the engine's)
     return SpeculativeConfig(value)
 
 
