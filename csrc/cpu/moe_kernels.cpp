@@ -456,13 +456,14 @@ QuantTileKernel quant_tile_kernel() {
 }
 
 // What a pass item needs besides its inputs. Quantized rows: the kernel, the widened scales and biases of the
-// item's rows, its pairs' rows of x and the results of a tile. Dense rows: pass A's dot products (gate_up_item).
+// item's rows, its pairs' rows of x and the results of a tile; both kinds: pass A's dot products of an item, before
+// its activations (store_acts).
 struct QuantScratch {
   QuantTileKernel kernel;
   std::vector<float> scales, biases, out;
   std::vector<float> codes;  // a tile's codes widened (quant_tile_rows): kTileRows rows of the weight's columns
   std::vector<const float*> x, xsums;
-  std::vector<float> dots;   // the dense pass A's: [pair][gate / up][intermediate of the item]
+  std::vector<float> dots;   // pass A's: [pair][gate / up][intermediate of the item]
 };
 
 // The calling thread's scratch, kept between calls (a work unit is as short as one block of a decode step's
@@ -542,12 +543,32 @@ struct Problem {
   T* out;                 // [T, H]
 };
 
-// The finishing step of pass A: the activation of pair p at intermediate i from its gate and up dot products,
-// stored at place(i) of the pair's act row (the down projection's reading order).
+// The finishing step of pass A for one pair and the intermediates [begin, begin + width) of an item: the
+// activations from their gate and up dot products, stored at place(i) of the pair's act row (the down
+// projection's reading order). A plain loop that the compiler vectorises (silu's exp_silu 16 lanes at a time:
+// the same operations per element, so the same bits as one at a time; scalar, they were about a third of the
+// dense pass A).
+// Quantized rows place a column away from its index (CodeOrder): the activations of a block of 64 go to a
+// contiguous buffer first, so their loop vectorises, then to their places.
 template <typename T, typename W>
-HEBRUS_INLINE void store_act(float* act, int64_t ip, int64_t p, int64_t i, float gate, float up) {
-  const float g = round_to<T>(gate), u = round_to<T>(up);
-  act[p * ip + W::place(i)] = round_to<T>(round_to<T>(silu(g)) * u);
+HEBRUS_INLINE void store_acts(float* row, int64_t begin, const float* gates, const float* ups, int64_t width) {
+  if constexpr (W::kQuantized) {
+    constexpr int64_t kBlock = 64;
+    float buf[kBlock];
+    for (int64_t j0 = 0; j0 < width; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, width - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float g = round_to<T>(gates[j0 + j]), u = round_to<T>(ups[j0 + j]);
+        buf[j] = round_to<T>(round_to<T>(silu(g)) * u);
+      }
+      for (int64_t j = 0; j < n; ++j) row[W::place(begin + j0 + j)] = buf[j];
+    }
+  } else {
+    for (int64_t j = 0; j < width; ++j) {
+      const float g = round_to<T>(gates[j]), u = round_to<T>(ups[j]);
+      row[W::place(begin + j)] = round_to<T>(round_to<T>(silu(g)) * u);
+    }
+  }
 }
 
 // The finishing step of pass B: output d of pair p, weighted.
@@ -559,9 +580,8 @@ HEBRUS_INLINE void store_weighted(float* y, int64_t hidden, int64_t p, int64_t d
 }
 
 // Pass A for the pairs [0, n) of one item, dense rows: act[p][i] for i in [begin, end). The dot products of the
-// item go to a scratch block first ([pair][gate / up][i]); the activations then run over each pair's row of it, a
-// plain loop that the compiler vectorises (silu's exp_silu 16 lanes at a time: the same operations per element,
-// so the same bits as one at a time; scalar, they were about a third of this pass).
+// item go to a scratch block first ([pair][gate / up][i]); the activations then run over each pair's row of it
+// (store_acts).
 template <typename T, typename W>
 HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t* pairs, int64_t n, const float* xf,
                                 int64_t hp, int64_t top_k, int64_t inter, float* act, int64_t ip) {
@@ -592,12 +612,7 @@ HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t*
   }
   for (int64_t q = 0; q < n; ++q) {
     const float* gates = dots + 2 * q * width;
-    const float* ups = gates + width;
-    float* row = act + pairs[q] * ip;
-    for (int64_t j = 0; j < width; ++j) {
-      const float g = round_to<T>(gates[j]), u = round_to<T>(ups[j]);
-      row[W::place(it.begin + j)] = round_to<T>(round_to<T>(silu(g)) * u);
-    }
+    store_acts<T, W>(act + pairs[q] * ip, it.begin, gates, gates + width, width);
   }
 }
 
@@ -672,9 +687,10 @@ HEBRUS_INLINE ItemPairs start_item(QuantScratch& sc, const ExpertGroups& g, cons
   return {pairs, n};
 }
 
-// Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1. Cloned per vector
-// ISA for the activations' silu: its fused multiply-adds are instructions there, calls to libm's fmaf in the baseline
-// target (the same bits; the calls were ~3% of a 1-row 4-bit call).
+// Pass A over quantized rows: each tile is the gate and up rows of two intermediates, i and i + 1; the item's dot
+// products go to a scratch block, then its activations run per pair (store_acts). Cloned per vector ISA for the
+// activations' silu: its fused multiply-adds are instructions there, calls to libm's fmaf in the baseline target
+// (the same bits; the calls were ~3% of a 1-row 4-bit call).
 template <typename T, int BITS>
 HEBRUS_TEMPLATE_VECTOR_CLONES void quant_gate_up_items(const QuantRows<T, BITS>& w, const std::vector<Item>& items, const ExpertGroups& g,
                          int64_t begin, int64_t end, const float* xf, int64_t hp, const float* xsums, int64_t gsp,
@@ -686,6 +702,8 @@ HEBRUS_TEMPLATE_VECTOR_CLONES void quant_gate_up_items(const QuantRows<T, BITS>&
     const Item& it = items[k];
     const int64_t count = it.end - it.begin;
     const auto [pairs, n] = start_item(sc, g, it, top_k, xf, hp, xsums, gsp, 2 * count, groups, w.cols);
+    sc.dots.resize(static_cast<size_t>(2 * n * count));
+    float* dots = sc.dots.data();  // pair q: gates at dots[2 q count + j], ups at dots[(2 q + 1) count + j]
     w.widen_params(it.expert, it.begin, count, sc.scales.data(), sc.biases.data());
     w.widen_params(it.expert, inter + it.begin, count, sc.scales.data() + count * groups,
                    sc.biases.data() + count * groups);
@@ -701,8 +719,15 @@ HEBRUS_TEMPLATE_VECTOR_CLONES void quant_gate_up_items(const QuantRows<T, BITS>&
       kernel(tile, sc.x.data(), sc.xsums.data(), n, groups, chunks, sc.out.data(), sc.codes.data());
       for (int64_t q = 0; q < n; ++q) {
         const float* o = sc.out.data() + q * kTileRows;
-        for (int64_t r = i; r < pair_end; ++r) store_act<T, W>(act, ip, pairs[q], r, o[2 * (r - i)], o[2 * (r - i) + 1]);
+        for (int64_t r = i; r < pair_end; ++r) {
+          dots[2 * q * count + (r - it.begin)] = o[2 * (r - i)];
+          dots[(2 * q + 1) * count + (r - it.begin)] = o[2 * (r - i) + 1];
+        }
       }
+    }
+    for (int64_t q = 0; q < n; ++q) {
+      const float* gates = dots + 2 * q * count;
+      store_acts<T, W>(act + pairs[q] * ip, it.begin, gates, gates + count, count);
     }
   }
 }
