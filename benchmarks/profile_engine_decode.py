@@ -17,7 +17,10 @@ Then the ATen ops of one step are recorded (a ``TorchDispatchMode``; views inclu
 runs them) and replayed on their recorded arguments in a tight loop, without the Python that issued them:
 the replay's time is what the dispatcher and the kernels cost; the step's time less the replay's is the
 Python around them. The replay of the matrix products alone (``mm``, ``addmm``, ``hebrus::moe_experts``)
-is the floor the weights' reads set. Prints a table; ``--write`` puts it in RESULTS.md under ``--section``.
+is the floor the weights' reads set. A last table says what the step reads and calls: the weights its matrix
+products read (and their replay's rate), the ATen calls it makes counting those its ops make inside
+(``torch.profiler``), and what one ATen call costs from C++ (one ``hebrus::hc_premix``, whose CPU kernel runs the
+module's ATen sequence). Prints the tables; ``--write`` puts them in RESULTS.md under ``--section``.
 
     python benchmarks/profile_engine_decode.py [--steps 64] [--prompt 64] [--write --section TITLE]
 """
@@ -145,6 +148,60 @@ def replay_seconds(calls: list[tuple], repeat: int = 20) -> float:
     return statistics.median(times)
 
 
+def weight_bytes(calls: list[tuple]) -> int:
+    """Bytes of weights the recorded matrix products read: each ``mm`` / ``addmm`` / ``linear``'s weight operand
+    and, for ``hebrus::moe_experts``, the gate_up and down rows of the experts its ids hit."""
+    total = 0
+    for func, args, _ in calls:
+        name = func.overloadpacket.__name__
+        if name in ("mm", "linear"):
+            w = args[1]
+        elif name == "addmm":
+            w = args[2]
+        elif name == "moe_experts":
+            hit = torch.unique(args[1]).numel()
+            total += hit * (args[3][0].numel() * args[3].element_size() + args[4][0].numel() * args[4].element_size())
+            continue
+        else:
+            continue
+        total += w.numel() * w.element_size()
+    return total
+
+
+def nested_aten_calls(engine: Engine, steps: int = 4) -> float:
+    """ATen / hebrus calls per decode step counting those ops make inside (a ``linear`` is ``t``, ``matmul``, ``mm``,
+    ...; a CPU fused op runs its ATen sequence): the events ``torch.profiler`` records, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    return sum(e.count for e in prof.key_averages() if "::" in e.key) / steps
+
+
+def native_call_cost(model, calls: int = 2000) -> tuple[int, float]:
+    """(ATen calls nested in one ``hebrus::hc_premix``, microseconds per call of it): the CPU kernel runs
+    ``Qwen4ExpTextGatedResidual``'s ATen sequence from C++ (its three small ``mm`` included), so time / calls is what
+    an ATen call costs without any Python around it, at a decode step's shapes (one row), warm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hebrus_torch.hc.premix import hyper_premix
+
+    hc = model.model.layers[0].attn_hyper_connection
+    h = torch.randn(1, hc.hc_count * hc.hidden_size)
+    for _ in range(100):
+        hyper_premix(hc, h)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        hyper_premix(hc, h)
+    nested = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    t0 = CLOCK()
+    for _ in range(calls):
+        torch.ops.hebrus.hc_premix.default(h, hc.hc_norm.weight, hc.input_mix_weight_down.weight,
+                                           hc.input_mix_weight_up.weight, hc.block_inject_weight.weight,
+                                           hc.hc_count, float(hc.hc_norm.eps))
+    return nested, (CLOCK() - t0) / calls * 1e6
+
+
 def build_engine(model, prompt: list[int], new: int) -> Engine:
     engine = Engine(model, EngineConfig(capacity_tokens=len(prompt) + new + 64, max_sequences=1,
                                         max_batch_tokens=512, block_size=256))
@@ -154,7 +211,7 @@ def build_engine(model, prompt: list[int], new: int) -> Engine:
 
 def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
     """Per-phase ms of a decode step (median step; phases averaged), ops per step and the replay split."""
-    engine = build_engine(model, prompt, steps + 3)
+    engine = build_engine(model, prompt, steps + 8)
     phases = Phases(engine)
     with torch.inference_mode():
         engine.step()                                            # the prefill
@@ -178,11 +235,19 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
         calls = recorder.calls
         replay_all = replay_seconds(calls)
         replay_gemm = replay_seconds([c for c in calls if c[0].overloadpacket.__name__ in GEMMS])
+        nested = nested_aten_calls(engine)
+        premix_calls, premix_us = native_call_cost(model)
     ops = collections.Counter(c[0].overloadpacket.__name__ for c in calls)
     split = {"step (median)": t_step, "ATen ops replayed (dispatch + kernels)": replay_all,
              "of which matrix products (mm, moe_experts)": replay_gemm,
              "Python around the ops (step - replay)": t_step - replay_all, "forward parts": forward_parts}
-    return parts, len(calls), {"split": split, "ops": ops, "mean": statistics.mean(per_step)}
+    read = weight_bytes(calls)
+    floor = {"weights the matrix products read per step (MB)": f"{read / 1e6:.1f}",
+             "their replay's rate (GB/s)": f"{read / replay_gemm / 1e9:.1f}",
+             "ATen / hebrus calls per step, nested ones counted (torch.profiler)": f"{nested:.0f}",
+             "one hc_premix from C++ (its ATen calls, us per call, us per ATen call)":
+                 f"{premix_calls}, {premix_us:.1f}, {premix_us / premix_calls:.2f}"}
+    return parts, len(calls), {"split": split, "ops": ops, "mean": statistics.mean(per_step), "floor": floor}
 
 
 def main() -> None:
@@ -216,6 +281,8 @@ def main() -> None:
         table(["phase of a decode step", "ms", "share"], rows),
         "",
         table(["split of one decode step", "ms"], split),
+        "",
+        table(["what the step reads and calls", ""], [[k, v] for k, v in info["floor"].items()]),
         "",
         f"ATen/hebrus ops dispatched per decode step (views included): {n_ops}; most frequent: {top}.",
     ])
