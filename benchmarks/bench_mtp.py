@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, table, write_section  # noqa: E402
+from common import command_line, machine, table, write_section  # noqa: E402
 
 from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
 from hebrus_torch.engine.speculative import SpecState, SpeculativeConfig  # noqa: E402
@@ -414,8 +414,7 @@ def main() -> None:
     if args.nothing_accepted_pairs:
         _, text = nothing_accepted_pairs(model, untrained, [int(x) for x in args.counts.split(",")], args.k,
                                          args.new, args.nothing_accepted_pairs)
-        text = (f"`python benchmarks/bench_mtp.py --layers {layers} --counts {args.counts} --k {args.k} --new {args.new} "
-                f"--nothing-accepted-pairs {args.nothing_accepted_pairs}{' --cpu-time' if args.cpu_time else ''}`, "
+        text = (f"`{command_line('bench_mtp.py', ap, args, given={'layers': layers})}`, "
                 f"{time.strftime('%Y-%m-%d')}: {machine()}, load average at the start {load_start:.1f}, at the end "
                 f"{os.getloadavg()[0]:.1f}. Model: bench_speculative.py's copy model with {layers} decoder layers, a "
                 f"random MTP block (nothing accepted). Prompts: {PROMPT} random tokens, {args.new} greedy tokens per "
@@ -476,13 +475,7 @@ def main() -> None:
                        f"one draft step, teacher-forced, cross entropy {info['first']:.2f} -> {info['last']:.2f}")
                     + f"; Adam, lr {info.get('lr', 3e-3):g}) on {info['threads']} threads"
                     + (" by an earlier run of this script, not retrained in this one" if info.get("earlier") else ""))
-    text = (f"`python benchmarks/bench_mtp.py --layers {layers} --train-seconds {args.train_seconds:.0f} --counts {args.counts} "
-            f"--k {args.k} --repeat {args.repeat} --new {args.new} --threads {args.threads} --bench-threads "
-            f"{args.bench_threads}{' --cpu-time' if args.cpu_time else ''}{f' --solo {args.solo}' if args.solo > 1 else ''}"
-            f"{f' --unroll {args.unroll}' if args.unroll != 1 else ''}{f' --warm {args.warm:g}' if args.warm else ''}"
-            f"{f' --threshold {args.threshold:g}' if args.threshold is not None else ''}"
-            f"{f' --baseline-checkpoint {args.baseline_checkpoint}' if args.baseline_checkpoint else ''}"
-            f"{f' --paths {chr(34)}{args.paths}{chr(34)}' if args.paths else ''}`, {time.strftime('%Y-%m-%d')}: "
+    text = (f"`{command_line('bench_mtp.py', ap, args, given={'layers': layers})}`, {time.strftime('%Y-%m-%d')}: "
             f"{machine()}, "
             f"load average at the start {load_start:.1f}, at the end {os.getloadavg()[0]:.1f}.\n"
             f"Model: bench_speculative.py's copy model (bench_engine.py's small Qwen4Exp, {layers} layers, vocab 4096, "

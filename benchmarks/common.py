@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import shlex
 import statistics
 import time
 from typing import Callable
@@ -146,3 +148,25 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def command_line(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace, given: dict | None = None,
+                 skip: tuple[str, ...] = ("no_write", "write")) -> str:
+    """``python benchmarks/<script>`` with the options whose values differ from ``parser``'s defaults: what
+    reproduces the run, without the defaults. ``given``: options always shown, with these values (e.g. one read
+    from a checkpoint rather than given); ``skip``: options never shown (they do not change what is measured)."""
+    given = given or {}
+    parts = [f"python benchmarks/{script}"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip or isinstance(action, argparse._HelpAction):
+            continue
+        value = given.get(action.dest, getattr(args, action.dest))
+        if action.dest not in given and value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                parts.append(flag)
+            continue
+        parts += [flag, shlex.quote(f"{value:g}" if isinstance(value, float) else str(value))]
+    return " ".join(parts)
