@@ -412,6 +412,33 @@ def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(
     assert a.generated == b.generated
 
 
+def test_the_cache_s_state_dict_writes_the_deferred_block_entries_first(row_invariant, monkeypatch):
+    """``ModelCache.state_dict`` of an MTP engine's cache catches up the entries the backed-off steps deferred (they
+    were zeros in it before): the state it returns, loaded into another engine's cache, holds the always-writing
+    engine's state, and the run goes on to the same tokens."""
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=33)))
+    lazy, eager = _lockstep(model, prompts_for(33, lengths=(9,))[0], monkeypatch)
+    a, b = lazy.requests["r"], eager.requests["r"]
+    while len(lazy.mtp_drafter.pending_positions(a.seq)) < 5:
+        lazy.step()
+        eager.step()
+        assert not a.status.is_done
+    want = tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) != want        # (zero until caught up)
+    written = lazy.mtp_drafter.caught_up
+    state = lazy.cache.state_dict()
+    assert lazy.mtp_drafter.pending_positions(a.seq) == []
+    assert lazy.mtp_drafter.caught_up >= written + 5
+    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) == want
+    other = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
+                                       speculative=mtp_config(2)))
+    other.cache.load_state_dict(state)
+    assert tuple(h.digest(a.seq) for h in other.cache.holders) == want
+    lazy.run()
+    eager.run()
+    assert a.generated == b.generated
+
+
 def test_a_request_that_does_not_draft_again_writes_its_deferred_block_entries_every_max_pending_steps(
         row_invariant, monkeypatch):
     """What is deferred stays bounded: a request backed off for good has at most ``MAX_PENDING`` block entries

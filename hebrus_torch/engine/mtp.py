@@ -15,8 +15,8 @@ for the last positions of each step's rows and at every ``block_size`` boundary,
 block boundary finds them; a state restored from a prompt-cache file has none: zero streams, which changes
 drafts, never tokens). Except (``MTPDrafter.defer_writes``) the decode rows of requests that speculate and drafted
 nothing in the step: their entries wait (the streams before and the token kept per position; zeros in the cache)
-and are written in one packed write (``catch_up``) before the request drafts again, before its state is saved,
-or every ``MAX_PENDING`` positions; a fork copies them. Once caught up the cache is what writing them in every
+and are written in one packed write (``catch_up``) before the request drafts again, before its state is saved
+(``save`` / ``save_unpacked``, or the cache's ``state_dict``), or every ``MAX_PENDING`` positions; a fork copies them. Once caught up the cache is what writing them in every
 step leaves.
 
 Drafting (``propose_batch``, before the step is planned; one packed MTP pass per draft position for all
@@ -181,6 +181,10 @@ class MTPDrafter:
             self.catch_up([seq])
             return _save(seq)
         cache.save_unpacked = save_caught_up              # (a saved state has the block's entries; save too)
+
+        def state_dict_caught_up(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+            self.catch_up(list(self._pending))
+        cache.register_state_dict_pre_hook(state_dict_caught_up)   # (and so has a state_dict)
 
     # ------------------------------------------------------------------ the runner's hook
     def forward(self, step: ChunkStep, positions: torch.Tensor, last: int, starts: Sequence[int],
