@@ -386,17 +386,25 @@ def test_backed_off_requests_decoding_together_defer_without_a_write_and_catch_u
     assert lazy.mtp_drafter.caught_up > 0 and eager.mtp_drafter.caught_up == 0
 
 
-def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(row_invariant, monkeypatch):
-    model = with_mtp(eager_experts(make_model("lin-idx", seed=30)))
-    lazy, eager = _lockstep(model, prompts_for(30, lengths=(9,))[0], monkeypatch)
+def _with_deferred_entries(seed: int, monkeypatch, count: int = 5):
+    """The lockstep pair (:func:`_lockstep`) on one 9-token prompt, stepped until the deferring engine holds
+    ``count`` deferred block entries: (model, lazy, eager, lazy's request, eager's request, the always-writing
+    engine's digests of its sequence), the lazy cache's digests checked to differ (zeros until caught up)."""
+    model = with_mtp(eager_experts(make_model("lin-idx", seed=seed)))
+    lazy, eager = _lockstep(model, prompts_for(seed, lengths=(9,))[0], monkeypatch)
     a, b = lazy.requests["r"], eager.requests["r"]
-    while len(lazy.mtp_drafter.pending_positions(a.seq)) < 5:
+    while len(lazy.mtp_drafter.pending_positions(a.seq)) < count:
         lazy.step()
         eager.step()
         assert not a.status.is_done
     want = tuple(h.digest(b.seq) for h in eager.cache.holders)
+    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) != want
+    return model, lazy, eager, a, b, want
+
+
+def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(row_invariant, monkeypatch):
+    _, lazy, eager, a, b, want = _with_deferred_entries(30, monkeypatch)
     pending = lazy.mtp_drafter.pending_positions(a.seq)
-    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) != want        # (zero until caught up)
     child = lazy.cache.fork(a.seq)
     assert lazy.mtp_drafter.pending_positions(child) == pending
     data = lazy.cache.save(child)                        # writes the child's deferred entries first
@@ -416,15 +424,7 @@ def test_the_cache_s_state_dict_writes_the_deferred_block_entries_first(row_inva
     """``ModelCache.state_dict`` of an MTP engine's cache catches up the entries the backed-off steps deferred (they
     were zeros in it before): the state it returns, loaded into another engine's cache, holds the always-writing
     engine's state, and the run goes on to the same tokens."""
-    model = with_mtp(eager_experts(make_model("lin-idx", seed=33)))
-    lazy, eager = _lockstep(model, prompts_for(33, lengths=(9,))[0], monkeypatch)
-    a, b = lazy.requests["r"], eager.requests["r"]
-    while len(lazy.mtp_drafter.pending_positions(a.seq)) < 5:
-        lazy.step()
-        eager.step()
-        assert not a.status.is_done
-    want = tuple(h.digest(b.seq) for h in eager.cache.holders)
-    assert tuple(h.digest(a.seq) for h in lazy.cache.holders) != want        # (zero until caught up)
+    model, lazy, eager, a, b, want = _with_deferred_entries(33, monkeypatch)
     written = lazy.mtp_drafter.caught_up
     state = lazy.cache.state_dict()
     assert lazy.mtp_drafter.pending_positions(a.seq) == []
