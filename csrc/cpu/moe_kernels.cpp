@@ -547,9 +547,8 @@ struct Problem {
 // activations from their gate and up dot products, stored at place(i) of the pair's act row (the down
 // projection's reading order). A plain loop that the compiler vectorises (silu's exp_silu 16 lanes at a time:
 // the same operations per element, so the same bits as one at a time; scalar, they were about a third of the
-// dense pass A).
-// Quantized rows place a column away from its index (CodeOrder): the activations of a block of 64 go to a
-// contiguous buffer first, so their loop vectorises, then to their places.
+// dense pass A). Quantized rows place a column away from its index (CodeOrder), a scatter that would keep the
+// loop scalar: there the activations of a block of 64 go to a contiguous buffer first, then to their places.
 template <typename T, typename W>
 HEBRUS_INLINE void store_acts(float* row, int64_t begin, const float* gates, const float* ups, int64_t width) {
   if constexpr (W::kQuantized) {

@@ -16,8 +16,8 @@ block boundary finds them; a state restored from a prompt-cache file has none: z
 drafts, never tokens). Except (``MTPDrafter.defer_writes``) the decode rows of requests that speculate and drafted
 nothing in the step: their entries wait (the streams before and the token kept per position; zeros in the cache)
 and are written in one packed write (``catch_up``) before the request drafts again, before its state is saved
-(``save`` / ``save_unpacked``, or the cache's ``state_dict``), or every ``MAX_PENDING`` positions; a fork copies them. Once caught up the cache is what writing them in every
-step leaves.
+(``save`` / ``save_unpacked``, or the cache's ``state_dict``), or every ``MAX_PENDING`` positions; a fork copies
+them. Once caught up the cache is what writing them in every step leaves.
 
 Drafting (``propose_batch``, before the step is planned; one packed MTP pass per draft position for all
 speculating requests): at a request's frontier ``P`` (its last token ``t`` not yet fed) the block is fed
