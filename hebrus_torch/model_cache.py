@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -301,6 +301,7 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         self._snapshots: dict[int, list[CacheSnapshot]] = {}
         self._origin: dict[int, int | None] = {}       # slot -> PLE origin; None/absent: fresh, no token yet
         self._backup: tuple | None = None
+        self._load_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_transformers(cls, model: torch.nn.Module, *, capacity_tokens: int, max_sequences: int = 64,
@@ -824,6 +825,14 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         self.slots.assign(generation, live)
         self._snapshots = {}
         self._origin = {slot: o for slot, o in enumerate(origin) if o is not None}
+        for listener in self._load_listeners:
+            listener()
+
+    def on_load(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` each time a state dict is published into this cache (``load_state_dict``, directly or
+        as part of a parent module, or ``publish_state_dict``): every handle then names the loaded state's
+        sequence, so what a runtime kept per handle beside the cache (the MTP drafter's streams) is stale."""
+        self._load_listeners.append(listener)
 
     def _apply(self, fn, recurse: bool = True):
         # Both holders' refusals (inside a transaction, an unsupported dtype) before either moves.

@@ -439,6 +439,22 @@ def test_the_cache_s_state_dict_writes_the_deferred_block_entries_first(row_inva
     assert a.generated == b.generated
 
 
+def test_a_state_dict_loaded_into_an_engine_s_cache_drops_what_its_drafter_kept_for_the_old_sequences(
+        row_invariant, monkeypatch):
+    """The drafter keeps per sequence handle the trunk's streams and the block entries it deferred; a state dict
+    loaded into its cache gives those handles other sequences, so what it kept for them goes (a later catch_up
+    must not write the old sequences' entries into the loaded ones, nor drafts start from their streams)."""
+    _, lazy, eager, a, b, want = _with_deferred_entries(34, monkeypatch)
+    state = eager.cache.state_dict()
+    handle = a.seq
+    assert lazy.mtp_drafter.pending_positions(handle)
+    lazy.cache.load_state_dict(state)                  # (the handle now names eager's sequence)
+    assert lazy.mtp_drafter.pending_positions(handle) == []
+    assert lazy.mtp_drafter.catch_up([handle]) == 0
+    assert tuple(h.digest(handle) for h in lazy.cache.holders) == want
+    assert not lazy.mtp_drafter._streams
+
+
 def test_a_request_that_does_not_draft_again_writes_its_deferred_block_entries_every_max_pending_steps(
         row_invariant, monkeypatch):
     """What is deferred stays bounded: a request backed off for good has at most ``MAX_PENDING`` block entries

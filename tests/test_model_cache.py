@@ -610,6 +610,28 @@ def test_state_dict_through_a_parent_module(model):
         assert digests(target.cache) == before
 
 
+def test_load_listeners_run_once_per_published_state_and_not_on_a_refused_one(model):
+    """``ModelCache.on_load``: the listener runs after each published state dict (loaded directly, through a parent
+    module, or ``publish_state_dict``), once, with the new state in place; a refused load publishes nothing and
+    calls nothing."""
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    feed(mc, Tables(mc), a, torch.arange(1, 11), [])
+    sd = mc.state_dict()
+    target = _Runtime(make_cache(model))
+    seen = []
+    target.cache.on_load(lambda: seen.append(target.cache.digest()))
+    target.cache.load_state_dict(sd)
+    target.load_state_dict(_Runtime(mc).state_dict())
+    target.cache.publish_state_dict(sd)
+    assert seen == [mc.digest()] * 3
+    bad = dict(sd)
+    bad["ple.history"] = sd["ple.history"].clone().fill_(10**6)
+    with pytest.raises(CorruptStateError):
+        target.cache.load_state_dict(bad)
+    assert len(seen) == 3
+
+
 def test_unexpected_keys_are_refused_with_strict(model):
     mc = make_cache(model)
     a = mc.new_sequence()
