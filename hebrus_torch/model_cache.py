@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -301,7 +301,9 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         self._snapshots: dict[int, list[CacheSnapshot]] = {}
         self._origin: dict[int, int | None] = {}       # slot -> PLE origin; None/absent: fresh, no token yet
         self._backup: tuple | None = None
-        self._load_listeners: list[Callable[[], None]] = []
+        self.owner: str | None = None
+        """Who runs on this cache (an ``Engine`` sets its name): loading a state dict into it is then refused, since
+        its sequences belong to the owner's requests and kept prompts, whose bookkeeping a load would not change."""
 
     @classmethod
     def from_transformers(cls, model: torch.nn.Module, *, capacity_tokens: int, max_sequences: int = 64,
@@ -751,6 +753,10 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         validated against each other (CorruptStateError)."""
         if self.in_transaction:
             raise HebrusError("ModelCache.load_state_dict cannot run inside a transaction")
+        if self.owner is not None:
+            raise HebrusError(f"ModelCache.load_state_dict: this cache is run by {self.owner}, whose requests and kept "
+                              f"prompts hold its sequences; load into a cache nothing runs on (move one sequence "
+                              f"between caches with save / restore)")
         extra = sd.get("_extra_state")
         cap = self.slots.capacity
         blob.expect(_KIND, isinstance(extra, dict) and blob.same(extra.get("format"), _KIND),
@@ -825,14 +831,6 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
         self.slots.assign(generation, live)
         self._snapshots = {}
         self._origin = {slot: o for slot, o in enumerate(origin) if o is not None}
-        for listener in self._load_listeners:
-            listener()
-
-    def on_load(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` each time a state dict is published into this cache (``load_state_dict``, directly or
-        as part of a parent module, or ``publish_state_dict``): every handle then names the loaded state's
-        sequence, so what a runtime kept per handle beside the cache (the MTP drafter's streams) is stale."""
-        self._load_listeners.append(listener)
 
     def _apply(self, fn, recurse: bool = True):
         # Both holders' refusals (inside a transaction, an unsupported dtype) before either moves.

@@ -430,29 +430,35 @@ def test_the_cache_s_state_dict_writes_the_deferred_block_entries_first(row_inva
     assert lazy.mtp_drafter.pending_positions(a.seq) == []
     assert lazy.mtp_drafter.caught_up >= written + 5
     assert tuple(h.digest(a.seq) for h in lazy.cache.holders) == want
-    other = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, block_size=4,
-                                       speculative=mtp_config(2)))
-    other.cache.load_state_dict(state)
-    assert tuple(h.digest(a.seq) for h in other.cache.holders) == want
+    other = engine_mtp.mtp_model_cache(model, engine_mtp.mtp_module(model), capacity_tokens=256, max_sequences=4)
+    other.load_state_dict(state)
+    assert tuple(h.digest(a.seq) for h in other.holders) == want
     lazy.run()
     eager.run()
     assert a.generated == b.generated
 
 
-def test_a_state_dict_loaded_into_an_engine_s_cache_drops_what_its_drafter_kept_for_the_old_sequences(
-        row_invariant, monkeypatch):
-    """The drafter keeps per sequence handle the trunk's streams and the block entries it deferred; a state dict
-    loaded into its cache gives those handles other sequences, so what it kept for them goes (a later catch_up
-    must not write the old sequences' entries into the loaded ones, nor drafts start from their streams)."""
+def test_an_engine_s_cache_refuses_a_state_dict_and_keeps_its_state(row_invariant, monkeypatch):
+    """A state dict loaded into a running engine's cache would give the handles of its requests, its kept prompts
+    and the drafter's streams and deferred entries other sequences: refused (directly and through a parent
+    module), naming the engine, with nothing changed; the run goes on to the same tokens."""
     _, lazy, eager, a, b, want = _with_deferred_entries(34, monkeypatch)
     state = eager.cache.state_dict()
-    handle = a.seq
-    assert lazy.mtp_drafter.pending_positions(handle)
-    lazy.cache.load_state_dict(state)                  # (the handle now names eager's sequence)
-    assert lazy.mtp_drafter.pending_positions(handle) == []
-    assert lazy.mtp_drafter.catch_up([handle]) == 0
-    assert tuple(h.digest(handle) for h in lazy.cache.holders) == want
-    assert not lazy.mtp_drafter._streams
+    before = tuple(h.digest(a.seq) for h in lazy.cache.holders)
+    pending = lazy.mtp_drafter.pending_positions(a.seq)
+    parent = torch.nn.Module()
+    parent.cache = lazy.cache
+    for load, given in ((lazy.cache.load_state_dict, state),
+                        (parent.load_state_dict, {f"cache.{k}": v for k, v in state.items()})):
+        with pytest.raises(HebrusError, match="run by an Engine"):
+            load(given)
+        assert tuple(h.digest(a.seq) for h in lazy.cache.holders) == before
+        assert lazy.mtp_drafter.pending_positions(a.seq) == pending
+    with pytest.raises(HebrusError, match="already run by an Engine"):
+        Engine(lazy.model, lazy.config, cache=lazy.cache)
+    lazy.run()
+    eager.run()
+    assert a.generated == b.generated
 
 
 def test_a_request_that_does_not_draft_again_writes_its_deferred_block_entries_every_max_pending_steps(

@@ -61,7 +61,8 @@ class Engine:
         config: sizes and policies.
         generation_config: defaults for requests (max_new_tokens, eos, sampling); the model's own if None.
         tokenizer: decodes outputs for stop strings (optional).
-        cache: a ModelCache to use instead of building one from ``model``.
+        cache: a ModelCache to use instead of building one from ``model``; the engine runs on it alone from then on
+            (one engine a cache: its ``owner``; its ``load_state_dict`` is refused, ``state_dict`` still works).
         prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
         drafter: for requests that speculate, ``drafter(request, k)`` gives up to k draft tokens to follow
             the request's stream (``request.tokens``) instead of prompt lookup (a test's oracle, or a
@@ -106,6 +107,8 @@ class Engine:
                                         max_sequences=cfg.max_sequences)
         self.cache = cache if cache is not None else ModelCache.from_transformers(
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
+        if self.cache.owner is not None:
+            raise HebrusError(f"Engine: the ModelCache given is already run by {self.cache.owner}")
         self.runner = ModelRunner(model, self.cache, ple_prefetch=cfg.ple_prefetch)
         self.mtp_drafter = None
         """The MTP block's drafter (``engine/mtp.py``) when ``config.speculative.method == "mtp"``."""
@@ -144,6 +147,7 @@ class Engine:
         self.on_prompt_done: Callable[[Request], None] | None = None
         """Called after the step in which a request's prompt entered the cache (its state is then the
         state after its prompt: what the chunk-invariance tests digest)."""
+        self.cache.owner = "an Engine"      # (its load_state_dict is refused from now on: the requests own it)
 
     # ------------------------------------------------------------------ the cache manager's, by their old names
     @property

@@ -185,12 +185,6 @@ class MTPDrafter:
         def state_dict_caught_up(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
             self.catch_up(list(self._pending))
         cache.register_state_dict_pre_hook(state_dict_caught_up)   # (and so has a state_dict)
-        cache.on_load(self._forget)                       # (a loaded state dict gives every handle another sequence)
-
-    def _forget(self) -> None:
-        """Drop what is kept per sequence handle (streams, deferred entries): a state dict was loaded into the
-        cache, so the handles name its sequences now (whose streams are unknown: zeros, as after a restore)."""
-        self._streams, self._pending, self._deferring = {}, {}, set()
 
     # ------------------------------------------------------------------ the runner's hook
     def forward(self, step: ChunkStep, positions: torch.Tensor, last: int, starts: Sequence[int],
