@@ -422,7 +422,7 @@ def test_a_fork_carries_the_deferred_block_entries_and_a_save_writes_them_first(
 
 def test_the_cache_s_state_dict_writes_the_deferred_block_entries_first(row_invariant, monkeypatch):
     """``ModelCache.state_dict`` of an MTP engine's cache catches up the entries the backed-off steps deferred (they
-    were zeros in it before): the state it returns, loaded into another engine's cache, holds the always-writing
+    were zeros in it before): the state it returns, loaded into a cache of the same build, holds the always-writing
     engine's state, and the run goes on to the same tokens."""
     model, lazy, eager, a, b, want = _with_deferred_entries(33, monkeypatch)
     written = lazy.mtp_drafter.caught_up
