@@ -62,7 +62,8 @@ class Engine:
         generation_config: defaults for requests (max_new_tokens, eos, sampling); the model's own if None.
         tokenizer: decodes outputs for stop strings (optional).
         cache: a ModelCache to use instead of building one from ``model``; the engine runs on it alone from then on
-            (one engine a cache: its ``owner``; its ``load_state_dict`` is refused, ``state_dict`` still works).
+            (one engine a cache: its ``owner``; its ``load_state_dict`` is refused, ``state_dict`` still works; once
+            this engine is discarded, ``cache.owner = None`` hands the cache to another one).
         prompt_cache_dir: ``config.prompt_cache_dir`` (either may be given; both only if equal).
         drafter: for requests that speculate, ``drafter(request, k)`` gives up to k draft tokens to follow
             the request's stream (``request.tokens``) instead of prompt lookup (a test's oracle, or a
