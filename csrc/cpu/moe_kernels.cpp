@@ -549,6 +549,11 @@ struct Problem {
 // the same operations per element, so the same bits as one at a time; scalar, they were about a third of the
 // dense pass A). Quantized rows place a column away from its index (CodeOrder), a scatter that would keep the
 // loop scalar: there the activations of a block of 64 go to a contiguous buffer first, then to their places.
+template <typename T>
+HEBRUS_INLINE float activation(float gate, float up) {
+  return round_to<T>(round_to<T>(silu(round_to<T>(gate))) * round_to<T>(up));
+}
+
 template <typename T, typename W>
 HEBRUS_INLINE void store_acts(float* row, int64_t begin, const float* gates, const float* ups, int64_t width) {
   if constexpr (W::kQuantized) {
@@ -556,17 +561,11 @@ HEBRUS_INLINE void store_acts(float* row, int64_t begin, const float* gates, con
     float buf[kBlock];
     for (int64_t j0 = 0; j0 < width; j0 += kBlock) {
       const int64_t n = std::min(kBlock, width - j0);
-      for (int64_t j = 0; j < n; ++j) {
-        const float g = round_to<T>(gates[j0 + j]), u = round_to<T>(ups[j0 + j]);
-        buf[j] = round_to<T>(round_to<T>(silu(g)) * u);
-      }
+      for (int64_t j = 0; j < n; ++j) buf[j] = activation<T>(gates[j0 + j], ups[j0 + j]);
       for (int64_t j = 0; j < n; ++j) row[W::place(begin + j0 + j)] = buf[j];
     }
   } else {
-    for (int64_t j = 0; j < width; ++j) {
-      const float g = round_to<T>(gates[j]), u = round_to<T>(ups[j]);
-      row[W::place(begin + j)] = round_to<T>(round_to<T>(silu(g)) * u);
-    }
+    for (int64_t j = 0; j < width; ++j) row[W::place(begin + j)] = activation<T>(gates[j], ups[j]);
   }
 }
 
