@@ -4,13 +4,13 @@
 A released-shape model (``bench_ple_disk.released_shapes``: hidden 2560, 3 linear + 1 indexed layer, hc 4,
 ``--experts`` experts top 10, one PLE layer) prefills one ``--tokens``-token prompt through the engine in one
 chunk, once with every fusion the packed forward takes on CPU (``hc_premix``, ``hc_post_combine``,
-``rms_norm_rope``, ``sigmoid_gate``, ``gdn_gates``, ``gdn_gated_rms_norm``, ``moe_route``; ``qsa_token_cells``
-has no other path and runs in both) and once with each of them switched to the path the packed forward runs
-for a module it cannot fuse, which is the code these ops replaced: the pre-mix's modules after
+``rms_norm_rope``, ``sigmoid_gate``, ``gdn_gates``, ``gdn_gated_rms_norm``, ``moe_route``, ``moe_shared_expert``;
+``qsa_token_cells`` has no other path and runs in both) and once with each of them switched to the path the packed
+forward runs for a module it cannot fuse, which is the code these ops replaced: the pre-mix's modules after
 ``hc_rms_norm``, the layer's two-op combine, the norm then transformers' ``apply_rotary_pos_emb``, the sigmoid
-and product before ``o_proj``, the gates' ATen formulas, the gated norm module, the router module. The two
-variants alternate round by round in one process; each prefill is timed by the process's CPU time (one
-thread) and the tokens of the two are compared. Prints a table; ``--write`` appends it to RESULTS.md.
+and product before ``o_proj``, the gates' ATen formulas, the gated norm module, the router module, the shared
+expert module. The two variants alternate round by round in one process; each prefill is timed by the process's
+CPU time (one thread) and the tokens of the two are compared. Prints a table; ``--write`` appends it to RESULTS.md.
 
     python benchmarks/bench_fusions_prefill.py [--tokens 512] [--experts 16] [--rounds 5] [--dtypes bfloat16,float32]
 """
@@ -53,7 +53,8 @@ def module_paths():
                (attention, "_is_module_rope", lambda rope: False),
                (attention, "_gated_heads", gated_heads),
                (gdn_fused, "_needs_autograd", lambda *t: True),
-               (block, "route", route_by_module)]
+               (block, "route", route_by_module),
+               (block, "_fuse_elementwise", lambda x, fused: False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:
@@ -65,7 +66,7 @@ def module_paths():
 
 
 FUSED_OPS = ("hc_premix", "hc_post_combine", "rms_norm_rope", "sigmoid_gate", "gdn_gates", "gdn_gated_rms_norm",
-             "moe_route")
+             "moe_route", "moe_shared_expert")
 
 
 class FusedOpCounter(TorchDispatchMode):

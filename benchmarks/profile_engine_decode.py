@@ -16,11 +16,12 @@ counts the other jobs' turns; the phases are wrapped here, the engine is not cha
 Then the ATen ops of one step are recorded (a ``TorchDispatchMode``; views included, as the dispatcher
 runs them) and replayed on their recorded arguments in a tight loop, without the Python that issued them:
 the replay's time is what the dispatcher and the kernels cost; the step's time less the replay's is the
-Python around them. The replay of the matrix products alone (``mm``, ``addmm``, ``hebrus::moe_experts``)
-is the floor the weights' reads set. A last table says what the step reads and calls: the weights its matrix
-products read (and their replay's rate), the ATen calls it makes counting those its ops make inside
-(``torch.profiler``), and what one ATen call costs from C++ (one ``hebrus::hc_premix``, whose CPU kernel runs the
-module's ATen sequence). Prints the tables; ``--write`` puts them in RESULTS.md under ``--section``.
+Python around them. The replay of the matrix products alone (``mm``, ``addmm``, ``hebrus::moe_experts``,
+``hebrus::moe_shared_expert``) is the floor the weights' reads set. A last table says what the step reads and
+calls: the weights its matrix products read (and their replay's rate), the ATen calls it makes counting those its
+ops make inside (``torch.profiler``), and one ``hebrus::hc_premix`` from C++: the ATen calls its CPU kernel makes
+and its time (before issue 37's own CPU arithmetic it ran the module's 88-call ATen sequence). Prints the tables;
+``--write`` puts them in RESULTS.md under ``--section``.
 
     python benchmarks/profile_engine_decode.py [--steps 64] [--prompt 64] [--write --section TITLE]
 """
@@ -46,7 +47,7 @@ from hebrus_torch.engine import engine as engine_module  # noqa: E402
 from hebrus_torch import model_cache  # noqa: E402
 from hebrus_torch.engine import runner as runner_module  # noqa: E402
 
-GEMMS = {"mm", "addmm", "bmm", "moe_experts", "linear"}
+GEMMS = {"mm", "addmm", "bmm", "moe_experts", "moe_shared_expert", "linear"}
 CLOCK = time.process_time
 """The process's CPU time (one thread): a shared machine's other jobs stretch wall time, far less this."""
 
@@ -149,8 +150,9 @@ def replay_seconds(calls: list[tuple], repeat: int = 20) -> float:
 
 
 def weight_bytes(calls: list[tuple]) -> int:
-    """Bytes of weights the recorded matrix products read: each ``mm`` / ``addmm`` / ``linear``'s weight operand
-    and, for ``hebrus::moe_experts``, the gate_up and down rows of the experts its ids hit."""
+    """Bytes of weights the recorded matrix products read: each ``mm`` / ``addmm`` / ``linear``'s weight operand,
+    ``hebrus::moe_shared_expert``'s three projections and, for ``hebrus::moe_experts``, the gate_up and down rows of
+    the experts its ids hit."""
     total = 0
     for func, args, _ in calls:
         name = func.overloadpacket.__name__
@@ -158,6 +160,9 @@ def weight_bytes(calls: list[tuple]) -> int:
             w = args[1]
         elif name == "addmm":
             w = args[2]
+        elif name == "moe_shared_expert":              # (x, routed, gate_proj, up_proj, down_proj, gate)
+            total += sum(w.numel() * w.element_size() for w in args[2:5])
+            continue
         elif name == "moe_experts":
             hit = torch.unique(args[1]).numel()
             total += hit * (args[3][0].numel() * args[3].element_size() + args[4][0].numel() * args[4].element_size())
@@ -180,9 +185,9 @@ def nested_aten_calls(engine: Engine, steps: int = 4) -> float:
 
 
 def native_call_cost(model, calls: int = 2000) -> tuple[int, float]:
-    """(ATen calls nested in one ``hebrus::hc_premix``, microseconds per call of it): the CPU kernel runs
-    ``Qwen4ExpTextGatedResidual``'s ATen sequence from C++ (its three small ``mm`` included), so time / calls is what
-    an ATen call costs without any Python around it, at a decode step's shapes (one row), warm."""
+    """(ATen calls nested in one ``hebrus::hc_premix``, microseconds per call of it), at a decode step's shapes (one
+    row), warm: its CPU kernel's three small ``mm`` and allocations, its row arithmetic in between (before, when it
+    ran the module's ATen sequence, time / calls was what an ATen call costs from C++)."""
     from torch.profiler import ProfilerActivity, profile
 
     from hebrus_torch.hc.premix import hyper_premix
@@ -245,8 +250,8 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
     floor = {"weights the matrix products read per step (MB)": f"{read / 1e6:.1f}",
              "their replay's rate (GB/s)": f"{read / replay_gemm / 1e9:.1f}",
              "ATen / hebrus calls per step, nested ones counted (torch.profiler)": f"{nested:.0f}",
-             "one hc_premix from C++ (its ATen calls, us per call, us per ATen call)":
-                 f"{premix_calls}, {premix_us:.1f}, {premix_us / premix_calls:.2f}"}
+             "one hc_premix from C++ (the ATen calls its CPU kernel makes, us per call)":
+                 f"{premix_calls}, {premix_us:.1f}"}
     return parts, len(calls), {"split": split, "ops": ops, "mean": statistics.mean(per_step), "floor": floor}
 
 

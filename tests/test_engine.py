@@ -21,8 +21,8 @@ import torch
 from hf_models import modeling, tiny_indexer_config  # noqa: E402  (skips without transformers)
 
 import hebrus_torch as ht
-from hebrus_torch.gdn import fused as gdn_fused_module
 from hebrus_torch.hc import premix as hc_premix_module
+from hebrus_torch.moe import block as moe_block_module
 from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
 
 EOS = 3
@@ -106,9 +106,9 @@ def _one_thread(one_thread):
 
 @pytest.fixture
 def row_invariant(monkeypatch):
-    """Every dense layer (and the fused hyper-connection pre-mix, whose CPU kernel calls ATen's linear) computes
-    each row on its own, so no output row depends on how many rows
-    share the call (SPEC §8: BLAS picks its kernel by the row count); so do the activations whose CPU
+    """Every dense layer (and the fused hyper-connection pre-mix and shared expert, whose CPU kernels call ATen's
+    mm) computes each row on its own, so no output row depends on how many rows share the call (SPEC §8: BLAS
+    picks its kernel by the row count); so do the activations whose CPU
     kernels give other bits to an element by where it sits in a vector (sigmoid, SiLU, softplus:
     vectorised body and scalar tail differ). Models used with it run their experts eagerly
     (``eager_experts``): one ``F.linear`` per expert over the tokens routed to it."""
@@ -135,34 +135,28 @@ def row_invariant(monkeypatch):
     for owner, name in ((torch, "sigmoid"), (torch.nn.functional, "sigmoid"), (torch.nn.functional, "silu"),
                         (torch.nn.functional, "softplus"), (torch.Tensor, "sigmoid")):
         monkeypatch.setattr(owner, name, rowwise_unary(getattr(owner, name)))
-    # The fused hyper-connection pre-mixes run the modules' projections and activations inside their CPU kernels
-    # (ATen's linear or quantized_linear, silu, sigmoid: the modules' bits): they are run row by row here, as
-    # F.linear and the activations are.
-    for name in ("hc_premix", "hc_premix_quantized"):
-        fused_premix = getattr(hc_premix_module, name)
+    # The fused hyper-connection pre-mixes and the MoE's fused shared expert run their projections inside their CPU
+    # kernels (ATen's mm or quantized_linear): they are run row by row here, as F.linear is. Their norms, gates and
+    # activations, and those of the other fused ops (gdn_gates, gdn_gated_rms_norm, rms_norm_rope, sigmoid_gate, the
+    # shared gate of moe_route), are hebrus's own row arithmetic, row-invariant by construction: those run as they
+    # are, so these tests check that too.
+    # (owner, op, the positions of its per-row arguments: h; x, routed and the gate)
+    for owner, name, per_row in ((hc_premix_module, "hc_premix", (0,)), (hc_premix_module, "hc_premix_quantized", (0,)),
+                                 (moe_block_module, "moe_shared_expert", (0, 1, 5)),
+                                 (moe_block_module, "moe_shared_expert_quantized", (0, 1, 11))):
+        fused = getattr(owner, name)
 
-        def premix_rowwise(h, *args, _fused=fused_premix):
-            if h.dim() != 2 or h.shape[0] <= 1:
-                return _fused(h, *args)
-            rows = [_fused(h[i:i + 1], *args) for i in range(h.shape[0])]
-            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-
-        monkeypatch.setattr(hc_premix_module, name, premix_rowwise)
-    # The fused GDN gates and gated norm run ATen's softplus / exp / sigmoid / SiLU inside their CPU kernels
-    # (the formulas' bits): their vectorised body and scalar tail differ by where an element sits, so they
-    # are run row by row here too.
-    for name in ("gdn_gates", "gdn_gated_rms_norm"):
-        fused = getattr(gdn_fused_module, name)
-
-        def fused_rowwise(x, paired, *args, _fused=fused):     # (a, b, ...) / (x, gate, ...): rows paired
+        def fused_rowwise(*args, _fused=fused, _per_row=per_row):
+            x = args[0]
             if x.dim() != 2 or x.shape[0] <= 1:
-                return _fused(x, paired, *args)
-            rows = [_fused(x[i:i + 1], paired[i:i + 1], *args) for i in range(x.shape[0])]
+                return _fused(*args)
+            rows = [_fused(*(a[r:r + 1] if i in _per_row else a for i, a in enumerate(args)))
+                    for r in range(x.shape[0])]
             if isinstance(rows[0], tuple):
                 return tuple(torch.cat(parts) for parts in zip(*rows))
             return torch.cat(rows)
 
-        monkeypatch.setattr(gdn_fused_module, name, fused_rowwise)
+        monkeypatch.setattr(owner, name, fused_rowwise)
 
 
 # ------------------------------------------------------------------------------------------ parity

@@ -1,8 +1,8 @@
 """The fused hyper-connection ops (issue 37). hebrus::hc_rms_norm: Qwen4Exp's RMSNorm of every row in one
 dispatch; hebrus::hc_premix: the whole pre-mix of a Qwen4ExpTextGatedResidual (norm, low-rank down / up,
 SiLU, sigmoid, stream mix, inject weights); hebrus::hc_post_combine: the decoder layer's injection of a
-sublayer's output into the streams. On CPU each gives the bits of transformers' own modules (every
-dtype), hc_rms_norm's and hc_post_combine's rows are independent of each other, bad metadata is refused with a HebrusError, opcheck
+sublayer's output into the streams. On CPU each matches transformers' own modules within a tolerance (every
+dtype: tests/tolerance.py; hc_post_combine bit for bit), hc_rms_norm's and hc_post_combine's rows are independent of each other, bad metadata is refused with a HebrusError, opcheck
 (schema, fake, autograd registration) passes, and they compile in a full graph. The packed forward's
 hyper_premix / post_combine give the modules' own outputs, fused where the modules are stock and as
 module calls where they are not (a hooked or wrapped projection)."""
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_models import modeling, tiny_config
+from tolerance import near
 
 import hebrus_torch
 from hebrus_torch import reference
@@ -33,15 +34,15 @@ def rms_module(dim, group, dtype, seed=0, eps=1e-6):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim,group", [(7, 4 * 48, 48), (5, 64, None), (1, 4 * 320, 320), (33, 12, 3)])
-def test_cpu_kernel_gives_the_modules_bits(dtype, rows, dim, group):
+def test_cpu_kernel_matches_the_modules(dtype, rows, dim, group):
     norm = rms_module(dim, group, dtype, seed=dim)
     x = (torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
     with torch.no_grad():
         want = norm(x)
         got = hebrus_torch.hc_rms_norm(x, norm.weight, group or dim, norm.eps)
-        assert torch.equal(got, want)
+        assert near(got, want)
         assert torch.equal(reference.hc_rms_norm(x, norm.weight, group or dim, norm.eps), want)
-        assert torch.equal(fused_norm(norm, x), want)
+        assert torch.equal(fused_norm(norm, x), got)
 
 
 def test_rows_are_independent():
@@ -96,7 +97,7 @@ def test_hyper_premix_gives_the_modules_output(dtype, combine):
     with torch.no_grad():
         want, got = hc(h), hyper_premix(hc, h)
     want, got = (want, got) if combine else ((want,), (got,))
-    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert len(want) == len(got) and all(near(b, a) for a, b in zip(want, got))
 
 
 def test_a_wrapped_norm_runs_as_itself():
@@ -108,12 +109,12 @@ def test_a_wrapped_norm_runs_as_itself():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norm_of_heads_gives_the_modules_bits(dtype):
+def test_fused_norm_of_heads_matches_the_module(dtype):
     """q [T, H, D] cut from a wider projection (a non-contiguous view), as attention's q_norm sees it."""
     norm = rms_module(16, None, dtype, seed=6)
     q = torch.randn(5, 3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)[..., :16]
     with torch.no_grad():
-        assert torch.equal(fused_norm(norm, q), norm(q))
+        assert near(fused_norm(norm, q), norm(q))
 
 
 # ---- hc_premix, hc_post_combine ---------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def streams(rows, hc, dtype, seed=3):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize("rows,hc_count,lowrank,hidden", [(6, 4, 8, 32), (1, 4, 20, 40), (13, 3, 5, 24), (2, 2, 4, 16)])
-def test_premix_cpu_kernel_gives_the_modules_bits(dtype, combine, rows, hc_count, lowrank, hidden):
+def test_premix_cpu_kernel_matches_the_modules(dtype, combine, rows, hc_count, lowrank, hidden):
     hc = gated_residual(dtype, combine, hc_count, lowrank, hidden, seed=rows + lowrank)
     h = streams(rows, hc, dtype)
     with torch.no_grad():
@@ -149,9 +150,9 @@ def test_premix_cpu_kernel_gives_the_modules_bits(dtype, combine, rows, hc_count
         mixed, weights = hebrus_torch.hc_premix(h, *premix_args(hc))
         ref_mixed, ref_weights = reference.hc_premix(h, *premix_args(hc))
     want_mixed = want[0] if combine else want
-    assert torch.equal(mixed, want_mixed) and torch.equal(ref_mixed, want_mixed)
+    assert near(mixed, want_mixed) and torch.equal(ref_mixed, want_mixed)
     if combine:
-        assert torch.equal(weights, want[2]) and torch.equal(ref_weights, want[2])
+        assert near(weights, want[2]) and torch.equal(ref_weights, want[2])
     else:
         assert weights.shape == ref_weights.shape == (rows, 0)
     assert mixed.dtype == weights.dtype == dtype
@@ -261,7 +262,7 @@ def test_hyper_premix_is_one_fused_op_of_a_stock_module(monkeypatch, dtype):
     h = streams(4, hc, dtype)
     with torch.no_grad():
         want, got = hc(h), hyper_premix(hc, h)
-    assert calls == [1] and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert calls == [1] and all(near(b, a) for a, b in zip(want, got))
 
 
 @pytest.mark.parametrize("wrap", ["hook", "bias", "subclass"])
@@ -286,5 +287,5 @@ def test_a_wrapped_projection_runs_as_a_module_call(monkeypatch, wrap):
     h = streams(3, hc, torch.float32)
     with torch.no_grad():
         want, got = hc(h), hyper_premix(hc, h)
-    assert calls == [] and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert calls == [] and all(near(b, a) for a, b in zip(want, got))
     assert seen == ([] if wrap == "bias" else [1, 1])

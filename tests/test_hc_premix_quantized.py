@@ -1,7 +1,7 @@
 """hebrus::hc_premix_quantized (issue 37 with issue 36's weights): the hyper-connection pre-mix of a
 Qwen4ExpTextGatedResidual whose projections are the converter's QuantizedLinear, in one dispatch. On CPU it
-gives the module path's bits (transformers' module calling QuantizedLinear, and hyper_premix's
-premix_by_modules) for bits 4 and 8 and groups 32 / 64 / 128, in every dtype, with and without injection;
+matches the module path within a tolerance (transformers' module calling QuantizedLinear, and hyper_premix's
+premix_by_modules; tests/tolerance.py) for bits 4 and 8 and groups 32 / 64 / 128, in every dtype, with and without injection;
 the reference matches it to the rounding of the folded sums; rows are independent; bad metadata is refused
 with a HebrusError and changes nothing; opcheck (schema, fake) passes and it compiles in a full graph.
 hyper_premix calls it for such a module and only then (a mix of plain and quantized projections, two bit
@@ -10,6 +10,7 @@ widths, a hooked projection: module calls)."""
 from __future__ import annotations
 
 import pytest
+from tolerance import near
 import torch
 
 from hf_models import modeling, tiny_config
@@ -58,7 +59,7 @@ def streams(rows, hc, dtype, seed=3):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize("rows,hc_count,lowrank,hidden,group", SHAPES)
-def test_cpu_kernel_gives_the_module_paths_bits(dtype, bits, combine, rows, hc_count, lowrank, hidden, group):
+def test_cpu_kernel_matches_the_module_path(dtype, bits, combine, rows, hc_count, lowrank, hidden, group):
     hc = quantized_residual(dtype, bits, group, combine, hc_count, lowrank, hidden, seed=rows + lowrank)
     h = streams(rows, hc, dtype, seed=rows)
     with torch.no_grad():
@@ -67,9 +68,9 @@ def test_cpu_kernel_gives_the_module_paths_bits(dtype, bits, combine, rows, hc_c
         mixed, weights = hebrus_torch.hc_premix_quantized(h, *quantized_args(hc))
         ref_mixed, ref_weights = reference.hc_premix_quantized(h, *quantized_args(hc))
     want_mixed, by_modules_mixed = (want[0], by_modules[0]) if combine else (want, by_modules)
-    assert torch.equal(mixed, want_mixed) and torch.equal(by_modules_mixed, want_mixed)
+    assert near(mixed, want_mixed) and near(by_modules_mixed, want_mixed)
     if combine:
-        assert torch.equal(weights, want[2])
+        assert near(weights, want[2])
     else:
         assert weights.shape == ref_weights.shape == (rows, 0)
     assert mixed.dtype == weights.dtype == dtype
@@ -157,7 +158,7 @@ def test_hyper_premix_is_one_fused_op_of_a_quantized_module(monkeypatch, dtype, 
         want, got = hc(h), hyper_premix(hc, h)
     assert calls == {"dense": 0, "quantized": 1}
     want, got = (want, got) if combine else ((want,), (got,))
-    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert len(want) == len(got) and all(near(b, a) for a, b in zip(want, got))
 
 
 @pytest.mark.parametrize("mix", ["one_plain", "two_bit_widths", "two_groups", "hooked", "scales_dtype"])
@@ -186,7 +187,7 @@ def test_other_mixes_run_as_module_calls(monkeypatch, mix):
         return
     with torch.no_grad():
         want, got = hc(h), hyper_premix(hc, h)
-    assert calls == {"dense": 0, "quantized": 0} and all(torch.equal(a, b) for a, b in zip(want, got))
+    assert calls == {"dense": 0, "quantized": 0} and all(near(b, a) for a, b in zip(want, got))
     assert seen == ([1, 1] if mix == "hooked" else [])
 
 

@@ -8,8 +8,11 @@
 // run through it in order; per token, every sum over Dk adds dk = 0, 1, ... in ascending order, one
 // Dv column per vector lane. An output therefore depends only on its own row's inputs, never on the
 // other rows of the step, on how the row's tokens were cut into steps or on the thread count.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
@@ -24,6 +27,7 @@
 #include "gdn_recurrent.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
+#include "row_math.h"
 
 namespace hebrus {
 namespace {
@@ -96,54 +100,86 @@ Tensor gdn_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Tensor& 
 }
 
 // ---- fused gates and gated output norm (issue 37) ------------------------------------------------------
-// Both run the ATen sequence of the packed forward's Python (hebrus_torch/reference/gdn.py: gdn_gates,
-// gdn_gated_rms_norm) in C++, so on CPU their bits are those of the code they replace; on MPS each is
-// one Metal launch (mps_kernels/gdn_fused.metal).
+// The formulas of the packed forward's Python (hebrus_torch/reference/gdn.py: gdn_gates, gdn_gated_rms_norm) in
+// hebrus's own row arithmetic (row_math.h: fp32, fixed orders, rounded where the modules' ops round), each row on
+// its own; on MPS each is one Metal launch (mps_kernels/gdn_fused.metal).
 
-// g = -exp(A_log) * softplus(a + dt_bias) (fp32; softplus as max(x, 0) + log(1 + exp(-|x|))) and
-// beta = sigmoid(b) as 1 / (1 + exp(-b)) in fp32 rounded to b's dtype, returned widened to fp32.
+// g = -exp(A_log) * softplus(a + dt_bias) (fp32) and beta = sigmoid(b) in fp32 rounded to b's dtype, returned
+// widened to fp32; Tensor[..., Hv] each.
+template <typename T>
+void gates_rows(const T* a, const T* b, const float* decay, const float* dt_bias, float* g, float* beta, int64_t rows,
+                int64_t hv) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* gr = g + r * hv;
+      float* br = beta + r * hv;
+      for (int64_t h = 0; h < hv; ++h) gr[h] = static_cast<float>(a[r * hv + h]) + dt_bias[h];
+      softplus_row(gr, hv);
+      for (int64_t h = 0; h < hv; ++h) gr[h] = decay[h] * gr[h];
+      widen_row(b + r * hv, br, hv);
+      sigmoid_row(br, hv);
+      for (int64_t h = 0; h < hv; ++h) br[h] = static_cast<float>(static_cast<T>(br[h]));
+    }
+  });
+}
+
 std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const Tensor& A_log,
                                          const Tensor& dt_bias) {
   check_on_device("gdn_gates", at::kCPU, {{"a", &a}, {"b", &b}, {"A_log", &A_log}, {"dt_bias", &dt_bias}});
-  check_gdn_gates_args(a, b, A_log, dt_bias);
-  Tensor beta = b.to(at::kFloat).neg().exp().add(1.0).reciprocal();
-  if (b.scalar_type() != at::kFloat) beta = beta.to(b.scalar_type()).to(at::kFloat);
-  const Tensor x = a.to(at::kFloat).add(dt_bias);
-  const Tensor softplus = x.clamp_min(0).add(x.abs().neg().exp().add(1.0).log());
-  const Tensor g = A_log.to(at::kFloat).exp().neg().mul(softplus);
+  const GdnRowsSizes sz = check_gdn_gates_args(a, b, A_log, dt_bias);
+  Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  Tensor beta = at::empty_like(g);
+  if (g.numel() == 0) return {g, beta};
+  const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = dt_bias.to(at::kFloat).contiguous();
+  const Tensor decay = A_log.to(at::kFloat).exp().neg().contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "gdn_gates", [&] {
+    gates_rows<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), decay.data_ptr<float>(),
+                         dt.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(), sz.rows, sz.dim);
+  });
   return {g, beta};
 }
 
-// transformers' Qwen4ExpTextRMSNormGated: norm in fp32, rounded to x's dtype, times weight (in their
-// promoted dtype), times act(gate) in fp32, rounded to x's dtype.
+// transformers' Qwen4ExpTextRMSNormGated: rms_norm(x) * weight * act(gate), act in fp32, rounded where the module
+// rounds: the normed x to x's dtype, weight * normed in their promoted dtype (x's where `round_weighted`), the
+// result to x's dtype.
+template <typename T>
+void gated_norm_rows(const T* x, const T* gate, const float* weight, T* out, int64_t rows, int64_t dim, float eps,
+                     bool silu, bool round_weighted) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xr(static_cast<size_t>(dim)), gr(static_cast<size_t>(dim));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(x + r * dim, xr.data(), dim);
+      widen_row(gate + r * dim, gr.data(), dim);
+      const float s = 1.f / std::sqrt(sum_of_squares(xr.data(), dim) / static_cast<float>(dim) + eps);
+      if (silu) {
+        silu_row(gr.data(), dim, 1.f);
+      } else {
+        sigmoid_row(gr.data(), dim);
+      }
+      T* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        float weighted = static_cast<float>(static_cast<T>(xr[d] * s)) * weight[d];
+        if (round_weighted) weighted = static_cast<float>(static_cast<T>(weighted));
+        o[d] = static_cast<T>(weighted * gr[d]);
+      }
+    }
+  });
+}
+
 Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor& weight, double eps,
                               c10::string_view activation) {
   check_on_device("gdn_gated_rms_norm", at::kCPU, {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
-  check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
-  // The module's products, in place where the result's dtype allows (a * b is b * a, bit for bit), and each
-  // row-sized temporary dropped as soon as the next one exists: a prefill chunk's rows are megabytes, and
-  // fresh allocations of them cost page faults.
-  Tensor scaled;
-  {
-    const Tensor xf = x.to(at::kFloat);
-    const Tensor inv = xf.pow(2).mean(-1, /*keepdim=*/true).add(eps).rsqrt();
-    scaled = xf.mul(inv).to(x.scalar_type());
-  }
-  if (c10::promoteTypes(weight.scalar_type(), scaled.scalar_type()) == scaled.scalar_type()) {
-    scaled.mul_(weight);  // weight * n in n's dtype
-  } else {
-    scaled = weight.mul(scaled);  // in fp32 (an fp32 weight, or bf16 and fp16)
-  }
-  Tensor act = gate.to(at::kFloat);
-  const bool fresh = !act.is_same(gate);  // a 16-bit gate's fp32 copy: the activation goes in its buffer
-  if (activation == "silu") {
-    act = fresh ? at::silu_(act) : at::silu(act);
-  } else {
-    act = fresh ? act.sigmoid_() : act.sigmoid();
-  }
-  act.mul_(scaled);  // fp32 act * scaled: the module's scaled * act (fp32 product), in act's buffer
-  scaled.reset();
-  return act.to(x.scalar_type());
+  const GdnRowsSizes sz = check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
+  Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const Tensor xc = x.contiguous(), gc = gate.contiguous(), w = weight.to(at::kFloat).contiguous();
+  const bool silu = activation == "silu";
+  const bool round_weighted = c10::promoteTypes(weight.scalar_type(), x.scalar_type()) == x.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gdn_gated_rms_norm", [&] {
+    gated_norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), w.data_ptr<float>(),
+                              out.data_ptr<scalar_t>(), sz.rows, sz.dim, static_cast<float>(eps), silu, round_weighted);
+  });
+  return out;
 }
 
 }  // namespace

@@ -1,17 +1,21 @@
-// CPU kernels of the fused hyper-connection ops (issue 37). hc_rms_norm runs the ATen sequence of
-// transformers' Qwen4ExpTextRMSNorm, hc_premix that of Qwen4ExpTextGatedResidual (hc_premix_quantized:
-// with QuantizedLinear projections) and hc_post_combine the decoder layer's injection
-// (hebrus_torch/reference/hc.py) in C++: the module's bits, without the Python and dispatcher round trips
-// of their ops; on MPS each op is one Metal launch
-// (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
+// CPU kernels of the fused hyper-connection ops (issue 37): hc_rms_norm (transformers' Qwen4ExpTextRMSNorm),
+// hc_premix (Qwen4ExpTextGatedResidual; hc_premix_quantized with QuantizedLinear projections) and hc_post_combine
+// (the decoder layer's injection; hebrus_torch/reference/hc.py states each formula). The norms, gates and the
+// stream mix are hebrus's own row arithmetic (row_math.h: fp32, fixed orders, rounded to the dtype where the
+// module's ops round), the projections ATen's mm or hebrus::quantized_linear: a handful of calls where the modules' sequence
+// made 88, within a tolerance of the modules' outputs, and each row's result independent of the other rows.
+// On MPS each op is one Metal launch (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "../hc_checks.h"
 #include "../op_checks.h"
 #include "quantized_linear.h"
+#include "row_math.h"
 
 namespace hebrus {
 namespace {
@@ -19,31 +23,90 @@ namespace {
 at::Tensor hc_rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t group_size, double eps) {
   check_on_device("hc_rms_norm", c10::DeviceType::CPU, {{"x", &x}, {"weight", &weight}});
   const HcRmsNormSizes sz = check_hc_rms_norm_args(x, weight, group_size, eps);
-  const at::Tensor xf = x.to(at::kFloat).reshape({sz.rows, sz.dim / sz.group, sz.group});
-  const at::Tensor inv = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add(eps));
-  const at::Tensor out = xf.mul(inv).flatten(-2);
-  return out.mul(weight.to(at::kFloat).add(1.0)).to(x.scalar_type()).view(x.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (sz.rows == 0 || sz.dim == 0) return out;
+  const at::Tensor w1 = one_plus(weight);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hc_rms_norm", [&] {
+    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w1.data_ptr<float>(), out.data_ptr<scalar_t>(), sz.rows, sz.dim,
+                        sz.group, eps);
+  });
+  return out;
 }
 
 enum class HcProjection { kDown, kUp, kInject };
 
-// The pre-mix after its checks, each projection `project(x, which)` (a dense or a quantized linear): the module's
-// sequence, so hc_premix and hc_premix_quantized give premix_by_modules' bits for their kinds of projection.
+// The pre-mix after its checks, each projection `project(x, which)` (a dense or a quantized linear) and the rest
+// row by row, rounding to the dtype where the module's ops do: normed = norm(h); low = silu(project(normed, down)
+// / hc); mixed = mean over the streams of sigmoid(project(low, up)) * normed (the products summed in stream order
+// in fp32, then divided); injection = 2 * sigmoid(project(normed, inject) / hc).
+template <typename T, typename Project>
+std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Tensor& norm_weight,
+                                               const HcPremixSizes& sz, int64_t hc_count, double eps, bool has_inject,
+                                               Project project) {
+  const int64_t rows = sz.rows, dim = sz.dim, hidden = sz.hidden, hc = sz.hc;
+  const float divisor = static_cast<float>(hc_count);
+  const auto round = [](float v) { return static_cast<float>(static_cast<T>(v)); };  // to the dtype and back
+  const at::Tensor hcont = h.contiguous();
+  at::Tensor normed = at::empty({rows, dim}, h.options());
+  const at::Tensor w1 = one_plus(norm_weight);
+  norm_rows<T>(hcont.data_ptr<T>(), w1.data_ptr<float>(), normed.data_ptr<T>(), rows, dim, hidden, eps);
+
+  at::Tensor low = project(normed, HcProjection::kDown).contiguous();
+  const int64_t rank = low.size(1);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(rank));
+    for (int64_t r = r0; r < r1; ++r) {
+      T* p = low.data_ptr<T>() + r * rank;
+      widen_row(p, row.data(), rank);
+      for (int64_t i = 0; i < rank; ++i) row[i] = round(row[i] / divisor);
+      silu_row(row.data(), rank, 1.f);
+      narrow_row(row.data(), p, rank);
+    }
+  });
+
+  const at::Tensor up = project(low, HcProjection::kUp).contiguous();
+  at::Tensor mixed = at::empty({rows, hidden}, h.options());
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> gate(static_cast<size_t>(dim)), acc(static_cast<size_t>(hidden));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(up.data_ptr<T>() + r * dim, gate.data(), dim);
+      sigmoid_row(gate.data(), dim);
+      const T* n = normed.data_ptr<T>() + r * dim;
+      for (int64_t j = 0; j < hidden; ++j) acc[j] = round(round(gate[j]) * static_cast<float>(n[j]));
+      for (int64_t c = 1; c < hc; ++c)
+        for (int64_t j = 0; j < hidden; ++j)
+          acc[j] += round(round(gate[c * hidden + j]) * static_cast<float>(n[c * hidden + j]));
+      T* m = mixed.data_ptr<T>() + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) m[j] = static_cast<T>(acc[j] / divisor);
+    }
+  });
+
+  if (!has_inject) return {mixed, at::empty({rows, 0}, h.options())};
+  at::Tensor injection = project(normed, HcProjection::kInject).contiguous();
+  const int64_t n = injection.numel();
+  std::vector<float> inj(static_cast<size_t>(n));
+  T* p = injection.data_ptr<T>();
+  widen_row(p, inj.data(), n);
+  for (int64_t i = 0; i < n; ++i) inj[i] = round(inj[i] / divisor);
+  sigmoid_row(inj.data(), n);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(2.f * round(inj[i]));
+  return {mixed, injection};
+}
+
 template <typename Project>
 std::tuple<at::Tensor, at::Tensor> premix_sequence(const at::Tensor& h, const at::Tensor& norm_weight,
                                                    const HcPremixSizes& sz, int64_t hc_count, double eps,
                                                    bool has_inject, Project project) {
-  const at::Tensor normed = hc_rms_norm_cpu(h, norm_weight, sz.hidden, eps);
-  const at::Tensor low = at::silu(project(normed, HcProjection::kDown).div(hc_count));
-  const at::Tensor weight = at::sigmoid(project(low, HcProjection::kUp)).unflatten(-1, {sz.hc, sz.hidden});
-  const at::Tensor mixed = weight.mul(normed.unflatten(-1, {sz.hc, sz.hidden})).mean(-2);
-  at::Tensor injection = has_inject ? at::sigmoid(project(normed, HcProjection::kInject).div(hc_count)).mul(2)
-                                    : at::empty({sz.rows, 0}, h.options());
-  return {mixed, injection};
+  std::tuple<at::Tensor, at::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "hc_premix", [&] {
+    result = premix_rows<scalar_t>(h, norm_weight, sz, hc_count, eps, has_inject, project);
+  });
+  return result;
 }
 
-// Qwen4ExpTextGatedResidual.forward's ATen sequence (the projections are F.linear of plain nn.Linear
-// weights without bias, as the module's own calls): the module's bits, in one dispatch.
+// Qwen4ExpTextGatedResidual.forward with plain nn.Linear projections without bias (x @ W.T, ATen's mm), in one
+// dispatch.
 std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::Tensor& norm_weight,
                                                  const at::Tensor& down, const at::Tensor& up,
                                                  const c10::optional<at::Tensor>& inject, int64_t hc_count,
@@ -54,12 +117,12 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::
   if (has_inject) check_on_device("hc_premix", c10::DeviceType::CPU, {{"h", &h}, {"inject", &*inject}});
   const HcPremixSizes sz = check_hc_premix_args(h, norm_weight, down, up, inject, hc_count, eps);
   return premix_sequence(h, norm_weight, sz, hc_count, eps, has_inject, [&](const at::Tensor& x, HcProjection which) {
-    return at::linear(x, which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject);
+    return at::mm(x, (which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject).t());
   });
 }
 
-// hc_premix's sequence with each projection a QuantizedLinear call (hebrus::quantized_linear's CPU kernel):
-// premix_by_modules' bits for a module whose projections are QuantizedLinear (hebrus_torch/hc/premix.py).
+// hc_premix with each projection a QuantizedLinear call (hebrus::quantized_linear's CPU kernel), for a module
+// whose projections are QuantizedLinear (hebrus_torch/hc/premix.py).
 std::tuple<at::Tensor, at::Tensor> hc_premix_quantized_cpu(
     const at::Tensor& h, const at::Tensor& norm_weight, const at::Tensor& down_q, const at::Tensor& down_scales,
     const at::Tensor& down_biases, const at::Tensor& up_q, const at::Tensor& up_scales, const at::Tensor& up_biases,
@@ -86,12 +149,35 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_quantized_cpu(
                          });
 }
 
-// The decoder layer's post-combine, hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2): the
-// module's bits (each product rounded to the dtype, then the sum).
+// The decoder layer's post-combine, hyper + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2), element by
+// element: the product rounded to the dtype, then the sum (the module's two ops, so its bits).
+template <typename T>
+void post_combine_rows(const T* hyper, const T* out, const T* inject, T* result, int64_t rows, int64_t hidden,
+                       int64_t hc) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* o = out + r * hidden;
+      for (int64_t c = 0; c < hc; ++c) {
+        const float w = static_cast<float>(inject[r * hc + c]);
+        const T* src = hyper + (r * hc + c) * hidden;
+        T* dst = result + (r * hc + c) * hidden;
+        for (int64_t j = 0; j < hidden; ++j)
+          dst[j] = static_cast<T>(static_cast<float>(src[j]) + static_cast<float>(static_cast<T>(static_cast<float>(o[j]) * w)));
+      }
+    }
+  });
+}
+
 at::Tensor hc_post_combine_cpu(const at::Tensor& hyper, const at::Tensor& out, const at::Tensor& inject) {
   check_on_device("hc_post_combine", c10::DeviceType::CPU, {{"hyper", &hyper}, {"out", &out}, {"inject", &inject}});
-  check_hc_post_combine_args(hyper, out, inject);
-  return hyper.add(out.unsqueeze(-2).mul(inject.unsqueeze(-1)).flatten(-2));
+  const HcPostCombineSizes sz = check_hc_post_combine_args(hyper, out, inject);
+  const at::Tensor h = hyper.contiguous(), o = out.contiguous(), w = inject.contiguous();
+  at::Tensor result = at::empty({sz.rows, sz.hc * sz.hidden}, hyper.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hyper.scalar_type(), "hc_post_combine", [&] {
+    post_combine_rows<scalar_t>(h.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                                result.data_ptr<scalar_t>(), sz.rows, sz.hidden, sz.hc);
+  });
+  return result;
 }
 
 }  // namespace

@@ -36,6 +36,7 @@
 #include "cpu/hebrus_simd.h"
 #include "cpu/hebrus_widen.h"
 #include "cpu/quantized_linear.h"
+#include "cpu/row_math.h"
 #include "hebrus_check.h"
 #include "moe_checks.h"
 #include "op_checks.h"
@@ -1007,9 +1008,11 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
 
 namespace {
 
-// hebrus::moe_route (issue 37): transformers' Qwen4ExpTextTopKRouter after its linear, and the shared expert's
-// sigmoid gate, as the modules' own ATen sequence in C++ (so their bits, and torch.topk's order among equal
-// probabilities), without the dispatcher and Python round trips of their seven ops.
+// hebrus::moe_route (issue 37): transformers' Qwen4ExpTextTopKRouter after its linear as the module's own ATen
+// sequence (softmax in fp32, torch.topk with its order among equal probabilities, the renormalisation, the cast:
+// the module's bits, each row on its own), and the shared expert's sigmoid gate in hebrus's own row arithmetic
+// (row_math.h): ATen's sigmoid of a [T, 1] column gives a row other bits by where it falls in the vector body or
+// tail, which made the gate a module call on CPU before.
 std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::optional<Tensor>& shared, int64_t top_k,
                                          bool norm_topk_prob) {
   const Tensor* sh = shared.has_value() ? &*shared : nullptr;
@@ -1022,26 +1025,84 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   const Tensor probs = at::softmax(logits, -1, at::kFloat);
   auto [values, ids] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
-  Tensor weights = values.to(logits.scalar_type());
-  if (sh != nullptr) weights = at::cat({weights, at::sigmoid(*sh)}, 1);
+  if (sh == nullptr) return {ids, values.to(logits.scalar_type())};
+  const int64_t rows = logits.size(0), gates = sh->size(1), width = top_k + gates;
+  Tensor weights = at::empty({rows, width}, logits.options());
+  weights.narrow(1, 0, top_k).copy_(values);
+  if (rows == 0 || gates == 0) return {ids, weights};
+  const Tensor sc = sh->contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "moe_route", [&] {
+    std::vector<float> g(static_cast<size_t>(gates));
+    for (int64_t r = 0; r < rows; ++r) {
+      widen_row(sc.data_ptr<scalar_t>() + r * gates, g.data(), gates);
+      sigmoid_row(g.data(), gates);
+      narrow_row(g.data(), weights.data_ptr<scalar_t>() + r * width + top_k, gates);
+    }
+  });
   return {ids, weights};
 }
 
+// The shared expert's elementwise parts, each row on its own (row_math.h's silu), rounding to the dtype where the
+// modules' ops do: act = silu(g) * u in place of g, and out = routed + gate * d.
+template <typename T>
+void silu_mul_rows(T* g, const T* u, int64_t rows, int64_t dim) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(dim));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(g + r * dim, row.data(), dim);
+      silu_row(row.data(), dim, 1.f);
+      for (int64_t i = 0; i < dim; ++i)
+        g[r * dim + i] = static_cast<T>(static_cast<float>(static_cast<T>(row[i])) * static_cast<float>(u[r * dim + i]));
+    }
+  });
+}
+
+template <typename T>
+void gated_add_rows(const T* routed, const T* gate, const T* d, T* out, int64_t rows, int64_t dim) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float w = static_cast<float>(gate[r]);
+      for (int64_t i = 0; i < dim; ++i)
+        out[r * dim + i] = static_cast<T>(static_cast<float>(routed[r * dim + i]) +
+                                          static_cast<float>(static_cast<T>(w * static_cast<float>(d[r * dim + i]))));
+    }
+  });
+}
+
+// routed + gate * down(silu(gate_proj(x)) * up_proj(x)), the projections `project(input, which)` (0: gate_proj,
+// 1: up_proj, 2: down_proj), the rest as above.
+template <typename Project>
+Tensor shared_expert_rows(const Tensor& x, const Tensor& routed, const Tensor& gate, Project project) {
+  Tensor act = project(x, 0).contiguous();
+  const Tensor up = project(x, 1).contiguous();
+  const int64_t rows = x.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_shared_expert", [&] {
+    silu_mul_rows<scalar_t>(act.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), rows, act.size(1));
+  });
+  const Tensor d = project(act, 2).contiguous();
+  const Tensor rc = routed.contiguous(), gc = gate.contiguous();
+  Tensor out = at::empty({rows, d.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_shared_expert", [&] {
+    gated_add_rows<scalar_t>(rc.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
+                             out.data_ptr<scalar_t>(), rows, d.size(1));
+  });
+  return out;
+}
+
 // hebrus::moe_shared_expert (issue 37): transformers' Qwen4ExpTextMLP (the shared expert) times its sigmoid gate,
-// added to the routed experts' output, as the block's own ATen sequence in C++ (so its bits).
+// added to the routed experts' output: the projections ATen's mm, the rest shared_expert_rows.
 Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor& gate_proj, const Tensor& up_proj,
                              const Tensor& down_proj, const Tensor& gate) {
   check_on_device("moe_shared_expert", at::kCPU,
                   {{"x", &x}, {"routed", &routed}, {"gate_proj", &gate_proj}, {"up_proj", &up_proj},
                    {"down_proj", &down_proj}, {"gate", &gate}});
   check_moe_shared_expert_args(x, routed, gate_proj, up_proj, down_proj, gate);
-  const Tensor act = at::silu(at::linear(x, gate_proj)).mul(at::linear(x, up_proj));
-  return routed.add(gate.mul(at::linear(act, down_proj)));
+  const Tensor* weights[3] = {&gate_proj, &up_proj, &down_proj};
+  return shared_expert_rows(x, routed, gate, [&](const Tensor& in, int which) { return at::mm(in, weights[which]->t()); });
 }
 
 // hebrus::moe_shared_expert_quantized (issue 37): moe_shared_expert over a shared expert whose projections are
-// QuantizedLinear modules, as the modules run it: each projection is hebrus::quantized_linear's CPU kernel (so its
-// bits), then the block's silu, product, gate and sum.
+// QuantizedLinear modules: each projection hebrus::quantized_linear's CPU kernel, the rest shared_expert_rows.
 Tensor moe_shared_expert_quantized_cpu(const Tensor& x, const Tensor& routed, const Tensor& gate_proj_q,
                                        const Tensor& gate_proj_scales, const Tensor& gate_proj_biases,
                                        const Tensor& up_proj_q, const Tensor& up_proj_scales,
@@ -1057,11 +1118,12 @@ Tensor moe_shared_expert_quantized_cpu(const Tensor& x, const Tensor& routed, co
   check_moe_shared_expert_quantized_args(x, routed, gate_proj_q, gate_proj_scales, gate_proj_biases, up_proj_q,
                                          up_proj_scales, up_proj_biases, down_proj_q, down_proj_scales,
                                          down_proj_biases, gate, group_size, bits);
-  const Tensor act =
-      at::silu(quantized_linear_cpu(x, gate_proj_q, gate_proj_scales, gate_proj_biases, group_size, bits))
-          .mul(quantized_linear_cpu(x, up_proj_q, up_proj_scales, up_proj_biases, group_size, bits));
-  return routed.add(
-      gate.mul(quantized_linear_cpu(act, down_proj_q, down_proj_scales, down_proj_biases, group_size, bits)));
+  const Tensor* q[3][3] = {{&gate_proj_q, &gate_proj_scales, &gate_proj_biases},
+                           {&up_proj_q, &up_proj_scales, &up_proj_biases},
+                           {&down_proj_q, &down_proj_scales, &down_proj_biases}};
+  return shared_expert_rows(x, routed, gate, [&](const Tensor& in, int which) {
+    return quantized_linear_cpu(in, *q[which][0], *q[which][1], *q[which][2], group_size, bits);
+  });
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/row_math.h"
 #include "hebrus_params.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
@@ -743,7 +744,7 @@ std::tuple<at::Tensor, at::Tensor> qsa_token_cells_cpu(const at::Tensor& selecte
 }
 
 // ---- rms_norm_rope (issue 37) -------------------------------------------------------------------------
-// The norm is hebrus::hc_rms_norm's CPU kernel (the module's ATen sequence: its bits); the RoPE is
+// The norm is hc_rms_norm's row arithmetic (row_math.h: norm_rows, each head's row on its own); the RoPE is
 // transformers' apply_rotary_pos_emb element by element in x's dtype: x * cos and rotate_half(x) * sin each
 // rounded to it, then their sum (fp32 products of two 16-bit values are exact, so these are the bits of
 // torch's mul / mul / add; no contraction: the build passes -ffp-contract=off). Rows are independent.
@@ -775,11 +776,15 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   const char* op = "rms_norm_rope";
   check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cos", &cos_in}, {"sin", &sin_in}});
   const RmsNormRopeSizes sz = check_rms_norm_rope_args(x, weight, eps, cos_in, sin_in);
-  static const auto norm = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("hebrus::hc_rms_norm", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>();
-  at::Tensor out = sz.dim > 0 ? norm.call(x, weight, sz.dim, eps).contiguous() : at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (out.numel() == 0 || sz.rot == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const at::Tensor w1 = one_plus(weight);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
+    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w1.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                        sz.tokens * sz.heads, sz.dim, sz.dim, eps);
+  });
+  if (sz.rot == 0) return out;
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
     rope_rows_in_place<scalar_t>(out.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
@@ -789,11 +794,37 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
 }
 
 // ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
-// The module's ATen sequence (a contiguous gate, sigmoid, mul), so its bits: what gated_output ran before.
+// out = x * sigmoid(gate) (row_math.h's sigmoid rounded to the dtype, then the product, as the module's ops), each
+// row of D on its own; the
+// gate is read through its strides (a view of q_proj's output) where its last dimension is dense.
+template <typename T>
+void sigmoid_gate_rows(const at::Tensor& x, const at::Tensor& gate, at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const T* xp = x.data_ptr<T>();
+  const T* gp = gate.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs0 = gate.stride(0), gs1 = gate.stride(1);
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> g(static_cast<size_t>(dim));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(gp + (r / heads) * gs0 + (r % heads) * gs1, g.data(), dim);
+      sigmoid_row(g.data(), dim);
+      for (int64_t d = 0; d < dim; ++d)
+        op[r * dim + d] = static_cast<T>(static_cast<float>(xp[r * dim + d]) * static_cast<float>(static_cast<T>(g[d])));
+    }
+  });
+}
+
 at::Tensor sigmoid_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
   check_on_device("sigmoid_gate", at::kCPU, {{"x", &x}, {"gate", &gate}});
   check_sigmoid_gate_args(x, gate);
-  return x.contiguous().mul(at::sigmoid(gate.contiguous()));
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor gc = gate.stride(2) == 1 ? gate : gate.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sigmoid_gate",
+                                  [&] { sigmoid_gate_rows<scalar_t>(xc, gc, out); });
+  return out;
 }
 
 }  // namespace

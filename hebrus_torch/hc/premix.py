@@ -9,8 +9,9 @@ three projections are plain ``nn.Linear`` without bias, in h's dtype, all withou
 (``hebrus::hc_premix``), or all :class:`~hebrus_torch.moe.quantized_linear.QuantizedLinear` of one bits and
 group size with scales in h's dtype, without hooks (``hebrus::hc_premix_quantized``: the converter's 4/8-bit
 checkpoints); otherwise (a mix of the two, a LoRA-wrapped projection, a hooked module) the projections run as
-module calls and only the norm is fused where it can be. On CPU the fused ops give the modules' bits
-(tests/test_hc_ops.py), so the engine's outputs are unchanged there.
+module calls and only the norm is fused where it can be. On CPU the fused ops compute in hebrus's own row
+arithmetic, within a tolerance of the modules and each row independent of the others (docs/engine.md, "The CPU
+fused ops' arithmetic"; tests/test_hc_ops.py).
 """
 
 from __future__ import annotations

@@ -76,11 +76,13 @@ def routed_experts(experts: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Te
 
 
 def _fuse_elementwise(x: torch.Tensor, fused: bool | None) -> bool:
-    """Whether the shared gate's sigmoid and the shared expert run inside the fused ops (``fused``, or by default
-    everywhere but on CPU). On CPU their ATen kernels give an element other bits by the row count (BLAS picks its
-    kernel by it, SPEC §8; sigmoid's vectorised body and scalar tail differ), and the engine's invariance suite
-    makes each such module call row-wise: there they stay module calls, with the same arithmetic."""
-    return fused if fused is not None else x.device.type != "cpu"
+    """Whether the shared gate's sigmoid and the shared expert run inside the fused ops (``fused``; by default
+    yes, on every device). Their CPU kernels compute the sigmoid, SiLU and sums in hebrus's own row arithmetic, so
+    a row's bits do not depend on the row count (ATen's sigmoid gave an element other bits in its vectorised body
+    than in its scalar tail, which kept them module calls on CPU before); their projections are BLAS products,
+    whose rows vary with the row count (SPEC §8): the engine's invariance suite makes the projections row-wise
+    modules, and with those the shared expert runs as its module call."""
+    return True if fused is None else fused
 
 
 def route(mlp: torch.nn.Module, x: torch.Tensor,
@@ -89,9 +91,9 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
     (ids [T, k] int64, routed weights [T, k], shared gate [T, 1]), weights and gate in the logits' dtype.
 
     Where the router is transformers' own ``Qwen4ExpTextTopKRouter`` (no hooks, no autograd) its linear runs as
-    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the module's bits on CPU),
-    with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (off CPU by default;
-    on CPU ``torch.sigmoid`` beside it); otherwise the router module and a sigmoid."""
+    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the router: the module's bits on CPU),
+    with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (by default), else
+    ``torch.sigmoid`` beside it; otherwise the router module and a sigmoid."""
     gate = mlp.gate
     if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
             torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
@@ -160,7 +162,7 @@ def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None)
     transformers' ``Qwen4ExpTextSparseMoeBlock.forward`` step for step (router and shared gate through
     :func:`route`, routed experts through :func:`routed_experts`, the sigmoid-gated shared expert added by
     ``moe_shared_expert`` where :func:`shared_expert_weights` allows it, or ``moe_shared_expert_quantized`` where
-    :func:`shared_expert_quantized_weights` does, and :func:`_fuse_elementwise` (``fused``; off CPU by default),
+    :func:`shared_expert_quantized_weights` does, and :func:`_fuse_elementwise` (``fused``; on by default),
     else by the module's own call); any other block (or one with hooks or a forward of its
     own) runs as the module call ``mlp(x[None])[0]``."""
     if type(mlp) is not _modeling().Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):

@@ -1,5 +1,6 @@
 """Reference of the fused hyper-connection ops (issue 37): what transformers' Qwen4Exp modules compute,
-op for op, so the CPU kernel (the same ATen sequence in C++) gives the modules' bits."""
+op for op (the CPU kernels compute the same formulas in hebrus's own row arithmetic, within a tolerance of these:
+docs/engine.md, "The CPU fused ops' arithmetic")."""
 
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def hc_premix_quantized(h: torch.Tensor, norm_weight: torch.Tensor, down_q: torc
     ``group_size`` and ``bits`` for all): each ``F.linear`` of :func:`hc_premix` becomes
     :func:`hebrus_torch.reference.quantized_linear` (the group-folded product ``s * sum(q x) + b * sum(x)`` in
     fp32, rounded to h's dtype), every other op as in :func:`hc_premix`. The module path of a
-    ``Qwen4ExpTextGatedResidual`` whose projections are ``QuantizedLinear`` (the CPU kernel gives its bits;
-    this reference matches them to the rounding of the folded sums). A row's outputs depend only on that row.
+    ``Qwen4ExpTextGatedResidual`` whose projections are ``QuantizedLinear`` (the CPU kernel matches it within a
+    tolerance). A row's outputs depend only on that row.
 
     Args:
         h, norm_weight, hc_count, eps: as :func:`hc_premix`.

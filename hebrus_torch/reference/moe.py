@@ -163,9 +163,9 @@ def moe_route(router_logits: torch.Tensor, shared_gate_logits: torch.Tensor | No
         v          = v / v.sum(-1)          where norm_topk_prob
         weights    = cat(v.to(D), sigmoid(shared_gate_logits))          (D: the logits' dtype)
 
-    Among equal probabilities the order is torch.topk's here and in the CPU kernel (which runs these ops:
-    the module's bits); the Metal kernel takes the lower expert id first. A row's outputs depend only on
-    that row.
+    Among equal probabilities the order is torch.topk's here and in the CPU kernel (which runs these ops up to
+    the cast: the module's bits; the shared gate's sigmoid is hebrus's own row arithmetic there); the Metal
+    kernel takes the lower expert id first. A row's outputs depend only on that row.
 
     Args:
         router_logits: Tensor[T, E] float32/float16/bfloat16 (the router's linear of the rows).
@@ -203,7 +203,8 @@ def moe_shared_expert(x: torch.Tensor, routed: torch.Tensor, gate_proj: torch.Te
         shared = linear(silu(linear(x, gate_proj)) * linear(x, up_proj), down_proj)   (Qwen4ExpTextMLP)
         out    = routed + gate * shared
 
-    The CPU kernel runs these ops (the modules' bits); the Metal kernel rounds at the same places with its
+    The CPU kernel runs the products as ATen's mm and the rest in hebrus's own row arithmetic (fp32, rounded where
+    these ops round: within a tolerance of them); the Metal kernel rounds at the same places as these ops with its
     own summation order inside each dot product (moe_experts.metal's) and the CPU kernels' silu. A row's output
     depends only on that row.
 
@@ -235,8 +236,8 @@ def moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gate_proj
         shared = ql(silu(ql(x, gate_proj)) * ql(x, up_proj), down_proj)    (ql: :func:`quantized_linear`)
         out    = routed + gate * shared
 
-    The CPU kernel runs ``hebrus::quantized_linear``'s CPU kernel for each ``ql`` and these ops (the modules'
-    bits); the Metal kernel rounds at the same places, its dot products folded as quantized_linear's Metal kernel
+    The CPU kernel runs ``hebrus::quantized_linear``'s CPU kernel for each ``ql`` and the rest in hebrus's own row
+    arithmetic (within a tolerance of these ops); the Metal kernel rounds at the same places, its dot products folded as quantized_linear's Metal kernel
     folds them, with the CPU kernels' silu. A row's output depends only on that row.
 
     Args:

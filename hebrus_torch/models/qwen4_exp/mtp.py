@@ -88,8 +88,8 @@ class Qwen4ExpMTP(torch.nn.Module):
 
 def packed_fuse(mtp: Qwen4ExpMTP, streams: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
     """:meth:`Qwen4ExpMTP.fuse` on packed rows (streams Tensor[T, hc * hidden], embeds Tensor[T, hidden] ->
-    Tensor[T, hc * hidden]) with its two norms as one ``hebrus::hc_rms_norm`` each (``fused_norm``: the modules'
-    bits on CPU, no autograd: the packed forward's, not training's)."""
+    Tensor[T, hc * hidden]) with its two norms as one ``hebrus::hc_rms_norm`` each (``fused_norm``: hebrus's own
+    row arithmetic on CPU, no autograd: the packed forward's, not training's)."""
     h = mtp.fc_hidden(fused_norm(mtp.pre_fc_norm_hidden, streams).unflatten(-1, (mtp.hc_count, mtp.hidden_size)))
     e = mtp.fc_embedding(fused_norm(mtp.pre_fc_norm_embedding, embeds))
     return (h + e.unsqueeze(-2)).flatten(-2)

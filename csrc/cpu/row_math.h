@@ -1,0 +1,64 @@
+// The CPU fused ops' own row arithmetic (issue 37): the norms, gates and activations around the matrix products,
+// computed in fp32 over one row at a time, the results rounded to the op's dtype where the module's ops round
+// theirs (the ops' kernels do the rounding; these functions work in fp32). Every sum is in a fixed
+// order (sum_of_squares: 16 lanes, lane j the elements i = j mod 16 in ascending i, the lanes combined as
+// reduce_lanes does) and every exp is the same polynomial (exp_silu), so a row's result depends on that row alone,
+// never on how many rows the call has, the thread that runs it, or the CPU's vector width. These are not the
+// bits of transformers' modules (ATen's reductions and exp follow its own vector width; docs/engine.md, "The CPU
+// fused ops' arithmetic"); the fused-op suites compare with the modules within a tolerance.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace hebrus {
+
+// sum over i < n of x[i]^2, in the fixed order above.
+float sum_of_squares(const float* x, int64_t n);
+
+// RMSNorm of a zero-centred weight on one group, in place: x[i] = (x[i] * s) * w1[i] with
+// s = 1 / sqrt(sum_of_squares(x) / n + eps) and w1 = 1 + weight.
+void rms_norm_row(float* x, const float* w1, int64_t n, float eps);
+
+// x[i] = 1 / (1 + exp(-x[i])).
+void sigmoid_row(float* x, int64_t n);
+
+// x[i] = silu(x[i] / divisor) = y / (1 + exp(-y)).
+void silu_row(float* x, int64_t n, float divisor);
+
+// x[i] = max(x[i], 0) + log1p(exp(-|x[i]|)) (softplus, without overflow).
+void softplus_row(float* x, int64_t n);
+
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void narrow_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// 1 + weight in fp32 (a zero-centred norm's factor): Tensor[D] float32, contiguous.
+inline at::Tensor one_plus(const at::Tensor& weight) { return weight.to(at::kFloat).add(1.0).contiguous(); }
+
+// out[r] = the group-wise zero-centred RMSNorm of x[r] (rows of dim contiguous T, groups of `group`), each row on
+// its own; w1 from one_plus.
+template <typename T>
+void norm_rows(const T* x, const float* w1, T* out, int64_t rows, int64_t dim, int64_t group, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(dim));
+    for (int64_t r = r0; r < r1; ++r) {
+      widen_row(x + r * dim, row.data(), dim);
+      for (int64_t g = 0; g < dim; g += group) rms_norm_row(row.data() + g, w1 + g, group, static_cast<float>(eps));
+      narrow_row(row.data(), out + r * dim, dim);
+    }
+  });
+}
+
+}  // namespace hebrus
