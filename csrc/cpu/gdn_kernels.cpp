@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const
   Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   Tensor beta = at::empty_like(g);
   if (g.numel() == 0) return {g, beta};
-  const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = dt_bias.to(at::kFloat).contiguous();
+  const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = float_weight(dt_bias);
   const Tensor decay = A_log.to(at::kFloat).exp().neg().contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "gdn_gates", [&] {
     gates_rows<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), decay.data_ptr<float>(),
@@ -172,7 +172,7 @@ Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor&
   const GdnRowsSizes sz = check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
   Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
-  const Tensor xc = x.contiguous(), gc = gate.contiguous(), w = weight.to(at::kFloat).contiguous();
+  const Tensor xc = x.contiguous(), gc = gate.contiguous(), w = float_weight(weight);
   const bool silu = activation == "silu";
   const bool round_weighted = c10::promoteTypes(weight.scalar_type(), x.scalar_type()) == x.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gdn_gated_rms_norm", [&] {

@@ -26,9 +26,9 @@ at::Tensor hc_rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, int64_
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (sz.rows == 0 || sz.dim == 0) return out;
-  const at::Tensor w1 = one_plus(weight);
+  const at::Tensor w = float_weight(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hc_rms_norm", [&] {
-    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w1.data_ptr<float>(), out.data_ptr<scalar_t>(), sz.rows, sz.dim,
+    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(), sz.rows, sz.dim,
                         sz.group, eps);
   });
   return out;
@@ -49,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Te
   const auto round = [](float v) { return static_cast<float>(static_cast<T>(v)); };  // to the dtype and back
   const at::Tensor hcont = h.contiguous();
   at::Tensor normed = at::empty({rows, dim}, h.options());
-  const at::Tensor w1 = one_plus(norm_weight);
-  norm_rows<T>(hcont.data_ptr<T>(), w1.data_ptr<float>(), normed.data_ptr<T>(), rows, dim, hidden, eps);
+  const at::Tensor w = float_weight(norm_weight);
+  norm_rows<T>(hcont.data_ptr<T>(), w.data_ptr<float>(), normed.data_ptr<T>(), rows, dim, hidden, eps);
 
   at::Tensor low = project(normed, HcProjection::kDown).contiguous();
   const int64_t rank = low.size(1);

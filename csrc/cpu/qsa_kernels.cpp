@@ -779,9 +779,9 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
-  const at::Tensor w1 = one_plus(weight);
+  const at::Tensor w = float_weight(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
-    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w1.data_ptr<float>(), out.data_ptr<scalar_t>(),
+    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(),
                         sz.tokens * sz.heads, sz.dim, sz.dim, eps);
   });
   if (sz.rot == 0) return out;

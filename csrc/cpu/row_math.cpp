@@ -31,9 +31,9 @@ HEBRUS_INLINE float squares(const float* x, int64_t n) {
 
 HEBRUS_VECTOR_CLONES float sum_of_squares(const float* x, int64_t n) { return squares(x, n); }
 
-HEBRUS_VECTOR_CLONES void rms_norm_row(float* x, const float* w1, int64_t n, float eps) {
+HEBRUS_VECTOR_CLONES void rms_norm_row(float* x, const float* weight, int64_t n, float eps) {
   const float s = 1.f / std::sqrt(squares(x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) x[i] = (x[i] * s) * w1[i];
+  for (int64_t i = 0; i < n; ++i) x[i] = (x[i] * s) * (1.f + weight[i]);
 }
 
 HEBRUS_VECTOR_CLONES void sigmoid_row(float* x, int64_t n) {

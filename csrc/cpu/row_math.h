@@ -21,9 +21,9 @@ namespace hebrus {
 // sum over i < n of x[i]^2, in the fixed order above.
 float sum_of_squares(const float* x, int64_t n);
 
-// RMSNorm of a zero-centred weight on one group, in place: x[i] = (x[i] * s) * w1[i] with
-// s = 1 / sqrt(sum_of_squares(x) / n + eps) and w1 = 1 + weight.
-void rms_norm_row(float* x, const float* w1, int64_t n, float eps);
+// RMSNorm of a zero-centred weight on one group, in place: x[i] = (x[i] * s) * (1 + weight[i]) with
+// s = 1 / sqrt(sum_of_squares(x) / n + eps).
+void rms_norm_row(float* x, const float* weight, int64_t n, float eps);
 
 // x[i] = 1 / (1 + exp(-x[i])).
 void sigmoid_row(float* x, int64_t n);
@@ -44,18 +44,21 @@ inline void narrow_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// 1 + weight in fp32 (a zero-centred norm's factor): Tensor[D] float32, contiguous.
-inline at::Tensor one_plus(const at::Tensor& weight) { return weight.to(at::kFloat).add(1.0).contiguous(); }
+// A norm's weight as the row functions read it: Tensor[D] float32, contiguous (the tensor itself where it is one).
+inline at::Tensor float_weight(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kFloat && weight.is_contiguous() ? weight : weight.to(at::kFloat).contiguous();
+}
 
 // out[r] = the group-wise zero-centred RMSNorm of x[r] (rows of dim contiguous T, groups of `group`), each row on
-// its own; w1 from one_plus.
+// its own; weight from float_weight.
 template <typename T>
-void norm_rows(const T* x, const float* w1, T* out, int64_t rows, int64_t dim, int64_t group, double eps) {
+void norm_rows(const T* x, const float* weight, T* out, int64_t rows, int64_t dim, int64_t group, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(static_cast<size_t>(dim));
     for (int64_t r = r0; r < r1; ++r) {
       widen_row(x + r * dim, row.data(), dim);
-      for (int64_t g = 0; g < dim; g += group) rms_norm_row(row.data() + g, w1 + g, group, static_cast<float>(eps));
+      for (int64_t g = 0; g < dim; g += group)
+        rms_norm_row(row.data() + g, weight + g, group, static_cast<float>(eps));
       narrow_row(row.data(), out + r * dim, dim);
     }
   });
