@@ -13,6 +13,9 @@ counts the other jobs' turns; the phases are wrapped here, the engine is not cha
   the forward (embedding, rope rows, the final mixer), ``lm_head``,
 - sampling (the consume callback: the step's one read of the logits), update (``apply_step``).
 
+The state holders' calls inside those phases (:data:`HOLDER_CALLS`: the QSA cache's reserve, write, plan and commit,
+the GDN and PLE holders' conv, delta rule and n-gram ids) are timed too, inclusively, in a table of their own.
+
 Then the ATen ops of one step are recorded (a ``TorchDispatchMode``; views included, as the dispatcher
 runs them) and replayed on their recorded arguments in a tight loop, without the Python that issued them:
 the replay's time is what the dispatcher and the kernels cost; the step's time less the replay's is the
@@ -125,6 +128,51 @@ class Phases:
         setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
 
 
+HOLDER_CALLS = (("QSACache", ("reserve", "write", "plan", "_plan_rows", "_txn_prepare", "_txn_commit")),
+                ("GDNState", ("conv", "delta_rule")), ("PLEState", ("ngram_ids", "conv")))
+"""The state holders' methods a decode step calls, timed by :class:`HolderTimers` (inclusive: ``plan`` holds
+``_plan_rows``)."""
+
+
+class HolderTimers:
+    """CPU seconds per step in the holders' methods (:data:`HOLDER_CALLS`), wrapped on their classes while
+    ``on``; restored by :meth:`close`."""
+
+    def __init__(self) -> None:
+        from hebrus_torch.gdn.state import GDNState
+        from hebrus_torch.ple.state import PLEState
+        from hebrus_torch.qsa.cache import QSACache
+
+        self.seconds: collections.Counter = collections.Counter()
+        self.on = False
+        self._saved = []
+        classes = {"QSACache": QSACache, "GDNState": GDNState, "PLEState": PLEState}
+        for cls_name, names in HOLDER_CALLS:
+            cls = classes[cls_name]
+            for name in names:
+                self._wrap(cls, name, f"{cls_name}.{name}")
+
+    def _wrap(self, cls, name: str, label: str) -> None:
+        fn = getattr(cls, name)
+        timers = self
+
+        def wrapped(*args, **kwargs):
+            if not timers.on:
+                return fn(*args, **kwargs)
+            t0 = CLOCK()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.seconds[label] += CLOCK() - t0
+
+        self._saved.append((cls, name, fn))
+        setattr(cls, name, wrapped)
+
+    def close(self) -> None:
+        for cls, name, fn in self._saved:
+            setattr(cls, name, fn)
+
+
 class Recorder(TorchDispatchMode):
     """Every ATen / hebrus op a block dispatches, with its arguments (for the replay)."""
 
@@ -218,16 +266,18 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
     """Per-phase ms of a decode step (median step; phases averaged), ops per step and the replay split."""
     engine = build_engine(model, prompt, steps + 8)
     phases = Phases(engine)
+    holders = HolderTimers()
     with torch.inference_mode():
         engine.step()                                            # the prefill
         engine.step()
         per_step = []
-        phases.on = True
+        phases.on = holders.on = True
         for _ in range(steps):
             t0 = CLOCK()
             engine.step()
             per_step.append(CLOCK() - t0)
-        phases.on = False
+        phases.on = holders.on = False
+        holders.close()
         recorder = Recorder()
         with recorder:
             engine.step()
@@ -252,7 +302,9 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
              "ATen / hebrus calls per step, nested ones counted (torch.profiler)": f"{nested:.0f}",
              "one hc_premix from C++ (the ATen calls its CPU kernel makes, us per call)":
                  f"{premix_calls}, {premix_us:.1f}"}
-    return parts, len(calls), {"split": split, "ops": ops, "mean": statistics.mean(per_step), "floor": floor}
+    held = {k: v / steps for k, v in holders.seconds.items()}
+    return parts, len(calls), {"split": split, "ops": ops, "mean": statistics.mean(per_step), "floor": floor,
+                               "holders": held}
 
 
 def main() -> None:
@@ -288,6 +340,9 @@ def main() -> None:
         table(["split of one decode step", "ms"], split),
         "",
         table(["what the step reads and calls", ""], [[k, v] for k, v in info["floor"].items()]),
+        "",
+        table(["the holders' calls in a step (inclusive)", "ms"],
+              [[k, f"{v * 1e3:.3f}"] for k, v in sorted(info["holders"].items(), key=lambda kv: -kv[1])]),
         "",
         f"ATen/hebrus ops dispatched per decode step (views included): {n_ops}; most frequent: {top}.",
     ])
