@@ -1,9 +1,9 @@
 """hebrus::gdn_gates and hebrus::gdn_gated_rms_norm (issue 37): the gated-delta-net layer's gates and
 gated output norm, one op each. On CPU both compute in hebrus's own row arithmetic: the gates within the stated
 bound of the module's F.softplus / sigmoid and within a tolerance of the packed forward's formulas, the norm within
-a tolerance of transformers' Qwen4ExpTextRMSNormGated (tests/tolerance.py); rows are independent of each other; bad metadata is refused with a
-HebrusError; opcheck passes; both compile in a full graph; the layer helpers fall back to the module's
-own code where the fused op does not apply."""
+a tolerance of transformers' Qwen4ExpTextRMSNormGated (tests/tolerance.py); rows are independent of each other; bad
+metadata is refused with a HebrusError; opcheck passes; both compile in a full graph; the layer helpers fall back to
+the module's own code where the fused op does not apply."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 dispatch; hebrus::hc_premix: the whole pre-mix of a Qwen4ExpTextGatedResidual (norm, low-rank down / up,
 SiLU, sigmoid, stream mix, inject weights); hebrus::hc_post_combine: the decoder layer's injection of a
 sublayer's output into the streams. On CPU each matches transformers' own modules within a tolerance (every
-dtype: tests/tolerance.py; hc_post_combine bit for bit), hc_rms_norm's and hc_post_combine's rows are independent of each other, bad metadata is refused with a HebrusError, opcheck
-(schema, fake, autograd registration) passes, and they compile in a full graph. The packed forward's
+dtype: tests/tolerance.py; hc_post_combine bit for bit), hc_rms_norm's and hc_post_combine's rows are independent of
+each other, bad metadata is refused with a HebrusError, opcheck (schema, fake, autograd registration) passes, and
+they compile in a full graph. The packed forward's
 hyper_premix / post_combine give the modules' own outputs, fused where the modules are stock and as
 module calls where they are not (a hooked or wrapped projection)."""
 

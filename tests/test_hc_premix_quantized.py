@@ -1,8 +1,8 @@
 """hebrus::hc_premix_quantized (issue 37 with issue 36's weights): the hyper-connection pre-mix of a
 Qwen4ExpTextGatedResidual whose projections are the converter's QuantizedLinear, in one dispatch. On CPU it
 matches the module path within a tolerance (transformers' module calling QuantizedLinear, and hyper_premix's
-premix_by_modules; tests/tolerance.py) for bits 4 and 8 and groups 32 / 64 / 128, in every dtype, with and without injection;
-the reference matches it to the rounding of the folded sums; rows are independent; bad metadata is refused
+premix_by_modules; tests/tolerance.py) for bits 4 and 8 and groups 32 / 64 / 128, in every dtype, with and without
+injection; the reference matches it to the rounding of the folded sums; rows are independent; bad metadata is refused
 with a HebrusError and changes nothing; opcheck (schema, fake) passes and it compiles in a full graph.
 hyper_premix calls it for such a module and only then (a mix of plain and quantized projections, two bit
 widths, a hooked projection: module calls)."""

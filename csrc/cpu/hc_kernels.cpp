@@ -2,8 +2,9 @@
 // hc_premix (Qwen4ExpTextGatedResidual; hc_premix_quantized with QuantizedLinear projections) and hc_post_combine
 // (the decoder layer's injection; hebrus_torch/reference/hc.py states each formula). The norms, gates and the
 // stream mix are hebrus's own row arithmetic (row_math.h: fp32, fixed orders, rounded to the dtype where the
-// module's ops round), the projections ATen's mm or hebrus::quantized_linear: a handful of calls where the modules' sequence
-// made 88, within a tolerance of the modules' outputs, and each row's result independent of the other rows.
+// module's ops round), the projections ATen's mm or hebrus::quantized_linear: a handful of calls where the
+// modules' sequence made 88, within a tolerance of the modules' outputs, each row's result independent of the
+// other rows.
 // On MPS each op is one Metal launch (mps_kernels/hc_rms_norm.metal, hc_premix.metal, hc_post_combine.metal).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -161,8 +162,10 @@ void post_combine_rows(const T* hyper, const T* out, const T* inject, T* result,
         const float w = static_cast<float>(inject[r * hc + c]);
         const T* src = hyper + (r * hc + c) * hidden;
         T* dst = result + (r * hc + c) * hidden;
-        for (int64_t j = 0; j < hidden; ++j)
-          dst[j] = static_cast<T>(static_cast<float>(src[j]) + static_cast<float>(static_cast<T>(static_cast<float>(o[j]) * w)));
+        for (int64_t j = 0; j < hidden; ++j) {
+          const T product = static_cast<T>(static_cast<float>(o[j]) * w);
+          dst[j] = static_cast<T>(static_cast<float>(src[j]) + static_cast<float>(product));
+        }
       }
     }
   });

@@ -1051,8 +1051,10 @@ void silu_mul_rows(T* g, const T* u, int64_t rows, int64_t dim) {
     for (int64_t r = r0; r < r1; ++r) {
       widen_row(g + r * dim, row.data(), dim);
       silu_row(row.data(), dim, 1.f);
-      for (int64_t i = 0; i < dim; ++i)
-        g[r * dim + i] = static_cast<T>(static_cast<float>(static_cast<T>(row[i])) * static_cast<float>(u[r * dim + i]));
+      for (int64_t i = 0; i < dim; ++i) {
+        const float act = static_cast<float>(static_cast<T>(row[i]));
+        g[r * dim + i] = static_cast<T>(act * static_cast<float>(u[r * dim + i]));
+      }
     }
   });
 }
@@ -1098,7 +1100,8 @@ Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor
                    {"down_proj", &down_proj}, {"gate", &gate}});
   check_moe_shared_expert_args(x, routed, gate_proj, up_proj, down_proj, gate);
   const Tensor* weights[3] = {&gate_proj, &up_proj, &down_proj};
-  return shared_expert_rows(x, routed, gate, [&](const Tensor& in, int which) { return at::mm(in, weights[which]->t()); });
+  return shared_expert_rows(x, routed, gate,
+                            [&](const Tensor& in, int which) { return at::mm(in, weights[which]->t()); });
 }
 
 // hebrus::moe_shared_expert_quantized (issue 37): moe_shared_expert over a shared expert whose projections are

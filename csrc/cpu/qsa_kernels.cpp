@@ -795,8 +795,8 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
 
 // ---- sigmoid_gate (issue 37) --------------------------------------------------------------------------
 // out = x * sigmoid(gate) (row_math.h's sigmoid rounded to the dtype, then the product, as the module's ops), each
-// row of D on its own; the
-// gate is read through its strides (a view of q_proj's output) where its last dimension is dense.
+// row of D on its own; the gate is read through its strides (a view of q_proj's output) where its last dimension
+// is dense.
 template <typename T>
 void sigmoid_gate_rows(const at::Tensor& x, const at::Tensor& gate, at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
@@ -809,8 +809,10 @@ void sigmoid_gate_rows(const at::Tensor& x, const at::Tensor& gate, at::Tensor& 
     for (int64_t r = r0; r < r1; ++r) {
       widen_row(gp + (r / heads) * gs0 + (r % heads) * gs1, g.data(), dim);
       sigmoid_row(g.data(), dim);
-      for (int64_t d = 0; d < dim; ++d)
-        op[r * dim + d] = static_cast<T>(static_cast<float>(xp[r * dim + d]) * static_cast<float>(static_cast<T>(g[d])));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float gate_d = static_cast<float>(static_cast<T>(g[d]));
+        op[r * dim + d] = static_cast<T>(static_cast<float>(xp[r * dim + d]) * gate_d);
+      }
     }
   });
 }

@@ -80,8 +80,8 @@ def _fuse_elementwise(x: torch.Tensor, fused: bool | None) -> bool:
     yes, on every device). Their CPU kernels compute the sigmoid, SiLU and sums in hebrus's own row arithmetic, so
     a row's bits do not depend on the row count (ATen's sigmoid gave an element other bits in its vectorised body
     than in its scalar tail, which kept them module calls on CPU before); their projections are BLAS products,
-    whose rows vary with the row count (SPEC §8): the engine's invariance suite makes the projections row-wise
-    modules, and with those the shared expert runs as its module call."""
+    whose rows vary with the row count (SPEC §8), so the engine's invariance suite runs the fused shared expert row
+    by row, as it runs ``F.linear`` (tests/test_engine.py, ``row_invariant``)."""
     return True if fused is None else fused
 
 
@@ -91,9 +91,9 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
     (ids [T, k] int64, routed weights [T, k], shared gate [T, 1]), weights and gate in the logits' dtype.
 
     Where the router is transformers' own ``Qwen4ExpTextTopKRouter`` (no hooks, no autograd) its linear runs as
-    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the router: the module's bits on CPU),
-    with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (by default), else
-    ``torch.sigmoid`` beside it; otherwise the router module and a sigmoid."""
+    ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the router: the module's bits
+    on CPU), with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (by default),
+    else ``torch.sigmoid`` beside it; otherwise the router module and a sigmoid."""
     gate = mlp.gate
     if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
             torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):

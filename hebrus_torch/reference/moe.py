@@ -237,8 +237,8 @@ def moe_shared_expert_quantized(x: torch.Tensor, routed: torch.Tensor, gate_proj
         out    = routed + gate * shared
 
     The CPU kernel runs ``hebrus::quantized_linear``'s CPU kernel for each ``ql`` and the rest in hebrus's own row
-    arithmetic (within a tolerance of these ops); the Metal kernel rounds at the same places, its dot products folded as quantized_linear's Metal kernel
-    folds them, with the CPU kernels' silu. A row's output depends only on that row.
+    arithmetic (within a tolerance of these ops); the Metal kernel rounds at the same places, its dot products folded
+    as quantized_linear's Metal kernel folds them, with the CPU kernels' silu. A row's output depends only on that row.
 
     Args:
         x: Tensor[T, H] float32/float16/bfloat16; routed: Tensor[T, H] in x's dtype.
