@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerance import near
 
 from hf_models import modeling
+from tolerance import near
 
 import hebrus_torch
 from hebrus_torch import reference

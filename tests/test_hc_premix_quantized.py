@@ -10,10 +10,10 @@ widths, a hooked projection: module calls)."""
 from __future__ import annotations
 
 import pytest
-from tolerance import near
 import torch
 
 from hf_models import modeling, tiny_config
+from tolerance import near
 
 import hebrus_torch
 from hebrus_torch import reference

@@ -5,10 +5,9 @@ same over a shared expert whose projections are QuantizedLinear (4 and 8 bits, g
 router gives the bits of transformers' Qwen4ExpTextTopKRouter (with torch.topk's order among equal probabilities);
 the shared gate's sigmoid and the shared expert's activation and sum are hebrus's own row arithmetic, within a
 tolerance of the block's sigmoid and Qwen4ExpTextMLP (tests/tolerance.py), in every dtype; rows are independent of
-each other (so the engine fuses them on CPU too); bad metadata
-is refused with a HebrusError; opcheck (schema, fake, autograd registration) passes and they compile in a full
-graph. The engine's MoE block (hebrus_torch.moe.block.packed_moe) runs them and still gives the block's
-output."""
+each other (so the engine fuses them on CPU too); bad metadata is refused with a HebrusError; opcheck (schema, fake,
+autograd registration) passes and they compile in a full graph. The engine's MoE block
+(hebrus_torch.moe.block.packed_moe) runs them and still gives the block's output."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ from hebrus_torch import reference
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.moe import block
 from hebrus_torch.moe.quantized_linear import quantize_linears
-from tolerance import near  # noqa: E402
 from moe_fused_cases import ROUTE_BAD, SHARED_BAD, SHARED_QUANT_BAD, quantized_shared_args  # noqa: E402
+from tolerance import near  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
