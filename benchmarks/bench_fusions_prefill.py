@@ -54,7 +54,7 @@ def module_paths():
                (attention, "_gated_heads", gated_heads),
                (gdn_fused, "_needs_autograd", lambda *t: True),
                (block, "route", route_by_module),
-               (block, "_fuse_elementwise", lambda x, fused: False)]
+               (block, "_fuse_elementwise", lambda fused: False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:

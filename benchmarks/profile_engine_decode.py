@@ -115,17 +115,22 @@ class Phases:
             self.seconds[name] += CLOCK() - t0
 
     def _wrap(self, owner, attr: str, name: str, static: bool = False) -> None:
-        fn = getattr(owner, attr)
-        phases = self
-
-        def wrapped(*args, **kwargs):
-            t0 = CLOCK()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                phases.add(name, t0)
-
+        wrapped = timing(getattr(owner, attr), self.add, name)
         setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+
+
+def timing(fn, add, name: str):
+    """``fn`` wrapped so that each call ends with ``add(name, t0)``, t0 its start on :data:`CLOCK` (``add`` decides
+    whether the seconds count)."""
+
+    def wrapped(*args, **kwargs):
+        t0 = CLOCK()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(name, t0)
+
+    return wrapped
 
 
 HOLDER_CALLS = (("QSACache", ("reserve", "write", "plan", "_plan_rows", "_txn_prepare", "_txn_commit")),
@@ -152,21 +157,14 @@ class HolderTimers:
             for name in names:
                 self._wrap(cls, name, f"{cls_name}.{name}")
 
+    def add(self, label: str, t0: float) -> None:
+        if self.on:
+            self.seconds[label] += CLOCK() - t0
+
     def _wrap(self, cls, name: str, label: str) -> None:
         fn = getattr(cls, name)
-        timers = self
-
-        def wrapped(*args, **kwargs):
-            if not timers.on:
-                return fn(*args, **kwargs)
-            t0 = CLOCK()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timers.seconds[label] += CLOCK() - t0
-
         self._saved.append((cls, name, fn))
-        setattr(cls, name, wrapped)
+        setattr(cls, name, timing(fn, self.add, label))
 
     def close(self) -> None:
         for cls, name, fn in self._saved:
@@ -271,6 +269,7 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
         engine.step()                                            # the prefill
         engine.step()
         per_step = []
+        engine.runner.timings = collections.Counter()            # the timed steps' parts only (not the prefill's)
         phases.on = holders.on = True
         for _ in range(steps):
             t0 = CLOCK()
@@ -278,12 +277,13 @@ def measure(model, prompt: list[int], steps: int) -> tuple[dict, int, dict]:
             per_step.append(CLOCK() - t0)
         phases.on = holders.on = False
         holders.close()
+        forward_seconds = dict(engine.runner.timings)
         recorder = Recorder()
         with recorder:
             engine.step()
         t_step = statistics.median(per_step)
         parts = {k: v / steps for k, v in phases.seconds.items()}
-        parts.update({f"forward: {k}": v / steps for k, v in engine.runner.timings.items()})
+        parts.update({f"forward: {k}": v / steps for k, v in forward_seconds.items()})
         forward_parts = sum(v for k, v in parts.items() if k.startswith("forward: "))
         named = sum(parts.values())
         parts["other (forward's embedding / rope / mixer, runner, engine glue)"] = statistics.mean(per_step) - named

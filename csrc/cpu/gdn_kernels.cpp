@@ -150,9 +150,9 @@ void gated_norm_rows(const T* x, const T* gate, const float* weight, T* out, int
     for (int64_t r = r0; r < r1; ++r) {
       widen_row(x + r * dim, xr.data(), dim);
       widen_row(gate + r * dim, gr.data(), dim);
-      const float s = 1.f / std::sqrt(sum_of_squares(xr.data(), dim) / static_cast<float>(dim) + eps);
+      const float s = rms_scale(xr.data(), dim, eps);
       if (silu) {
-        silu_row(gr.data(), dim, 1.f);
+        silu_row(gr.data(), dim);
       } else {
         sigmoid_row(gr.data(), dim);
       }

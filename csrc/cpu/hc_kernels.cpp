@@ -61,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Te
       T* p = low.data_ptr<T>() + r * rank;
       widen_row(p, row.data(), rank);
       for (int64_t i = 0; i < rank; ++i) row[i] = round(row[i] / divisor);
-      silu_row(row.data(), rank, 1.f);
+      silu_row(row.data(), rank);
       narrow_row(row.data(), p, rank);
     }
   });

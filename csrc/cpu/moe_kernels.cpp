@@ -1050,7 +1050,7 @@ void silu_mul_rows(T* g, const T* u, int64_t rows, int64_t dim) {
     std::vector<float> row(static_cast<size_t>(dim));
     for (int64_t r = r0; r < r1; ++r) {
       widen_row(g + r * dim, row.data(), dim);
-      silu_row(row.data(), dim, 1.f);
+      silu_row(row.data(), dim);
       for (int64_t i = 0; i < dim; ++i) {
         const float act = static_cast<float>(static_cast<T>(row[i]));
         g[r * dim + i] = static_cast<T>(act * static_cast<float>(u[r * dim + i]));

@@ -11,7 +11,7 @@ namespace hebrus {
 
 namespace {
 
-HEBRUS_INLINE float squares(const float* x, int64_t n) {
+HEBRUS_INLINE float scale_of(const float* x, int64_t n, float eps) {
   Vec acc = Vec{} + 0.f;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -24,15 +24,15 @@ HEBRUS_INLINE float squares(const float* x, int64_t n) {
     const Vec v = load_vec(tail);
     acc += v * v;
   }
-  return reduce_lanes(acc);
+  return 1.f / std::sqrt(reduce_lanes(acc) / static_cast<float>(n) + eps);
 }
 
 }  // namespace
 
-HEBRUS_VECTOR_CLONES float sum_of_squares(const float* x, int64_t n) { return squares(x, n); }
+HEBRUS_VECTOR_CLONES float rms_scale(const float* x, int64_t n, float eps) { return scale_of(x, n, eps); }
 
 HEBRUS_VECTOR_CLONES void rms_norm_row(float* x, const float* weight, int64_t n, float eps) {
-  const float s = 1.f / std::sqrt(squares(x, n) / static_cast<float>(n) + eps);
+  const float s = scale_of(x, n, eps);
   for (int64_t i = 0; i < n; ++i) x[i] = (x[i] * s) * (1.f + weight[i]);
 }
 
@@ -44,8 +44,8 @@ HEBRUS_VECTOR_CLONES void sigmoid_row(float* x, int64_t n) {
   }
 }
 
-HEBRUS_VECTOR_CLONES void silu_row(float* x, int64_t n, float divisor) {
-  for (int64_t i = 0; i < n; ++i) x[i] = silu(x[i] / divisor);
+HEBRUS_VECTOR_CLONES void silu_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = silu(x[i]);
 }
 
 HEBRUS_VECTOR_CLONES void softplus_row(float* x, int64_t n) {

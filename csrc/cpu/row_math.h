@@ -1,7 +1,7 @@
 // The CPU fused ops' own row arithmetic (issue 37): the norms, gates and activations around the matrix products,
 // computed in fp32 over one row at a time, the results rounded to the op's dtype where the module's ops round
 // theirs (the ops' kernels do the rounding; these functions work in fp32). Every sum is in a fixed
-// order (sum_of_squares: 16 lanes, lane j the elements i = j mod 16 in ascending i, the lanes combined as
+// order (rms_scale's sum of squares: 16 lanes, lane j the elements i = j mod 16 in ascending i, the lanes combined as
 // reduce_lanes does) and every exp is the same polynomial (exp_silu), so a row's result depends on that row alone,
 // never on how many rows the call has, the thread that runs it, or the CPU's vector width. These are not the
 // bits of transformers' modules (ATen's reductions and exp follow its own vector width; docs/engine.md, "The CPU
@@ -18,18 +18,17 @@
 
 namespace hebrus {
 
-// sum over i < n of x[i]^2, in the fixed order above.
-float sum_of_squares(const float* x, int64_t n);
+// An RMSNorm's scale of one group: 1 / sqrt(sum over i < n of x[i]^2 / n + eps), the sum in the fixed order above.
+float rms_scale(const float* x, int64_t n, float eps);
 
-// RMSNorm of a zero-centred weight on one group, in place: x[i] = (x[i] * s) * (1 + weight[i]) with
-// s = 1 / sqrt(sum_of_squares(x) / n + eps).
+// RMSNorm of a zero-centred weight on one group, in place: x[i] = (x[i] * rms_scale(x)) * (1 + weight[i]).
 void rms_norm_row(float* x, const float* weight, int64_t n, float eps);
 
 // x[i] = 1 / (1 + exp(-x[i])).
 void sigmoid_row(float* x, int64_t n);
 
-// x[i] = silu(x[i] / divisor) = y / (1 + exp(-y)).
-void silu_row(float* x, int64_t n, float divisor);
+// x[i] = silu(x[i]) = x[i] / (1 + exp(-x[i])).
+void silu_row(float* x, int64_t n);
 
 // x[i] = max(x[i], 0) + log1p(exp(-|x[i]|)) (softplus, without overflow).
 void softplus_row(float* x, int64_t n);
@@ -44,7 +43,8 @@ inline void narrow_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// A norm's weight as the row functions read it: Tensor[D] float32, contiguous (the tensor itself where it is one).
+// A per-feature parameter (a norm's weight, a bias) as the row loops read it: Tensor[D] float32, contiguous (the
+// tensor itself where it is one).
 inline at::Tensor float_weight(const at::Tensor& weight) {
   return weight.scalar_type() == at::kFloat && weight.is_contiguous() ? weight : weight.to(at::kFloat).contiguous();
 }

@@ -75,7 +75,7 @@ def routed_experts(experts: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Te
     return experts(x, topk_ids, topk_weights)
 
 
-def _fuse_elementwise(x: torch.Tensor, fused: bool | None) -> bool:
+def _fuse_elementwise(fused: bool | None) -> bool:
     """Whether the shared gate's sigmoid and the shared expert run inside the fused ops (``fused``; by default
     yes, on every device). Their CPU kernels compute the sigmoid, SiLU and sums in hebrus's own row arithmetic, so
     a row's bits do not depend on the row count (ATen's sigmoid gave an element other bits in its vectorised body
@@ -99,7 +99,7 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
             torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
         logits = F.linear(x, gate.weight)
         shared_logit = linear(mlp.shared_expert_gate, x)
-        if _fuse_elementwise(x, fused) and shared_logit.dtype == logits.dtype \
+        if _fuse_elementwise(fused) and shared_logit.dtype == logits.dtype \
                 and not (torch.is_grad_enabled() and shared_logit.requires_grad):
             ids, weights = moe_route(logits, shared_logit, gate.top_k, gate.norm_topk_prob)
             return ids, weights[:, :gate.top_k], weights[:, gate.top_k:]
@@ -169,7 +169,7 @@ def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None)
         return mlp(x[None])[0]
     ids, weights, shared_gate = route(mlp, x, fused)
     routed = routed_experts(mlp.experts, x, ids, weights)
-    if _fuse_elementwise(x, fused) and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
+    if _fuse_elementwise(fused) and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
         shared = shared_expert_weights(mlp.shared_expert, x)
         if shared is not None:
             return moe_shared_expert(x, routed, *shared, shared_gate)
