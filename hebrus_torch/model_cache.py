@@ -19,6 +19,7 @@ from .state import blob
 from .state.args import as_int, as_tensor
 from .state.handles import SeqHandle, SlotTable, generation_problem
 from .state.host_mirror import host_ints, mirror
+from .state.plain_attrs import PlainAttrs
 from .state.replay import ReplayLog
 from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
@@ -260,7 +261,7 @@ class ChunkStep:
                              plan.token_cells, scale)
 
 
-class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
+class ModelCache(PlainAttrs, StateDictProtocol, torch.nn.Module, Transactional):
     """Issues the handles both holders use and forwards every lifecycle operation to both, atomically.
 
     PLE goes first in each operation because it can refuse (a partial rewind needs a PLE snapshot
@@ -286,6 +287,8 @@ class ModelCache(StateDictProtocol, torch.nn.Module, Transactional):
             :meth:`checkpoint` snapshots. Each costs ``layers * L * C`` elements.
     """
 
+    # Bookkeeping set on every transaction, never a parameter, buffer or module (state/plain_attrs.py).
+    _PLAIN_ATTRS = frozenset({"_backup", "_txn_depth_owner"})
     _STATE_OWNER = "ModelCache"
 
     def __init__(self, qsa=None, ple: PLEState | None = None, *, gdn: GDNState | None = None,

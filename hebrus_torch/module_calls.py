@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-__all__ = ["linear", "runs_forward_only"]
+__all__ = ["linear", "runs_forward_only", "submodule"]
 
 
 def runs_forward_only(module: torch.nn.Module) -> bool:
@@ -35,3 +35,16 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         params = module._parameters
         return F.linear(x, params["weight"], params["bias"])
     return module(x)
+
+
+_ABSENT = object()
+
+
+def submodule(module: torch.nn.Module, name: str, *default):
+    """``getattr(module, name[, default])`` for a submodule, read from ``module._modules`` (no
+    ``Module.__getattr__``, which runs only after the instance's own lookup failed); a name that holds no module
+    (set to None before any module was assigned to it, or not a submodule at all) is read as ``getattr`` reads
+    it."""
+    found = module._modules.get(name, _ABSENT)
+    return getattr(module, name, *default) if found is _ABSENT else found
+

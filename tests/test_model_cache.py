@@ -92,6 +92,27 @@ def test_from_transformers_wires_both_holders(model):
     assert mc.qsa.run(a)[1] == 0
 
 
+def test_holders_plain_attributes_are_never_module_members(model):
+    """The bookkeeping names each holder sets without nn.Module's checks (``_PLAIN_ATTRS``, state/plain_attrs.py)
+    are never its parameters, buffers or submodules, before or after a step, and land in its ``__dict__``; any other
+    name still takes nn.Module's path (a buffer set anew stays a buffer)."""
+    mc = ht.ModelCache.from_transformers(model, capacity_tokens=256, max_sequences=4)
+    tables = Tables(mc)
+    a = mc.new_sequence()
+    holders = (mc, mc.qsa, mc.ple, mc.gdn) if mc.gdn is not None else (mc, mc.qsa, mc.ple)
+    for when in ("built", "after a step"):
+        for holder in holders:
+            assert holder._PLAIN_ATTRS, type(holder).__name__
+            for name in holder._PLAIN_ATTRS:
+                assert name not in holder._parameters and name not in holder._buffers \
+                    and name not in holder._modules, (when, type(holder).__name__, name)
+        run_chunk(mc, tables, {a: [5, 6, 7]})
+    assert "_txn_depth_owner" in mc.qsa.__dict__ and "_backup" in mc.__dict__
+    keys = mc.qsa.keys.clone()
+    mc.qsa.keys = keys
+    assert mc.qsa._buffers["keys"] is keys and "keys" not in mc.qsa.__dict__
+
+
 def test_chunk_invariance_across_holders(model):
     tokens = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(1))
     tokens[[0, 9, 10]] = 3

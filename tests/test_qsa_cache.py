@@ -299,6 +299,103 @@ def test_plan_matches_reference_selection_and_mask(cache):
     assert not plan.mask(layout, torch.ones_like(rows)).any()
 
 
+PLAN_FIELDS = ("selected_groups", "q_groups", "token_cells", "token_offsets", "run_starts", "positions", "q_rows")
+
+
+@pytest.mark.parametrize("scrambled", [None, 3])
+def test_one_row_plan_rows_equal_the_general_path(monkeypatch, scrambled):
+    """A reserved chunk of one row (one person's decode, a verify of a few tokens) plans from host integers
+    (``_plan_one_row``): every field of its plan, dtypes included, equals the general path's, for chunks of 1 to 64
+    tokens over runs anchored anywhere (left padding, a removed prefix that re-anchors), with other sequences in the
+    pool."""
+    from hebrus_torch.qsa import planning
+
+    rng = random.Random(11)
+    n = 150
+    keys, _, _ = stream(n, seed=5)
+    q = queries(n, seed=6)
+    cache = make_cache(capacity=256, scrambled=scrambled)
+    other = cache.new_sequence()
+    cache.append(other, [k[:7] for k in keys])
+    a = cache.new_sequence()
+    at, first = 0, 3
+    while at < n:
+        size = min(n - at, rng.choice([1, 1, 1, 2, 5, 64]))
+        sl = slice(at, at + size)
+        with transaction(cache):
+            chunk = cache.reserve([a], [size], [first if at == 0 else None])
+            for layer in range(L):
+                cache.write(layer, chunk, keys[layer][sl])
+            plans = {}
+            for one_row in (64, 0):
+                monkeypatch.setattr(planning, "_ONE_ROW_TOKENS", one_row)
+                cache._plan_rows_memo = None
+                plans[one_row] = [cache.plan(layer, chunk, q[sl], top_k=2) for layer in range(L)]
+        for fast, general in zip(plans[64], plans[0]):
+            for name in PLAN_FIELDS:
+                x, y = getattr(fast, name), getattr(general, name)
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+        at += size
+        if at == 40:
+            cache.remove(a, cache.run(a)[0], 2)     # re-anchored 2 positions on (not a multiple of r)
+
+
+def test_one_row_plan_falls_back_to_name_a_hole(monkeypatch, cache):
+    """Where the one-row path's check fails, the general path names the hole (the same error either way)."""
+    a = cache.new_sequence()
+    keys, _, _ = stream(9)
+    with transaction(cache):
+        chunk = cache.reserve([a], [9], [0])
+        for layer in range(L):
+            cache.write(layer, chunk, keys[layer])
+        cache.cell_pos[chunk.cells[4]] = 77                 # a hole at position 4
+        with pytest.raises(HoleError, match="at position 77 where 4 is required"):
+            cache.plan(0, chunk, queries(9), 2)
+        cache.cell_pos[chunk.cells[4]] = 4
+
+
+@pytest.mark.parametrize("form", ["index", "row", "column", "other"])
+def test_set_through_index_ops_equals_the_indexing_assignment(cache, form):
+    """The undo log's ``_set`` writes a 1-D index, ``(i, index)`` or ``(:, index)`` through index_select /
+    index_fill_ / index_copy_ (any other index as ``tensor[idx] = value``): the tensor and the logged old values
+    equal those of the indexing assignment, for scalars and tensors of values, and a rollback gives it back."""
+    g = torch.Generator().manual_seed(2)
+    at = torch.tensor([5, 1, 7], dtype=torch.int64)
+    base = torch.randint(0, 9, (10,) if form == "index" else (3, 10), generator=g, dtype=torch.int32)
+    idx = {"index": at, "row": (2, at), "column": (slice(None), at), "other": (slice(1, 3), at)}[form]
+    shape = base[idx].shape
+    for value in (4, torch.randint(0, 9, shape, generator=g, dtype=torch.int32), torch.tensor(6, dtype=torch.int32)):
+        t = base.clone()
+        want = base.clone()
+        want[idx] = value
+        with pytest.raises(RuntimeError, match="roll back"):
+            with transaction(cache):
+                cache._set(t, idx, value)
+                logged = cache._txn.log[-1][2]
+                assert torch.equal(t, want)
+                assert logged.dtype == base.dtype and torch.equal(logged, base[idx])
+                raise RuntimeError("roll back")
+        assert torch.equal(t, base)
+
+
+@pytest.mark.parametrize("kv", [False, True])
+def test_savepoints_keep_the_holders_own_tensors(kv):
+    """A savepoint reads the state tensors from the module's buffers and the instance's dict: the very objects
+    ``getattr`` gives, K/V planes absent or not, also after the row pool grew (its tensors replaced)."""
+    from hebrus_torch.qsa.transactions import _STATE_TENSORS
+
+    cache = make_cache(kv=kv)
+    a = cache.new_sequence()
+    keys, k, v = stream(20, kv=kv)
+    cache.append(a, keys, k=k, v=v)
+    before = cache._undo_tensors()
+    cache._grow_rows(4)
+    for tensors in (before, cache._undo_tensors()):
+        assert set(tensors) == set(_STATE_TENSORS)
+    assert cache._undo_tensors()["pooled"] is cache.pooled and before["pooled"] is not cache.pooled
+    assert all(t is getattr(cache, name) for name, t in cache._undo_tensors().items())
+
+
 def test_plan_requires_written_layer(cache):
     a = cache.new_sequence()
     keys, _, _ = stream(6)

@@ -12,6 +12,7 @@ from ..ple import ops as ple_ops
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor
 from ..state.handles import SeqHandle, SlotTable
 from ..state.host_mirror import host_ints
+from ..state.plain_attrs import PlainAttrs
 from ..state.replay import ReplayLog
 from ..state.slot_pool import RowsUndo, SeqPart, SlotPoolHolder, SlotUndo
 from ..state.transaction import Transactional, atomic
@@ -36,7 +37,7 @@ class GDNSnapshot:
     recurrent: torch.Tensor    # [layers, Hv, Dk, Dv] float32
 
 
-class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
+class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
     """Owns, per sequence slot and GDN layer, the conv tail ``[K-1, conv_dim]`` and the recurrent state
     ``[Hv, Dk, Dv]`` of Qwen4Exp's ``linear_attention`` layers (transformers' ``Qwen4ExpTextGatedDeltaNet``).
 
@@ -60,6 +61,9 @@ class GDNState(SlotPoolHolder, torch.nn.Module, Transactional):
         conv_weights: optional per-layer conv weights ``[conv_dim, K]`` used by :meth:`conv` when none is passed.
         activation: the conv's activation, ``"silu"`` (Qwen4Exp) or ``"none"``.
     """
+
+    # Bookkeeping set on every transaction and operation, never a parameter, buffer or module (state/plain_attrs.py).
+    _PLAIN_ATTRS = frozenset({"_undo", "_undo_used", "_base", "_txn_depth_owner", "_index_cache", "replay_log"})
 
     _STATE_OWNER = "GDNState"
     _KIND = _KIND

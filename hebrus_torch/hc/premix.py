@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..module_calls import submodule
 from ..moe.quantized_linear import QuantizedLinear
 from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 
@@ -62,23 +63,13 @@ def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool
     return params["bias"] is None and params["weight"].dtype == dtype
 
 
-_ABSENT = object()
-
-
-def _sub(module: torch.nn.Module, name: str):
-    """``getattr(module, name)`` for a submodule, read from ``module._modules`` (no ``Module.__getattr__``); a
-    name set to None before any module was assigned to it lives in the instance's ``__dict__`` instead."""
-    found = module._modules.get(name, _ABSENT)
-    return getattr(module, name) if found is _ABSENT else found
-
-
 def _projections(hc: torch.nn.Module) -> list[torch.nn.Module]:
-    return [p for p in (_sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up"),
-                        _sub(hc, "block_inject_weight")) if p is not None]
+    return [p for p in (submodule(hc, "input_mix_weight_down"), submodule(hc, "input_mix_weight_up"),
+                        submodule(hc, "block_inject_weight")) if p is not None]
 
 
 def _stock_norm(hc: torch.nn.Module, h: torch.Tensor) -> bool:
-    norm = _sub(hc, "hc_norm")
+    norm = submodule(hc, "hc_norm")
     return _is_stock_rms_norm(norm) and norm.group_size == hc.hidden_size \
         and norm._parameters["weight"].dtype in _FLOATS and h.dtype in _FLOATS
 
@@ -102,7 +93,7 @@ def _is_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype, bits: int,
 def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
     """Whether ``hc(h)`` is exactly ``hebrus::hc_premix_quantized`` of its weights (stock norm, every projection a
     QuantizedLinear of one bits and group size)."""
-    down = _sub(hc, "input_mix_weight_down")
+    down = submodule(hc, "input_mix_weight_down")
     if not _stock_norm(hc, h) or type(down) is not QuantizedLinear:
         return False
     return all(_is_quantized_linear(p, h.dtype, down.bits, down.group_size) for p in _projections(hc))
@@ -122,18 +113,18 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
             or h.dim() != 2 or h.shape[-1] != hc.hc_count * hc.hidden_size:
         return hc(h)
     if _fusable_premix(hc, h):
-        inj = _sub(hc, "block_inject_weight")
+        inj = submodule(hc, "block_inject_weight")
         inject = inj._parameters["weight"] if inj is not None else None
-        norm = _sub(hc, "hc_norm")
-        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
+        norm = submodule(hc, "hc_norm")
+        down, up = submodule(hc, "input_mix_weight_down"), submodule(hc, "input_mix_weight_up")
         mixed, weights = hc_premix(h, norm._parameters["weight"], down._parameters["weight"],
                                    up._parameters["weight"], inject, hc.hc_count, float(norm.eps))
         return mixed if inject is None else (mixed, h, weights)
     if _fusable_quantized_premix(hc, h):
-        inj = _sub(hc, "block_inject_weight")
+        inj = submodule(hc, "block_inject_weight")
         inject = (inj.weight, inj.scales, inj.biases) if inj is not None else (None, None, None)
-        norm = _sub(hc, "hc_norm")
-        down, up = _sub(hc, "input_mix_weight_down"), _sub(hc, "input_mix_weight_up")
+        norm = submodule(hc, "hc_norm")
+        down, up = submodule(hc, "input_mix_weight_down"), submodule(hc, "input_mix_weight_up")
         mixed, weights = hc_premix_quantized(h, norm._parameters["weight"], down.weight, down.scales, down.biases,
                                              up.weight, up.scales, up.biases, *inject, hc.hc_count, float(norm.eps),
                                              down.group_size, down.bits)

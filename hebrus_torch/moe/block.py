@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .._emulate import EmulatedTensor
 from .._op_registry import has_native_kernel
-from ..module_calls import linear
+from ..module_calls import linear, submodule
 from ..integrations.qwen4_exp.common import _modeling          # (transformers itself is imported lazily)
 from .ops import moe_experts, moe_route, moe_shared_expert, moe_shared_expert_quantized
 from .quantized_linear import QuantizedLinear
@@ -47,7 +47,10 @@ def experts_unsupported(experts: torch.nn.Module, hidden_states: torch.Tensor) -
     m = _modeling()
     if type(experts) is not m.Qwen4ExpTextExperts:
         return "not_transformers_experts"
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    params = experts._parameters
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gate_up is None or down is None:
+        gate_up, down = experts.gate_up_proj, experts.down_proj
     # (a tensor subclass, e.g. a quantized weight, is the module's own business; the emulated device's
     # tensors stand in for plain ones)
     if not all(type(p) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) for p in (gate_up, down)):
@@ -71,7 +74,8 @@ def routed_experts(experts: torch.nn.Module, x: torch.Tensor, topk_ids: torch.Te
     """The routed experts of packed rows x [T, H] (ids, weights [T, k]): one ``moe_experts`` call where
     :func:`experts_unsupported` allows it and the module has no hooks, else the module call."""
     if _plain_call(experts, "_experts_forward") and experts_unsupported(experts, x) is None:
-        return moe_experts(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj)
+        params = experts._parameters
+        return moe_experts(x, topk_ids, topk_weights, params["gate_up_proj"], params["down_proj"])
     return experts(x, topk_ids, topk_weights)
 
 
@@ -94,11 +98,12 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
     ``F.linear(x, gate.weight)`` and everything after it as one ``hebrus::moe_route`` (the router: the module's bits
     on CPU), with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (by default),
     else ``torch.sigmoid`` beside it; otherwise the router module and a sigmoid."""
-    gate = mlp.gate
-    if type(gate) is _modeling().Qwen4ExpTextTopKRouter and _plain_call(gate) and x.dim() == 2 and not (
-            torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad)):
-        logits = F.linear(x, gate.weight)
-        shared_logit = linear(mlp.shared_expert_gate, x)
+    gate = submodule(mlp, "gate")
+    weight = gate._parameters.get("weight") if type(gate) is _modeling().Qwen4ExpTextTopKRouter else None
+    if weight is not None and _plain_call(gate) and x.dim() == 2 and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        logits = F.linear(x, weight)
+        shared_logit = linear(submodule(mlp, "shared_expert_gate"), x)
         if _fuse_elementwise(fused) and shared_logit.dtype == logits.dtype \
                 and not (torch.is_grad_enabled() and shared_logit.requires_grad):
             ids, weights = moe_route(logits, shared_logit, gate.top_k, gate.norm_topk_prob)
@@ -106,12 +111,16 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
         ids, weights = moe_route(logits, None, gate.top_k, gate.norm_topk_prob)
         return ids, weights, torch.sigmoid(shared_logit)
     _, weights, ids = gate(x)
-    return ids, weights, torch.sigmoid(mlp.shared_expert_gate(x))
+    return ids, weights, torch.sigmoid(submodule(mlp, "shared_expert_gate")(x))
 
 
 def _plain_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
-    return type(linear) is torch.nn.Linear and linear.bias is None and _plain_call(linear) \
-        and type(linear.weight) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) and linear.weight.dtype == dtype
+    if type(linear) is not torch.nn.Linear:
+        return False
+    params = linear._parameters          # (weight and bias live here: read without Module.__getattr__)
+    weight = params["weight"]
+    return params["bias"] is None and _plain_call(linear) \
+        and type(weight) in (torch.Tensor, torch.nn.Parameter, EmulatedTensor) and weight.dtype == dtype
 
 
 def _plain_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -123,9 +132,11 @@ def _plain_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype) -> bool
 def _shared_projections(shared: torch.nn.Module, x: torch.Tensor, plain) -> tuple[torch.nn.Module, ...] | None:
     """(gate_proj, up_proj, down_proj) of transformers' own ``Qwen4ExpTextMLP`` (no hooks, SiLU, no autograd)
     where ``plain(projection, x.dtype)`` holds for all three; else None."""
-    projections = (getattr(shared, "gate_proj", None), getattr(shared, "up_proj", None),
-                   getattr(shared, "down_proj", None))
-    if type(shared) is not _modeling().Qwen4ExpTextMLP or not _plain_call(shared) \
+    if type(shared) is not _modeling().Qwen4ExpTextMLP:
+        return None
+    projections = (submodule(shared, "gate_proj", None), submodule(shared, "up_proj", None),
+                   submodule(shared, "down_proj", None))
+    if not _plain_call(shared) \
             or getattr(shared.config, "hidden_act", None) != "silu" \
             or not all(plain(p, x.dtype) for p in projections):
         return None
@@ -141,7 +152,7 @@ def shared_expert_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple[tor
     None for any other module (a quantized one: :func:`shared_expert_quantized_weights`; a wrapped one runs as
     itself)."""
     projections = _shared_projections(shared, x, _plain_linear)
-    return None if projections is None else tuple(p.weight for p in projections)
+    return None if projections is None else tuple(p._parameters["weight"] for p in projections)
 
 
 def shared_expert_quantized_weights(shared: torch.nn.Module, x: torch.Tensor) -> tuple | None:
@@ -168,13 +179,14 @@ def packed_moe(mlp: torch.nn.Module, x: torch.Tensor, fused: bool | None = None)
     if type(mlp) is not _modeling().Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
         return mlp(x[None])[0]
     ids, weights, shared_gate = route(mlp, x, fused)
-    routed = routed_experts(mlp.experts, x, ids, weights)
+    routed = routed_experts(submodule(mlp, "experts"), x, ids, weights)
+    shared_expert = submodule(mlp, "shared_expert")
     if _fuse_elementwise(fused) and routed.dtype == x.dtype and shared_gate.dtype == x.dtype and x.dim() == 2:
-        shared = shared_expert_weights(mlp.shared_expert, x)
+        shared = shared_expert_weights(shared_expert, x)
         if shared is not None:
             return moe_shared_expert(x, routed, *shared, shared_gate)
-        quantized = shared_expert_quantized_weights(mlp.shared_expert, x)
+        quantized = shared_expert_quantized_weights(shared_expert, x)
         if quantized is not None:
             tensors, group_size, bits = quantized
             return moe_shared_expert_quantized(x, routed, *tensors, shared_gate, group_size, bits)
-    return routed + shared_gate * mlp.shared_expert(x)
+    return routed + shared_gate * shared_expert(x)

@@ -11,6 +11,7 @@ from ..errors import HebrusError
 from ..state import blob
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor
 from ..state.handles import SeqHandle, SlotTable
+from ..state.plain_attrs import PlainAttrs
 from ..state.replay import ReplayLog
 from ..state.slot_pool import RowsUndo, SeqPart, SlotPoolHolder, SlotUndo
 from ..state.transaction import Transactional, atomic
@@ -55,7 +56,7 @@ class PLEHashParams:
     offsets: torch.Tensor      # [(N-1)*H] int64, ngram_heads_offsets
 
 
-class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
+class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
     """Owns, per sequence slot and PLE layer, the n-gram history ``[N-1]`` and the conv tail ``[L, C]``.
 
     Buffers (``state_dict``): ``history`` [layers, S, N-1] int64 (each layer carries its own, as
@@ -145,16 +146,8 @@ class PLEState(SlotPoolHolder, torch.nn.Module, Transactional):
         self.replay_log: ReplayLog | None = None
         """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
 
-    # Bookkeeping attributes, set on every transaction and chunk, that are never parameters, buffers or
-    # modules: set as plain attributes, which nn.Module.__setattr__ ends with after its checks (seven of
-    # those per decode-step transaction cost ~0.1 ms with cold caches).
+    # Bookkeeping set on every transaction and chunk, never a parameter, buffer or module (state/plain_attrs.py).
     _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log"})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in PLEState._PLAIN_ATTRS:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     # ----------------------------------------------------------------------------- construction
     @classmethod

@@ -73,6 +73,7 @@ import torch
 from ..errors import HebrusError
 from ..state.args import as_int, check_cast
 from ..state.handles import SeqHandle, SlotTable
+from ..state.plain_attrs import PlainAttrs
 from ..state.transaction import Transactional
 from .allocator import _Allocator
 from .lifecycle import _Lifecycle
@@ -89,8 +90,8 @@ _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 _DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
 
 
-class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Transactions, torch.nn.Module,
-               Transactional):
+class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Transactions,
+               torch.nn.Module, Transactional):
     """Per-sequence contiguous runs of cached tokens for Qwen4Exp's QSA indexer (SPEC §3–§4).
 
     Args:
@@ -119,6 +120,10 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
             ``capacity`` for the window plus the largest chunk. A single chunk longer than ``window``
             for one sequence is refused.
     """
+
+    # Bookkeeping set on every transaction and operation, never a parameter, buffer or module (state/plain_attrs.py).
+    _PLAIN_ATTRS = frozenset({"_txn", "_txn_depth_owner", "_cells_version", "_chunk_checked", "_plan_rows_memo",
+                              "_cell_head", "_row_head", "_iota"})
 
     layer_ids: list[int]
 
@@ -200,6 +205,7 @@ class QSACache(_Persistence, _Planning, _Lifecycle, _Pooling, _Allocator, _Trans
         self.slots = SlotTable(max_sequences, "QSACache")
         self._runs: dict[int, _Run] = _RunTable()
         self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}    # (_zero_of: a fill's value)
+        self._iota = torch.arange(min(C, 4096), dtype=torch.int64)    # host 0, 1, ...: a run's offsets (plan), grown
         self._cells_version = 0       # counts writes of cell_pos / cell_ref (see _layout_key)
         self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
         self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout

@@ -370,9 +370,8 @@ class _Lifecycle:
             # A rewrite keeps the old content for undo. (A boolean-mask gather costs a nonzero pass, several times
             # an any(): it runs only where some cell was written before.) The flags read here (a copy) are also
             # the undo entry of clearing them below: nothing between changes them.
-            unwritten_before = self._unwritten[layer, cells]
-            rewritten = ~unwritten_before
-            written = cells[rewritten] if bool(rewritten.any()) else cells[:0]
+            unwritten_before = self._unwritten[layer].index_select(0, cells)
+            written = cells[:0] if bool(unwritten_before.all()) else cells[~unwritten_before]
             if written.numel():
                 txn = self._txn
                 at = self._dev(written)

@@ -17,6 +17,9 @@ from ..state.host_mirror import host_ints
 from .ops import qsa_select, qsa_token_cells
 from .runs import first_hole, window_starts
 
+_ONE_ROW_TOKENS = 64
+"""Up to this many tokens, a reserved one-row chunk's plan rows are built from host integers (``_plan_one_row``)."""
+
 
 @dataclass(frozen=True, eq=False)
 class ReservedChunk:
@@ -239,6 +242,31 @@ class _Planning:
             return seq_groups, sel_row
         return seq_groups[torch.tensor(rows, dtype=torch.int64)], sel_row
 
+    def _plan_one_row(self, start: int, t: int, p0: int, nvis: int, vis_cells: torch.Tensor, groups: torch.Tensor,
+                      cells_h: torch.Tensor) -> "_PlanRows | None":
+        """:meth:`_plan_rows` of a reserved chunk of one row (positions ``start .. start + t - 1``, no window: one
+        person's decode, a speculative verify): the same tensors from host integers, with each check one
+        ``torch.equal``. None where a check fails (the general path then names the hole)."""
+        r = self.compress_ratio
+        iota = self._iota
+        if iota.numel() < nvis:
+            iota = self._iota = torch.arange(max(nvis, 2 * iota.numel()), dtype=torch.int64)
+        if not torch.equal(self.cell_pos[vis_cells].sub_(p0), iota[:nvis]):
+            return None                                         # a hole inside the run
+        skip = start - p0                                       # the chunk's first token within the run
+        if not torch.equal(vis_cells[skip:skip + t], cells_h):
+            return None                                         # the chunk's cells no longer match the run
+        nvis_q = [skip + 1 + j for j in range(t)]               # each query's visible positions
+        n_groups = groups.numel()
+        sel_groups = groups.view(1, -1) if n_groups else torch.full((1, 1), -1, dtype=torch.int64)
+        rows32 = torch.tensor([0] * t + [n // r for n in nvis_q], dtype=torch.int32)     # sel_row, q_groups
+        visible64 = torch.tensor(nvis_q + [0] * t, dtype=torch.int64)                    # nvis_q, first
+        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32)))
+        sel_groups, sel_row, q_groups, cells32, nvis_q_t, first, q_p0, q_rows = self._upload(
+            sel_groups.to(torch.int32), rows32[:t], rows32[t:], cells32, visible64[:t], visible64[t:],
+            torch.full((t,), p0, dtype=torch.int64), torch.zeros(t, dtype=torch.int64))
+        return _PlanRows(groups, sel_groups, sel_row, q_groups, cells32, nvis_q_t, first, q_p0, q_rows, nvis)
+
     def _plan_rows(self, chunk: ReservedChunk, slots: list[int], cells_h: torch.Tensor,
                    pos_h: torch.Tensor) -> "_PlanRows":
         """The layer-independent part of :meth:`plan` for a chunk of T > 0 tokens (its hole and window checks
@@ -247,6 +275,10 @@ class _Planning:
         r = self.compress_ratio
         b = len(slots)
         counts, p0_list, nvis_list, vis, grp = self._visible_runs(chunk, slots)
+        if b == 1 and self.window is None and chunk._starts is not None and t <= _ONE_ROW_TOKENS:
+            rows = self._plan_one_row(chunk._starts[0], t, p0_list[0], nvis_list[0], vis[0], grp[0], cells_h)
+            if rows is not None:
+                return rows
         # Contiguity of every visible run, all rows at once.
         vis_cells = torch.cat(vis)
         nv = torch.tensor(nvis_list, dtype=torch.int64)

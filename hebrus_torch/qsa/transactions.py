@@ -49,6 +49,26 @@ class _Savepoint:
     dtype: torch.dtype
 
 
+def _index_line(tensor: torch.Tensor, idx: Any) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    """``tensor[idx]`` as (view, dim, index) for ``view.index_select(dim, index)`` where ``idx`` is a 1-D int64 index,
+    ``(i, index)`` or ``(:, index)`` (the bookkeeping's forms); None for any other index."""
+    if isinstance(idx, torch.Tensor):
+        view, dim, at = tensor, 0, idx
+    elif isinstance(idx, tuple) and len(idx) == 2 and isinstance(idx[1], torch.Tensor) and tensor.dim() >= 2:
+        head, at = idx
+        if isinstance(head, int) and not isinstance(head, bool):
+            view, dim = tensor.select(0, head), 0
+        elif isinstance(head, slice) and head == slice(None):
+            view, dim = tensor, 1
+        else:
+            return None
+    else:
+        return None
+    if at.dim() != 1 or at.dtype != torch.int64 or at.device != tensor.device:
+        return None
+    return view, dim, at
+
+
 class _Transactions:
     """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
 
@@ -64,8 +84,20 @@ class _Transactions:
                 if isinstance(idx, tuple) else (self._dev(idx) if isinstance(idx, torch.Tensor) else idx)
             if isinstance(value, torch.Tensor) and value.dim():
                 value = self._dev(value)
-        txn.log.append((tensor, idx, tensor[idx].clone() if old is None else old))
-        tensor[idx] = value
+        line = _index_line(tensor, idx)
+        if line is None:
+            txn.log.append((tensor, idx, tensor[idx].clone() if old is None else old))
+            tensor[idx] = value
+        else:       # the same values through index_select / index_fill_ / index_copy_ (no advanced-indexing pass)
+            view, dim, at = line
+            txn.log.append((tensor, idx, view.index_select(dim, at) if old is None else old))
+            if isinstance(value, (bool, int, float)):
+                view.index_fill_(dim, at, value)
+            elif isinstance(value, torch.Tensor) and value.dtype == view.dtype \
+                    and value.shape == view.shape[:dim] + at.shape + view.shape[dim + 1:]:
+                view.index_copy_(dim, at, value)
+            else:
+                tensor[idx] = value
         if tensor is self.cell_pos or tensor is self.cell_ref:
             self._cells_version += 1
 
@@ -86,9 +118,15 @@ class _Transactions:
         return _Savepoint(
             log_len=len(txn.log), runs=dict(self._runs), generation=list(self.slots._generation),
             live=list(self.slots._live), heads=(self._cell_head, self._row_head),
-            tensors={name: getattr(self, name) for name in _STATE_TENSORS},
+            tensors=self._undo_tensors(),
             new_cells=list(txn.new_cells), pending=[list(p) for p in txn.pending], evict=dict(txn.evict),
             dtype=self.dtype)
+
+    def _undo_tensors(self) -> dict[str, torch.Tensor | None]:
+        """The holder's state tensors by name (:data:`_STATE_TENSORS`, what a savepoint keeps), read from the
+        module's buffers and the instance's dict (without ``Module.__getattr__``: four savepoints a decode step)."""
+        buffers, plain = self._buffers, self.__dict__
+        return {name: buffers[name] if name in buffers else plain.get(name) for name in _STATE_TENSORS}
 
     def _restore(self, sp: _Savepoint) -> None:
         txn = self._txn
