@@ -9,13 +9,23 @@ alike):
 
     PYTHONPATH=<tree A> python benchmarks/bench_decode_step.py --label A
     PYTHONPATH=<tree B> python benchmarks/bench_decode_step.py --label B
+
+or, on a machine of two cores or more, both at once (``--pair A B``): each round runs one process per tree at the
+same time, each pinned to a core of its own, the cores swapped every round, so that the other jobs of a shared
+machine slow both alike (alternating runs see that noise change between them: ±5% where the gains measured are a
+few percent). Prints each round's pair and, per request count, the median over rounds of each tree's step and of
+the ratio B / A:
+
+    python benchmarks/bench_decode_step.py --pair <tree A> <tree B> --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -46,12 +56,47 @@ def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: in
     return statistics.median(times) * 1e3
 
 
+def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
+    """Both trees at once each round, one core each (swapped every round): the per-round pairs, then per request
+    count the medians over rounds (ms) and the median ratio tree B / tree A."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pair needs two cores (run the trees alternately with PYTHONPATH instead)")
+    results: dict[str, list[dict[int, float]]] = {tree: [] for tree in trees}
+    for r in range(rounds):
+        procs = []
+        for i, tree in enumerate(trees):
+            core = cores[(i + r) % 2]
+            env = dict(os.environ, PYTHONPATH=tree)
+            cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--counts", counts,
+                   "--steps", str(steps), "--label", tree]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        for tree, proc in zip(trees, procs):
+            out = proc.communicate()[0]
+            if proc.returncode:
+                raise SystemExit(f"{tree}: the benchmark failed ({proc.returncode})")
+            line = [x for x in out.splitlines() if " ms" in x][-1]
+            results[tree].append({int(n): float(ms) for n, ms in re.findall(r"(\d+): ([\d.]+) ms", line)})
+            print(f"round {r + 1}: {line}", flush=True)
+    a, b = trees
+    for n in (int(c) for c in counts.split(",")):
+        ma = statistics.median(x[n] for x in results[a])
+        mb = statistics.median(x[n] for x in results[b])
+        ratio = statistics.median(y[n] / x[n] for x, y in zip(results[a], results[b]))
+        print(f"{n} requests: A {ma:.2f} ms, B {mb:.2f} ms, B / A {ratio:.3f} (median of {rounds} paired rounds)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="1,16,64")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--pair", nargs=2, metavar=("TREE_A", "TREE_B"), help="time two trees at once, a core each")
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    if args.pair:
+        paired(args.pair, args.counts, args.steps, args.rounds)
+        return
     torch.set_num_threads(1)
     model = llamacpp_variant()
     import hebrus_torch

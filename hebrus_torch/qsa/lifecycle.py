@@ -258,6 +258,9 @@ class _Lifecycle:
             rows = self._alloc_rows(sum(n_groups))
             gcells, gpos, at = [], [], 0
             for i, (slot, run) in enumerate(zip(slots, new_runs)):
+                if not n_groups[i]:             # (most decode tokens complete no group)
+                    self._runs[slot] = run
+                    continue
                 g0 = run.n // r - n_groups[i]
                 c, p = self._groups_for(run, g0, g0 + n_groups[i])
                 gcells.append(c)
