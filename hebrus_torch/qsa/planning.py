@@ -200,7 +200,7 @@ class _Planning:
         # Inside a transaction a pending row is one of txn.pending[layer] (none is left pending at commit), so an
         # empty list means nothing of this layer is pending: the check needs no ops then.
         if rows.flat.numel() and (self._txn is None or self._txn.pending[layer]) \
-                and bool(self._pending[layer, rows.flat].any()):
+                and bool(self._pending[layer].index_select(0, rows.flat).any()):
             raise HebrusError(f"QSACache.plan: some groups of layer {layer} are not pooled yet (keys of an "
                               f"earlier chunk not written for this layer)")
         selected = qsa_select(q, self.pooled[layer], rows.sel_groups, rows.sel_row, rows.q_groups, int(top_k))
@@ -251,7 +251,7 @@ class _Planning:
         iota = self._iota
         if iota.numel() < nvis:
             iota = self._iota = torch.arange(max(nvis, 2 * iota.numel()), dtype=torch.int64)
-        if not torch.equal(self.cell_pos[vis_cells].sub_(p0), iota[:nvis]):
+        if not torch.equal(self.cell_pos.index_select(0, vis_cells).sub_(p0), iota[:nvis]):
             return None                                         # a hole inside the run
         skip = start - p0                                       # the chunk's first token within the run
         if not torch.equal(vis_cells[skip:skip + t], cells_h):

@@ -27,13 +27,13 @@ class _Pooling:
         self._set(self._pend_pos, rows, gpos)
         txn = self._txn
         for layer in range(self.num_layers):
-            unwritten = self._unwritten[layer][gcells].any(dim=1)
+            unwritten = self._unwritten[layer].index_select(0, gcells.flatten()).view(gcells.shape).any(dim=1)
             ready = ~unwritten
             if bool(ready.any()):
                 r_rows = rows[ready]
                 self.pooled[layer, self._dev(r_rows)] = self._pool(layer, gcells[ready], gpos[ready])
             if bool(unwritten.any()):
-                p_rows = rows[unwritten]
+                p_rows = rows if bool(unwritten.all()) else rows[unwritten]   # (a decode's new group: every row)
                 self._set(self._pending, (layer, p_rows), True)
                 txn.pending[layer].append(p_rows)
 
@@ -46,16 +46,18 @@ class _Pooling:
         # nonzero pass, runs only where the mask drops some rows.)
         listed = txn.pending[layer]
         rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
-        still = self._pending[layer, rows]
+        still = self._pending[layer].index_select(0, rows)
         rows = rows if bool(still.all()) else rows[still]
         if rows.numel() == 0:
             txn.pending[layer] = []
             return
-        ready = ~self._unwritten[layer][self._pend_cells[rows]].any(dim=1)
+        group_cells = self._pend_cells.index_select(0, rows)                                       # [n, r]
+        ready = ~self._unwritten[layer].index_select(0, group_cells.flatten()).view(group_cells.shape).any(dim=1)
         all_ready = bool(ready.all())
         r_rows = rows if all_ready else rows[ready]
         if r_rows.numel():
-            pooled = self._pool(layer, self._pend_cells[r_rows], self._pend_pos[r_rows])
+            pooled = self._pool(layer, group_cells if all_ready else self._pend_cells[r_rows],
+                                self._pend_pos.index_select(0, r_rows))
             self.pooled[layer, self._dev(r_rows)] = pooled        # pending rows: content invisible, no undo needed
             self._set(self._pending, (layer, r_rows), False)
         txn.pending[layer] = [] if all_ready else [rows[~ready]]

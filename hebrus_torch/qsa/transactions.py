@@ -165,9 +165,9 @@ class _Transactions:
         cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
             if txn.new_cells else None
         if cells is not None:
-            held = self.cell_ref[cells] > 0
+            held = self.cell_ref.index_select(0, cells) > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
-            unwritten = self._unwritten[:, live]        # [layers, cells]: one gather and one read for all layers
+            unwritten = self._unwritten.index_select(1, live)     # [layers, cells]: one gather, one read for all layers
             if bool(unwritten.any()):
                 # Every (layer, cell) pair in one index, whatever the layers (a layer whose writes wait, as the MTP
                 # block's, costs no per-layer pass). No undo entry: a cell unwritten here was taken in this
@@ -185,7 +185,7 @@ class _Transactions:
             if listed:
                 # (one list entry holds distinct rows already; a boolean-mask gather only where some was resolved)
                 rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
-                still = self._pending[layer, rows]
+                still = self._pending[layer].index_select(0, rows)
                 rows = rows if bool(still.all()) else rows[still]
                 if rows.numel():
                     # No undo entry, as _resolve_pending: a pending row was given its group in this transaction
@@ -208,9 +208,9 @@ class _Transactions:
         through it), so a rollback still undoes the whole block."""
         cells, pooled = self._txn.prepared
         if cells is not None:
-            self._unwritten[:, cells] = False
+            self._unwritten.index_fill_(1, cells, False)
         for layer, rows in pooled:
-            self._pending[layer, rows] = False
+            self._pending[layer].index_fill_(0, rows, False)
         self._freed_cells.zero_()
         self._freed_rows.zero_()
 
