@@ -104,6 +104,7 @@ def check_invariants(cache: QSACache) -> None:
     assert torch.equal(cell_count, cache.cell_ref)
     assert torch.equal(row_count, cache.group_ref)
     assert bool((cache.cell_pos[cache.cell_ref == 0] == -1).all())
+    assert cache.free_cells() == int((cache.cell_ref == 0).sum())      # the count the allocator keeps
 
 
 @pytest.fixture
@@ -394,6 +395,41 @@ def test_savepoints_keep_the_holders_own_tensors(kv):
         assert set(tensors) == set(_STATE_TENSORS)
     assert cache._undo_tensors()["pooled"] is cache.pooled and before["pooled"] is not cache.pooled
     assert all(t is getattr(cache, name) for name, t in cache._undo_tensors().items())
+
+
+def test_the_free_cell_count_is_kept_through_appends_releases_shares_and_rollbacks():
+    """``free_cells`` counts once, then the allocator keeps the count (cells taken, released, shared); any other write
+    of the reference counts (a rollback's undo, a loaded state) makes the next call count again. It always equals a
+    count of the table."""
+    cache = make_cache(capacity=64)
+    keys, _, _ = stream(30)
+    a, b = cache.new_sequence(), cache.new_sequence()
+
+    def agrees() -> None:
+        assert cache.free_cells() == int((cache.cell_ref == 0).sum())
+
+    agrees()
+    cache.append(a, [k[:9] for k in keys])
+    agrees()
+    kept = cache._free_count
+    assert kept is not None and kept[1] == cache._ref_version       # kept through the allocation, not recounted
+    c = cache.fork(a)
+    agrees()
+    cache.append(b, [k[9:20] for k in keys])
+    agrees()
+    with pytest.raises(RuntimeError, match="undo"):
+        with transaction(cache):
+            cache.append(b, [k[20:30] for k in keys])
+            agrees()
+            raise RuntimeError("undo")
+    agrees()
+    cache.free(c)
+    agrees()
+    cache.rewind(a, 4)
+    agrees()
+    state = cache.state_dict()
+    cache.load_state_dict(state)
+    agrees()
 
 
 def test_plan_requires_written_layer(cache):

@@ -65,7 +65,10 @@ class _Allocator:
         else:               # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
             last = self._cell_head + count - 1
         self._cell_head = (last + 1) % self.capacity
+        free = self._free_count_known()
         self._set(self.cell_ref, chosen, 1)
+        if free is not None:                        # (every chosen cell was free)
+            self._free_count = (self.cell_ref, self._ref_version, free - count)
         if bool(self._unwritten.index_select(1, chosen).any()):
             self._set(self._unwritten, (slice(None), chosen), False)
         return chosen
@@ -115,8 +118,11 @@ class _Allocator:
         """Drop one reference to each of ``cells`` (distinct), or ``counts[i]`` to ``cells[i]``."""
         if cells.numel() == 0:
             return
+        free = self._free_count_known()
         self._set(self.cell_ref, cells, self.cell_ref[cells] - (1 if counts is None else counts.to(torch.int32)))
         dead = cells[self.cell_ref[cells] == 0]
+        if free is not None:                        # (each cell was referenced: those at 0 now are the new free ones)
+            self._free_count = (self.cell_ref, self._ref_version, free + dead.numel())
         if dead.numel():
             self._set(self.cell_pos, dead, -1)
             self._set(self._freed_cells, dead, True)
@@ -139,6 +145,9 @@ class _Allocator:
     def _share_run(self, run: _Run) -> None:
         cells, rows = run.cells.tensor(), run.groups.tensor()
         if cells.numel():
+            free = self._free_count_known()
             self._set(self.cell_ref, cells, self.cell_ref[cells] + 1)
+            if free is not None:                    # (a run's cells are referenced already: none was free)
+                self._free_count = (self.cell_ref, self._ref_version, free)
         if rows.numel():
             self._set(self.group_ref, rows, self.group_ref[rows] + 1)

@@ -122,8 +122,8 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
     """
 
     # Bookkeeping set on every transaction and operation, never a parameter, buffer or module (state/plain_attrs.py).
-    _PLAIN_ATTRS = frozenset({"_txn", "_txn_depth_owner", "_cells_version", "_chunk_checked", "_plan_rows_memo",
-                              "_cell_head", "_row_head", "_iota"})
+    _PLAIN_ATTRS = frozenset({"_txn", "_txn_depth_owner", "_cells_version", "_ref_version", "_free_count",
+                              "_chunk_checked", "_plan_rows_memo", "_cell_head", "_row_head", "_iota"})
 
     layer_ids: list[int]
 
@@ -207,6 +207,8 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
         self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}    # (_zero_of: a fill's value)
         self._iota = torch.arange(min(C, 4096), dtype=torch.int64)    # host 0, 1, ...: a run's offsets (plan), grown
         self._cells_version = 0       # counts writes of cell_pos / cell_ref (see _layout_key)
+        self._ref_version = 0         # counts writes of cell_ref (free_cells' count is kept under it)
+        self._free_count: tuple | None = None        # (cell_ref, _ref_version, cells free then)
         self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
         self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout
         self._cell_head = 0
@@ -297,8 +299,21 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
         return tuple(out)
 
     def free_cells(self) -> int:
-        """Cells no sequence references (host bookkeeping: no read of the device)."""
-        return int((self.cell_ref == 0).sum())
+        """Cells no sequence references (host bookkeeping: no read of the device). Counted once and then kept up
+        to date by the allocator (:meth:`_free_count_known`); recounted whenever something else wrote ``cell_ref``."""
+        known = self._free_count_known()
+        if known is not None:
+            return known
+        count = int((self.cell_ref == 0).sum())
+        self._free_count = (self.cell_ref, self._ref_version, count)
+        return count
+
+    def _free_count_known(self) -> int | None:
+        """The free-cell count as of the last write of ``cell_ref``, when it was kept since; else None."""
+        memo = self._free_count
+        if memo is not None and memo[0] is self.cell_ref and memo[1] == self._ref_version:
+            return memo[2]
+        return None
 
     @property
     def has_kv(self) -> bool:

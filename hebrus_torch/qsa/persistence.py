@@ -311,6 +311,7 @@ class _Persistence(StateDictProtocol):
         self.slots.assign(prepared["generation"], prepared["live"])
         self._runs = _RunTable(prepared["runs"])
         self._cells_version += 1
+        self._ref_version += 1
         self._cell_head, self._row_head = prepared["heads"]
         if self._txn is not None:   # what the open transaction staged refers to the state just replaced
             self._txn.new_cells = []

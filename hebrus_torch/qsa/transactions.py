@@ -100,6 +100,8 @@ class _Transactions:
                 tensor[idx] = value
         if tensor is self.cell_pos or tensor is self.cell_ref:
             self._cells_version += 1
+            if tensor is self.cell_ref:
+                self._ref_version += 1
 
     def _log_content(self, cells: torch.Tensor) -> None:
         """Record every layer's content of ``cells`` (host int64; keys, K, V, unwritten flags) in the undo log."""
@@ -134,6 +136,7 @@ class _Transactions:
             tensor[idx] = old
         del txn.log[sp.log_len:]
         self._cells_version += 1          # (the undo wrote cell_pos / cell_ref directly)
+        self._ref_version += 1
         self._runs = _RunTable(sp.runs)
         self.slots.load(sp.generation, sp.live)
         self._cell_head, self._row_head = sp.heads
