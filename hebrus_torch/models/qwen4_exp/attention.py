@@ -63,8 +63,8 @@ def index_queries_and_keys(indexer: torch.nn.Module, x: torch.Tensor, cos: torch
         (one index kv head).
     """
     d = indexer.index_head_dim
-    q, token_k = torch.split(linear(indexer.index_qk_proj, x), [indexer.index_n_heads * d, indexer.index_kv_heads * d],
-                             dim=-1)
+    q, token_k = linear(indexer.index_qk_proj, x).split_with_sizes(
+        [indexer.index_n_heads * d, indexer.index_kv_heads * d], dim=-1)
     lead = x.shape[:-1]
     q, raw_keys = q.reshape(*lead, -1, d), token_k.reshape(*lead, -1, d).squeeze(-2)
     return norm_and_rope(indexer.q_layernorm, q, cos, sin, rope), raw_keys

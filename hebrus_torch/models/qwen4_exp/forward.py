@@ -164,7 +164,7 @@ class PackedQwen4Exp:
         text = self.text
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
-        h = embeds.repeat(1, self.hc_count)                                            # [T, hc * hidden]
+        h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
         for idx, layer in enumerate(self._layers()):
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched)
         return h, (cos, sin)

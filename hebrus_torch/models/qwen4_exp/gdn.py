@@ -52,7 +52,7 @@ def gated_delta_net(module: torch.nn.Module, hidden: torch.Tensor, conv: ConvOp,
     a = linear(module.in_proj_a, hidden)
     g, beta = layer_gates(module, a, b)
     mixed = conv(mixed, module.conv1d.weight, module.activation)
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = mixed.split_with_sizes([hk * dk, hk * dk, hv * dv], dim=-1)
     out = delta_rule(q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
     out = output_norm(module.norm, out.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, hv * dv)
     return linear(module.out_proj, out)
