@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...hc.premix import fused_norm
+from ...module_calls import linear
 
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
@@ -31,8 +32,8 @@ def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.T
         ids = step.ple_ngram_ids(layer_idx)                                       # [T, (N-1)H]
         rows = ple.ple_embedding.ngram_embedding(ids)
     emb = rows.flatten(-2)
-    key = fused_norm(ple.norm_key, ple.key_proj(emb)).unflatten(-1, (hc, hidden_size))
-    value = ple.value_proj(emb)
+    key = fused_norm(ple.norm_key, linear(ple.key_proj, emb)).unflatten(-1, (hc, hidden_size))
+    value = linear(ple.value_proj, emb)
     query = fused_norm(ple.norm_query, h).unflatten(-1, (hc, hidden_size))
     gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden_size)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
