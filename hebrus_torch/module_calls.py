@@ -47,4 +47,3 @@ def submodule(module: torch.nn.Module, name: str, *default):
     it."""
     found = module._modules.get(name, _ABSENT)
     return getattr(module, name, *default) if found is _ABSENT else found
-
