@@ -319,7 +319,7 @@ def test_one_row_plan_rows_equal_the_general_path(monkeypatch, scrambled):
     other = cache.new_sequence()
     cache.append(other, [k[:7] for k in keys])
     a = cache.new_sequence()
-    at, first = 0, 3
+    at, first, removed = 0, 3, False
     while at < n:
         size = min(n - at, rng.choice([1, 1, 1, 2, 5, 64]))
         sl = slice(at, at + size)
@@ -337,8 +337,11 @@ def test_one_row_plan_rows_equal_the_general_path(monkeypatch, scrambled):
                 x, y = getattr(fast, name), getattr(general, name)
                 assert x.dtype == y.dtype and torch.equal(x, y), name
         at += size
-        if at == 40:
-            cache.remove(a, cache.run(a)[0], 2)     # re-anchored 2 positions on (not a multiple of r)
+        if not removed and at >= 40:
+            p0 = cache.run(a)[0]
+            cache.remove(a, p0, p0 + 2)             # a prefix of 2: re-anchored (not a multiple of r)
+            removed = True
+    assert removed and cache.run(a)[0] == first + 2
 
 
 def test_one_row_plan_falls_back_to_name_a_hole(monkeypatch, cache):
