@@ -67,8 +67,7 @@ class _Allocator:
         self._cell_head = (last + 1) % self.capacity
         free = self._free_count_known()
         self._set(self.cell_ref, chosen, 1)
-        if free is not None:                        # (every chosen cell was free)
-            self._free_count = (self.cell_ref, self._ref_version, free - count)
+        self._keep_free_count(free, -count)         # (every chosen cell was free)
         if bool(self._unwritten.index_select(1, chosen).any()):
             self._set(self._unwritten, (slice(None), chosen), False)
         return chosen
@@ -121,8 +120,7 @@ class _Allocator:
         free = self._free_count_known()
         self._set(self.cell_ref, cells, self.cell_ref[cells] - (1 if counts is None else counts.to(torch.int32)))
         dead = cells[self.cell_ref[cells] == 0]
-        if free is not None:                        # (each cell was referenced: those at 0 now are the new free ones)
-            self._free_count = (self.cell_ref, self._ref_version, free + dead.numel())
+        self._keep_free_count(free, dead.numel())   # (each cell was referenced: those at 0 now are the new free ones)
         if dead.numel():
             self._set(self.cell_pos, dead, -1)
             self._set(self._freed_cells, dead, True)
@@ -147,7 +145,6 @@ class _Allocator:
         if cells.numel():
             free = self._free_count_known()
             self._set(self.cell_ref, cells, self.cell_ref[cells] + 1)
-            if free is not None:                    # (a run's cells are referenced already: none was free)
-                self._free_count = (self.cell_ref, self._ref_version, free)
+            self._keep_free_count(free, 0)          # (a run's cells are referenced already: none was free)
         if rows.numel():
             self._set(self.group_ref, rows, self.group_ref[rows] + 1)

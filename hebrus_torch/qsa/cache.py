@@ -315,6 +315,12 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
             return memo[2]
         return None
 
+    def _keep_free_count(self, before: int | None, change: int) -> None:
+        """After the allocator's write of ``cell_ref`` that changed the free cells by ``change``: the count kept, when
+        it was known before the write (``before``, from :meth:`_free_count_known`)."""
+        if before is not None:
+            self._free_count = (self.cell_ref, self._ref_version, before + change)
+
     @property
     def has_kv(self) -> bool:
         return self.kv_heads is not None

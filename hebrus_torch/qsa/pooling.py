@@ -37,17 +37,21 @@ class _Pooling:
                 self._set(self._pending, (layer, p_rows), True)
                 txn.pending[layer].append(p_rows)
 
+    def _still_pending(self, layer: int) -> torch.Tensor:
+        """The rows the open transaction lists for ``layer`` (``txn.pending``, not empty) that are still pending: host
+        int64. (One list entry holds distinct rows already, and only their set matters; a boolean-mask gather, a
+        nonzero pass, runs only where the mask drops some rows.)"""
+        listed = self._txn.pending[layer]
+        rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
+        still = self._pending[layer].index_select(0, rows)
+        return rows if bool(still.all()) else rows[still]
+
     def _resolve_pending(self, layer: int) -> None:
         """Pool this layer's pending groups whose cells are now all written."""
         txn = self._txn
         if not txn.pending[layer]:
             return
-        # (One list entry holds distinct rows already, and only their set matters here; a boolean-mask gather, a
-        # nonzero pass, runs only where the mask drops some rows.)
-        listed = txn.pending[layer]
-        rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
-        still = self._pending[layer].index_select(0, rows)
-        rows = rows if bool(still.all()) else rows[still]
+        rows = self._still_pending(layer)
         if rows.numel() == 0:
             txn.pending[layer] = []
             return

@@ -184,12 +184,8 @@ class _Transactions:
                         t.index_put_(miss, self._zero_of(t))
         pooled: list[tuple[int, torch.Tensor]] = []
         for layer in range(self.num_layers):
-            listed = txn.pending[layer]
-            if listed:
-                # (one list entry holds distinct rows already; a boolean-mask gather only where some was resolved)
-                rows = listed[0] if len(listed) == 1 else torch.unique(torch.cat(listed))
-                still = self._pending[layer].index_select(0, rows)
-                rows = rows if bool(still.all()) else rows[still]
+            if txn.pending[layer]:
+                rows = self._still_pending(layer)
                 if rows.numel():
                     # No undo entry, as _resolve_pending: a pending row was given its group in this transaction
                     # (none is pending at its start), so its content is invisible until the commit clears the flag.
