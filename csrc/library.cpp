@@ -127,6 +127,22 @@ TORCH_LIBRARY(hebrus, m) {
       "moe_shared_expert_quantized(Tensor x, Tensor routed, Tensor gate_proj_q, Tensor gate_proj_scales, "
       "Tensor gate_proj_biases, Tensor up_proj_q, Tensor up_proj_scales, Tensor up_proj_biases, Tensor down_proj_q, "
       "Tensor down_proj_scales, Tensor down_proj_biases, Tensor gate, int group_size, int bits) -> Tensor");
+  // ---- native decoder-layer calls (issue 37; CPU): packed_decoder_layer's ops for a stock layer in one call ----
+  // The layer after its token mixer: post-combine, the MLP hyper-connection's pre-mix, the MoE block (router and
+  // shared gate linears, moe_route, moe_experts, moe_shared_expert) and its post-combine. mlp_hc: hc_norm.weight,
+  // input_mix_weight_down, input_mix_weight_up, block_inject_weight; moe: gate.weight, shared_expert_gate.weight,
+  // experts.gate_up_proj, experts.down_proj, shared_expert.{gate,up,down}_proj.weight.
+  m.def(
+      "decode_moe_tail(Tensor hyper, Tensor out, Tensor inject, Tensor[] mlp_hc, Tensor[] moe, int hc_count, "
+      "float hc_eps, int top_k, bool norm_topk_prob) -> Tensor");
+  // A whole gated-delta-net decoder layer after its PLE: the attention hyper-connection's pre-mix, the GDN (its
+  // conv tails and recurrent states updated in place at slots, as ple_conv_slots / gdn_delta_rule_slots do) and
+  // decode_moe_tail. gdn: in_proj_{qkv,z,b,a}.weight, conv1d.weight, A_log, dt_bias, norm.weight,
+  // out_proj.weight; heads [Hk, Hv, Dk, Dv]; eps [attention hc norm, gated norm, mlp hc norm].
+  m.def(
+      "decode_gdn_layer(Tensor h, Tensor[] attn_hc, Tensor[] gdn, Tensor(a!) conv_pool, Tensor(b!) recurrent_pool, "
+      "Tensor slots, Tensor cu_seqlens, Tensor[] mlp_hc, Tensor[] moe, int[] heads, float[] eps, "
+      "str conv_activation, str norm_activation, int hc_count, int top_k, bool norm_topk_prob) -> Tensor");
 }
 
 namespace {
@@ -194,6 +210,8 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   m.impl("moe_route", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_shared_expert", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_shared_expert_quantized", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_moe_tail", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_gdn_layer", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 
 TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
@@ -204,4 +222,5 @@ TORCH_LIBRARY_IMPL(hebrus, ADInplaceOrView, m) {
   m.impl("gdn_delta_rule", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
   m.impl("gdn_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
   m.impl("gdn_chunk_delta_rule_slots", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
+  m.impl("decode_gdn_layer", torch::CppFunction::makeFromBoxedFunction<&out_variant_inplace_or_view>());
 }

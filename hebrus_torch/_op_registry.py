@@ -164,6 +164,17 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "Tensor down_proj_q, Tensor down_proj_scales, Tensor down_proj_biases, Tensor gate, int group_size, "
            "int bits) -> Tensor",
            reference.moe_shared_expert_quantized, _CPU_MPS),
+    # The native decoder-layer calls (CPU only: elsewhere they run as the ops they are made of, each the device's).
+    OpSpec("decode_moe_tail",
+           "decode_moe_tail(Tensor hyper, Tensor out, Tensor inject, Tensor[] mlp_hc, Tensor[] moe, int hc_count, "
+           "float hc_eps, int top_k, bool norm_topk_prob) -> Tensor",
+           reference.decode_moe_tail, _CPU),
+    OpSpec("decode_gdn_layer",
+           "decode_gdn_layer(Tensor h, Tensor[] attn_hc, Tensor[] gdn, Tensor(a!) conv_pool, "
+           "Tensor(b!) recurrent_pool, Tensor slots, Tensor cu_seqlens, Tensor[] mlp_hc, Tensor[] moe, int[] heads, "
+           "float[] eps, str conv_activation, str norm_activation, int hc_count, int top_k, "
+           "bool norm_topk_prob) -> Tensor",
+           reference.decode_gdn_layer, _CPU),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

@@ -209,6 +209,17 @@ class ChunkStep:
         return gdn.delta_rule(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, q, k, v, g,
                               beta, start_pos=self.gdn_start_positions)
 
+    def gdn_update_layer(self, layer_idx: int, x: torch.Tensor, update) -> torch.Tensor | None:
+        """``GDNState.update_layer`` of a gated-delta-net layer for this step's batch (x Tensor[T, ...]: the layer's
+        input, its rows and dtype): ``update(conv_pool, recurrent_pool, slots, cu_seqlens)`` updates the layer's
+        tails and states in place itself, their rows logged first; None where it cannot (speculation's replay log,
+        rows that run the chunked form, tails not in x's dtype), and the caller runs :meth:`gdn_conv` and
+        :meth:`gdn_delta_rule`."""
+        if self.gdn_start_positions is not None and any(p is not None for p in self.gdn_start_positions):
+            return None
+        return self.cache._need("gdn").update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs,
+                                                    self.batch.cu_seqlens, x.shape[0], x.dtype, update)
+
     def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Deprecated: the layer's math is ``hebrus_torch.models.qwen4_exp.gdn.packed_gated_delta_net(step,
         layer_idx, module, hidden)`` (its state goes through :meth:`gdn_conv` and :meth:`gdn_delta_rule`).

@@ -23,6 +23,7 @@ from hf_models import modeling, tiny_indexer_config  # noqa: E402  (skips withou
 import hebrus_torch as ht
 from hebrus_torch.hc import premix as hc_premix_module
 from hebrus_torch.moe import block as moe_block_module
+from hebrus_torch.models.qwen4_exp.native import NativeLayers
 from hebrus_torch.engine import BadRequestError, Engine, EngineConfig, RequestStatus, SamplingParams
 
 EOS = 3
@@ -131,6 +132,9 @@ def row_invariant(monkeypatch):
                              ).reshape(x.shape)
         return apply
 
+    # The native decoder layers call ATen's linear and the hebrus ops from C++, past these patches: off here (the
+    # native path's own bits are the Python path's: tests/test_native_layers.py).
+    monkeypatch.setattr(NativeLayers, "calls", lambda self, h: None)
     monkeypatch.setattr(torch.nn.functional, "linear", rowwise)
     for owner, name in ((torch, "sigmoid"), (torch.nn.functional, "sigmoid"), (torch.nn.functional, "silu"),
                         (torch.nn.functional, "softplus"), (torch.Tensor, "sigmoid")):
@@ -329,8 +333,8 @@ def test_a_one_token_difference_is_never_shared():
 
 # ------------------------------------------------------------------------------------------ faults
 def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
-    """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule") or the
-    engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
+    """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), a native
+    GDN layer after it wrote its pools ("native_gdn_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
     bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
@@ -341,6 +345,18 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
 
     if target == "hook":
         engine._fault_hook = lambda plan: fault()
+    elif target == "native_gdn_layer":
+        # inside hebrus::decode_gdn_layer's GDNState.update_layer, after the op wrote the pools
+        gdn = engine.cache.gdn
+        original = gdn.update_layer
+
+        def faulty_update(layer, seqs, cu_seqlens, tokens, dtype, update, _orig=original):
+            def failing(*args):
+                out = update(*args)
+                fault()
+                return out
+            return _orig(layer, seqs, cu_seqlens, tokens, dtype, failing)
+        monkeypatch.setattr(gdn, "update_layer", faulty_update)
     else:
         holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa, "delta_rule": engine.cache.gdn}[target]
         name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]

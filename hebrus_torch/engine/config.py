@@ -50,6 +50,10 @@ class EngineConfig:
             layers before the PLE layer run (docs/ple.md, "Prefetch"); False: in the PLE layer's own call;
             ``"auto"`` (default): True where the model is on a device (CUDA, MPS), False on the CPU (there the
             worker competes with torch's own threads for the cores). No effect with the table in memory.
+        native_layers: on the CPU, run each stock decoder layer's ops as one native call (``hebrus::decode_gdn_layer``
+            for a gated-delta-net layer, ``hebrus::decode_moe_tail`` for any layer's part after its token mixer;
+            ``models/qwen4_exp/native.py``): the same ops in the same order, so the same bits, without the Python
+            between them. False: every layer through the Python path.
     """
 
     capacity_tokens: int = 16384
@@ -65,6 +69,7 @@ class EngineConfig:
     prompt_cache_max_bytes: int = 4 << 30
     speculative: SpeculativeConfig | None = None
     ple_prefetch: bool | str = "auto"
+    native_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("capacity_tokens", "max_sequences", "block_size"):
@@ -75,8 +80,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise HebrusError(f"EngineConfig: {name} must be None or an int >= 1, got {value!r}")
-        if not isinstance(self.chunked_prefill, bool):
-            raise HebrusError(f"EngineConfig: chunked_prefill must be a bool, got {self.chunked_prefill!r}")
+        for name in ("chunked_prefill", "native_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise HebrusError(f"EngineConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.ple_prefetch, bool) and self.ple_prefetch != "auto":
             raise HebrusError(f"EngineConfig: ple_prefetch must be a bool or 'auto', got {self.ple_prefetch!r}")
         if self.prompt_cache_dir is not None and not isinstance(self.prompt_cache_dir, (str, os.PathLike)):

@@ -110,7 +110,8 @@ class Engine:
             model, capacity_tokens=cfg.capacity_tokens, max_sequences=cfg.max_sequences, with_kv=True)
         if self.cache.owner is not None:
             raise HebrusError(f"Engine: the ModelCache given is already run by {self.cache.owner}")
-        self.runner = ModelRunner(model, self.cache, ple_prefetch=cfg.ple_prefetch)
+        self.runner = ModelRunner(model, self.cache, ple_prefetch=cfg.ple_prefetch,
+                                  native_layers=cfg.native_layers)
         self.mtp_drafter = None
         """The MTP block's drafter (``engine/mtp.py``) when ``config.speculative.method == "mtp"``."""
         if mtp is not None:

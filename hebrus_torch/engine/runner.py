@@ -39,9 +39,11 @@ class ModelRunner:
         ple_prefetch: with a PLE table on disk, gather each step's rows on a worker thread as the step starts
             (True, False, or ``"auto"``: on CUDA / MPS, not on the CPU; ``PackedQwen4Exp``'s ``ple_prefetch``;
             docs/ple.md).
+        native_layers: run stock decoder layers as native calls on the CPU (``PackedQwen4Exp``'s).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto"):
+    def __init__(self, model: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto",
+                 native_layers: bool = True):
         self.model = model
         self.text = find_text_model(model)
         self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
@@ -49,7 +51,7 @@ class ModelRunner:
             raise HebrusError(f"engine: {type(model).__name__} has no lm_head")
         self.config = self.text.config
         self.cache = cache
-        self.forward = PackedQwen4Exp(self.text, cache, ple_prefetch=ple_prefetch)
+        self.forward = PackedQwen4Exp(self.text, cache, ple_prefetch=ple_prefetch, native_layers=native_layers)
         """The model's packed forward (every layer's math)."""
         self.timings: collections.Counter | None = None
         """Set to a Counter to accumulate seconds per part of the step (ple, gdn, attention, moe, other):

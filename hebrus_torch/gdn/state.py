@@ -298,6 +298,32 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                 return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
             return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
 
+    def update_layer(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, tokens: int,
+                     dtype: torch.dtype, update) -> torch.Tensor | None:
+        """One layer's conv tails and recurrent states of a packed step updated in place by ``update(conv_pool,
+        recurrent_pool, slots, cu_seqlens)`` itself (``hebrus::decode_gdn_layer``: the conv and the delta rule of
+        :meth:`conv` and :meth:`delta_rule`, recurrent form, the tails in ``dtype``), with both pools' rows at the
+        step's slots logged for undo first and the call atomic (a failure restores them). None, without calling
+        ``update``, where the step is not one it can run: a replay log records the step (speculation), or the
+        tails are not stored in ``dtype`` (:meth:`conv` would not update them in place); the caller then runs
+        :meth:`conv` and :meth:`delta_rule`.
+
+        Args:
+            layer: GDN layer index; seqs: one handle per packed row; cu_seqlens: Tensor[B+1] int32 over ``tokens``
+                packed tokens.
+            dtype: the conv input's dtype; update: returns what this returns (the layer's output).
+        """
+        self._check_layer(layer)
+        if self.replay_log is not None or self.conv_state.dtype != dtype:
+            return None
+        slots = self._slots_of(seqs, cu_seqlens, tokens, "update_layer")
+        conv_pool, recurrent_pool = self.conv_state[layer], self.recurrent_state[layer]
+        index = self._slot_index(slots, conv_pool.device)
+        with atomic(self):
+            self._log_rows("conv_state", layer, conv_pool, index)         # before the writes: see _log_rows
+            self._log_rows("recurrent_state", layer, recurrent_pool, index)
+            return update(conv_pool, recurrent_pool, index, cu_seqlens)
+
     # ----------------------------------------------------------------------------- transactions
     # The undo log's hooks (_txn_begin ... _txn_restore, _apply_undo, _log_slot): SlotPoolHolder.
     def _reset_staging(self) -> None:

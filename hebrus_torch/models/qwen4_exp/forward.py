@@ -25,6 +25,7 @@ from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefet
 from ...ple.row_store import DiskNgramEmbedding
 from .attention import packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
+from .native import LayerCalls, MoeTailCall, NativeLayers
 from .ple import packed_ple
 from .rope import RopeRows
 
@@ -80,9 +81,12 @@ class PackedQwen4Exp:
             n-gram ids as the step starts and gather their rows on a worker thread (:attr:`prefetcher`) while
             the layers before run; False: each PLE layer gathers its rows in its own call; ``"auto"``: True where
             the model is on CUDA or MPS, False on the CPU (``ple.prefetch.prefetch_enabled``).
+        native_layers: on the CPU, stock decoder layers run as native calls (:mod:`.native`: the same ops, the same
+            bits); False: every layer through the Python path.
     """
 
-    def __init__(self, text: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto") -> None:
+    def __init__(self, text: torch.nn.Module, cache: ModelCache, *, ple_prefetch: bool | str = "auto",
+                 native_layers: bool = True) -> None:
         self.text = text
         self.config = text.config
         types = list(self.config.layer_types)
@@ -107,6 +111,8 @@ class PackedQwen4Exp:
         """The step's PLE rows gathered off the engine thread (None: no table on disk, or prefetch off)."""
         self.rope_rows = RopeRows(text.rotary_emb)
         self.rope = _rope_function() if "indexed_attention" in types else None
+        self.native = NativeLayers(text.layers, self.config.num_hidden_layers, enabled=native_layers)
+        """Which decoder layers run as native calls (re-resolved when their modules change)."""
 
     def _layers(self) -> torch.nn.ModuleList:
         return self.text.layers[: self.config.num_hidden_layers]
@@ -165,32 +171,42 @@ class PackedQwen4Exp:
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
+        native = self.native.calls(h)
         for idx, layer in enumerate(self._layers()):
-            h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched)
+            h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
+                                   None if native is None else native[idx])
         return h, (cos, sin)
 
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, timed: Timed = _untimed, prefetched: PrefetchedRows | None = None
-                      ) -> torch.Tensor:
+                      sin: torch.Tensor, timed: Timed = _untimed, prefetched: PrefetchedRows | None = None,
+                      native: LayerCalls | None = None) -> torch.Tensor:
         """One ``Qwen4ExpTextDecoderLayer`` (decoder layer ``idx`` of the step's state) on the streams
         h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]; ``prefetched``: the step's PLE rows gathered off
-        the engine thread (None: the PLE layer gathers its own)."""
+        the engine thread (None: the PLE layer gathers its own); ``native``: what of the layer runs as a native
+        call (:meth:`NativeLayers.calls`; None: nothing)."""
         if layer.ple is not None:
             with timed("ple"):
                 rows = None
                 if prefetched is not None and idx in prefetched:
                     rows = prefetched.rows(idx, layer.ple.ple_embedding.ngram_embedding.out_dtype)
                 h = h + packed_ple(step, idx, layer.ple, h, rows)
+        tail = None if native is None else native.tail
         if layer.layer_type == "linear_attention":
+            if native is not None and native.layer is not None:
+                with timed("native layer"):
+                    out = step.gdn_update_layer(idx, h, partial(native.layer, h))
+                if out is not None:
+                    return out
             return packed_decoder_layer(layer, h, partial(packed_gated_delta_net, step, idx, layer.linear_attn),
-                                        "gdn", timed)
+                                        "gdn", timed, tail)
         rope = self.rope if self.rope is not None else _rope_function()
         return packed_decoder_layer(layer, h, partial(packed_indexed_attention, step, idx, layer.self_attn,
-                                                      cos=cos, sin=sin, rope=rope), "attention", timed)
+                                                      cos=cos, sin=sin, rope=rope), "attention", timed, tail)
 
 
 def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callable[[torch.Tensor], torch.Tensor],
-                         part: str = "mixer", timed: Timed = _untimed) -> torch.Tensor:
+                         part: str = "mixer", timed: Timed = _untimed, tail: MoeTailCall | None = None
+                         ) -> torch.Tensor:
     """One decoder layer after its PLE on packed rows: the attention hyper-connection, the token mixer, the
     MLP hyper-connection and the MoE block (:func:`~hebrus_torch.moe.block.packed_moe`), each on the layer's
     own modules.
@@ -200,6 +216,8 @@ def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callabl
         mixer: the layer's token mixer on x Tensor[T, hidden] -> Tensor[T, hidden] (the GDN or the indexed
             attention, its state through a ``ChunkStep``, or the hebrus slot ops on explicit pools).
         part: the mixer's name for ``timed``.
+        tail: the layer's part after the mixer as one native call (``NativeLayers``; the same ops), used where the
+            mixer's output has the streams' dtype; None: that part op by op.
 
     Returns:
         Tensor[T, hc * hidden]. No Python decision depends on tensor values, so ``torch.compile(fullgraph=True)``
@@ -209,6 +227,9 @@ def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callabl
         x, hyper, inject = hyper_premix(layer.attn_hyper_connection, h)
     with timed(part):
         out = mixer(x)
+    if tail is not None and out.dim() == 2 and out.dtype == hyper.dtype:
+        with timed("native layer"):
+            return tail(hyper, out, inject)
     with timed("hyper-connections"):
         h = post_combine(hyper, out, inject)
         x, hyper, inject = hyper_premix(layer.mlp_hyper_connection, h)

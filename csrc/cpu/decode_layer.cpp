@@ -1,0 +1,145 @@
+// The engine's native decoder-layer calls (issue 37): hebrus::decode_moe_tail and hebrus::decode_gdn_layer run
+// what hebrus_torch/models/qwen4_exp/forward.py's packed_decoder_layer runs for a stock layer (transformers' own
+// modules, the fused path of every part), op for op: the same ATen and hebrus ops, in the same order, on the same
+// tensors, so every output and state bit equals the Python path's. What they save is the Python between the ops
+// (module checks, wrappers, views): one call where a 1-request decode step issued ~60 from Python per layer.
+// hebrus_torch/models/qwen4_exp/native.py decides when a layer is stock and passes its weights; the inner ops go
+// through the dispatcher (their own checks, their own kernels).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "../hebrus_check.h"
+
+namespace hebrus {
+namespace {
+
+using at::Tensor;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> hebrus_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+std::tuple<Tensor, Tensor> hc_premix(const Tensor& h, const Tensor& norm_weight, const Tensor& down, const Tensor& up,
+                                     const Tensor& inject, int64_t hc_count, double eps) {
+  static const auto op = hebrus_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                              const Tensor&, const std::optional<Tensor>&, int64_t,
+                                                              double)>("hebrus::hc_premix");
+  return op.call(h, norm_weight, down, up, std::optional<Tensor>(inject), hc_count, eps);
+}
+
+Tensor hc_post_combine(const Tensor& hyper, const Tensor& out, const Tensor& inject) {
+  static const auto op =
+      hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("hebrus::hc_post_combine");
+  return op.call(hyper, out, inject);
+}
+
+// The layer's weights, each list in the order hebrus_torch/models/qwen4_exp/native.py builds it.
+constexpr size_t kHcWeights = 4;    // hc_norm.weight, input_mix_weight_down, input_mix_weight_up, block_inject_weight
+constexpr size_t kMoeWeights = 7;   // gate.weight, shared_expert_gate.weight, experts.gate_up_proj, experts.down_proj,
+                                    // shared_expert.{gate_proj, up_proj, down_proj}.weight
+constexpr size_t kGdnWeights = 9;   // in_proj_{qkv, z, b, a}.weight, conv1d.weight, A_log, dt_bias, norm.weight,
+                                    // out_proj.weight
+
+void check_count(const char* op, const char* what, c10::ArrayRef<Tensor> list, size_t want) {
+  HEBRUS_CHECK(list.size() == want, HebrusError, "hebrus::", op, ": ", what, " must hold ", want, " tensors, got ",
+               list.size());
+}
+
+// packed_moe of transformers' own block: router and shared gate linears, hebrus::moe_route, moe_experts,
+// moe_shared_expert (forward.py's route / routed_experts / moe_shared_expert sequence).
+Tensor moe_block(const Tensor& x, c10::ArrayRef<Tensor> w, int64_t top_k, bool norm_topk_prob) {
+  static const auto route = hebrus_op<std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&,
+                                                                  int64_t, bool)>("hebrus::moe_route");
+  static const auto experts = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                               const Tensor&)>("hebrus::moe_experts");
+  static const auto shared = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                              const Tensor&, const Tensor&)>("hebrus::moe_shared_expert");
+  const Tensor logits = at::linear(x, w[0]);
+  const Tensor shared_logit = at::linear(x, w[1]);
+  auto [ids, weights] = route.call(logits, std::optional<Tensor>(shared_logit), top_k, norm_topk_prob);
+  const Tensor routed = experts.call(x, ids, weights.slice(1, 0, top_k), w[2], w[3]);
+  return shared.call(x, routed, w[4], w[5], w[6], weights.slice(1, top_k));
+}
+
+// The decoder layer after its token mixer: the attention hyper-connection's post-combine, the MLP
+// hyper-connection's pre-mix, the MoE block and its post-combine.
+Tensor moe_tail(const Tensor& hyper, const Tensor& out, const Tensor& inject, c10::ArrayRef<Tensor> hc,
+                c10::ArrayRef<Tensor> moe, int64_t hc_count, double hc_eps, int64_t top_k, bool norm_topk_prob) {
+  const Tensor h = hc_post_combine(hyper, out, inject);
+  auto [x, weights] = hc_premix(h, hc[0], hc[1], hc[2], hc[3], hc_count, hc_eps);
+  return hc_post_combine(h, moe_block(x, moe, top_k, norm_topk_prob), weights);
+}
+
+Tensor decode_moe_tail_cpu(const Tensor& hyper, const Tensor& out, const Tensor& inject, at::TensorList mlp_hc,
+                           at::TensorList moe, int64_t hc_count, double hc_eps, int64_t top_k, bool norm_topk_prob) {
+  check_count("decode_moe_tail", "mlp_hc", mlp_hc, kHcWeights);
+  check_count("decode_moe_tail", "moe", moe, kMoeWeights);
+  return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
+}
+
+// gated_delta_net (models/qwen4_exp/gdn.py) with GDNState's conv and delta rule in their in-place slot form.
+Tensor gated_delta_net(const Tensor& x, c10::ArrayRef<Tensor> w, Tensor& conv_pool, Tensor& recurrent_pool,
+                       const Tensor& slots, const Tensor& cu_seqlens, c10::IntArrayRef heads, double norm_eps,
+                       c10::string_view conv_activation, c10::string_view norm_activation) {
+  static const auto gates = hebrus_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                  const Tensor&)>("hebrus::gdn_gates");
+  static const auto conv = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor&,
+                                            int64_t, c10::string_view)>("hebrus::ple_conv_slots");
+  static const auto delta = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                             const Tensor&, const Tensor&, Tensor&, const Tensor&, double, bool)>(
+      "hebrus::gdn_delta_rule_slots");
+  static const auto norm = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view)>(
+      "hebrus::gdn_gated_rms_norm");
+  const int64_t t = x.size(0), hk = heads[0], hv = heads[1], dk = heads[2], dv = heads[3];
+  Tensor mixed = at::linear(x, w[0]);
+  const Tensor z = at::linear(x, w[1]).reshape({t, hv, dv});
+  const Tensor b = at::linear(x, w[2]);
+  const Tensor a = at::linear(x, w[3]);
+  auto [g, beta] = gates.call(a, b, w[5], w[6]);
+  // GDNState.conv: transformers' [conv_dim, 1, K] weight as [conv_dim, K], in x's dtype and device.
+  Tensor weight = w[4];
+  if (weight.dim() == 3) weight = weight.reshape({weight.size(0), weight.size(2)});
+  if (weight.scalar_type() != x.scalar_type() || weight.device() != x.device())
+    weight = weight.to(x.device(), x.scalar_type());
+  mixed = conv.call(mixed, weight, cu_seqlens, conv_pool, slots, 1, conv_activation);
+  const std::vector<Tensor> qkv = mixed.split_with_sizes({hk * dk, hk * dk, hv * dv}, -1);
+  Tensor out = delta.call(qkv[0].reshape({t, hk, dk}), qkv[1].reshape({t, hk, dk}), qkv[2].reshape({t, hv, dv}), g,
+                          beta, cu_seqlens, recurrent_pool, slots, std::pow(static_cast<double>(dk), -0.5), true);
+  out = norm.call(out.reshape({-1, dv}), z.reshape({-1, dv}), w[7], norm_eps, norm_activation).reshape({t, hv * dv});
+  return at::linear(out, w[8]);
+}
+
+Tensor decode_gdn_layer_cpu(const Tensor& h, at::TensorList attn_hc, at::TensorList gdn, Tensor& conv_pool,
+                            Tensor& recurrent_pool, const Tensor& slots, const Tensor& cu_seqlens,
+                            at::TensorList mlp_hc, at::TensorList moe, c10::IntArrayRef heads, c10::ArrayRef<double> eps,
+                            c10::string_view conv_activation, c10::string_view norm_activation, int64_t hc_count,
+                            int64_t top_k, bool norm_topk_prob) {
+  const char* op = "decode_gdn_layer";
+  check_count(op, "attn_hc", attn_hc, kHcWeights);
+  check_count(op, "gdn", gdn, kGdnWeights);
+  check_count(op, "mlp_hc", mlp_hc, kHcWeights);
+  check_count(op, "moe", moe, kMoeWeights);
+  HEBRUS_CHECK(heads.size() == 4, HebrusError, "hebrus::", op, ": heads must be [Hk, Hv, Dk, Dv], got ", heads.size(),
+               " values");
+  HEBRUS_CHECK(eps.size() == 3, HebrusError, "hebrus::", op,
+               ": eps must be [attention hc norm, gated norm, mlp hc norm], got ", eps.size(), " values");
+  HEBRUS_CHECK(h.dim() == 2, HebrusError, "hebrus::", op, ": h must be [T, hc * hidden], got ", shape_str(h.sizes()));
+  auto [x, inject] = hc_premix(h, attn_hc[0], attn_hc[1], attn_hc[2], attn_hc[3], hc_count, eps[0]);
+  const Tensor out = gated_delta_net(x, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, heads, eps[1],
+                                     conv_activation, norm_activation);
+  return moe_tail(h, out, inject, mlp_hc, moe, hc_count, eps[2], top_k, norm_topk_prob);
+}
+
+}  // namespace
+}  // namespace hebrus
+
+TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
+  m.impl("decode_moe_tail", &hebrus::decode_moe_tail_cpu);
+  m.impl("decode_gdn_layer", &hebrus::decode_gdn_layer_cpu);
+}

@@ -1,0 +1,320 @@
+"""Native decoder layers (issue 37): a stock decoder layer's ops in one C++ call instead of ~60 from Python.
+
+``hebrus::decode_gdn_layer`` runs a whole gated-delta-net layer after its PLE (pre-mix, GDN with its conv tails and
+recurrent states updated in place at the step's slots, post-combine, the MLP pre-mix, the MoE block,
+post-combine); ``hebrus::decode_moe_tail`` runs any layer's part after its token mixer (the indexed attention
+stays the Python path, its QSA bookkeeping being the cache's). Each is the packed forward's own sequence of ops
+(:mod:`hebrus_torch.reference.decode` states it), so a row's bits are the Python path's: the engine's
+invariance suites hold either way.
+
+**When a layer runs natively.** :class:`NativeLayers` resolves the decoder layers once: a part runs natively where
+the packed forward's checks would take the fused path of every op in it (transformers' own modules, plain
+bias-free ``nn.Linear`` projections in the activations' dtype, no hooks, no forward of an instance's own, nothing
+compiled), with the same predicates the Python path asks on every call. On every step it then checks, in a few C
+loops over flat lists, that nothing those predicates read has changed since: each module's class, its hook
+dicts' sizes, its instance ``forward`` and compiled call, its submodules' and parameters' identities, and every
+parameter's dtype and device. Any change (a hook added or removed, a module or weight replaced, a cast) re-resolves
+before the step runs, so a layer hooked between steps takes the module path from its next step, as before.
+Attributes the packed forward reads as configuration (``hc_count``, norms' ``eps``, a router's ``top_k``, a GDN's
+head counts and activations) are read when resolving. Nothing runs natively off the CPU, with grad mode on, or
+while a global module hook is registered.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Sequence
+
+import torch
+from torch.nn.modules import module as _module
+
+from ..._op_registry import emulated_device_type
+from ...errors import translated
+from ...hc.premix import _fusable_premix, _transformers_name
+from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights
+from ...module_calls import runs_forward_only, submodule
+from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
+from ...integrations.qwen4_exp.common import _modeling
+
+__all__ = ["decode_moe_tail", "decode_gdn_layer", "NativeLayers", "GdnLayerCall", "MoeTailCall"]
+
+
+# ----------------------------------------------------------------------------------------------- the ops
+def decode_moe_tail(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor, mlp_hc: Sequence[torch.Tensor],
+                    moe: Sequence[torch.Tensor], hc_count: int, hc_eps: float, top_k: int,
+                    norm_topk_prob: bool) -> torch.Tensor:
+    """A decoder layer after its token mixer in one call; see :func:`hebrus_torch.reference.decode_moe_tail`.
+
+    Shapes: hyper [T, hc * H], out [T, H], inject [T, hc] -> [T, hc * H].
+    """
+    with translated():
+        return torch.ops.hebrus.decode_moe_tail.default(hyper, out, inject, mlp_hc, moe, int(hc_count),
+                                                        float(hc_eps), int(top_k), bool(norm_topk_prob))
+
+
+@torch.library.register_fake("hebrus::decode_moe_tail")
+def _decode_moe_tail_fake(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob):
+    return hyper.new_empty(hyper.shape)
+
+
+def decode_gdn_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], gdn: Sequence[torch.Tensor],
+                     conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                     heads: Sequence[int], eps: Sequence[float], conv_activation: str, norm_activation: str,
+                     hc_count: int, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """A gated-delta-net decoder layer in one call, its conv tails and recurrent states updated in place at
+    ``slots``; see :func:`hebrus_torch.reference.decode_gdn_layer`.
+
+    Shapes: h [T, hc * H]; conv_pool [S, K - 1, conv_dim] in h's dtype; recurrent_pool [S, Hv, Dk, Dv] float32;
+    slots [B] int32; cu_seqlens [B + 1] int32 -> [T, hc * H].
+    """
+    with translated():
+        return torch.ops.hebrus.decode_gdn_layer.default(
+            h, attn_hc, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, mlp_hc, moe, [int(v) for v in heads],
+            [float(v) for v in eps], conv_activation, norm_activation, int(hc_count), int(top_k),
+            bool(norm_topk_prob))
+
+
+@torch.library.register_fake("hebrus::decode_gdn_layer")
+def _decode_gdn_layer_fake(h, attn_hc, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, mlp_hc, moe, heads, eps,
+                           conv_activation, norm_activation, hc_count, top_k, norm_topk_prob):
+    return h.new_empty(h.shape)
+
+
+# ----------------------------------------------------------------------------------------------- resolution
+@dataclass(frozen=True)
+class MoeTailCall:
+    """A layer's part after its token mixer as :func:`decode_moe_tail`'s arguments after (hyper, out, inject)."""
+
+    mlp_hc: list[torch.Tensor]
+    moe: list[torch.Tensor]
+    hc_count: int
+    hc_eps: float
+    top_k: int
+    norm_topk_prob: bool
+
+    def __call__(self, hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+        return decode_moe_tail(hyper, out, inject, self.mlp_hc, self.moe, self.hc_count, self.hc_eps, self.top_k,
+                               self.norm_topk_prob)
+
+
+@dataclass(frozen=True)
+class GdnLayerCall:
+    """A whole gated-delta-net layer as :func:`decode_gdn_layer`'s arguments other than h and the state."""
+
+    attn_hc: list[torch.Tensor]
+    gdn: list[torch.Tensor]
+    heads: list[int]
+    eps: list[float]
+    conv_activation: str
+    norm_activation: str
+    tail: MoeTailCall
+
+    def __call__(self, h: torch.Tensor, conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, slots: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor:
+        t = self.tail
+        return decode_gdn_layer(h, self.attn_hc, self.gdn, conv_pool, recurrent_pool, slots, cu_seqlens, t.mlp_hc,
+                                t.moe, self.heads, self.eps, self.conv_activation, self.norm_activation, t.hc_count,
+                                t.top_k, t.norm_topk_prob)
+
+
+@dataclass(frozen=True)
+class LayerCalls:
+    """What of one decoder layer runs natively: the whole layer (``layer``, a GDN layer) and / or its part after
+    the token mixer (``tail``); None: the Python path."""
+
+    layer: GdnLayerCall | None
+    tail: MoeTailCall | None
+
+
+_NONE = LayerCalls(None, None)
+_CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none", None: "none"}   # GDNState's
+
+
+def _weight(linear: torch.nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight of a plain bias-free ``nn.Linear`` that ``module_calls.linear`` would run as ``F.linear``, in
+    ``dtype``; else None."""
+    if type(linear) is not torch.nn.Linear or not runs_forward_only(linear):
+        return None
+    params = linear._parameters
+    weight = params["weight"]
+    return weight if params["bias"] is None and weight.dtype == dtype else None
+
+
+def _premix_weights(hc: torch.nn.Module | None, h: torch.Tensor) -> tuple[list[torch.Tensor], int, float] | None:
+    """(the ``hc_premix`` weights, hc_count, eps) where ``hyper_premix(hc, h)`` runs one ``hc_premix`` with an
+    injection; else None."""
+    if hc is None or _transformers_name(type(hc)) != "Qwen4ExpTextGatedResidual" or hc._forward_hooks \
+            or hc._forward_pre_hooks or h.shape[-1] != hc.hc_count * hc.hidden_size or not _fusable_premix(hc, h):
+        return None
+    inject = submodule(hc, "block_inject_weight")
+    if inject is None:
+        return None
+    norm = submodule(hc, "hc_norm")
+    weights = [norm._parameters["weight"], submodule(hc, "input_mix_weight_down")._parameters["weight"],
+               submodule(hc, "input_mix_weight_up")._parameters["weight"], inject._parameters["weight"]]
+    return weights, int(hc.hc_count), float(norm.eps)
+
+
+def _moe_weights(mlp: torch.nn.Module | None, x: torch.Tensor) -> tuple[list[torch.Tensor], int, bool] | None:
+    """(the MoE block's weights, top_k, norm_topk_prob) where ``packed_moe(mlp, x)`` runs the router's and the shared
+    gate's ``F.linear``, ``moe_route``, ``moe_experts`` and ``moe_shared_expert``; else None."""
+    m = _modeling()
+    if type(mlp) is not m.Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
+        return None
+    gate = submodule(mlp, "gate")
+    if type(gate) is not m.Qwen4ExpTextTopKRouter or not _plain_call(gate):
+        return None
+    router = gate._parameters.get("weight")
+    shared_gate = _weight(submodule(mlp, "shared_expert_gate", None), x.dtype)
+    experts = submodule(mlp, "experts")
+    if router is None or router.dtype != x.dtype or shared_gate is None \
+            or not _plain_call(experts, "_experts_forward") or experts_unsupported(experts, x) is not None:
+        return None
+    shared = shared_expert_weights(submodule(mlp, "shared_expert"), x)
+    if shared is None:
+        return None
+    params = experts._parameters
+    return [router, shared_gate, params["gate_up_proj"], params["down_proj"], *shared], int(gate.top_k), \
+        bool(gate.norm_topk_prob)
+
+
+def _tail_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tensor) -> MoeTailCall | None:
+    hc = _premix_weights(submodule(layer, "mlp_hyper_connection", None), h)
+    moe = _moe_weights(submodule(layer, "mlp", None), x)
+    if hc is None or moe is None:
+        return None
+    return MoeTailCall(hc[0], moe[0], hc[1], hc[2], moe[1], moe[2])
+
+
+def _gdn_weights(gdn: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """The GDN's weights where ``gated_delta_net`` runs ``F.linear`` for each projection, ``gdn_gates`` and
+    ``gdn_gated_rms_norm`` (the gated norm transformers' own, without hooks); else None."""
+    from ...gdn.fused import _is_stock_gated_norm
+
+    linears = [_weight(submodule(gdn, name, None), dtype)
+               for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    norm, conv = submodule(gdn, "norm", None), submodule(gdn, "conv1d", None)
+    if any(w is None for w in linears) or norm is None or not _is_stock_gated_norm(norm) or conv is None:
+        return None
+    conv_weight = conv._parameters.get("weight")
+    if conv_weight is None or conv_weight.dim() not in (2, 3) or (conv_weight.dim() == 3 and conv_weight.shape[1] != 1):
+        return None
+    params = gdn._parameters
+    a_log, dt_bias = params.get("A_log"), params.get("dt_bias")
+    if a_log is None or dt_bias is None:
+        return None
+    return [*linears[:4], conv_weight, a_log, dt_bias, norm._parameters["weight"], linears[4]]
+
+
+def _gdn_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tensor,
+                    tail: MoeTailCall | None) -> GdnLayerCall | None:
+    gdn = submodule(layer, "linear_attn", None)
+    attn = _premix_weights(submodule(layer, "attn_hyper_connection", None), h)
+    if tail is None or attn is None or gdn is None or attn[1] != tail.hc_count:
+        return None
+    weights = _gdn_weights(gdn, x.dtype)
+    activation = getattr(gdn, "activation", None)
+    if weights is None or activation not in _CONV_ACTIVATIONS:
+        return None
+    norm = submodule(gdn, "norm")
+    heads = [int(gdn.num_k_heads), int(gdn.num_v_heads), int(gdn.head_k_dim), int(gdn.head_v_dim)]
+    return GdnLayerCall(attn[0], weights, heads, [attn[2], float(norm.variance_epsilon), tail.hc_eps],
+                        _CONV_ACTIVATIONS[activation], str(norm.activation), tail)
+
+
+def resolve_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerCalls:
+    """What of ``layer`` (a ``Qwen4ExpTextDecoderLayer``) runs natively on activations of ``dtype``."""
+    hc = submodule(layer, "mlp_hyper_connection", None)
+    if hc is None:
+        return _NONE
+    hidden = int(hc.hidden_size)
+    h = torch.empty(0, int(hc.hc_count) * hidden, dtype=dtype, device=device)
+    x = torch.empty(0, hidden, dtype=dtype, device=device)
+    tail = _tail_call(layer, h, x)
+    whole = _gdn_layer_call(layer, h, x, tail) if getattr(layer, "layer_type", None) == "linear_attention" else None
+    return LayerCalls(whole, tail)
+
+
+def _global_hooks() -> bool:
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+
+
+class ModuleWatch:
+    """What the resolution read of modules, to tell cheaply whether any of it changed: each module's class, hook
+    dicts' sizes, instance ``forward`` and compiled call, its submodules and parameters (their names and identities)
+    and every parameter's dtype and device. :meth:`unchanged` compares them in C loops over flat lists (map over
+    built-in functions: ~10 us for a 4-layer model's ~100 modules)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.modules = list(modules)
+        self.types = list(map(type, self.modules))
+        self.hook_dicts = [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks,
+                                                               m._backward_hooks, m._backward_pre_hooks)]
+        self.hook_sizes = list(map(len, self.hook_dicts))
+        self.instance_dicts = [m.__dict__ for m in self.modules]
+        self.forwards = list(map(dict.get, self.instance_dicts, repeat("forward")))
+        self.compiled = list(map(operator.attrgetter("_compiled_call_impl"), self.modules))
+        self.owner_dicts = [d for m in self.modules for d in (m._modules, m._parameters)]
+        self.owner_sizes = list(map(len, self.owner_dicts))
+        self.member_dicts, self.member_names, self.members = [], [], []
+        for d in self.owner_dicts:
+            for name, obj in d.items():
+                self.member_dicts.append(d)
+                self.member_names.append(name)
+                self.members.append(obj)
+        self.params = [p for m in self.modules for p in m._parameters.values() if p is not None]
+        self.dtypes = list(map(operator.attrgetter("dtype"), self.params))
+        self.devices = list(map(operator.attrgetter("device"), self.params))
+
+    def unchanged(self) -> bool:
+        return list(map(len, self.hook_dicts)) == self.hook_sizes \
+            and all(map(operator.is_, map(dict.get, self.instance_dicts, repeat("forward")), self.forwards)) \
+            and all(map(operator.is_, map(dict.get, self.member_dicts, self.member_names), self.members)) \
+            and all(map(operator.is_, map(operator.attrgetter("_compiled_call_impl"), self.modules),
+                        self.compiled)) \
+            and list(map(type, self.modules)) == self.types \
+            and list(map(operator.attrgetter("dtype"), self.params)) == self.dtypes \
+            and list(map(operator.attrgetter("device"), self.params)) == self.devices \
+            and list(map(len, self.owner_dicts)) == self.owner_sizes
+
+
+class NativeLayers:
+    """The native calls of a text model's decoder layers (:func:`resolve_layer`), resolved afresh whenever
+    :class:`ModuleWatch` sees a change.
+
+    Args:
+        layers: the text model's ``layers`` (a ``ModuleList``: a layer replaced in it is seen as a change).
+        count: how many of them the forward runs (``num_hidden_layers``; an MTP block may follow them).
+        enabled: False: no layer runs natively (the Python path everywhere).
+    """
+
+    def __init__(self, layers: torch.nn.Module, count: int, enabled: bool = True) -> None:
+        self.container, self.count = layers, int(count)
+        self.enabled = enabled
+        self.resolutions = 0
+        """How many times the layers were resolved (the first step's, and one per change seen)."""
+        self._watch: ModuleWatch | None = None
+        self._key: tuple | None = None
+        self._calls: list[LayerCalls] = []
+
+    def calls(self, h: torch.Tensor) -> list[LayerCalls] | None:
+        """Per decoder layer what runs natively on this step's streams h Tensor[T, hc * H], or None where
+        nothing can (disabled, off the CPU, an emulated device's tensors, grad mode on, a global module hook)."""
+        if not self.enabled or type(h) is not torch.Tensor or h.device.type != "cpu" or torch.is_grad_enabled() \
+                or _global_hooks() or emulated_device_type() is not None:
+            return None
+        key = (h.dtype, h.device)
+        if key != self._key or self._watch is None or not self._watch.unchanged():
+            self._resolve(h.dtype, h.device)
+            self._key = key
+        return self._calls
+
+    def _resolve(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.resolutions += 1
+        layers = list(self.container)[: self.count]
+        self._watch = ModuleWatch([self.container] + [m for layer in layers for m in layer.modules()])
+        self._calls = [resolve_layer(layer, dtype, device) for layer in layers]

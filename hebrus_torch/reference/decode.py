@@ -1,0 +1,115 @@
+"""The native decoder-layer calls (``hebrus::decode_moe_tail``, ``hebrus::decode_gdn_layer``; issue 37) as the ops
+they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
+(``hebrus_torch.models.qwen4_exp.forward.packed_decoder_layer`` with the fused path of every part), one op after
+another through ``torch.ops.hebrus`` (each device's own kernels) and ``F.linear``. On the CPU the native kernel
+calls the same ops in the same order, so its outputs and state equal these bit for bit; a device without a native
+kernel runs these.
+
+Weight lists (what ``hebrus_torch.models.qwen4_exp.native`` builds from the layer's modules):
+
+- ``hc`` (a ``Qwen4ExpTextGatedResidual``): ``hc_norm.weight``, ``input_mix_weight_down.weight``,
+  ``input_mix_weight_up.weight``, ``block_inject_weight.weight``;
+- ``moe`` (a ``Qwen4ExpTextSparseMoeBlock``): ``gate.weight``, ``shared_expert_gate.weight``,
+  ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_expert.{gate_proj, up_proj, down_proj}.weight``;
+- ``gdn`` (a ``Qwen4ExpTextGatedDeltaNet``): ``in_proj_{qkv, z, b, a}.weight``, ``conv1d.weight``, ``A_log``,
+  ``dt_bias``, ``norm.weight``, ``out_proj.weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import HebrusError
+
+_HEBRUS = torch.ops.hebrus
+
+HC_WEIGHTS, MOE_WEIGHTS, GDN_WEIGHTS = 4, 7, 9
+
+
+def _count(op: str, what: str, tensors: Sequence[torch.Tensor], want: int) -> None:
+    if len(tensors) != want:
+        raise HebrusError(f"hebrus::{op}: {what} must hold {want} tensors, got {len(tensors)}")
+
+
+def _moe_block(x: torch.Tensor, moe: Sequence[torch.Tensor], top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    logits, shared_logit = F.linear(x, moe[0]), F.linear(x, moe[1])
+    ids, weights = _HEBRUS.moe_route.default(logits, shared_logit, top_k, norm_topk_prob)
+    routed = _HEBRUS.moe_experts.default(x, ids, weights[:, :top_k], moe[2], moe[3])
+    return _HEBRUS.moe_shared_expert.default(x, routed, moe[4], moe[5], moe[6], weights[:, top_k:])
+
+
+def _moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob) -> torch.Tensor:
+    h = _HEBRUS.hc_post_combine.default(hyper, out, inject)
+    x, weights = _HEBRUS.hc_premix.default(h, *mlp_hc, hc_count, hc_eps)
+    return _HEBRUS.hc_post_combine.default(h, _moe_block(x, moe, top_k, norm_topk_prob), weights)
+
+
+def decode_moe_tail(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor, mlp_hc: Sequence[torch.Tensor],
+                    moe: Sequence[torch.Tensor], hc_count: int, hc_eps: float, top_k: int,
+                    norm_topk_prob: bool) -> torch.Tensor:
+    """A decoder layer after its token mixer: ``hc_post_combine(hyper, out, inject)``, the MLP hyper-connection's
+    ``hc_premix``, the MoE block (router and shared-gate linears, ``moe_route``, ``moe_experts``,
+    ``moe_shared_expert``) and its ``hc_post_combine``.
+
+    Shapes: hyper [T, hc * H], out [T, H], inject [T, hc], all in one float dtype -> [T, hc * H].
+    """
+    _count("decode_moe_tail", "mlp_hc", mlp_hc, HC_WEIGHTS)
+    _count("decode_moe_tail", "moe", moe, MOE_WEIGHTS)
+    return _moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob)
+
+
+def _gated_delta_net(x, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, heads, norm_eps, conv_activation,
+                     norm_activation) -> torch.Tensor:
+    t = x.shape[0]
+    hk, hv, dk, dv = heads
+    mixed = F.linear(x, gdn[0])
+    z = F.linear(x, gdn[1]).reshape(t, hv, dv)
+    b, a = F.linear(x, gdn[2]), F.linear(x, gdn[3])
+    g, beta = _HEBRUS.gdn_gates.default(a, b, gdn[5], gdn[6])
+    weight = gdn[4]
+    if weight.dim() == 3:
+        weight = weight.reshape(weight.shape[0], weight.shape[2])
+    if weight.dtype != x.dtype or weight.device != x.device:
+        weight = weight.to(device=x.device, dtype=x.dtype)
+    mixed = _HEBRUS.ple_conv_slots.default(mixed, weight, cu_seqlens, conv_pool, slots, 1, conv_activation)
+    q, k, v = mixed.split_with_sizes([hk * dk, hk * dk, hv * dv], dim=-1)
+    out = _HEBRUS.gdn_delta_rule_slots.default(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
+                                               beta, cu_seqlens, recurrent_pool, slots, float(dk) ** -0.5, True)
+    out = _HEBRUS.gdn_gated_rms_norm.default(out.reshape(-1, dv), z.reshape(-1, dv), gdn[7], norm_eps,
+                                             norm_activation).reshape(t, hv * dv)
+    return F.linear(out, gdn[8])
+
+
+def decode_gdn_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], gdn: Sequence[torch.Tensor],
+                     conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                     heads: Sequence[int], eps: Sequence[float], conv_activation: str, norm_activation: str,
+                     hc_count: int, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """A gated-delta-net decoder layer after its PLE: the attention hyper-connection's ``hc_premix``, the GDN
+    (projections, ``gdn_gates``, the conv over the tails in ``conv_pool`` by ``ple_conv_slots``, the delta rule
+    over the states in ``recurrent_pool`` by ``gdn_delta_rule_slots`` (q scaled by Dk ** -0.5, qk l2-normed),
+    ``gdn_gated_rms_norm``, ``out_proj``) and :func:`decode_moe_tail`.
+
+    Shapes: h [T, hc * H]; conv_pool [S, K - 1, conv_dim] in h's dtype and recurrent_pool [S, Hv, Dk, Dv] float32
+    (both updated in place at ``slots`` [B] int32); cu_seqlens [B + 1] int32; heads [Hk, Hv, Dk, Dv]; eps [the
+    attention hc norm's, the gated norm's, the MLP hc norm's] -> [T, hc * H].
+    """
+    op = "decode_gdn_layer"
+    _count(op, "attn_hc", attn_hc, HC_WEIGHTS)
+    _count(op, "gdn", gdn, GDN_WEIGHTS)
+    _count(op, "mlp_hc", mlp_hc, HC_WEIGHTS)
+    _count(op, "moe", moe, MOE_WEIGHTS)
+    if len(heads) != 4:
+        raise HebrusError(f"hebrus::{op}: heads must be [Hk, Hv, Dk, Dv], got {len(heads)} values")
+    if len(eps) != 3:
+        raise HebrusError(f"hebrus::{op}: eps must be [attention hc norm, gated norm, mlp hc norm], got "
+                          f"{len(eps)} values")
+    if h.dim() != 2:
+        raise HebrusError(f"hebrus::{op}: h must be [T, hc * hidden], got {tuple(h.shape)}")
+    x, inject = _HEBRUS.hc_premix.default(h, *attn_hc, hc_count, eps[0])
+    out = _gated_delta_net(x, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, heads, eps[1], conv_activation,
+                           norm_activation)
+    return _moe_tail(h, out, inject, mlp_hc, moe, hc_count, eps[2], top_k, norm_topk_prob)

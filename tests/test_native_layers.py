@@ -1,0 +1,265 @@
+"""Native decoder layers (issue 37): ``hebrus::decode_gdn_layer`` and ``hebrus::decode_moe_tail`` on the CPU.
+
+- each op equals the ops it is made of (``hebrus_torch.reference.decode``) bit for bit, outputs and the pools it
+  updates in place, on random inputs of packed rows of several sequences, fp32 and bf16; opcheck passes; bad
+  weight lists are refused with a HebrusError;
+- ``NativeLayers`` resolves a stock model's layers (the whole GDN layers, every layer's tail) and sees every kind
+  of change the packed forward's checks read (a hook, an instance forward, a module or weight replaced, a cast),
+  re-resolving so that a hooked module takes its module path from the next step;
+- the engine gives the same tokens and bitwise the same state with the native layers as without, prefill, decode
+  and speculation; a fault inside a native GDN layer rolls the step back bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from test_engine import EOS, inject_fault, make_model, prompts_for  # noqa: E402  (skips without transformers)
+
+from hebrus_torch import reference
+from hebrus_torch.engine import Engine, EngineConfig
+from hebrus_torch.errors import HebrusError
+from hebrus_torch.models.qwen4_exp.native import ModuleWatch, NativeLayers, decode_gdn_layer, decode_moe_tail
+
+
+def native_calls(model: torch.nn.Module, dtype: torch.dtype = torch.float32):
+    text = model.model
+    layers = NativeLayers(text.layers, text.config.num_hidden_layers)
+    hc = text.layers[0].mlp_hyper_connection
+    with torch.no_grad():
+        return layers, layers.calls(torch.empty(0, hc.hc_count * hc.hidden_size, dtype=dtype))
+
+
+def gdn_inputs(model: torch.nn.Module, call, dtype: torch.dtype, seed: int):
+    """Random streams of two sequences (1 and 3 tokens) at slots 2 and 0 of random pools."""
+    g = torch.Generator().manual_seed(seed)
+    gdn = model.model.layers[0].linear_attn
+    hc = model.model.layers[0].mlp_hyper_connection
+    conv_dim = call.gdn[0].shape[0]
+    k = gdn.conv1d.weight.shape[-1]
+    h = torch.randn(4, hc.hc_count * hc.hidden_size, generator=g).to(dtype)
+    conv_pool = torch.randn(3, k - 1, conv_dim, generator=g).to(dtype)
+    recurrent_pool = torch.randn(3, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, generator=g)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, 1, 4], dtype=torch.int32)
+    return h, conv_pool, recurrent_pool, slots, cu_seqlens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_gdn_layer_is_its_ops_bit_for_bit(dtype):
+    model = make_model("lin-idx", seed=3).to(dtype)
+    _, calls = native_calls(model, dtype)
+    call = calls[0].layer
+    assert call is not None
+    for seed in range(3):
+        h, conv_pool, recurrent_pool, slots, cu = gdn_inputs(model, call, dtype, seed)
+        pools = (conv_pool.clone(), recurrent_pool.clone())
+        with torch.no_grad():
+            got = call(h, conv_pool, recurrent_pool, slots, cu)
+            t = call.tail
+            want = reference.decode_gdn_layer(h, call.attn_hc, call.gdn, pools[0], pools[1], slots, cu, t.mlp_hc,
+                                              t.moe, call.heads, call.eps, call.conv_activation,
+                                              call.norm_activation, t.hc_count, t.top_k, t.norm_topk_prob)
+        assert got.dtype == dtype and got.shape == h.shape
+        assert torch.equal(got, want)
+        assert torch.equal(conv_pool, pools[0]) and torch.equal(recurrent_pool, pools[1])
+        assert not torch.equal(conv_pool, gdn_inputs(model, call, dtype, seed)[1])     # the op did write them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_moe_tail_is_its_ops_bit_for_bit(dtype):
+    model = make_model("lin-idx", seed=4).to(dtype)
+    _, calls = native_calls(model, dtype)
+    for layer in (0, 1):
+        tail = calls[layer].tail
+        hc = model.model.layers[layer].mlp_hyper_connection
+        g = torch.Generator().manual_seed(layer)
+        hyper = torch.randn(5, hc.hc_count * hc.hidden_size, generator=g).to(dtype)
+        out = torch.randn(5, hc.hidden_size, generator=g).to(dtype)
+        inject = torch.rand(5, hc.hc_count, generator=g).to(dtype)
+        with torch.no_grad():
+            got = tail(hyper, out, inject)
+            want = reference.decode_moe_tail(hyper, out, inject, tail.mlp_hc, tail.moe, tail.hc_count, tail.hc_eps,
+                                             tail.top_k, tail.norm_topk_prob)
+        assert torch.equal(got, want)
+
+
+def test_opcheck():
+    model = make_model("lin-idx", seed=5)
+    _, calls = native_calls(model)
+    call = calls[0].layer
+    h, conv_pool, recurrent_pool, slots, cu = gdn_inputs(model, call, torch.float32, 0)
+    t = call.tail
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.hebrus.decode_gdn_layer.default,
+                              (h, call.attn_hc, call.gdn, conv_pool, recurrent_pool, slots, cu, t.mlp_hc, t.moe,
+                               call.heads, call.eps, call.conv_activation, call.norm_activation, t.hc_count, t.top_k,
+                               t.norm_topk_prob))
+        hc = model.model.layers[1].mlp_hyper_connection
+        tail = calls[1].tail
+        torch.library.opcheck(torch.ops.hebrus.decode_moe_tail.default,
+                              (h, torch.randn(4, hc.hidden_size), torch.rand(4, hc.hc_count), tail.mlp_hc, tail.moe,
+                               tail.hc_count, tail.hc_eps, tail.top_k, tail.norm_topk_prob))
+
+
+def test_bad_weight_lists_are_refused():
+    model = make_model("lin-idx", seed=6)
+    _, calls = native_calls(model)
+    tail = calls[1].tail
+    hc = model.model.layers[1].mlp_hyper_connection
+    hyper, out, inject = torch.randn(2, hc.hc_count * hc.hidden_size), torch.randn(2, hc.hidden_size), \
+        torch.rand(2, hc.hc_count)
+    with torch.no_grad():
+        with pytest.raises(HebrusError, match="moe must hold 7 tensors, got 6"):
+            decode_moe_tail(hyper, out, inject, tail.mlp_hc, tail.moe[:6], tail.hc_count, tail.hc_eps, tail.top_k,
+                            tail.norm_topk_prob)
+        call = calls[0].layer
+        h, conv_pool, recurrent_pool, slots, cu = gdn_inputs(model, call, torch.float32, 0)
+        before = (conv_pool.clone(), recurrent_pool.clone())
+        with pytest.raises(HebrusError, match="heads must be"):
+            decode_gdn_layer(h, call.attn_hc, call.gdn, conv_pool, recurrent_pool, slots, cu, tail.mlp_hc, tail.moe,
+                             call.heads[:3], call.eps, call.conv_activation, call.norm_activation, tail.hc_count,
+                             tail.top_k, tail.norm_topk_prob)
+        assert torch.equal(conv_pool, before[0]) and torch.equal(recurrent_pool, before[1])
+
+
+def test_a_stock_model_resolves_and_every_change_is_seen():
+    model = make_model("idx-lin-idx-lin", seed=1)
+    layers, calls = native_calls(model)
+    assert [c.layer is not None for c in calls] == [False, True, False, True]
+    assert all(c.tail is not None for c in calls)
+    h = torch.empty(0, calls[0].tail.hc_count * model.config.hidden_size)
+    text = model.model
+
+    def resolved():
+        with torch.no_grad():
+            return layers.calls(h)
+
+    n = layers.resolutions
+    resolved()
+    assert layers.resolutions == n                      # nothing changed: nothing resolved
+    mlp = text.layers[1].mlp
+    handle = mlp.register_forward_hook(lambda *a: None)
+    n = layers.resolutions
+    got = resolved()
+    assert layers.resolutions == n + 1 and got[1].tail is None and got[1].layer is None and got[3].tail is not None
+    handle.remove()
+    assert resolved()[1].layer is not None
+    pre = text.layers[2].mlp_hyper_connection.register_forward_pre_hook(lambda *a: None)
+    assert resolved()[2].tail is None
+    pre.remove()
+    shared = mlp.shared_expert
+    old_up = shared.up_proj
+    shared.up_proj = copy.deepcopy(old_up)
+    got = resolved()
+    assert got[1].tail.moe[5] is shared.up_proj.weight
+    shared.up_proj = old_up
+    out_proj = text.layers[3].linear_attn.out_proj
+    weight = out_proj.weight
+    out_proj.weight = torch.nn.Parameter(weight.detach().clone())
+    assert resolved()[3].layer.gdn[8] is out_proj.weight
+    out_proj.weight = weight
+    assert resolved()[3].layer.gdn[8] is weight
+    gate = text.layers[0].mlp.gate
+    gate.forward = gate.forward                         # an instance forward of its own: the module path
+    assert resolved()[0].tail is None
+    del gate.forward
+    assert resolved()[0].tail is not None
+    old_layer = text.layers[1]
+    text.layers[1] = copy.deepcopy(old_layer)
+    assert resolved()[1].tail.moe[0] is text.layers[1].mlp.gate.weight
+    text.layers[1] = old_layer
+    text.layers[0].mlp.to(torch.float64)                # a cast: that layer's weights no longer fit the streams
+    assert resolved()[0].tail is None
+    text.layers[0].mlp.to(torch.float32)
+    assert resolved()[0].tail is not None
+
+
+def test_module_watch_sees_each_kind_of_change():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    watch = ModuleWatch(list(net.modules()))
+    assert watch.unchanged()
+    h = net[0].register_forward_hook(lambda *a: None)
+    assert not watch.unchanged()
+    h.remove()
+    assert watch.unchanged()
+    net[1].bias = torch.nn.Parameter(torch.zeros(2))
+    assert not watch.unchanged()
+    watch = ModuleWatch(list(net.modules()))
+    net.add_module("extra", torch.nn.ReLU())
+    assert not watch.unchanged()
+    del net.extra
+    assert watch.unchanged()
+    net.half()
+    assert not watch.unchanged()
+
+
+def run(model, prompts, native: bool, **config):
+    engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, native_layers=native, **config))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS)
+    with torch.inference_mode():
+        engine.run()
+    return engine
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+@pytest.mark.parametrize("config", [dict(max_batch_tokens=7, block_size=4), dict(max_batch_tokens=512)])
+def test_the_engine_gives_the_same_tokens_and_state_either_way(shape, config):
+    model = make_model(shape, seed=2)
+    prompts = prompts_for(2, lengths=(10, 4, 15, 1))
+    python, native = run(model, prompts, False, **config), run(model, prompts, True, **config)
+    assert native.runner.forward.native.resolutions == 1
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+    assert native.cache.digest() == python.cache.digest()
+
+
+def test_speculation_with_native_layers_gives_the_same_tokens_and_state():
+    from hebrus_torch.engine.speculative import SpeculativeConfig
+
+    model = make_model("lin-idx", seed=9)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 9, 10, 9, 10, 9]]
+    spec = dict(max_batch_tokens=64, speculative=SpeculativeConfig(3))
+    python, native = run(model, prompts, False, **spec), run(model, prompts, True, **spec)
+    assert native.counters.spec_drafted_tokens > 0
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+    assert native.cache.digest() == python.cache.digest()
+
+
+def test_a_hook_added_between_steps_runs_from_the_next_step():
+    model = make_model("lin-idx", seed=10)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=64))
+    engine.add_request([5, 6, 7, 8], request_id="r", max_new_tokens=6, eos_token_id=-1)
+    seen = []
+    with torch.inference_mode():
+        engine.step()
+        engine.step()
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+        engine.step()
+        assert seen                                     # the hooked block ran as its module
+        handle.remove()
+        n = len(seen)
+        engine.step()
+        assert len(seen) == n
+    assert engine.runner.forward.native.resolutions == 3
+
+
+def test_a_fault_inside_a_native_gdn_layer_rolls_the_step_back(monkeypatch):
+    model = make_model("lin-idx", seed=7)
+    prompts = prompts_for(7, lengths=(10, 4, 15))
+    clean = run(model, prompts, True, max_batch_tokens=7, block_size=4)
+    for k in (1, 5):
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+        calls = inject_fault(engine, "native_gdn_layer", k, monkeypatch)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS)
+        with torch.inference_mode():
+            engine.run()
+        assert calls["n"] >= k and engine.counters.retried_steps == 1
+        assert {r: q.generated for r, q in engine.requests.items()} == \
+            {r: q.generated for r, q in clean.requests.items()}
