@@ -143,6 +143,18 @@ TORCH_LIBRARY(hebrus, m) {
       "decode_gdn_layer(Tensor h, Tensor[] attn_hc, Tensor[] gdn, Tensor(a!) conv_pool, Tensor(b!) recurrent_pool, "
       "Tensor slots, Tensor cu_seqlens, Tensor[] mlp_hc, Tensor[] moe, int[] heads, float[] eps, "
       "str conv_activation, str norm_activation, int hc_count, int top_k, bool norm_topk_prob) -> Tensor");
+  // An indexed-attention layer up to its QSA cache: the attention hyper-connection's pre-mix, then (injection
+  // weights, indexer queries (normed, roped), raw indexer keys [T, D], q and k (normed, roped), v, the output gate).
+  // attention: indexer.index_qk_proj.weight, indexer.q_layernorm.weight, {q,k,v}_proj.weight, q_norm.weight,
+  // k_norm.weight; dims [index heads, index kv heads, index head dim, head dim]; eps [hc norm, q_layernorm, q_norm,
+  // k_norm].
+  m.def(
+      "decode_attention_head(Tensor h, Tensor[] attn_hc, Tensor[] attention, Tensor cos, Tensor sin, int[] dims, "
+      "float[] eps, int hc_count) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The rest of it after the attention: o_proj(sigmoid_gate(attn_out, gate)), then decode_moe_tail.
+  m.def(
+      "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
+      "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor");
 }
 
 namespace {
@@ -211,6 +223,8 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   m.impl("moe_shared_expert", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_shared_expert_quantized", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_moe_tail", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_attention_head", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_attention_tail", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_gdn_layer", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 

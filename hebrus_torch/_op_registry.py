@@ -175,6 +175,14 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "float[] eps, str conv_activation, str norm_activation, int hc_count, int top_k, "
            "bool norm_topk_prob) -> Tensor",
            reference.decode_gdn_layer, _CPU),
+    OpSpec("decode_attention_head",
+           "decode_attention_head(Tensor h, Tensor[] attn_hc, Tensor[] attention, Tensor cos, Tensor sin, int[] dims, "
+           "float[] eps, int hc_count) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+           reference.decode_attention_head, _CPU),
+    OpSpec("decode_attention_tail",
+           "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
+           "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor",
+           reference.decode_attention_tail, _CPU),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

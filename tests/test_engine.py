@@ -379,13 +379,15 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "hook"])
+@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer", "hook"])
 def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
     model = make_model("lin-idx", seed=7)
     prompts = prompts_for(7, lengths=(10, 4, 15))
     clean, _ = run_engine(model, prompts, max_batch_tokens=7)
     for k in range(1, 12, 3):
-        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
+        # (GDNState.delta_rule runs where the GDN layer is not one native call)
+        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4,
+                                            native_layers=target != "delta_rule"))
         calls = inject_fault(engine, target, k, monkeypatch)
         for i, p in enumerate(prompts):
             engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)

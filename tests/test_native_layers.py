@@ -1,4 +1,5 @@
-"""Native decoder layers (issue 37): ``hebrus::decode_gdn_layer`` and ``hebrus::decode_moe_tail`` on the CPU.
+"""Native decoder layers (issue 37): ``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head`` and
+``decode_attention_tail`` on the CPU.
 
 - each op equals the ops it is made of (``hebrus_torch.reference.decode``) bit for bit, outputs and the pools it
   updates in place, on random inputs of packed rows of several sequences, fp32 and bf16; opcheck passes; bad
@@ -7,7 +8,8 @@
   of change the packed forward's checks read (a hook, an instance forward, a module or weight replaced, a cast),
   re-resolving so that a hooked module takes its module path from the next step;
 - the engine gives the same tokens and bitwise the same state with the native layers as without, prefill, decode
-  and speculation; a fault inside a native GDN layer rolls the step back bitwise.
+  and speculation (a fault inside a native GDN layer rolls its step back bitwise: tests/test_engine.py's fault
+  suite).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from test_engine import EOS, inject_fault, make_model, prompts_for  # noqa: E402  (skips without transformers)
+from test_engine import EOS, make_model, prompts_for  # noqa: E402  (skips without transformers)
 
 from hebrus_torch import reference
 from hebrus_torch.engine import Engine, EngineConfig
@@ -87,6 +89,39 @@ def test_decode_moe_tail_is_its_ops_bit_for_bit(dtype):
         assert torch.equal(got, want)
 
 
+def attention_inputs(model: torch.nn.Module, layer: int, dtype: torch.dtype, seed: int, rope_dims: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    hc = model.model.layers[layer].attn_hyper_connection
+    h = torch.randn(3, hc.hc_count * hc.hidden_size, generator=g).to(dtype)
+    angles = torch.rand(3, rope_dims // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    return h, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_head_and_tail_are_their_ops_bit_for_bit(dtype):
+    model = make_model("lin-idx", seed=8).to(dtype)
+    _, calls = native_calls(model, dtype)
+    call = calls[1].attention
+    assert call is not None and calls[0].attention is None
+    for seed in range(3):
+        h, cos, sin = attention_inputs(model, 1, dtype, seed, rope_dims=min(call.rope_dims, 16))
+        with torch.no_grad():
+            got = call.head(h, cos, sin)
+            want = reference.decode_attention_head(h, call.attn_hc, call.attention, cos, sin, call.dims, call.eps,
+                                                   call.tail.hc_count)
+            assert len(got) == 7
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            inject, q, gate = got[0], got[3], got[6]
+            attn_out = torch.randn(q.shape).to(dtype)
+            t = call.tail
+            assert torch.equal(call.finish(h, attn_out, gate, inject),
+                               reference.decode_attention_tail(h, attn_out, gate, call.o_proj, inject, t.mlp_hc,
+                                                               t.moe, t.hc_count, t.hc_eps, t.top_k,
+                                                               t.norm_topk_prob))
+
+
 def test_opcheck():
     model = make_model("lin-idx", seed=5)
     _, calls = native_calls(model)
@@ -103,6 +138,14 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.hebrus.decode_moe_tail.default,
                               (h, torch.randn(4, hc.hidden_size), torch.rand(4, hc.hc_count), tail.mlp_hc, tail.moe,
                                tail.hc_count, tail.hc_eps, tail.top_k, tail.norm_topk_prob))
+        att = calls[1].attention
+        ha, cos, sin = attention_inputs(model, 1, torch.float32, 0)
+        torch.library.opcheck(torch.ops.hebrus.decode_attention_head.default,
+                              (ha, att.attn_hc, att.attention, cos, sin, att.dims, att.eps, tail.hc_count))
+        _, _, _, q, _, _, gate = att.head(ha, cos, sin)
+        torch.library.opcheck(torch.ops.hebrus.decode_attention_tail.default,
+                              (ha, torch.randn(q.shape), gate, att.o_proj, torch.rand(3, hc.hc_count), tail.mlp_hc,
+                               tail.moe, tail.hc_count, tail.hc_eps, tail.top_k, tail.norm_topk_prob))
 
 
 def test_bad_weight_lists_are_refused():
@@ -130,6 +173,7 @@ def test_a_stock_model_resolves_and_every_change_is_seen():
     model = make_model("idx-lin-idx-lin", seed=1)
     layers, calls = native_calls(model)
     assert [c.layer is not None for c in calls] == [False, True, False, True]
+    assert [c.attention is not None for c in calls] == [True, False, True, False]
     assert all(c.tail is not None for c in calls)
     h = torch.empty(0, calls[0].tail.hc_count * model.config.hidden_size)
     text = model.model
@@ -151,6 +195,11 @@ def test_a_stock_model_resolves_and_every_change_is_seen():
     pre = text.layers[2].mlp_hyper_connection.register_forward_pre_hook(lambda *a: None)
     assert resolved()[2].tail is None
     pre.remove()
+    k_norm = text.layers[0].self_attn.k_norm.register_forward_hook(lambda *a: None)
+    got = resolved()
+    assert got[0].attention is None and got[0].tail is not None and got[2].attention is not None
+    k_norm.remove()
+    assert resolved()[0].attention is not None
     shared = mlp.shared_expert
     old_up = shared.up_proj
     shared.up_proj = copy.deepcopy(old_up)
@@ -181,20 +230,23 @@ def test_a_stock_model_resolves_and_every_change_is_seen():
 def test_module_watch_sees_each_kind_of_change():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     watch = ModuleWatch(list(net.modules()))
-    assert watch.unchanged()
+    assert watch.unchanged() and watch.unchanged()
     h = net[0].register_forward_hook(lambda *a: None)
-    assert not watch.unchanged()
-    h.remove()
-    assert watch.unchanged()
-    net[1].bias = torch.nn.Parameter(torch.zeros(2))
-    assert not watch.unchanged()
+    assert not watch.unchanged()                                # a hook registered anywhere since
     watch = ModuleWatch(list(net.modules()))
-    net.add_module("extra", torch.nn.ReLU())
-    assert not watch.unchanged()
-    del net.extra
-    assert watch.unchanged()
-    net.half()
-    assert not watch.unchanged()
+    h.remove()
+    assert not watch.unchanged()                                # one of its modules' hooks removed
+    changes = [lambda: setattr(net[1], "bias", torch.nn.Parameter(torch.zeros(2))),       # a weight replaced
+               lambda: net.add_module("extra", torch.nn.ReLU()),                          # a module added
+               lambda: setattr(net, "0", torch.nn.Linear(4, 4)),                         # a module replaced
+               lambda: setattr(net[0], "forward", net[0].forward),                       # an instance forward
+               lambda: net[1].half(),                                                    # a cast
+               lambda: net[0].__dict__["_forward_hooks"].__setitem__(10 ** 9, print)]    # a hook put in directly
+    for change in changes:
+        watch = ModuleWatch(list(net.modules()))
+        assert watch.unchanged()
+        change()
+        assert not watch.unchanged(), change
 
 
 def run(model, prompts, native: bool, **config):
@@ -247,19 +299,3 @@ def test_a_hook_added_between_steps_runs_from_the_next_step():
         engine.step()
         assert len(seen) == n
     assert engine.runner.forward.native.resolutions == 3
-
-
-def test_a_fault_inside_a_native_gdn_layer_rolls_the_step_back(monkeypatch):
-    model = make_model("lin-idx", seed=7)
-    prompts = prompts_for(7, lengths=(10, 4, 15))
-    clean = run(model, prompts, True, max_batch_tokens=7, block_size=4)
-    for k in (1, 5):
-        engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4))
-        calls = inject_fault(engine, "native_gdn_layer", k, monkeypatch)
-        for i, p in enumerate(prompts):
-            engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=EOS)
-        with torch.inference_mode():
-            engine.run()
-        assert calls["n"] >= k and engine.counters.retried_steps == 1
-        assert {r: q.generated for r, q in engine.requests.items()} == \
-            {r: q.generated for r, q in clean.requests.items()}

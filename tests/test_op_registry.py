@@ -108,7 +108,7 @@ def test_composites_and_native_lists_are_the_registrys():
             assert spec.composite is getattr(reference, name)
         assert spec.mutates == (name in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots",
                                          "gdn_delta_rule", "gdn_delta_rule_slots",
-                                         "gdn_chunk_delta_rule_slots"))
+                                         "gdn_chunk_delta_rule_slots", "decode_gdn_layer"))
 
 
 def test_has_native_kernel_answers_for_the_emulated_device_from_the_registry(monkeypatch):
@@ -152,13 +152,14 @@ REFERENCE_NAMES = [
     "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
     "qsa_token_cells", "rms_norm_rope", "sigmoid_gate",
+    "decode_gdn_layer", "decode_moe_tail", "decode_attention_head", "decode_attention_tail",
 ]
 
 
 def test_reference_package_keeps_every_name():
-    from hebrus_torch.reference import attention, checks, gdn, hc, moe, ple, qsa, uniform_rows
+    from hebrus_torch.reference import attention, checks, decode, gdn, hc, moe, ple, qsa, uniform_rows
 
-    families = (attention, checks, gdn, hc, moe, ple, qsa, uniform_rows)
+    families = (attention, checks, decode, gdn, hc, moe, ple, qsa, uniform_rows)
     for name in REFERENCE_NAMES:
         homes = [m for m in families if getattr(m, name, None) is getattr(reference, name)
                  and getattr(reference, name).__module__ == m.__name__]

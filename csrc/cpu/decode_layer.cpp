@@ -1,4 +1,5 @@
-// The engine's native decoder-layer calls (issue 37): hebrus::decode_moe_tail and hebrus::decode_gdn_layer run
+// The engine's native decoder-layer calls (issue 37): hebrus::decode_gdn_layer, decode_moe_tail,
+// decode_attention_head and decode_attention_tail run
 // what hebrus_torch/models/qwen4_exp/forward.py's packed_decoder_layer runs for a stock layer (transformers' own
 // modules, the fused path of every part), op for op: the same ATen and hebrus ops, in the same order, on the same
 // tensors, so every output and state bit equals the Python path's. What they save is the Python between the ops
@@ -136,10 +137,57 @@ Tensor decode_gdn_layer_cpu(const Tensor& h, at::TensorList attn_hc, at::TensorL
   return moe_tail(h, out, inject, mlp_hc, moe, hc_count, eps[2], top_k, norm_topk_prob);
 }
 
+constexpr size_t kAttentionWeights = 7;  // indexer.index_qk_proj.weight, indexer.q_layernorm.weight,
+                                         // {q,k,v}_proj.weight, q_norm.weight, k_norm.weight
+
+// An indexed-attention layer up to its QSA cache: the attention hyper-connection's pre-mix, the indexer's queries
+// (q_layernorm-ed, roped) and raw keys, and the attention's q, k (normed, roped), v and output gate
+// (models/qwen4_exp/attention.py: index_queries_and_keys, _raw_projections, norm_and_rope's rms_norm_rope).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> decode_attention_head_cpu(
+    const Tensor& h, at::TensorList attn_hc, at::TensorList w, const Tensor& cos, const Tensor& sin,
+    c10::IntArrayRef dims, c10::ArrayRef<double> eps, int64_t hc_count) {
+  static const auto norm_rope = hebrus_op<Tensor(const Tensor&, const Tensor&, double, const Tensor&, const Tensor&)>(
+      "hebrus::rms_norm_rope");
+  const char* op = "decode_attention_head";
+  check_count(op, "attn_hc", attn_hc, kHcWeights);
+  check_count(op, "attention", w, kAttentionWeights);
+  HEBRUS_CHECK(dims.size() == 4, HebrusError, "hebrus::", op,
+               ": dims must be [index heads, index kv heads, index head dim, head dim], got ", dims.size(), " values");
+  HEBRUS_CHECK(eps.size() == 4, HebrusError, "hebrus::", op,
+               ": eps must be [hc norm, q_layernorm, q_norm, k_norm], got ", eps.size(), " values");
+  HEBRUS_CHECK(h.dim() == 2, HebrusError, "hebrus::", op, ": h must be [T, hc * hidden], got ", shape_str(h.sizes()));
+  const int64_t index_heads = dims[0], index_kv = dims[1], d = dims[2], hd = dims[3];
+  auto [x, inject] = hc_premix(h, attn_hc[0], attn_hc[1], attn_hc[2], attn_hc[3], hc_count, eps[0]);
+  const int64_t t = x.size(0);
+  const std::vector<Tensor> index = at::linear(x, w[0]).split_with_sizes({index_heads * d, index_kv * d}, -1);
+  const Tensor q_index = norm_rope.call(index[0].reshape({t, -1, d}), w[1], eps[1], cos, sin);
+  const Tensor raw_keys = index[1].reshape({t, -1, d}).squeeze(-2).reshape({t, d});
+  const std::vector<Tensor> q_gate = at::linear(x, w[2]).view({t, -1, hd * 2}).chunk(2, -1);
+  const Tensor k = at::linear(x, w[3]).view({t, -1, hd});
+  const Tensor v = at::linear(x, w[4]).view({t, -1, hd});
+  return {inject, q_index, raw_keys, norm_rope.call(q_gate[0], w[5], eps[2], cos, sin),
+          norm_rope.call(k, w[6], eps[3], cos, sin), v, q_gate[1]};
+}
+
+// The rest of an indexed-attention layer after its attention: the output gate and o_proj (_gated_heads), then
+// moe_tail.
+Tensor decode_attention_tail_cpu(const Tensor& hyper, const Tensor& attn_out, const Tensor& gate,
+                                 const Tensor& o_proj, const Tensor& inject, at::TensorList mlp_hc, at::TensorList moe,
+                                 int64_t hc_count, double hc_eps, int64_t top_k, bool norm_topk_prob) {
+  static const auto sigmoid_gate =
+      hebrus_op<Tensor(const Tensor&, const Tensor&)>("hebrus::sigmoid_gate");
+  check_count("decode_attention_tail", "mlp_hc", mlp_hc, kHcWeights);
+  check_count("decode_attention_tail", "moe", moe, kMoeWeights);
+  const Tensor out = at::linear(sigmoid_gate.call(attn_out, gate).view({attn_out.size(0), -1}), o_proj);
+  return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("decode_moe_tail", &hebrus::decode_moe_tail_cpu);
   m.impl("decode_gdn_layer", &hebrus::decode_gdn_layer_cpu);
+  m.impl("decode_attention_head", &hebrus::decode_attention_head_cpu);
+  m.impl("decode_attention_tail", &hebrus::decode_attention_tail_cpu);
 }

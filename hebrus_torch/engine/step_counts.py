@@ -39,6 +39,7 @@ PARTS: dict[str, str] = {
     "ple": "PLE",
     "moe": "MoE / dense MLP",
     "hyper-connections": "hyper-connections",
+    "native layer": "native decoder-layer calls (CPU; models/qwen4_exp/native.py)",
     "mtp": "the MTP block's K/V writes",
     "transaction": "cache transaction (reserve, commit)",
     "other": "other (embedding, rope, lm_head)",

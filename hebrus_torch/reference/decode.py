@@ -113,3 +113,57 @@ def decode_gdn_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], gdn: Sequ
     out = _gated_delta_net(x, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, heads, eps[1], conv_activation,
                            norm_activation)
     return _moe_tail(h, out, inject, mlp_hc, moe, hc_count, eps[2], top_k, norm_topk_prob)
+
+
+ATTENTION_WEIGHTS = 7
+
+
+def decode_attention_head(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], attention: Sequence[torch.Tensor],
+                          cos: torch.Tensor, sin: torch.Tensor, dims: Sequence[int], eps: Sequence[float],
+                          hc_count: int) -> tuple[torch.Tensor, ...]:
+    """An indexed-attention decoder layer up to its QSA cache: the attention hyper-connection's ``hc_premix``, the
+    indexer's ``index_qk_proj`` (its queries through ``rms_norm_rope`` with ``q_layernorm``), and ``q_proj``
+    (queries and output gate), ``k_proj``, ``v_proj`` (q and k through ``rms_norm_rope`` with ``q_norm`` /
+    ``k_norm``).
+
+    ``attention``: ``indexer.index_qk_proj.weight``, ``indexer.q_layernorm.weight``, ``{q, k, v}_proj.weight``,
+    ``q_norm.weight``, ``k_norm.weight``; dims [index heads, index kv heads (1), index head dim D, head dim Dh];
+    eps [hc norm, q_layernorm, q_norm, k_norm].
+
+    Shapes: h [T, hc * H]; cos, sin [T, R] in h's dtype -> (injection weights [T, hc], indexer queries
+    [T, index heads, D], raw indexer keys [T, D], q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], gate [T, Hq, Dh]).
+    """
+    op = "decode_attention_head"
+    _count(op, "attn_hc", attn_hc, HC_WEIGHTS)
+    _count(op, "attention", attention, ATTENTION_WEIGHTS)
+    if len(dims) != 4:
+        raise HebrusError(f"hebrus::{op}: dims must be [index heads, index kv heads, index head dim, head dim], got "
+                          f"{len(dims)} values")
+    if len(eps) != 4:
+        raise HebrusError(f"hebrus::{op}: eps must be [hc norm, q_layernorm, q_norm, k_norm], got {len(eps)} values")
+    if h.dim() != 2:
+        raise HebrusError(f"hebrus::{op}: h must be [T, hc * hidden], got {tuple(h.shape)}")
+    index_heads, index_kv, d, hd = dims
+    x, inject = _HEBRUS.hc_premix.default(h, *attn_hc, hc_count, eps[0])
+    t = x.shape[0]
+    q_index, token_k = F.linear(x, attention[0]).split_with_sizes([index_heads * d, index_kv * d], dim=-1)
+    q_index = _HEBRUS.rms_norm_rope.default(q_index.reshape(t, -1, d), attention[1], eps[1], cos, sin)
+    raw_keys = token_k.reshape(t, -1, d).squeeze(-2).reshape(t, d)
+    q, gate = torch.chunk(F.linear(x, attention[2]).view(t, -1, hd * 2), 2, dim=-1)
+    k, v = F.linear(x, attention[3]).view(t, -1, hd), F.linear(x, attention[4]).view(t, -1, hd)
+    return (inject, q_index, raw_keys, _HEBRUS.rms_norm_rope.default(q, attention[5], eps[2], cos, sin),
+            _HEBRUS.rms_norm_rope.default(k, attention[6], eps[3], cos, sin), v, gate)
+
+
+def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: torch.Tensor, o_proj: torch.Tensor,
+                          inject: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                          hc_count: int, hc_eps: float, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """An indexed-attention decoder layer after its attention: ``o_proj(sigmoid_gate(attn_out, gate))``, then
+    :func:`decode_moe_tail`.
+
+    Shapes: hyper [T, hc * H]; attn_out, gate [T, Hq, Dh]; o_proj [H, Hq * Dh]; inject [T, hc] -> [T, hc * H].
+    """
+    _count("decode_attention_tail", "mlp_hc", mlp_hc, HC_WEIGHTS)
+    _count("decode_attention_tail", "moe", moe, MOE_WEIGHTS)
+    out = F.linear(_HEBRUS.sigmoid_gate.default(attn_out, gate).view(attn_out.shape[0], -1), o_proj)
+    return _moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob)

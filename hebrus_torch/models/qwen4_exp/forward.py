@@ -23,9 +23,9 @@ from ...hc import hyper_premix, post_combine
 from ...moe.block import packed_moe
 from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefetch_enabled
 from ...ple.row_store import DiskNgramEmbedding
-from .attention import packed_indexed_attention
+from .attention import _gated_heads, _is_module_rope, packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
-from .native import LayerCalls, MoeTailCall, NativeLayers
+from .native import AttentionLayerCall, LayerCalls, MoeTailCall, NativeLayers
 from .ple import packed_ple
 from .rope import RopeRows
 
@@ -200,8 +200,34 @@ class PackedQwen4Exp:
             return packed_decoder_layer(layer, h, partial(packed_gated_delta_net, step, idx, layer.linear_attn),
                                         "gdn", timed, tail)
         rope = self.rope if self.rope is not None else _rope_function()
+        call = None if native is None else native.attention
+        if call is not None and _native_rope(rope, cos, sin, h, call.rope_dims):
+            return self._native_attention_layer(step, idx, layer, call, h, cos, sin, timed)
         return packed_decoder_layer(layer, h, partial(packed_indexed_attention, step, idx, layer.self_attn,
                                                       cos=cos, sin=sin, rope=rope), "attention", timed, tail)
+
+    @staticmethod
+    def _native_attention_layer(step: ChunkStep, idx: int, layer: torch.nn.Module, call: AttentionLayerCall,
+                                h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, timed: Timed) -> torch.Tensor:
+        """An indexed-attention layer as its native head, the QSA cache's write, selection and attention (what
+        ``packed_indexed_attention`` asks of the step), and its native tail."""
+        with timed("native layer"):
+            inject, q_index, raw_keys, q, k, v, gate = call.head(h, cos, sin)
+        with timed("attention"):
+            step.qsa_write(idx, raw_keys, k, v)
+            out = step.qsa_attention(idx, q, step.qsa_select(idx, q_index), call.scaling)
+        if out.shape == gate.shape and out.dtype == gate.dtype:
+            with timed("native layer"):
+                return call.finish(h, out, gate, inject)
+        out = _gated_heads(layer.self_attn, out, gate)
+        return _after_mixer(layer, h, out, inject, timed, call.tail)
+
+
+def _native_rope(rope: Callable, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor, dims: int) -> bool:
+    """Whether ``norm_and_rope`` would run ``rms_norm_rope`` on this step's rotary rows (transformers' own rope;
+    cos, sin [T, R] in the streams' dtype, R even and at most ``dims``): what the native attention head runs."""
+    return _is_module_rope(rope) and cos.dim() == 2 and cos.shape[0] == h.shape[0] and cos.dtype == h.dtype \
+        and sin.dtype == h.dtype and sin.shape == cos.shape and cos.shape[1] % 2 == 0 and cos.shape[1] <= dims
 
 
 def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callable[[torch.Tensor], torch.Tensor],
@@ -227,6 +253,14 @@ def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callabl
         x, hyper, inject = hyper_premix(layer.attn_hyper_connection, h)
     with timed(part):
         out = mixer(x)
+    return _after_mixer(layer, hyper, out, inject, timed, tail)
+
+
+def _after_mixer(layer: torch.nn.Module, hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor, timed: Timed,
+                 tail: MoeTailCall | None) -> torch.Tensor:
+    """:func:`packed_decoder_layer` after the token mixer's output out Tensor[T, hidden]: post-combine, the MLP
+    pre-mix, the MoE block, post-combine (one native call where ``tail`` is given and out has the streams'
+    dtype)."""
     if tail is not None and out.dim() == 2 and out.dtype == hyper.dtype:
         with timed("native layer"):
             return tail(hyper, out, inject)

@@ -2,8 +2,11 @@
 
 ``hebrus::decode_gdn_layer`` runs a whole gated-delta-net layer after its PLE (pre-mix, GDN with its conv tails and
 recurrent states updated in place at the step's slots, post-combine, the MLP pre-mix, the MoE block,
-post-combine); ``hebrus::decode_moe_tail`` runs any layer's part after its token mixer (the indexed attention
-stays the Python path, its QSA bookkeeping being the cache's). Each is the packed forward's own sequence of ops
+post-combine). An indexed-attention layer is two calls around its QSA cache, whose writes, selection and attention
+stay the cache's (its bookkeeping is host Python): ``hebrus::decode_attention_head`` (pre-mix, the indexer's
+queries and raw keys, q / k / v, each norm and rope) and ``hebrus::decode_attention_tail`` (the output gate and
+o_proj, then the rest of the layer). ``hebrus::decode_moe_tail`` runs the part after the token mixer of a layer
+whose mixer runs in Python. Each is the packed forward's own sequence of ops
 (:mod:`hebrus_torch.reference.decode` states it), so a row's bits are the Python path's: the engine's
 invariance suites hold either way.
 
@@ -11,10 +14,11 @@ invariance suites hold either way.
 the packed forward's checks would take the fused path of every op in it (transformers' own modules, plain
 bias-free ``nn.Linear`` projections in the activations' dtype, no hooks, no forward of an instance's own, nothing
 compiled), with the same predicates the Python path asks on every call. On every step it then checks, in a few C
-loops over flat lists, that nothing those predicates read has changed since: each module's class, its hook
-dicts' sizes, its instance ``forward`` and compiled call, its submodules' and parameters' identities, and every
-parameter's dtype and device. Any change (a hook added or removed, a module or weight replaced, a cast) re-resolves
-before the step runs, so a layer hooked between steps takes the module path from its next step, as before.
+loops over flat lists, that nothing those predicates read has changed since (:class:`ModuleWatch`): hooks, each
+module's class, its instance ``forward`` and compiled call, its submodules' and parameters' identities, and every
+parameter's dtype. Any change (a hook added or removed, a module or weight replaced, a cast) re-resolves before the
+step runs, so a layer hooked between steps takes the module path from its next step, as before. (A parameter's
+data moved to another device in place is not watched: ATen refuses the mixed devices.)
 Attributes the packed forward reads as configuration (``hc_count``, norms' ``eps``, a router's ``top_k``, a GDN's
 head counts and activations) are read when resolving. Nothing runs natively off the CPU, with grad mode on, or
 while a global module hook is registered.
@@ -29,16 +33,19 @@ from typing import Sequence
 
 import torch
 from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
 from ..._op_registry import emulated_device_type
+from ... import reference
 from ...errors import translated
-from ...hc.premix import _fusable_premix, _transformers_name
+from ...hc.premix import _fusable_premix, _is_stock_rms_norm, _transformers_name
 from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights
 from ...module_calls import runs_forward_only, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
 
-__all__ = ["decode_moe_tail", "decode_gdn_layer", "NativeLayers", "GdnLayerCall", "MoeTailCall"]
+__all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail", "NativeLayers",
+           "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "LayerCalls", "ModuleWatch"]
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -54,9 +61,9 @@ def decode_moe_tail(hyper: torch.Tensor, out: torch.Tensor, inject: torch.Tensor
                                                         float(hc_eps), int(top_k), bool(norm_topk_prob))
 
 
-@torch.library.register_fake("hebrus::decode_moe_tail")
-def _decode_moe_tail_fake(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob):
-    return hyper.new_empty(hyper.shape)
+# Each fake is the op's reference (its ops' fakes): outputs with the very shapes, strides and offsets the kernel's
+# (views of the projections, as the kernel returns them).
+torch.library.register_fake("hebrus::decode_moe_tail")(reference.decode_moe_tail)
 
 
 def decode_gdn_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], gdn: Sequence[torch.Tensor],
@@ -77,10 +84,34 @@ def decode_gdn_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], gdn: Sequ
             bool(norm_topk_prob))
 
 
-@torch.library.register_fake("hebrus::decode_gdn_layer")
-def _decode_gdn_layer_fake(h, attn_hc, gdn, conv_pool, recurrent_pool, slots, cu_seqlens, mlp_hc, moe, heads, eps,
-                           conv_activation, norm_activation, hc_count, top_k, norm_topk_prob):
-    return h.new_empty(h.shape)
+torch.library.register_fake("hebrus::decode_gdn_layer")(reference.decode_gdn_layer)
+
+
+def decode_attention_head(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], attention: Sequence[torch.Tensor],
+                          cos: torch.Tensor, sin: torch.Tensor, dims: Sequence[int], eps: Sequence[float],
+                          hc_count: int) -> tuple[torch.Tensor, ...]:
+    """An indexed-attention layer up to its QSA cache in one call; see
+    :func:`hebrus_torch.reference.decode_attention_head` (shapes and the seven outputs)."""
+    with translated():
+        return torch.ops.hebrus.decode_attention_head.default(h, attn_hc, attention, cos, sin, [int(v) for v in dims],
+                                                              [float(v) for v in eps], int(hc_count))
+
+
+torch.library.register_fake("hebrus::decode_attention_head")(reference.decode_attention_head)
+
+
+def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: torch.Tensor, o_proj: torch.Tensor,
+                          inject: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                          hc_count: int, hc_eps: float, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """An indexed-attention layer after its attention in one call; see
+    :func:`hebrus_torch.reference.decode_attention_tail`."""
+    with translated():
+        return torch.ops.hebrus.decode_attention_tail.default(hyper, attn_out, gate, o_proj, inject, mlp_hc, moe,
+                                                              int(hc_count), float(hc_eps), int(top_k),
+                                                              bool(norm_topk_prob))
+
+
+torch.library.register_fake("hebrus::decode_attention_tail")(reference.decode_attention_tail)
 
 
 # ----------------------------------------------------------------------------------------------- resolution
@@ -121,12 +152,40 @@ class GdnLayerCall:
 
 
 @dataclass(frozen=True)
+class AttentionLayerCall:
+    """An indexed-attention layer as :func:`decode_attention_head` before its QSA cache and
+    :func:`decode_attention_tail` after it; ``rope_dims``: the largest rotary width its ``rms_norm_rope`` calls
+    take (the indexer's and the attention's head dims)."""
+
+    attn_hc: list[torch.Tensor]
+    attention: list[torch.Tensor]
+    dims: list[int]
+    eps: list[float]
+    o_proj: torch.Tensor
+    scaling: float
+    rope_dims: int
+    tail: MoeTailCall
+
+    def head(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return decode_attention_head(h, self.attn_hc, self.attention, cos, sin, self.dims, self.eps,
+                                     self.tail.hc_count)
+
+    def finish(self, hyper: torch.Tensor, attn_out: torch.Tensor, gate: torch.Tensor,
+               inject: torch.Tensor) -> torch.Tensor:
+        t = self.tail
+        return decode_attention_tail(hyper, attn_out, gate, self.o_proj, inject, t.mlp_hc, t.moe, t.hc_count,
+                                     t.hc_eps, t.top_k, t.norm_topk_prob)
+
+
+@dataclass(frozen=True)
 class LayerCalls:
-    """What of one decoder layer runs natively: the whole layer (``layer``, a GDN layer) and / or its part after
-    the token mixer (``tail``); None: the Python path."""
+    """What of one decoder layer runs natively: the whole GDN layer (``layer``), the indexed attention's layer
+    around its QSA cache (``attention``) and / or any layer's part after its token mixer (``tail``); None: the
+    Python path."""
 
     layer: GdnLayerCall | None
     tail: MoeTailCall | None
+    attention: AttentionLayerCall | None = None
 
 
 _NONE = LayerCalls(None, None)
@@ -225,6 +284,39 @@ def _gdn_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tensor,
                         _CONV_ACTIVATIONS[activation], str(norm.activation), tail)
 
 
+def _stock_norm_weight(norm: torch.nn.Module | None, dim: int) -> torch.Tensor | None:
+    """The weight of transformers' own ungrouped Qwen4Exp RMSNorm over ``dim`` (what ``norm_and_rope`` fuses into
+    ``rms_norm_rope``); else None."""
+    if norm is None or not _is_stock_rms_norm(norm) or norm.group_size not in (None, dim):
+        return None
+    return norm._parameters.get("weight")
+
+
+def _attention_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tensor,
+                          tail: MoeTailCall | None) -> AttentionLayerCall | None:
+    """Where ``packed_indexed_attention`` runs plain ``F.linear`` projections and one ``rms_norm_rope`` per norm,
+    and ``_gated_heads`` one ``sigmoid_gate`` and ``F.linear``: the weights of the layer's head and tail."""
+    attn = submodule(layer, "self_attn", None)
+    hc = _premix_weights(submodule(layer, "attn_hyper_connection", None), h)
+    indexer = None if attn is None else submodule(attn, "indexer", None)
+    if tail is None or hc is None or indexer is None or hc[1] != tail.hc_count \
+            or int(getattr(indexer, "index_kv_heads", 0)) != 1:
+        return None
+    d, hd = int(indexer.index_head_dim), int(attn.head_dim)
+    linears = [_weight(submodule(indexer, "index_qk_proj", None), x.dtype)] + [
+        _weight(submodule(attn, name, None), x.dtype) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    norms = [_stock_norm_weight(submodule(indexer, "q_layernorm", None), d),
+             _stock_norm_weight(submodule(attn, "q_norm", None), hd),
+             _stock_norm_weight(submodule(attn, "k_norm", None), hd)]
+    if any(w is None for w in linears + norms):
+        return None
+    eps = [hc[2]] + [float(submodule(m, n).eps) for m, n in ((indexer, "q_layernorm"), (attn, "q_norm"),
+                                                             (attn, "k_norm"))]
+    weights = [linears[0], norms[0], linears[1], linears[2], linears[3], norms[1], norms[2]]
+    return AttentionLayerCall(hc[0], weights, [int(indexer.index_n_heads), 1, d, hd], eps, linears[4],
+                              float(attn.scaling), min(d, hd), tail)
+
+
 def resolve_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerCalls:
     """What of ``layer`` (a ``Qwen4ExpTextDecoderLayer``) runs natively on activations of ``dtype``."""
     hc = submodule(layer, "mlp_hyper_connection", None)
@@ -234,8 +326,9 @@ def resolve_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     h = torch.empty(0, int(hc.hc_count) * hidden, dtype=dtype, device=device)
     x = torch.empty(0, hidden, dtype=dtype, device=device)
     tail = _tail_call(layer, h, x)
-    whole = _gdn_layer_call(layer, h, x, tail) if getattr(layer, "layer_type", None) == "linear_attention" else None
-    return LayerCalls(whole, tail)
+    if getattr(layer, "layer_type", None) == "linear_attention":
+        return LayerCalls(_gdn_layer_call(layer, h, x, tail), tail)
+    return LayerCalls(None, tail, _attention_layer_call(layer, h, x, tail))
 
 
 def _global_hooks() -> bool:
@@ -244,20 +337,22 @@ def _global_hooks() -> bool:
 
 
 class ModuleWatch:
-    """What the resolution read of modules, to tell cheaply whether any of it changed: each module's class, hook
-    dicts' sizes, instance ``forward`` and compiled call, its submodules and parameters (their names and identities)
-    and every parameter's dtype and device. :meth:`unchanged` compares them in C loops over flat lists (map over
-    built-in functions: ~10 us for a 4-layer model's ~100 modules)."""
+    """What the resolution read of modules, to tell cheaply whether any of it changed: hooks (any registered since,
+    anywhere: ``RemovableHandle``'s id counter, and the modules' hook counts), each module's class, instance
+    ``forward`` and compiled call, its submodules and parameters (their names and identities) and every parameter's
+    dtype. :meth:`unchanged` compares them in C loops over flat lists (map over built-in functions: ~25 us for the
+    ~80 modules of a 4-layer model's resolved parts)."""
 
     def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
         self.modules = list(modules)
         self.types = list(map(type, self.modules))
+        self.hook_id = RemovableHandle.next_id
         self.hook_dicts = [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks,
                                                                m._backward_hooks, m._backward_pre_hooks)]
-        self.hook_sizes = list(map(len, self.hook_dicts))
+        self.hook_count = sum(map(len, self.hook_dicts))
         self.instance_dicts = [m.__dict__ for m in self.modules]
         self.forwards = list(map(dict.get, self.instance_dicts, repeat("forward")))
-        self.compiled = list(map(operator.attrgetter("_compiled_call_impl"), self.modules))
+        self.compiled = list(map(dict.get, self.instance_dicts, repeat("_compiled_call_impl")))
         self.owner_dicts = [d for m in self.modules for d in (m._modules, m._parameters)]
         self.owner_sizes = list(map(len, self.owner_dicts))
         self.member_dicts, self.member_names, self.members = [], [], []
@@ -267,19 +362,34 @@ class ModuleWatch:
                 self.member_names.append(name)
                 self.members.append(obj)
         self.params = [p for m in self.modules for p in m._parameters.values() if p is not None]
-        self.dtypes = list(map(operator.attrgetter("dtype"), self.params))
-        self.devices = list(map(operator.attrgetter("device"), self.params))
+        self.dtypes = list(map(_DTYPE, self.params))
 
     def unchanged(self) -> bool:
-        return list(map(len, self.hook_dicts)) == self.hook_sizes \
-            and all(map(operator.is_, map(dict.get, self.instance_dicts, repeat("forward")), self.forwards)) \
+        # (No hook was registered anywhere since (the id counter) and none removed here (the count).)
+        return RemovableHandle.next_id == self.hook_id and sum(map(len, self.hook_dicts)) == self.hook_count \
             and all(map(operator.is_, map(dict.get, self.member_dicts, self.member_names), self.members)) \
-            and all(map(operator.is_, map(operator.attrgetter("_compiled_call_impl"), self.modules),
+            and list(map(len, self.owner_dicts)) == self.owner_sizes \
+            and all(map(operator.is_, map(dict.get, self.instance_dicts, repeat("forward")), self.forwards)) \
+            and all(map(operator.is_, map(dict.get, self.instance_dicts, repeat("_compiled_call_impl")),
                         self.compiled)) \
             and list(map(type, self.modules)) == self.types \
-            and list(map(operator.attrgetter("dtype"), self.params)) == self.dtypes \
-            and list(map(operator.attrgetter("device"), self.params)) == self.devices \
-            and list(map(len, self.owner_dicts)) == self.owner_sizes
+            and list(map(_DTYPE, self.params)) == self.dtypes
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+def watched_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules :func:`resolve_layer` reads of a decoder layer: the layer, its hyper-connections, its MoE block
+    and its token mixer (each with its submodules)."""
+    parts = ["mlp_hyper_connection", "mlp", "attn_hyper_connection"]
+    parts.append("linear_attn" if getattr(layer, "layer_type", None) == "linear_attention" else "self_attn")
+    found = [layer]
+    for name in parts:
+        part = layer._modules.get(name)
+        if part is not None:
+            found.extend(part.modules())
+    return found
 
 
 class NativeLayers:
@@ -316,5 +426,5 @@ class NativeLayers:
     def _resolve(self, dtype: torch.dtype, device: torch.device) -> None:
         self.resolutions += 1
         layers = list(self.container)[: self.count]
-        self._watch = ModuleWatch([self.container] + [m for layer in layers for m in layer.modules()])
+        self._watch = ModuleWatch([self.container] + [m for layer in layers for m in watched_modules(layer)])
         self._calls = [resolve_layer(layer, dtype, device) for layer in layers]
