@@ -155,6 +155,12 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
       "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor");
+  // A PLE layer's gate before its conv: (the gated values [T, hc * H], them normed by norm_conv). ple:
+  // key_proj.weight, norm_key.weight, value_proj.weight, norm_query.weight, norm_conv.weight; groups and eps: the
+  // three norms' (norm_key, norm_query, norm_conv).
+  m.def(
+      "decode_ple_gate(Tensor rows, Tensor h, Tensor[] ple, int[] groups, float[] eps, int hc_count, int hidden) "
+      "-> (Tensor, Tensor)");
 }
 
 namespace {
@@ -225,6 +231,7 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   m.impl("decode_moe_tail", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_attention_head", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_attention_tail", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_ple_gate", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_gdn_layer", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }
 

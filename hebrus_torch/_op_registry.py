@@ -183,6 +183,10 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
            "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor",
            reference.decode_attention_tail, _CPU),
+    OpSpec("decode_ple_gate",
+           "decode_ple_gate(Tensor rows, Tensor h, Tensor[] ple, int[] groups, float[] eps, int hc_count, int hidden) "
+           "-> (Tensor, Tensor)",
+           reference.decode_ple_gate, _CPU),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

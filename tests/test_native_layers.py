@@ -1,5 +1,5 @@
-"""Native decoder layers (issue 37): ``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head`` and
-``decode_attention_tail`` on the CPU.
+"""Native decoder layers (issue 37): ``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``,
+``decode_attention_tail`` and ``decode_ple_gate`` on the CPU.
 
 - each op equals the ops it is made of (``hebrus_torch.reference.decode``) bit for bit, outputs and the pools it
   updates in place, on random inputs of packed rows of several sequences, fp32 and bf16; opcheck passes; bad
@@ -122,6 +122,25 @@ def test_decode_attention_head_and_tail_are_their_ops_bit_for_bit(dtype):
                                                                t.norm_topk_prob))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_ple_gate_is_its_ops_bit_for_bit(dtype):
+    model = make_model("lin-idx", seed=11).to(dtype)
+    _, calls = native_calls(model, dtype)
+    ple_layers = [i for i, c in enumerate(calls) if c.ple is not None]
+    assert ple_layers == [i for i, layer in enumerate(model.model.layers) if layer.ple is not None] != []
+    for i in ple_layers:
+        gate, ple = calls[i].ple, model.model.layers[i].ple
+        g = torch.Generator().manual_seed(i)
+        table = ple.ple_embedding.ngram_embedding
+        rows = table(torch.randint(0, table.weight.shape[0], (5, gate.ple[0].shape[1] // table.weight.shape[1]),
+                                   generator=g))
+        h = torch.randn(5, gate.hc_count * gate.hidden, generator=g).to(dtype)
+        with torch.no_grad():
+            got = gate(rows, h)
+            want = reference.decode_ple_gate(rows, h, gate.ple, gate.groups, gate.eps, gate.hc_count, gate.hidden)
+        assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got, want))
+
+
 def test_opcheck():
     model = make_model("lin-idx", seed=5)
     _, calls = native_calls(model)
@@ -142,6 +161,13 @@ def test_opcheck():
         ha, cos, sin = attention_inputs(model, 1, torch.float32, 0)
         torch.library.opcheck(torch.ops.hebrus.decode_attention_head.default,
                               (ha, att.attn_hc, att.attention, cos, sin, att.dims, att.eps, tail.hc_count))
+        ple_layer = next(i for i, c in enumerate(calls) if c.ple is not None)
+        pg = calls[ple_layer].ple
+        emb = model.model.layers[ple_layer].ple.ple_embedding.ngram_embedding
+        rows = emb(torch.randint(0, emb.weight.shape[0], (3, pg.ple[0].shape[1] // emb.weight.shape[1])))
+        torch.library.opcheck(torch.ops.hebrus.decode_ple_gate.default,
+                              (rows, torch.randn(3, pg.hc_count * pg.hidden), pg.ple, pg.groups, pg.eps, pg.hc_count,
+                               pg.hidden))
         _, _, _, q, _, _, gate = att.head(ha, cos, sin)
         torch.library.opcheck(torch.ops.hebrus.decode_attention_tail.default,
                               (ha, torch.randn(q.shape), gate, att.o_proj, torch.rand(3, hc.hc_count), tail.mlp_hc,

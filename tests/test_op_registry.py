@@ -152,7 +152,7 @@ REFERENCE_NAMES = [
     "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
     "qsa_token_cells", "rms_norm_rope", "sigmoid_gate",
-    "decode_gdn_layer", "decode_moe_tail", "decode_attention_head", "decode_attention_tail",
+    "decode_gdn_layer", "decode_moe_tail", "decode_attention_head", "decode_attention_tail", "decode_ple_gate",
 ]
 
 

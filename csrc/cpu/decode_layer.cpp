@@ -1,5 +1,5 @@
 // The engine's native decoder-layer calls (issue 37): hebrus::decode_gdn_layer, decode_moe_tail,
-// decode_attention_head and decode_attention_tail run
+// decode_attention_head, decode_attention_tail and decode_ple_gate run
 // what hebrus_torch/models/qwen4_exp/forward.py's packed_decoder_layer runs for a stock layer (transformers' own
 // modules, the fused path of every part), op for op: the same ATen and hebrus ops, in the same order, on the same
 // tensors, so every output and state bit equals the Python path's. What they save is the Python between the ops
@@ -182,10 +182,42 @@ Tensor decode_attention_tail_cpu(const Tensor& hyper, const Tensor& attn_out, co
   return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
 }
 
+constexpr size_t kPleWeights = 5;  // key_proj.weight, norm_key.weight, value_proj.weight, norm_query.weight,
+                                   // norm_conv.weight
+
+Tensor hc_rms_norm(const Tensor& x, const Tensor& weight, int64_t group, double eps) {
+  static const auto op =
+      hebrus_op<Tensor(const Tensor&, const Tensor&, int64_t, double)>("hebrus::hc_rms_norm");
+  return op.call(x, weight, group, eps);
+}
+
+// A PLE layer's gate up to its conv (models/qwen4_exp/ple.py's packed_ple): each stream's normed activations gate
+// the n-gram value against that stream's key; returns (the gated values, them normed for the conv).
+std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor& h, at::TensorList w,
+                                               c10::IntArrayRef groups, c10::ArrayRef<double> eps, int64_t hc_count,
+                                               int64_t hidden) {
+  const char* op = "decode_ple_gate";
+  check_count(op, "ple", w, kPleWeights);
+  HEBRUS_CHECK(groups.size() == 3 && eps.size() == 3, HebrusError, "hebrus::", op,
+               ": groups and eps must hold the norms' [norm_key, norm_query, norm_conv] values, got ", groups.size(),
+               " and ", eps.size());
+  HEBRUS_CHECK(rows.dim() >= 2, HebrusError, "hebrus::", op, ": rows must be [T, N, dim], got ",
+               shape_str(rows.sizes()));
+  const Tensor emb = rows.flatten(-2);
+  const Tensor key = hc_rms_norm(at::linear(emb, w[0]), w[1], groups[0], eps[0]).unflatten(-1, {hc_count, hidden});
+  const Tensor value = at::linear(emb, w[2]);
+  const Tensor query = hc_rms_norm(h, w[3], groups[1], eps[1]).unflatten(-1, {hc_count, hidden});
+  Tensor gate = (key * query).sum(-1, true) / std::sqrt(static_cast<double>(hidden));
+  gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign();
+  const Tensor gated = (at::sigmoid(gate) * value.unsqueeze(-2)).flatten(-2);
+  return {gated, hc_rms_norm(gated, w[4], groups[2], eps[2])};
+}
+
 }  // namespace
 }  // namespace hebrus
 
 TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
+  m.impl("decode_ple_gate", &hebrus::decode_ple_gate_cpu);
   m.impl("decode_moe_tail", &hebrus::decode_moe_tail_cpu);
   m.impl("decode_gdn_layer", &hebrus::decode_gdn_layer_cpu);
   m.impl("decode_attention_head", &hebrus::decode_attention_head_cpu);

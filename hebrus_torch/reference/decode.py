@@ -17,6 +17,7 @@ Weight lists (what ``hebrus_torch.models.qwen4_exp.native`` builds from the laye
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -167,3 +168,36 @@ def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: tor
     _count("decode_attention_tail", "moe", moe, MOE_WEIGHTS)
     out = F.linear(_HEBRUS.sigmoid_gate.default(attn_out, gate).view(attn_out.shape[0], -1), o_proj)
     return _moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob)
+
+
+PLE_WEIGHTS = 5
+
+
+def decode_ple_gate(rows: torch.Tensor, h: torch.Tensor, ple: Sequence[torch.Tensor], groups: Sequence[int],
+                    eps: Sequence[float], hc_count: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PLE layer (transformers' ``Qwen4ExpTextPLELayer``) up to its conv: each stream's activations, normed
+    (``norm_query``), gate the n-gram value (``value_proj``) against that stream's key (``key_proj``, ``norm_key``) by
+    a sigmoid of the signed square root of their scaled dot product; the gated values and them normed for the conv
+    (``norm_conv``), each norm one ``hc_rms_norm``.
+
+    ``ple``: ``key_proj.weight``, ``norm_key.weight``, ``value_proj.weight``, ``norm_query.weight``,
+    ``norm_conv.weight``; groups, eps: the three norms' group sizes and eps (norm_key, norm_query, norm_conv).
+
+    Shapes: rows [T, N, dim] (the n-gram embedding rows), h [T, hc * H] -> (gated [T, hc * H], normed [T, hc * H]).
+    """
+    op = "decode_ple_gate"
+    _count(op, "ple", ple, PLE_WEIGHTS)
+    if len(groups) != 3 or len(eps) != 3:
+        raise HebrusError(f"hebrus::{op}: groups and eps must hold the norms' [norm_key, norm_query, norm_conv] "
+                          f"values, got {len(groups)} and {len(eps)}")
+    if rows.dim() < 2:
+        raise HebrusError(f"hebrus::{op}: rows must be [T, N, dim], got {tuple(rows.shape)}")
+    emb = rows.flatten(-2)
+    key = _HEBRUS.hc_rms_norm.default(F.linear(emb, ple[0]), ple[1], groups[0], eps[0]).unflatten(-1, (hc_count,
+                                                                                                        hidden))
+    value = F.linear(emb, ple[2])
+    query = _HEBRUS.hc_rms_norm.default(h, ple[3], groups[1], eps[1]).unflatten(-1, (hc_count, hidden))
+    gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+    return gated, _HEBRUS.hc_rms_norm.default(gated, ple[4], groups[2], eps[2])

@@ -26,7 +26,7 @@ from ...ple.row_store import DiskNgramEmbedding
 from .attention import _gated_heads, _is_module_rope, packed_indexed_attention
 from .gdn import module_mismatch, packed_gated_delta_net
 from .native import AttentionLayerCall, LayerCalls, MoeTailCall, NativeLayers
-from .ple import packed_ple
+from .ple import native_ple, packed_ple
 from .rope import RopeRows
 
 if TYPE_CHECKING:
@@ -189,7 +189,9 @@ class PackedQwen4Exp:
                 rows = None
                 if prefetched is not None and idx in prefetched:
                     rows = prefetched.rows(idx, layer.ple.ple_embedding.ngram_embedding.out_dtype)
-                h = h + packed_ple(step, idx, layer.ple, h, rows)
+                gate = None if native is None else native.ple
+                h = h + (packed_ple(step, idx, layer.ple, h, rows) if gate is None else
+                         native_ple(step, idx, layer.ple, gate, h, rows))
         tail = None if native is None else native.tail
         if layer.layer_type == "linear_attention":
             if native is not None and native.layer is not None:

@@ -6,7 +6,8 @@ post-combine). An indexed-attention layer is two calls around its QSA cache, who
 stay the cache's (its bookkeeping is host Python): ``hebrus::decode_attention_head`` (pre-mix, the indexer's
 queries and raw keys, q / k / v, each norm and rope) and ``hebrus::decode_attention_tail`` (the output gate and
 o_proj, then the rest of the layer). ``hebrus::decode_moe_tail`` runs the part after the token mixer of a layer
-whose mixer runs in Python. Each is the packed forward's own sequence of ops
+whose mixer runs in Python, ``hebrus::decode_ple_gate`` a PLE layer's gate around its n-gram ids and conv (the PLE
+state's). Each is the packed forward's own sequence of ops
 (:mod:`hebrus_torch.reference.decode` states it), so a row's bits are the Python path's: the engine's
 invariance suites hold either way.
 
@@ -44,8 +45,9 @@ from ...module_calls import runs_forward_only, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
 
-__all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail", "NativeLayers",
-           "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "LayerCalls", "ModuleWatch"]
+__all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail", "decode_ple_gate",
+           "NativeLayers", "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "PleGateCall", "LayerCalls",
+           "ModuleWatch"]
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -114,6 +116,17 @@ def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: tor
 torch.library.register_fake("hebrus::decode_attention_tail")(reference.decode_attention_tail)
 
 
+def decode_ple_gate(rows: torch.Tensor, h: torch.Tensor, ple: Sequence[torch.Tensor], groups: Sequence[int],
+                    eps: Sequence[float], hc_count: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PLE layer's gate before its conv in one call; see :func:`hebrus_torch.reference.decode_ple_gate`."""
+    with translated():
+        return torch.ops.hebrus.decode_ple_gate.default(rows, h, ple, [int(v) for v in groups],
+                                                        [float(v) for v in eps], int(hc_count), int(hidden))
+
+
+torch.library.register_fake("hebrus::decode_ple_gate")(reference.decode_ple_gate)
+
+
 # ----------------------------------------------------------------------------------------------- resolution
 @dataclass(frozen=True)
 class MoeTailCall:
@@ -178,14 +191,31 @@ class AttentionLayerCall:
 
 
 @dataclass(frozen=True)
+class PleGateCall:
+    """A PLE layer's gate as :func:`decode_ple_gate`'s arguments after (rows, h); ``conv_weight``: its conv's weight
+    (what ``ChunkStep.ple_conv`` takes)."""
+
+    ple: list[torch.Tensor]
+    groups: list[int]
+    eps: list[float]
+    hc_count: int
+    hidden: int
+    conv_weight: torch.Tensor
+
+    def __call__(self, rows: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return decode_ple_gate(rows, h, self.ple, self.groups, self.eps, self.hc_count, self.hidden)
+
+
+@dataclass(frozen=True)
 class LayerCalls:
     """What of one decoder layer runs natively: the whole GDN layer (``layer``), the indexed attention's layer
-    around its QSA cache (``attention``) and / or any layer's part after its token mixer (``tail``); None: the
-    Python path."""
+    around its QSA cache (``attention``), any layer's part after its token mixer (``tail``) and its PLE's gate
+    (``ple``); None: the Python path."""
 
     layer: GdnLayerCall | None
     tail: MoeTailCall | None
     attention: AttentionLayerCall | None = None
+    ple: PleGateCall | None = None
 
 
 _NONE = LayerCalls(None, None)
@@ -317,6 +347,26 @@ def _attention_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tens
                               float(attn.scaling), min(d, hd), tail)
 
 
+def _ple_gate_call(ple: torch.nn.Module | None, dtype: torch.dtype) -> PleGateCall | None:
+    """Where ``packed_ple`` runs ``F.linear`` for its key and value projections and one ``hc_rms_norm`` per norm:
+    the gate's weights."""
+    if ple is None:
+        return None
+    hc, hidden = int(ple.hc_count), int(ple.hidden_size)
+    norms = [submodule(ple, name, None) for name in ("norm_key", "norm_query", "norm_conv")]
+    linears = [_weight(submodule(ple, name, None), dtype) for name in ("key_proj", "value_proj")]
+    conv = submodule(ple, "conv1d", None)
+    if any(w is None for w in linears) or conv is None or conv._parameters.get("weight") is None \
+            or not all(n is not None and _is_stock_rms_norm(n) for n in norms):
+        return None
+    weights = [n._parameters.get("weight") for n in norms]
+    if any(w is None for w in weights):
+        return None
+    groups = [int(n.group_size) if n.group_size is not None else hc * hidden for n in norms]
+    return PleGateCall([linears[0], weights[0], linears[1], weights[1], weights[2]], groups,
+                       [float(n.eps) for n in norms], hc, hidden, conv._parameters["weight"])
+
+
 def resolve_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LayerCalls:
     """What of ``layer`` (a ``Qwen4ExpTextDecoderLayer``) runs natively on activations of ``dtype``."""
     hc = submodule(layer, "mlp_hyper_connection", None)
@@ -326,9 +376,10 @@ def resolve_layer(layer: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     h = torch.empty(0, int(hc.hc_count) * hidden, dtype=dtype, device=device)
     x = torch.empty(0, hidden, dtype=dtype, device=device)
     tail = _tail_call(layer, h, x)
+    ple = _ple_gate_call(submodule(layer, "ple", None), dtype)
     if getattr(layer, "layer_type", None) == "linear_attention":
-        return LayerCalls(_gdn_layer_call(layer, h, x, tail), tail)
-    return LayerCalls(None, tail, _attention_layer_call(layer, h, x, tail))
+        return LayerCalls(_gdn_layer_call(layer, h, x, tail), tail, None, ple)
+    return LayerCalls(None, tail, _attention_layer_call(layer, h, x, tail), ple)
 
 
 def _global_hooks() -> bool:
@@ -380,9 +431,9 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def watched_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules :func:`resolve_layer` reads of a decoder layer: the layer, its hyper-connections, its MoE block
-    and its token mixer (each with its submodules)."""
-    parts = ["mlp_hyper_connection", "mlp", "attn_hyper_connection"]
+    """The modules :func:`resolve_layer` reads of a decoder layer: the layer, its hyper-connections, its MoE block,
+    its PLE and its token mixer (each with its submodules)."""
+    parts = ["mlp_hyper_connection", "mlp", "attn_hyper_connection", "ple"]
     parts.append("linear_attn" if getattr(layer, "layer_type", None) == "linear_attention" else "self_attn")
     found = [layer]
     for name in parts:

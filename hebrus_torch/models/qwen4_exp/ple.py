@@ -13,6 +13,7 @@ from ...module_calls import linear
 
 if TYPE_CHECKING:
     from ...model_cache import ChunkStep
+    from .native import PleGateCall
 
 
 def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.Tensor,
@@ -40,3 +41,15 @@ def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.T
     gated = torch.sigmoid(gate) * value.unsqueeze(-2)
     gated_normed = fused_norm(ple.norm_conv, gated.flatten(-2))
     return gated.flatten(-2) + step.ple_conv(layer_idx, gated_normed, ple.conv1d.weight)
+
+
+def native_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, gate: PleGateCall, h: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`packed_ple` with its gate one native call (``hebrus::decode_ple_gate``, the same ops): the n-gram ids,
+    rows and conv as there. Rows not in h's dtype take :func:`packed_ple`."""
+    if rows is None:
+        rows = ple.ple_embedding.ngram_embedding(step.ple_ngram_ids(layer_idx))
+    if rows.dtype != h.dtype:
+        return packed_ple(step, layer_idx, ple, h, rows)
+    gated, normed = gate(rows, h)
+    return gated + step.ple_conv(layer_idx, normed, gate.conv_weight)
