@@ -140,12 +140,17 @@ def test_engine_runs_every_moe_layer_through_the_op(calls):
     prompt = [5, 9, 14, 22, 7, 30, 11, 8, 41, 17, 12, 6, 19, 27]
     want = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
-    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=8, block_size=4))
-    engine.add_request(prompt, request_id="a", max_new_tokens=5)
-    engine.run()
-    assert engine.requests["a"].generated == want
-    layers = model.config.num_hidden_layers
-    assert len(calls) % layers == 0 and len(calls) >= layers * 6           # 2 prefill chunks + 4 decode steps
+    # (native_layers=False: the native decoder layers call the op from C++, past the counting wrapper; their tokens
+    # are checked too)
+    for native in (False, True):
+        engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=8, block_size=4,
+                                            native_layers=native))
+        engine.add_request(prompt, request_id="a", max_new_tokens=5)
+        engine.run()
+        assert engine.requests["a"].generated == want
+        if not native:
+            layers = model.config.num_hidden_layers
+            assert len(calls) % layers == 0 and len(calls) >= layers * 6    # 2 prefill chunks + 4 decode steps
 
 
 def test_emulated_mps_step_has_one_moe_dispatch_per_layer_and_no_sync():
