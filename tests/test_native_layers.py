@@ -325,3 +325,26 @@ def test_a_hook_added_between_steps_runs_from_the_next_step():
         engine.step()
         assert len(seen) == n
     assert engine.runner.forward.native.resolutions == 3
+
+
+def test_native_layers_must_be_a_bool_and_off_means_the_python_path():
+    with pytest.raises(HebrusError, match="native_layers must be a bool"):
+        EngineConfig(native_layers="yes")
+    model = make_model("lin-idx", seed=12)
+    engine = run(model, [[5, 6, 7]], False, max_batch_tokens=64)
+    assert engine.runner.forward.native.resolutions == 0 and engine.requests["r0"].generated
+
+
+def test_the_calls_compile_in_a_full_graph():
+    model = make_model("lin-idx", seed=13)
+    _, calls = native_calls(model)
+    tail, att = calls[1].tail, calls[1].attention
+    h, cos, sin = attention_inputs(model, 1, torch.float32, 0)
+
+    def layer(h, cos, sin):
+        inject, q_index, raw_keys, q, k, v, gate = att.head(h, cos, sin)
+        return att.finish(h, q * 0.5, gate, inject)
+
+    with torch.no_grad():
+        got = torch.compile(layer, fullgraph=True, backend="aot_eager")(h, cos, sin)
+        assert torch.equal(got, layer(h, cos, sin))

@@ -50,10 +50,12 @@ class EngineConfig:
             layers before the PLE layer run (docs/ple.md, "Prefetch"); False: in the PLE layer's own call;
             ``"auto"`` (default): True where the model is on a device (CUDA, MPS), False on the CPU (there the
             worker competes with torch's own threads for the cores). No effect with the table in memory.
-        native_layers: on the CPU, run each stock decoder layer's ops as one native call (``hebrus::decode_gdn_layer``
-            for a gated-delta-net layer, ``hebrus::decode_moe_tail`` for any layer's part after its token mixer;
-            ``models/qwen4_exp/native.py``): the same ops in the same order, so the same bits, without the Python
-            between them. False: every layer through the Python path.
+        native_layers: on the CPU, run each stock decoder layer's ops as one to three native calls
+            (``hebrus::decode_gdn_layer`` for a gated-delta-net layer, ``decode_attention_head`` / ``_tail`` around an
+            indexed-attention layer's QSA cache, ``decode_ple_gate``, ``decode_moe_tail``; ``models/qwen4_exp/
+            native.py``, docs/engine.md "Native decoder layers"): the same ops in the same order, so the same bits,
+            without the Python between them; a module hooked, replaced or cast between steps is seen and takes its
+            module path from the next step. False: every layer through the Python path.
     """
 
     capacity_tokens: int = 16384
