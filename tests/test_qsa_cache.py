@@ -358,6 +358,35 @@ def test_one_row_plan_falls_back_to_name_a_hole(monkeypatch, cache):
         cache.cell_pos[chunk.cells[4]] = 4
 
 
+def test_a_write_that_fails_after_its_flags_undoes_itself_inside_the_transaction(monkeypatch):
+    """``write`` inside an open transaction is atomic through its light scope (``_WriteScope``): a write that fails
+    after clearing its flags (here: pooling the groups it completes) leaves the flags, the pending rows, the written
+    memo and the undo log as they were; written again, the transaction commits the state a clean run commits."""
+    keys, _, _ = stream(8)
+    clean, cache = make_cache(), make_cache()
+    for c in (clean, cache):
+        seq = c.new_sequence()
+        with transaction(c):
+            chunk = c.reserve([seq], [8], [0])          # two whole groups, pending for both layers
+            c.write(0, chunk, keys[0])
+            if c is cache:
+                txn = c._txn
+                log_len, written = len(txn.log), dict(txn.written)
+                pending = [[p.clone() for p in rows] for rows in txn.pending]
+                flags, pending_flags = c._unwritten.clone(), c._pending.clone()
+                with monkeypatch.context() as m:
+                    m.setattr(c, "_pool", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("pool failed")))
+                    with pytest.raises(RuntimeError, match="pool failed"):
+                        c.write(1, chunk, keys[1])
+                assert len(txn.log) == log_len and txn.written == written
+                assert torch.equal(c._unwritten, flags) and torch.equal(c._pending, pending_flags)
+                assert [[p.tolist() for p in rows] for rows in txn.pending] == \
+                    [[p.tolist() for p in rows] for rows in pending]
+            c.write(1, chunk, keys[1])
+        check_invariants(c)
+    assert cache.digest() == clean.digest()
+
+
 @pytest.mark.parametrize("form", ["index", "row", "column", "other"])
 def test_set_through_index_ops_equals_the_indexing_assignment(cache, form):
     """The undo log's ``_set`` writes a 1-D index, ``(i, index)`` or ``(:, index)`` through index_select /

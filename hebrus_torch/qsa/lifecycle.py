@@ -350,7 +350,7 @@ class _Lifecycle:
             v: Tensor[T, Hkv, Dv] main attention values (required iff the cache keeps K/V).
         """
         layer = self._layer(layer)
-        with self._op():
+        with self._write_scope(layer):
             if self._txn.token is not chunk._txn:
                 raise HebrusError("QSACache.write: the chunk was reserved in another transaction (already "
                                   "committed or rolled back); reserve and write inside one transaction, or use append")

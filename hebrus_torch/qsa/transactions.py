@@ -69,6 +69,43 @@ def _index_line(tensor: torch.Tensor, idx: Any) -> tuple[torch.Tensor, int, torc
     return view, dim, at
 
 
+_ABSENT = object()
+
+
+class _WriteScope:
+    """``write``'s atomicity inside an open transaction, lighter than a savepoint of the whole cache: what a write
+    changes is only the undo-logged tensors (the flags, a rewrite's old content, re-pooled rows), the layer's pending
+    rows and its written memo (fresh cells' content and pending rows' pooled keys are invisible until commit), so
+    a failure undoes the log entries after its start and puts those two back, as ``_restore`` would."""
+
+    __slots__ = ("cache", "layer", "log_len", "pending", "written")
+
+    def __init__(self, cache: "_Transactions", layer: int) -> None:
+        txn = cache._txn
+        self.cache, self.layer = cache, layer
+        self.log_len, self.pending, self.written = len(txn.log), list(txn.pending[layer]), \
+            txn.written.get(layer, _ABSENT)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            return False
+        cache, txn = self.cache, self.cache._txn
+        for tensor, idx, old in reversed(txn.log[self.log_len:]):
+            tensor[idx] = old
+        del txn.log[self.log_len:]
+        cache._cells_version += 1
+        cache._ref_version += 1
+        txn.pending[self.layer] = self.pending
+        if self.written is _ABSENT:
+            txn.written.pop(self.layer, None)
+        else:
+            txn.written[self.layer] = self.written
+        return False
+
+
 class _Transactions:
     """Undo log, savepoints and the ``Transactional`` hooks of :class:`QSACache`."""
 
@@ -253,3 +290,8 @@ class _Transactions:
     def _op(self):
         """One atomic operation: its own transaction when none is open, else between savepoints."""
         return atomic(self)
+
+    def _write_scope(self, layer: int):
+        """:meth:`_op` for ``write`` of ``layer``: inside an open transaction a :class:`_WriteScope` (a write can change
+        less than a whole savepoint keeps)."""
+        return _WriteScope(self, layer) if self.in_transaction and self._txn is not None else atomic(self)
