@@ -1,5 +1,5 @@
-"""The native decoder-layer calls (``hebrus::decode_moe_tail``, ``hebrus::decode_gdn_layer``; issue 37) as the ops
-they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
+"""The native decoder-layer calls (``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``,
+``decode_attention_tail``, ``decode_ple_gate``; issue 37) as the ops they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
 (``hebrus_torch.models.qwen4_exp.forward.packed_decoder_layer`` with the fused path of every part), one op after
 another through ``torch.ops.hebrus`` (each device's own kernels) and ``F.linear``. On the CPU the native kernel
 calls the same ops in the same order, so its outputs and state equal these bit for bit; a device without a native
@@ -12,7 +12,14 @@ Weight lists (what ``hebrus_torch.models.qwen4_exp.native`` builds from the laye
 - ``moe`` (a ``Qwen4ExpTextSparseMoeBlock``): ``gate.weight``, ``shared_expert_gate.weight``,
   ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_expert.{gate_proj, up_proj, down_proj}.weight``;
 - ``gdn`` (a ``Qwen4ExpTextGatedDeltaNet``): ``in_proj_{qkv, z, b, a}.weight``, ``conv1d.weight``, ``A_log``,
-  ``dt_bias``, ``norm.weight``, ``out_proj.weight``.
+  ``dt_bias``, ``norm.weight``, ``out_proj.weight``;
+- ``attention`` (a ``Qwen4ExpTextAttention``): ``indexer.index_qk_proj.weight``, ``indexer.q_layernorm.weight``,
+  ``{q, k, v}_proj.weight``, ``q_norm.weight``, ``k_norm.weight`` (and ``o_proj.weight`` on its own);
+- ``ple`` (a ``Qwen4ExpTextPLELayer``): ``key_proj.weight``, ``norm_key.weight``, ``value_proj.weight``,
+  ``norm_query.weight``, ``norm_conv.weight``.
+
+Each is also its op's fake (``models/qwen4_exp/native.py``): run on fake tensors, it gives the kernel's output
+views, strides and offsets included.
 """
 
 from __future__ import annotations
