@@ -17,6 +17,9 @@ few percent). Prints each round's pair and, per request count, the median over r
 the ratio B / A:
 
     python benchmarks/bench_decode_step.py --pair <tree A> <tree B> --rounds 6
+
+A tree written ``<path>@python`` runs with ``EngineConfig(native_layers=False)`` (``--python-layers``): the same tree's
+Python path against its native layers is ``--pair <path>@python <path>``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ from profile_engine_decode import llamacpp_variant  # noqa: E402
 from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
 
 
-def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: int = 64) -> float:
+def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: int = 64,
+                   native_layers: bool = True) -> float:
     """Median CPU milliseconds of a decode step with ``requests`` requests decoding."""
     g = torch.Generator().manual_seed(1)
+    options = {} if native_layers else {"native_layers": False}       # (a tree from before the option: no key)
     engine = Engine(model, EngineConfig(capacity_tokens=requests * (prompt + steps + 16), max_sequences=requests,
-                                        max_batch_tokens=max(4096, requests * prompt), block_size=256))
+                                        max_batch_tokens=max(4096, requests * prompt), block_size=256, **options))
     for i in range(requests):
         engine.add_request(torch.randint(4, model.config.vocab_size, (prompt,), generator=g).tolist(),
                            request_id=f"r{i}", max_new_tokens=steps + 8, eos_token_id=-1)
@@ -67,9 +72,10 @@ def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
         procs = []
         for i, tree in enumerate(trees):
             core = cores[(i + r) % 2]
-            env = dict(os.environ, PYTHONPATH=tree)
+            path, python_layers = (tree[:-len("@python")], True) if tree.endswith("@python") else (tree, False)
+            env = dict(os.environ, PYTHONPATH=path)
             cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--counts", counts,
-                   "--steps", str(steps), "--label", tree]
+                   "--steps", str(steps), "--label", tree] + (["--python-layers"] if python_layers else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
         for tree, proc in zip(trees, procs):
             out = proc.communicate()[0]
@@ -93,6 +99,8 @@ def main() -> None:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--pair", nargs=2, metavar=("TREE_A", "TREE_B"), help="time two trees at once, a core each")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--python-layers", action="store_true",
+                    help="EngineConfig(native_layers=False): every layer through the Python path")
     args = ap.parse_args()
     if args.pair:
         paired(args.pair, args.counts, args.steps, args.rounds)
@@ -101,7 +109,8 @@ def main() -> None:
     model = llamacpp_variant()
     import hebrus_torch
 
-    cells = [f"{n}: {decode_step_ms(model, n, args.steps):.2f} ms" for n in (int(c) for c in args.counts.split(","))]
+    cells = [f"{n}: {decode_step_ms(model, n, args.steps, native_layers=not args.python_layers):.2f} ms"
+             for n in (int(c) for c in args.counts.split(","))]
     print(f"{args.label} ({os.path.dirname(hebrus_torch.__file__)}): " + ", ".join(cells))
 
 
