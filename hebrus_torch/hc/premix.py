@@ -23,7 +23,8 @@ from ..module_calls import submodule
 from ..moe.quantized_linear import QuantizedLinear
 from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 
-__all__ = ["hyper_premix", "post_combine", "fused_norm", "premix_by_modules", "post_combine_by_ops"]
+__all__ = ["hyper_premix", "post_combine", "fused_norm", "premix_by_modules", "post_combine_by_ops",
+           "stock_gated_residual", "premix_params"]
 
 
 _TRANSFORMERS_CLASS: dict[type, str | None] = {}
@@ -99,6 +100,23 @@ def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
     return all(_is_quantized_linear(p, h.dtype, down.bits, down.group_size) for p in _projections(hc))
 
 
+def stock_gated_residual(hc: torch.nn.Module, h: torch.Tensor) -> bool:
+    """``hc`` is transformers' own ``Qwen4ExpTextGatedResidual`` without hooks, over h [T, hc * hidden]: what
+    :func:`hyper_premix` (and the native layers' resolution) asks before looking at its submodules."""
+    return _transformers_name(type(hc)) == "Qwen4ExpTextGatedResidual" and not hc._forward_hooks \
+        and not hc._forward_pre_hooks and h.dim() == 2 and h.shape[-1] == hc.hc_count * hc.hidden_size
+
+
+def premix_params(hc: torch.nn.Module) -> tuple:
+    """``hc_premix``'s weights of a stock pre-mix (:func:`_fusable_premix`): (hc_norm weight, down, up, the injection
+    weight or None, the norm's eps)."""
+    inj = submodule(hc, "block_inject_weight")
+    norm = submodule(hc, "hc_norm")
+    return (norm._parameters["weight"], submodule(hc, "input_mix_weight_down")._parameters["weight"],
+            submodule(hc, "input_mix_weight_up")._parameters["weight"],
+            inj._parameters["weight"] if inj is not None else None, float(norm.eps))
+
+
 def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     """``hc(h)`` of a ``Qwen4ExpTextGatedResidual`` for h [T, hc * hidden]: (mixed [T, hidden], h,
     injection weights [T, hc]), or only mixed where the module has no ``block_inject_weight``. One
@@ -109,16 +127,11 @@ def hyper_premix(hc: torch.nn.Module, h: torch.Tensor):
     (``_modules``, ``_parameters``) rather than through ``nn.Module.__getattr__`` (the same objects), and the
     class test is cached per class; hooks, submodules and weights are read afresh on every call, so a module
     wrapped or hooked between steps takes the module path from its next call."""
-    if _transformers_name(type(hc)) != "Qwen4ExpTextGatedResidual" or hc._forward_hooks or hc._forward_pre_hooks \
-            or h.dim() != 2 or h.shape[-1] != hc.hc_count * hc.hidden_size:
+    if not stock_gated_residual(hc, h):
         return hc(h)
     if _fusable_premix(hc, h):
-        inj = submodule(hc, "block_inject_weight")
-        inject = inj._parameters["weight"] if inj is not None else None
-        norm = submodule(hc, "hc_norm")
-        down, up = submodule(hc, "input_mix_weight_down"), submodule(hc, "input_mix_weight_up")
-        mixed, weights = hc_premix(h, norm._parameters["weight"], down._parameters["weight"],
-                                   up._parameters["weight"], inject, hc.hc_count, float(norm.eps))
+        norm_weight, down, up, inject, eps = premix_params(hc)
+        mixed, weights = hc_premix(h, norm_weight, down, up, inject, hc.hc_count, eps)
         return mixed if inject is None else (mixed, h, weights)
     if _fusable_quantized_premix(hc, h):
         inj = submodule(hc, "block_inject_weight")

@@ -92,12 +92,8 @@ class _WriteScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
             return False
-        cache, txn = self.cache, self.cache._txn
-        for tensor, idx, old in reversed(txn.log[self.log_len:]):
-            tensor[idx] = old
-        del txn.log[self.log_len:]
-        cache._cells_version += 1
-        cache._ref_version += 1
+        txn = self.cache._txn
+        self.cache._undo_log_after(self.log_len)
         txn.pending[self.layer] = self.pending
         if self.written is _ABSENT:
             txn.written.pop(self.layer, None)
@@ -167,13 +163,18 @@ class _Transactions:
         buffers, plain = self._buffers, self.__dict__
         return {name: buffers[name] if name in buffers else plain.get(name) for name in _STATE_TENSORS}
 
-    def _restore(self, sp: _Savepoint) -> None:
+    def _undo_log_after(self, log_len: int) -> None:
+        """Undo the open transaction's log entries after its first ``log_len``, newest first, and drop them."""
         txn = self._txn
-        for tensor, idx, old in reversed(txn.log[sp.log_len:]):
+        for tensor, idx, old in reversed(txn.log[log_len:]):
             tensor[idx] = old
-        del txn.log[sp.log_len:]
+        del txn.log[log_len:]
         self._cells_version += 1          # (the undo wrote cell_pos / cell_ref directly)
         self._ref_version += 1
+
+    def _restore(self, sp: _Savepoint) -> None:
+        txn = self._txn
+        self._undo_log_after(sp.log_len)
         self._runs = _RunTable(sp.runs)
         self.slots.load(sp.generation, sp.live)
         self._cell_head, self._row_head = sp.heads

@@ -28,16 +28,22 @@ def _is_module_rope(rope: Rope) -> bool:
         and getattr(rope, "__module__", "").startswith("transformers.")
 
 
+def rope_fuses(rope: Rope, cos: torch.Tensor, sin: torch.Tensor, rows: int, dtype: torch.dtype, width: int) -> bool:
+    """Whether ``rms_norm_rope`` takes these rotary rows for ``rows`` packed tokens of heads ``width`` wide in
+    ``dtype``: transformers' own ``apply_rotary_pos_emb``, cos and sin Tensor[rows, R] in ``dtype``, R even and at
+    most ``width`` (what :func:`norm_and_rope` and the native attention head both ask)."""
+    return _is_module_rope(rope) and cos.dim() == 2 and cos.shape[0] == rows and cos.dtype == dtype \
+        and sin.dtype == dtype and sin.shape == cos.shape and cos.shape[1] % 2 == 0 and cos.shape[1] <= width
+
+
 def norm_and_rope(norm: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   rope: Rope) -> torch.Tensor:
     """``rope(norm(x))`` of heads x Tensor[..., H, D] at cos, sin Tensor[..., R]: one ``hebrus::rms_norm_rope``
     dispatch for packed rows (x [T, H, D], cos [T, R] in x's dtype) where ``norm`` is transformers' own
     ungrouped Qwen4Exp RMSNorm without hooks and ``rope`` its ``apply_rotary_pos_emb``; anything else runs
     the norm (:func:`~hebrus_torch.hc.premix.fused_norm`) and ``rope`` as given."""
-    if (_is_module_rope(rope) and _is_stock_rms_norm(norm) and x.dim() == 3 and cos.dim() == 2
-            and cos.shape[0] == x.shape[0] and cos.dtype == x.dtype and sin.dtype == x.dtype
-            and sin.shape == cos.shape and cos.shape[1] % 2 == 0 and cos.shape[1] <= x.shape[2]
-            and norm.group_size in (None, x.shape[2])):
+    if (_is_stock_rms_norm(norm) and x.dim() == 3 and norm.group_size in (None, x.shape[2])
+            and rope_fuses(rope, cos, sin, x.shape[0], x.dtype, x.shape[2])):
         return rms_norm_rope(x, norm.weight, float(norm.eps), cos, sin)
     return rope(fused_norm(norm, x), cos=cos, sin=sin, unsqueeze_dim=cos.dim() - 1)
 

@@ -23,7 +23,7 @@ from ...hc import hyper_premix, post_combine
 from ...moe.block import packed_moe
 from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefetch_enabled
 from ...ple.row_store import DiskNgramEmbedding
-from .attention import _gated_heads, _is_module_rope, packed_indexed_attention
+from .attention import _gated_heads, packed_indexed_attention, rope_fuses
 from .gdn import module_mismatch, packed_gated_delta_net
 from .native import AttentionLayerCall, LayerCalls, MoeTailCall, NativeLayers
 from .ple import native_ple, packed_ple
@@ -203,7 +203,7 @@ class PackedQwen4Exp:
                                         "gdn", timed, tail)
         rope = self.rope if self.rope is not None else _rope_function()
         call = None if native is None else native.attention
-        if call is not None and _native_rope(rope, cos, sin, h, call.rope_dims):
+        if call is not None and rope_fuses(rope, cos, sin, h.shape[0], h.dtype, call.rope_dims):
             return self._native_attention_layer(step, idx, layer, call, h, cos, sin, timed)
         return packed_decoder_layer(layer, h, partial(packed_indexed_attention, step, idx, layer.self_attn,
                                                       cos=cos, sin=sin, rope=rope), "attention", timed, tail)
@@ -223,13 +223,6 @@ class PackedQwen4Exp:
                 return call.finish(h, out, gate, inject)
         out = _gated_heads(layer.self_attn, out, gate)
         return _after_mixer(layer, h, out, inject, timed, call.tail)
-
-
-def _native_rope(rope: Callable, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor, dims: int) -> bool:
-    """Whether ``norm_and_rope`` would run ``rms_norm_rope`` on this step's rotary rows (transformers' own rope;
-    cos, sin [T, R] in the streams' dtype, R even and at most ``dims``): what the native attention head runs."""
-    return _is_module_rope(rope) and cos.dim() == 2 and cos.shape[0] == h.shape[0] and cos.dtype == h.dtype \
-        and sin.dtype == h.dtype and sin.shape == cos.shape and cos.shape[1] % 2 == 0 and cos.shape[1] <= dims
 
 
 def packed_decoder_layer(layer: torch.nn.Module, h: torch.Tensor, mixer: Callable[[torch.Tensor], torch.Tensor],

@@ -39,7 +39,8 @@ from torch.utils.hooks import RemovableHandle
 from ..._op_registry import emulated_device_type
 from ... import reference
 from ...errors import translated
-from ...hc.premix import _fusable_premix, _is_stock_rms_norm, _transformers_name
+from ...gdn.state import _ACTIVATIONS as _GDN_ACTIVATIONS
+from ...hc.premix import _fusable_premix, _is_stock_rms_norm, premix_params, stock_gated_residual
 from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights
 from ...module_calls import runs_forward_only, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
@@ -219,7 +220,6 @@ class LayerCalls:
 
 
 _NONE = LayerCalls(None, None)
-_CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none", None: "none"}   # GDNState's
 
 
 def _weight(linear: torch.nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -235,16 +235,12 @@ def _weight(linear: torch.nn.Module | None, dtype: torch.dtype) -> torch.Tensor 
 def _premix_weights(hc: torch.nn.Module | None, h: torch.Tensor) -> tuple[list[torch.Tensor], int, float] | None:
     """(the ``hc_premix`` weights, hc_count, eps) where ``hyper_premix(hc, h)`` runs one ``hc_premix`` with an
     injection; else None."""
-    if hc is None or _transformers_name(type(hc)) != "Qwen4ExpTextGatedResidual" or hc._forward_hooks \
-            or hc._forward_pre_hooks or h.shape[-1] != hc.hc_count * hc.hidden_size or not _fusable_premix(hc, h):
+    if hc is None or not stock_gated_residual(hc, h) or not _fusable_premix(hc, h):
         return None
-    inject = submodule(hc, "block_inject_weight")
+    norm_weight, down, up, inject, eps = premix_params(hc)
     if inject is None:
         return None
-    norm = submodule(hc, "hc_norm")
-    weights = [norm._parameters["weight"], submodule(hc, "input_mix_weight_down")._parameters["weight"],
-               submodule(hc, "input_mix_weight_up")._parameters["weight"], inject._parameters["weight"]]
-    return weights, int(hc.hc_count), float(norm.eps)
+    return [norm_weight, down, up, inject], int(hc.hc_count), eps
 
 
 def _moe_weights(mlp: torch.nn.Module | None, x: torch.Tensor) -> tuple[list[torch.Tensor], int, bool] | None:
@@ -306,12 +302,12 @@ def _gdn_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tensor,
         return None
     weights = _gdn_weights(gdn, x.dtype)
     activation = getattr(gdn, "activation", None)
-    if weights is None or activation not in _CONV_ACTIVATIONS:
+    if weights is None or activation not in _GDN_ACTIVATIONS:
         return None
     norm = submodule(gdn, "norm")
     heads = [int(gdn.num_k_heads), int(gdn.num_v_heads), int(gdn.head_k_dim), int(gdn.head_v_dim)]
     return GdnLayerCall(attn[0], weights, heads, [attn[2], float(norm.variance_epsilon), tail.hc_eps],
-                        _CONV_ACTIVATIONS[activation], str(norm.activation), tail)
+                        _GDN_ACTIVATIONS[activation], str(norm.activation), tail)
 
 
 def _stock_norm_weight(norm: torch.nn.Module | None, dim: int) -> torch.Tensor | None:
