@@ -155,6 +155,17 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
       "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor");
+  // A whole indexed-attention layer when its QSA cache's step plan is known (QSACache.step_plan): the head, then
+  // the cache's write of the chunk's fresh cells (raw keys, k, v into planes), the pooling of the groups this chunk
+  // completes (into the pooled plane's plan rows), qsa_select, qsa_token_cells and qsa_attention, then the tail.
+  // planes: the layer's keys, k_cache, v_cache, pooled (written in place); qsa: cell_pos, norm_weight, inv_freq;
+  // plan: cells, pool_cells, pool_pos, pool_rows, sel_groups, sel_row, q_groups, nvis_q, first, cells32;
+  // sizes: [top_k groups, compress ratio].
+  m.def(
+      "decode_attention_layer(Tensor h, Tensor[] attn_hc, Tensor[] attention, Tensor cos, Tensor sin, int[] dims, "
+      "float[] eps, int hc_count, Tensor(a!)[] planes, Tensor[] qsa, Tensor[] plan, int[] sizes, float qsa_eps, "
+      "float scaling, Tensor o_proj, Tensor[] mlp_hc, Tensor[] moe, float hc_eps, int top_k, bool norm_topk_prob) "
+      "-> Tensor");
   // A PLE layer's gate before its conv: (the gated values [T, hc * H], them normed by norm_conv). ple:
   // key_proj.weight, norm_key.weight, value_proj.weight, norm_query.weight, norm_conv.weight; groups and eps: the
   // three norms' (norm_key, norm_query, norm_conv).
@@ -231,6 +242,7 @@ TORCH_LIBRARY_IMPL(hebrus, Autograd, m) {
   m.impl("decode_moe_tail", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_attention_head", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_attention_tail", torch::autograd::autogradNotImplementedFallback());
+  m.impl("decode_attention_layer", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_ple_gate", torch::autograd::autogradNotImplementedFallback());
   m.impl("decode_gdn_layer", torch::CppFunction::makeFromBoxedFunction<&out_variant_autograd>());
 }

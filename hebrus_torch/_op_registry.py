@@ -183,6 +183,12 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "decode_attention_tail(Tensor hyper, Tensor attn_out, Tensor gate, Tensor o_proj, Tensor inject, "
            "Tensor[] mlp_hc, Tensor[] moe, int hc_count, float hc_eps, int top_k, bool norm_topk_prob) -> Tensor",
            reference.decode_attention_tail, _CPU),
+    OpSpec("decode_attention_layer",
+           "decode_attention_layer(Tensor h, Tensor[] attn_hc, Tensor[] attention, Tensor cos, Tensor sin, int[] dims, "
+           "float[] eps, int hc_count, Tensor(a!)[] planes, Tensor[] qsa, Tensor[] plan, int[] sizes, float qsa_eps, "
+           "float scaling, Tensor o_proj, Tensor[] mlp_hc, Tensor[] moe, float hc_eps, int top_k, bool norm_topk_prob) "
+           "-> Tensor",
+           reference.decode_attention_layer, _CPU),
     OpSpec("decode_ple_gate",
            "decode_ple_gate(Tensor rows, Tensor h, Tensor[] ple, int[] groups, float[] eps, int hc_count, int hidden) "
            "-> (Tensor, Tensor)",

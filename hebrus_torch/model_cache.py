@@ -144,6 +144,9 @@ class Batch:
         return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
+_UNPLANNED = object()
+
+
 class ChunkStep:
     """The state operations of one step, what a model's layers call inside ``ModelCache.transaction(batch)``:
     PLE (:meth:`ple_ngram_ids`, :meth:`ple_conv`), GDN (:meth:`gdn_conv`, :meth:`gdn_delta_rule`) and QSA
@@ -153,6 +156,8 @@ class ChunkStep:
     Layer indices are the model's decoder-layer indices; the step maps them to PLE, GDN and QSA layers.
     Every call stages its state change; nothing is visible until the transaction commits.
     """
+
+    _qsa_step_plan = _UNPLANNED
 
     def __init__(self, cache: "ModelCache", batch: Batch):
         self.cache, self.batch = cache, batch
@@ -254,6 +259,29 @@ class ChunkStep:
         top_k = as_int("ChunkStep.qsa_select: top_k", top_k)
         return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
 
+
+    def qsa_step_plan(self):
+        """The QSA cache's :class:`~hebrus_torch.qsa.planning.StepPlan` of this step's chunk (``QSACache.step_plan``,
+        with the cache's top_k), decided at the first call and kept for the step's other layers; None where the
+        cache cannot plan the step once for every layer."""
+        plan = self._qsa_step_plan
+        if plan is _UNPLANNED:
+            qsa, top_k = self.cache.qsa, self.cache.top_k
+            plan = None if qsa is None or top_k is None or self.chunk is None else qsa.step_plan(self.chunk, top_k)
+            self._qsa_step_plan = plan
+        return plan
+
+    def qsa_layer(self, layer_idx: int, run) -> torch.Tensor:
+        """One indexed layer over the step plan (:meth:`qsa_step_plan`, not None): ``run(planes, qsa, plan, sizes,
+        qsa_eps)`` (``hebrus::decode_attention_layer``'s QSA arguments) writes, pools and attends the layer's part of
+        the cache; then the cache's bookkeeping records the write (``QSACache.settle_step_plan``). Returns what
+        ``run`` returns."""
+        qsa = self.cache.qsa
+        layer = self.cache._qsa_layer(layer_idx)
+        plan = self._qsa_step_plan
+        out = run(*plan.layer_args(layer))
+        qsa.settle_step_plan(plan, layer)
+        return out
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
         """``hebrus::qsa_attention`` of the chunk's queries over exactly the cells ``plan`` selected.

@@ -334,7 +334,8 @@ def test_a_one_token_difference_is_never_shared():
 # ------------------------------------------------------------------------------------------ faults
 def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), a native
-    GDN layer after it wrote its pools ("native_gdn_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
+    GDN layer after it wrote its pools ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA
+    cache's planes ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
     bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
@@ -345,6 +346,15 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
 
     if target == "hook":
         engine._fault_hook = lambda plan: fault()
+    elif target == "native_attention_layer":
+        # after hebrus::decode_attention_layer wrote the QSA cache's planes, before the cache's bookkeeping
+        qsa = engine.cache.qsa
+        settle = qsa.settle_step_plan
+
+        def faulty_settle(plan, layer, _orig=settle):
+            fault()
+            return _orig(plan, layer)
+        monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
     elif target == "native_gdn_layer":
         # inside hebrus::decode_gdn_layer's GDNState.update_layer, after the op wrote the pools
         gdn = engine.cache.gdn
@@ -379,15 +389,16 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer", "hook"])
+@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer",
+                                    "native_attention_layer", "hook"])
 def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
     model = make_model("lin-idx", seed=7)
     prompts = prompts_for(7, lengths=(10, 4, 15))
     clean, _ = run_engine(model, prompts, max_batch_tokens=7)
     for k in range(1, 12, 3):
-        # (GDNState.delta_rule runs where the GDN layer is not one native call)
+        # (GDNState.delta_rule and QSACache.plan run where the layer is not one native call)
         engine = Engine(model, EngineConfig(capacity_tokens=1024, max_sequences=8, max_batch_tokens=7, block_size=4,
-                                            native_layers=target != "delta_rule"))
+                                            native_layers=target not in ("delta_rule", "qsa_select")))
         calls = inject_fault(engine, target, k, monkeypatch)
         for i, p in enumerate(prompts):
             engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)

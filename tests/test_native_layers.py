@@ -1,5 +1,5 @@
 """Native decoder layers (issue 37): ``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``,
-``decode_attention_tail`` and ``decode_ple_gate`` on the CPU.
+``decode_attention_tail``, ``decode_attention_layer`` and ``decode_ple_gate`` on the CPU.
 
 - each op equals the ops it is made of (``hebrus_torch.reference.decode``) bit for bit, outputs and the pools it
   updates in place, on random inputs of packed rows of several sequences, fp32 and bf16; opcheck passes; bad
@@ -24,7 +24,8 @@ from test_engine import EOS, make_model, prompts_for  # noqa: E402  (skips witho
 from hebrus_torch import reference
 from hebrus_torch.engine import Engine, EngineConfig
 from hebrus_torch.errors import HebrusError
-from hebrus_torch.models.qwen4_exp.native import ModuleWatch, NativeLayers, decode_gdn_layer, decode_moe_tail
+from hebrus_torch.models.qwen4_exp.native import (ModuleWatch, NativeLayers, decode_attention_layer, decode_gdn_layer,
+                                                  decode_moe_tail)
 
 
 def native_calls(model: torch.nn.Module, dtype: torch.dtype = torch.float32):
@@ -139,6 +140,66 @@ def test_decode_ple_gate_is_its_ops_bit_for_bit(dtype):
             got = gate(rows, h)
             want = reference.decode_ple_gate(rows, h, gate.ple, gate.groups, gate.eps, gate.hc_count, gate.hidden)
         assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got, want))
+
+
+def captured_attention_layers(model, prompts, monkeypatch, **config) -> list[tuple]:
+    """Every ``decode_attention_layer`` call of an engine serving ``prompts``: (the layer's call, then its arguments,
+    each tensor cloned as the call found it), the engine's tokens and state as they come."""
+    from hebrus_torch.models.qwen4_exp.native import AttentionLayerCall
+
+    seen, whole = [], AttentionLayerCall.whole
+
+    def capture(self, h, cos, sin, planes, qsa, plan, sizes, qsa_eps):
+        seen.append((self, h.clone(), cos.clone(), sin.clone(), [p.clone() for p in planes],
+                     [q.clone() for q in qsa], [p.clone() for p in plan], list(sizes), qsa_eps))
+        return whole(self, h, cos, sin, planes, qsa, plan, sizes, qsa_eps)
+
+    monkeypatch.setattr(AttentionLayerCall, "whole", capture)
+    run(model, prompts, True, **config)
+    return seen
+
+
+def attention_layer_args(call, h, cos, sin, planes, qsa, plan, sizes, qsa_eps) -> tuple:
+    t = call.tail
+    return (h, call.attn_hc, call.attention, cos, sin, call.dims, call.eps, t.hc_count, planes, qsa, plan, sizes,
+            qsa_eps, call.scaling, call.o_proj, t.mlp_hc, t.moe, t.hc_eps, t.top_k, t.norm_topk_prob)
+
+
+def test_decode_attention_layer_is_its_ops_bit_for_bit(monkeypatch):
+    """On the calls of an engine serving random prompts (packed rows of several sequences, prefill chunks and
+    decode, steps that complete groups and steps that do not): the output and the four planes it writes equal the
+    reference's bit for bit."""
+    model = make_model("idx-lin-idx-lin", seed=14)
+    seen = captured_attention_layers(model, prompts_for(3, lengths=(10, 4, 15, 1)), monkeypatch,
+                                     max_batch_tokens=7, block_size=4)
+    assert any(c[6][3].numel() for c in seen) and any(not c[6][3].numel() for c in seen)     # groups pooled or not
+    assert any(c[6][4].shape[0] > 1 for c in seen) and any(c[1].shape[0] > 1 for c in seen)  # several rows / tokens
+    for call, h, cos, sin, planes, qsa, plan, sizes, qsa_eps in seen:
+        mine, ref = [p.clone() for p in planes], [p.clone() for p in planes]
+        with torch.no_grad():
+            got = torch.ops.hebrus.decode_attention_layer.default(
+                *attention_layer_args(call, h, cos, sin, mine, qsa, plan, sizes, qsa_eps))
+            want = reference.decode_attention_layer(*attention_layer_args(call, h, cos, sin, ref, qsa, plan, sizes,
+                                                                          qsa_eps))
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+        assert not all(torch.equal(a, b) for a, b in zip(mine, planes))       # it wrote the chunk's cells
+
+
+def test_decode_attention_layer_opcheck_and_bad_lists(monkeypatch):
+    model = make_model("lin-idx", seed=15)
+    seen = captured_attention_layers(model, [[5, 6, 7, 8, 9, 10]], monkeypatch, max_batch_tokens=64)
+    call, h, cos, sin, planes, qsa, plan, sizes, qsa_eps = seen[-1]
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.hebrus.decode_attention_layer.default,
+                              attention_layer_args(call, h, cos, sin, planes, qsa, plan, sizes, qsa_eps))
+        before = [p.clone() for p in planes]
+        for bad, match in (((planes, qsa, plan[:9], sizes), "plan must hold 10 tensors, got 9"),
+                           ((planes[:3], qsa, plan, sizes), "planes must hold 4 tensors, got 3"),
+                           ((planes, qsa, plan, sizes[:1]), "sizes must be")):
+            with pytest.raises(HebrusError, match=match):
+                decode_attention_layer(*attention_layer_args(call, h, cos, sin, *bad, qsa_eps))
+        assert all(torch.equal(a, b) for a, b in zip(planes, before))        # refused before any write
 
 
 def test_opcheck():
@@ -286,10 +347,18 @@ def run(model, prompts, native: bool, **config):
 
 @pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
 @pytest.mark.parametrize("config", [dict(max_batch_tokens=7, block_size=4), dict(max_batch_tokens=512)])
-def test_the_engine_gives_the_same_tokens_and_state_either_way(shape, config):
+def test_the_engine_gives_the_same_tokens_and_state_either_way(shape, config, monkeypatch):
+    from hebrus_torch.qsa.planning import _Planning
+
     model = make_model(shape, seed=2)
     prompts = prompts_for(2, lengths=(10, 4, 15, 1))
-    python, native = run(model, prompts, False, **config), run(model, prompts, True, **config)
+    settled, settle = [], _Planning.settle_step_plan
+    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
+                                                                                   settle(self, plan, layer)))
+    python = run(model, prompts, False, **config)
+    assert not settled
+    native = run(model, prompts, True, **config)
+    assert settled                  # the indexed layers ran as one call each over the cache's step plan
     assert native.runner.forward.native.resolutions == 1
     assert {r: q.generated for r, q in native.requests.items()} == \
         {r: q.generated for r, q in python.requests.items()}

@@ -321,7 +321,8 @@ def test_an_unpacked_save_is_a_copy_that_packs_to_the_bytes_of_save_at_that_time
 
 
 # ------------------------------------------------------------------------------------------ faults and invariance
-@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer", "hook"])
+@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer",
+                                    "native_attention_layer", "hook"])
 def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_request(target, monkeypatch,
                                                                                       tmp_path):
     model = make_model("lin-idx", seed=7)
@@ -333,9 +334,9 @@ def test_a_fault_with_the_files_on_rolls_back_and_the_engine_completes_every_req
     for k in (1, 3, 5, 7):      # (turn 2 from the files is 8 steps or more)
         directory = tmp_path / f"k{k}"
         shutil.copytree(warm, directory)
-        # (GDNState.delta_rule runs where the GDN layer is not one native call)
+        # (GDNState.delta_rule and QSACache.plan run where the layer is not one native call)
         engine = Engine(model, EngineConfig(**dict(CFG, max_batch_tokens=7), prompt_cache_dir=directory,
-                                            native_layers=target != "delta_rule"))
+                                            native_layers=target not in ("delta_rule", "qsa_select")))
         calls = inject_fault(engine, target, k, monkeypatch)
         for i, p in enumerate(turn2):
             engine.add_request(p, request_id=f"r{i}", max_new_tokens=6, eos_token_id=EOS)

@@ -1,5 +1,5 @@
 // The engine's native decoder-layer calls (issue 37): hebrus::decode_gdn_layer, decode_moe_tail,
-// decode_attention_head, decode_attention_tail and decode_ple_gate run
+// decode_attention_head, decode_attention_tail, decode_attention_layer and decode_ple_gate run
 // what hebrus_torch/models/qwen4_exp/forward.py's packed_decoder_layer runs for a stock layer (transformers' own
 // modules, the fused path of every part), op for op: the same ATen and hebrus ops, in the same order, on the same
 // tensors, so every output and state bit equals the Python path's. What they save is the Python between the ops
@@ -182,6 +182,56 @@ Tensor decode_attention_tail_cpu(const Tensor& hyper, const Tensor& attn_out, co
   return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
 }
 
+constexpr size_t kQsaPlanes = 4;   // the layer's keys, k_cache, v_cache, pooled
+constexpr size_t kQsaInputs = 3;   // cell_pos, norm_weight, inv_freq
+constexpr size_t kQsaPlan = 10;    // cells, pool_cells, pool_pos, pool_rows, sel_groups, sel_row, q_groups, nvis_q,
+                                   // first, cells32
+
+// A whole indexed-attention layer over a QSA step plan: decode_attention_head, what QSACache.write does for a
+// chunk of fresh cells (index_copy_ of the raw keys, k and v in the planes' dtype; qsa_pool of the groups the chunk
+// completes into their pooled rows: _resolve_pending), what QSACache.plan and ChunkStep.qsa_attention do once the
+// rows are planned (qsa_select, qsa_token_cells, qsa_attention), then decode_attention_tail. The host bookkeeping
+// (flags, pending rows, undo) stays QSACache's (step_plan / settle_step_plan).
+Tensor decode_attention_layer_cpu(const Tensor& h, at::TensorList attn_hc, at::TensorList attention, const Tensor& cos,
+                                  const Tensor& sin, c10::IntArrayRef dims, c10::ArrayRef<double> eps,
+                                  int64_t hc_count, at::TensorList planes, at::TensorList qsa, at::TensorList plan,
+                                  c10::IntArrayRef sizes, double qsa_eps, double scaling, const Tensor& o_proj,
+                                  at::TensorList mlp_hc, at::TensorList moe, double hc_eps, int64_t top_k,
+                                  bool norm_topk_prob) {
+  static const auto pool = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                            const Tensor&, double, const Tensor&)>("hebrus::qsa_pool");
+  static const auto select = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                              const Tensor&, int64_t)>("hebrus::qsa_select");
+  static const auto token_cells = hebrus_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                       const Tensor&, int64_t)>(
+      "hebrus::qsa_token_cells");
+  static const auto attend = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
+      "hebrus::qsa_attention");
+  const char* op = "decode_attention_layer";
+  check_count(op, "planes", planes, kQsaPlanes);
+  check_count(op, "qsa", qsa, kQsaInputs);
+  check_count(op, "plan", plan, kQsaPlan);
+  HEBRUS_CHECK(sizes.size() == 2, HebrusError, "hebrus::", op, ": sizes must be [top_k groups, compress ratio], got ",
+               sizes.size(), " values");
+  const auto [inject, q_index, raw_keys, q, k, v, gate] =
+      decode_attention_head_cpu(h, attn_hc, attention, cos, sin, dims, eps, hc_count);
+  const Tensor& cells = plan[0];
+  planes[0].index_copy_(0, cells, raw_keys.to(planes[0].scalar_type()));
+  planes[1].index_copy_(0, cells, k.to(planes[1].scalar_type()));
+  planes[2].index_copy_(0, cells, v.to(planes[2].scalar_type()));
+  if (plan[3].numel() > 0) {
+    planes[3].index_copy_(0, plan[3], pool.call(planes[0], qsa[0], plan[1], plan[2], qsa[1], qsa_eps, qsa[2]));
+  }
+  const Tensor selected = select.call(q_index, planes[3], plan[4], plan[5], plan[6], sizes[0]);
+  const Tensor out = attend.call(q, planes[1], planes[2],
+                                 std::get<0>(token_cells.call(selected, plan[7], plan[8], plan[9], sizes[1])), scaling);
+  HEBRUS_CHECK(out.sizes() == gate.sizes() && out.scalar_type() == gate.scalar_type(), HebrusError, "hebrus::", op,
+               ": the attention's output ", shape_str(out.sizes()), " does not match its gate ",
+               shape_str(gate.sizes()), " (a value head dim other than the head dim: run the head and tail apart)");
+  return decode_attention_tail_cpu(h, out, gate, o_proj, inject, mlp_hc, moe, hc_count, hc_eps, top_k,
+                                   norm_topk_prob);
+}
+
 constexpr size_t kPleWeights = 5;  // key_proj.weight, norm_key.weight, value_proj.weight, norm_query.weight,
                                    // norm_conv.weight
 
@@ -222,4 +272,5 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("decode_gdn_layer", &hebrus::decode_gdn_layer_cpu);
   m.impl("decode_attention_head", &hebrus::decode_attention_head_cpu);
   m.impl("decode_attention_tail", &hebrus::decode_attention_tail_cpu);
+  m.impl("decode_attention_layer", &hebrus::decode_attention_layer_cpu);
 }

@@ -145,8 +145,102 @@ class _PlanRows:
     num_visible: int
 
 
+@dataclass(eq=False)
+class StepPlan:
+    """What :meth:`QSACache.step_plan` decided once for every layer of a step: each indexed layer's write, pooling,
+    selection and attention of the chunk as one ``hebrus::decode_attention_layer`` call (:meth:`layer_args`), its
+    host bookkeeping then settled by :meth:`QSACache.settle_step_plan`.
+
+    ``plan``: the op's plan list (cells [T] int64, the groups the chunk completes: pool_cells [P, r] int32,
+    pool_pos [P] int64, pool_rows [P] int64, then ``qsa_select``'s and ``qsa_token_cells``' index tensors);
+    ``sizes``: [top_k, r]; ``cells``: the chunk's cells (host int64); ``pool_rows``: the rows pooled, None when the
+    chunk completes no group; ``key``: the chunk's layout key; ``fresh``: Tensor[T] bool of True, the flags' old
+    value in the undo log."""
+
+    cache: "_Planning"
+    plan: list
+    sizes: list
+    cells: torch.Tensor
+    pool_rows: torch.Tensor | None
+    key: tuple
+    fresh: torch.Tensor
+
+    def layer_args(self, layer: int) -> tuple[list, list, list, list, float]:
+        """``(planes, qsa, plan, sizes, qsa_eps)`` of ``decode_attention_layer`` for cache layer ``layer``."""
+        c = self.cache
+        return ([c.keys[layer], c.k_cache[layer], c.v_cache[layer], c.pooled[layer]],
+                [c.cell_pos, c.norm_weight[layer], c.inv_freq], self.plan, self.sizes, c.eps)
+
+
 class _Planning:
     """``plan`` of :class:`QSACache`."""
+
+    def step_plan(self, chunk: ReservedChunk, top_k: int) -> StepPlan | None:
+        """The chunk's write, pooling and selection decided once for every layer, on the host, where each layer's
+        :meth:`write` then :meth:`plan` would only write fresh cells, pool the same groups and select from the same
+        rows: inside the transaction that reserved the chunk, on a CPU cache keeping K/V, every cell of the chunk
+        not written yet for any layer, and every layer's pending groups the same ones (those the chunk completes:
+        their other cells written). None otherwise (each layer then writes and plans on its own).
+
+        Raises what :meth:`plan` raises for a chunk whose runs changed (its checks run here)."""
+        txn = self._txn
+        if txn is None or not isinstance(chunk, ReservedChunk) or chunk._txn is not txn.token \
+                or chunk._owner != id(self) or top_k < 1 or not self.has_kv or self.device.type != "cpu":
+            return None
+        t = chunk.num_tokens
+        pending = txn.pending
+        listed = pending[0] if pending else []
+        if t == 0 or len(listed) > 1 or any(len(p) != len(listed) or (listed and p[0] is not listed[0])
+                                            for p in pending):
+            return None
+        slots = self._check_chunk(chunk, "plan")
+        cells_h, pos_h = chunk._host()
+        # The chunk's reserve (in this transaction) set its flags for every layer; only a write clears them, and
+        # each write leaves its layer's memo in txn.written: with none, no read is needed.
+        if txn.written and not bool(self._unwritten.index_select(1, cells_h).all()):
+            return None
+        r = self.compress_ratio
+        if listed:
+            pool_rows = listed[0]
+            group_cells = self._pend_cells.index_select(0, pool_rows)                   # [P, r]
+            flat = group_cells.flatten()
+            outside = self._unwritten.index_select(1, flat) & ~torch.isin(flat, cells_h)
+            if not bool(self._pending.index_select(1, pool_rows).all()) or bool(outside.any()):
+                return None
+            pool = [group_cells.to(torch.int32), self._pend_pos.index_select(0, pool_rows), pool_rows]
+        else:
+            pool_rows = None
+            pool = self._no_pool.get(r)
+            if pool is None:        # (inputs only: one empty set per ratio, never written)
+                pool = self._no_pool[r] = [torch.empty((0, r), dtype=torch.int32), torch.empty(0, dtype=torch.int64),
+                                           torch.empty(0, dtype=torch.int64)]
+        key = self._layout_key(chunk)
+        memo = self._plan_rows_memo
+        if self._same_layout(memo, key):
+            rows = memo[1]
+        else:
+            rows = self._plan_rows(chunk, slots, cells_h, pos_h)
+            self._plan_rows_memo = (key, rows)
+        plan = [chunk.cells, *pool, rows.sel_groups, rows.sel_row, rows.q_groups, rows.nvis_q, rows.first,
+                rows.cells32]
+        return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
+
+    def settle_step_plan(self, step_plan: StepPlan, layer: int) -> None:
+        """After ``decode_attention_layer`` wrote, pooled and attended layer ``layer`` over ``step_plan``: what
+        :meth:`write` leaves in the host bookkeeping (the chunk's flags cleared, undo-logged; its pooled groups no
+        longer pending; the layer's written memo)."""
+        txn = self._txn
+        # (_set's undo entries, written directly: host tensors, indices of the (layer, index) form, old values known)
+        unwritten, cells = self._unwritten, step_plan.cells
+        txn.log.append((unwritten, (layer, cells), step_plan.fresh))
+        unwritten.select(0, layer).index_fill_(0, cells, False)
+        rows = step_plan.pool_rows
+        if rows is not None:
+            pending = self._pending
+            txn.log.append((pending, (layer, rows), step_plan.fresh.new_ones(rows.shape)))
+            pending.select(0, layer).index_fill_(0, rows, False)
+        txn.pending[layer] = []
+        txn.written[layer] = (step_plan.key,)
 
     def plan(self, layer: int, chunk: ReservedChunk, q: torch.Tensor, top_k: int) -> QSAPlan:
         """Select, for each chunk token as a query at its position p, the top-k groups of the visible run

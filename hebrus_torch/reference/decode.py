@@ -1,5 +1,5 @@
 """The native decoder-layer calls (``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``,
-``decode_attention_tail``, ``decode_ple_gate``; issue 37) as the ops they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
+``decode_attention_tail``, ``decode_attention_layer``, ``decode_ple_gate``; issue 37) as the ops they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
 (``hebrus_torch.models.qwen4_exp.forward.packed_decoder_layer`` with the fused path of every part), one op after
 another through ``torch.ops.hebrus`` (each device's own kernels) and ``F.linear``. On the CPU the native kernel
 calls the same ops in the same order, so its outputs and state equal these bit for bit; a device without a native
@@ -175,6 +175,54 @@ def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: tor
     _count("decode_attention_tail", "moe", moe, MOE_WEIGHTS)
     out = F.linear(_HEBRUS.sigmoid_gate.default(attn_out, gate).view(attn_out.shape[0], -1), o_proj)
     return _moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob)
+
+
+QSA_PLANES, QSA_INPUTS, QSA_PLAN = 4, 3, 10
+
+
+def decode_attention_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], attention: Sequence[torch.Tensor],
+                           cos: torch.Tensor, sin: torch.Tensor, dims: Sequence[int], eps: Sequence[float],
+                           hc_count: int, planes: Sequence[torch.Tensor], qsa: Sequence[torch.Tensor],
+                           plan: Sequence[torch.Tensor], sizes: Sequence[int], qsa_eps: float, scaling: float,
+                           o_proj: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                           hc_eps: float, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """A whole indexed-attention decoder layer over its QSA cache's step plan (``QSACache.step_plan``):
+    :func:`decode_attention_head`; the cache's write of the chunk's fresh cells (raw keys, k and v ``index_copy_``-ed
+    into the planes in their dtype) and the pooling of the groups the chunk completes (``qsa_pool`` into their
+    pooled rows); ``qsa_select``, ``qsa_token_cells`` and ``qsa_attention``; :func:`decode_attention_tail`.
+
+    ``planes`` (written in place): the layer's keys [C, D], k_cache [C, Hkv, Dh], v_cache [C, Hkv, Dv], pooled
+    [G, D]; ``qsa``: cell_pos [C] int64, the pool's norm_weight [D], inv_freq [R/2] float32; ``plan``: cells [T]
+    int64, pool_cells [P, r] int32, pool_pos [P] int64, pool_rows [P] int64, then ``qsa_select``'s seq_groups,
+    q_row, q_groups and ``qsa_token_cells``' nvis, first, cells; sizes [top_k groups, r]; the other arguments as
+    :func:`decode_attention_head` and :func:`decode_attention_tail`.
+
+    Shapes: h [T, hc * H] -> [T, hc * H].
+    """
+    op = "decode_attention_layer"
+    _count(op, "planes", planes, QSA_PLANES)
+    _count(op, "qsa", qsa, QSA_INPUTS)
+    _count(op, "plan", plan, QSA_PLAN)
+    if len(sizes) != 2:
+        raise HebrusError(f"hebrus::{op}: sizes must be [top_k groups, compress ratio], got {len(sizes)} values")
+    inject, q_index, raw_keys, q, k, v, gate = decode_attention_head(h, attn_hc, attention, cos, sin, dims, eps,
+                                                                     hc_count)
+    keys_plane, k_plane, v_plane, pooled_plane = planes
+    cells = plan[0]
+    keys_plane.index_copy_(0, cells, raw_keys.to(keys_plane.dtype))
+    k_plane.index_copy_(0, cells, k.to(k_plane.dtype))
+    v_plane.index_copy_(0, cells, v.to(v_plane.dtype))
+    if plan[3].numel():
+        pooled_plane.index_copy_(0, plan[3], _HEBRUS.qsa_pool.default(keys_plane, qsa[0], plan[1], plan[2], qsa[1],
+                                                                      qsa_eps, qsa[2]))
+    selected = _HEBRUS.qsa_select.default(q_index, pooled_plane, plan[4], plan[5], plan[6], sizes[0])
+    token_cells, _ = _HEBRUS.qsa_token_cells.default(selected, plan[7], plan[8], plan[9], sizes[1])
+    out = _HEBRUS.qsa_attention.default(q, k_plane, v_plane, token_cells, scaling)
+    if out.shape != gate.shape or out.dtype != gate.dtype:
+        raise HebrusError(f"hebrus::{op}: the attention's output {tuple(out.shape)} does not match its gate "
+                          f"{tuple(gate.shape)} (a value head dim other than the head dim: run the head and tail "
+                          f"apart)")
+    return decode_attention_tail(h, out, gate, o_proj, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob)
 
 
 PLE_WEIGHTS = 5

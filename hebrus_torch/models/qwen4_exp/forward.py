@@ -211,8 +211,13 @@ class PackedQwen4Exp:
     @staticmethod
     def _native_attention_layer(step: ChunkStep, idx: int, layer: torch.nn.Module, call: AttentionLayerCall,
                                 h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, timed: Timed) -> torch.Tensor:
-        """An indexed-attention layer as its native head, the QSA cache's write, selection and attention (what
-        ``packed_indexed_attention`` asks of the step), and its native tail."""
+        """An indexed-attention layer as one native call over the QSA cache's step plan (``ChunkStep.qsa_layer``)
+        where the cache planned the step once, else as its native head, the QSA cache's write, selection and
+        attention (what ``packed_indexed_attention`` asks of the step), and its native tail."""
+        step_plan = step.qsa_step_plan()
+        if step_plan is not None and step.cache.qsa.v_head_dim == call.dims[3]:
+            with timed("native layer"):
+                return step.qsa_layer(idx, partial(call.whole, h, cos, sin))
         with timed("native layer"):
             inject, q_index, raw_keys, q, k, v, gate = call.head(h, cos, sin)
         with timed("attention"):

@@ -2,10 +2,12 @@
 
 ``hebrus::decode_gdn_layer`` runs a whole gated-delta-net layer after its PLE (pre-mix, GDN with its conv tails and
 recurrent states updated in place at the step's slots, post-combine, the MLP pre-mix, the MoE block,
-post-combine). An indexed-attention layer is two calls around its QSA cache, whose writes, selection and attention
-stay the cache's (its bookkeeping is host Python): ``hebrus::decode_attention_head`` (pre-mix, the indexer's
-queries and raw keys, q / k / v, each norm and rope) and ``hebrus::decode_attention_tail`` (the output gate and
-o_proj, then the rest of the layer). ``hebrus::decode_moe_tail`` runs the part after the token mixer of a layer
+post-combine). An indexed-attention layer is one call, ``hebrus::decode_attention_layer``, where its QSA cache has
+planned the step once for every layer (``QSACache.step_plan``: the chunk's cells fresh, the groups it completes
+known; the cache's host bookkeeping then settles each layer, ``settle_step_plan``); otherwise two calls around the
+cache's own write, selection and attention: ``hebrus::decode_attention_head`` (pre-mix, the indexer's queries and
+raw keys, q / k / v, each norm and rope) and ``hebrus::decode_attention_tail`` (the output gate and o_proj, then
+the rest of the layer). ``hebrus::decode_moe_tail`` runs the part after the token mixer of a layer
 whose mixer runs in Python, ``hebrus::decode_ple_gate`` a PLE layer's gate around its n-gram ids and conv (the PLE
 state's). Each is the packed forward's own sequence of ops
 (:mod:`hebrus_torch.reference.decode` states it), so a row's bits are the Python path's: the engine's
@@ -46,7 +48,8 @@ from ...module_calls import runs_forward_only, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
 
-__all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail", "decode_ple_gate",
+__all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail",
+           "decode_attention_layer", "decode_ple_gate",
            "NativeLayers", "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "PleGateCall", "LayerCalls",
            "ModuleWatch"]
 
@@ -115,6 +118,23 @@ def decode_attention_tail(hyper: torch.Tensor, attn_out: torch.Tensor, gate: tor
 
 
 torch.library.register_fake("hebrus::decode_attention_tail")(reference.decode_attention_tail)
+
+
+def decode_attention_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], attention: Sequence[torch.Tensor],
+                           cos: torch.Tensor, sin: torch.Tensor, dims: Sequence[int], eps: Sequence[float],
+                           hc_count: int, planes: Sequence[torch.Tensor], qsa: Sequence[torch.Tensor],
+                           plan: Sequence[torch.Tensor], sizes: Sequence[int], qsa_eps: float, scaling: float,
+                           o_proj: torch.Tensor, mlp_hc: Sequence[torch.Tensor], moe: Sequence[torch.Tensor],
+                           hc_eps: float, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """A whole indexed-attention layer over its QSA cache's step plan in one call, the cache's planes written in
+    place; see :func:`hebrus_torch.reference.decode_attention_layer`. Shapes: h [T, hc * H] -> [T, hc * H]."""
+    with translated():
+        return torch.ops.hebrus.decode_attention_layer.default(
+            h, attn_hc, attention, cos, sin, dims, eps, hc_count, planes, qsa, plan, sizes, qsa_eps, scaling, o_proj,
+            mlp_hc, moe, hc_eps, top_k, norm_topk_prob)
+
+
+torch.library.register_fake("hebrus::decode_attention_layer")(reference.decode_attention_layer)
 
 
 def decode_ple_gate(rows: torch.Tensor, h: torch.Tensor, ple: Sequence[torch.Tensor], groups: Sequence[int],
@@ -189,6 +209,15 @@ class AttentionLayerCall:
         t = self.tail
         return decode_attention_tail(hyper, attn_out, gate, self.o_proj, inject, t.mlp_hc, t.moe, t.hc_count,
                                      t.hc_eps, t.top_k, t.norm_topk_prob)
+
+    def whole(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, planes: list[torch.Tensor],
+              qsa: list[torch.Tensor], plan: list[torch.Tensor], sizes: list[int], qsa_eps: float) -> torch.Tensor:
+        """The layer in one :func:`decode_attention_layer` call over its QSA cache's step plan (``QSACache.step_plan``:
+        ``planes`` written in place)."""
+        t = self.tail
+        return decode_attention_layer(h, self.attn_hc, self.attention, cos, sin, self.dims, self.eps, t.hc_count,
+                                      planes, qsa, plan, sizes, qsa_eps, self.scaling, self.o_proj, t.mlp_hc, t.moe,
+                                      t.hc_eps, t.top_k, t.norm_topk_prob)
 
 
 @dataclass(frozen=True)
