@@ -40,6 +40,12 @@ Tensor hc_post_combine(const Tensor& hyper, const Tensor& out, const Tensor& inj
   return op.call(hyper, out, inject);
 }
 
+// at::linear of a bias-free projection: for 2-D x, exactly the at::mm(x, w.t()) that at::linear reaches through
+// at::matmul, without those two wrappers' dispatches (a few microseconds a projection inside a step).
+Tensor project(const Tensor& x, const Tensor& w) {
+  return x.dim() == 2 && w.dim() == 2 && x.layout() == c10::kStrided ? at::mm(x, w.t()) : at::linear(x, w);
+}
+
 // The layer's weights, each list in the order hebrus_torch/models/qwen4_exp/native.py builds it.
 constexpr size_t kHcWeights = 4;    // hc_norm.weight, input_mix_weight_down, input_mix_weight_up, block_inject_weight
 constexpr size_t kMoeWeights = 7;   // gate.weight, shared_expert_gate.weight, experts.gate_up_proj, experts.down_proj,
@@ -61,8 +67,8 @@ Tensor moe_block(const Tensor& x, c10::ArrayRef<Tensor> w, int64_t top_k, bool n
                                                const Tensor&)>("hebrus::moe_experts");
   static const auto shared = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                               const Tensor&, const Tensor&)>("hebrus::moe_shared_expert");
-  const Tensor logits = at::linear(x, w[0]);
-  const Tensor shared_logit = at::linear(x, w[1]);
+  const Tensor logits = project(x, w[0]);
+  const Tensor shared_logit = project(x, w[1]);
   auto [ids, weights] = route.call(logits, std::optional<Tensor>(shared_logit), top_k, norm_topk_prob);
   const Tensor routed = experts.call(x, ids, weights.slice(1, 0, top_k), w[2], w[3]);
   return shared.call(x, routed, w[4], w[5], w[6], weights.slice(1, top_k));
@@ -98,10 +104,10 @@ Tensor gated_delta_net(const Tensor& x, c10::ArrayRef<Tensor> w, Tensor& conv_po
   static const auto norm = hebrus_op<Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view)>(
       "hebrus::gdn_gated_rms_norm");
   const int64_t t = x.size(0), hk = heads[0], hv = heads[1], dk = heads[2], dv = heads[3];
-  Tensor mixed = at::linear(x, w[0]);
-  const Tensor z = at::linear(x, w[1]).reshape({t, hv, dv});
-  const Tensor b = at::linear(x, w[2]);
-  const Tensor a = at::linear(x, w[3]);
+  Tensor mixed = project(x, w[0]);
+  const Tensor z = project(x, w[1]).reshape({t, hv, dv});
+  const Tensor b = project(x, w[2]);
+  const Tensor a = project(x, w[3]);
   auto [g, beta] = gates.call(a, b, w[5], w[6]);
   // GDNState.conv: transformers' [conv_dim, 1, K] weight as [conv_dim, K], in x's dtype and device.
   Tensor weight = w[4];
@@ -113,7 +119,7 @@ Tensor gated_delta_net(const Tensor& x, c10::ArrayRef<Tensor> w, Tensor& conv_po
   Tensor out = delta.call(qkv[0].reshape({t, hk, dk}), qkv[1].reshape({t, hk, dk}), qkv[2].reshape({t, hv, dv}), g,
                           beta, cu_seqlens, recurrent_pool, slots, std::pow(static_cast<double>(dk), -0.5), true);
   out = norm.call(out.reshape({-1, dv}), z.reshape({-1, dv}), w[7], norm_eps, norm_activation).reshape({t, hv * dv});
-  return at::linear(out, w[8]);
+  return project(out, w[8]);
 }
 
 Tensor decode_gdn_layer_cpu(const Tensor& h, at::TensorList attn_hc, at::TensorList gdn, Tensor& conv_pool,
@@ -159,12 +165,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> decode_attent
   const int64_t index_heads = dims[0], index_kv = dims[1], d = dims[2], hd = dims[3];
   auto [x, inject] = hc_premix(h, attn_hc[0], attn_hc[1], attn_hc[2], attn_hc[3], hc_count, eps[0]);
   const int64_t t = x.size(0);
-  const std::vector<Tensor> index = at::linear(x, w[0]).split_with_sizes({index_heads * d, index_kv * d}, -1);
+  const std::vector<Tensor> index = project(x, w[0]).split_with_sizes({index_heads * d, index_kv * d}, -1);
   const Tensor q_index = norm_rope.call(index[0].reshape({t, -1, d}), w[1], eps[1], cos, sin);
   const Tensor raw_keys = index[1].reshape({t, -1, d}).squeeze(-2).reshape({t, d});
-  const std::vector<Tensor> q_gate = at::linear(x, w[2]).view({t, -1, hd * 2}).chunk(2, -1);
-  const Tensor k = at::linear(x, w[3]).view({t, -1, hd});
-  const Tensor v = at::linear(x, w[4]).view({t, -1, hd});
+  const std::vector<Tensor> q_gate = project(x, w[2]).view({t, -1, hd * 2}).chunk(2, -1);
+  const Tensor k = project(x, w[3]).view({t, -1, hd});
+  const Tensor v = project(x, w[4]).view({t, -1, hd});
   return {inject, q_index, raw_keys, norm_rope.call(q_gate[0], w[5], eps[2], cos, sin),
           norm_rope.call(k, w[6], eps[3], cos, sin), v, q_gate[1]};
 }
@@ -178,7 +184,7 @@ Tensor decode_attention_tail_cpu(const Tensor& hyper, const Tensor& attn_out, co
       hebrus_op<Tensor(const Tensor&, const Tensor&)>("hebrus::sigmoid_gate");
   check_count("decode_attention_tail", "mlp_hc", mlp_hc, kHcWeights);
   check_count("decode_attention_tail", "moe", moe, kMoeWeights);
-  const Tensor out = at::linear(sigmoid_gate.call(attn_out, gate).view({attn_out.size(0), -1}), o_proj);
+  const Tensor out = project(sigmoid_gate.call(attn_out, gate).view({attn_out.size(0), -1}), o_proj);
   return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
 }
 
@@ -254,8 +260,8 @@ std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor&
   HEBRUS_CHECK(rows.dim() >= 2, HebrusError, "hebrus::", op, ": rows must be [T, N, dim], got ",
                shape_str(rows.sizes()));
   const Tensor emb = rows.flatten(-2);
-  const Tensor key = hc_rms_norm(at::linear(emb, w[0]), w[1], groups[0], eps[0]).unflatten(-1, {hc_count, hidden});
-  const Tensor value = at::linear(emb, w[2]);
+  const Tensor key = hc_rms_norm(project(emb, w[0]), w[1], groups[0], eps[0]).unflatten(-1, {hc_count, hidden});
+  const Tensor value = project(emb, w[2]);
   const Tensor query = hc_rms_norm(h, w[3], groups[1], eps[1]).unflatten(-1, {hc_count, hidden});
   Tensor gate = (key * query).sum(-1, true) / std::sqrt(static_cast<double>(hidden));
   gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign();

@@ -12,6 +12,7 @@ from ..ple import ops as ple_ops
 from ..state.args import FLOAT_DTYPES, as_int, as_tensor
 from ..state.handles import SeqHandle, SlotTable
 from ..state.host_mirror import host_ints
+from ..state.layer_views import LayerViews
 from ..state.plain_attrs import PlainAttrs
 from ..state.replay import ReplayLog
 from ..state.slot_pool import RowsUndo, SeqPart, SlotPoolHolder, SlotUndo
@@ -98,6 +99,7 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         self.state_len = conv_kernel_size - 1
         self.activation = _ACTIVATIONS[activation]
         self.slots = SlotTable(max_sequences, "GDNState")
+        self._layer_views = LayerViews()        # update_layer's per-layer views of the pools
         self.register_buffer("conv_state", torch.zeros((num_layers, max_sequences, self.state_len, self.conv_dim),
                                                        dtype=dtype, device=device))
         self.register_buffer("recurrent_state", torch.zeros((num_layers, max_sequences, hv, dk, dv),
@@ -317,7 +319,8 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         if self.replay_log is not None or self.conv_state.dtype != dtype:
             return None
         slots = self._slots_of(seqs, cu_seqlens, tokens, "update_layer")
-        conv_pool, recurrent_pool = self.conv_state[layer], self.recurrent_state[layer]
+        buffers = self._buffers
+        conv_pool, recurrent_pool = self._layer_views.views((buffers["conv_state"], buffers["recurrent_state"]), layer)
         index = self._slot_index(slots, conv_pool.device)
         with atomic(self):
             self._log_rows("conv_state", layer, conv_pool, index)         # before the writes: see _log_rows

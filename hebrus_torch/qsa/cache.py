@@ -73,6 +73,7 @@ import torch
 from ..errors import HebrusError
 from ..state.args import as_int, check_cast
 from ..state.handles import SeqHandle, SlotTable
+from ..state.layer_views import LayerViews
 from ..state.plain_attrs import PlainAttrs
 from ..state.transaction import Transactional
 from .allocator import _Allocator
@@ -211,6 +212,7 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
         self._free_count: tuple | None = None        # (cell_ref, _ref_version, cells free then)
         self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
         self._no_pool: dict[int, list[torch.Tensor]] = {}   # step_plan's empty pool inputs, per compress ratio
+        self._layer_views = LayerViews()                     # StepPlan.layer_args' views of the planes
         self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout
         self._cell_head = 0
         self._row_head = 0

@@ -168,8 +168,10 @@ class StepPlan:
     def layer_args(self, layer: int) -> tuple[list, list, list, list, float]:
         """``(planes, qsa, plan, sizes, qsa_eps)`` of ``decode_attention_layer`` for cache layer ``layer``."""
         c = self.cache
-        return ([c.keys[layer], c.k_cache[layer], c.v_cache[layer], c.pooled[layer]],
-                [c.cell_pos, c.norm_weight[layer], c.inv_freq], self.plan, self.sizes, c.eps)
+        buffers = c._buffers
+        keys, k, v, pooled, norm = c._layer_views.views((buffers["keys"], buffers["k_cache"], buffers["v_cache"],
+                                                         buffers["pooled"], buffers["norm_weight"]), layer)
+        return [keys, k, v, pooled], [c.cell_pos, norm, buffers["inv_freq"]], self.plan, self.sizes, c.eps
 
 
 class _Planning:
