@@ -157,7 +157,7 @@ class ChunkStep:
     Every call stages its state change; nothing is visible until the transaction commits.
     """
 
-    _qsa_step_plan = _UNPLANNED
+    _qsa_step_plan = _gdn_pools = _UNPLANNED
 
     def __init__(self, cache: "ModelCache", batch: Batch):
         self.cache, self.batch = cache, batch
@@ -217,13 +217,18 @@ class ChunkStep:
     def gdn_update_layer(self, layer_idx: int, x: torch.Tensor, update) -> torch.Tensor | None:
         """``GDNState.update_layer`` of a gated-delta-net layer for this step's batch (x Tensor[T, ...]: the layer's
         input, its rows and dtype): ``update(conv_pool, recurrent_pool, slots, cu_seqlens)`` updates the layer's
-        tails and states in place itself, their rows logged first; None where it cannot (speculation's replay log,
-        rows that run the chunked form, tails not in x's dtype), and the caller runs :meth:`gdn_conv` and
-        :meth:`gdn_delta_rule`."""
+        tails and states in place itself, their rows logged first (the step's first call logs every layer's, once:
+        ``GDNState.step_pools``); None where it cannot (speculation's replay log, rows that run the chunked form,
+        tails not in x's dtype), and the caller runs :meth:`gdn_conv` and :meth:`gdn_delta_rule`."""
         if self.gdn_start_positions is not None and any(p is not None for p in self.gdn_start_positions):
             return None
-        return self.cache._need("gdn").update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs,
-                                                    self.batch.cu_seqlens, x.shape[0], x.dtype, update)
+        gdn, pools = self.cache._need("gdn"), self._gdn_pools
+        if pools is _UNPLANNED:         # (the step's slots and undo rows once for every GDN layer: step_pools)
+            pools = self._gdn_pools = gdn.step_pools(self.batch.seqs, self.batch.cu_seqlens, x.shape[0], x.dtype)
+        if pools is not None and pools.pools[0].dtype == x.dtype:
+            return pools.update(self.cache._gdn_layer(layer_idx), update)
+        return gdn.update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, x.shape[0],
+                                x.dtype, update)
 
     def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Deprecated: the layer's math is ``hebrus_torch.models.qwen4_exp.gdn.packed_gated_delta_net(step,

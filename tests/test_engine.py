@@ -356,17 +356,18 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
             return _orig(plan, layer)
         monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
     elif target == "native_gdn_layer":
-        # inside hebrus::decode_gdn_layer's GDNState.update_layer, after the op wrote the pools
-        gdn = engine.cache.gdn
-        original = gdn.update_layer
+        # inside ChunkStep.gdn_update_layer, after hebrus::decode_gdn_layer wrote the pools
+        from hebrus_torch.model_cache import ChunkStep
 
-        def faulty_update(layer, seqs, cu_seqlens, tokens, dtype, update, _orig=original):
+        original = ChunkStep.gdn_update_layer
+
+        def faulty_update(step, layer_idx, x, update, _orig=original):
             def failing(*args):
                 out = update(*args)
                 fault()
                 return out
-            return _orig(layer, seqs, cu_seqlens, tokens, dtype, failing)
-        monkeypatch.setattr(gdn, "update_layer", faulty_update)
+            return _orig(step, layer_idx, x, failing)
+        monkeypatch.setattr(ChunkStep, "gdn_update_layer", faulty_update)
     else:
         holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa, "delta_rule": engine.cache.gdn}[target]
         name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]

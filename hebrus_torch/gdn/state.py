@@ -327,6 +327,25 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
             self._log_rows("recurrent_state", layer, recurrent_pool, index)
             return update(conv_pool, recurrent_pool, index, cu_seqlens)
 
+    def step_pools(self, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, tokens: int,
+                   dtype: torch.dtype) -> "StepPools | None":
+        """:meth:`update_layer`'s per-step part done once for every layer of a packed step inside a transaction (what
+        a model's step runs: ``ChunkStep.gdn_update_layer``): the slots checked, both pools' rows at them logged for
+        undo for all layers at once (one gather per pool, before any layer writes), the index made. None where
+        :meth:`update_layer` would not run, or outside a transaction (where each call is its own). A layer's call
+        that raises leaves its rows to the transaction's rollback (the step's), not to an undo of its own."""
+        if self.replay_log is not None or self._txn_depth_owner is None:
+            return None
+        buffers = self._buffers
+        conv, recurrent = buffers["conv_state"], buffers["recurrent_state"]
+        if conv.dtype != dtype:
+            return None
+        slots = self._slots_of(seqs, cu_seqlens, tokens, "update_layer")
+        index = self._slot_index(slots, conv.device)
+        self._undo.append(RowsUndo("conv_state", None, index, conv.index_select(1, index)))
+        self._undo.append(RowsUndo("recurrent_state", None, index, recurrent.index_select(1, index)))
+        return StepPools(self, (conv, recurrent), index, cu_seqlens)
+
     # ----------------------------------------------------------------------------- transactions
     # The undo log's hooks (_txn_begin ... _txn_restore, _apply_undo, _log_slot): SlotPoolHolder.
     def _reset_staging(self) -> None:
@@ -405,6 +424,24 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
             raise HebrusError(f"GDNState.{op}: cu_seqlens must rise from 0 to T = {tokens} without decreasing, "
                               f"got {cu}")
         return slots
+
+
+@dataclass(eq=False)
+class StepPools:
+    """:meth:`GDNState.step_pools`: the step's index and logged pools; :meth:`update` runs one layer's in-place call."""
+
+    state: GDNState
+    pools: tuple[torch.Tensor, torch.Tensor]
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def update(self, layer: int, update) -> torch.Tensor:
+        """``update(conv_pool, recurrent_pool, slots, cu_seqlens)`` of GDN layer ``layer`` (as
+        :meth:`GDNState.update_layer` calls it), its rows already logged."""
+        state = self.state
+        state._check_layer(layer)
+        conv_pool, recurrent_pool = state._layer_views.views(self.pools, layer)
+        return update(conv_pool, recurrent_pool, self.index, self.cu_seqlens)
 
 
 def _mixed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -70,7 +70,7 @@ class RowsUndo:
     """A step's undo: the rows of one layer's pool that an in-place op overwrites."""
 
     name: str                  # the pool
-    layer: int
+    layer: int | None          # None: every layer's rows (rows [L, B, ...])
     slots: torch.Tensor        # [B] int32, the index the op runs with
     rows: torch.Tensor         # [B, ...] the pool rows before the op
 
@@ -176,7 +176,11 @@ class SlotPoolHolder(SlotLifecycle, StateDictProtocol):
                 for name, rows in entry.rows.items():
                     getattr(self, name)[:, entry.slot] = rows
             else:
-                getattr(self, entry.name)[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
+                pool = getattr(self, entry.name)
+                if entry.layer is None:
+                    pool.index_copy_(1, entry.slots.long(), entry.rows)
+                else:
+                    pool[entry.layer].index_copy_(0, entry.slots.long(), entry.rows)
 
     def _check_apply(self, fn) -> None:
         """What ``_apply`` refuses before anything changes (a ModelCache checks every holder first)."""
