@@ -800,3 +800,30 @@ def test_undo_buffers_are_reused_and_still_restore_bitwise():
             run_step(state, [b, a], [seq_inputs(2, 7), seq_inputs(1, 8)], txn=False)   # more buffers than spares
             raise RuntimeError("abort")
     assert state.digest() == before
+
+
+def test_step_pools_log_every_layer_once_and_a_rollback_restores_them():
+    """GDNState.step_pools (a model step's per-step part of update_layer): outside a transaction there is none; inside
+    one its two undo entries cover every layer's rows at the step's slots, so a step that wrote two layers in place
+    and then failed is rolled back bitwise."""
+    state = make_state(seed=3)
+    seqs = [state.new_sequence() for _ in range(3)]
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        state.conv_state.copy_(torch.randn(state.conv_state.shape, generator=g))
+        state.recurrent_state.copy_(torch.randn(state.recurrent_state.shape, generator=g))
+    used, cu = [seqs[2], seqs[0]], cu_of([1, 1])
+    assert state.step_pools(used, cu, 2, torch.float32) is None                   # no transaction
+    before = state.digest()
+    with pytest.raises(RuntimeError, match="after the writes"):
+        with ht.transaction(state):
+            pools = state.step_pools(used, cu, 2, torch.float32)
+            assert pools is not None and len(state._undo) == 2
+            for layer in range(LAYERS):
+                pools.update(layer, lambda conv, rec, index, cu_: (conv.index_fill_(0, index.long(), 7.0),
+                                                                   rec.index_fill_(0, index.long(), -7.0)))
+            assert state.digest() != before
+            raise RuntimeError("a fault after the writes")
+    assert state.digest() == before
+    with ht.transaction(state):
+        assert state.step_pools(used, cu, 2, torch.float16) is None               # tails not in x's dtype

@@ -417,3 +417,15 @@ def test_the_calls_compile_in_a_full_graph():
     with torch.no_grad():
         got = torch.compile(layer, fullgraph=True, backend="aot_eager")(h, cos, sin)
         assert torch.equal(got, layer(h, cos, sin))
+
+
+def test_layer_views_are_kept_only_while_their_bases_are_the_same_tensors():
+    from hebrus_torch.state.layer_views import LayerViews
+
+    views = LayerViews()
+    a, b = torch.zeros(3, 2), torch.ones(3, 4)
+    first = views.views((a, b), 1)
+    assert views.views((a, b), 1) is first and first[0].data_ptr() == a[1].data_ptr()
+    grown = torch.full((5, 4), 2.0)                 # a holder replaces a state tensor (growth, a move, a restore)
+    again = views.views((a, grown), 1)
+    assert again is not first and torch.equal(again[1], grown[1]) and again[0].data_ptr() == a[1].data_ptr()
