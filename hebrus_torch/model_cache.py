@@ -264,7 +264,6 @@ class ChunkStep:
         top_k = as_int("ChunkStep.qsa_select: top_k", top_k)
         return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
 
-
     def qsa_step_plan(self):
         """The QSA cache's :class:`~hebrus_torch.qsa.planning.StepPlan` of this step's chunk (``QSACache.step_plan``,
         with the cache's top_k), decided at the first call and kept for the step's other layers; None where the

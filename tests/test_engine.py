@@ -335,8 +335,8 @@ def test_a_one_token_difference_is_never_shared():
 def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), a native
     GDN layer after it wrote its pools ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA
-    cache's planes ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's digest as it was (rolled back
-    bitwise). Returns the call counter ``{"n": calls so far}``."""
+    cache's planes ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave
+    the cache's digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
     def fault(*args, **kwargs):

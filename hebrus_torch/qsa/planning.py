@@ -217,12 +217,7 @@ class _Planning:
                 pool = self._no_pool[r] = [torch.empty((0, r), dtype=torch.int32), torch.empty(0, dtype=torch.int64),
                                            torch.empty(0, dtype=torch.int64)]
         key = self._layout_key(chunk)
-        memo = self._plan_rows_memo
-        if self._same_layout(memo, key):
-            rows = memo[1]
-        else:
-            rows = self._plan_rows(chunk, slots, cells_h, pos_h)
-            self._plan_rows_memo = (key, rows)
+        rows = self._memo_plan_rows(chunk, slots, cells_h, pos_h, key)
         plan = [chunk.cells, *pool, rows.sel_groups, rows.sel_row, rows.q_groups, rows.nvis_q, rows.first,
                 rows.cells32]
         return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
@@ -283,16 +278,7 @@ class _Planning:
             return QSAPlan(torch.empty((0, top_k), dtype=torch.int32, device=dev),
                            torch.empty(0, dtype=torch.int32, device=dev), empty.to(torch.int32), empty, none,
                            chunk.positions.clone(), none, r, int(top_k))
-        # The rows of the selection do not depend on the layer: every layer of a step plans the same chunk
-        # over the same runs, so they are derived once (and again only if the runs or cells changed).
-        key = self._layout_key(chunk)
-        memo = self._plan_rows_memo
-        if self._same_layout(memo, key):
-            rows = memo[1]
-        else:
-            rows = self._plan_rows(chunk, slots, cells_h, pos_h)
-            if self._txn is not None:
-                self._plan_rows_memo = (key, rows)
+        rows = self._memo_plan_rows(chunk, slots, cells_h, pos_h, self._layout_key(chunk))
         # Inside a transaction a pending row is one of txn.pending[layer] (none is left pending at commit), so an
         # empty list means nothing of this layer is pending: the check needs no ops then.
         if rows.flat.numel() and (self._txn is None or self._txn.pending[layer]) \
@@ -306,6 +292,19 @@ class _Planning:
         return QSAPlan(selected_groups=selected, q_groups=rows.q_groups, token_cells=token_cells,
                        token_offsets=offs, run_starts=rows.q_p0, positions=chunk.positions.clone(),
                        q_rows=rows.q_rows, compress_ratio=r, top_k=int(top_k))
+
+    def _memo_plan_rows(self, chunk: ReservedChunk, slots: list[int], cells_h: torch.Tensor, pos_h: torch.Tensor,
+                        key: tuple) -> "_PlanRows":
+        """:meth:`_plan_rows` of a chunk of T > 0 tokens, kept for the open transaction under the chunk's layout key:
+        the rows of the selection do not depend on the layer (every layer of a step plans the same chunk over the
+        same runs), so they are derived once, and again only if the runs or cells changed."""
+        memo = self._plan_rows_memo
+        if self._same_layout(memo, key):
+            return memo[1]
+        rows = self._plan_rows(chunk, slots, cells_h, pos_h)
+        if self._txn is not None:
+            self._plan_rows_memo = (key, rows)
+        return rows
 
     def _visible_runs(self, chunk: ReservedChunk, slots: list[int]):
         """Per row of the chunk: its run's p0, the positions its queries see, its visible cells and groups

@@ -23,7 +23,8 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm), ``hc_premix`` (``hc_premix_quantized`` with its
   projections quantized) and ``hc_post_combine`` (the hyper-connections' pre-mix and post-combine), fused: issue 37;
 - :mod:`.decode`: ``decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``, ``decode_attention_tail``,
-  ``decode_attention_layer`` and ``decode_ple_gate``, the native decoder-layer calls as the ops they are made of (issue 37).
+  ``decode_attention_layer`` and ``decode_ple_gate``, the native decoder-layer calls as the ops they are made of
+  (issue 37).
 """
 
 from .attention import check_token_cells_values, qsa_attention, rms_norm_rope, sigmoid_gate

@@ -1,5 +1,6 @@
 """The native decoder-layer calls (``hebrus::decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``,
-``decode_attention_tail``, ``decode_attention_layer``, ``decode_ple_gate``; issue 37) as the ops they are made of: what the engine's packed forward runs for a stock Qwen4Exp decoder layer
+``decode_attention_tail``, ``decode_attention_layer``, ``decode_ple_gate``; issue 37) as the ops they are made of:
+what the engine's packed forward runs for a stock Qwen4Exp decoder layer
 (``hebrus_torch.models.qwen4_exp.forward.packed_decoder_layer`` with the fused path of every part), one op after
 another through ``torch.ops.hebrus`` (each device's own kernels) and ``F.linear``. On the CPU the native kernel
 calls the same ops in the same order, so its outputs and state equal these bit for bit; a device without a native
