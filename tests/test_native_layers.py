@@ -429,3 +429,21 @@ def test_layer_views_are_kept_only_while_their_bases_are_the_same_tensors():
     grown = torch.full((5, 4), 2.0)                 # a holder replaces a state tensor (growth, a move, a restore)
     again = views.views((a, grown), 1)
     assert again is not first and torch.equal(again[1], grown[1]) and again[0].data_ptr() == a[1].data_ptr()
+
+
+def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
+    """decode_attention_layer (its planes a mutated tensor list) under torch.compile(fullgraph=True): the same output
+    and the same planes as eager."""
+    model = make_model("lin-idx", seed=16)
+    seen = captured_attention_layers(model, [[5, 6, 7, 8, 9, 10, 11]], monkeypatch, max_batch_tokens=64)
+    monkeypatch.undo()                                      # (the layer's own call again)
+    call, h, cos, sin, planes, qsa, plan, sizes, qsa_eps = seen[-1]
+
+    def layer(h, planes):
+        return call.whole(h, cos, sin, planes, qsa, plan, sizes, qsa_eps)
+
+    compiled, eager = [p.clone() for p in planes], [p.clone() for p in planes]
+    with torch.no_grad():
+        got = torch.compile(layer, fullgraph=True, backend="aot_eager")(h, compiled)
+        want = layer(h, eager)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
