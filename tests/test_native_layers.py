@@ -447,3 +447,26 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
         got = torch.compile(layer, fullgraph=True, backend="aot_eager")(h, compiled)
         want = layer(h, eager)
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+def test_a_hooked_indexed_layer_after_a_fused_one_gives_the_python_paths_state(monkeypatch):
+    """Layer 0 runs as one call over the step plan, layer 2 (hooked) through its modules and the QSA cache's own write
+    and plan: tokens and state as the Python path's (the commit's check of unwritten cells runs, since not every layer
+    settled over the plan)."""
+    from hebrus_torch.qsa.planning import _Planning
+
+    model = make_model("idx-lin-idx-lin", seed=17)
+    prompts = prompts_for(5, lengths=(9, 3))
+    python = run(model, prompts, False, max_batch_tokens=7, block_size=4)
+    settled, settle = [], _Planning.settle_step_plan
+    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
+                                                                                   settle(self, plan, layer)))
+    handle = model.model.layers[2].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
+    try:
+        native = run(model, prompts, True, max_batch_tokens=7, block_size=4)
+    finally:
+        handle.remove()
+    assert settled and set(settled) == {0}                  # (QSA cache layer 0: decoder layer 0)
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+    assert native.cache.digest() == python.cache.digest()
