@@ -451,8 +451,7 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
 
 def test_a_hooked_indexed_layer_after_a_fused_one_gives_the_python_paths_state(monkeypatch):
     """Layer 0 runs as one call over the step plan, layer 2 (hooked) through its modules and the QSA cache's own write
-    and plan: tokens and state as the Python path's (the commit's check of unwritten cells runs, since not every layer
-    settled over the plan)."""
+    and plan, in one step: tokens and state as the Python path's."""
     from hebrus_torch.qsa.planning import _Planning
 
     model = make_model("idx-lin-idx-lin", seed=17)

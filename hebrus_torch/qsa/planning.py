@@ -164,14 +164,6 @@ class StepPlan:
     pool_rows: torch.Tensor | None
     key: tuple
     fresh: torch.Tensor
-    settled: dict = field(default_factory=dict)     # layer -> (index, entry) of its flags' undo entry in the log
-
-    def all_written(self, txn) -> bool:
-        """Every layer of the cache settled over this plan, each layer's undo entry still in ``txn``'s log where it
-        put it (nothing has undone them since): the chunk's cells are written for every layer."""
-        log = txn.log
-        return len(self.settled) == self.cache.num_layers and all(
-            i < len(log) and log[i] is entry for i, entry in self.settled.values())
 
     def layer_args(self, layer: int) -> tuple[list, list, list, list, float]:
         """``(planes, qsa, plan, sizes, qsa_eps)`` of ``decode_attention_layer`` for cache layer ``layer``."""
@@ -228,28 +220,20 @@ class _Planning:
         rows = self._memo_plan_rows(chunk, slots, cells_h, pos_h, key)
         plan = [chunk.cells, *pool, rows.sel_groups, rows.sel_row, rows.q_groups, rows.nvis_q, rows.first,
                 rows.cells32]
-        txn.step_plan = StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
-        return txn.step_plan
+        return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
 
     def settle_step_plan(self, step_plan: StepPlan, layer: int) -> None:
         """After ``decode_attention_layer`` wrote, pooled and attended layer ``layer`` over ``step_plan``: what
         :meth:`write` leaves in the host bookkeeping (the chunk's flags cleared, undo-logged; its pooled groups no
         longer pending; the layer's written memo)."""
         txn = self._txn
-        # (_set's undo entries, written directly: host tensors, indices of the (layer, index) form, old values known;
-        # the layer's rows of the flags as kept views)
-        unwritten, pending, cells = self._unwritten, self._pending, step_plan.cells
-        unwritten_row, pending_row = self._layer_views.views((unwritten, pending), layer)
-        entry = (unwritten, (layer, cells), step_plan.fresh)
-        txn.log.append(entry)
-        unwritten_row.index_fill_(0, cells, False)
+        # (the flags' old values are known: all set, as step_plan checked)
+        self._set(self._unwritten, (layer, step_plan.cells), False, old=step_plan.fresh)
         rows = step_plan.pool_rows
         if rows is not None:
-            txn.log.append((pending, (layer, rows), step_plan.fresh.new_ones(rows.shape)))
-            pending_row.index_fill_(0, rows, False)
+            self._set(self._pending, (layer, rows), False, old=step_plan.fresh.new_ones(rows.shape))
         txn.pending[layer] = []
         txn.written[layer] = (step_plan.key,)
-        step_plan.settled[layer] = (len(txn.log) - (1 if rows is None else 2), entry)
 
     def plan(self, layer: int, chunk: ReservedChunk, q: torch.Tensor, top_k: int) -> QSAPlan:
         """Select, for each chunk token as a query at its position p, the top-k groups of the visible run

@@ -33,7 +33,6 @@ class _Txn:
         self.written: dict[int, tuple] = {}     # layer -> (layout key,) of the chunk write cleared its flags for
         self.base: _Savepoint | None = None
         self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
-        self.step_plan = None                   # the last StepPlan made in this transaction (planning.py)
 
 
 @dataclass
@@ -206,9 +205,7 @@ class _Transactions:
         # One allocation's cells are distinct already (and only their set matters below): unique only merges.
         cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
             if txn.new_cells else None
-        plan = txn.step_plan
-        if cells is not None and not (plan is not None and plan.cells is cells and plan.all_written(txn)):
-            # (skipped where a step plan wrote the transaction's one chunk for every layer: none is unwritten)
+        if cells is not None:
             held = self.cell_ref.index_select(0, cells) > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten.index_select(1, live)     # [layers, cells]: one gather, one read for all layers
