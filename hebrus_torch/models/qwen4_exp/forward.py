@@ -114,8 +114,10 @@ class PackedQwen4Exp:
         self.native = NativeLayers(text.layers, self.config.num_hidden_layers, enabled=native_layers)
         """Which decoder layers run as native calls (re-resolved when their modules change)."""
 
-    def _layers(self) -> torch.nn.ModuleList:
-        return self.text.layers[: self.config.num_hidden_layers]
+    def _layers(self) -> list[torch.nn.Module]:
+        """The decoder layers the forward runs, read afresh (a layer replaced in ``text.layers`` is used from the next
+        call): a list, where slicing the ``ModuleList`` would build a new ``ModuleList`` on every step (~14 us)."""
+        return list(self.text.layers)[: self.config.num_hidden_layers]
 
     def _disk_ple_layers(self) -> list[tuple[int, DiskNgramEmbedding]]:
         """(decoder-layer index, its n-gram table on disk) of every PLE layer whose table is read from disk."""
