@@ -266,14 +266,22 @@ def test_hyper_premix_is_one_fused_op_of_a_stock_module(monkeypatch, dtype):
     assert calls == [1] and all(near(b, a) for a, b in zip(want, got))
 
 
-@pytest.mark.parametrize("wrap", ["hook", "bias", "subclass"])
+@pytest.mark.parametrize("wrap", ["hook", "bias", "subclass", "instance forward", "global hook"])
 def test_a_wrapped_projection_runs_as_a_module_call(monkeypatch, wrap):
-    """A user's wrapped projection (LoRA-style subclass, a hook, a bias) is called, not bypassed."""
+    """A user's wrapped projection (LoRA-style subclass, a hook, a bias, a forward replaced on the instance) is
+    called, not bypassed; with a global forward hook every module of the pre-mix is called (the hook sees what the
+    module call shows it)."""
     calls = _count_premix_calls(monkeypatch)
     hc = gated_residual(torch.float32)
     seen = []
     if wrap == "hook":
         hc.input_mix_weight_up.register_forward_hook(lambda mod, args, out: seen.append(1))
+    elif wrap == "instance forward":
+        down = hc.input_mix_weight_down
+        down.forward = lambda x: seen.append(1) or torch.nn.functional.linear(x, down.weight) * 0.5
+    elif wrap == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: seen.append(type(mod).__name__))
     elif wrap == "bias":
         hc.input_mix_weight_down.bias = torch.nn.Parameter(torch.randn(hc.input_mix_weight_down.out_features))
     else:
@@ -286,7 +294,15 @@ def test_a_wrapped_projection_runs_as_a_module_call(monkeypatch, wrap):
         hc.block_inject_weight = Scaled(old.in_features, old.out_features, bias=False)
         hc.block_inject_weight.weight = old.weight
     h = streams(3, hc, torch.float32)
-    with torch.no_grad():
-        want, got = hc(h), hyper_premix(hc, h)
+    try:
+        with torch.no_grad():
+            want, got = hc(h), hyper_premix(hc, h)
+    finally:
+        if wrap == "global hook":
+            handle.remove()
     assert calls == [] and all(near(b, a) for a, b in zip(want, got))
-    assert seen == ([] if wrap == "bias" else [1, 1])
+    if wrap == "global hook":
+        assert len(seen) % 2 == 0 and seen[:len(seen) // 2] == seen[len(seen) // 2:] \
+            and "Linear" in seen and type(hc).__name__ in seen
+    else:
+        assert seen == ([] if wrap == "bias" else [1, 1])

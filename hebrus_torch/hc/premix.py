@@ -5,11 +5,12 @@ three norms), and the hyper-connections of a decoder layer over packed rows: the
 post-combine as one ``hebrus::hc_post_combine`` (:func:`post_combine`).
 
 The pre-mix is fused whole only where its norm is transformers' own ``Qwen4ExpTextRMSNorm`` and its
-three projections are plain ``nn.Linear`` without bias, in h's dtype, all without hooks
-(``hebrus::hc_premix``), or all :class:`~hebrus_torch.moe.quantized_linear.QuantizedLinear` of one bits and
-group size with scales in h's dtype, without hooks (``hebrus::hc_premix_quantized``: the converter's 4/8-bit
-checkpoints); otherwise (a mix of the two, a LoRA-wrapped projection, a hooked module) the projections run as
-module calls and only the norm is fused where it can be. On CPU the fused ops compute in hebrus's own row
+three projections are plain ``nn.Linear`` without bias, in h's dtype (``hebrus::hc_premix``), or all
+:class:`~hebrus_torch.moe.quantized_linear.QuantizedLinear` of one bits and group size with scales in h's dtype
+(``hebrus::hc_premix_quantized``: the converter's 4/8-bit checkpoints), each module's call being its class's forward
+(``module_calls.runs_forward_only``: no module or global hooks, no compiled call, no forward of the instance's own);
+otherwise (a mix of the two, a LoRA-wrapped projection, a hooked module, a forward replaced on the instance) the
+projections run as module calls and only the norm is fused where it can be. On CPU the fused ops compute in hebrus's own row
 arithmetic, within a tolerance of the modules and each row independent of the others (docs/engine.md, "The CPU
 fused ops' arithmetic"; tests/test_hc_ops.py).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..module_calls import submodule
+from ..module_calls import runs_forward_only, submodule
 from ..moe.quantized_linear import QuantizedLinear
 from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 
@@ -41,8 +42,7 @@ def _transformers_name(cls: type) -> str | None:
 
 
 def _is_stock_rms_norm(norm: torch.nn.Module) -> bool:
-    return _transformers_name(type(norm)) == "Qwen4ExpTextRMSNorm" \
-        and not norm._forward_hooks and not norm._forward_pre_hooks
+    return _transformers_name(type(norm)) == "Qwen4ExpTextRMSNorm" and runs_forward_only(norm)
 
 
 def fused_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool:
-    if type(linear) is not torch.nn.Linear or linear._forward_hooks or linear._forward_pre_hooks:
+    if type(linear) is not torch.nn.Linear or not runs_forward_only(linear):
         return False
     params = linear._parameters          # (weight and bias live here: read without Module.__getattr__)
     return params["bias"] is None and params["weight"].dtype == dtype
@@ -88,7 +88,7 @@ def _fusable_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
 
 def _is_quantized_linear(linear: torch.nn.Module, dtype: torch.dtype, bits: int, group_size: int) -> bool:
     return type(linear) is QuantizedLinear and linear.bits == bits and linear.group_size == group_size \
-        and linear.scales.dtype == dtype and not linear._forward_hooks and not linear._forward_pre_hooks
+        and linear.scales.dtype == dtype and runs_forward_only(linear)
 
 
 def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
@@ -101,10 +101,12 @@ def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
 
 
 def stock_gated_residual(hc: torch.nn.Module, h: torch.Tensor) -> bool:
-    """``hc`` is transformers' own ``Qwen4ExpTextGatedResidual`` without hooks, over h [T, hc * hidden]: what
+    """``hc`` is transformers' own ``Qwen4ExpTextGatedResidual`` whose call runs its class's forward (no module or global
+    hooks, no forward of the instance's own: ``runs_forward_only``, as for every module this file fuses), over h
+    [T, hc * hidden]: what
     :func:`hyper_premix` (and the native layers' resolution) asks before looking at its submodules."""
-    return _transformers_name(type(hc)) == "Qwen4ExpTextGatedResidual" and not hc._forward_hooks \
-        and not hc._forward_pre_hooks and h.dim() == 2 and h.shape[-1] == hc.hc_count * hc.hidden_size
+    return _transformers_name(type(hc)) == "Qwen4ExpTextGatedResidual" and runs_forward_only(hc) \
+        and h.dim() == 2 and h.shape[-1] == hc.hc_count * hc.hidden_size
 
 
 def premix_params(hc: torch.nn.Module) -> tuple:

@@ -19,7 +19,7 @@ from .ops import moe_experts, moe_route, moe_shared_expert, moe_shared_expert_qu
 from .quantized_linear import QuantizedLinear
 
 __all__ = ["experts_unsupported", "routed_experts", "packed_moe", "route", "shared_expert_weights",
-           "shared_expert_quantized_weights"]
+           "shared_expert_quantized_weights", "stock_router_weight"]
 
 
 @torch.compiler.assume_constant_result
@@ -89,6 +89,15 @@ def _fuse_elementwise(fused: bool | None) -> bool:
     return True if fused is None else fused
 
 
+def stock_router_weight(gate: torch.nn.Module) -> torch.Tensor | None:
+    """The router's weight [E, H] where ``gate`` is transformers' own ``Qwen4ExpTextTopKRouter`` called as its class's
+    forward (:func:`_plain_call`): what lets :func:`route` run it as ``F.linear`` then ``moe_route``, and the native
+    layers take its weight (models/qwen4_exp/native.py); None otherwise."""
+    if type(gate) is not _modeling().Qwen4ExpTextTopKRouter or not _plain_call(gate):
+        return None
+    return gate._parameters.get("weight")
+
+
 def route(mlp: torch.nn.Module, x: torch.Tensor,
           fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router and the shared expert's gate of a ``Qwen4ExpTextSparseMoeBlock`` over packed rows x [T, H]:
@@ -99,8 +108,8 @@ def route(mlp: torch.nn.Module, x: torch.Tensor,
     on CPU), with the sigmoid of ``shared_expert_gate(x)`` inside it where :func:`_fuse_elementwise` (by default),
     else ``torch.sigmoid`` beside it; otherwise the router module and a sigmoid."""
     gate = submodule(mlp, "gate")
-    weight = gate._parameters.get("weight") if type(gate) is _modeling().Qwen4ExpTextTopKRouter else None
-    if weight is not None and _plain_call(gate) and x.dim() == 2 and not (
+    weight = stock_router_weight(gate)
+    if weight is not None and x.dim() == 2 and not (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         logits = F.linear(x, weight)
         shared_logit = linear(submodule(mlp, "shared_expert_gate"), x)

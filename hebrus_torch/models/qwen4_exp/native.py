@@ -43,7 +43,7 @@ from ... import reference
 from ...errors import translated
 from ...gdn.state import _ACTIVATIONS as _GDN_ACTIVATIONS
 from ...hc.premix import _fusable_premix, _is_stock_rms_norm, premix_params, stock_gated_residual
-from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights
+from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights, stock_router_weight
 from ...module_calls import runs_forward_only, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
@@ -279,9 +279,7 @@ def _moe_weights(mlp: torch.nn.Module | None, x: torch.Tensor) -> tuple[list[tor
     if type(mlp) is not m.Qwen4ExpTextSparseMoeBlock or not _plain_call(mlp):
         return None
     gate = submodule(mlp, "gate")
-    if type(gate) is not m.Qwen4ExpTextTopKRouter or not _plain_call(gate):
-        return None
-    router = gate._parameters.get("weight")
+    router = stock_router_weight(gate)
     shared_gate = _weight(submodule(mlp, "shared_expert_gate", None), x.dtype)
     experts = submodule(mlp, "experts")
     if router is None or router.dtype != x.dtype or shared_gate is None \
