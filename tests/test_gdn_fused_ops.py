@@ -213,3 +213,26 @@ def test_a_hooked_norm_runs_as_itself():
     x, z = norm_inputs(3, 16, torch.float32)
     with torch.no_grad():
         assert torch.equal(output_norm(norm, x, z), seen[0])
+
+
+@pytest.mark.parametrize("wrap", ["instance forward", "global hook"])
+def test_a_norm_with_a_forward_of_its_own_or_a_global_hook_runs_as_itself(wrap):
+    """A forward replaced on the instance, or a global forward hook, sees the norm called (not bypassed by the fused
+    op), as the module's own call would."""
+    norm = norm_module(16, torch.float32)
+    seen = []
+    x, z = norm_inputs(3, 16, torch.float32)
+    if wrap == "instance forward":
+        own = type(norm).forward.__get__(norm)
+        norm.forward = lambda *args: seen.append(1) or own(*args) * 0.5
+        with torch.no_grad():
+            assert torch.equal(output_norm(norm, x, z), own(x, z) * 0.5) and seen == [1]
+        return
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append((mod, out)))
+    try:
+        with torch.no_grad():
+            got = output_norm(norm, x, z)
+    finally:
+        handle.remove()
+    own = [out for mod, out in seen if mod is norm]
+    assert len(own) == 1 and torch.equal(got, own[0])

@@ -107,6 +107,12 @@ def test_index_keys_alone_are_the_projection_s_key_columns(model):
             assert torch.equal(index_keys(indexer, x), raw)
         finally:
             handle.remove()
+        proj = indexer.index_qk_proj                # a forward of the instance's own is called, not bypassed
+        proj.forward = lambda inp: torch.nn.functional.linear(inp, proj.weight) * 2
+        try:
+            assert torch.equal(index_keys(indexer, x), proj(x)[..., -raw.shape[-1]:].reshape(raw.shape))
+        finally:
+            del proj.forward
 
 
 def test_shared_projections_are_transformers_own(model):

@@ -9,6 +9,7 @@ import torch
 
 from .. import _validate
 from ..errors import translated
+from ..module_calls import runs_forward_only
 
 __all__ = ["gdn_gates", "gdn_gated_rms_norm", "layer_gates", "output_norm"]
 
@@ -78,13 +79,13 @@ def layer_gates(module: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> tu
 def _is_stock_gated_norm(norm: torch.nn.Module) -> bool:
     cls = type(norm)
     return cls.__name__ == "Qwen4ExpTextRMSNormGated" and cls.__module__.startswith("transformers.") \
-        and not norm._forward_hooks and not norm._forward_pre_hooks \
-        and getattr(norm, "activation", None) in ("silu", "sigmoid")
+        and runs_forward_only(norm) and getattr(norm, "activation", None) in ("silu", "sigmoid")
 
 
 def output_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``norm(x, gate)`` for x, gate [N, Dv]: one ``gdn_gated_rms_norm`` where ``norm`` is transformers'
-    ``Qwen4ExpTextRMSNormGated`` without hooks, x and gate share a dtype and autograd needs no graph
+    ``Qwen4ExpTextRMSNormGated`` called as its class's forward (``runs_forward_only``: no module or global hooks, no
+    forward of the instance's own), x and gate share a dtype and autograd needs no graph
     (any other case: the module's own call)."""
     if not _is_stock_gated_norm(norm) or x.dtype != gate.dtype or x.dim() < 1 \
             or _needs_autograd(x, gate, norm.weight):
