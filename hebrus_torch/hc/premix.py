@@ -10,9 +10,9 @@ three projections are plain ``nn.Linear`` without bias, in h's dtype (``hebrus::
 (``hebrus::hc_premix_quantized``: the converter's 4/8-bit checkpoints), each module's call being its class's forward
 (``module_calls.runs_forward_only``: no module or global hooks, no compiled call, no forward of the instance's own);
 otherwise (a mix of the two, a LoRA-wrapped projection, a hooked module, a forward replaced on the instance) the
-projections run as module calls and only the norm is fused where it can be. On CPU the fused ops compute in hebrus's own row
-arithmetic, within a tolerance of the modules and each row independent of the others (docs/engine.md, "The CPU
-fused ops' arithmetic"; tests/test_hc_ops.py).
+projections run as module calls and only the norm is fused where it can be. On CPU the fused ops compute in
+hebrus's own row arithmetic, within a tolerance of the modules and each row independent of the others
+(docs/engine.md, "The CPU fused ops' arithmetic"; tests/test_hc_ops.py).
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def _fusable_quantized_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
 
 
 def stock_gated_residual(hc: torch.nn.Module, h: torch.Tensor) -> bool:
-    """``hc`` is transformers' own ``Qwen4ExpTextGatedResidual`` whose call runs its class's forward (no module or global
-    hooks, no forward of the instance's own: ``runs_forward_only``, as for every module this file fuses), over h
-    [T, hc * hidden]: what
-    :func:`hyper_premix` (and the native layers' resolution) asks before looking at its submodules."""
+    """``hc`` is transformers' own ``Qwen4ExpTextGatedResidual`` whose call runs its class's forward (no module or
+    global hooks, no forward of the instance's own: ``runs_forward_only``, as for every module this file fuses), over
+    h [T, hc * hidden]: what :func:`hyper_premix` (and the native layers' resolution) asks before looking at its
+    submodules."""
     return _transformers_name(type(hc)) == "Qwen4ExpTextGatedResidual" and runs_forward_only(hc) \
         and h.dim() == 2 and h.shape[-1] == hc.hc_count * hc.hidden_size
 
