@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-__all__ = ["linear", "runs_forward_only", "submodule"]
+__all__ = ["linear", "plain_linear_weight", "runs_as_f_linear", "runs_forward_only", "submodule"]
 
 
 def runs_forward_only(module: torch.nn.Module) -> bool:
@@ -28,10 +28,26 @@ def runs_forward_only(module: torch.nn.Module) -> bool:
         and not torch._C._get_tracing_state()
 
 
+def runs_as_f_linear(module: torch.nn.Module | None) -> bool:
+    """``module`` is a plain ``nn.Linear`` whose call is ``F.linear`` of its own parameters (:func:`runs_forward_only`):
+    what :func:`linear` and every fused path that reads a projection's weight ask."""
+    return type(module) is torch.nn.Linear and runs_forward_only(module)
+
+
+def plain_linear_weight(module: torch.nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight [out, in] of a bias-free ``nn.Linear`` that :func:`linear` runs as ``F.linear``, where it has
+    ``dtype``; else None."""
+    if not runs_as_f_linear(module):
+        return None
+    params = module._parameters          # (weight and bias live here: read without Module.__getattr__)
+    weight = params["weight"]
+    return weight if params["bias"] is None and weight.dtype == dtype else None
+
+
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``: as ``F.linear(x, weight, bias)`` where ``module`` is a plain ``nn.Linear``
-    (:func:`runs_forward_only`), else the module's own call. x Tensor[..., in] -> Tensor[..., out]."""
-    if type(module) is torch.nn.Linear and runs_forward_only(module):
+    (:func:`runs_as_f_linear`), else the module's own call. x Tensor[..., in] -> Tensor[..., out]."""
+    if runs_as_f_linear(module):
         params = module._parameters
         return F.linear(x, params["weight"], params["bias"])
     return module(x)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..module_calls import runs_forward_only, submodule
+from ..module_calls import plain_linear_weight, runs_forward_only, submodule
 from ..moe.quantized_linear import QuantizedLinear
 from .ops import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 
@@ -57,13 +57,6 @@ def fused_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _is_plain_linear(linear: torch.nn.Module | None, dtype: torch.dtype) -> bool:
-    if type(linear) is not torch.nn.Linear or not runs_forward_only(linear):
-        return False
-    params = linear._parameters          # (weight and bias live here: read without Module.__getattr__)
-    return params["bias"] is None and params["weight"].dtype == dtype
-
-
 def _projections(hc: torch.nn.Module) -> list[torch.nn.Module]:
     return [p for p in (submodule(hc, "input_mix_weight_down"), submodule(hc, "input_mix_weight_up"),
                         submodule(hc, "block_inject_weight")) if p is not None]
@@ -81,7 +74,7 @@ def _fusable_premix(hc: torch.nn.Module, h: torch.Tensor) -> bool:
         return False
     dtype = h.dtype
     for p in _projections(hc):
-        if not _is_plain_linear(p, dtype):
+        if plain_linear_weight(p, dtype) is None:
             return False
     return True
 

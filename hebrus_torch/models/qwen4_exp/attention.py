@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ...hc.premix import _is_stock_rms_norm, fused_norm
-from ...module_calls import linear, runs_forward_only
+from ...module_calls import linear, runs_as_f_linear
 from ...qsa.ops import rms_norm_rope, sigmoid_gate
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def index_keys(indexer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     d = indexer.index_head_dim
     n_k = indexer.index_kv_heads * d
     proj = indexer.index_qk_proj
-    if type(proj) is torch.nn.Linear and runs_forward_only(proj):
+    if runs_as_f_linear(proj):
         bias = proj.bias[-n_k:] if proj.bias is not None else None
         keys = torch.nn.functional.linear(x, proj.weight[-n_k:], bias)
     else:

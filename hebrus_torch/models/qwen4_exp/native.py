@@ -44,7 +44,7 @@ from ...errors import translated
 from ...gdn.state import _ACTIVATIONS as _GDN_ACTIVATIONS
 from ...hc.premix import _fusable_premix, _is_stock_rms_norm, premix_params, stock_gated_residual
 from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights, stock_router_weight
-from ...module_calls import runs_forward_only, submodule
+from ...module_calls import plain_linear_weight, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
 
@@ -251,16 +251,6 @@ class LayerCalls:
 _NONE = LayerCalls(None, None)
 
 
-def _weight(linear: torch.nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The weight of a plain bias-free ``nn.Linear`` that ``module_calls.linear`` would run as ``F.linear``, in
-    ``dtype``; else None."""
-    if type(linear) is not torch.nn.Linear or not runs_forward_only(linear):
-        return None
-    params = linear._parameters
-    weight = params["weight"]
-    return weight if params["bias"] is None and weight.dtype == dtype else None
-
-
 def _premix_weights(hc: torch.nn.Module | None, h: torch.Tensor) -> tuple[list[torch.Tensor], int, float] | None:
     """(the ``hc_premix`` weights, hc_count, eps) where ``hyper_premix(hc, h)`` runs one ``hc_premix`` with an
     injection; else None."""
@@ -280,7 +270,7 @@ def _moe_weights(mlp: torch.nn.Module | None, x: torch.Tensor) -> tuple[list[tor
         return None
     gate = submodule(mlp, "gate")
     router = stock_router_weight(gate)
-    shared_gate = _weight(submodule(mlp, "shared_expert_gate", None), x.dtype)
+    shared_gate = plain_linear_weight(submodule(mlp, "shared_expert_gate", None), x.dtype)
     experts = submodule(mlp, "experts")
     if router is None or router.dtype != x.dtype or shared_gate is None \
             or not _plain_call(experts, "_experts_forward") or experts_unsupported(experts, x) is not None:
@@ -306,7 +296,7 @@ def _gdn_weights(gdn: torch.nn.Module, dtype: torch.dtype) -> list[torch.Tensor]
     ``gdn_gated_rms_norm`` (the gated norm transformers' own, without hooks); else None."""
     from ...gdn.fused import _is_stock_gated_norm
 
-    linears = [_weight(submodule(gdn, name, None), dtype)
+    linears = [plain_linear_weight(submodule(gdn, name, None), dtype)
                for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
     norm, conv = submodule(gdn, "norm", None), submodule(gdn, "conv1d", None)
     if any(w is None for w in linears) or norm is None or not _is_stock_gated_norm(norm) or conv is None:
@@ -356,8 +346,9 @@ def _attention_layer_call(layer: torch.nn.Module, h: torch.Tensor, x: torch.Tens
             or int(getattr(indexer, "index_kv_heads", 0)) != 1:
         return None
     d, hd = int(indexer.index_head_dim), int(attn.head_dim)
-    linears = [_weight(submodule(indexer, "index_qk_proj", None), x.dtype)] + [
-        _weight(submodule(attn, name, None), x.dtype) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears = [plain_linear_weight(submodule(indexer, "index_qk_proj", None), x.dtype)] + [
+        plain_linear_weight(submodule(attn, name, None), x.dtype)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     norms = [_stock_norm_weight(submodule(indexer, "q_layernorm", None), d),
              _stock_norm_weight(submodule(attn, "q_norm", None), hd),
              _stock_norm_weight(submodule(attn, "k_norm", None), hd)]
@@ -377,7 +368,7 @@ def _ple_gate_call(ple: torch.nn.Module | None, dtype: torch.dtype) -> PleGateCa
         return None
     hc, hidden = int(ple.hc_count), int(ple.hidden_size)
     norms = [submodule(ple, name, None) for name in ("norm_key", "norm_query", "norm_conv")]
-    linears = [_weight(submodule(ple, name, None), dtype) for name in ("key_proj", "value_proj")]
+    linears = [plain_linear_weight(submodule(ple, name, None), dtype) for name in ("key_proj", "value_proj")]
     conv = submodule(ple, "conv1d", None)
     if any(w is None for w in linears) or conv is None or conv._parameters.get("weight") is None \
             or not all(n is not None and _is_stock_rms_norm(n) for n in norms):
