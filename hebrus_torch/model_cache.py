@@ -158,6 +158,8 @@ class ChunkStep:
     """
 
     _qsa_step_plan = _gdn_pools = _UNPLANNED
+    _unsettled: tuple[int, ...] = ()
+    """QSA cache layers :meth:`qsa_layer` ran whose bookkeeping waits for :meth:`settle_qsa_layers`."""
 
     def __init__(self, cache: "ModelCache", batch: Batch):
         self.cache, self.batch = cache, batch
@@ -250,6 +252,7 @@ class ChunkStep:
                   v: torch.Tensor | None = None) -> None:
         """Write the chunk's raw indexer keys Tensor[T, D] (and K/V) for one layer; pools completed groups."""
         qsa = self.cache._need("qsa")
+        self.settle_qsa_layers()
         index_keys = as_tensor("ChunkStep.qsa_write: index_keys", index_keys)
         qsa.write(self.cache._qsa_layer(layer_idx), self.chunk, index_keys, k, v)
 
@@ -262,12 +265,18 @@ class ChunkStep:
                               "(indexer_budget // indexer_compress_ratio)")
         q_index = as_tensor("ChunkStep.qsa_select: q_index", q_index)
         top_k = as_int("ChunkStep.qsa_select: top_k", top_k)
+        self.settle_qsa_layers()
         return qsa.plan(self.cache._qsa_layer(layer_idx), self.chunk, q_index, top_k)
 
     def qsa_step_plan(self):
         """The QSA cache's :class:`~hebrus_torch.qsa.planning.StepPlan` of this step's chunk (``QSACache.step_plan``,
         with the cache's top_k), decided at the first call and kept for the step's other layers; None where the
-        cache cannot plan the step once for every layer."""
+        cache cannot plan the step once for every layer.
+
+        A forward that will run indexed layers over it asks for it before its first layer: the plan is then made
+        before the layers' weights stream through the caches (the host work between two layers' calls runs with
+        cold caches, several times slower). Each layer's part of it stays valid whatever another layer writes
+        (a layer writes and pools only its own planes)."""
         plan = self._qsa_step_plan
         if plan is _UNPLANNED:
             qsa, top_k = self.cache.qsa, self.cache.top_k
@@ -278,14 +287,27 @@ class ChunkStep:
     def qsa_layer(self, layer_idx: int, run) -> torch.Tensor:
         """One indexed layer over the step plan (:meth:`qsa_step_plan`, not None): ``run(planes, qsa, plan, sizes,
         qsa_eps)`` (``hebrus::decode_attention_layer``'s QSA arguments) writes, pools and attends the layer's part of
-        the cache; then the cache's bookkeeping records the write (``QSACache.settle_step_plan``). Returns what
-        ``run`` returns."""
-        qsa = self.cache.qsa
+        the cache. Returns what ``run`` returns.
+
+        The cache's bookkeeping of the write (``QSACache.settle_step_plan``) waits for :meth:`settle_qsa_layers`:
+        done for every such layer at once after the step's layers (one pass with warm caches instead of one cold
+        pass between two layers' calls), before any other QSA operation of the step and at the latest when the
+        transaction's block ends (``ModelCache.transaction``). No other layer's work reads it: each layer's part
+        of the plan is its own (its flags, its pending groups)."""
         layer = self.cache._qsa_layer(layer_idx)
-        plan = self._qsa_step_plan
-        out = run(*plan.layer_args(layer))
-        qsa.settle_step_plan(plan, layer)
+        out = run(*self._qsa_step_plan.layer_args(layer))
+        self._unsettled += (layer,)
         return out
+
+    def settle_qsa_layers(self) -> None:
+        """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran since the last call
+        (``QSACache.settle_step_plan``), in layer order as run."""
+        layers = self._unsettled
+        if layers:
+            qsa, plan = self.cache.qsa, self._qsa_step_plan
+            for i, layer in enumerate(layers):
+                self._unsettled = layers[i + 1:]    # (what is left if this one raises: the step rolls back anyway)
+                qsa.settle_step_plan(plan, layer)
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
         """``hebrus::qsa_attention`` of the chunk's queries over exactly the cells ``plan`` selected.
@@ -300,6 +322,7 @@ class ChunkStep:
         if not isinstance(plan, QSAPlan):
             raise HebrusError(f"ChunkStep.qsa_attention: plan must be the QSAPlan of qsa_select, got "
                               f"{type(plan).__name__}")
+        self.settle_qsa_layers()
         return qsa_attention(as_tensor("ChunkStep.qsa_attention: q", q), qsa.k_cache[layer], qsa.v_cache[layer],
                              plan.token_cells, scale)
 
@@ -451,7 +474,10 @@ class ModelCache(PlainAttrs, StateDictProtocol, torch.nn.Module, Transactional):
                     position = self._snapshot_position(seq)
                     if position is not None:           # a fresh state rewinds by clearing
                         self._remember(seq, self._snapshot(seq, position))
-            yield ChunkStep(self, batch) if batch is not None else None
+            step = ChunkStep(self, batch) if batch is not None else None
+            yield step
+            if step is not None:
+                step.settle_qsa_layers()        # (what the block's layers left to settle: before the commit)
 
     def _txn_members(self) -> tuple[Transactional, ...]:
         return (self, *self.holders)

@@ -449,6 +449,52 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
+def test_a_fused_indexed_layer_after_a_hooked_one_runs_over_the_step_plan(monkeypatch):
+    """The step plan is made before the first layer: layer 0 (hooked) writes and plans through the QSA cache, layer 2
+    still runs as one call over the plan (its part of it is its own), and each layer's bookkeeping is settled by the
+    commit. Tokens and state as the Python path's."""
+    from hebrus_torch.qsa.planning import _Planning
+
+    model = make_model("idx-lin-idx-lin", seed=23)
+    prompts = prompts_for(6, lengths=(9, 3))
+    python = run(model, prompts, False, max_batch_tokens=7, block_size=4)
+    settled, settle = [], _Planning.settle_step_plan
+    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
+                                                                                   settle(self, plan, layer)))
+    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
+    try:
+        native = run(model, prompts, True, max_batch_tokens=7, block_size=4)
+    finally:
+        handle.remove()
+    assert settled and set(settled) == {1}                  # (QSA cache layer 1: decoder layer 2)
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+    assert native.cache.digest() == python.cache.digest()
+
+
+def test_the_layers_bookkeeping_waits_for_the_end_of_the_layers(monkeypatch):
+    """An indexed layer over the step plan leaves its bookkeeping to ``ChunkStep.settle_qsa_layers``: none is settled
+    while the layers run, all of them once the last layer has run."""
+    from hebrus_torch.models.qwen4_exp import forward
+    from hebrus_torch.model_cache import ChunkStep
+
+    model = make_model("idx-lin-idx-lin", seed=29)
+    seen = []
+    layer_call = forward.PackedQwen4Exp.decoder_layer
+
+    def spy(self, step, idx, *args, **kwargs):
+        seen.append((idx, step._unsettled))
+        return layer_call(self, step, idx, *args, **kwargs)
+
+    settle = ChunkStep.settle_qsa_layers
+    monkeypatch.setattr(forward.PackedQwen4Exp, "decoder_layer", spy)
+    monkeypatch.setattr(ChunkStep, "settle_qsa_layers", lambda step: (seen.append(("settle", step._unsettled)),
+                                                                       settle(step)))
+    run(model, prompts_for(7, lengths=(5,)), True, max_batch_tokens=512)
+    # The last step (a decode of one token): the layers, the forward's settle, the transaction block's (none left).
+    assert seen[-6:] == [(0, ()), (1, (0,)), (2, (0,)), (3, (0, 1)), ("settle", (0, 1)), ("settle", ())]
+
+
 def test_a_hooked_indexed_layer_after_a_fused_one_gives_the_python_paths_state(monkeypatch):
     """Layer 0 runs as one call over the step plan, layer 2 (hooked) through its modules and the QSA cache's own write
     and plan, in one step: tokens and state as the Python path's."""

@@ -174,9 +174,12 @@ class PackedQwen4Exp:
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
         native = self.native.calls(h)
+        if native is not None and any(calls.attention is not None for calls in native):
+            step.qsa_step_plan()        # (host work before the layers' calls: see ChunkStep.qsa_step_plan)
         for idx, layer in enumerate(self._layers()):
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
                                    None if native is None else native[idx])
+        step.settle_qsa_layers()
         return h, (cos, sin)
 
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
