@@ -224,13 +224,23 @@ class ChunkStep:
         tails not in x's dtype), and the caller runs :meth:`gdn_conv` and :meth:`gdn_delta_rule`."""
         if self.gdn_start_positions is not None and any(p is not None for p in self.gdn_start_positions):
             return None
-        gdn, pools = self.cache._need("gdn"), self._gdn_pools
-        if pools is _UNPLANNED:         # (the step's slots and undo rows once for every GDN layer: step_pools)
-            pools = self._gdn_pools = gdn.step_pools(self.batch.seqs, self.batch.cu_seqlens, x.shape[0], x.dtype)
+        pools = self.gdn_step_pools(x)
         if pools is not None and pools.pools[0].dtype == x.dtype:
             return pools.update(self.cache._gdn_layer(layer_idx), update)
-        return gdn.update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, x.shape[0],
-                                x.dtype, update)
+        return self.cache.gdn.update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens,
+                                           x.shape[0], x.dtype, update)
+
+    def gdn_step_pools(self, x: torch.Tensor):
+        """``GDNState.step_pools`` of this step for layer inputs like x (Tensor[T, ...]: its rows and dtype): the
+        slots checked and every GDN layer's rows logged once, at the first call (the others reuse it); None where
+        :meth:`gdn_update_layer` goes through ``GDNState.update_layer``. A forward whose GDN layers run as native
+        calls asks for it before its first layer (host work outside the gaps between the layers' calls, see
+        :meth:`qsa_step_plan`); nothing writes the GDN state before a GDN layer does."""
+        pools = self._gdn_pools
+        if pools is _UNPLANNED:
+            pools = self._gdn_pools = self.cache._need("gdn").step_pools(self.batch.seqs, self.batch.cu_seqlens,
+                                                                        x.shape[0], x.dtype)
+        return pools
 
     def linear_attention(self, layer_idx: int, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Deprecated: the layer's math is ``hebrus_torch.models.qwen4_exp.gdn.packed_gated_delta_net(step,

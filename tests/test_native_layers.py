@@ -495,6 +495,42 @@ def test_the_layers_bookkeeping_waits_for_the_end_of_the_layers(monkeypatch):
     assert seen[-6:] == [(0, ()), (1, (0,)), (2, (0,)), (3, (0, 1)), ("settle", (0, 1)), ("settle", ())]
 
 
+def test_the_holders_host_work_runs_before_the_first_layer(monkeypatch):
+    """With native layers, the QSA step plan, the GDN state's step pools and the native PLE layers' n-gram ids are
+    made before the first decoder layer runs (none of it in the gaps between the layers' calls), once per step."""
+    from hebrus_torch.models.qwen4_exp import forward
+    from hebrus_torch.model_cache import ChunkStep
+
+    model = make_model("lin-idx", seed=31)
+    assert any(layer.ple is not None for layer in model.model.layers)
+    seen = []
+
+    def spy(cls, name, tag):
+        original = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            seen.append(tag)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapper)
+
+    spy(forward.PackedQwen4Exp, "_layers_forward", "step")
+    spy(forward.PackedQwen4Exp, "decoder_layer", "layer")
+    spy(ChunkStep, "qsa_step_plan", "plan")
+    spy(ChunkStep, "gdn_step_pools", "pools")
+    spy(ChunkStep, "ple_ngram_ids", "ids")
+    python = run(model, prompts_for(8, lengths=(6,)), False, max_batch_tokens=512)
+    seen.clear()
+    native = run(model, prompts_for(8, lengths=(6,)), True, max_batch_tokens=512)
+    assert seen.count("step") >= 8                          # (a prefill step and the decode steps)
+    last = seen[len(seen) - seen[::-1].index("step"):]      # (the last step: a decode)
+    first_layer = last.index("layer")
+    assert sorted(last[:first_layer]) == ["ids", "plan", "pools"]
+    assert set(last[first_layer:]) <= {"layer", "plan", "pools"}       # (the layers reuse the plan and the pools)
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+    assert native.cache.digest() == python.cache.digest()
+
+
 def test_a_hooked_indexed_layer_after_a_fused_one_gives_the_python_paths_state(monkeypatch):
     """Layer 0 runs as one call over the step plan, layer 2 (hooked) through its modules and the QSA cache's own write
     and plan, in one step: tokens and state as the Python path's."""

@@ -174,26 +174,45 @@ class PackedQwen4Exp:
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
         native = self.native.calls(h)
-        if native is not None and any(calls.attention is not None for calls in native):
-            step.qsa_step_plan()        # (host work before the layers' calls: see ChunkStep.qsa_step_plan)
+        ple_ids = None if native is None else self._host_work_ahead(step, native, h, prefetched)
         for idx, layer in enumerate(self._layers()):
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
-                                   None if native is None else native[idx])
+                                   None if native is None else native[idx], ple_ids)
         step.settle_qsa_layers()
         return h, (cos, sin)
 
+    @staticmethod
+    def _host_work_ahead(step: ChunkStep, native: list[LayerCalls], h: torch.Tensor,
+                         prefetched: PrefetchedRows | None) -> dict[int, torch.Tensor]:
+        """The state holders' host work of a step whose layers run as native calls, done before the first call:
+        the QSA cache's step plan, the GDN state's logged pools and the n-gram ids (history advanced, staged) of
+        every PLE layer with a native gate whose rows were not prefetched. Between two layers' calls the host
+        runs with cold caches (each call streams megabytes of weights through them), several times slower than
+        here, next to the step's other host work. Returns those n-gram ids by decoder-layer index."""
+        if any(calls.attention is not None for calls in native):
+            step.qsa_step_plan()
+        chunked = step.gdn_start_positions is not None and any(p is not None for p in step.gdn_start_positions)
+        if not chunked and any(calls.layer is not None for calls in native):
+            step.gdn_step_pools(h)
+        return {idx: step.ple_ngram_ids(idx) for idx, calls in enumerate(native)
+                if calls.ple is not None and (prefetched is None or idx not in prefetched)}
+
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, timed: Timed = _untimed, prefetched: PrefetchedRows | None = None,
-                      native: LayerCalls | None = None) -> torch.Tensor:
+                      native: LayerCalls | None = None, ple_ids: dict[int, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
         """One ``Qwen4ExpTextDecoderLayer`` (decoder layer ``idx`` of the step's state) on the streams
         h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]; ``prefetched``: the step's PLE rows gathered off
         the engine thread (None: the PLE layer gathers its own); ``native``: what of the layer runs as a native
-        call (:meth:`NativeLayers.calls`; None: nothing)."""
+        call (:meth:`NativeLayers.calls`; None: nothing); ``ple_ids``: n-gram ids computed ahead by decoder-layer
+        index (the layer's history already advanced: its rows are gathered from them)."""
         if layer.ple is not None:
             with timed("ple"):
                 rows = None
                 if prefetched is not None and idx in prefetched:
                     rows = prefetched.rows(idx, layer.ple.ple_embedding.ngram_embedding.out_dtype)
+                elif ple_ids is not None and idx in ple_ids:
+                    rows = layer.ple.ple_embedding.ngram_embedding(ple_ids[idx])
                 gate = None if native is None else native.ple
                 h = h + (packed_ple(step, idx, layer.ple, h, rows) if gate is None else
                          native_ple(step, idx, layer.ple, gate, h, rows))
