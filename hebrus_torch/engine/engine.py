@@ -46,7 +46,7 @@ from .prefix import PrefixIndex
 from .prompt_cache import PromptCacheStore, fingerprint
 from .requests import Request, RequestStatus
 from .runner import ModelRunner, find_text_model
-from .sampling import BadRequestError, Pick, SamplingParams, sample_rows_reading
+from .sampling import BadRequestError, Pick, SamplingParams, reads_history, sample_rows_reading
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .speculative import SpeculativeConfig, Verdict, verification
 
@@ -357,7 +357,8 @@ class Engine:
             also, finish_verdicts = verification(logits, [rows[id(c)] for c in spec], [c.drafts for c in spec],
                                                  [r.sampling for r in sreqs], [r.tokens for r in sreqs],
                                                  [r.generated for r in sreqs], [r.generator for r in sreqs], q)
-        picks, values = sample_rows_reading(logits, [r.sampling for r in reqs], [r.tokens for r in reqs],
+        picks, values = sample_rows_reading(logits, [r.sampling for r in reqs],
+                                            [r.tokens if reads_history(r.sampling) else () for r in reqs],
                                             [r.generator for r in reqs],
                                             rows=[rows[id(c)] for c in sampling] + [rows[id(chunks[i])] for i, _ in forked],
                                             generated=[r.generated for r in reqs], also=also)  # the step's one read

@@ -177,7 +177,7 @@ def _penalise_rows(scores: torch.Tensor, params: Sequence[SamplingParams], histo
         scores[at] -= torch.from_numpy(np.concatenate(values)).to(device=device, dtype=scores.dtype)
     by_penalty: dict[float, tuple[list[int], list[int]]] = {}
     for i, p in enumerate(params):
-        if p.repetition_penalty != 1.0 and histories[i]:
+        if reads_history(p) and histories[i]:
             seen_tokens = sorted(set(histories[i]))
             rows, cols = by_penalty.setdefault(p.repetition_penalty, ([], []))
             rows += [i] * len(seen_tokens)
@@ -290,6 +290,13 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device)
+
+
+def reads_history(p: SamplingParams) -> bool:
+    """Whether sampling with ``p`` reads the request's token history (the repetition penalty does): the caller
+    may pass an empty history otherwise (a request's prompt + generated tokens is a list as long as its context,
+    built anew at every step)."""
+    return p.repetition_penalty != 1.0
 
 
 def _penalises(p: SamplingParams) -> bool:
