@@ -119,11 +119,12 @@ class ModelRunner:
             ``consume``, what it returned.
         """
         device = self.device
-        batch = Batch.from_rows(seqs, [torch.tensor(list(r), dtype=torch.int64) for r in rows],
-                                positions, device=device)
+        batch = Batch.from_rows(seqs, [list(r) for r in rows], positions, device=device)
         counts = [len(r) for r in rows]
         layout = logit_rows if isinstance(logit_rows, LogitsLayout) else LogitsLayout.of(logit_rows)
-        ends = torch.tensor(layout.token_indices(counts), dtype=torch.int64, device=device)
+        picked = layout.token_indices(counts)
+        # (every token's logits, in order: a decode step's rows; the hidden states are then read as they are)
+        ends = None if picked == list(range(sum(counts))) else torch.tensor(picked, dtype=torch.int64, device=device)
         with self._part("transaction"), self.cache.transaction(batch) as step:
             if chunked is not None and any(chunked):
                 step.gdn_start_positions = [int(p) if c else None for p, c in zip(positions, chunked)]
@@ -137,7 +138,7 @@ class ModelRunner:
                     hidden = self.forward(step, pos, last, timed=self._timed)
                 else:
                     hidden = self.mtp.forward(step, pos, last, list(positions), counts, self._timed)
-                logits = linear(self.lm_head, hidden.index_select(0, ends)).float()
+                logits = linear(self.lm_head, hidden if ends is None else hidden.index_select(0, ends)).float()
             result = logits
             if consume is not None:
                 with self._part("engine"):
