@@ -226,13 +226,18 @@ class ChunkStep:
         tails and states in place itself, their rows logged first (the step's first call logs every layer's, once:
         ``GDNState.step_pools``); None where it cannot (speculation's replay log, rows that run the chunked form,
         tails not in x's dtype), and the caller runs :meth:`gdn_conv` and :meth:`gdn_delta_rule`."""
-        if self.gdn_start_positions is not None and any(p is not None for p in self.gdn_start_positions):
+        if self.gdn_chunked:
             return None
         pools = self.gdn_step_pools(x)
         if pools is not None and pools.pools[0].dtype == x.dtype:
             return pools.update(self.cache._gdn_layer(layer_idx), update)
         return self.cache.gdn.update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens,
                                            x.shape[0], x.dtype, update)
+
+    @property
+    def gdn_chunked(self) -> bool:
+        """Whether some row runs its GDN layers in the chunked form (:attr:`gdn_start_positions`)."""
+        return self.gdn_start_positions is not None and any(p is not None for p in self.gdn_start_positions)
 
     def gdn_step_pools(self, x: torch.Tensor):
         """``GDNState.step_pools`` of this step for layer inputs like x (Tensor[T, ...]: its rows and dtype): the

@@ -451,8 +451,8 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
 
 def test_a_fused_indexed_layer_after_a_hooked_one_runs_over_the_step_plan(monkeypatch):
     """The step plan is made before the first layer: layer 0 (hooked) writes and plans through the QSA cache, layer 2
-    still runs as one call over the plan (its part of it is its own), and each layer's bookkeeping is settled by the
-    commit. Tokens and state as the Python path's."""
+    still runs as one call over the plan (its part of it is its own), its bookkeeping settled after the layers. Tokens
+    and state as the Python path's."""
     from hebrus_torch.qsa.planning import _Planning
 
     model = make_model("idx-lin-idx-lin", seed=23)

@@ -191,8 +191,7 @@ class PackedQwen4Exp:
         here, next to the step's other host work. Returns those n-gram ids by decoder-layer index."""
         if any(calls.attention is not None for calls in native):
             step.qsa_step_plan()
-        chunked = step.gdn_start_positions is not None and any(p is not None for p in step.gdn_start_positions)
-        if not chunked and any(calls.layer is not None for calls in native):
+        if not step.gdn_chunked and any(calls.layer is not None for calls in native):
             step.gdn_step_pools(h)
         return {idx: step.ple_ngram_ids(idx) for idx, calls in enumerate(native)
                 if calls.ple is not None and (prefetched is None or idx not in prefetched)}
