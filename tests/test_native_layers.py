@@ -449,29 +449,6 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
-def test_a_fused_indexed_layer_after_a_hooked_one_runs_over_the_step_plan(monkeypatch):
-    """The step plan is made before the first layer: layer 0 (hooked) writes and plans through the QSA cache, layer 2
-    still runs as one call over the plan (its part of it is its own), its bookkeeping settled after the layers. Tokens
-    and state as the Python path's."""
-    from hebrus_torch.qsa.planning import _Planning
-
-    model = make_model("idx-lin-idx-lin", seed=23)
-    prompts = prompts_for(6, lengths=(9, 3))
-    python = run(model, prompts, False, max_batch_tokens=7, block_size=4)
-    settled, settle = [], _Planning.settle_step_plan
-    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
-                                                                                   settle(self, plan, layer)))
-    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
-    try:
-        native = run(model, prompts, True, max_batch_tokens=7, block_size=4)
-    finally:
-        handle.remove()
-    assert settled and set(settled) == {1}                  # (QSA cache layer 1: decoder layer 2)
-    assert {r: q.generated for r, q in native.requests.items()} == \
-        {r: q.generated for r, q in python.requests.items()}
-    assert native.cache.digest() == python.cache.digest()
-
-
 def test_the_layers_bookkeeping_waits_for_the_end_of_the_layers(monkeypatch):
     """An indexed layer over the step plan leaves its bookkeeping to ``ChunkStep.settle_qsa_layers``: none is settled
     while the layers run, all of them once the last layer has run."""
@@ -531,23 +508,28 @@ def test_the_holders_host_work_runs_before_the_first_layer(monkeypatch):
     assert native.cache.digest() == python.cache.digest()
 
 
-def test_a_hooked_indexed_layer_after_a_fused_one_gives_the_python_paths_state(monkeypatch):
-    """Layer 0 runs as one call over the step plan, layer 2 (hooked) through its modules and the QSA cache's own write
-    and plan, in one step: tokens and state as the Python path's."""
+@pytest.mark.parametrize("hooked, fused, seed, prompt_seed", [(2, 0, 17, 5), (0, 1, 23, 6)],
+                         ids=["hooked after fused", "fused after hooked"])
+def test_a_hooked_indexed_layer_and_a_fused_one_in_one_step_give_the_python_paths_state(hooked, fused, seed,
+                                                                                        prompt_seed, monkeypatch):
+    """One indexed layer (decoder layer ``hooked``) runs through its modules and the QSA cache's own write and plan,
+    the other (QSA cache layer ``fused``) as one call over the step plan, in one step. The plan is made before the
+    first layer and each layer's part of it is its own, so it holds after the hooked layer wrote; the fused layer's
+    bookkeeping is settled after the layers. Tokens and state as the Python path's."""
     from hebrus_torch.qsa.planning import _Planning
 
-    model = make_model("idx-lin-idx-lin", seed=17)
-    prompts = prompts_for(5, lengths=(9, 3))
+    model = make_model("idx-lin-idx-lin", seed=seed)
+    prompts = prompts_for(prompt_seed, lengths=(9, 3))
     python = run(model, prompts, False, max_batch_tokens=7, block_size=4)
     settled, settle = [], _Planning.settle_step_plan
     monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
                                                                                    settle(self, plan, layer)))
-    handle = model.model.layers[2].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
+    handle = model.model.layers[hooked].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
     try:
         native = run(model, prompts, True, max_batch_tokens=7, block_size=4)
     finally:
         handle.remove()
-    assert settled and set(settled) == {0}                  # (QSA cache layer 0: decoder layer 0)
+    assert settled and set(settled) == {fused}
     assert {r: q.generated for r, q in native.requests.items()} == \
         {r: q.generated for r, q in python.requests.items()}
     assert native.cache.digest() == python.cache.digest()
