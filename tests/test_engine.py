@@ -508,6 +508,31 @@ def test_a_full_cache_preempts_the_newest_and_recomputes_it():
         assert engine.requests[f"r{i}"].generated == out[0, len(p):].tolist()
 
 
+@pytest.mark.parametrize("penalty", [1.0, 3.0])
+def test_greedy_tokens_with_a_repetition_penalty_equal_generate(penalty):
+    """The repetition penalty reads each request's whole history (its prompt and its tokens so far; the sampler gets
+    it only where a request's settings read it): greedy tokens with ``repetition_penalty`` equal transformers'
+    ``generate`` with the same penalty, a batch of requests at once; with a strong penalty, some of them are not
+    the plain greedy tokens (the history changes them)."""
+    model = make_model("lin-idx", seed=12)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 10, 9, 11]]
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=4, max_batch_tokens=64))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, request_id=f"r{i}", max_new_tokens=8, eos_token_id=-1,
+                           sampling=SamplingParams(repetition_penalty=penalty))
+    with torch.inference_mode():
+        engine.run()
+    changed = []
+    for i, p in enumerate(prompts):
+        want = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, repetition_penalty=penalty,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert engine.requests[f"r{i}"].generated == want, i
+        plain = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist()
+        changed.append(want != plain)
+    assert any(changed) == (penalty != 1.0)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(row_invariant):
     model = eager_experts(make_model("lin-idx", seed=11))
     prompts = prompts_for(11, lengths=(5, 9, 13))

@@ -860,6 +860,20 @@ def test_batch_from_rows_packs_parallel_lists_and_refuses_a_sequence_listed_twic
         ht.Batch.from_rows([a, b], [[1]])
 
 
+def test_a_one_row_batch_holds_its_own_tokens(model):
+    """A batch's tokens are its own whatever the row was given as: a one-row batch from a list (taken as made from it)
+    or from a tensor (copied) is not changed by the caller changing its row afterwards; int64, as for several rows."""
+    mc = make_cache(model)
+    a = mc.new_sequence()
+    row, row32, listed = torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7], dtype=torch.int32), [5, 6, 7]
+    batches = ht.Batch.pack({a: row}), ht.Batch.pack({a: row32}), ht.Batch.from_rows([a], [listed])
+    row[0], row32[0], listed[0] = 9, 9, 9
+    for batch in batches:
+        assert batch.tokens.dtype == torch.int64 and batch.tokens.tolist() == [5, 6, 7]
+    with pytest.raises(HebrusError, match="must be integers"):
+        ht.Batch.from_rows([a], [[5.5]])
+
+
 def test_step_attention_reads_only_selected_cells(model):
     mc = make_cache(model, with_kv=True)
     g = torch.Generator().manual_seed(7)
