@@ -122,9 +122,10 @@ class Batch:
         cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)   # bounds known here: no read back
         if len(seqs) == 1 and not isinstance(rows[seqs[0]], torch.Tensor):
             tokens = token_rows[0].to(device)   # (made here from the caller's list: the batch's own, as a cat's is)
+        elif token_rows:
+            tokens = torch.cat(token_rows).to(device)
         else:
-            tokens = torch.cat(token_rows).to(device) if token_rows else torch.empty(0, dtype=torch.int64,
-                                                                                   device=device)
+            tokens = torch.empty(0, dtype=torch.int64, device=device)
         firsts = [(first_positions or {}).get(s) for s in seqs]
         return cls(seqs, tokens, cu, firsts)
 
