@@ -6,7 +6,8 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -23,6 +24,9 @@ from .state.plain_attrs import PlainAttrs
 from .state.replay import ReplayLog
 from .state.protocol import StateDictProtocol
 from .state.transaction import Transactional, atomic, transaction
+
+if TYPE_CHECKING:
+    from .models.qwen4_exp.native import AttentionLayerCall, BoundLayer, GdnLayerCall
 
 _KIND = "hebrus_torch.ModelCache"
 
@@ -204,6 +208,13 @@ class ChunkStep:
         return ple.conv(self.cache._ple_layer(layer_idx), self.batch.seqs, as_tensor("ChunkStep.ple_conv: x", x),
                         self.batch.cu_seqlens, weight)
 
+    def ple_conv_call(self, layer_idx: int, dtype: torch.dtype,
+                      weight: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """:meth:`ple_conv` for conv inputs in ``dtype``, made ahead (``PLEState.conv_call``: the checks run and the undo
+        logged now); the returned ``conv(x)`` is the in-place op alone. None where :meth:`ple_conv` must run."""
+        ple = self.cache._need("ple")
+        return ple.conv_call(self.cache._ple_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, dtype, weight)
+
     def gdn_conv(self, layer_idx: int, x: torch.Tensor, weight: torch.Tensor | None = None,
                  activation: str | None = None) -> torch.Tensor:
         """``GDNState.conv`` of a gated-delta-net layer's conv input x: Tensor[T, conv_dim] -> Tensor[T, conv_dim];
@@ -221,19 +232,19 @@ class ChunkStep:
         return gdn.delta_rule(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, q, k, v, g,
                               beta, start_pos=self.gdn_start_positions)
 
-    def gdn_update_layer(self, layer_idx: int, x: torch.Tensor, update) -> torch.Tensor | None:
-        """``GDNState.update_layer`` of a gated-delta-net layer for this step's batch (x Tensor[T, ...]: the layer's
-        input, its rows and dtype): ``update(conv_pool, recurrent_pool, slots, cu_seqlens)`` updates the layer's
-        tails and states in place itself, their rows logged first (the step's first call logs every layer's, once:
-        ``GDNState.step_pools``); None where it cannot (speculation's replay log, rows that run the chunked form,
-        tails not in x's dtype), and the caller runs :meth:`gdn_conv` and :meth:`gdn_delta_rule`."""
+    def gdn_layer_call(self, layer_idx: int, x: torch.Tensor, call: "GdnLayerCall") -> "BoundLayer | None":
+        """A gated-delta-net layer's native call (``call``: a ``GdnLayerCall``) bound to this step's state: its conv
+        tails and recurrent states, updated in place by the call at the step's slots, their rows logged for undo
+        before any layer writes (:meth:`gdn_step_pools`). The returned ``bound(h)`` runs the call alone. None where
+        the state cannot be updated in place (speculation's replay log, rows that run the chunked form, tails not in
+        x's dtype): the layer then runs :meth:`gdn_conv` and :meth:`gdn_delta_rule`. x: the layer's input (its rows
+        and dtype)."""
         if self.gdn_chunked:
             return None
         pools = self.gdn_step_pools(x)
-        if pools is not None and pools.pools[0].dtype == x.dtype:
-            return pools.update(self.cache._gdn_layer(layer_idx), update)
-        return self.cache.gdn.update_layer(self.cache._gdn_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens,
-                                           x.shape[0], x.dtype, update)
+        if pools is None or pools.pools[0].dtype != x.dtype:
+            return None
+        return call.bound(*pools.layer_args(self.cache._gdn_layer(layer_idx)))
 
     @property
     def gdn_chunked(self) -> bool:
@@ -243,7 +254,7 @@ class ChunkStep:
     def gdn_step_pools(self, x: torch.Tensor):
         """``GDNState.step_pools`` of this step for layer inputs like x (Tensor[T, ...]: its rows and dtype): the
         slots checked and every GDN layer's rows logged once, at the first call (the others reuse it); None where
-        :meth:`gdn_update_layer` goes through ``GDNState.update_layer``. A forward whose GDN layers run as native
+        the layers cannot update the state in place (:meth:`gdn_layer_call`). A forward whose GDN layers run as native
         calls asks for it before its first layer (host work outside the gaps between the layers' calls, see
         :meth:`qsa_step_plan`); nothing writes the GDN state before a GDN layer does."""
         pools = self._gdn_pools
@@ -316,8 +327,18 @@ class ChunkStep:
         of the plan is its own (its flags, its pending groups)."""
         layer = self.cache._qsa_layer(layer_idx)
         out = run(*self._qsa_step_plan.layer_args(layer))
-        self._unsettled += (layer,)
+        self._ran_qsa_layer(layer)
         return out
+
+    def qsa_layer_call(self, layer_idx: int, call: "AttentionLayerCall", cos: torch.Tensor,
+                       sin: torch.Tensor) -> "BoundLayer":
+        """:meth:`qsa_layer` of ``call.whole`` made ahead (the step plan, not None, bound with the step's rotary rows
+        cos, sin Tensor[T, R]): the returned ``bound(h)`` runs the call, then lists the layer's bookkeeping."""
+        layer = self.cache._qsa_layer(layer_idx)
+        return call.bound(cos, sin, *self._qsa_step_plan.layer_args(layer), then=partial(self._ran_qsa_layer, layer))
+
+    def _ran_qsa_layer(self, layer: int) -> None:
+        self._unsettled += (layer,)
 
     def settle_qsa_layers(self) -> None:
         """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran since the last call

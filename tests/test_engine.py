@@ -333,10 +333,11 @@ def test_a_one_token_difference_is_never_shared():
 
 # ------------------------------------------------------------------------------------------ faults
 def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
-    """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), a native
-    GDN layer after it wrote its pools ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA
-    cache's planes ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave
-    the cache's digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
+    """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), the PLE
+    conv after its op wrote the tails ("ple_conv_written"), a native GDN layer after it wrote its pools
+    ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA cache's planes
+    ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's
+    digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
     def fault(*args, **kwargs):
@@ -356,21 +357,47 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
             return _orig(plan, layer)
         monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
     elif target == "native_gdn_layer":
-        # inside ChunkStep.gdn_update_layer, after hebrus::decode_gdn_layer wrote the pools
+        # in the layer's call bound by ChunkStep.gdn_layer_call, after hebrus::decode_gdn_layer wrote the pools
         from hebrus_torch.model_cache import ChunkStep
 
-        original = ChunkStep.gdn_update_layer
+        original = ChunkStep.gdn_layer_call
 
-        def faulty_update(step, layer_idx, x, update, _orig=original):
-            def failing(*args):
-                out = update(*args)
+        def faulty_call(step, layer_idx, x, call, _orig=original):
+            bound = _orig(step, layer_idx, x, call)
+            if bound is not None:
+                op = bound.op
+
+                def failing(*args):
+                    out = op(*args)
+                    fault()
+                    return out
+                bound.op = failing
+            return bound
+        monkeypatch.setattr(ChunkStep, "gdn_layer_call", faulty_call)
+    elif target in ("ple_conv", "ple_conv_written"):
+        # the PLE conv, made in the layer (PLEState.conv) or ahead of the first layer (PLEState.conv_call): before its
+        # op, or after the op wrote the tails
+        ple = engine.cache.ple
+        conv, conv_call = ple.conv, ple.conv_call
+
+        def faulty(op):
+            def call(*args, **kwargs):
+                if target == "ple_conv":
+                    fault()
+                    return op(*args, **kwargs)
+                out = op(*args, **kwargs)
                 fault()
                 return out
-            return _orig(step, layer_idx, x, failing)
-        monkeypatch.setattr(ChunkStep, "gdn_update_layer", faulty_update)
+            return call
+
+        def faulty_call(*args, **kwargs):
+            made = conv_call(*args, **kwargs)
+            return None if made is None else faulty(made)
+        monkeypatch.setattr(ple, "conv", faulty(conv))
+        monkeypatch.setattr(ple, "conv_call", faulty_call)
     else:
-        holder = {"ple_conv": engine.cache.ple, "qsa_select": engine.cache.qsa, "delta_rule": engine.cache.gdn}[target]
-        name = {"ple_conv": "conv", "qsa_select": "plan", "delta_rule": "delta_rule"}[target]
+        holder = {"qsa_select": engine.cache.qsa, "delta_rule": engine.cache.gdn}[target]
+        name = {"qsa_select": "plan", "delta_rule": "delta_rule"}[target]
         original = getattr(holder, name)
 
         def faulty(*args, _orig=original, **kwargs):
@@ -390,7 +417,7 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("target", ["ple_conv", "qsa_select", "delta_rule", "native_gdn_layer",
+@pytest.mark.parametrize("target", ["ple_conv", "ple_conv_written", "qsa_select", "delta_rule", "native_gdn_layer",
                                     "native_attention_layer", "hook"])
 def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
     model = make_model("lin-idx", seed=7)

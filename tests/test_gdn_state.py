@@ -803,9 +803,9 @@ def test_undo_buffers_are_reused_and_still_restore_bitwise():
 
 
 def test_step_pools_log_every_layer_once_and_a_rollback_restores_them():
-    """GDNState.step_pools (a model step's per-step part of update_layer): outside a transaction there is none; inside
-    one its two undo entries cover every layer's rows at the step's slots, so a step that wrote two layers in place
-    and then failed is rolled back bitwise."""
+    """GDNState.step_pools (the state of a model step's in-place native layers): outside a transaction there is
+    none; inside one its two undo entries cover every layer's rows at the step's slots, so a step that wrote two
+    layers in place and then failed is rolled back bitwise."""
     state = make_state(seed=3)
     seqs = [state.new_sequence() for _ in range(3)]
     g = torch.Generator().manual_seed(4)
@@ -820,8 +820,9 @@ def test_step_pools_log_every_layer_once_and_a_rollback_restores_them():
             pools = state.step_pools(used, cu, 2, torch.float32)
             assert pools is not None and len(state._undo) == 2
             for layer in range(LAYERS):
-                pools.update(layer, lambda conv, rec, index, cu_: (conv.index_fill_(0, index.long(), 7.0),
-                                                                   rec.index_fill_(0, index.long(), -7.0)))
+                conv, rec, index, _ = pools.layer_args(layer)
+                conv.index_fill_(0, index.long(), 7.0)
+                rec.index_fill_(0, index.long(), -7.0)
             assert state.digest() != before
             raise RuntimeError("a fault after the writes")
     assert state.digest() == before

@@ -99,7 +99,7 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         self.state_len = conv_kernel_size - 1
         self.activation = _ACTIVATIONS[activation]
         self.slots = SlotTable(max_sequences, "GDNState")
-        self._layer_views = LayerViews()        # update_layer's per-layer views of the pools
+        self._layer_views = LayerViews()        # StepPools' per-layer views of the pools
         self.register_buffer("conv_state", torch.zeros((num_layers, max_sequences, self.state_len, self.conv_dim),
                                                        dtype=dtype, device=device))
         self.register_buffer("recurrent_state", torch.zeros((num_layers, max_sequences, hv, dk, dv),
@@ -300,47 +300,23 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                 return gated_delta_rule_slots(q, k, v, g, beta, cu_seqlens, pool, index)
             return _mixed_delta_rule(q, k, v, g, beta, cu_seqlens, pool, slots, list(start_pos))
 
-    def update_layer(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, tokens: int,
-                     dtype: torch.dtype, update) -> torch.Tensor | None:
-        """One layer's conv tails and recurrent states of a packed step updated in place by ``update(conv_pool,
-        recurrent_pool, slots, cu_seqlens)`` itself (``hebrus::decode_gdn_layer``: the conv and the delta rule of
-        :meth:`conv` and :meth:`delta_rule`, recurrent form, the tails in ``dtype``), with both pools' rows at the
-        step's slots logged for undo first and the call atomic (a failure restores them). None, without calling
-        ``update``, where the step is not one it can run: a replay log records the step (speculation), or the
-        tails are not stored in ``dtype`` (:meth:`conv` would not update them in place); the caller then runs
-        :meth:`conv` and :meth:`delta_rule`.
-
-        Args:
-            layer: GDN layer index; seqs: one handle per packed row; cu_seqlens: Tensor[B+1] int32 over ``tokens``
-                packed tokens.
-            dtype: the conv input's dtype; update: returns what this returns (the layer's output).
-        """
-        self._check_layer(layer)
-        if self.replay_log is not None or self.conv_state.dtype != dtype:
-            return None
-        slots = self._slots_of(seqs, cu_seqlens, tokens, "update_layer")
-        buffers = self._buffers
-        conv_pool, recurrent_pool = self._layer_views.views((buffers["conv_state"], buffers["recurrent_state"]), layer)
-        index = self._slot_index(slots, conv_pool.device)
-        with atomic(self):
-            self._log_rows("conv_state", layer, conv_pool, index)         # before the writes: see _log_rows
-            self._log_rows("recurrent_state", layer, recurrent_pool, index)
-            return update(conv_pool, recurrent_pool, index, cu_seqlens)
-
     def step_pools(self, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, tokens: int,
                    dtype: torch.dtype) -> "StepPools | None":
-        """:meth:`update_layer`'s per-step part done once for every layer of a packed step inside a transaction (what
-        a model's step runs: ``ChunkStep.gdn_update_layer``): the slots checked, both pools' rows at them logged for
-        undo for all layers at once (one gather per pool, before any layer writes), the index made. None where
-        :meth:`update_layer` would not run, or outside a transaction (where each call is its own). A layer's call
-        that raises leaves its rows to the transaction's rollback (the step's), not to an undo of its own."""
+        """The state of a packed step whose layers update their conv tails and recurrent states in place by one native
+        call each (``hebrus::decode_gdn_layer``: the conv and the delta rule of :meth:`conv` and :meth:`delta_rule`,
+        recurrent form, the tails in ``dtype``), inside a transaction (what a model's step runs:
+        ``ChunkStep.gdn_layer_call``): the slots checked, both pools' rows at them logged for undo for all layers at
+        once (one gather per pool, before any layer writes), the index made. None where a replay log records the
+        step (speculation), outside a transaction, or where the tails are not stored in ``dtype`` (:meth:`conv`
+        would not update them in place): the layers then run :meth:`conv` and :meth:`delta_rule`. A layer's call
+        that raises leaves its rows to the transaction's rollback (the step's)."""
         if self.replay_log is not None or self._txn_depth_owner is None:
             return None
         buffers = self._buffers
         conv, recurrent = buffers["conv_state"], buffers["recurrent_state"]
         if conv.dtype != dtype:
             return None
-        slots = self._slots_of(seqs, cu_seqlens, tokens, "update_layer")
+        slots = self._slots_of(seqs, cu_seqlens, tokens, "step_pools")
         index = self._slot_index(slots, conv.device)
         self._undo.append(RowsUndo("conv_state", None, index, conv.index_select(1, index)))
         self._undo.append(RowsUndo("recurrent_state", None, index, recurrent.index_select(1, index)))
@@ -428,20 +404,20 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
 
 @dataclass(eq=False)
 class StepPools:
-    """:meth:`GDNState.step_pools`: the step's index and logged pools; :meth:`update` runs one layer's in-place call."""
+    """:meth:`GDNState.step_pools`: the step's index and logged pools; :meth:`layer_args`: one layer's in-place call's
+    state arguments."""
 
     state: GDNState
     pools: tuple[torch.Tensor, torch.Tensor]
     index: torch.Tensor
     cu_seqlens: torch.Tensor
 
-    def update(self, layer: int, update) -> torch.Tensor:
-        """``update(conv_pool, recurrent_pool, slots, cu_seqlens)`` of GDN layer ``layer`` (as
-        :meth:`GDNState.update_layer` calls it), its rows already logged."""
+    def layer_args(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv_pool, recurrent_pool, slots, cu_seqlens): what an update of GDN layer ``layer`` takes."""
         state = self.state
         state._check_layer(layer)
         conv_pool, recurrent_pool = state._layer_views.views(self.pools, layer)
-        return update(conv_pool, recurrent_pool, self.index, self.cu_seqlens)
+        return conv_pool, recurrent_pool, self.index, self.cu_seqlens
 
 
 def _mixed_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

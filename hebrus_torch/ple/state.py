@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,6 +45,15 @@ class _TailUndo:
     slots: torch.Tensor        # [B] int32 or int64
     kept: list[int] | None     # [B], min(n, L) per row
     rows: torch.Tensor         # [B, max kept, C]
+
+
+@dataclass(eq=False)
+class _ArmedUndo:
+    """An undo entry logged before the write it undoes (``conv_call``), applied only once armed: when the op ran,
+    or raised after writing (the pool's version counter moved)."""
+
+    entry: _TailUndo
+    armed: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,21 +235,7 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                               f"cannot hold x's values exactly; pass x in a dtype the state holds exactly (or cast "
                               f"the holder with .to(dtype))")
         slots = self._slots_of(seqs, cu_seqlens)
-        if weight is None:
-            if self._conv_weights is None:
-                raise HebrusError("PLEState.conv: no weight passed and none registered")
-            weight = self._conv_weights[layer]
-        want = (self.channels, self.conv_kernel_size)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
-            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
-                              f"[C, 1, K]), got {got}")
-        # (Each call below only where it changes something: at decode the holder's own tensor ops cost more,
-        # with cold caches, than moving the bytes; the same weight reaches the op.)
-        if weight.shape != want:
-            weight = weight.reshape(want)
-        if weight.dtype != x.dtype or weight.device != x.device:
-            weight = weight.to(device=x.device, dtype=x.dtype)
+        weight = self._conv_weight(layer, weight, x.dtype, x.device)
         pool, first = self._tail_pools(layer)
         index = self._slot_index(slots, pool.device)
         if self.replay_log is not None:     # (the undo entry below keeps only what a decode drops: copy the tails)
@@ -277,10 +272,69 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
             self._undo.append(_TailUndo(layer, index, None, old))
         return y
 
+    def conv_call(self, layer: int, seqs: Sequence[SeqHandle], cu_seqlens: torch.Tensor, dtype: torch.dtype,
+                  weight: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """:meth:`conv` of a packed chunk's inputs in ``dtype``, made ahead inside a transaction: the checks run, the
+        slots are indexed and the undo entry is logged now; the returned ``conv(x)`` Tensor[T, C] -> Tensor[T, C] is
+        the in-place op alone. What a model's step calls before its first layer, so that between two layers'
+        native calls only the op is left (``ChunkStep.ple_conv_call``). The entry is applied on rollback only once
+        the op ran (``_ArmedUndo``: the entry restores old tails from the updated ones), or holds whole tails
+        where the pool has no version counter (an inference tensor). None where :meth:`conv` would not update the
+        tails in place (outside a transaction, with a replay log, ``dtype`` not the state's, grad mode on): call
+        :meth:`conv` then."""
+        self._check_layer(layer)
+        pool, first = self._tail_pools(layer)
+        if not self.in_transaction or self.replay_log is not None or dtype != pool.dtype or torch.is_grad_enabled():
+            return None
+        slots = self._slots_of(seqs, cu_seqlens)
+        weight = self._conv_weight(layer, weight, dtype, pool.device)
+        index = self._slot_index(slots, pool.device)
+        counted = not pool.is_inference()
+        entry = self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted)
+        armed = _ArmedUndo(entry) if counted else None
+        self._undo.append(entry if armed is None else armed)
+        dilation, activation = self.dilation, self.activation
+
+        def conv(x: torch.Tensor) -> torch.Tensor:
+            if armed is None:
+                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, dilation, activation)
+            version, armed.armed = pool._version, True
+            try:
+                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, dilation, activation)
+            except BaseException:
+                armed.armed = pool._version != version     # (a refused op wrote nothing: nothing to undo)
+                raise
+        return conv
+
+    def _conv_weight(self, layer: int, weight: torch.Tensor | None, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s conv weight as the op takes it, ``[C, K]`` in ``dtype`` on ``device``: ``weight`` (``[C,
+        K]`` or transformers' ``[C, 1, K]``), else the registered one."""
+        if weight is None:
+            if self._conv_weights is None:
+                raise HebrusError("PLEState.conv: no weight passed and none registered")
+            weight = self._conv_weights[layer]
+        want = (self.channels, self.conv_kernel_size)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
+                              f"[C, 1, K]), got {got}")
+        # (Each call below only where it changes something: at decode the holder's own tensor ops cost more,
+        # with cold caches, than moving the bytes; the same weight reaches the op.)
+        if weight.shape != want:
+            weight = weight.reshape(want)
+        if weight.dtype != dtype or weight.device != device:
+            weight = weight.to(device=device, dtype=dtype)
+        return weight
+
     # ----------------------------------------------------------------------------- transactions
     # The undo log's hooks (_txn_begin ... _txn_restore, _log_slot): SlotPoolHolder; conv's undo entries
-    # (_TailUndo) are applied here.
+    # (_TailUndo, _ArmedUndo) are applied here.
     def _apply_undo(self, entry) -> None:
+        if isinstance(entry, _ArmedUndo):
+            if entry.armed:
+                self._apply_undo(entry.entry)
+            return
         if not isinstance(entry, _TailUndo):
             return super()._apply_undo(entry)
         with torch.no_grad():

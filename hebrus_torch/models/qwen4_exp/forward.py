@@ -13,6 +13,7 @@ through the step: PLE (:mod:`.ple`), the gated-delta-net layers (:mod:`.gdn`) an
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Callable, ContextManager
 
@@ -25,7 +26,7 @@ from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefet
 from ...ple.row_store import DiskNgramEmbedding
 from .attention import _gated_heads, packed_indexed_attention, rope_fuses
 from .gdn import module_mismatch, packed_gated_delta_net
-from .native import AttentionLayerCall, LayerCalls, MoeTailCall, NativeLayers
+from .native import AttentionLayerCall, BoundLayer, LayerCalls, MoeTailCall, NativeLayers
 from .ple import native_ple, packed_ple
 from .rope import RopeRows
 
@@ -68,6 +69,21 @@ def _rope_function() -> Callable:
     from ...integrations.qwen4_exp.common import _modeling
 
     return _modeling().apply_rotary_pos_emb
+
+
+@dataclass(frozen=True)
+class LayerAhead:
+    """What of one decoder layer's step :meth:`PackedQwen4Exp._host_work_ahead` made before the first layer:
+    ``ple_rows`` Tensor[T, (N-1)*H, dim], its PLE's n-gram rows (None: prefetched, or gathered by the layer);
+    ``ple_conv``, its PLE's conv (``ChunkStep.ple_conv_call``; None: ``ChunkStep.ple_conv``); ``layer``, its native
+    call bound to the step's state (None: the layer's own path)."""
+
+    ple_rows: torch.Tensor | None = None
+    ple_conv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    layer: BoundLayer | None = None
+
+
+_NOTHING_AHEAD = LayerAhead()
 
 
 class PackedQwen4Exp:
@@ -173,55 +189,72 @@ class PackedQwen4Exp:
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
+        layers = self._layers()
         native = self.native.calls(h)
-        ple_ids = None if native is None else self._host_work_ahead(step, native, h, prefetched)
-        for idx, layer in enumerate(self._layers()):
+        ahead = None if native is None else self._host_work_ahead(step, layers, native, h, cos, sin, prefetched)
+        for idx, layer in enumerate(layers):
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
-                                   None if native is None else native[idx], ple_ids)
+                                   None if native is None else native[idx], None if ahead is None else ahead[idx])
         step.settle_qsa_layers()
         return h, (cos, sin)
 
-    @staticmethod
-    def _host_work_ahead(step: ChunkStep, native: list[LayerCalls], h: torch.Tensor,
-                         prefetched: PrefetchedRows | None) -> dict[int, torch.Tensor]:
-        """The state holders' host work of a step whose layers run as native calls, done before the first call:
-        the QSA cache's step plan, the GDN state's logged pools and the n-gram ids (history advanced, staged) of
-        every PLE layer with a native gate whose rows were not prefetched. Between two layers' calls the host
-        runs with cold caches (each call streams megabytes of weights through them), several times slower than
-        here, next to the step's other host work. Returns those n-gram ids by decoder-layer index."""
-        if any(calls.attention is not None for calls in native):
-            step.qsa_step_plan()
-        if not step.gdn_chunked and any(calls.layer is not None for calls in native):
-            step.gdn_step_pools(h)
-        return {idx: step.ple_ngram_ids(idx) for idx, calls in enumerate(native)
-                if calls.ple is not None and (prefetched is None or idx not in prefetched)}
+    def _host_work_ahead(self, step: ChunkStep, layers: list[torch.nn.Module], native: list[LayerCalls],
+                         h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         prefetched: PrefetchedRows | None) -> list[LayerAhead]:
+        """The state holders' host work of a step whose layers run as native calls, done before the first call: the
+        QSA cache's step plan, the GDN state's logged pools, the rows of every PLE layer with a native gate whose
+        rows were not prefetched (n-gram ids, history advanced and staged) and its conv (checked, its undo logged),
+        and each layer's native call bound to them. Between two layers' calls the host runs with cold caches (each call streams megabytes of weights
+        through them), several times slower than here, next to the step's other host work; what is left there is
+        the calls. Returns per decoder layer what was made ahead of it.
+
+        Indexed layers are bound only where every one of them is: a layer that writes the QSA cache through its
+        own modules runs between them, and the others then read the cache's planes when they run."""
+        plan = step.qsa_step_plan() if any(calls.attention is not None for calls in native) else None
+        rope = self.rope if self.rope is not None else _rope_function()
+        qsa = step.cache.qsa
+        fused = [plan is not None and calls.attention is not None and qsa.v_head_dim == calls.attention.dims[3]
+                 and rope_fuses(rope, cos, sin, h.shape[0], h.dtype, calls.attention.rope_dims)
+                 for calls in native]
+        bind_attention = all(f for f, layer in zip(fused, layers) if layer.layer_type != "linear_attention")
+        ahead = []
+        for idx, (layer, calls) in enumerate(zip(layers, native)):
+            rows = conv = bound = None
+            if calls.ple is not None and layer.ple is not None:
+                if prefetched is None or idx not in prefetched:
+                    rows = layer.ple.ple_embedding.ngram_embedding(step.ple_ngram_ids(idx))
+                conv = step.ple_conv_call(idx, h.dtype, calls.ple.conv_weight)
+            if calls.layer is not None:
+                bound = step.gdn_layer_call(idx, h, calls.layer)      # (the step's pools at the first)
+            elif fused[idx] and bind_attention:
+                bound = step.qsa_layer_call(idx, calls.attention, cos, sin)
+            ahead.append(_NOTHING_AHEAD if rows is None and conv is None and bound is None
+                         else LayerAhead(rows, conv, bound))
+        return ahead
 
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, timed: Timed = _untimed, prefetched: PrefetchedRows | None = None,
-                      native: LayerCalls | None = None, ple_ids: dict[int, torch.Tensor] | None = None
-                      ) -> torch.Tensor:
+                      native: LayerCalls | None = None, ahead: LayerAhead | None = None) -> torch.Tensor:
         """One ``Qwen4ExpTextDecoderLayer`` (decoder layer ``idx`` of the step's state) on the streams
         h Tensor[T, hc * hidden] -> Tensor[T, hc * hidden]; ``prefetched``: the step's PLE rows gathered off
         the engine thread (None: the PLE layer gathers its own); ``native``: what of the layer runs as a native
-        call (:meth:`NativeLayers.calls`; None: nothing); ``ple_ids``: n-gram ids computed ahead by decoder-layer
-        index (the layer's history already advanced: its rows are gathered from them)."""
+        call (:meth:`NativeLayers.calls`; None: nothing); ``ahead``: what of the layer's step was made before the
+        first layer (:meth:`_host_work_ahead`)."""
         if layer.ple is not None:
             with timed("ple"):
                 rows = None
                 if prefetched is not None and idx in prefetched:
                     rows = prefetched.rows(idx, layer.ple.ple_embedding.ngram_embedding.out_dtype)
-                elif ple_ids is not None and idx in ple_ids:
-                    rows = layer.ple.ple_embedding.ngram_embedding(ple_ids[idx])
+                elif ahead is not None:
+                    rows = ahead.ple_rows
                 gate = None if native is None else native.ple
                 h = h + (packed_ple(step, idx, layer.ple, h, rows) if gate is None else
-                         native_ple(step, idx, layer.ple, gate, h, rows))
+                         native_ple(step, idx, layer.ple, gate, h, rows, None if ahead is None else ahead.ple_conv))
+        if ahead is not None and ahead.layer is not None:
+            with timed("native layer"):
+                return ahead.layer(h)
         tail = None if native is None else native.tail
         if layer.layer_type == "linear_attention":
-            if native is not None and native.layer is not None:
-                with timed("native layer"):
-                    out = step.gdn_update_layer(idx, h, partial(native.layer, h))
-                if out is not None:
-                    return out
             return packed_decoder_layer(layer, h, partial(packed_gated_delta_net, step, idx, layer.linear_attn),
                                         "gdn", timed, tail)
         rope = self.rope if self.rope is not None else _rope_function()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.nn.modules import module as _module
@@ -51,7 +51,7 @@ from ...integrations.qwen4_exp.common import _modeling
 __all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail",
            "decode_attention_layer", "decode_ple_gate",
            "NativeLayers", "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "PleGateCall", "LayerCalls",
-           "ModuleWatch"]
+           "BoundLayer", "ModuleWatch"]
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -184,6 +184,14 @@ class GdnLayerCall:
                                 t.moe, self.heads, self.eps, self.conv_activation, self.norm_activation, t.hc_count,
                                 t.top_k, t.norm_topk_prob)
 
+    def bound(self, conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, slots: torch.Tensor,
+              cu_seqlens: torch.Tensor) -> BoundLayer:
+        """This call over the step's state (as :meth:`__call__` takes it), h left to the layer."""
+        t = self.tail
+        return BoundLayer(torch.ops.hebrus.decode_gdn_layer.default, (
+            self.attn_hc, self.gdn, conv_pool, recurrent_pool, slots, cu_seqlens, t.mlp_hc, t.moe, self.heads,
+            self.eps, self.conv_activation, self.norm_activation, t.hc_count, t.top_k, t.norm_topk_prob))
+
 
 @dataclass(frozen=True)
 class AttentionLayerCall:
@@ -219,6 +227,15 @@ class AttentionLayerCall:
                                       planes, qsa, plan, sizes, qsa_eps, self.scaling, self.o_proj, t.mlp_hc, t.moe,
                                       t.hc_eps, t.top_k, t.norm_topk_prob)
 
+    def bound(self, cos: torch.Tensor, sin: torch.Tensor, planes: list[torch.Tensor], qsa: list[torch.Tensor],
+              plan: list[torch.Tensor], sizes: list[int], qsa_eps: float,
+              then: Callable[[], None] | None = None) -> BoundLayer:
+        """:meth:`whole` over the step's rotary rows and plan, h left to the layer; ``then`` runs after the call."""
+        t = self.tail
+        return BoundLayer(torch.ops.hebrus.decode_attention_layer.default, (
+            self.attn_hc, self.attention, cos, sin, self.dims, self.eps, t.hc_count, planes, qsa, plan, sizes, qsa_eps,
+            self.scaling, self.o_proj, t.mlp_hc, t.moe, t.hc_eps, t.top_k, t.norm_topk_prob), then)
+
 
 @dataclass(frozen=True)
 class PleGateCall:
@@ -249,6 +266,25 @@ class LayerCalls:
 
 
 _NONE = LayerCalls(None, None)
+
+
+class BoundLayer:
+    """One decoder layer's native call of a step with every argument but the streams bound before the first layer
+    runs (the step's state pools or plan): ``bound(h)`` -> Tensor[T, hc * H]. Binding is the state holders' host
+    work, done next to the step's other host work; between two layers' calls only the call is left. ``then``: what
+    runs once the call returned (an indexed layer's bookkeeping listed for later)."""
+
+    __slots__ = ("op", "args", "then")
+
+    def __init__(self, op: Callable[..., torch.Tensor], args: tuple, then: Callable[[], None] | None = None) -> None:
+        self.op, self.args, self.then = op, args, then
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        with translated():
+            out = self.op(h, *self.args)
+        if self.then is not None:
+            self.then()
+        return out
 
 
 def _premix_weights(hc: torch.nn.Module | None, h: torch.Tensor) -> tuple[list[torch.Tensor], int, float] | None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -44,12 +44,14 @@ def packed_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, h: torch.T
 
 
 def native_ple(step: ChunkStep, layer_idx: int, ple: torch.nn.Module, gate: PleGateCall, h: torch.Tensor,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+               rows: torch.Tensor | None = None, conv: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """:func:`packed_ple` with its gate one native call (``hebrus::decode_ple_gate``, the same ops): the n-gram ids,
-    rows and conv as there. Rows not in h's dtype take :func:`packed_ple`."""
+    rows and conv as there, or ``conv`` where the step made the layer's conv ahead (``ChunkStep.ple_conv_call``, for
+    rows in h's dtype). Rows not in h's dtype take :func:`packed_ple`."""
     if rows is None:
         rows = ple.ple_embedding.ngram_embedding(step.ple_ngram_ids(layer_idx))
     if rows.dtype != h.dtype:
         return packed_ple(step, layer_idx, ple, h, rows)
     gated, normed = gate(rows, h)
-    return gated + step.ple_conv(layer_idx, normed, gate.conv_weight)
+    return gated + (conv(normed) if conv is not None else step.ple_conv(layer_idx, normed, gate.conv_weight))
