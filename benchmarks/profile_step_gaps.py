@@ -2,7 +2,7 @@
 
 The model is ``profile_engine_decode.llamacpp_variant`` (fp32, one thread), one request of a 64-token random prompt
 decoding greedily. The engine's native layer calls (``decode_gdn_layer``, ``decode_attention_layer``,
-``decode_ple_gate``) and its ``lm_head`` projection are wrapped with ``time.perf_counter`` marks at entry and exit;
+``decode_ple_gate``, or a layer's call bound ahead, ``BoundLayer``) and its ``lm_head`` projection are wrapped with ``time.perf_counter`` marks at entry and exit;
 each step is then cut into segments (before the first call, each call, each gap between two calls, after the last)
 and the median of each segment over ``--steps`` steps is printed, with the median step. The marks cost a few
 microseconds each, so the step is a little longer than unmarked. The ``hebrus_torch`` timed is whichever
@@ -63,6 +63,18 @@ def mark_calls(marks: list[tuple[str, float]]) -> None:
     for name in ("decode_gdn_layer", "decode_attention_layer", "decode_ple_gate"):
         wrap(native, name, name.replace("decode_", "").replace("_layer", ""))
     wrap(runner, "linear", "lm_head")
+    bound = getattr(native, "BoundLayer", None)        # (a layer's call bound before the first layer: its op)
+    if bound is not None:
+        call = bound.__call__
+
+        def marked_bound(self, h):
+            label = "gdn" if "gdn" in str(self.op) else "attention"
+            marks.append((label + ">", time.perf_counter()))
+            try:
+                return call(self, h)
+            finally:
+                marks.append(("<" + label, time.perf_counter()))
+        bound.__call__ = marked_bound
 
 
 def main() -> None:

@@ -341,14 +341,12 @@ class ChunkStep:
         self._unsettled += (layer,)
 
     def settle_qsa_layers(self) -> None:
-        """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran since the last call
-        (``QSACache.settle_step_plan``), in layer order as run."""
+        """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran since the last call, at once
+        (``QSACache.settle_step_plan``)."""
         layers = self._unsettled
         if layers:
-            qsa, plan = self.cache.qsa, self._qsa_step_plan
-            for i, layer in enumerate(layers):
-                self._unsettled = layers[i + 1:]    # (what is left if this one raises: the step rolls back anyway)
-                qsa.settle_step_plan(plan, layer)
+            self._unsettled = ()        # (if the settle raises, the step rolls back anyway)
+            self.cache.qsa.settle_step_plan(self._qsa_step_plan, layers)
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
         """``hebrus::qsa_attention`` of the chunk's queries over exactly the cells ``plan`` selected.

@@ -352,9 +352,9 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
         qsa = engine.cache.qsa
         settle = qsa.settle_step_plan
 
-        def faulty_settle(plan, layer, _orig=settle):
+        def faulty_settle(plan, layers, _orig=settle):
             fault()
-            return _orig(plan, layer)
+            return _orig(plan, layers)
         monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
     elif target == "native_gdn_layer":
         # in the layer's call bound by ChunkStep.gdn_layer_call, after hebrus::decode_gdn_layer wrote the pools

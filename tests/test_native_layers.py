@@ -368,8 +368,8 @@ def test_the_engine_gives_the_same_tokens_and_state_either_way(shape, config, mo
     model = make_model(shape, seed=2)
     prompts = prompts_for(2, lengths=(10, 4, 15, 1))
     settled, settle = [], _Planning.settle_step_plan
-    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
-                                                                                   settle(self, plan, layer)))
+    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layers: (settled.extend(layers),
+                                                                                    settle(self, plan, layers)))
     python = run(model, prompts, False, **config)
     assert not settled
     native = run(model, prompts, True, **config)
@@ -539,8 +539,8 @@ def test_a_hooked_indexed_layer_and_a_fused_one_in_one_step_give_the_python_path
     prompts = prompts_for(prompt_seed, lengths=(9, 3))
     python = run(model, prompts, False, max_batch_tokens=7, block_size=4)
     settled, settle = [], _Planning.settle_step_plan
-    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layer: (settled.append(layer),
-                                                                                   settle(self, plan, layer)))
+    monkeypatch.setattr(_Planning, "settle_step_plan", lambda self, plan, layers: (settled.extend(layers),
+                                                                                    settle(self, plan, layers)))
     handle = model.model.layers[hooked].self_attn.q_proj.register_forward_hook(lambda m, args, out: None)
     try:
         native = run(model, prompts, True, max_batch_tokens=7, block_size=4)

@@ -268,7 +268,8 @@ class _Lifecycle:
                 self._runs[slot] = _Run(run.p0, run.n, run.cells, run.groups.extend(rows[at:at + n_groups[i]]))
                 at += n_groups[i]
             if rows.numel():
-                self._define_groups(rows, torch.cat(gcells), torch.cat(gpos))
+                # (each new group ends at or past its run's old end: it holds a cell of this chunk)
+                self._define_groups(rows, torch.cat(gcells), torch.cat(gpos), fresh=True)
             self._txn.evict.update(evict)
             dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu.to(torch.int32))
             chunk = ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),

@@ -8,6 +8,7 @@ int32, token cells Tensor[T, top_k*r + r - 1] int32 and their positions int64, -
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -222,18 +223,28 @@ class _Planning:
                 rows.cells32]
         return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
 
-    def settle_step_plan(self, step_plan: StepPlan, layer: int) -> None:
-        """After ``decode_attention_layer`` wrote, pooled and attended layer ``layer`` over ``step_plan``: what
+    def settle_step_plan(self, step_plan: StepPlan, layers: Sequence[int]) -> None:
+        """After ``decode_attention_layer`` wrote, pooled and attended each of ``layers`` over ``step_plan``: what
         :meth:`write` leaves in the host bookkeeping (the chunk's flags cleared, undo-logged; its pooled groups no
-        longer pending; the layer's written memo)."""
+        longer pending; each layer's written memo). Where ``layers`` are every layer of the cache (a step whose
+        indexed layers all ran as one call each), each flag table is cleared by one logged write for all of them."""
         txn = self._txn
-        # (the flags' old values are known: all set, as step_plan checked)
-        self._set(self._unwritten, (layer, step_plan.cells), False, old=step_plan.fresh)
+        layers = list(layers)
         rows = step_plan.pool_rows
-        if rows is not None:
-            self._set(self._pending, (layer, rows), False, old=step_plan.fresh.new_ones(rows.shape))
-        txn.pending[layer] = []
-        txn.written[layer] = (step_plan.key,)
+        # (the flags' old values are known: all set, as step_plan checked)
+        if len(layers) > 1 and sorted(layers) == list(range(self.num_layers)):
+            fresh = step_plan.fresh.expand(len(layers), -1)
+            self._set(self._unwritten, (slice(None), step_plan.cells), False, old=fresh)
+            if rows is not None:
+                self._set(self._pending, (slice(None), rows), False, old=fresh.new_ones((len(layers), rows.numel())))
+        else:
+            for layer in layers:
+                self._set(self._unwritten, (layer, step_plan.cells), False, old=step_plan.fresh)
+                if rows is not None:
+                    self._set(self._pending, (layer, rows), False, old=step_plan.fresh.new_ones(rows.shape))
+        for layer in layers:
+            txn.pending[layer] = []
+            txn.written[layer] = (step_plan.key,)
 
     def plan(self, layer: int, chunk: ReservedChunk, q: torch.Tensor, top_k: int) -> QSAPlan:
         """Select, for each chunk token as a query at its position p, the top-k groups of the visible run

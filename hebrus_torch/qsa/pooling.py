@@ -18,14 +18,21 @@ from .runs import _Run, _Vec
 class _Pooling:
     """Group rows of :class:`QSACache` runs: define, pool when written, rebuild."""
 
-    def _define_groups(self, rows: torch.Tensor, gcells: torch.Tensor, gpos: torch.Tensor) -> None:
+    def _define_groups(self, rows: torch.Tensor, gcells: torch.Tensor, gpos: torch.Tensor,
+                       fresh: bool = False) -> None:
         """Give fresh rows their groups; pool at once for every layer whose cells are all written,
-        leave the others pending for that layer."""
+        leave the others pending for that layer. ``fresh``: every group holds a cell no layer has written
+        (one of the chunk just reserved), so it is pending for every layer, decided without reading the flags."""
         if rows.numel() == 0:
             return
         self._set(self._pend_cells, rows, gcells)
         self._set(self._pend_pos, rows, gpos)
         txn = self._txn
+        if fresh:
+            self._set(self._pending, (slice(None), rows), True)
+            for layer in range(self.num_layers):
+                txn.pending[layer].append(rows)
+            return
         for layer in range(self.num_layers):
             unwritten = self._unwritten[layer].index_select(0, gcells.flatten()).view(gcells.shape).any(dim=1)
             ready = ~unwritten
