@@ -411,6 +411,35 @@ def test_a_hook_added_between_steps_runs_from_the_next_step():
     assert engine.runner.forward.native.resolutions == 3
 
 
+def test_the_final_mixer_runs_natively_and_a_change_to_it_is_seen(monkeypatch):
+    """The text model's ``hyper_connection_mixer`` runs as one ``hc_premix`` call resolved with the layers
+    (``MixerCall``); a hook on it, or a mixer replaced on the text model, is seen at the next step."""
+    from hebrus_torch.models.qwen4_exp.native import MixerCall
+
+    model = make_model("lin-idx", seed=12)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=64))
+    engine.add_request([5, 6, 7, 8], request_id="r", max_new_tokens=8, eos_token_id=-1)
+    ran, call = [], MixerCall.__call__
+    monkeypatch.setattr(MixerCall, "__call__", lambda self, h: (ran.append(self), call(self, h))[1])
+    text, seen = model.model, []
+    engine.step()
+    assert len(ran) == 1 and ran[0].weights[1] is text.hyper_connection_mixer.input_mix_weight_down.weight
+    handle = text.hyper_connection_mixer.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    engine.step()
+    assert len(ran) == 1 and len(seen) == 1            # the hooked mixer ran as its module
+    handle.remove()
+    engine.step()
+    assert len(ran) == 2
+    text.hyper_connection_mixer = copy.deepcopy(text.hyper_connection_mixer)
+    engine.step()
+    assert len(ran) == 3 and ran[-1].weights[1] is text.hyper_connection_mixer.input_mix_weight_down.weight
+    engine.run()
+    python = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=64, native_layers=False))
+    python.add_request([5, 6, 7, 8], request_id="r", max_new_tokens=8, eos_token_id=-1)
+    python.run()
+    assert len(ran) > 3 and engine.requests["r"].generated == python.requests["r"].generated
+
+
 def test_native_layers_must_be_a_bool_and_off_means_the_python_path():
     with pytest.raises(HebrusError, match="native_layers must be a bool"):
         EngineConfig(native_layers="yes")

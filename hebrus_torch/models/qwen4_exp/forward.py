@@ -26,7 +26,7 @@ from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefet
 from ...ple.row_store import DiskNgramEmbedding
 from .attention import _gated_heads, packed_indexed_attention, rope_fuses
 from .gdn import module_mismatch, packed_gated_delta_net
-from .native import AttentionLayerCall, BoundLayer, LayerCalls, MoeTailCall, NativeLayers
+from .native import AttentionLayerCall, BoundLayer, LayerCalls, MixerCall, MoeTailCall, NativeLayers
 from .ple import native_ple, packed_ple
 from .rope import RopeRows
 
@@ -127,7 +127,7 @@ class PackedQwen4Exp:
         """The step's PLE rows gathered off the engine thread (None: no table on disk, or prefetch off)."""
         self.rope_rows = RopeRows(text.rotary_emb)
         self.rope = _rope_function() if "indexed_attention" in types else None
-        self.native = NativeLayers(text.layers, self.config.num_hidden_layers, enabled=native_layers)
+        self.native = NativeLayers(text.layers, self.config.num_hidden_layers, enabled=native_layers, text=text)
         """Which decoder layers run as native calls (re-resolved when their modules change)."""
 
     def _layers(self) -> list[torch.nn.Module]:
@@ -169,12 +169,18 @@ class PackedQwen4Exp:
         Returns:
             Tensor[T, hidden_size]: the hyper-connection mixer's output (what ``lm_head`` reads).
         """
-        return hyper_premix(self.text.hyper_connection_mixer, self.streams(step, positions, last, timed)[0])
+        h, _, mixer = self._streams(step, positions, last, timed)
+        return mixer(h) if mixer is not None else hyper_premix(self.text.hyper_connection_mixer, h)
 
     def streams(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed = _untimed
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The 4-stream residual after the last decoder layer, before the mixer: Tensor[T, hc * hidden], and the
         step's rotary (cos, sin) Tensor[T, R] (what the MTP block reuses); arguments as :meth:`__call__`."""
+        return self._streams(step, positions, last, timed)[:2]
+
+    def _streams(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], MixerCall | None]:
+        """:meth:`streams`, and the final mixer's native call where the layers ran natively (None: ``hyper_premix``)."""
         with timed("ple"):
             prefetched = self._start_prefetch(step, step.batch.tokens.device)
         try:
@@ -184,7 +190,8 @@ class PackedQwen4Exp:
                 prefetched.discard()
 
     def _layers_forward(self, step: ChunkStep, positions: torch.Tensor, last: int, timed: Timed,
-                        prefetched: PrefetchedRows | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                        prefetched: PrefetchedRows | None
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], MixerCall | None]:
         text = self.text
         embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
@@ -196,7 +203,7 @@ class PackedQwen4Exp:
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
                                    None if native is None else native[idx], None if ahead is None else ahead[idx])
         step.settle_qsa_layers()
-        return h, (cos, sin)
+        return h, (cos, sin), None if native is None else self.native.mixer
 
     def _host_work_ahead(self, step: ChunkStep, layers: list[torch.nn.Module], native: list[LayerCalls],
                          h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -51,7 +51,7 @@ from ...integrations.qwen4_exp.common import _modeling
 __all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail",
            "decode_attention_layer", "decode_ple_gate",
            "NativeLayers", "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "PleGateCall", "LayerCalls",
-           "BoundLayer", "ModuleWatch"]
+           "BoundLayer", "MixerCall", "ModuleWatch"]
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -493,24 +493,62 @@ def watched_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+@dataclass(frozen=True)
+class MixerCall:
+    """A text model's final ``hyper_connection_mixer`` (no injection) as ``hebrus::hc_premix`` of its weights, what
+    ``hyper_premix`` runs for it: ``call(h)`` h Tensor[T, hc * H] -> Tensor[T, H]."""
+
+    weights: list[torch.Tensor]
+    hc_count: int
+    eps: float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        norm_weight, down, up = self.weights
+        with translated():
+            return torch.ops.hebrus.hc_premix.default(h, norm_weight, down, up, None, self.hc_count, self.eps)[0]
+
+
+def resolve_mixer(mixer: torch.nn.Module | None, dtype: torch.dtype, device: torch.device) -> MixerCall | None:
+    """``mixer`` (a text model's ``hyper_connection_mixer``) as a :class:`MixerCall` on streams of ``dtype`` where
+    ``hyper_premix`` runs one ``hc_premix`` without an injection for it; else None."""
+    if mixer is None or not hasattr(mixer, "hc_count") or not hasattr(mixer, "hidden_size"):
+        return None
+    h = torch.empty(0, int(mixer.hc_count) * int(mixer.hidden_size), dtype=dtype, device=device)
+    if not stock_gated_residual(mixer, h) or not _fusable_premix(mixer, h):
+        return None
+    norm_weight, down, up, inject, eps = premix_params(mixer)
+    return None if inject is not None else MixerCall([norm_weight, down, up], int(mixer.hc_count), eps)
+
+
 class NativeLayers:
-    """The native calls of a text model's decoder layers (:func:`resolve_layer`), resolved afresh whenever
-    :class:`ModuleWatch` sees a change.
+    """The native calls of a text model's decoder layers (:func:`resolve_layer`) and of its final mixer
+    (:func:`resolve_mixer`), resolved afresh whenever :class:`ModuleWatch` sees a change.
 
     Args:
         layers: the text model's ``layers`` (a ``ModuleList``: a layer replaced in it is seen as a change).
         count: how many of them the forward runs (``num_hidden_layers``; an MTP block may follow them).
         enabled: False: no layer runs natively (the Python path everywhere).
+        text: the text model, whose ``hyper_connection_mixer`` is resolved too (None: it is not; a mixer replaced
+            on the text model is seen as a change).
     """
 
-    def __init__(self, layers: torch.nn.Module, count: int, enabled: bool = True) -> None:
+    def __init__(self, layers: torch.nn.Module, count: int, enabled: bool = True,
+                 text: torch.nn.Module | None = None) -> None:
         self.container, self.count = layers, int(count)
         self.enabled = enabled
+        self.text = text
         self.resolutions = 0
         """How many times the layers were resolved (the first step's, and one per change seen)."""
         self._watch: ModuleWatch | None = None
         self._key: tuple | None = None
         self._calls: list[LayerCalls] = []
+        self._mixer: MixerCall | None = None
+
+    @property
+    def mixer(self) -> MixerCall | None:
+        """The final mixer's call as resolved for the streams :meth:`calls` last returned calls for (None: the mixer
+        takes ``hyper_premix``). Read it only after a :meth:`calls` that returned a list."""
+        return self._mixer
 
     def calls(self, h: torch.Tensor) -> list[LayerCalls] | None:
         """Per decoder layer what runs natively on this step's streams h Tensor[T, hc * H], or None where
@@ -527,5 +565,10 @@ class NativeLayers:
     def _resolve(self, dtype: torch.dtype, device: torch.device) -> None:
         self.resolutions += 1
         layers = list(self.container)[: self.count]
-        self._watch = ModuleWatch([self.container] + [m for layer in layers for m in watched_modules(layer)])
+        mixer = None if self.text is None else self.text._modules.get("hyper_connection_mixer")
+        watched = [self.container] + [m for layer in layers for m in watched_modules(layer)]
+        if self.text is not None:
+            watched += [self.text] + ([] if mixer is None else list(mixer.modules()))
+        self._watch = ModuleWatch(watched)
         self._calls = [resolve_layer(layer, dtype, device) for layer in layers]
+        self._mixer = resolve_mixer(mixer, dtype, device)
