@@ -85,6 +85,19 @@ def _refuse_duplicates(seqs: Sequence[SeqHandle], who: str) -> None:
         rows[seq] = i
 
 
+def _token_row(seq: SeqHandle, value: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """One row's tokens as Tensor[n] int64 (host, unless given on a device); a list of Python ints in one op."""
+    try:
+        if type(value) is list and all(type(v) is int for v in value):
+            return torch.tensor(value, dtype=torch.int64)
+        row = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise HebrusError(f"Batch.pack: the tokens of {seq} must be integers, got {value!r}") from None
+    if row.numel() and (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool):
+        raise HebrusError(f"Batch.pack: the tokens of {seq} must be integers, got {row.dtype}")
+    return row.to(torch.int64).reshape(-1)
+
+
 @dataclass
 class Batch:
     """A packed chunk of several sequences: rows in ``seqs`` order.
@@ -109,21 +122,13 @@ class Batch:
         """Pack ``{handle: tokens}`` into one batch (insertion order = row order). A mapping holds one row per
         sequence: pack parallel lists with :meth:`from_rows`, which refuses a sequence listed twice."""
         seqs = list(rows)
-        token_rows = []
-        for s in seqs:
-            try:
-                row = torch.as_tensor(rows[s])
-            except (TypeError, ValueError, RuntimeError):
-                raise HebrusError(f"Batch.pack: the tokens of {s} must be integers, got {rows[s]!r}") from None
-            if row.numel() and (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool):
-                raise HebrusError(f"Batch.pack: the tokens of {s} must be integers, got {row.dtype}")
-            token_rows.append(row.to(torch.int64).reshape(-1))
+        token_rows = [_token_row(s, rows[s]) for s in seqs]
         if device is None:
             device = token_rows[0].device if token_rows else "cpu"
         bounds = [0]
         for t in token_rows:
             bounds.append(bounds[-1] + t.numel())
-        cu = mirror(torch.tensor(bounds, dtype=torch.int32).to(device), bounds)   # bounds known here: no read back
+        cu = mirror(torch.tensor(bounds, dtype=torch.int32, device=device), bounds)   # bounds known here: no read back
         if len(seqs) == 1 and not isinstance(rows[seqs[0]], torch.Tensor):
             tokens = token_rows[0].to(device)   # (made here from the caller's list: the batch's own, as a cat's is)
         elif token_rows:

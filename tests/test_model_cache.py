@@ -870,8 +870,9 @@ def test_a_one_row_batch_holds_its_own_tokens(model):
     row[0], row32[0], listed[0] = 9, 9, 9
     for batch in batches:
         assert batch.tokens.dtype == torch.int64 and batch.tokens.tolist() == [5, 6, 7]
-    with pytest.raises(HebrusError, match="must be integers"):
-        ht.Batch.from_rows([a], [[5.5]])
+    for bad in ([5.5], [2 ** 70], [True], [5, "6"]):
+        with pytest.raises(HebrusError, match="must be integers"):
+            ht.Batch.from_rows([a], [bad])
 
 
 def test_step_attention_reads_only_selected_cells(model):
