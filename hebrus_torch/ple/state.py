@@ -188,8 +188,9 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         if not self._has_hash:
             raise HebrusError("PLEState: built without hash_params; pass them to ngram_ids via ple_ngram_ids directly")
         self._check_layer(layer)
-        return PLEHashParams(getattr(self, f"multipliers_{layer}"), getattr(self, f"vocab_sizes_{layer}"),
-                             getattr(self, f"offsets_{layer}"))
+        buffers = self._buffers         # (the module's own dict: no nn.Module.__getattr__ per buffer, every step)
+        return PLEHashParams(buffers[f"multipliers_{layer}"], buffers[f"vocab_sizes_{layer}"],
+                             buffers[f"offsets_{layer}"])
 
     # ----------------------------------------------------------------------------- lifecycle
     # new_sequence, free, reset, clear, copy, fork, keep: SlotLifecycle, over the slot primitives below
