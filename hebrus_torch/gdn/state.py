@@ -9,7 +9,7 @@ import torch
 
 from ..errors import HebrusError
 from ..ple import ops as ple_ops
-from ..state.args import FLOAT_DTYPES, as_int, as_tensor
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor, conv_weight
 from ..state.handles import SeqHandle, SlotTable
 from ..state.host_mirror import host_ints
 from ..state.layer_views import LayerViews
@@ -214,20 +214,8 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         if x.device != self.conv_state.device:
             raise HebrusError(f"GDNState.conv: x is on {x.device}, the state on {self.conv_state.device}")
         slots = self._slots_of(seqs, cu_seqlens, x.shape[0], "conv")
-        if weight is None:
-            if self._conv_weights is None:
-                raise HebrusError("GDNState.conv: no weight passed and none registered")
-            weight = self._conv_weights[layer]
-        want = (self.conv_dim, self.conv_kernel_size)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
-            got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise HebrusError(f"GDNState.conv: layer {layer} weight must be [conv_dim, K] = {list(want)} (or "
-                              f"transformers' [conv_dim, 1, K]), got {got}")
-        # (Each call only where it changes something, as PLEState.conv: the same weight reaches the op.)
-        if weight.shape != want:
-            weight = weight.reshape(want)
-        if weight.dtype != x.dtype or weight.device != x.device:
-            weight = weight.to(device=x.device, dtype=x.dtype)
+        weight = conv_weight("GDNState.conv", layer, weight, self._conv_weights, ("conv_dim", self.conv_dim),
+                             self.conv_kernel_size, x.dtype, x.device)
         pool = self.conv_state[layer]
         index = self._slot_index(slots, pool.device)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

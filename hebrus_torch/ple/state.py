@@ -9,7 +9,7 @@ import torch
 
 from ..errors import HebrusError
 from ..state import blob
-from ..state.args import FLOAT_DTYPES, as_int, as_tensor
+from ..state.args import FLOAT_DTYPES, as_int, as_tensor, conv_weight
 from ..state.handles import SeqHandle, SlotTable
 from ..state.plain_attrs import PlainAttrs
 from ..state.replay import ReplayLog
@@ -236,7 +236,8 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                               f"cannot hold x's values exactly; pass x in a dtype the state holds exactly (or cast "
                               f"the holder with .to(dtype))")
         slots = self._slots_of(seqs, cu_seqlens)
-        weight = self._conv_weight(layer, weight, x.dtype, x.device)
+        weight = conv_weight("PLEState.conv", layer, weight, self._conv_weights, ("C", self.channels),
+                             self.conv_kernel_size, x.dtype, x.device)
         pool, first = self._tail_pools(layer)
         index = self._slot_index(slots, pool.device)
         if self.replay_log is not None:     # (the undo entry below keeps only what a decode drops: copy the tails)
@@ -288,7 +289,8 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         if not self.in_transaction or self.replay_log is not None or dtype != pool.dtype or torch.is_grad_enabled():
             return None
         slots = self._slots_of(seqs, cu_seqlens)
-        weight = self._conv_weight(layer, weight, dtype, pool.device)
+        weight = conv_weight("PLEState.conv", layer, weight, self._conv_weights, ("C", self.channels),
+                             self.conv_kernel_size, dtype, pool.device)
         index = self._slot_index(slots, pool.device)
         counted = not pool.is_inference()
         entry = self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted)
@@ -306,27 +308,6 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                 armed.armed = pool._version != version     # (a refused op wrote nothing: nothing to undo)
                 raise
         return conv
-
-    def _conv_weight(self, layer: int, weight: torch.Tensor | None, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-        """Layer ``layer``'s conv weight as the op takes it, ``[C, K]`` in ``dtype`` on ``device``: ``weight`` (``[C,
-        K]`` or transformers' ``[C, 1, K]``), else the registered one."""
-        if weight is None:
-            if self._conv_weights is None:
-                raise HebrusError("PLEState.conv: no weight passed and none registered")
-            weight = self._conv_weights[layer]
-        want = (self.channels, self.conv_kernel_size)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (want[0], 1, want[1])):
-            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise HebrusError(f"PLEState.conv: layer {layer} weight must be [C, K] = {list(want)} (or transformers' "
-                              f"[C, 1, K]), got {got}")
-        # (Each call below only where it changes something: at decode the holder's own tensor ops cost more,
-        # with cold caches, than moving the bytes; the same weight reaches the op.)
-        if weight.shape != want:
-            weight = weight.reshape(want)
-        if weight.dtype != dtype or weight.device != device:
-            weight = weight.to(device=device, dtype=dtype)
-        return weight
 
     # ----------------------------------------------------------------------------- transactions
     # The undo log's hooks (_txn_begin ... _txn_restore, _log_slot): SlotPoolHolder; conv's undo entries

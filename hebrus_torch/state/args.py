@@ -39,3 +39,27 @@ def check_cast(owner: str, fn: Callable[[torch.Tensor], torch.Tensor], float_dty
             raise HebrusError(f"{owner}: cannot cast the state to {got}; holders keep float32, float16 or bfloat16")
         if dtype is not float_dtype and got != dtype:
             raise HebrusError(f"{owner}: cannot cast its {dtype} tensors (slot tables, ids, positions) to {got}")
+
+
+def conv_weight(op: str, layer: int, weight: Any, registered: list | None, channels: tuple[str, int], kernel: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A depthwise conv's weight as the slot ops take it, ``[C, K]`` in ``dtype`` on ``device``: ``weight`` (``[C, K]``
+    or transformers' ``[C, 1, K]``), else layer ``layer``'s of ``registered``. ``channels``: (C's name in messages,
+    C)."""
+    if weight is None:
+        if registered is None:
+            raise HebrusError(f"{op}: no weight passed and none registered")
+        weight = registered[layer]
+    name, c = channels
+    want = (c, kernel)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) not in (want, (c, 1, kernel)):
+        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise HebrusError(f"{op}: layer {layer} weight must be [{name}, K] = {list(want)} (or transformers' "
+                          f"[{name}, 1, K]), got {got}")
+    # (Each call below only where it changes something: at decode the holder's own tensor ops cost more, with cold
+    # caches, than moving the bytes; the same weight reaches the op.)
+    if weight.shape != want:
+        weight = weight.reshape(want)
+    if weight.dtype != dtype or weight.device != device:
+        weight = weight.to(device=device, dtype=dtype)
+    return weight
