@@ -2,7 +2,8 @@
 
 The model is ``profile_engine_decode.llamacpp_variant`` (fp32, one thread), one request of a 64-token random prompt
 decoding greedily. The engine's native layer calls (``decode_gdn_layer``, ``decode_attention_layer``,
-``decode_ple_gate``, or a layer's call bound ahead, ``BoundLayer``) and its ``lm_head`` projection are wrapped with ``time.perf_counter`` marks at entry and exit;
+``decode_ple_gate``, or a layer's call bound ahead, ``BoundLayer``) and its ``lm_head`` projection are wrapped with
+``time.perf_counter`` marks at entry and exit;
 each step is then cut into segments (before the first call, each call, each gap between two calls, after the last)
 and the median of each segment over ``--steps`` steps is printed, with the median step. The marks cost a few
 microseconds each, so the step is a little longer than unmarked. The ``hebrus_torch`` timed is whichever

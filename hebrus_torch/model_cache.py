@@ -215,8 +215,8 @@ class ChunkStep:
 
     def ple_conv_call(self, layer_idx: int, dtype: torch.dtype,
                       weight: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """:meth:`ple_conv` for conv inputs in ``dtype``, made ahead (``PLEState.conv_call``: the checks run and the undo
-        logged now); the returned ``conv(x)`` is the in-place op alone. None where :meth:`ple_conv` must run."""
+        """:meth:`ple_conv` for conv inputs in ``dtype``, made ahead (``PLEState.conv_call``: the checks run and the
+        undo logged now); the returned ``conv(x)`` is the in-place op alone. None where :meth:`ple_conv` must run."""
         ple = self.cache._need("ple")
         return ple.conv_call(self.cache._ple_layer(layer_idx), self.batch.seqs, self.batch.cu_seqlens, dtype, weight)
 

@@ -211,12 +211,12 @@ class PackedQwen4Exp:
         """The state holders' host work of a step whose layers run as native calls, done before the first call: the
         QSA cache's step plan, the GDN state's logged pools, the rows of every PLE layer with a native gate whose
         rows were not prefetched (n-gram ids, history advanced and staged) and its conv (checked, its undo logged),
-        and each layer's native call bound to them. Between two layers' calls the host runs with cold caches (each call streams megabytes of weights
-        through them), several times slower than here, next to the step's other host work; what is left there is
-        the calls. Returns per decoder layer what was made ahead of it.
+        and each layer's native call bound to them. Between two layers' calls the host runs with cold caches (each
+        call streams megabytes of weights through them), several times slower than here, next to the step's other
+        host work; what is left there is the calls. Returns per decoder layer what was made ahead of it.
 
-        Indexed layers are bound only where every one of them is: a layer that writes the QSA cache through its
-        own modules runs between them, and the others then read the cache's planes when they run."""
+        Indexed layers are bound only where every one of them fuses: otherwise a layer that writes the QSA cache
+        through its own modules runs between them, and the others read the cache's planes when they run."""
         plan = step.qsa_step_plan() if any(calls.attention is not None for calls in native) else None
         rope = self.rope if self.rope is not None else _rope_function()
         qsa = step.cache.qsa
