@@ -458,7 +458,8 @@ class ModelCache(PlainAttrs, StateDictProtocol, torch.nn.Module, Transactional):
 
     @staticmethod
     def _layer_index(holder, layer_idx: int, what: str) -> int:
-        layer_idx = as_int(f"ModelCache: the {what} layer index", layer_idx)
+        if type(layer_idx) is not int:         # (the message only where it may be needed: every layer, every step)
+            layer_idx = as_int(f"ModelCache: the {what} layer index", layer_idx)
         ids = getattr(holder, "layer_ids", None)
         if ids is None:
             return layer_idx

@@ -101,6 +101,22 @@ def test_several_requests_may_read_one_logits_row():
     assert picks[1].token == sample_next(logits[1], params[1], [], params[1].generator(torch.device("cpu"))).token
 
 
+@pytest.mark.parametrize("rows", [None, [0, 1, 2], [2, 0, 2]])
+def test_plain_greedy_rows_read_as_the_general_path_reads_them(rows):
+    """Greedy rows without penalties or log-probabilities (read as one argmax of the float32 logits, no table) pick
+    what the general path picks for the same rows: bfloat16 logits, or one request asking for its log-probability
+    beside them, go through it."""
+    logits = _logits(6, 3)
+    plain = [SamplingParams(), SamplingParams(temperature=0.5), SamplingParams(top_logprobs=0)]
+    picks = sample_rows(logits, plain, [[]] * 3, [None] * 3, rows=rows)
+    want = torch.argmax(logits if rows is None else logits[rows], -1).tolist()
+    assert [p.token for p in picks] == want and all(p.logprob is None and p.top == () for p in picks)
+    assert [p.token for p in sample_rows(logits.bfloat16(), plain, [[]] * 3, [None] * 3, rows=rows)] == \
+        torch.argmax((logits if rows is None else logits[rows]).bfloat16().float(), -1).tolist()
+    mixed = sample_rows(logits, plain[:2] + [SamplingParams(logprobs=True)], [[]] * 3, [None] * 3, rows=rows)
+    assert [p.token for p in mixed] == want and mixed[2].logprob is not None
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(top_logprobs=2), "needs logprobs"),
     (dict(logprobs=True, top_logprobs=-1), "top_logprobs"), (dict(logprobs=1), "logprobs must be a bool"),

@@ -266,6 +266,13 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
         (the picks, ``also``'s values as floats; [] without it).
     """
     n = len(params)
+    if also is None and n and logits.dtype == torch.float32 and logits.device.type == "cpu" \
+            and n * logits.shape[-1] * 4 <= _CPU_BLOCK_BYTES and not any(map(_reads_more_than_argmax, params)):
+        # Plain greedy rows of float32 logits on the CPU (a decode step of greedy requests): the general path's one
+        # argmax over the same rows, read as ints (no float64 table to build for one read).
+        picked = logits if rows is None or list(rows) == list(range(logits.shape[0])) else \
+            logits.index_select(0, _upload(list(rows), logits.device))
+        return [Pick(t) for t in torch.argmax(picked, -1).tolist()], []
     width = max((p.top_logprobs for p in params), default=0)
     size = 2 + 2 * width if any(p.logprobs for p in params) else 1   # per request: token[, logprob, tops...]
     table = _picks_table(logits, params, histories, generators, list(range(n) if rows is None else rows),
@@ -297,6 +304,11 @@ def reads_history(p: SamplingParams) -> bool:
     may pass an empty history otherwise (a request's prompt + generated tokens is a list as long as its context,
     built anew at every step)."""
     return p.repetition_penalty != 1.0
+
+
+def _reads_more_than_argmax(p: SamplingParams) -> bool:
+    """Whether sampling with ``p`` is anything but the argmax of the row (sampling, log-probabilities, penalties)."""
+    return bool(p.do_sample or p.logprobs or _penalises(p))
 
 
 def _penalises(p: SamplingParams) -> bool:
@@ -336,7 +348,7 @@ def _picks_table(logits: torch.Tensor, params: Sequence[SamplingParams], histori
     plain: list[int] = []                              # greedy rows without penalties or log-probabilities
     groups: dict[tuple | None, list[int]] = {}         # the others: (temperature, top-k, top-p) if sampled, else None
     for i, p in enumerate(params):
-        if p.do_sample or p.logprobs or _penalises(p):
+        if _reads_more_than_argmax(p):
             groups.setdefault((p.temperature, p.top_k, p.top_p) if p.do_sample else None, []).append(i)
         else:
             plain.append(i)

@@ -379,7 +379,8 @@ class GDNState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         slots = [self.slots.check(s) for s in seqs]
         if len(set(slots)) != len(slots):
             raise HebrusError(f"GDNState.{op}: a sequence appears twice in one packed step: {list(seqs)}")
-        cu_seqlens = as_tensor(f"GDNState.{op}: cu_seqlens", cu_seqlens)
+        if not isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = as_tensor(f"GDNState.{op}: cu_seqlens", cu_seqlens)
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] != len(slots) + 1:
             raise HebrusError(f"GDNState.{op}: cu_seqlens must be int32 with {len(slots) + 1} entries for "
                               f"{len(slots)} sequences, got shape {list(cu_seqlens.shape)} {cu_seqlens.dtype}")

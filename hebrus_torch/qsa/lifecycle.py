@@ -194,7 +194,7 @@ class _Lifecycle:
                     raise HebrusError(f"QSACache.reserve: negative count {count} for {seq}")
                 run = self._runs[slot]
                 first = None if first_positions is None else first_positions[i]
-                if first is not None:
+                if first is not None and type(first) is not int:     # (the message only where it may be needed)
                     first = as_int(f"QSACache.reserve: the first position of {seq}", first)
                 if run.n > 0:
                     start = run.p0 + run.n
