@@ -270,8 +270,7 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
             and n * logits.shape[-1] * 4 <= _CPU_BLOCK_BYTES and not any(map(_reads_more_than_argmax, params)):
         # Plain greedy rows of float32 logits on the CPU (a decode step of greedy requests): the general path's one
         # argmax over the same rows, read as ints (no float64 table to build for one read).
-        picked = logits if rows is None or list(rows) == list(range(logits.shape[0])) else \
-            logits.index_select(0, _upload(list(rows), logits.device))
+        picked = logits if rows is None else _rows_of(logits, list(rows))[0]
         return [Pick(t) for t in torch.argmax(picked, -1).tolist()], []
     width = max((p.top_logprobs for p in params), default=0)
     size = 2 + 2 * width if any(p.logprobs for p in params) else 1   # per request: token[, logprob, tops...]
