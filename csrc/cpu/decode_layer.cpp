@@ -15,7 +15,7 @@
 #include <tuple>
 
 #include "../hebrus_check.h"
-#include "transposed.h"
+#include "dense_mm.h"
 
 namespace hebrus {
 namespace {
@@ -45,7 +45,7 @@ Tensor hc_post_combine(const Tensor& hyper, const Tensor& out, const Tensor& inj
 // at::matmul, without those two wrappers' dispatches (a few microseconds a projection inside a step), and w.t()'s
 // view made without its three dispatches (transposed.h).
 Tensor project(const Tensor& x, const Tensor& w) {
-  return x.dim() == 2 && w.dim() == 2 && x.layout() == c10::kStrided ? at::mm(x, transposed(w)) : at::linear(x, w);
+  return x.dim() == 2 && w.dim() == 2 && x.layout() == c10::kStrided ? dense_mm(x, w) : at::linear(x, w);
 }
 
 // The layer's weights, each list in the order hebrus_torch/models/qwen4_exp/native.py builds it.

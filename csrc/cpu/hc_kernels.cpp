@@ -17,7 +17,7 @@
 #include "../op_checks.h"
 #include "quantized_linear.h"
 #include "row_math.h"
-#include "transposed.h"
+#include "dense_mm.h"
 
 namespace hebrus {
 namespace {
@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> hc_premix_cpu(const at::Tensor& h, const at::
   if (has_inject) check_on_device("hc_premix", c10::DeviceType::CPU, {{"h", &h}, {"inject", &*inject}});
   const HcPremixSizes sz = check_hc_premix_args(h, norm_weight, down, up, inject, hc_count, eps);
   return premix_sequence(h, norm_weight, sz, hc_count, eps, has_inject, [&](const at::Tensor& x, HcProjection which) {
-    return at::mm(x, transposed(which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject));
+    return dense_mm(x, which == HcProjection::kDown ? down : which == HcProjection::kUp ? up : *inject);
   });
 }
 

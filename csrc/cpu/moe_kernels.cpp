@@ -37,7 +37,7 @@
 #include "cpu/hebrus_widen.h"
 #include "cpu/quantized_linear.h"
 #include "cpu/row_math.h"
-#include "cpu/transposed.h"
+#include "cpu/dense_mm.h"
 #include "hebrus_check.h"
 #include "moe_checks.h"
 #include "op_checks.h"
@@ -1102,7 +1102,7 @@ Tensor moe_shared_expert_cpu(const Tensor& x, const Tensor& routed, const Tensor
   check_moe_shared_expert_args(x, routed, gate_proj, up_proj, down_proj, gate);
   const Tensor* weights[3] = {&gate_proj, &up_proj, &down_proj};
   return shared_expert_rows(x, routed, gate,
-                            [&](const Tensor& in, int which) { return at::mm(in, transposed(*weights[which])); });
+                            [&](const Tensor& in, int which) { return dense_mm(in, *weights[which]); });
 }
 
 // hebrus::moe_shared_expert_quantized (issue 37): moe_shared_expert over a shared expert whose projections are

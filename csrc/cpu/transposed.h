@@ -20,13 +20,22 @@
 
 namespace hebrus {
 
-inline at::Tensor transposed(const at::Tensor& w) {
+// A plain CPU tensor: no dispatch key beyond a plain CPU tensor's.
+inline bool plain_cpu_tensor(const at::Tensor& t) {
   static const c10::DispatchKeySet plain_cpu{c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
                                              c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU};
-  if (!w.defined() || w.dim() != 2 || !plain_cpu.isSupersetOf(w.key_set()) ||
-      (w.requires_grad() && c10::GradMode::is_enabled() &&
-       !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradCPU)))
-    return w.t();
+  return t.defined() && plain_cpu.isSupersetOf(t.key_set());
+}
+
+// Whether autograd could record an op on t here (it requires grad, grad mode is on and autograd's keys are not
+// excluded, as they are inside a hebrus op's kernel).
+inline bool autograd_could_record(const at::Tensor& t) {
+  return t.requires_grad() && c10::GradMode::is_enabled() &&
+         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradCPU);
+}
+
+inline at::Tensor transposed(const at::Tensor& w) {
+  if (!plain_cpu_tensor(w) || w.dim() != 2 || autograd_could_record(w)) return w.t();
   at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(w.storage()),
                                                              w.key_set(), w.dtype());
   c10::TensorImpl* impl = view.unsafeGetTensorImpl();
