@@ -464,6 +464,35 @@ def test_the_free_cell_count_is_kept_through_appends_releases_shares_and_rollbac
     agrees()
 
 
+def test_no_freed_flag_outlives_its_transaction():
+    """Cells and rows freed in a transaction are preferred last by its later allocations (``_freed_cells`` /
+    ``_freed_rows``); a commit clears the flags only where the transaction set one, so every way of setting them
+    (a release, a rewind, a free inside a block, a rollback) must leave them all clear once it ends."""
+    cache = make_cache(capacity=64)
+    keys, _, _ = stream(40)
+    a, b = cache.new_sequence(), cache.new_sequence()
+
+    def clear() -> None:
+        assert not cache.in_transaction
+        assert not bool(cache._freed_cells.any()) and not bool(cache._freed_rows.any())
+
+    cache.append(a, [k[:13] for k in keys])
+    cache.append(b, [k[13:22] for k in keys])
+    clear()
+    cache.rewind(a, 5)                   # frees cells and whole groups' rows
+    clear()
+    with transaction(cache):
+        cache.free(b)
+        assert bool(cache._freed_cells.any()) and bool(cache._freed_rows.any())
+        cache.append(a, [k[22:30] for k in keys])
+    clear()
+    with pytest.raises(RuntimeError, match="undo"):
+        with transaction(cache):
+            cache.rewind(a, 2)
+            raise RuntimeError("undo")
+    clear()
+
+
 def test_plan_requires_written_layer(cache):
     a = cache.new_sequence()
     keys, _, _ = stream(6)
@@ -503,6 +532,27 @@ def test_unwritten_layer_is_zero_at_commit(cache):
         chunk = cache.reserve([a], [8])
         cache.write(0, chunk, keys[0])
     assert torch.equal(cache.keys_of(a, 1), torch.zeros(8, D))
+    check_invariants(cache)
+
+
+def test_only_a_chunk_every_layer_wrote_since_commits_without_reading_its_flags():
+    """The commit reads the new cells' references and unwritten flags back unless the transaction reserved one chunk
+    that every layer then wrote, nothing those writes read changed since (a decode step): one layer short, or a
+    reference written after the writes, and it reads them."""
+    cache = make_cache(capacity=32)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    keys, _, _ = stream(12)
+    cache.append(b, [k[:4] for k in keys])
+    with transaction(cache):
+        chunk = cache.reserve([a], [5])
+        cache.write(0, chunk, keys[0][4:9])
+        assert not cache._chunk_written(cache._txn)          # layer 1 still unwritten
+        cache.write(1, chunk, keys[1][4:9])
+        assert cache._chunk_written(cache._txn)
+        cache.free(b)                                        # references written since
+        assert not cache._chunk_written(cache._txn)
+    for layer in range(L):
+        assert torch.equal(cache.keys_of(a, layer), keys[layer][4:9])
     check_invariants(cache)
 
 

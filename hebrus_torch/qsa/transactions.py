@@ -32,6 +32,7 @@ class _Txn:
         self.evict: dict[int, int] = {}                         # window: slot -> p0 once its chunk is planned
         self.written: dict[int, tuple] = {}     # layer -> (layout key,) of the chunk write cleared its flags for
         self.base: _Savepoint | None = None
+        self.freed = False                      # whether a _freed_cells / _freed_rows flag may have been set
         self.prepared: tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]] = (None, [])
 
 
@@ -112,7 +113,7 @@ class _Transactions:
         instead of gathering it again."""
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             idx = tuple(self._dev(i) if isinstance(i, torch.Tensor) else i for i in idx) \
                 if isinstance(idx, tuple) else (self._dev(idx) if isinstance(idx, torch.Tensor) else idx)
             if isinstance(value, torch.Tensor) and value.dim():
@@ -135,6 +136,8 @@ class _Transactions:
             self._cells_version += 1
             if tensor is self.cell_ref:
                 self._ref_version += 1
+        elif tensor is self._freed_cells or tensor is self._freed_rows:
+            txn.freed = True
 
     def _log_content(self, cells: torch.Tensor) -> None:
         """Record every layer's content of ``cells`` (host int64; keys, K, V, unwritten flags) in the undo log."""
@@ -205,7 +208,7 @@ class _Transactions:
         # One allocation's cells are distinct already (and only their set matters below): unique only merges.
         cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
             if txn.new_cells else None
-        if cells is not None:
+        if cells is not None and not self._chunk_written(txn):
             held = self.cell_ref.index_select(0, cells) > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten.index_select(1, live)     # [layers, cells]: one gather, one read for all layers
@@ -232,6 +235,21 @@ class _Transactions:
                     pooled.append((layer, rows))
         txn.prepared = (cells, pooled)
 
+    def _chunk_written(self, txn: _Txn) -> bool:
+        """Whether the transaction reserved one chunk, every layer wrote it (``write`` or ``settle_step_plan``: each
+        left its written memo) and nothing those writes read has changed since (the memos still hold): its cells are
+        then all referenced (each write checked the chunk under the same layout) and none is unwritten for any
+        layer, what :meth:`_txn_prepare` would otherwise read back (a decode step's case)."""
+        written = txn.written
+        if len(txn.new_cells) != 1 or len(written) != self.num_layers:
+            return False
+        memo = written.get(0)
+        chunk = None if memo is None else memo[0][0][0]
+        if getattr(chunk, "_host_cells", None) is not txn.new_cells[0]:
+            return False
+        key = self._layout_key(chunk)
+        return all(self._same_layout(written.get(layer), key) for layer in range(self.num_layers))
+
     def _zero_of(self, t: torch.Tensor) -> torch.Tensor:
         """A 0-dim zero of ``t``'s dtype on its device (made once per dtype and device: the fill's value)."""
         key = (t.dtype, t.device)
@@ -248,8 +266,9 @@ class _Transactions:
             self._unwritten.index_fill_(1, cells, False)
         for layer, rows in pooled:
             self._pending[layer].index_fill_(0, rows, False)
-        self._freed_cells.zero_()
-        self._freed_rows.zero_()
+        if self._txn.freed:           # (outside a transaction every flag is clear: set only inside one, through _set)
+            self._freed_cells.zero_()
+            self._freed_rows.zero_()
 
     def _txn_finish(self) -> None:
         """Drop the undo log (and what was derived from the transaction's chunks)."""
