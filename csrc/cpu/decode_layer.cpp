@@ -7,10 +7,13 @@
 // hebrus_torch/models/qwen4_exp/native.py decides when a layer is stock and passes its weights; the inner ops go
 // through the dispatcher (their own checks, their own kernels).
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -42,8 +45,8 @@ Tensor hc_post_combine(const Tensor& hyper, const Tensor& out, const Tensor& inj
 }
 
 // at::linear of a bias-free projection: for 2-D x, exactly the at::mm(x, w.t()) that at::linear reaches through
-// at::matmul, without those two wrappers' dispatches (a few microseconds a projection inside a step), and w.t()'s
-// view made without its three dispatches (transposed.h).
+// at::matmul, without those two wrappers' dispatches, by the BLAS call at::mm makes (dense_mm.h). The views below are
+// made by hand (views.h: ATen's views, without their dispatches).
 Tensor project(const Tensor& x, const Tensor& w) {
   return x.dim() == 2 && w.dim() == 2 && x.layout() == c10::kStrided ? dense_mm(x, w) : at::linear(x, w);
 }
@@ -72,8 +75,9 @@ Tensor moe_block(const Tensor& x, c10::ArrayRef<Tensor> w, int64_t top_k, bool n
   const Tensor logits = project(x, w[0]);
   const Tensor shared_logit = project(x, w[1]);
   auto [ids, weights] = route.call(logits, std::optional<Tensor>(shared_logit), top_k, norm_topk_prob);
-  const Tensor routed = experts.call(x, ids, weights.slice(1, 0, top_k), w[2], w[3]);
-  return shared.call(x, routed, w[4], w[5], w[6], weights.slice(1, top_k));
+  const int64_t width = weights.size(1);
+  const Tensor routed = experts.call(x, ids, last_dim_columns(weights, 0, top_k), w[2], w[3]);
+  return shared.call(x, routed, w[4], w[5], w[6], last_dim_columns(weights, top_k, width - top_k));
 }
 
 // The decoder layer after its token mixer: the attention hyper-connection's post-combine, the MLP
@@ -107,20 +111,24 @@ Tensor gated_delta_net(const Tensor& x, c10::ArrayRef<Tensor> w, Tensor& conv_po
       "hebrus::gdn_gated_rms_norm");
   const int64_t t = x.size(0), hk = heads[0], hv = heads[1], dk = heads[2], dv = heads[3];
   Tensor mixed = project(x, w[0]);
-  const Tensor z = project(x, w[1]).reshape({t, hv, dv});
+  const Tensor z = project(x, w[1]);                     // [t, hv * dv]
   const Tensor b = project(x, w[2]);
   const Tensor a = project(x, w[3]);
   auto [g, beta] = gates.call(a, b, w[5], w[6]);
   // GDNState.conv: transformers' [conv_dim, 1, K] weight as [conv_dim, K], in x's dtype and device.
   Tensor weight = w[4];
-  if (weight.dim() == 3) weight = weight.reshape({weight.size(0), weight.size(2)});
+  if (weight.dim() == 3) weight = reshaped(weight, {weight.size(0), weight.size(2)});
   if (weight.scalar_type() != x.scalar_type() || weight.device() != x.device())
     weight = weight.to(x.device(), x.scalar_type());
   mixed = conv.call(mixed, weight, cu_seqlens, conv_pool, slots, 1, conv_activation);
-  const std::vector<Tensor> qkv = mixed.split_with_sizes({hk * dk, hk * dk, hv * dv}, -1);
-  Tensor out = delta.call(qkv[0].reshape({t, hk, dk}), qkv[1].reshape({t, hk, dk}), qkv[2].reshape({t, hv, dv}), g,
-                          beta, cu_seqlens, recurrent_pool, slots, std::pow(static_cast<double>(dk), -0.5), true);
-  out = norm.call(out.reshape({-1, dv}), z.reshape({-1, dv}), w[7], norm_eps, norm_activation).reshape({t, hv * dv});
+  // mixed.split_with_sizes({hk * dk, hk * dk, hv * dv}, -1), each part as [t, heads, dim]
+  const Tensor q = reshaped(last_dim_columns(mixed, 0, hk * dk), {t, hk, dk});
+  const Tensor k = reshaped(last_dim_columns(mixed, hk * dk, hk * dk), {t, hk, dk});
+  const Tensor v = reshaped(last_dim_columns(mixed, 2 * hk * dk, hv * dv), {t, hv, dv});
+  Tensor out = delta.call(q, k, v, g, beta, cu_seqlens, recurrent_pool, slots, std::pow(static_cast<double>(dk), -0.5),
+                          true);
+  out = reshaped(norm.call(reshaped(out, {-1, dv}), reshaped(z, {-1, dv}), w[7], norm_eps, norm_activation),
+                 {t, hv * dv});
   return project(out, w[8]);
 }
 
@@ -165,16 +173,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> decode_attent
                ": eps must be [hc norm, q_layernorm, q_norm, k_norm], got ", eps.size(), " values");
   HEBRUS_CHECK(h.dim() == 2, HebrusError, "hebrus::", op, ": h must be [T, hc * hidden], got ", shape_str(h.sizes()));
   const int64_t index_heads = dims[0], index_kv = dims[1], d = dims[2], hd = dims[3];
+  HEBRUS_CHECK(index_kv == 1, HebrusError, "hebrus::", op, ": the indexer must have one key head, got ", index_kv);
   auto [x, inject] = hc_premix(h, attn_hc[0], attn_hc[1], attn_hc[2], attn_hc[3], hc_count, eps[0]);
   const int64_t t = x.size(0);
-  const std::vector<Tensor> index = project(x, w[0]).split_with_sizes({index_heads * d, index_kv * d}, -1);
-  const Tensor q_index = norm_rope.call(index[0].reshape({t, -1, d}), w[1], eps[1], cos, sin);
-  const Tensor raw_keys = index[1].reshape({t, -1, d}).squeeze(-2).reshape({t, d});
-  const std::vector<Tensor> q_gate = project(x, w[2]).view({t, -1, hd * 2}).chunk(2, -1);
-  const Tensor k = project(x, w[3]).view({t, -1, hd});
-  const Tensor v = project(x, w[4]).view({t, -1, hd});
-  return {inject, q_index, raw_keys, norm_rope.call(q_gate[0], w[5], eps[2], cos, sin),
-          norm_rope.call(k, w[6], eps[3], cos, sin), v, q_gate[1]};
+  // split_with_sizes({index_heads * d, index_kv * d}, -1) of the indexer's projection
+  const Tensor index = project(x, w[0]);
+  const Tensor q_index = norm_rope.call(reshaped(last_dim_columns(index, 0, index_heads * d), {t, -1, d}), w[1],
+                                        eps[1], cos, sin);
+  const Tensor raw_keys = last_dim_columns(index, index_heads * d, d);          // [t, d]
+  // view({t, -1, hd * 2}).chunk(2, -1) of the query projection: each head's query, then its output gate
+  const Tensor q_gate = reshaped(project(x, w[2]), {t, -1, hd * 2});
+  const Tensor k = reshaped(project(x, w[3]), {t, -1, hd});
+  const Tensor v = reshaped(project(x, w[4]), {t, -1, hd});
+  return {inject, q_index, raw_keys, norm_rope.call(last_dim_columns(q_gate, 0, hd), w[5], eps[2], cos, sin),
+          norm_rope.call(k, w[6], eps[3], cos, sin), v, last_dim_columns(q_gate, hd, hd)};
 }
 
 // The rest of an indexed-attention layer after its attention: the output gate and o_proj (_gated_heads), then
@@ -186,8 +198,34 @@ Tensor decode_attention_tail_cpu(const Tensor& hyper, const Tensor& attn_out, co
       hebrus_op<Tensor(const Tensor&, const Tensor&)>("hebrus::sigmoid_gate");
   check_count("decode_attention_tail", "mlp_hc", mlp_hc, kHcWeights);
   check_count("decode_attention_tail", "moe", moe, kMoeWeights);
-  const Tensor out = project(sigmoid_gate.call(attn_out, gate).view({attn_out.size(0), -1}), o_proj);
+  const Tensor out = project(reshaped(sigmoid_gate.call(attn_out, gate), {attn_out.size(0), -1}), o_proj);
   return moe_tail(hyper, out, inject, mlp_hc, moe, hc_count, hc_eps, top_k, norm_topk_prob);
+}
+
+// plane.index_copy_(0, index, rows) as it runs here, below ADInplaceOrView (no version bump): one memcpy a row where
+// plane and rows are plain contiguous CPU tensors of one dtype and shape past dim 0, index a contiguous int64 vector
+// of rows.size(0) entries (distinct by the plan's contract) all in range, the two not overlapping; index_copy_ itself
+// otherwise (its checks, its errors). A decode step writes one row per plane, where index_copy_ was three dispatched
+// ops.
+void copy_rows(const Tensor& plane, const Tensor& index, const Tensor& rows) {
+  const int64_t n = index.numel();
+  bool direct = plain_cpu_tensor(plane) && plain_cpu_tensor(rows) && plain_cpu_tensor(index) &&
+                plane.dim() >= 1 && rows.dim() == plane.dim() && index.dim() == 1 &&
+                index.scalar_type() == at::kLong && rows.scalar_type() == plane.scalar_type() &&
+                plane.is_contiguous() && rows.is_contiguous() && index.is_contiguous() && rows.size(0) == n &&
+                rows.sizes().slice(1) == plane.sizes().slice(1) && !autograd_could_record(plane) &&
+                !autograd_could_record(rows) && at::get_overlap_status(plane, rows) == at::MemOverlapStatus::No;
+  const int64_t* at = direct ? index.const_data_ptr<int64_t>() : nullptr;
+  for (int64_t j = 0; direct && j < n; ++j) direct = at[j] >= 0 && at[j] < plane.size(0);
+  if (!direct) {
+    plane.index_copy_(0, index, rows);
+    return;
+  }
+  const size_t row_bytes = static_cast<size_t>(plane.numel() / std::max<int64_t>(plane.size(0), 1)) *
+                           plane.element_size();
+  char* dst = static_cast<char*>(plane.mutable_data_ptr());
+  const char* src = static_cast<const char*>(rows.const_data_ptr());
+  for (int64_t j = 0; j < n; ++j) std::memcpy(dst + at[j] * row_bytes, src + j * row_bytes, row_bytes);
 }
 
 constexpr size_t kQsaPlanes = 4;   // the layer's keys, k_cache, v_cache, pooled
@@ -224,11 +262,11 @@ Tensor decode_attention_layer_cpu(const Tensor& h, at::TensorList attn_hc, at::T
   const auto [inject, q_index, raw_keys, q, k, v, gate] =
       decode_attention_head_cpu(h, attn_hc, attention, cos, sin, dims, eps, hc_count);
   const Tensor& cells = plan[0];
-  planes[0].index_copy_(0, cells, raw_keys.to(planes[0].scalar_type()));
-  planes[1].index_copy_(0, cells, k.to(planes[1].scalar_type()));
-  planes[2].index_copy_(0, cells, v.to(planes[2].scalar_type()));
+  copy_rows(planes[0], cells, as_dtype(raw_keys, planes[0].scalar_type()));
+  copy_rows(planes[1], cells, as_dtype(k, planes[1].scalar_type()));
+  copy_rows(planes[2], cells, as_dtype(v, planes[2].scalar_type()));
   if (plan[3].numel() > 0) {
-    planes[3].index_copy_(0, plan[3], pool.call(planes[0], qsa[0], plan[1], plan[2], qsa[1], qsa_eps, qsa[2]));
+    copy_rows(planes[3], plan[3], pool.call(planes[0], qsa[0], plan[1], plan[2], qsa[1], qsa_eps, qsa[2]));
   }
   const Tensor selected = select.call(q_index, planes[3], plan[4], plan[5], plan[6], sizes[0]);
   const Tensor out = attend.call(q, planes[1], planes[2],

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "views.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -47,15 +49,15 @@ struct PackedCall {
 
   PackedCall(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
              const at::Tensor& beta_in, int64_t hk, int64_t hv, int64_t dk, int64_t dv, double scale, bool l2)
-      : q(q_in.to(at::kFloat).contiguous()), k(k_in.to(at::kFloat).contiguous()),
-        v(v_in.to(at::kFloat).contiguous()), g(g_in.to(at::kFloat).contiguous()),
-        beta(beta_in.to(at::kFloat).contiguous()),
+      : q(as_dtype(q_in, at::kFloat).contiguous()), k(as_dtype(k_in, at::kFloat).contiguous()),
+        v(as_dtype(v_in, at::kFloat).contiguous()), g(as_dtype(g_in, at::kFloat).contiguous()),
+        beta(as_dtype(beta_in, at::kFloat).contiguous()),
         out(at::empty({q_in.size(0), hv, dv}, v_in.options().dtype(at::kFloat))),
         r{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
           beta.data_ptr<float>(), out.data_ptr<float>(), hk, hv, dk, dv, static_cast<float>(scale), l2} {}
 
   // The op's result: the output in v's dtype (the one rounding of a 16-bit call).
-  at::Tensor result(at::ScalarType v_dtype) const { return v_dtype == at::kFloat ? out : out.to(v_dtype); }
+  at::Tensor result(at::ScalarType v_dtype) const { return as_dtype(out, v_dtype); }
 };
 
 // Tokens [t0, t1) (packed indices) of value head h through its state s [Dk, Dv], updated in place.

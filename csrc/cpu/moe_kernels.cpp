@@ -837,7 +837,7 @@ void run_moe(const Problem<T>& pr, const GU& gate_up, const DN& down) {
 
 // The expert ids as int64, each in [0, E) (checked before anything is computed).
 Tensor checked_ids(const char* op, const Tensor& topk_ids, int64_t experts) {
-  Tensor ids = topk_ids.to(at::kLong).contiguous();
+  Tensor ids = as_dtype(topk_ids, at::kLong).contiguous();
   const int64_t* p = ids.data_ptr<int64_t>();
   const int64_t k = ids.size(1);
   for (int64_t i = 0; i < ids.numel(); ++i) {
@@ -858,7 +858,7 @@ Tensor moe_experts_cpu(const Tensor& x, const Tensor& topk_ids, const Tensor& to
   if (sz.rows == 0 || sz.hidden == 0) return out;
   if (sz.top_k == 0) return out.zero_();
   const Tensor ids = checked_ids(op, topk_ids, sz.experts);
-  const Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Tensor wts = as_dtype(topk_weights, at::kFloat).contiguous();
   const Tensor xc = x.contiguous(), gu = gate_up.contiguous(), dn = down.contiguous();
   const bool round_product = topk_weights.scalar_type() == x.scalar_type();
   auto run = [&](auto tag) {
@@ -908,7 +908,7 @@ Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const 
   if (sz.rows == 0 || sz.hidden == 0) return out;
   if (sz.top_k == 0) return out.zero_();
   const Tensor ids = checked_ids(op, topk_ids, sz.experts);
-  const Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Tensor wts = as_dtype(topk_weights, at::kFloat).contiguous();
   const Tensor xc = x.contiguous(), guq = gate_up_q.contiguous(), gus = gate_up_scales.contiguous(),
                gub = gate_up_biases.contiguous(), dq = down_q.contiguous(), ds = down_scales.contiguous(),
                db = down_biases.contiguous();
@@ -1026,7 +1026,7 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   const Tensor probs = at::softmax(logits, -1, at::kFloat);
   auto [values, ids] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
-  if (sh == nullptr) return {ids, values.to(logits.scalar_type())};
+  if (sh == nullptr) return {ids, as_dtype(values, logits.scalar_type())};
   const int64_t rows = logits.size(0), gates = sh->size(1), width = top_k + gates;
   Tensor weights = at::empty({rows, width}, logits.options());
   weights.narrow(1, 0, top_k).copy_(values);

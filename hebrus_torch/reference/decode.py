@@ -153,6 +153,8 @@ def decode_attention_head(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], atte
     if h.dim() != 2:
         raise HebrusError(f"hebrus::{op}: h must be [T, hc * hidden], got {tuple(h.shape)}")
     index_heads, index_kv, d, hd = dims
+    if index_kv != 1:
+        raise HebrusError(f"hebrus::{op}: the indexer must have one key head, got {index_kv}")
     x, inject = _HEBRUS.hc_premix.default(h, *attn_hc, hc_count, eps[0])
     t = x.shape[0]
     q_index, token_k = F.linear(x, attention[0]).split_with_sizes([index_heads * d, index_kv * d], dim=-1)
