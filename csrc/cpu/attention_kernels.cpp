@@ -44,6 +44,7 @@
 #endif
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/undispatched.h"
 #include "cpu/hebrus_widen.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
@@ -891,7 +892,7 @@ at::Tensor qsa_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, con
   const at::ScalarType dtype = q_in.scalar_type();
   const int64_t tq = sz.tq, hq = sz.hq, dh = sz.dh, cells = sz.cells, hkv = sz.hkv, dv = sz.dv, width = sz.width;
 
-  at::Tensor out = at::empty({tq, hq, dv}, q_in.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = empty_on_cpu({tq, hq, dv}, q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (tq == 0) return out;
 
   // Value checks, all before anything is computed, in the reference's order: the first

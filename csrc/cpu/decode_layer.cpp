@@ -16,6 +16,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../hebrus_check.h"
 #include "dense_mm.h"
@@ -46,7 +47,7 @@ Tensor hc_post_combine(const Tensor& hyper, const Tensor& out, const Tensor& inj
 
 // at::linear of a bias-free projection: for 2-D x, exactly the at::mm(x, w.t()) that at::linear reaches through
 // at::matmul, without those two wrappers' dispatches, by the BLAS call at::mm makes (dense_mm.h). The views below are
-// made by hand (views.h: ATen's views, without their dispatches).
+// made by hand (undispatched.h: ATen's views, without their dispatches).
 Tensor project(const Tensor& x, const Tensor& w) {
   return x.dim() == 2 && w.dim() == 2 && x.layout() == c10::kStrided ? dense_mm(x, w) : at::linear(x, w);
 }
@@ -299,13 +300,22 @@ std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor&
                " and ", eps.size());
   HEBRUS_CHECK(rows.dim() >= 2, HebrusError, "hebrus::", op, ": rows must be [T, N, dim], got ",
                shape_str(rows.sizes()));
-  const Tensor emb = rows.flatten(-2);
-  const Tensor key = hc_rms_norm(project(emb, w[0]), w[1], groups[0], eps[0]).unflatten(-1, {hc_count, hidden});
+  // (the views as flatten / unflatten / unsqueeze make them: shape_with's last `drop` sizes replaced by `tail`)
+  const auto shape_with = [](const Tensor& t, size_t drop, std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end() - drop);
+    shape.insert(shape.end(), tail);
+    return shape;
+  };
+  const Tensor emb = reshaped(rows, shape_with(rows, 2, {rows.size(-2) * rows.size(-1)}));    // flatten(-2)
+  const Tensor key_h = hc_rms_norm(project(emb, w[0]), w[1], groups[0], eps[0]);
+  const Tensor key = reshaped(key_h, shape_with(key_h, 1, {hc_count, hidden}));        // unflatten(-1, {hc, H})
   const Tensor value = project(emb, w[2]);
-  const Tensor query = hc_rms_norm(h, w[3], groups[1], eps[1]).unflatten(-1, {hc_count, hidden});
+  const Tensor query_h = hc_rms_norm(h, w[3], groups[1], eps[1]);
+  const Tensor query = reshaped(query_h, shape_with(query_h, 1, {hc_count, hidden}));
   Tensor gate = (key * query).sum(-1, true) / std::sqrt(static_cast<double>(hidden));
   gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign();
-  const Tensor gated = (at::sigmoid(gate) * value.unsqueeze(-2)).flatten(-2);
+  const Tensor product = at::sigmoid(gate) * reshaped(value, shape_with(value, 1, {1, value.size(-1)}));  // unsqueeze
+  const Tensor gated = reshaped(product, shape_with(product, 2, {product.size(-2) * product.size(-1)}));
   return {gated, hc_rms_norm(gated, w[4], groups[2], eps[2])};
 }
 

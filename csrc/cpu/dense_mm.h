@@ -8,7 +8,7 @@
 // saving is smaller, as the caches are not always that cold (benchmarks/RESULTS.md).
 //
 // The direct call is taken only where it is, by construction, the call at::mm(x, w.t()) makes: float32 tensors on the
-// CPU, both 2-D and contiguous, non-empty, sizes within BLAS's int, plain CPU tensors (the same test as views.h),
+// CPU, both 2-D and contiguous, non-empty, sizes within BLAS's int, plain CPU tensors (the same test as undispatched.h),
 // nothing autograd could record, fp32 matmul precision left at IEEE (oneDNN's bf16 / tf32 modes take another path in
 // ATen), and ATen built with MKL on x86-64 Linux, whose sgemm_ is looked up in the library that holds ATen itself
 // (the symbol ATen's own call binds to). Anything else calls at::mm(x, transposed(w)). tests/test_dense_mm.py checks
@@ -26,7 +26,7 @@
 #define HEBRUS_DIRECT_SGEMM 0
 #endif
 
-#include "views.h"
+#include "undispatched.h"
 
 namespace hebrus {
 

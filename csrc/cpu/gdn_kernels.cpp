@@ -28,6 +28,7 @@
 #include "hebrus_check.h"
 #include "op_checks.h"
 #include "row_math.h"
+#include "undispatched.h"
 
 namespace hebrus {
 namespace {
@@ -127,7 +128,7 @@ std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const
                                          const Tensor& dt_bias) {
   check_on_device("gdn_gates", at::kCPU, {{"a", &a}, {"b", &b}, {"A_log", &A_log}, {"dt_bias", &dt_bias}});
   const GdnRowsSizes sz = check_gdn_gates_args(a, b, A_log, dt_bias);
-  Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  Tensor g = empty_on_cpu(a.sizes(), a.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   Tensor beta = at::empty_like(g);
   if (g.numel() == 0) return {g, beta};
   const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = float_weight(dt_bias);
@@ -170,7 +171,7 @@ Tensor gdn_gated_rms_norm_cpu(const Tensor& x, const Tensor& gate, const Tensor&
                               c10::string_view activation) {
   check_on_device("gdn_gated_rms_norm", at::kCPU, {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
   const GdnRowsSizes sz = check_gdn_gated_rms_norm_args(x, gate, weight, eps, activation);
-  Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor out = empty_on_cpu(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const Tensor xc = x.contiguous(), gc = gate.contiguous(), w = float_weight(weight);
   const bool silu = activation == "silu";

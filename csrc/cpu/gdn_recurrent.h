@@ -7,7 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include "views.h"
+#include "undispatched.h"
 
 #include <cmath>
 #include <cstdint>

@@ -26,7 +26,7 @@ at::Tensor hc_rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, int64_
   check_on_device("hc_rms_norm", c10::DeviceType::CPU, {{"x", &x}, {"weight", &weight}});
   const HcRmsNormSizes sz = check_hc_rms_norm_args(x, weight, group_size, eps);
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = empty_on_cpu(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (sz.rows == 0 || sz.dim == 0) return out;
   const at::Tensor w = float_weight(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hc_rms_norm", [&] {
@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Te
   const float divisor = static_cast<float>(hc_count);
   const auto round = [](float v) { return static_cast<float>(static_cast<T>(v)); };  // to the dtype and back
   const at::Tensor hcont = h.contiguous();
-  at::Tensor normed = at::empty({rows, dim}, h.options());
+  at::Tensor normed = empty_on_cpu({rows, dim}, h.options());
   const at::Tensor w = float_weight(norm_weight);
   norm_rows<T>(hcont.data_ptr<T>(), w.data_ptr<float>(), normed.data_ptr<T>(), rows, dim, hidden, eps);
 
@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Te
   });
 
   const at::Tensor up = project(low, HcProjection::kUp).contiguous();
-  at::Tensor mixed = at::empty({rows, hidden}, h.options());
+  at::Tensor mixed = empty_on_cpu({rows, hidden}, h.options());
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> gate(static_cast<size_t>(dim)), acc(static_cast<size_t>(hidden));
     for (int64_t r = r0; r < r1; ++r) {
@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> premix_rows(const at::Tensor& h, const at::Te
     }
   });
 
-  if (!has_inject) return {mixed, at::empty({rows, 0}, h.options())};
+  if (!has_inject) return {mixed, empty_on_cpu({rows, 0}, h.options())};
   at::Tensor injection = project(normed, HcProjection::kInject).contiguous();
   const int64_t n = injection.numel();
   std::vector<float> inj(static_cast<size_t>(n));
@@ -176,7 +176,7 @@ at::Tensor hc_post_combine_cpu(const at::Tensor& hyper, const at::Tensor& out, c
   check_on_device("hc_post_combine", c10::DeviceType::CPU, {{"hyper", &hyper}, {"out", &out}, {"inject", &inject}});
   const HcPostCombineSizes sz = check_hc_post_combine_args(hyper, out, inject);
   const at::Tensor h = hyper.contiguous(), o = out.contiguous(), w = inject.contiguous();
-  at::Tensor result = at::empty({sz.rows, sz.hc * sz.hidden}, hyper.options());
+  at::Tensor result = empty_on_cpu({sz.rows, sz.hc * sz.hidden}, hyper.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hyper.scalar_type(), "hc_post_combine", [&] {
     post_combine_rows<scalar_t>(h.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
                                 result.data_ptr<scalar_t>(), sz.rows, sz.hidden, sz.hc);

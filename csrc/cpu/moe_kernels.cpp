@@ -854,7 +854,7 @@ Tensor moe_experts_cpu(const Tensor& x, const Tensor& topk_ids, const Tensor& to
                   {{"x", &x}, {"topk_ids", &topk_ids}, {"topk_weights", &topk_weights}, {"gate_up", &gate_up},
                    {"down", &down}});
   const MoeSizes sz = check_moe_experts_args(x, topk_ids, topk_weights, gate_up, down);
-  Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  Tensor out = empty_on_cpu({sz.rows, sz.hidden}, x.options());
   if (sz.rows == 0 || sz.hidden == 0) return out;
   if (sz.top_k == 0) return out.zero_();
   const Tensor ids = checked_ids(op, topk_ids, sz.experts);
@@ -904,7 +904,7 @@ Tensor moe_experts_quantized_cpu(const Tensor& x, const Tensor& topk_ids, const 
   const MoeSizes sz = check_moe_experts_quantized_args(x, topk_ids, topk_weights, gate_up_q, gate_up_scales,
                                                        gate_up_biases, down_q, down_scales, down_biases, group_size,
                                                        bits);
-  Tensor out = at::empty({sz.rows, sz.hidden}, x.options());
+  Tensor out = empty_on_cpu({sz.rows, sz.hidden}, x.options());
   if (sz.rows == 0 || sz.hidden == 0) return out;
   if (sz.top_k == 0) return out.zero_();
   const Tensor ids = checked_ids(op, topk_ids, sz.experts);
@@ -973,7 +973,7 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
                             int64_t group_size, int64_t bits) {
   check_on_device("quantized_linear", at::kCPU, {{"x", &x}, {"wq", &wq}, {"scales", &scales}, {"biases", &biases}});
   const QuantLinearSizes sz = check_quantized_linear_args(x, wq, scales, biases, group_size, bits);
-  Tensor out = at::empty({sz.rows, sz.out}, x.options());
+  Tensor out = empty_on_cpu({sz.rows, sz.out}, x.options());
   if (sz.rows == 0 || sz.out == 0) return out;
   if (sz.in == 0) return out.zero_();
   const Tensor xc = x.contiguous(), q = wq.contiguous(), sc = scales.contiguous(), bi = biases.contiguous();
@@ -1028,16 +1028,21 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
   if (sh == nullptr) return {ids, as_dtype(values, logits.scalar_type())};
   const int64_t rows = logits.size(0), gates = sh->size(1), width = top_k + gates;
-  Tensor weights = at::empty({rows, width}, logits.options());
-  weights.narrow(1, 0, top_k).copy_(values);
-  if (rows == 0 || gates == 0) return {ids, weights};
+  Tensor weights = empty_on_cpu({rows, width}, logits.options());
+  const Tensor vc = values.contiguous();      // (fp32: topk's values, or them renormalised)
   const Tensor sc = sh->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "moe_route", [&] {
+    scalar_t* wp = weights.data_ptr<scalar_t>();
+    const float* vp = vc.const_data_ptr<float>();
+    // weights[:, :top_k] = values in the logits' dtype: copy_'s conversion (round to nearest even), an element each
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < top_k; ++j) wp[r * width + j] = static_cast<scalar_t>(vp[r * top_k + j]);
+    if (gates == 0) return;
     std::vector<float> g(static_cast<size_t>(gates));
     for (int64_t r = 0; r < rows; ++r) {
       widen_row(sc.data_ptr<scalar_t>() + r * gates, g.data(), gates);
       sigmoid_row(g.data(), gates);
-      narrow_row(g.data(), weights.data_ptr<scalar_t>() + r * width + top_k, gates);
+      narrow_row(g.data(), wp + r * width + top_k, gates);
     }
   });
   return {ids, weights};
@@ -1084,7 +1089,7 @@ Tensor shared_expert_rows(const Tensor& x, const Tensor& routed, const Tensor& g
   });
   const Tensor d = project(act, 2).contiguous();
   const Tensor rc = routed.contiguous(), gc = gate.contiguous();
-  Tensor out = at::empty({rows, d.size(1)}, x.options());
+  Tensor out = empty_on_cpu({rows, d.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_shared_expert", [&] {
     gated_add_rows<scalar_t>(rc.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(),
                              out.data_ptr<scalar_t>(), rows, d.size(1));

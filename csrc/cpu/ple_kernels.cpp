@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/undispatched.h"
 #include "hebrus_check.h"
 #include "op_checks.h"
 
@@ -216,8 +217,8 @@ std::tuple<Tensor, Tensor> ple_ngram_ids_cpu(const Tensor& tokens, const Tensor&
     HEBRUS_CHECK(sizes[h] > 0, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ", sizes[h]);
   }
 
-  Tensor row_ids = at::empty({total, heads}, tokens.options());
-  Tensor new_history = at::empty({batch, ctx}, history.options());
+  Tensor row_ids = empty_on_cpu({total, heads}, tokens.options());
+  Tensor new_history = empty_on_cpu({batch, ctx}, history.options());
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int64_t* tok = tok_t.data_ptr<int64_t>();
   const int64_t* hist = hist_t.data_ptr<int64_t>();
@@ -634,8 +635,8 @@ std::tuple<Tensor, Tensor> ple_conv_cpu(const Tensor& x, const Tensor& weight, c
   check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cu_seqlens", &cu_seqlens}, {"state", &state}});
   const PleConvSizes sz = check_ple_conv_args(x, weight, cu_seqlens, state, dilation, activation);
   const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor new_state = at::empty(state.sizes(), state.options());
+  Tensor y = empty_on_cpu(x.sizes(), x.options());
+  Tensor new_state = empty_on_cpu(state.sizes(), state.options());
   run_ple_conv(x, weight, cu_t, state, sz, dilation, y, new_state);
   return {y, new_state};
 }
@@ -688,7 +689,7 @@ Tensor ple_ngram_ids_slots_cpu(const Tensor& tokens, const Tensor& cu_seqlens, T
   for (const auto h : c10::irange(heads)) {
     HEBRUS_CHECK(sizes[h] > 0, HebrusError, "hebrus::", op, ": vocab_sizes[", h, "] must be positive, got ", sizes[h]);
   }
-  Tensor row_ids = at::empty({total, heads}, tokens.options());
+  Tensor row_ids = empty_on_cpu({total, heads}, tokens.options());
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int64_t* tok = tok_t.data_ptr<int64_t>();
   bool fast = true;
@@ -725,7 +726,7 @@ Tensor ple_conv_slots_cpu(const Tensor& x, const Tensor& weight, const Tensor& c
   const Tensor cu_t = check_cu_values(op, cu_seqlens, sz.total);
   const Tensor slot_t = check_slot_values(op, slots, sz.pool);
   const int64_t batch = sz.batch, channels = sz.channels, state_len = sz.state_len;
-  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor y = empty_on_cpu(x.sizes(), x.options());
   const Tensor xc = x.contiguous();
   const std::unique_ptr<float[]> w_kc = weight_kc(weight);
   const int32_t* cu = cu_t.data_ptr<int32_t>();

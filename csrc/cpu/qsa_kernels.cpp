@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu/hebrus_simd.h"
+#include "cpu/undispatched.h"
 #include "cpu/row_math.h"
 #include "hebrus_params.h"
 #include "hebrus_check.h"
@@ -173,7 +174,7 @@ at::Tensor qsa_pool_cpu(const at::Tensor& keys_in, const at::Tensor& cell_pos_in
                  " is required (a hole inside the run is not padding)");
   }
 
-  at::Tensor out = at::empty({groups, dim}, keys.options());
+  at::Tensor out = empty_on_cpu({groups, dim}, keys.options());
   if (groups == 0 || dim == 0) return out;
   // cos/sin through ATen's own elementwise kernels, so they equal the reference's (and the
   // model's rotary embedding) bit for bit; positions are converted to fp32 first, as there.
@@ -712,8 +713,8 @@ std::tuple<at::Tensor, at::Tensor> qsa_token_cells_cpu(const at::Tensor& selecte
                    " is outside [-1, ", q_groups, ") (the query's complete groups)");
     }
   }
-  at::Tensor out_cells = at::empty({tq, w}, cells_in.options());
-  at::Tensor out_offs = at::empty({tq, w}, nvis_in.options());
+  at::Tensor out_cells = empty_on_cpu({tq, w}, cells_in.options());
+  at::Tensor out_offs = empty_on_cpu({tq, w}, nvis_in.options());
   int32_t* oc = out_cells.data_ptr<int32_t>();
   int64_t* oo = out_offs.data_ptr<int64_t>();
   at::parallel_for(0, tq, 64, [&](int64_t t0, int64_t t1) {
@@ -777,7 +778,7 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cos", &cos_in}, {"sin", &sin_in}});
   const RmsNormRopeSizes sz = check_rms_norm_rope_args(x, weight, eps, cos_in, sin_in);
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = empty_on_cpu(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const at::Tensor w = float_weight(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
@@ -822,7 +823,7 @@ at::Tensor sigmoid_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
   check_sigmoid_gate_args(x, gate);
   const at::Tensor xc = x.contiguous();
   const at::Tensor gc = gate.stride(2) == 1 ? gate : gate.contiguous();
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = empty_on_cpu(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sigmoid_gate",
                                   [&] { sigmoid_gate_rows<scalar_t>(xc, gc, out); });

@@ -1,18 +1,22 @@
 #pragma once
-// Views made by hand for the CPU kernels: what ATen's view ops (t, reshape / view, narrow / split / chunk) make below
-// ADInplaceOrView, where our kernels run, without their dispatches. Each is a TensorImpl over the same storage with
-// the sizes, strides and offset ATen's op gives (a reshape's strides by ATen's own computeStride), the same dtype and
-// dispatch keys, sharing the base's version counter as a view does; no bit of any result changes.
+// What the CPU kernels would ask of ATen's dispatcher, made without it: views (what t, reshape / view, narrow / split /
+// chunk make below ADInplaceOrView, where our kernels run), dtype conversions that are no-ops, and output
+// allocations. A view is a TensorImpl over the same storage with the sizes, strides and offset ATen's op gives (a
+// reshape's strides by ATen's own computeStride), the same dtype and dispatch keys, sharing the base's version counter
+// as a view does; an allocation is ATen's empty_cpu, what at::empty runs on the CPU. No bit of any result changes.
 //
-// Why: a 1-request decode step made ~130 of these from C++, and inside a step, after the layers' weights streamed
-// through the caches, each dispatched op costs ~1.3 us instead of ~0.4 (benchmarks/RESULTS.md, session 31).
-// w.t() alone is three dispatched ops (aten::t, aten::transpose, aten::as_strided).
+// Why: inside a decode step, after the layers' weights streamed through the caches, each dispatched op costs ~1.3 us
+// instead of ~0.4 warm (benchmarks/RESULTS.md, session 31), and a 1-request step made ~130 views, ~30 no-op
+// conversions and ~40 allocations from C++. w.t() alone is three dispatched ops (aten::t, aten::transpose,
+// aten::as_strided).
 //
 // Anything a hand-made view would not carry falls back to ATen's op: a tensor with any dispatch key beyond a plain
 // CPU tensor's (another device or layout, conj/neg bits, a subclass, functorch wrappers, a quantized tensor), one
 // autograd could record the view of (grad mode on and autograd's keys not excluded: the view has no autograd
 // history), a reshape that needs a copy. A weight that requires grad (an nn.Parameter) takes the hand-made view under
 // no_grad / inference_mode and inside a hebrus op's kernel, which runs below autograd.
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/InferSize.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/core/Tensor.h>
@@ -80,6 +84,12 @@ inline at::Tensor last_dim_columns(const at::Tensor& t, int64_t start, int64_t l
 // t.to(dtype): t itself where it already has that dtype (what to() returns then), without its dispatch.
 inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// at::empty(sizes, options) of a CPU tensor: ATen's empty_cpu, what at::empty runs for it, without the dispatcher.
+inline at::Tensor empty_on_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options) {
+  return options.device().is_cpu() && !options.requires_grad() ? at::detail::empty_cpu(sizes, options)
+                                                                : at::empty(sizes, options);
 }
 
 }  // namespace hebrus
