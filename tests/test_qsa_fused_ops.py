@@ -68,6 +68,28 @@ def test_rms_norm_rope_rows_are_independent():
         assert torch.equal(alone[0, 0], together[t, 1])
 
 
+@pytest.mark.parametrize("layout", ["query half of q_proj", "heads apart", "tokens apart", "dim strided"])
+def test_rms_norm_rope_reads_strided_rows_as_their_copy(layout):
+    """A view whose rows are dense (the query half of q_proj's output, read in place) or not (a copy first) gives
+    the bits of its contiguous copy."""
+    norm = norm_module(32, torch.bfloat16, seed=5)
+    x, cos, sin = rope_inputs(6, 3, 32, 16, torch.bfloat16, seed=6)
+    if layout == "query half of q_proj":
+        view = torch.cat([x, torch.randn_like(x)], dim=-1)[..., :32]
+    elif layout == "heads apart":
+        view = torch.zeros(6, 6, 32, dtype=x.dtype)[:, ::2]
+        view.copy_(x)
+    elif layout == "tokens apart":
+        view = torch.zeros(12, 3, 32, dtype=x.dtype)[::2]
+        view.copy_(x)
+    else:
+        view = torch.stack([x, x], dim=-1)[..., 0]
+    assert torch.equal(view, x) and not view.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(rms_norm_rope(view, norm.weight, 1e-6, cos, sin),
+                           rms_norm_rope(x, norm.weight, 1e-6, cos, sin))
+
+
 def test_norm_and_rope_runs_other_modules_as_themselves():
     """A norm with a hook, or another rope function, is called as given (no fused op)."""
     norm = norm_module(32, torch.float32)

@@ -132,7 +132,7 @@ std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const
   Tensor beta = at::empty_like(g);
   if (g.numel() == 0) return {g, beta};
   const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = float_weight(dt_bias);
-  const Tensor decay = A_log.to(at::kFloat).exp().neg().contiguous();
+  const Tensor decay = as_dtype(A_log, at::kFloat).exp().neg().contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "gdn_gates", [&] {
     gates_rows<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), decay.data_ptr<float>(),
                          dt.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(), sz.rows, sz.dim);

@@ -777,13 +777,14 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, doub
   const char* op = "rms_norm_rope";
   check_on_device(op, at::kCPU, {{"x", &x}, {"weight", &weight}, {"cos", &cos_in}, {"sin", &sin_in}});
   const RmsNormRopeSizes sz = check_rms_norm_rope_args(x, weight, eps, cos_in, sin_in);
-  const at::Tensor xc = x.contiguous();
+  // (rows read in place where each is dense, as a query's half of q_proj's output is: no copy of x)
+  const at::Tensor xc = x.stride(2) == 1 || sz.dim <= 1 ? x : x.contiguous();
   at::Tensor out = empty_on_cpu(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const at::Tensor w = float_weight(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
-    norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(),
-                        sz.tokens * sz.heads, sz.dim, sz.dim, eps);
+    norm_rows_at<scalar_t>(xc.data_ptr<scalar_t>(), sz.heads, xc.stride(1), xc.stride(0), w.data_ptr<float>(),
+                           out.data_ptr<scalar_t>(), sz.tokens * sz.heads, sz.dim, sz.dim, eps);
   });
   if (sz.rot == 0) return out;
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();

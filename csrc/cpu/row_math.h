@@ -49,19 +49,27 @@ inline at::Tensor float_weight(const at::Tensor& weight) {
   return weight.scalar_type() == at::kFloat && weight.is_contiguous() ? weight : weight.to(at::kFloat).contiguous();
 }
 
-// out[r] = the group-wise zero-centred RMSNorm of x[r] (rows of dim contiguous T, groups of `group`), each row on
-// its own; weight from float_weight.
+// out[r] = the group-wise zero-centred RMSNorm of row r of x, each row on its own (groups of `group`; weight from
+// float_weight), out contiguous; row r read in place at x + (r / per) * outer + (r % per) * inner (the (token, head)
+// rows of a [T, H, dim] view whose last dimension is dense: per = H).
 template <typename T>
-void norm_rows(const T* x, const float* weight, T* out, int64_t rows, int64_t dim, int64_t group, double eps) {
+void norm_rows_at(const T* x, int64_t per, int64_t inner, int64_t outer, const float* weight, T* out, int64_t rows,
+                  int64_t dim, int64_t group, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(static_cast<size_t>(dim));
     for (int64_t r = r0; r < r1; ++r) {
-      widen_row(x + r * dim, row.data(), dim);
+      widen_row(x + (r / per) * outer + (r % per) * inner, row.data(), dim);
       for (int64_t g = 0; g < dim; g += group)
         rms_norm_row(row.data() + g, weight + g, group, static_cast<float>(eps));
       narrow_row(row.data(), out + r * dim, dim);
     }
   });
+}
+
+// norm_rows_at of contiguous rows of dim.
+template <typename T>
+void norm_rows(const T* x, const float* weight, T* out, int64_t rows, int64_t dim, int64_t group, double eps) {
+  norm_rows_at(x, 1, 0, dim, weight, out, rows, dim, group, eps);
 }
 
 }  // namespace hebrus
