@@ -1,11 +1,13 @@
 // The engine's native decoder-layer calls (issue 37): hebrus::decode_gdn_layer, decode_moe_tail,
 // decode_attention_head, decode_attention_tail, decode_attention_layer and decode_ple_gate run
 // what hebrus_torch/models/qwen4_exp/forward.py's packed_decoder_layer runs for a stock layer (transformers' own
-// modules, the fused path of every part), op for op: the same ATen and hebrus ops, in the same order, on the same
-// tensors, so every output and state bit equals the Python path's. What they save is the Python between the ops
-// (module checks, wrappers, views): a 1-request decode step issued ~35 ops a layer from Python; now 1-3 calls.
-// hebrus_torch/models/qwen4_exp/native.py decides when a layer is stock and passes its weights; the inner ops go
-// through the dispatcher (their own checks, their own kernels).
+// modules, the fused path of every part), op for op: the same kernels (ATen's and hebrus's), in the same order, on
+// the same values, so every output and state bit equals the Python path's. What they save is the Python between the
+// ops (module checks, wrappers, views): a 1-request decode step issued ~35 ops a layer from Python; now 1-3 calls.
+// hebrus_torch/models/qwen4_exp/native.py decides when a layer is stock and passes its weights; the inner hebrus ops
+// go through the dispatcher (their own checks, their own kernels), while the projections, views, no-op conversions
+// and plane writes are made without it (dense_mm.h, undispatched.h, copy_rows): inside a step every dispatched op
+// costs several times its warm cost.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
