@@ -1024,7 +1024,8 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   }
   check_moe_route_args(logits, sh, top_k);
   // (softmax's dtype argument is a to() of the input before the kernel: float logits skip that dispatch, same bits)
-  const Tensor probs = logits.scalar_type() == at::kFloat ? at::softmax(logits, -1) : at::softmax(logits, -1, at::kFloat);
+  const Tensor probs =
+      logits.scalar_type() == at::kFloat ? at::softmax(logits, -1) : at::softmax(logits, -1, at::kFloat);
   auto [values, ids] = at::topk(probs, top_k, -1);
   if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
   if (sh == nullptr) return {ids, as_dtype(values, logits.scalar_type())};
