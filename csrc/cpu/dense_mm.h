@@ -7,12 +7,12 @@
 // direct call (warm: 1.6 against 0.4 us). A 1-request decode step makes ~70 projections from C++; in the step the
 // saving is smaller, as the caches are not always that cold (benchmarks/RESULTS.md).
 //
-// The direct call is taken only where it is, by construction, the call at::mm(x, w.t()) makes: float32 tensors on the
-// CPU, both 2-D and contiguous, non-empty, sizes within BLAS's int, plain CPU tensors (the same test as undispatched.h),
-// nothing autograd could record, fp32 matmul precision left at IEEE (oneDNN's bf16 / tf32 modes take another path in
-// ATen), and ATen built with MKL on x86-64 Linux, whose sgemm_ is looked up in the library that holds ATen itself
-// (the symbol ATen's own call binds to). Anything else calls at::mm(x, transposed(w)). tests/test_dense_mm.py checks
-// the two bit for bit on every path the kernels take.
+// The direct call is taken only where it is, by construction, the call at::mm(x, w.t()) makes: float32 tensors on
+// the CPU, both 2-D and contiguous, non-empty, sizes within BLAS's int, plain CPU tensors (undispatched.h's test),
+// nothing autograd could record, fp32 matmul precision left at IEEE (oneDNN's bf16 / tf32 modes take another path
+// in ATen), and ATen built with MKL on x86-64 Linux, whose sgemm_ is looked up in the library that holds ATen
+// itself (the symbol ATen's own call binds to). Anything else calls at::mm(x, transposed(w)).
+// tests/test_dense_mm.py checks the two bit for bit on every path the kernels take.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 

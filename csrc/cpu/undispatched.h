@@ -47,8 +47,8 @@ inline bool viewable_by_hand(const at::Tensor& t) { return plain_cpu_tensor(t) &
 
 // The view of t's storage with these sizes, strides and storage offset (the caller's: a view ATen's ops would make).
 inline at::Tensor view_by_hand(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset) {
-  at::Tensor view =
-      at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(), t.dtype());
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
+                                                             t.key_set(), t.dtype());
   c10::TensorImpl* impl = view.unsafeGetTensorImpl();
   impl->set_sizes_and_strides(sizes, strides, offset);
   if (!t.is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
