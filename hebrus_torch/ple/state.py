@@ -245,24 +245,7 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
                                    ("conv_state", pool.index_select(0, index)), weight=weight)
         in_place = x.dtype == pool.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         if in_place:
-            # hebrus::ple_conv_slots updates the tails in the pool, and refuses before writing anything. Outside
-            # a transaction nothing can roll it back, so nothing is logged; inside one, the undo is logged
-            # before the write, so that an exception after it (a KeyboardInterrupt, a fault in a wrapper) is
-            # undone too. It keeps only the entries the update drops (decode: one of the L rows per sequence),
-            # which restores the old tails only from the updated ones: if the call raised, the pool's version
-            # counter (bumped by the op's write) says whether there is anything to undo. An inference tensor
-            # has no version counter: it logs whole tails, right either way.
-            if not self.in_transaction:
-                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
-            counted = not pool.is_inference()
-            self._undo.append(self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted))
-            version = pool._version if counted else None
-            try:
-                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, self.dilation, self.activation)
-            except BaseException:
-                if counted and pool._version == version:
-                    self._undo.pop()      # nothing was written (a refused op): the partial undo must not run
-                raise
+            return self._in_place_conv(layer, pool, first, index, cu_seqlens, weight)(x)
         with atomic(self):
             # x narrower than the state, or a conv whose output must carry autograd history (the op's
             # output requires grad when the weight does): gather, op, write back (the state itself
@@ -291,19 +274,36 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         slots = self._slots_of(seqs, cu_seqlens)
         weight = conv_weight("PLEState.conv", layer, weight, self._conv_weights, ("C", self.channels),
                              self.conv_kernel_size, dtype, pool.device)
-        index = self._slot_index(slots, pool.device)
-        counted = not pool.is_inference()
-        entry = self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted)
-        armed = _ArmedUndo(entry) if counted else None
-        self._undo.append(entry if armed is None else armed)
+        return self._in_place_conv(layer, pool, first, self._slot_index(slots, pool.device), cu_seqlens, weight)
+
+    def _in_place_conv(self, layer: int, pool: torch.Tensor, first: torch.Tensor, index: torch.Tensor,
+                       cu_seqlens: torch.Tensor, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``conv(x)``: hebrus::ple_conv_slots over layer ``layer``'s tails (``pool``) at the slots ``index``, which
+        updates them in place and refuses before writing anything. Outside a transaction nothing can roll it back,
+        so nothing is logged; inside one, the undo entry is logged now, before the write, so that an exception after
+        it (a KeyboardInterrupt, a fault in a wrapper) is undone too. The entry keeps only what the update drops
+        (decode: one of the L rows per sequence) and restores the old tails from the updated ones, so it is an
+        ``_ArmedUndo``, applied only once the op ran or raised after writing (the pool's version counter, bumped by
+        the op's write, says which). An inference tensor has no version counter: it logs whole tails, right either
+        way."""
         dilation, activation = self.dilation, self.activation
 
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, dilation, activation)
+        if not self.in_transaction:
+            return op
+        counted = not pool.is_inference()
+        entry = self._tail_undo(layer, pool, first, index, cu_seqlens, whole=not counted)
+        if not counted:
+            self._undo.append(entry)
+            return op
+        armed = _ArmedUndo(entry)
+        self._undo.append(armed)
+
         def conv(x: torch.Tensor) -> torch.Tensor:
-            if armed is None:
-                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, dilation, activation)
             version, armed.armed = pool._version, True
             try:
-                return ops.ple_conv_slots(x, weight, cu_seqlens, pool, index, dilation, activation)
+                return op(x)
             except BaseException:
                 armed.armed = pool._version != version     # (a refused op wrote nothing: nothing to undo)
                 raise
