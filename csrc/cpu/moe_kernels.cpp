@@ -77,20 +77,13 @@ HEBRUS_INLINE float round_to<float>(float v) {
 // Rows of dense expert matrices W [E, rows, cols] of T, contiguous.
 template <typename T>
 struct DenseRows {
+  using Elem = T;
   static constexpr bool kQuantized = false;
   const T* base;
   int64_t rows, cols;
 
   HEBRUS_INLINE const T* row(int64_t e, int64_t r) const { return base + (e * rows + r) * cols; }
   static HEBRUS_INLINE int64_t place(int64_t d) { return d; }
-  // Columns [c, c + kLanes) of row r of expert e (c + kLanes <= cols).
-  HEBRUS_INLINE Vec load(int64_t e, int64_t r, int64_t c) const { return load_row<T>(row(e, r) + c); }
-  // Columns [c, cols), zero-padded to kLanes.
-  HEBRUS_INLINE Vec load_tail(int64_t e, int64_t r, int64_t c) const {
-    T buf[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) buf[i] = c + i < cols ? row(e, r)[c + i] : T(0);
-    return load_row<T>(buf);
-  }
 };
 
 // ---- The quantized dot products ----
@@ -475,32 +468,77 @@ QuantScratch& thread_scratch() {
   return scratch;
 }
 
+// How far past the chunk it reads each row of a dense tile prefetches: the rows that the work item's next tiles read
+// (its rows walk up in address order). A decode step's tiles are a few rows of 1-2 KB each, too short for the
+// hardware's stream prefetcher to reach DRAM's rate on its own.
+constexpr int64_t kDensePrefetchBytes = 2048;
+
+// Half of a 16-lane chunk: lanes [0, 8) or [8, 16). The dense tiles keep their accumulators as halves: a 16-lane
+// vector in an array is compiled for AVX2 (the x86-64-v3 clone) as a 64-byte stack object moved through xmm
+// pieces, which made the dense expert passes compute-bound there (~1.5 GMAC/s, warm). Each half lane adds what the
+// same lane of the 16-lane vector added, so the bits are the same.
+typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+template <typename T>
+HEBRUS_INLINE Half load_half(const T* p) {
+  Half v;
+  for (int i = 0; i < kLanes / 2; ++i) v[i] = widen<T>(p[i]);
+  return v;
+}
+
+template <>
+HEBRUS_INLINE Half load_half<float>(const float* p) {
+  return load_part<Half>(p);
+}
+
+// reduce_lanes of the 16 lanes (lo, hi), with the same additions: lane i + lane i + 8, then + 4, + 2, + 1.
+HEBRUS_INLINE float reduce_halves(Half lo, Half hi) {
+  const Half a = lo + hi;
+  const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+  return (b0 + b2) + (b1 + b3);
+}
+
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
-// the fixed lane order. The xs rows are fp32 and zero-padded to a multiple of kLanes.
+// the fixed lane order (reduce_lanes of 16-lane accumulators, kept as halves). The xs rows are fp32 and
+// zero-padded to a multiple of kLanes.
 template <int P, int O, typename W>
 HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], const float* const (&xs)[P],
                              float (&out)[P][O]) {
-  Vec acc[P][O];
+  using T = typename W::Elem;
+  constexpr int64_t kHalf = kLanes / 2;
+  Half acc[P][O][2];
   for (int p = 0; p < P; ++p)
-    for (int o = 0; o < O; ++o) acc[p][o] = Vec{};
+    for (int o = 0; o < O; ++o) acc[p][o][0] = acc[p][o][1] = Half{};
+  const T* rows[O];
+  for (int o = 0; o < O; ++o) rows[o] = w.row(e, wrows[o]);
   const int64_t n = w.cols;
   const int64_t full = n / kLanes * kLanes;
+  auto chunk = [&](const T* const (&src)[O], int64_t c, int64_t xc) HEBRUS_LAMBDA_INLINE {
+    for (int h = 0; h < 2; ++h) {
+      Half wv[O];
+      for (int o = 0; o < O; ++o) wv[o] = load_half<T>(src[o] + c + h * kHalf);
+      for (int p = 0; p < P; ++p) {
+        const Half xv = load_part<Half>(xs[p] + xc + h * kHalf);
+        for (int o = 0; o < O; ++o) acc[p][o][h] += wv[o] * xv;
+      }
+    }
+  };
   for (int64_t c = 0; c < full; c += kLanes) {
-    Vec wv[O];
-    for (int o = 0; o < O; ++o) wv[o] = w.load(e, wrows[o], c);
-    for (int p = 0; p < P; ++p) {
-      const Vec xv = load_vec(xs[p] + c);
-      for (int o = 0; o < O; ++o) acc[p][o] += wv[o] * xv;
-    }
+    for (int o = 0; o < O; ++o)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[o] + c) + kDensePrefetchBytes);
+    chunk(rows, c, c);
   }
-  if (full < n) {
+  if (full < n) {  // the last columns, zero-padded to a chunk
+    T buf[O][kLanes];
+    const T* src[O];
     for (int o = 0; o < O; ++o) {
-      const Vec wv = w.load_tail(e, wrows[o], full);
-      for (int p = 0; p < P; ++p) acc[p][o] += wv * load_vec(xs[p] + full);
+      for (int64_t i = 0; i < kLanes; ++i) buf[o][i] = full + i < n ? rows[o][full + i] : T(0);
+      src[o] = buf[o];
     }
+    chunk(src, 0, full);
   }
   for (int p = 0; p < P; ++p)
-    for (int o = 0; o < O; ++o) out[p][o] = reduce_lanes(acc[p][o]);
+    for (int o = 0; o < O; ++o) out[p][o] = reduce_halves(acc[p][o][0], acc[p][o][1]);
 }
 
 // One chunk's pairs sorted by expert: pairs of expert e are order[start[e] .. start[e + 1]), each as
