@@ -36,6 +36,21 @@ def test_sigmoid_saturates_and_keeps_nan():
     assert float(got[0, 0, EDGES.index(math.inf)]) == 1.0 and float(got[0, 0, EDGES.index(-math.inf)]) == 0.0
 
 
+def test_sigmoid_of_a_long_row_is_each_element_alone_nan_kept_anywhere():
+    """A row long enough for the vector loop (and its tail): each element gives the bits it gives alone (a row of one:
+    no vector lane), and a NaN stays a NaN at every lane position."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 1, 77, generator=g) * 30
+    row[0, 0, ::5] = math.nan
+    row[0, 0, 3::11] = math.inf
+    row[0, 0, 7::13] = -math.inf
+    got = sigmoid_gate(torch.ones_like(row), row)
+    alone = torch.cat([sigmoid_gate(torch.ones(1, 1, 1), row[..., i:i + 1]) for i in range(row.shape[-1])], dim=-1)
+    assert torch.equal(got.isnan(), row.isnan())
+    assert torch.equal(got.nan_to_num(7.0), alone.nan_to_num(7.0))
+    assert same(got, torch.sigmoid(row))
+
+
 def test_gates_softplus_and_sigmoid_at_the_edges():
     x = torch.tensor(EDGES).view(1, -1)
     zeros = torch.zeros(x.shape[1])
