@@ -94,6 +94,18 @@ HEBRUS_INLINE float reduce_lanes(const Vec& lanes) {
   return a[0] + a[1];
 }
 
+// Half of a 16-lane chunk: lanes [0, 8) or [8, 16). Loops whose accumulators GCC 12 would keep on the stack in the
+// AVX2 (x86-64-v3) clone as 16-lane vectors (a 64-byte object stored and reloaded through xmm pieces every chunk:
+// the dense expert passes ran at ~1.5 GMAC/s, warm) keep them as two halves instead. Each half lane adds what the
+// same lane of the 16-lane vector added, and reduce_halves adds as reduce_lanes does, so the bits are the same.
+typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+// reduce_lanes of the 16 lanes (lo, hi), with the same additions: lane i + lane i + 8, then + 4, + 2, + 1.
+HEBRUS_INLINE float reduce_halves(Half lo, Half hi) {
+  const Half a = lo + hi;
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
 // Lane i is reduce_lanes(a[i]), with the same additions, for sixteen dot products at once: each
 // level adds the two halves of every group of lanes, two sums packed per vector.
 HEBRUS_INLINE Vec reduce_lanes16(const Vec (&a)[kLanes]) {

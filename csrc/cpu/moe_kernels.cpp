@@ -473,12 +473,6 @@ QuantScratch& thread_scratch() {
 // hardware's stream prefetcher to reach DRAM's rate on its own.
 constexpr int64_t kDensePrefetchBytes = 2048;
 
-// Half of a 16-lane chunk: lanes [0, 8) or [8, 16). The dense tiles keep their accumulators as halves: a 16-lane
-// vector in an array is compiled for AVX2 (the x86-64-v3 clone) as a 64-byte stack object moved through xmm
-// pieces, which made the dense expert passes compute-bound there (~1.5 GMAC/s, warm). Each half lane adds what the
-// same lane of the 16-lane vector added, so the bits are the same.
-typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-
 template <typename T>
 HEBRUS_INLINE Half load_half(const T* p) {
   Half v;
@@ -491,16 +485,9 @@ HEBRUS_INLINE Half load_half<float>(const float* p) {
   return load_part<Half>(p);
 }
 
-// reduce_lanes of the 16 lanes (lo, hi), with the same additions: lane i + lane i + 8, then + 4, + 2, + 1.
-HEBRUS_INLINE float reduce_halves(Half lo, Half hi) {
-  const Half a = lo + hi;
-  const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
-  return (b0 + b2) + (b1 + b3);
-}
-
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
-// the fixed lane order (reduce_lanes of 16-lane accumulators, kept as halves). The xs rows are fp32 and
-// zero-padded to a multiple of kLanes.
+// the fixed lane order (reduce_lanes of 16-lane accumulators, kept as halves: hebrus_simd.h's Half). The xs rows
+// are fp32 and zero-padded to a multiple of kLanes.
 template <int P, int O, typename W>
 HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], const float* const (&xs)[P],
                              float (&out)[P][O]) {
