@@ -14,7 +14,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest error against the reference, relative to the output's largest magnitude: fp32 differs only in
 # the summation order of the dot products; fp16/bf16 also round g, u, a, y to the dtype, where one
 # order-induced ulp in an intermediate can move the output by about one ulp of the dtype.
-REL_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# fp32: SPEC §5's 1e-5 (2e-6 held against the reference's matmuls on the Xeon's MKL, not on a Zen 3's: the reference
+# sums in MKL's order, which depends on the CPU).
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def make_inputs(rows, hidden, inter, experts, top_k, dtype, *, seed=0, ids_dtype=torch.int64, weights_dtype=None,

@@ -131,7 +131,10 @@ def test_shared_projections_are_transformers_own(model):
         want_q = rope(attn.indexer.q_layernorm(qk[..., :-d].reshape(2, 6, -1, d)), cos=cos, sin=sin, unsqueeze_dim=2)
         assert near(q_index, want_q) and torch.equal(raw, qk[..., -d:])
         packed_q, packed_raw = index_queries_and_keys(attn.indexer, x[1], cos[1], sin[1], rope)
-        assert near(packed_q, q_index[1]) and torch.equal(packed_raw, raw[1])
+        # The module on the same 6 rows bit for bit; the 12-row product's rows within the tolerance (BLAS picks its
+        # kernel by the row count, SPEC §8: equal on the Xeon's MKL, not on a Zen 3's).
+        assert torch.equal(packed_raw, attn.indexer.index_qk_proj(x[1])[..., -d:])
+        assert near(packed_q, q_index[1]) and near(packed_raw, raw[1])
 
         q, k, v, gate = attention_projections(attn, x)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
