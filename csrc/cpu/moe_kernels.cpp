@@ -266,13 +266,6 @@ struct TileOf {
 };
 using QuantTile = TileOf<uint32_t>;
 
-template <typename V>
-HEBRUS_INLINE V load_part(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // out[p * kTileRows + o] = the folded dot product of weight row o with x[p], P rows of x, each of them with its group
 // lane sums xsums[p] (group_lane_sums), both in CodeOrder's lanes. Per lane, as the file's header says: in each
 // group qx = fma(q, x, qx) over its columns in ascending order from qx = 0 (the first product stands for
@@ -299,7 +292,7 @@ HEBRUS_INLINE void quant_tile_dots(const TileOf<CODE>& w, const float* const* x,
     auto chunk = [&](int64_t c, auto first) HEBRUS_LAMBDA_INLINE {
       for (int h = 0; h < kParts; ++h) {
         V xv[P];
-        for (int p = 0; p < P; ++p) xv[p] = load_part<V>(x[p] + c * kLanes + h * kWidth);
+        for (int p = 0; p < P; ++p) xv[p] = load_vector<V>(x[p] + c * kLanes + h * kWidth);
         for (int o = 0; o < kTileRows; ++o) {
           const V q = C::codes(w.codes[o], c, h);
           for (int p = 0; p < P; ++p) {
@@ -318,7 +311,7 @@ HEBRUS_INLINE void quant_tile_dots(const TileOf<CODE>& w, const float* const* x,
       const float s = w.scales[o][g], b = w.biases[o][g];
       for (int p = 0; p < P; ++p)
         for (int h = 0; h < kParts; ++h)
-          acc[p][o][h] += qx[p][o][h] * s + load_part<V>(xsums[p] + g * kLanes + h * kWidth) * b;
+          acc[p][o][h] += qx[p][o][h] * s + load_vector<V>(xsums[p] + g * kLanes + h * kWidth) * b;
     }
   }
   for (int p = 0; p < P; ++p) {
@@ -336,7 +329,7 @@ template <int BITS, typename V_>
 struct WidenedCodes : CodeOrder<BITS> {
   using V = V_;
   static HEBRUS_INLINE V codes(const float* row, int64_t c, int h) {
-    return load_part<V>(row + c * kLanes + h * int64_t{sizeof(V) / sizeof(float)});
+    return load_vector<V>(row + c * kLanes + h * int64_t{sizeof(V) / sizeof(float)});
   }
 };
 
@@ -482,7 +475,7 @@ HEBRUS_INLINE Half load_half(const T* p) {
 
 template <>
 HEBRUS_INLINE Half load_half<float>(const float* p) {
-  return load_part<Half>(p);
+  return load_vector<Half>(p);
 }
 
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
@@ -505,7 +498,7 @@ HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], c
       Half wv[O];
       for (int o = 0; o < O; ++o) wv[o] = load_half<T>(src[o] + c + h * kHalf);
       for (int p = 0; p < P; ++p) {
-        const Half xv = load_part<Half>(xs[p] + xc + h * kHalf);
+        const Half xv = load_vector<Half>(xs[p] + xc + h * kHalf);
         for (int o = 0; o < O; ++o) acc[p][o][h] += wv[o] * xv;
       }
     }
