@@ -2,7 +2,8 @@
 
 The model is ``profile_engine_decode.llamacpp_variant`` (fp32, one thread), one request of a 64-token random prompt
 decoding greedily. The engine's native layer calls (``decode_gdn_layer``, ``decode_attention_layer``,
-``decode_ple_gate``, or a layer's call bound ahead, ``BoundLayer``) and its ``lm_head`` projection are wrapped with
+``decode_ple_gate``, or a layer's call bound ahead, ``BoundLayer``) and its ``lm_head`` projection
+(``NativeLayers.project``) are wrapped with
 ``time.perf_counter`` marks at entry and exit;
 each step is then cut into segments (before the first call, each call, each gap between two calls, after the last)
 and the median of each segment over ``--steps`` steps is printed, with the median step. The marks cost a few
@@ -45,8 +46,8 @@ def model_for(tiny: bool) -> torch.nn.Module:
 
 
 def mark_calls(marks: list[tuple[str, float]]) -> None:
-    """Wrap the native calls and the runner's ``linear`` (its ``lm_head``) with entry / exit marks into ``marks``."""
-    import hebrus_torch.engine.runner as runner
+    """Wrap the native calls and the ``lm_head`` projection (``NativeLayers.project``) with entry / exit marks into
+    ``marks``."""
     import hebrus_torch.models.qwen4_exp.native as native
 
     def wrap(owner, name: str, label: str) -> None:
@@ -63,7 +64,11 @@ def mark_calls(marks: list[tuple[str, float]]) -> None:
 
     for name in ("decode_gdn_layer", "decode_attention_layer", "decode_ple_gate"):
         wrap(native, name, name.replace("decode_", "").replace("_layer", ""))
-    wrap(runner, "linear", "lm_head")
+    if hasattr(native.NativeLayers, "project"):
+        wrap(native.NativeLayers, "project", "lm_head")
+    else:                               # (a tree before it: the runner's module-level linear)
+        import hebrus_torch.engine.runner as runner
+        wrap(runner, "linear", "lm_head")
     bound = getattr(native, "BoundLayer", None)        # (a layer's call bound before the first layer: its op)
     if bound is not None:
         call = bound.__call__

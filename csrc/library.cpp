@@ -9,10 +9,27 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/row_math.h"
 #include "hebrus_check.h"
 
+namespace {
+
+// _C._set_row_kernel(on: bool) -> bool: whether the CPU kernels' dense products of a few rows take row_kernel_mm
+// (cpu/row_math.h); returns the previous setting.
+PyObject* set_row_kernel(PyObject* /*self*/, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  return PyBool_FromLong(hebrus::set_row_kernel_enabled(on != 0));
+}
+
+PyMethodDef module_methods[] = {
+    {"_set_row_kernel", set_row_kernel, METH_O, "Set whether a few rows' dense products take the row kernel."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);
 }
 
@@ -172,6 +189,9 @@ TORCH_LIBRARY(hebrus, m) {
   m.def(
       "decode_ple_gate(Tensor rows, Tensor h, Tensor[] ple, int[] groups, float[] eps, int hc_count, int hidden) "
       "-> (Tensor, Tensor)");
+  // x [T, K] @ weight [N, K].T as the native calls compute their projections (cpu/dense_mm.h: the row kernel for a
+  // few float32 rows): the engine's lm_head of a decode step.
+  m.def("dense_projection(Tensor x, Tensor weight) -> Tensor");
 }
 
 namespace {

@@ -193,6 +193,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
            "decode_ple_gate(Tensor rows, Tensor h, Tensor[] ple, int[] groups, float[] eps, int hc_count, int hidden) "
            "-> (Tensor, Tensor)",
            reference.decode_ple_gate, _CPU),
+    OpSpec("dense_projection", "dense_projection(Tensor x, Tensor weight) -> Tensor", reference.dense_projection, _CPU),
 )}
 
 OP_NAMES: tuple[str, ...] = tuple(OPS)

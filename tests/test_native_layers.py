@@ -10,6 +10,10 @@
 - the engine gives the same tokens and bitwise the same state with the native layers as without, prefill, decode
   and speculation (a fault inside a native GDN layer rolls its step back bitwise: tests/test_engine.py's fault
   suite).
+
+The bitwise comparisons hold with the ops' dense products pinned to ATen's ``mm`` (``hebrus_torch.row_kernel``:
+the row kernel's fixed order is not the model's ``nn.Linear`` bits): every test here runs with the row kernel off
+unless it says otherwise; ``test_with_the_row_kernel_*`` run the default.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from hebrus_torch.engine import Engine, EngineConfig
 from hebrus_torch.errors import HebrusError
 from hebrus_torch.models.qwen4_exp.native import (ModuleWatch, NativeLayers, decode_attention_layer, decode_gdn_layer,
                                                   decode_moe_tail)
+from hebrus_torch.row_kernel import dense_row_kernel
+
+
+@pytest.fixture(autouse=True)
+def atens_dense_products(request):
+    """The ops' dense products of a few rows are ATen's mm (the modules' bits), except in the row kernel's tests."""
+    with dense_row_kernel(request.node.name.startswith("test_with_the_row_kernel")):
+        yield
 
 
 def native_calls(model: torch.nn.Module, dtype: torch.dtype = torch.float32):
@@ -386,6 +398,58 @@ def test_the_engine_gives_the_same_tokens_and_state_either_way(shape, config, mo
     assert {r: q.generated for r, q in native.requests.items()} == \
         {r: q.generated for r, q in python.requests.items()}
     assert native.cache.digest() == python.cache.digest()
+
+
+@pytest.mark.parametrize("shape", ["lin-idx", "idx-lin-idx-lin"])
+def test_with_the_row_kernel_the_engine_gives_the_python_paths_tokens(shape, monkeypatch):
+    """The default: the native layers' projections of a decode step's rows and its lm_head (``dense_projection``)
+    by the row kernel, the Python path's by nn.Linear. Greedy tokens are the same (the logits differ in the last
+    bits: SPEC §8's tolerance); the native layers ran."""
+    import hebrus_torch.models.qwen4_exp.native as native_module
+
+    model = make_model(shape, seed=2)
+    prompts = prompts_for(2, lengths=(10, 4, 15, 1))
+    projected = []
+    project = native_module.dense_projection
+    monkeypatch.setattr(native_module, "dense_projection", lambda x, w: (projected.append(x.shape[0]), project(x, w))[1])
+    python = run(model, prompts, False, max_batch_tokens=512)
+    assert not projected
+    native = run(model, prompts, True, max_batch_tokens=512)
+    assert len(projected) == native.counters.steps and min(projected) <= 8      # every step's lm_head, decode rows too
+    assert native.runner.forward.native.resolutions == 1
+    assert {r: q.generated for r, q in native.requests.items()} == \
+        {r: q.generated for r, q in python.requests.items()}
+
+
+def test_with_the_row_kernel_a_decode_layers_rows_are_each_its_own_and_close_to_the_modules():
+    """A native GDN layer of 1..8 rows: each row's output is bitwise the 1-row call's (the row kernel's order does
+    not depend on the row count, where ATen's BLAS picks its kernel by it), and within fp32 rounding of the ops
+    it is made of (nn.Linear's products)."""
+    model = make_model("lin-idx", seed=3)
+    _, calls = native_calls(model)
+    call = calls[0].layer
+    g = torch.Generator().manual_seed(5)
+    hc = model.model.layers[0].mlp_hyper_connection
+    width = hc.hc_count * hc.hidden_size
+    h = torch.randn(8, width, generator=g)
+    gdn = model.model.layers[0].linear_attn
+    k = gdn.conv1d.weight.shape[-1]
+    conv = torch.randn(8, k - 1, call.gdn[0].shape[0], generator=g)
+    rec = torch.randn(8, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, generator=g)
+
+    def layer(rows, pools):
+        slots = torch.arange(rows.shape[0], dtype=torch.int32)
+        cu = torch.arange(rows.shape[0] + 1, dtype=torch.int32)
+        with torch.no_grad():
+            return call(rows, pools[0][: rows.shape[0]].clone(), pools[1][: rows.shape[0]].clone(), slots, cu)
+
+    alone = torch.cat([layer(h[i:i + 1], (conv[i:i + 1], rec[i:i + 1])) for i in range(8)])
+    for m in (2, 5, 8):
+        assert torch.equal(layer(h[:m], (conv, rec)), alone[:m])
+    with dense_row_kernel(False):
+        modules = layer(h, (conv, rec))
+    assert not torch.equal(modules, alone)        # (another order: the comparison above means something)
+    torch.testing.assert_close(alone, modules, rtol=1e-5, atol=1e-5)
 
 
 def test_speculation_with_native_layers_gives_the_same_tokens_and_state():

@@ -154,7 +154,7 @@ REFERENCE_NAMES = [
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
     "qsa_token_cells", "rms_norm_rope", "sigmoid_gate",
     "decode_gdn_layer", "decode_moe_tail", "decode_attention_head", "decode_attention_tail", "decode_attention_layer",
-    "decode_ple_gate",
+    "decode_ple_gate", "dense_projection",
 ]
 
 

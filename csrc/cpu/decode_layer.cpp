@@ -321,6 +321,21 @@ std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor&
   return {gated, hc_rms_norm(gated, w[4], groups[2], eps[2])};
 }
 
+// x [T, K] @ weight [N, K].T, as project computes the native calls' projections.
+Tensor dense_projection_cpu(const Tensor& x, const Tensor& weight) {
+  const char* op = "dense_projection";
+  HEBRUS_CHECK(x.device().type() == at::kCPU && weight.device().type() == at::kCPU, HebrusError, "hebrus::", op,
+               ": all tensors must be on one device; x is on ", x.device().str(), ", weight is on ",
+               weight.device().str());
+  HEBRUS_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), HebrusError, "hebrus::", op,
+               ": x must be [T, K] and weight [N, K], got ", shape_str(x.sizes()), " and ",
+               shape_str(weight.sizes()));
+  HEBRUS_CHECK(x.scalar_type() == weight.scalar_type() && at::isFloatingType(x.scalar_type()), HebrusError,
+               "hebrus::", op, ": x and weight must have one floating dtype, got ", x.scalar_type(), " and ",
+               weight.scalar_type());
+  return project(x, weight);
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -331,4 +346,5 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("decode_attention_head", &hebrus::decode_attention_head_cpu);
   m.impl("decode_attention_tail", &hebrus::decode_attention_tail_cpu);
   m.impl("decode_attention_layer", &hebrus::decode_attention_layer_cpu);
+  m.impl("dense_projection", &hebrus::dense_projection_cpu);
 }

@@ -26,6 +26,7 @@
 #define HEBRUS_DIRECT_SGEMM 0
 #endif
 
+#include "row_math.h"
 #include "undispatched.h"
 
 namespace hebrus {
@@ -70,8 +71,22 @@ inline bool ieee_fp32_matmul() {
          !reduced(ctx.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL));
 }
 
-// x [M, K] @ w [N, K].T -> [M, N], the bits of at::mm(x, w.t()).
+// The most rows dense_mm gives row_kernel_mm: a decode step's (one token per request, a few requests). Past it the
+// BLAS's blocked sgemm reads each weight once for many rows, which the row kernel does not.
+constexpr int64_t kRowKernelMaxRows = 8;
+
+// x [M, K] @ w [N, K].T -> [M, N]: float32 matrices of at most kRowKernelMaxRows rows by row_kernel_mm (row_math.h:
+// a fixed order, each row's bits its own) unless hebrus_torch.dense_row_kernel turned it off or fp32 matmuls are
+// set to a reduced precision; otherwise the bits of at::mm(x, w.t()).
 inline at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
+  if (x.dim() == 2 && x.size(0) <= kRowKernelMaxRows && row_kernel_enabled() && plain_float_matrix(x) &&
+      plain_float_matrix(w) && x.size(1) == w.size(1) && ieee_fp32_matmul()) {
+    at::Tensor out = at::detail::empty_cpu({x.size(0), w.size(0)}, at::kFloat, std::nullopt, std::nullopt,
+                                           std::nullopt, std::nullopt);
+    row_kernel_mm(x.const_data_ptr<float>(), x.size(0), w.const_data_ptr<float>(), w.size(0), x.size(1),
+                  out.mutable_data_ptr<float>());
+    return out;
+  }
   const SgemmFn sgemm = aten_sgemm();
   if (sgemm == nullptr || !plain_float_matrix(x) || !plain_float_matrix(w) || x.size(1) != w.size(1) ||
       x.size(0) * w.size(0) > INT_MAX || !ieee_fp32_matmul())

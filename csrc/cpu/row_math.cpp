@@ -2,6 +2,8 @@
 // (HEBRUS_VECTOR_CLONES); the source fixes every order, so every clone gives the same bits.
 #include "row_math.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -32,7 +34,63 @@ HEBRUS_INLINE float scale_of(const float* x, int64_t n, float eps) {
   return 1.f / std::sqrt(reduce_halves(lo, hi) / static_cast<float>(n) + eps);
 }
 
+// How far ahead of the columns it reads row_kernel_mm prefetches each weight row: the next rows' first lines (a
+// decode step's rows are short, and the hardware's stream prefetcher does not find them in time).
+constexpr int64_t kRowPrefetchBytes = 2048;
+
+// The dot products of one row x with R consecutive rows of w (each k long) into out[0 .. R): each is reduce_halves
+// of a 16-lane sum (lane j: the products of the columns c = j mod 16 in ascending c; the last columns zero-padded
+// to a whole 16).
+template <int R>
+HEBRUS_INLINE void row_block_dots(const float* x, const float* w, int64_t k, bool prefetch, float* out) {
+  constexpr int64_t kHalf = kLanes / 2;
+  Half acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Half{} + 0.f;
+  const int64_t whole = k / kLanes * kLanes;
+  for (int64_t c = 0; c < whole; c += kLanes) {
+    if (prefetch)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(reinterpret_cast<const char*>(w + r * k + c) + kRowPrefetchBytes);
+    for (int h = 0; h < 2; ++h) {
+      const Half xv = load_vector<Half>(x + c + h * kHalf);
+      for (int r = 0; r < R; ++r) acc[r][h] += load_vector<Half>(w + r * k + c + h * kHalf) * xv;
+    }
+  }
+  if (whole < k) {
+    float xt[kLanes] = {}, wt[kLanes] = {};
+    std::memcpy(xt, x + whole, static_cast<size_t>(k - whole) * sizeof(float));
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(wt, w + r * k + whole, static_cast<size_t>(k - whole) * sizeof(float));
+      for (int h = 0; h < 2; ++h) acc[r][h] += load_vector<Half>(wt + h * kHalf) * load_vector<Half>(xt + h * kHalf);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce_halves(acc[r][0], acc[r][1]);
+}
+
+std::atomic<bool> row_kernel_on{true};
+
 }  // namespace
+
+bool row_kernel_enabled() { return row_kernel_on.load(std::memory_order_relaxed); }
+
+bool set_row_kernel_enabled(bool on) { return row_kernel_on.exchange(on); }
+
+// Blocks of 4 weight rows; each block's rows are read once for all m rows of x (the first row's pass prefetches).
+HEBRUS_VECTOR_CLONES void row_kernel_mm_span(const float* x, int64_t m, const float* w, int64_t n0, int64_t n1,
+                                             int64_t n, int64_t k, float* out) {
+  int64_t j = n0;
+  for (; j + 4 <= n1; j += 4)
+    for (int64_t i = 0; i < m; ++i) row_block_dots<4>(x + i * k, w + j * k, k, i == 0, out + i * n + j);
+  for (; j < n1; ++j)
+    for (int64_t i = 0; i < m; ++i) row_block_dots<1>(x + i * k, w + j * k, k, i == 0, out + i * n + j);
+}
+
+void row_kernel_mm(const float* x, int64_t m, const float* w, int64_t n, int64_t k, float* out) {
+  // (each output is one dot product in a fixed order: how the columns are split between threads changes nothing)
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(k, 1)) / 4 * 4;
+  at::parallel_for(0, (n + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
+    row_kernel_mm_span(x, m, w, b0 * 4, std::min(n, b1 * 4), n, k, out);
+  });
+}
 
 HEBRUS_VECTOR_CLONES float rms_scale(const float* x, int64_t n, float eps) { return scale_of(x, n, eps); }
 

@@ -20,7 +20,6 @@ import torch
 
 from ..errors import HebrusError
 from ..model_cache import Batch, ModelCache
-from ..module_calls import linear
 from ..models.qwen4_exp import PackedQwen4Exp, find_text_model
 from ..models.qwen4_exp.forward import _NO_PART
 from ..state.handles import SeqHandle
@@ -138,7 +137,8 @@ class ModelRunner:
                     hidden = self.forward(step, pos, last, timed=self._timed)
                 else:
                     hidden = self.mtp.forward(step, pos, last, list(positions), counts, self._timed)
-                logits = linear(self.lm_head, hidden if ends is None else hidden.index_select(0, ends)).float()
+                logits = self.forward.native.project(self.lm_head, hidden if ends is None else
+                                                     hidden.index_select(0, ends)).float()
             result = logits
             if consume is not None:
                 with self._part("engine"):

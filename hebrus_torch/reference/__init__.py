@@ -23,14 +23,14 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.hc`: ``hc_rms_norm`` (Qwen4Exp's grouped RMSNorm), ``hc_premix`` (``hc_premix_quantized`` with its
   projections quantized) and ``hc_post_combine`` (the hyper-connections' pre-mix and post-combine), fused: issue 37;
 - :mod:`.decode`: ``decode_gdn_layer``, ``decode_moe_tail``, ``decode_attention_head``, ``decode_attention_tail``,
-  ``decode_attention_layer`` and ``decode_ple_gate``, the native decoder-layer calls as the ops they are made of
-  (issue 37).
+  ``decode_attention_layer`` and ``decode_ple_gate``, the native decoder-layer calls as the ops they are made of,
+  and ``dense_projection``, one of their projections (issue 37).
 """
 
 from .attention import check_token_cells_values, qsa_attention, rms_norm_rope, sigmoid_gate
 from .checks import assert_values, check_cu_seqlens_values, check_slot_values, checks_async
 from .decode import (decode_attention_head, decode_attention_layer, decode_attention_tail, decode_gdn_layer,
-                     decode_moe_tail, decode_ple_gate)
+                     decode_moe_tail, decode_ple_gate, dense_projection)
 from .gdn import gdn_chunk_delta_rule_slots, gdn_delta_rule, gdn_delta_rule_slots, gdn_gated_rms_norm, gdn_gates
 from .hc import hc_post_combine, hc_premix, hc_premix_quantized, hc_rms_norm
 from .moe import (moe_experts, moe_experts_quantized, moe_route, moe_shared_expert, moe_shared_expert_quantized,
@@ -50,7 +50,8 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "rms_norm_rope",
            "sigmoid_gate", "moe_route",
            "moe_shared_expert", "moe_shared_expert_quantized", "decode_moe_tail", "decode_gdn_layer",
-           "decode_attention_head", "decode_attention_tail", "decode_attention_layer", "decode_ple_gate"]
+           "decode_attention_head", "decode_attention_tail", "decode_attention_layer", "decode_ple_gate",
+           "dense_projection"]
 
 # (_silu and _qsa_select_all: private, re-exported for the tests and benchmarks that call them as
 # reference._silu / reference._qsa_select_all.)

@@ -3,8 +3,10 @@
 what the engine's packed forward runs for a stock Qwen4Exp decoder layer
 (``hebrus_torch.models.qwen4_exp.forward.packed_decoder_layer`` with the fused path of every part), one op after
 another through ``torch.ops.hebrus`` (each device's own kernels) and ``F.linear``. On the CPU the native kernel
-calls the same ops in the same order, so its outputs and state equal these bit for bit; a device without a native
-kernel runs these.
+calls the same ops in the same order, so its outputs and state equal these bit for bit where its projections are
+ATen's (``hebrus_torch.row_kernel.dense_row_kernel(False)``; by default up to 8 float32 rows take the row kernel, a
+fixed order of its own: docs/cpu.md); a device without a native kernel runs these. ``dense_projection`` is one such
+projection (the engine's ``lm_head`` of a decode step).
 
 Weight lists (what ``hebrus_torch.models.qwen4_exp.native`` builds from the layer's modules):
 
@@ -229,6 +231,22 @@ def decode_attention_layer(h: torch.Tensor, attn_hc: Sequence[torch.Tensor], att
 
 
 PLE_WEIGHTS = 5
+
+
+def dense_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as the native calls compute a bias-free projection (``F.linear``; on the CPU a few float32
+    rows take the row kernel). Shapes: x [T, K], weight [N, K], one floating dtype -> [T, N]."""
+    op = "dense_projection"
+    if x.device != weight.device:
+        raise HebrusError(f"hebrus::{op}: all tensors must be on one device; x is on {x.device}, weight is on "
+                          f"{weight.device}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise HebrusError(f"hebrus::{op}: x must be [T, K] and weight [N, K], got {tuple(x.shape)} and "
+                          f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype or not x.dtype.is_floating_point:
+        raise HebrusError(f"hebrus::{op}: x and weight must have one floating dtype, got {x.dtype} and "
+                          f"{weight.dtype}")
+    return F.linear(x, weight)
 
 
 def decode_ple_gate(rows: torch.Tensor, h: torch.Tensor, ple: Sequence[torch.Tensor], groups: Sequence[int],

@@ -44,12 +44,12 @@ from ...errors import translated
 from ...gdn.state import _ACTIVATIONS as _GDN_ACTIVATIONS
 from ...hc.premix import _fusable_premix, _is_stock_rms_norm, premix_params, stock_gated_residual
 from ...moe.block import _plain_call, experts_unsupported, shared_expert_weights, stock_router_weight
-from ...module_calls import plain_linear_weight, submodule
+from ...module_calls import linear, plain_linear_weight, submodule
 from ...reference.decode import GDN_WEIGHTS, HC_WEIGHTS, MOE_WEIGHTS
 from ...integrations.qwen4_exp.common import _modeling
 
 __all__ = ["decode_moe_tail", "decode_gdn_layer", "decode_attention_head", "decode_attention_tail",
-           "decode_attention_layer", "decode_ple_gate",
+           "decode_attention_layer", "decode_ple_gate", "dense_projection",
            "NativeLayers", "GdnLayerCall", "MoeTailCall", "AttentionLayerCall", "PleGateCall", "LayerCalls",
            "BoundLayer", "MixerCall", "ModuleWatch"]
 
@@ -146,6 +146,16 @@ def decode_ple_gate(rows: torch.Tensor, h: torch.Tensor, ple: Sequence[torch.Ten
 
 
 torch.library.register_fake("hebrus::decode_ple_gate")(reference.decode_ple_gate)
+
+
+def dense_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as the native calls compute a projection; see :func:`hebrus_torch.reference.dense_projection`.
+    Shapes: x [T, K], weight [N, K] -> [T, N]."""
+    with translated():
+        return torch.ops.hebrus.dense_projection.default(x, weight)
+
+
+torch.library.register_fake("hebrus::dense_projection")(reference.dense_projection)
 
 
 # ----------------------------------------------------------------------------------------------- resolution
@@ -561,6 +571,18 @@ class NativeLayers:
             self._resolve(h.dtype, h.device)
             self._key = key
         return self._calls
+
+    def project(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` (the step's ``lm_head``): where the layers may run natively (:meth:`calls`' conditions) and
+        ``module`` is a plain bias-free ``nn.Linear`` of x's dtype, as the native calls compute a projection
+        (:func:`dense_projection`: a few float32 rows by the row kernel, docs/cpu.md); else the module's own call.
+        x Tensor[T, in] -> Tensor[T, out]."""
+        weight = plain_linear_weight(module, x.dtype)
+        if weight is None or not self.enabled or type(x) is not torch.Tensor or x.dim() != 2 \
+                or x.device.type != "cpu" or weight.device != x.device or torch.is_grad_enabled() \
+                or _global_hooks() or emulated_device_type() is not None:
+            return linear(module, x)
+        return dense_projection(x, weight)
 
     def _resolve(self, dtype: torch.dtype, device: torch.device) -> None:
         self.resolutions += 1
