@@ -19,7 +19,9 @@ the ratio B / A:
     python benchmarks/bench_decode_step.py --pair <tree A> <tree B> --rounds 6
 
 A tree written ``<path>@python`` runs with ``EngineConfig(native_layers=False)`` (``--python-layers``): the same tree's
-Python path against its native layers is ``--pair <path>@python <path>``.
+Python path against its native layers is ``--pair <path>@python <path>``. ``<path>@aten`` runs with the row kernel off
+(``--aten-products``: the fused ops' dense products of a few rows by ATen's mm, ``hebrus_torch.row_kernel``): the
+row kernel against ATen's is ``--pair <path>@aten <path>``.
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
         procs = []
         for i, tree in enumerate(trees):
             core = cores[(i + r) % 2]
-            path, python_layers = (tree[:-len("@python")], True) if tree.endswith("@python") else (tree, False)
+            path, _, mode = tree.partition("@")
+            flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
             env = dict(os.environ, PYTHONPATH=path)
             cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--counts", counts,
-                   "--steps", str(steps), "--label", tree] + (["--python-layers"] if python_layers else [])
+                   "--steps", str(steps), "--label", tree] + flag
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
         for tree, proc in zip(trees, procs):
             out = proc.communicate()[0]
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--python-layers", action="store_true",
                     help="EngineConfig(native_layers=False): every layer through the Python path")
+    ap.add_argument("--aten-products", action="store_true",
+                    help="the fused ops' dense products of a few rows by ATen's mm (the row kernel off)")
     args = ap.parse_args()
     if args.pair:
         paired(args.pair, args.counts, args.steps, args.rounds)
@@ -108,6 +113,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model = llamacpp_variant()
     import hebrus_torch
+    if args.aten_products:
+        from hebrus_torch.row_kernel import set_dense_row_kernel
+        set_dense_row_kernel(False)
 
     cells = [f"{n}: {decode_step_ms(model, n, args.steps, native_layers=not args.python_layers):.2f} ms"
              for n in (int(c) for c in args.counts.split(","))]
