@@ -5,7 +5,10 @@ Cases, each the median CPU time (one thread) of ``--rounds`` calls:
 - ``hebrus::moe_experts`` at hidden 2560, intermediate 640, top 10 of 16 experts: fp32 at 512 rows, bf16 and fp16 at 1
   and 64 rows (a row reads its 10 experts: 196 MB in fp32, 98 MB in 16 bits);
 - the engine's prefill of one 512-token random prompt in one chunk on ``profile_engine_decode.llamacpp_variant``
-  (the first prefill, which warms the process, not counted).
+  (the first prefill, which warms the process, not counted);
+- a decode step's dense projection, 1 and 8 rows of a [4096, 256] fp32 weight (the small model's ``lm_head``) read
+  from DRAM (48 such weights, 201 MB, used in turn): ``hebrus::dense_projection`` (the row kernel, where the tree
+  has it) and ``F.linear`` (ATen's mm), each as the mean over the 48 calls and in GB/s of weight read.
 
 The ``hebrus_torch`` timed is whichever ``PYTHONPATH`` names first: run the script alternately with each tree first so
 that a shared machine's drift falls on both alike (benchmarks/RESULTS.md, "Accumulators of the AVX2 clones"):
@@ -53,6 +56,26 @@ def experts_case(dtype: torch.dtype, rows: int, rounds: int) -> float:
     return cpu_time(lambda: hebrus_torch.moe_experts(x, ids, weights, gate_up, down), rounds)
 
 
+def projection_case(rows: int, rounds: int) -> tuple[float | None, float]:
+    """Mean seconds of one projection (rows of x against a cold [4096, 256] weight): dense_projection (None where
+    the tree has no such op), F.linear."""
+    import torch.nn.functional as F
+
+    import hebrus_torch  # noqa: F401  (registers the ops)
+
+    g = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(4096, 256, generator=g) for _ in range(48)]
+    x = torch.randn(rows, 256, generator=g)
+    op = getattr(torch.ops.hebrus, "dense_projection", None)
+
+    def each(fn):
+        return lambda: [fn(x, w) for w in weights]
+
+    with torch.inference_mode():
+        ours = None if op is None else cpu_time(each(op.default), rounds) / len(weights)
+        return ours, cpu_time(each(F.linear), rounds) / len(weights)
+
+
 def prefill_case(tokens: int, rounds: int) -> float:
     from hebrus_torch.engine import Engine, EngineConfig
     from profile_engine_decode import llamacpp_variant
@@ -86,6 +109,12 @@ def main() -> None:
         seconds = experts_case(dtype, rows, args.rounds)
         print(f"moe_experts {str(dtype).removeprefix('torch.')}, {rows} rows: {seconds * 1e3:.1f} ms")
     print(f"engine prefill, {args.tokens} tokens: {prefill_case(args.tokens, args.rounds) * 1e3:.1f} ms")
+    megabytes = 4096 * 256 * 4 / 1e6
+    for rows in (1, 8):
+        ours, aten = projection_case(rows, args.rounds)
+        mine = "-" if ours is None else f"{ours * 1e6:.0f} us ({megabytes / ours / 1e3:.1f} GB/s)"
+        print(f"dense projection, {rows} rows, cold [4096, 256] fp32: dense_projection {mine}, F.linear "
+              f"{aten * 1e6:.0f} us ({megabytes / aten / 1e3:.1f} GB/s)")
 
 
 if __name__ == "__main__":
