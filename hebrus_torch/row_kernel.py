@@ -4,8 +4,8 @@ Inside the fused CPU ops (the native decoder-layer calls, ``hc_premix``, the MoE
 projection ``x @ W.T`` of at most 8 rows (a decode step's: one token per request) is computed by the row kernel
 (``csrc/cpu/row_math.cpp``): each output one dot product in a fixed order (16 lanes, then the lanes combined
 pairwise), so a row's bits depend on that row alone, never on how many rows the call has, the threads or the CPU's
-vector width; and on one core it reads the weights faster than MKL's 1-row ``sgemv`` does on a CPU where MKL takes
-its generic code (docs/cpu.md). Its bits are not ATen's: ``nn.Linear`` of the same rows differs in the last bits
+vector width; and on one core it is faster than MKL's small-row products where MKL takes its generic code (an AMD
+CPU: 1.4x for a 1-row ``lm_head`` inside a decode step, 1.4-1.8x at 2-8 rows; benchmarks/RESULTS.md). Its bits are not ATen's: ``nn.Linear`` of the same rows differs in the last bits
 (within float32 rounding of the sum; SPEC §8 compares such products with a tolerance).
 
 With it off, those products are ``at::mm`` (more rows always are): the bits of the model's own ``nn.Linear``,

@@ -36,8 +36,8 @@ void softplus_row(float* x, int64_t n);
 // out [m, n] = x [m, k] @ w [n, k].T in fp32, every output one dot product in a fixed order: 16 lanes, lane j the
 // products of the columns c = j mod 16 in ascending c (the last columns zero-padded), the lanes combined as
 // reduce_lanes does. Row i of out depends on row i of x alone: not on m, the threads, or the CPU's vector width.
-// dense_mm takes it for a few rows (a decode step's), where it reads the weights at about twice the rate of
-// MKL's generic 1-row sgemv (docs/cpu.md); x, w, out dense and row-major.
+// dense_mm takes it for a few rows (a decode step's), where it is faster than MKL's small-row products on the AMD
+// VM this was measured on (benchmarks/RESULTS.md, "The row kernel"); x, w, out dense and row-major.
 void row_kernel_mm(const float* x, int64_t m, const float* w, int64_t n, int64_t k, float* out);
 
 // Whether dense_mm takes row_kernel_mm for a few rows (the default) or always ATen's mm (the bits of the model's own
