@@ -79,8 +79,9 @@ constexpr int64_t kRowKernelMaxRows = 8;
 // a fixed order, each row's bits its own) unless hebrus_torch.dense_row_kernel turned it off or fp32 matmuls are
 // set to a reduced precision; otherwise the bits of at::mm(x, w.t()).
 inline at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
-  if (x.dim() == 2 && x.size(0) <= kRowKernelMaxRows && row_kernel_enabled() && plain_float_matrix(x) &&
-      plain_float_matrix(w) && x.size(1) == w.size(1) && ieee_fp32_matmul()) {
+  if (!plain_float_matrix(x) || !plain_float_matrix(w) || x.size(1) != w.size(1) || !ieee_fp32_matmul())
+    return at::mm(x, transposed(w));
+  if (x.size(0) <= kRowKernelMaxRows && row_kernel_enabled()) {
     at::Tensor out = at::detail::empty_cpu({x.size(0), w.size(0)}, at::kFloat, std::nullopt, std::nullopt,
                                            std::nullopt, std::nullopt);
     row_kernel_mm(x.const_data_ptr<float>(), x.size(0), w.const_data_ptr<float>(), w.size(0), x.size(1),
@@ -88,9 +89,7 @@ inline at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
     return out;
   }
   const SgemmFn sgemm = aten_sgemm();
-  if (sgemm == nullptr || !plain_float_matrix(x) || !plain_float_matrix(w) || x.size(1) != w.size(1) ||
-      x.size(0) * w.size(0) > INT_MAX || !ieee_fp32_matmul())
-    return at::mm(x, transposed(w));
+  if (sgemm == nullptr || x.size(0) * w.size(0) > INT_MAX) return at::mm(x, transposed(w));
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(w.size(0)), k = static_cast<int>(x.size(1));
   at::Tensor out = at::detail::empty_cpu({x.size(0), w.size(0)}, at::kFloat, std::nullopt, std::nullopt,
                                          std::nullopt, std::nullopt);

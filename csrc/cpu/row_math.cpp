@@ -86,8 +86,9 @@ HEBRUS_VECTOR_CLONES void row_kernel_mm_span(const float* x, int64_t m, const fl
 
 void row_kernel_mm(const float* x, int64_t m, const float* w, int64_t n, int64_t k, float* out) {
   // (each output is one dot product in a fixed order: how the columns are split between threads changes nothing)
-  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(k, 1)) / 4 * 4;
-  at::parallel_for(0, (n + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
+  // Blocks of 4 weight rows, at least 4 blocks or ~64 KB of weights a chunk.
+  const int64_t block_grain = std::max<int64_t>(4, (int64_t{1} << 14) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, (n + 3) / 4, block_grain, [&](int64_t b0, int64_t b1) {
     row_kernel_mm_span(x, m, w, b0 * 4, std::min(n, b1 * 4), n, k, out);
   });
 }
