@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from hebrus_torch import reference
+from hebrus_torch.errors import HebrusError
+from hebrus_torch.models.qwen4_exp.native import NativeLayers, dense_projection
 from hebrus_torch.row_kernel import dense_row_kernel, row_kernel_enabled, set_dense_row_kernel
 
 OP = torch.ops.hebrus.decode_ple_gate
@@ -136,9 +138,6 @@ def test_reduced_fp32_matmul_precision_takes_atens_mm(setting, matmul_precision)
 
 # ---- hebrus::dense_projection: one such projection as an op (the engine's lm_head of a decode step) ----------------
 
-from hebrus_torch.errors import HebrusError  # noqa: E402
-from hebrus_torch.models.qwen4_exp.native import NativeLayers, dense_projection  # noqa: E402
-
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -171,7 +170,6 @@ def test_dense_projection_opcheck(rows):
 def test_dense_projection_refuses_bad_inputs(x, w, match):
     with pytest.raises(HebrusError, match=match):
         dense_projection(x, w)
-    from hebrus_torch import reference
     with pytest.raises(HebrusError, match=match):
         reference.dense_projection(x, w)
 

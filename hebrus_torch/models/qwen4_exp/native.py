@@ -563,8 +563,7 @@ class NativeLayers:
     def calls(self, h: torch.Tensor) -> list[LayerCalls] | None:
         """Per decoder layer what runs natively on this step's streams h Tensor[T, hc * H], or None where
         nothing can (disabled, off the CPU, an emulated device's tensors, grad mode on, a global module hook)."""
-        if not self.enabled or type(h) is not torch.Tensor or h.device.type != "cpu" or torch.is_grad_enabled() \
-                or _global_hooks() or emulated_device_type() is not None:
+        if not self._may_run(h):
             return None
         key = (h.dtype, h.device)
         if key != self._key or self._watch is None or not self._watch.unchanged():
@@ -578,11 +577,15 @@ class NativeLayers:
         (:func:`dense_projection`: a few float32 rows by the row kernel, docs/cpu.md); else the module's own call.
         x Tensor[T, in] -> Tensor[T, out]."""
         weight = plain_linear_weight(module, x.dtype)
-        if weight is None or not self.enabled or type(x) is not torch.Tensor or x.dim() != 2 \
-                or x.device.type != "cpu" or weight.device != x.device or torch.is_grad_enabled() \
-                or _global_hooks() or emulated_device_type() is not None:
+        if weight is None or not self._may_run(x) or x.dim() != 2 or weight.device != x.device:
             return linear(module, x)
         return dense_projection(x, weight)
+
+    def _may_run(self, x: torch.Tensor) -> bool:
+        """Whether a native call may take ``x`` at all: enabled, a plain CPU tensor, grad mode off, no global module
+        hook, no device emulated."""
+        return self.enabled and type(x) is torch.Tensor and x.device.type == "cpu" and not torch.is_grad_enabled() \
+            and not _global_hooks() and emulated_device_type() is None
 
     def _resolve(self, dtype: torch.dtype, device: torch.device) -> None:
         self.resolutions += 1
