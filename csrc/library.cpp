@@ -22,8 +22,174 @@ PyObject* set_row_kernel(PyObject* /*self*/, PyObject* arg) {
   return PyBool_FromLong(hebrus::set_row_kernel_enabled(on != 0));
 }
 
+// A snapshot of what ModuleWatch (hebrus_torch/models/qwen4_exp/native.py) compares every step, as C arrays: the
+// same comparisons as its Python expression, in one pass over the objects after a pass that prefetches them. Inside a
+// decode step these ~1000 objects are out of the caches (each native call streams megabytes of weights through
+// them); touched one at a time by the interpreter's map loops each costs a full memory latency.
+struct WatchSnapshot {
+  std::vector<PyObject*> owned;              // one reference to every object below (dropped with the capsule)
+  PyObject* hook_class = nullptr;            // torch.utils.hooks.RemovableHandle
+  PyObject* next_id_name = nullptr;          // "next_id"
+  PyObject* hook_id = nullptr;               // its next_id when the snapshot was taken
+  std::vector<PyObject*> hook_dicts;         // their total size stays hook_count
+  Py_ssize_t hook_count = 0;
+  std::vector<PyObject*> member_dicts, member_names, members;   // member_dicts[i][member_names[i]] is members[i]
+  std::vector<PyObject*> owner_dicts;        // each of size owner_sizes[i]
+  std::vector<Py_ssize_t> owner_sizes;
+  std::vector<PyObject*> instance_dicts, forwards, compiled;    // .get("forward") / .get("_compiled_call_impl")
+  PyObject* forward_name = nullptr;
+  PyObject* compiled_name = nullptr;
+  std::vector<PyObject*> modules, types;     // type(modules[i]) is types[i]
+  std::vector<PyObject*> params, dtypes;     // params[i].dtype is dtypes[i]
+  PyObject* dtype_name = nullptr;
+};
+
+constexpr const char* kWatchCapsule = "hebrus.module_watch";
+
+void drop_snapshot(PyObject* capsule) {
+  auto* snap = static_cast<WatchSnapshot*>(PyCapsule_GetPointer(capsule, kWatchCapsule));
+  if (snap == nullptr) return;
+  for (PyObject* o : snap->owned) Py_DECREF(o);
+  delete snap;
+}
+
+// The items of list `seq` into `out`, each kept alive by the snapshot (None stands for "absent" where compared).
+bool take_list(PyObject* seq, std::vector<PyObject*>& out, WatchSnapshot& snap) {
+  if (!PyList_Check(seq)) {
+    PyErr_SetString(PyExc_TypeError, "_module_watch: expected a list");
+    return false;
+  }
+  const Py_ssize_t n = PyList_Size(seq);
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GetItem(seq, i);
+    Py_INCREF(item);
+    snap.owned.push_back(item);
+    out.push_back(item);
+  }
+  return true;
+}
+
+PyObject* keep(PyObject* o, WatchSnapshot& snap) {
+  Py_INCREF(o);
+  snap.owned.push_back(o);
+  return o;
+}
+
+// _C._module_watch(hook_class, hook_id, hook_dicts, hook_count, member_dicts, member_names, members, owner_dicts,
+// owner_sizes, instance_dicts, forwards, compiled, modules, types, params, dtypes) -> capsule
+PyObject* module_watch(PyObject* /*self*/, PyObject* args) {
+  PyObject *hook_class, *hook_id, *hook_dicts, *member_dicts, *member_names, *members, *owner_dicts, *owner_sizes,
+      *instance_dicts, *forwards, *compiled, *modules, *types, *params, *dtypes;
+  Py_ssize_t hook_count;
+  if (!PyArg_ParseTuple(args, "OOOnOOOOOOOOOOOO", &hook_class, &hook_id, &hook_dicts, &hook_count, &member_dicts,
+                        &member_names, &members, &owner_dicts, &owner_sizes, &instance_dicts, &forwards, &compiled,
+                        &modules, &types, &params, &dtypes))
+    return nullptr;
+  auto* snap = new WatchSnapshot();
+  PyObject* capsule = PyCapsule_New(snap, kWatchCapsule, drop_snapshot);
+  if (capsule == nullptr) {
+    delete snap;
+    return nullptr;
+  }
+  snap->hook_class = keep(hook_class, *snap);
+  snap->hook_id = keep(hook_id, *snap);
+  snap->hook_count = hook_count;
+  std::vector<PyObject*> sizes;
+  if (!take_list(hook_dicts, snap->hook_dicts, *snap) || !take_list(member_dicts, snap->member_dicts, *snap) ||
+      !take_list(member_names, snap->member_names, *snap) || !take_list(members, snap->members, *snap) ||
+      !take_list(owner_dicts, snap->owner_dicts, *snap) || !take_list(owner_sizes, sizes, *snap) ||
+      !take_list(instance_dicts, snap->instance_dicts, *snap) || !take_list(forwards, snap->forwards, *snap) ||
+      !take_list(compiled, snap->compiled, *snap) || !take_list(modules, snap->modules, *snap) ||
+      !take_list(types, snap->types, *snap) || !take_list(params, snap->params, *snap) ||
+      !take_list(dtypes, snap->dtypes, *snap)) {
+    Py_DECREF(capsule);
+    return nullptr;
+  }
+  for (PyObject* n : sizes) {
+    snap->owner_sizes.push_back(PyLong_AsSsize_t(n));
+    if (PyErr_Occurred()) {
+      Py_DECREF(capsule);
+      return nullptr;
+    }
+  }
+  const size_t nm = snap->member_dicts.size(), ni = snap->instance_dicts.size(), nt = snap->modules.size();
+  if (snap->member_names.size() != nm || snap->members.size() != nm || snap->owner_sizes.size() !=
+      snap->owner_dicts.size() || snap->forwards.size() != ni || snap->compiled.size() != ni ||
+      snap->types.size() != nt || snap->dtypes.size() != snap->params.size()) {
+    Py_DECREF(capsule);
+    PyErr_SetString(PyExc_ValueError, "_module_watch: lists of different lengths");
+    return nullptr;
+  }
+  for (const auto& d : {snap->hook_dicts, snap->member_dicts, snap->owner_dicts, snap->instance_dicts})
+    for (PyObject* o : d)
+      if (!PyDict_Check(o)) {
+        Py_DECREF(capsule);
+        PyErr_SetString(PyExc_TypeError, "_module_watch: expected dicts");
+        return nullptr;
+      }
+  snap->next_id_name = keep(PyUnicode_InternFromString("next_id"), *snap);
+  snap->forward_name = keep(PyUnicode_InternFromString("forward"), *snap);
+  snap->compiled_name = keep(PyUnicode_InternFromString("_compiled_call_impl"), *snap);
+  snap->dtype_name = keep(PyUnicode_InternFromString("dtype"), *snap);
+  for (PyObject* o : {snap->next_id_name, snap->forward_name, snap->compiled_name, snap->dtype_name})
+    Py_DECREF(o);               // (InternFromString's reference; keep took the snapshot's own)
+  return capsule;
+}
+
+void prefetch_all(const std::vector<PyObject*>& objects) {
+  for (PyObject* o : objects) __builtin_prefetch(o);
+}
+
+// dict.get(d, key) is expected (None expected: the key absent).
+bool holds(PyObject* d, PyObject* key, PyObject* expected) {
+  PyObject* got = PyDict_GetItemWithError(d, key);          // (borrowed)
+  if (got == nullptr && PyErr_Occurred()) PyErr_Clear();    // (a key's hash or eq raised: a change)
+  return got == nullptr ? expected == Py_None : got == expected;
+}
+
+// _C._module_watch_unchanged(capsule) -> bool: ModuleWatch.unchanged's comparisons over the snapshot.
+PyObject* module_watch_unchanged(PyObject* /*self*/, PyObject* capsule) {
+  auto* s = static_cast<WatchSnapshot*>(PyCapsule_GetPointer(capsule, kWatchCapsule));
+  if (s == nullptr) return nullptr;
+  prefetch_all(s->hook_dicts);
+  prefetch_all(s->owner_dicts);
+  prefetch_all(s->instance_dicts);
+  prefetch_all(s->modules);
+  prefetch_all(s->params);
+  bool same = true;
+  PyObject* next_id = PyObject_GetAttr(s->hook_class, s->next_id_name);
+  if (next_id == nullptr) return nullptr;
+  const int eq = PyObject_RichCompareBool(next_id, s->hook_id, Py_EQ);
+  Py_DECREF(next_id);
+  if (eq < 0) return nullptr;
+  same = eq == 1;
+  if (same) {
+    Py_ssize_t hooks = 0;
+    for (PyObject* d : s->hook_dicts) hooks += PyDict_Size(d);
+    same = hooks == s->hook_count;
+  }
+  for (size_t i = 0; same && i < s->owner_dicts.size(); ++i) same = PyDict_Size(s->owner_dicts[i]) == s->owner_sizes[i];
+  for (size_t i = 0; same && i < s->member_dicts.size(); ++i)
+    same = holds(s->member_dicts[i], s->member_names[i], s->members[i]);
+  for (size_t i = 0; same && i < s->instance_dicts.size(); ++i)
+    same = holds(s->instance_dicts[i], s->forward_name, s->forwards[i]) &&
+           holds(s->instance_dicts[i], s->compiled_name, s->compiled[i]);
+  for (size_t i = 0; same && i < s->modules.size(); ++i)
+    same = reinterpret_cast<PyObject*>(Py_TYPE(s->modules[i])) == s->types[i];
+  for (size_t i = 0; same && i < s->params.size(); ++i) {
+    PyObject* dtype = PyObject_GetAttr(s->params[i], s->dtype_name);
+    if (dtype == nullptr) return nullptr;
+    same = dtype == s->dtypes[i];
+    Py_DECREF(dtype);
+  }
+  return PyBool_FromLong(same);
+}
+
 PyMethodDef module_methods[] = {
     {"_set_row_kernel", set_row_kernel, METH_O, "Set whether a few rows' dense products take the row kernel."},
+    {"_module_watch", module_watch, METH_VARARGS, "A snapshot of what ModuleWatch compares (a capsule)."},
+    {"_module_watch_unchanged", module_watch_unchanged, METH_O, "Whether nothing in a module watch's snapshot changed."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
