@@ -1062,7 +1062,33 @@ def test_allocation_at_the_head_chooses_what_the_full_scan_chooses():
                 pass
         assert torch.equal(fast.cell_pos, slow.cell_pos) and torch.equal(fast.cell_ref, slow.cell_ref), step
         assert torch.equal(fast.group_ref, slow.group_ref) and fast.digest() == slow.digest(), step
+        for table in ("_unwritten", "_freed_cells", "_freed_rows", "_pending"):
+            assert torch.equal(getattr(fast, table), getattr(slow, table)), (step, table)
     check_invariants(fast)
+
+
+def test_the_allocators_numpy_views_follow_a_replaced_table():
+    """Cells and rows taken at the head are written through numpy views of the tables (``_array``): when a table is
+    replaced (the group rows grown, a savepoint's tensors put back), the writes land in the table the cache holds,
+    and a rolled-back reserve leaves every table as it was."""
+    keys, _, _ = stream(64)
+    c = make_cache(64)
+    h = c.new_sequence()
+    c.append(h, [kk[:8] for kk in keys])                 # two groups: the views of group_ref and cell_ref are taken
+    old_rows = c.group_ref
+    with transaction(c):
+        c._grow_rows(c.group_capacity)                   # a new group_ref tensor
+    assert c.group_ref is not old_rows
+    c.append(h, [kk[8:12] for kk in keys])               # the third group's row, taken at the head
+    assert c.group_ref[:3].tolist() == [1, 1, 1] and int(old_rows[2]) == 0
+    before = {t: getattr(c, t).clone() for t in ("cell_pos", "cell_ref", "group_ref", "_unwritten")}
+    with pytest.raises(RuntimeError), transaction(c):
+        c.append(h, [kk[12:16] for kk in keys])
+        assert c.cell_ref[12:16].tolist() == [1] * 4
+        raise RuntimeError("abort")
+    for t, was in before.items():
+        assert torch.equal(getattr(c, t), was), t
+    check_invariants(c)
 
 
 def test_allocation_at_the_head_skips_cells_a_rollback_may_need():

@@ -13,14 +13,34 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CapacityError
 from .runs import _Run
 
+# The host tables _array may view (what the allocator and reserve read and write a few entries of).
+_HOST_TABLES = ("cell_ref", "cell_pos", "group_ref", "_unwritten", "_freed_cells", "_freed_rows")
+
 
 class _Allocator:
     """Cells and group rows of :class:`QSACache`: allocate, share, release (all through the undo log)."""
+
+    def _array(self, table: torch.Tensor) -> np.ndarray:
+        """The host bookkeeping tensor ``table`` as a numpy array over the same memory, kept while ``table`` is the
+        same tensor object: a decode step's reads and writes of a few cells each cost a torch op otherwise (~2-5 us,
+        more with the caches cold after a step's weights; a numpy element read ~0.3 us). Writes through it do not move
+        the tensor's version counter: nothing reads the counters of these tables (their changes are counted by
+        ``_cells_version`` / ``_ref_version``)."""
+        arrays = self._arrays
+        held = arrays.get(id(table))
+        if held is not None and held[0] is table:
+            return held[1]
+        if len(arrays) > 2 * len(_HOST_TABLES):      # (tables replaced since, by a growth or a restore)
+            arrays.clear()
+        array = table.numpy()
+        arrays[id(table)] = (table, array)
+        return array
 
     def _at_head(self, ref: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor | None:
         """The ``count`` cells (rows) from ``head`` on when they are all free and none precious: what
@@ -29,11 +49,28 @@ class _Allocator:
         if self._alloc_generator is not None or head + count > ref.numel():
             return None
         if count == 1:          # (a decode's one cell: two element reads)
-            if int(ref[head]) or bool(precious[head]):
+            if self._array(ref)[head] or self._array(precious)[head]:
                 return None
-        elif bool(ref[head:head + count].any()) or bool(precious[head:head + count].any()):     # (any: nonzero)
+        elif self._array(ref)[head:head + count].any() or self._array(precious)[head:head + count].any():
             return None
         return torch.arange(head, head + count, dtype=torch.int64)
+
+    def _set_span(self, table: torch.Tensor, start: int, stop: int, value: Any, along_cells: bool = False) -> None:
+        """``_set`` of the entries [start, stop) of a host bookkeeping table (of its second dimension where
+        ``along_cells``, every layer's), written and undo-logged through its numpy view: the cells (rows) an
+        allocation took at the head, a range known on the host. ``value``: a scalar or a sequence of stop - start."""
+        txn = self._txn
+        assert txn is not None, "QSACache mutation outside a transaction"
+        array = self._array(table)
+        idx = (slice(None), slice(start, stop)) if along_cells else slice(start, stop)
+        txn.log.append((table, idx, torch.from_numpy(array[idx].copy())))
+        array[idx] = value
+        if table is self.cell_pos or table is self.cell_ref:
+            self._cells_version += 1
+            if table is self.cell_ref:
+                self._ref_version += 1
+        elif table is self._freed_cells or table is self._freed_rows:
+            txn.freed = True
 
     def _pick(self, free: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor:
         idx = torch.nonzero(free).flatten()
@@ -48,9 +85,15 @@ class _Allocator:
         return idx[:count]
 
     def _alloc_cells(self, count: int) -> torch.Tensor:
+        return self._alloc_cell_span(count)[0]
+
+    def _alloc_cell_span(self, count: int) -> tuple[torch.Tensor, int | None]:
+        """``count`` free cells, referenced once (undo-logged), and where they are the range [start, start + count)
+        (taken at the head), that start: (cells Tensor[count] int64, start or None)."""
         if count == 0:
-            return torch.empty(0, dtype=torch.int64)
-        chosen = self._at_head(self.cell_ref, count, self._cell_head, self._freed_cells)
+            return torch.empty(0, dtype=torch.int64), None
+        start = self._cell_head
+        chosen = self._at_head(self.cell_ref, count, start, self._freed_cells)
         if chosen is None:
             free = self.cell_ref == 0
             nfree = int(free.sum())
@@ -62,15 +105,21 @@ class _Allocator:
             if bool(freed.any()):                   # (a mask gather only where some cell was freed in this block)
                 self._log_content(chosen[freed])
             last = int(chosen[-1])
-        else:               # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
-            last = self._cell_head + count - 1
-        self._cell_head = (last + 1) % self.capacity
+            self._cell_head = (last + 1) % self.capacity
+            free = self._free_count_known()
+            self._set(self.cell_ref, chosen, 1)
+            self._keep_free_count(free, -count)         # (every chosen cell was free)
+            if bool(self._unwritten.index_select(1, chosen).any()):
+                self._set(self._unwritten, (slice(None), chosen), False)
+            return chosen, None
+        # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
+        self._cell_head = (start + count) % self.capacity
         free = self._free_count_known()
-        self._set(self.cell_ref, chosen, 1)
-        self._keep_free_count(free, -count)         # (every chosen cell was free)
-        if bool(self._unwritten.index_select(1, chosen).any()):
-            self._set(self._unwritten, (slice(None), chosen), False)
-        return chosen
+        self._set_span(self.cell_ref, start, start + count, 1)
+        self._keep_free_count(free, -count)
+        if self._array(self._unwritten)[:, start:start + count].any():
+            self._set_span(self._unwritten, start, start + count, False, along_cells=True)
+        return chosen, start
 
     def _grow_rows(self, needed: int) -> None:
         old = self.group_capacity
@@ -107,10 +156,13 @@ class _Allocator:
                 txn.log.append((self.pooled, (slice(None), at), self.pooled[:, at].clone()))
                 txn.log.append((self._pending, (slice(None), pre), self._pending[:, pre].clone()))
             last = int(chosen[-1])
-        else:               # (the head's rows, none freed in this block: _at_head checked; no read of chosen)
-            last = self._row_head + count - 1
-        self._row_head = (last + 1) % self.group_capacity
-        self._set(self.group_ref, chosen, 1)
+            self._row_head = (last + 1) % self.group_capacity
+            self._set(self.group_ref, chosen, 1)
+            return chosen
+        # (the head's rows, none freed in this block: _at_head checked; no read of chosen)
+        start = self._row_head
+        self._row_head = (start + count) % self.group_capacity
+        self._set_span(self.group_ref, start, start + count, 1)
         return chosen
 
     def _release_cells(self, cells: torch.Tensor, counts: torch.Tensor | None = None) -> None:

@@ -212,6 +212,7 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
         self._free_count: tuple | None = None        # (cell_ref, _ref_version, cells free then)
         self._chunk_checked: tuple | None = None     # the last chunk whose cells passed _check_chunk, by layout
         self._no_pool: dict[int, list[torch.Tensor]] = {}   # step_plan's empty pool inputs, per compress ratio
+        self._arrays: dict[int, tuple[torch.Tensor, Any]] = {}   # _array's numpy views of the host tables, by id
         self._layer_views = LayerViews()                     # StepPlan.layer_args' views of the planes
         self._plan_rows_memo: tuple | None = None    # the last chunk's layer-independent plan rows, by layout
         self._cell_head = 0

@@ -228,31 +228,40 @@ class _Lifecycle:
                 runs.append(run)
                 anchors.append(run.p0)
             total = sum(counts)
-            cells = self._alloc_cells(total)
+            cells, span = self._alloc_cell_span(total)
             bounds = [0]
             for c in counts:
                 bounds.append(bounds[-1] + c)      # the row boundaries (cu_seqlens), from the host's counts
-            cu = torch.tensor(bounds, dtype=torch.int64)
+            cu32 = torch.tensor(bounds, dtype=torch.int32)
+            listed = None
             if total <= _LISTED_POSITIONS:
                 # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
                 # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
-                positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
+                listed = [s + j for s, c in zip(starts, counts) for j in range(c)]
+                positions = torch.tensor(listed, dtype=torch.int64)
             else:
+                cu = torch.tensor(bounds, dtype=torch.int64)
                 counts_t = torch.tensor(counts, dtype=torch.int64)
                 # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
                 # no position, so any start in range will do)
                 starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
                 offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
                 positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
-            if total:
+            if total and span is not None:       # (cells taken at the head: the same writes by their range)
+                self._set_span(self.cell_pos, span, span + total, positions.numpy() if listed is None else listed)
+                self._set_span(self._unwritten, span, span + total, True, along_cells=True)
+                self._txn.new_cells.append(cells)
+            elif total:
                 self._set(self.cell_pos, cells, positions)
                 self._set(self._unwritten, (slice(None), cells), True)
                 self._txn.new_cells.append(cells)
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
             n_groups: list[int] = []
+            one_row = len(slots) == 1
             for i, (slot, run) in enumerate(zip(slots, runs)):
-                grown = _Run(run.p0, run.n + counts[i], run.cells.extend(cells[bounds[i]:bounds[i + 1]]), run.groups)
+                new_cells = cells if one_row else cells[bounds[i]:bounds[i + 1]]
+                grown = _Run(run.p0, run.n + counts[i], run.cells.extend(new_cells), run.groups)
                 new_runs.append(grown)
                 n_groups.append(grown.n // r - run.n // r)
             rows = self._alloc_rows(sum(n_groups))
@@ -271,7 +280,7 @@ class _Lifecycle:
                 # (each new group ends at or past its run's old end: it holds a cell of this chunk)
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos), fresh=True)
             self._txn.evict.update(evict)
-            dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu.to(torch.int32))
+            dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu32)
             chunk = ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
                                   self._txn.token, tuple(starts), tuple(anchors), cells, positions)
             # Its cells hold its positions with a reference each, by construction: what _check_chunk reads, under
