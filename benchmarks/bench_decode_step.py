@@ -18,6 +18,14 @@ the ratio B / A:
 
     python benchmarks/bench_decode_step.py --pair <tree A> <tree B> --rounds 6
 
+On a machine whose other jobs come and go within seconds, even paired rounds scatter (±20% a round was seen); there
+``--interleave A B`` keeps one process per tree alive on one core, each with its engine decoding, and lets them take
+turns in short chunks of steps (``--chunk``, the order swapped every round), so that both see the same minutes of the
+machine; per request count it prints each tree's median and 20th percentile of a step's CPU time over all its steps
+and their ratios B / A:
+
+    python benchmarks/bench_decode_step.py --interleave <tree A> <tree B> --counts 1 --rounds 40 --chunk 25
+
 A tree written ``<path>@python`` runs with ``EngineConfig(native_layers=False)`` (``--python-layers``): the same tree's
 Python path against its native layers is ``--pair <path>@python <path>``. ``<path>@aten`` runs with the row kernel off
 (``--aten-products``: the fused ops' dense products of a few rows by ATen's mm, ``hebrus_torch.row_kernel``): the
@@ -42,9 +50,9 @@ from profile_engine_decode import llamacpp_variant  # noqa: E402
 from hebrus_torch.engine import Engine, EngineConfig  # noqa: E402
 
 
-def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: int = 64,
-                   native_layers: bool = True) -> float:
-    """Median CPU milliseconds of a decode step with ``requests`` requests decoding."""
+def _engine(model: torch.nn.Module, requests: int, steps: int, prompt: int = 64,
+            native_layers: bool = True) -> Engine:
+    """An engine with ``requests`` requests of a ``prompt``-token random prompt each, able to decode ``steps`` more."""
     g = torch.Generator().manual_seed(1)
     options = {} if native_layers else {"native_layers": False}       # (a tree from before the option: no key)
     engine = Engine(model, EngineConfig(capacity_tokens=requests * (prompt + steps + 16), max_sequences=requests,
@@ -52,6 +60,13 @@ def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: in
     for i in range(requests):
         engine.add_request(torch.randint(4, model.config.vocab_size, (prompt,), generator=g).tolist(),
                            request_id=f"r{i}", max_new_tokens=steps + 8, eos_token_id=-1)
+    return engine
+
+
+def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: int = 64,
+                   native_layers: bool = True) -> float:
+    """Median CPU milliseconds of a decode step with ``requests`` requests decoding."""
+    engine = _engine(model, requests, steps, prompt, native_layers)
     times = []
     with torch.inference_mode():
         for _ in range(4):
@@ -95,6 +110,60 @@ def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
         print(f"{n} requests: A {ma:.2f} ms, B {mb:.2f} ms, B / A {ratio:.3f} (median of {rounds} paired rounds)")
 
 
+def serve_turns(requests: int, steps: int, native_layers: bool) -> None:
+    """The worker of ``--interleave``: after 4 steps prints ``ready``, then for each line ``K`` of stdin decodes K steps
+    and prints their CPU times (ns, this thread), one line."""
+    engine = _engine(llamacpp_variant(), requests, steps, native_layers=native_layers)
+    with torch.inference_mode():
+        for _ in range(4):
+            engine.step()
+        print("ready", flush=True)
+        for line in sys.stdin:
+            times = []
+            for _ in range(int(line)):
+                t0 = time.thread_time_ns()
+                engine.step()
+                times.append(time.thread_time_ns() - t0)
+            print(" ".join(map(str, times)), flush=True)
+
+
+def interleaved(trees: list[str], counts: str, rounds: int, chunk: int) -> None:
+    """Both trees' engines alive at once on one core, taking turns of ``chunk`` steps (the first to go swapped every
+    round): per request count, each tree's median and 20th percentile step (ms) over its ``rounds * chunk`` steps and
+    the ratios B / A."""
+    core = str(sorted(os.sched_getaffinity(0))[-1])
+    a, b = trees
+    for n in (int(c) for c in counts.split(",")):
+        procs = {}
+        for tree in trees:
+            path, _, mode = tree.partition("@")
+            flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
+            cmd = ["taskset", "-c", core, sys.executable, os.path.abspath(__file__), "--serve-turns", str(n),
+                   "--steps", str(rounds * chunk + 8)] + flag
+            procs[tree] = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            for tree, proc in procs.items():
+                if proc.stdout.readline().strip() != "ready":
+                    raise SystemExit(f"{tree}: the benchmark failed ({proc.wait()})")
+            times: dict[str, list[float]] = {tree: [] for tree in trees}
+            for r in range(rounds):
+                for tree in (trees if r % 2 == 0 else trees[::-1]):
+                    proc = procs[tree]
+                    proc.stdin.write(f"{chunk}\n")
+                    proc.stdin.flush()
+                    times[tree] += [int(x) / 1e6 for x in proc.stdout.readline().split()]
+        finally:
+            for proc in procs.values():
+                proc.stdin.close()
+                proc.wait()
+        med = {t: statistics.median(v) for t, v in times.items()}
+        p20 = {t: sorted(v)[len(v) // 5] for t, v in times.items()}
+        print(f"{n} requests: A {med[a]:.2f} ms (p20 {p20[a]:.2f}), B {med[b]:.2f} ms (p20 {p20[b]:.2f}), "
+              f"B / A {med[b] / med[a]:.3f} (p20 {p20[b] / p20[a]:.3f}; {rounds} turns of {chunk} steps each)",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="1,16,64")
@@ -102,6 +171,10 @@ def main() -> None:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--pair", nargs=2, metavar=("TREE_A", "TREE_B"), help="time two trees at once, a core each")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--interleave", nargs=2, metavar=("TREE_A", "TREE_B"),
+                    help="time two trees on one core, taking turns of --chunk steps")
+    ap.add_argument("--chunk", type=int, default=25)
+    ap.add_argument("--serve-turns", type=int, metavar="REQUESTS", help=argparse.SUPPRESS)
     ap.add_argument("--python-layers", action="store_true",
                     help="EngineConfig(native_layers=False): every layer through the Python path")
     ap.add_argument("--aten-products", action="store_true",
@@ -110,12 +183,18 @@ def main() -> None:
     if args.pair:
         paired(args.pair, args.counts, args.steps, args.rounds)
         return
+    if args.interleave:
+        interleaved(args.interleave, args.counts, args.rounds, args.chunk)
+        return
     torch.set_num_threads(1)
-    model = llamacpp_variant()
     import hebrus_torch
     if args.aten_products:
         from hebrus_torch.row_kernel import set_dense_row_kernel
         set_dense_row_kernel(False)
+    if args.serve_turns:
+        serve_turns(args.serve_turns, args.steps, native_layers=not args.python_layers)
+        return
+    model = llamacpp_variant()
 
     cells = [f"{n}: {decode_step_ms(model, n, args.steps, native_layers=not args.python_layers):.2f} ms"
              for n in (int(c) for c in args.counts.split(","))]
