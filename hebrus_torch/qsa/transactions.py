@@ -72,9 +72,6 @@ def _index_line(tensor: torch.Tensor, idx: Any) -> tuple[torch.Tensor, int, torc
 
 _ABSENT = object()
 
-# Dtypes of the host bookkeeping tables (_set writes them through numpy views).
-_HOST_DTYPES = (torch.bool, torch.int32, torch.int64)
-
 
 class _WriteScope:
     """``write``'s atomicity inside an open transaction, lighter than a savepoint of the whole cache: what a write
@@ -125,22 +122,6 @@ class _Transactions:
         if line is None:
             txn.log.append((tensor, idx, tensor[idx].clone() if old is None else old))
             tensor[idx] = value
-        elif tensor.dtype in _HOST_DTYPES and tensor.is_cpu and (
-                isinstance(value, (bool, int)) or (isinstance(value, torch.Tensor) and value.dtype == tensor.dtype
-                                                   and value.is_cpu and value.dim() == 1)):
-            # A host table (flags, refs, positions): the same gather and writes through its numpy view, where each
-            # torch op costs ~2-5 us and a decode step makes a few per table.
-            view, dim, at = line
-            array = self._array(tensor)
-            if view is not tensor:              # (i, index): row i's entries
-                array = array[idx[0]]
-            cols = at.numpy()
-            if cols.shape[0] == 1:              # (one entry: a slice of it, where numpy's fancy indexing is slow)
-                c = int(cols[0])
-                cols = slice(c, c + 1)
-            where = (slice(None), cols) if dim == 1 else cols
-            txn.log.append((tensor, idx, torch.from_numpy(array[where].copy()) if old is None else old))
-            array[where] = value if not isinstance(value, torch.Tensor) else value.numpy()
         else:       # the same values through index_select / index_fill_ / index_copy_ (no advanced-indexing pass)
             view, dim, at = line
             txn.log.append((tensor, idx, view.index_select(dim, at) if old is None else old))
