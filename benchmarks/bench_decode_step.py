@@ -21,8 +21,9 @@ the ratio B / A:
 On a machine whose other jobs come and go within seconds, even paired rounds scatter (±20% a round was seen); there
 ``--interleave A B`` keeps one process per tree alive on one core, each with its engine decoding, and lets them take
 turns in short chunks of steps (``--chunk``, the order swapped every round), so that both see the same minutes of the
-machine; per request count it prints each tree's median and 20th percentile of a step's CPU time over all its steps
-and their ratios B / A:
+machine; per request count it prints each tree's median step (CPU time) and the ratio B / A, once with A's process
+started first and once with B's, and the geometric mean of the two (the same tree on both sides measured the process
+started second ~3% slower):
 
     python benchmarks/bench_decode_step.py --interleave <tree A> <tree B> --counts 1 --rounds 40 --chunk 25
 
@@ -127,41 +128,50 @@ def serve_turns(requests: int, steps: int, native_layers: bool) -> None:
             print(" ".join(map(str, times)), flush=True)
 
 
+def _take_turns(trees: list[str], n: int, rounds: int, chunk: int, core: str) -> list[list[float]]:
+    """Per tree, the CPU times (ms) of its steps: its engine alive with the other's on ``core``, taking turns of
+    ``chunk`` steps (the first to go swapped every round); the processes started in the order of ``trees``."""
+    procs = []                          # (by position: the same tree twice measures the method's own bias)
+    for tree in trees:
+        path, _, mode = tree.partition("@")
+        flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
+        cmd = ["taskset", "-c", core, sys.executable, os.path.abspath(__file__), "--serve-turns", str(n),
+               "--steps", str(rounds * chunk + 8)] + flag
+        procs.append(subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    try:
+        for tree, proc in zip(trees, procs):
+            if proc.stdout.readline().strip() != "ready":
+                raise SystemExit(f"{tree}: the benchmark failed ({proc.wait()})")
+        times: list[list[float]] = [[], []]
+        for r in range(rounds):
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                procs[i].stdin.write(f"{chunk}\n")
+                procs[i].stdin.flush()
+                times[i] += [int(x) / 1e6 for x in procs[i].stdout.readline().split()]
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait()
+    return times
+
+
 def interleaved(trees: list[str], counts: str, rounds: int, chunk: int) -> None:
-    """Both trees' engines alive at once on one core, taking turns of ``chunk`` steps (the first to go swapped every
-    round): per request count, each tree's median and 20th percentile step (ms) over its ``rounds * chunk`` steps and
-    the ratios B / A."""
+    """Both trees' engines alive at once on one core, taking turns of ``chunk`` steps: per request count, each tree's
+    median step (ms) over its ``rounds * chunk`` steps and the ratio B / A, twice: with A's process started first,
+    then B's. The process started second was ~3% slower with the same tree on both sides (its memory, not its
+    code), so the ratio reported is the geometric mean of the two orders'."""
     core = str(sorted(os.sched_getaffinity(0))[-1])
-    a, b = trees
     for n in (int(c) for c in counts.split(",")):
-        procs = {}
-        for tree in trees:
-            path, _, mode = tree.partition("@")
-            flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
-            cmd = ["taskset", "-c", core, sys.executable, os.path.abspath(__file__), "--serve-turns", str(n),
-                   "--steps", str(rounds * chunk + 8)] + flag
-            procs[tree] = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        try:
-            for tree, proc in procs.items():
-                if proc.stdout.readline().strip() != "ready":
-                    raise SystemExit(f"{tree}: the benchmark failed ({proc.wait()})")
-            times: dict[str, list[float]] = {tree: [] for tree in trees}
-            for r in range(rounds):
-                for tree in (trees if r % 2 == 0 else trees[::-1]):
-                    proc = procs[tree]
-                    proc.stdin.write(f"{chunk}\n")
-                    proc.stdin.flush()
-                    times[tree] += [int(x) / 1e6 for x in proc.stdout.readline().split()]
-        finally:
-            for proc in procs.values():
-                proc.stdin.close()
-                proc.wait()
-        med = {t: statistics.median(v) for t, v in times.items()}
-        p20 = {t: sorted(v)[len(v) // 5] for t, v in times.items()}
-        print(f"{n} requests: A {med[a]:.2f} ms (p20 {p20[a]:.2f}), B {med[b]:.2f} ms (p20 {p20[b]:.2f}), "
-              f"B / A {med[b] / med[a]:.3f} (p20 {p20[b] / p20[a]:.3f}; {rounds} turns of {chunk} steps each)",
-              flush=True)
+        a_first = _take_turns(trees, n, rounds, chunk, core)
+        b_first = _take_turns(trees[::-1], n, rounds, chunk, core)[::-1]
+        ratios = []
+        for label, (ta, tb) in (("A started first", a_first), ("B started first", b_first)):
+            ma, mb = statistics.median(ta), statistics.median(tb)
+            ratios.append(mb / ma)
+            print(f"{n} requests, {label}: A {ma:.2f} ms, B {mb:.2f} ms, B / A {mb / ma:.3f}", flush=True)
+        print(f"{n} requests: B / A {(ratios[0] * ratios[1]) ** 0.5:.3f} (geometric mean of both orders; "
+              f"{rounds} turns of {chunk} steps each)", flush=True)
 
 
 def main() -> None:

@@ -347,28 +347,23 @@ class _Planning:
     def _plan_one_row(self, start: int, t: int, p0: int, nvis: int, vis_cells: torch.Tensor, groups: torch.Tensor,
                       cells_h: torch.Tensor) -> "_PlanRows | None":
         """:meth:`_plan_rows` of a reserved chunk of one row (positions ``start .. start + t - 1``, no window: one
-        person's decode, a speculative verify): the same tensors from host integers, each check one
-        comparison of numpy views. None where a check fails (the general path then names the hole)."""
+        person's decode, a speculative verify): the same tensors from host integers, with each check one
+        ``torch.equal``. None where a check fails (the general path then names the hole)."""
         r = self.compress_ratio
         iota = self._iota
         if iota.numel() < nvis:
             iota = self._iota = torch.arange(max(nvis, 2 * iota.numel()), dtype=torch.int64)
-        # (the checks and cells32 through numpy views of the host tables: the same values, fewer torch ops)
-        vis = vis_cells.numpy()
-        if not ((self._array(self.cell_pos)[vis] - p0) == self._array(iota)[:nvis]).all():
+        if not torch.equal(self.cell_pos.index_select(0, vis_cells).sub_(p0), iota[:nvis]):
             return None                                         # a hole inside the run
         skip = start - p0                                       # the chunk's first token within the run
-        if not (vis[skip:skip + t] == cells_h.numpy()).all():
+        if not torch.equal(vis_cells[skip:skip + t], cells_h):
             return None                                         # the chunk's cells no longer match the run
         nvis_q = [skip + 1 + j for j in range(t)]               # each query's visible positions
         n_groups = groups.numel()
         sel_groups = groups.view(1, -1) if n_groups else torch.full((1, 1), -1, dtype=torch.int64)
         rows32 = torch.tensor([0] * t + [n // r for n in nvis_q], dtype=torch.int32)     # sel_row, q_groups
         visible64 = torch.tensor(nvis_q + [0] * t, dtype=torch.int64)                    # nvis_q, first
-        cells32 = torch.empty(nvis + 1, dtype=torch.int32)
-        padded = cells32.numpy()
-        padded[:nvis] = vis
-        padded[nvis] = -1
+        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32)))
         sel_groups, sel_row, q_groups, cells32, nvis_q_t, first, q_p0, q_rows = self._upload(
             sel_groups.to(torch.int32), rows32[:t], rows32[t:], cells32, visible64[:t], visible64[t:],
             torch.full((t,), p0, dtype=torch.int64), torch.zeros(t, dtype=torch.int64))
