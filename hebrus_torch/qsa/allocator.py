@@ -65,12 +65,7 @@ class _Allocator:
         idx = (slice(None), slice(start, stop)) if along_cells else slice(start, stop)
         txn.log.append((table, idx, torch.from_numpy(array[idx].copy())))
         array[idx] = value
-        if table is self.cell_pos or table is self.cell_ref:
-            self._cells_version += 1
-            if table is self.cell_ref:
-                self._ref_version += 1
-        elif table is self._freed_cells or table is self._freed_rows:
-            txn.freed = True
+        self._wrote(table)
 
     def _pick(self, free: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor:
         idx = torch.nonzero(free).flatten()

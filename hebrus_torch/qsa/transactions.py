@@ -132,12 +132,17 @@ class _Transactions:
                 view.index_copy_(dim, at, value)
             else:
                 tensor[idx] = value
+        self._wrote(tensor)
+
+    def _wrote(self, tensor: torch.Tensor) -> None:
+        """After a logged write of ``tensor``: count a change of the cell tables (``_layout_key``, the free count), or
+        note that a freed flag may be set."""
         if tensor is self.cell_pos or tensor is self.cell_ref:
             self._cells_version += 1
             if tensor is self.cell_ref:
                 self._ref_version += 1
         elif tensor is self._freed_cells or tensor is self._freed_rows:
-            txn.freed = True
+            self._txn.freed = True
 
     def _log_content(self, cells: torch.Tensor) -> None:
         """Record every layer's content of ``cells`` (host int64; keys, K, V, unwritten flags) in the undo log."""
