@@ -121,19 +121,25 @@ PyObject* module_watch(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "_module_watch: lists of different lengths");
     return nullptr;
   }
-  for (const auto& d : {snap->hook_dicts, snap->member_dicts, snap->owner_dicts, snap->instance_dicts})
-    for (PyObject* o : d)
+  for (const std::vector<PyObject*>* dicts : {&snap->hook_dicts, &snap->member_dicts, &snap->owner_dicts,
+                                               &snap->instance_dicts})
+    for (PyObject* o : *dicts)
       if (!PyDict_Check(o)) {
         Py_DECREF(capsule);
         PyErr_SetString(PyExc_TypeError, "_module_watch: expected dicts");
         return nullptr;
       }
-  snap->next_id_name = keep(PyUnicode_InternFromString("next_id"), *snap);
-  snap->forward_name = keep(PyUnicode_InternFromString("forward"), *snap);
-  snap->compiled_name = keep(PyUnicode_InternFromString("_compiled_call_impl"), *snap);
-  snap->dtype_name = keep(PyUnicode_InternFromString("dtype"), *snap);
-  for (PyObject* o : {snap->next_id_name, snap->forward_name, snap->compiled_name, snap->dtype_name})
-    Py_DECREF(o);               // (InternFromString's reference; keep took the snapshot's own)
+  PyObject** names[] = {&snap->next_id_name, &snap->forward_name, &snap->compiled_name, &snap->dtype_name};
+  const char* texts[] = {"next_id", "forward", "_compiled_call_impl", "dtype"};
+  for (int i = 0; i < 4; ++i) {
+    PyObject* name = PyUnicode_InternFromString(texts[i]);      // (a new reference: the snapshot's)
+    if (name == nullptr) {
+      Py_DECREF(capsule);
+      return nullptr;
+    }
+    snap->owned.push_back(name);
+    *names[i] = name;
+  }
   return capsule;
 }
 
@@ -144,7 +150,10 @@ void prefetch_all(const std::vector<PyObject*>& objects) {
 // dict.get(d, key) is expected (None expected: the key absent).
 bool holds(PyObject* d, PyObject* key, PyObject* expected) {
   PyObject* got = PyDict_GetItemWithError(d, key);          // (borrowed)
-  if (got == nullptr && PyErr_Occurred()) PyErr_Clear();    // (a key's hash or eq raised: a change)
+  if (got == nullptr && PyErr_Occurred()) {                 // (a key's hash or eq raised: taken as a change)
+    PyErr_Clear();
+    return false;
+  }
   return got == nullptr ? expected == Py_None : got == expected;
 }
 
