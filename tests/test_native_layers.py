@@ -375,6 +375,29 @@ def test_module_watch_sees_each_kind_of_change(check):
         assert not getattr(watch, check)(), change
 
 
+def test_a_copied_module_watch_watches_the_copied_modules():
+    """copy.deepcopy of an engine copies its watch with the modules: the copy compares the copied modules with what
+    the resolution read (a change made to the original before the copy shows in both), and each sees only its own
+    changes after."""
+    import copy
+    import pickle
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    watch = ModuleWatch(list(net.modules()))
+    twin_net, twin = copy.deepcopy((net, watch))
+    assert twin._snapshot is not None and twin.unchanged() and watch.unchanged()
+    twin_net[1].half()
+    assert not twin.unchanged() and watch.unchanged()
+    net[0].forward = net[0].forward
+    assert not watch.unchanged()
+    late_net, late = copy.deepcopy((net, watch))           # (copied after the change: still a change)
+    assert not late.unchanged()
+    loaded_net, loaded = pickle.loads(pickle.dumps((twin_net, ModuleWatch(list(twin_net.modules())))))
+    assert loaded.unchanged()
+    loaded_net.add_module("extra", torch.nn.ReLU())
+    assert not loaded.unchanged()
+
+
 def test_module_watch_keeps_what_it_compares_alive():
     """The snapshot holds a reference to each object it compares: a module dropped from the model (and from every
     other reference) cannot be freed and its address reused by a new object that would then compare as the same."""

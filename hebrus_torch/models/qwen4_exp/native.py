@@ -476,11 +476,26 @@ class ModuleWatch:
                 self.members.append(obj)
         self.params = [p for m in self.modules for p in m._parameters.values() if p is not None]
         self.dtypes = list(map(_DTYPE, self.params))
+        self._snapshot = self._take_snapshot()
+
+    def _take_snapshot(self):
         native = _extension._C
-        self._snapshot = None if native is None else native._module_watch(
+        return None if native is None else native._module_watch(
             RemovableHandle, self.hook_id, self.hook_dicts, self.hook_count, self.member_dicts, self.member_names,
             self.members, self.owner_dicts, self.owner_sizes, self.instance_dicts, self.forwards, self.compiled,
             self.modules, self.types, self.params, self.dtypes)
+
+    # A copy (copy.deepcopy of an engine, a pickle) holds the lists, copied with the modules they name, and takes its
+    # snapshot of them afresh (the capsule itself cannot be copied): it compares the copies with what the resolution
+    # read, as the original compares the originals.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_snapshot"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._snapshot = self._take_snapshot()
 
     def unchanged(self) -> bool:
         """Whether nothing the resolution read has changed since this watch was made."""
