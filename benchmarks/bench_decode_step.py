@@ -79,6 +79,14 @@ def decode_step_ms(model: torch.nn.Module, requests: int, steps: int, prompt: in
     return statistics.median(times) * 1e3
 
 
+def _tree_run(tree: str) -> tuple[dict[str, str], list[str]]:
+    """A tree argument (``<path>``, ``<path>@python``, ``<path>@aten``) as the environment and flags of this script's
+    run of it."""
+    path, _, mode = tree.partition("@")
+    flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
+    return dict(os.environ, PYTHONPATH=path), flag
+
+
 def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
     """Both trees at once each round, one core each (swapped every round): the per-round pairs, then per request
     count the medians over rounds (ms) and the median ratio tree B / tree A."""
@@ -90,9 +98,7 @@ def paired(trees: list[str], counts: str, steps: int, rounds: int) -> None:
         procs = []
         for i, tree in enumerate(trees):
             core = cores[(i + r) % 2]
-            path, _, mode = tree.partition("@")
-            flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
-            env = dict(os.environ, PYTHONPATH=path)
+            env, flag = _tree_run(tree)
             cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--counts", counts,
                    "--steps", str(steps), "--label", tree] + flag
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
@@ -133,12 +139,11 @@ def _take_turns(trees: list[str], n: int, rounds: int, chunk: int, core: str) ->
     ``chunk`` steps (the first to go swapped every round); the processes started in the order of ``trees``."""
     procs = []                          # (by position: the same tree twice measures the method's own bias)
     for tree in trees:
-        path, _, mode = tree.partition("@")
-        flag = {"": [], "python": ["--python-layers"], "aten": ["--aten-products"]}[mode]
+        env, flag = _tree_run(tree)
         cmd = ["taskset", "-c", core, sys.executable, os.path.abspath(__file__), "--serve-turns", str(n),
                "--steps", str(rounds * chunk + 8)] + flag
-        procs.append(subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True))
     try:
         for tree, proc in zip(trees, procs):
             if proc.stdout.readline().strip() != "ready":

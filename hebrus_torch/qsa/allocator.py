@@ -55,16 +55,21 @@ class _Allocator:
             return None
         return torch.arange(head, head + count, dtype=torch.int64)
 
-    def _set_span(self, table: torch.Tensor, start: int, stop: int, value: Any, along_cells: bool = False) -> None:
-        """``_set`` of the entries [start, stop) of a host bookkeeping table (of its second dimension where
-        ``along_cells``, every layer's), written and undo-logged through its numpy view: the cells (rows) an
-        allocation took at the head, a range known on the host. ``value``: a scalar or a sequence of stop - start."""
+    def _set_cells(self, table: torch.Tensor, cells: torch.Tensor, span: int | None, value: Any,
+                   along_cells: bool = False) -> None:
+        """``_set`` of ``table`` at ``cells`` (along its second dimension, every layer's, where ``along_cells``). Where
+        the cells are the range [span, span + len(cells)) (taken at the head), written and undo-logged by that range
+        through the table's numpy view: the same values and undo. ``value``: a scalar or a tensor of len(cells)."""
+        if span is None:
+            self._set(table, (slice(None), cells) if along_cells else cells, value)
+            return
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
         array = self._array(table)
-        idx = (slice(None), slice(start, stop)) if along_cells else slice(start, stop)
+        at = slice(span, span + len(cells))
+        idx = (slice(None), at) if along_cells else at
         txn.log.append((table, idx, torch.from_numpy(array[idx].copy())))
-        array[idx] = value
+        array[idx] = value.numpy() if isinstance(value, torch.Tensor) else value
         self._wrote(table)
 
     def _pick(self, free: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor:
@@ -89,6 +94,7 @@ class _Allocator:
             return torch.empty(0, dtype=torch.int64), None
         start = self._cell_head
         chosen = self._at_head(self.cell_ref, count, start, self._freed_cells)
+        span: int | None = start
         if chosen is None:
             free = self.cell_ref == 0
             nfree = int(free.sum())
@@ -99,22 +105,18 @@ class _Allocator:
             freed = self._freed_cells[chosen]
             if bool(freed.any()):                   # (a mask gather only where some cell was freed in this block)
                 self._log_content(chosen[freed])
-            last = int(chosen[-1])
-            self._cell_head = (last + 1) % self.capacity
-            free = self._free_count_known()
-            self._set(self.cell_ref, chosen, 1)
-            self._keep_free_count(free, -count)         # (every chosen cell was free)
-            if bool(self._unwritten.index_select(1, chosen).any()):
-                self._set(self._unwritten, (slice(None), chosen), False)
-            return chosen, None
-        # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
-        self._cell_head = (start + count) % self.capacity
+            span, last = None, int(chosen[-1])
+        else:               # (the head's cells, none freed in this block: _at_head checked; no read of chosen)
+            last = start + count - 1
+        self._cell_head = (last + 1) % self.capacity
         free = self._free_count_known()
-        self._set_span(self.cell_ref, start, start + count, 1)
-        self._keep_free_count(free, -count)
-        if self._array(self._unwritten)[:, start:start + count].any():
-            self._set_span(self._unwritten, start, start + count, False, along_cells=True)
-        return chosen, start
+        self._set_cells(self.cell_ref, chosen, span, 1)
+        self._keep_free_count(free, -count)         # (every chosen cell was free)
+        unwritten = bool(self._unwritten.index_select(1, chosen).any()) if span is None \
+            else self._array(self._unwritten)[:, span:span + count].any()
+        if unwritten:
+            self._set_cells(self._unwritten, chosen, span, False, along_cells=True)
+        return chosen, span
 
     def _grow_rows(self, needed: int) -> None:
         old = self.group_capacity
@@ -136,7 +138,9 @@ class _Allocator:
     def _alloc_rows(self, count: int) -> torch.Tensor:
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
-        chosen = self._at_head(self.group_ref, count, self._row_head, self._freed_rows)
+        start = self._row_head
+        chosen = self._at_head(self.group_ref, count, start, self._freed_rows)
+        span: int | None = start
         if chosen is None:
             free = self.group_ref == 0
             nfree = int(free.sum())
@@ -150,14 +154,11 @@ class _Allocator:
                 at = self._dev(pre)
                 txn.log.append((self.pooled, (slice(None), at), self.pooled[:, at].clone()))
                 txn.log.append((self._pending, (slice(None), pre), self._pending[:, pre].clone()))
-            last = int(chosen[-1])
-            self._row_head = (last + 1) % self.group_capacity
-            self._set(self.group_ref, chosen, 1)
-            return chosen
-        # (the head's rows, none freed in this block: _at_head checked; no read of chosen)
-        start = self._row_head
-        self._row_head = (start + count) % self.group_capacity
-        self._set_span(self.group_ref, start, start + count, 1)
+            span, last = None, int(chosen[-1])
+        else:               # (the head's rows, none freed in this block: _at_head checked; no read of chosen)
+            last = start + count - 1
+        self._row_head = (last + 1) % self.group_capacity
+        self._set_cells(self.group_ref, chosen, span, 1)
         return chosen
 
     def _release_cells(self, cells: torch.Tensor, counts: torch.Tensor | None = None) -> None:

@@ -233,12 +233,10 @@ class _Lifecycle:
             for c in counts:
                 bounds.append(bounds[-1] + c)      # the row boundaries (cu_seqlens), from the host's counts
             cu32 = torch.tensor(bounds, dtype=torch.int32)
-            listed = None
             if total <= _LISTED_POSITIONS:
                 # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
                 # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
-                listed = [s + j for s, c in zip(starts, counts) for j in range(c)]
-                positions = torch.tensor(listed, dtype=torch.int64)
+                positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
             else:
                 cu = torch.tensor(bounds, dtype=torch.int64)
                 counts_t = torch.tensor(counts, dtype=torch.int64)
@@ -247,13 +245,9 @@ class _Lifecycle:
                 starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
                 offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
                 positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
-            if total and span is not None:       # (cells taken at the head: the same writes by their range)
-                self._set_span(self.cell_pos, span, span + total, positions.numpy() if listed is None else listed)
-                self._set_span(self._unwritten, span, span + total, True, along_cells=True)
-                self._txn.new_cells.append(cells)
-            elif total:
-                self._set(self.cell_pos, cells, positions)
-                self._set(self._unwritten, (slice(None), cells), True)
+            if total:
+                self._set_cells(self.cell_pos, cells, span, positions)
+                self._set_cells(self._unwritten, cells, span, True, along_cells=True)
                 self._txn.new_cells.append(cells)
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
