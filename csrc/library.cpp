@@ -244,6 +244,17 @@ TORCH_LIBRARY(hebrus, m) {
   // its raw tail, then -1 (token_cells [Tq, W] int32 and their offsets in the run [Tq, W] int64,
   // W = top_k * r + r - 1): what qsa_attention reads, from qsa_select's groups in one dispatch.
   m.def("qsa_token_cells(Tensor selected, Tensor nvis, Tensor first, Tensor cells, int r) -> (Tensor, Tensor)");
+  // The selection rows of a one-row chunk over its run (the host's step plan, issue 37): the run's contiguity and
+  // the chunk's cells checked (HoleError), then [sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows].
+  m.def(
+      "qsa_plan_one_row(Tensor cell_pos, Tensor run_cells, Tensor run_groups, Tensor cells, int p0, int start, "
+      "int r) -> Tensor[]");
+  // A chunk's cells taken at the QSA allocator's head (issue 37): cells [start, start + T) (all free, none freed in
+  // this block) referenced, given the rows' positions (starts[i] + 0, 1, ... for counts[i] tokens) and flagged
+  // unwritten in every layer; returns (cells, positions, cu_seqlens, old cell_ref, old cell_pos, old unwritten).
+  m.def(
+      "qsa_claim_cells(Tensor(a!) cell_ref, Tensor(b!) cell_pos, Tensor(c!) unwritten, Tensor freed, int start, "
+      "int[] starts, int[] counts) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Qwen4Exp's RMSNorm of every head of x [T, H, D] then transformers' rotate-half RoPE of its first R dims
   // at each token's cos/sin [T, R] in x's dtype (issue 37): a q_norm / k_norm / q_layernorm and its RoPE.
   m.def("rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");

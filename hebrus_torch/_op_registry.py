@@ -100,6 +100,14 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("qsa_token_cells",
            "qsa_token_cells(Tensor selected, Tensor nvis, Tensor first, Tensor cells, int r) -> (Tensor, Tensor)",
            reference.qsa_token_cells, _CPU_MPS),
+    OpSpec("qsa_plan_one_row",
+           "qsa_plan_one_row(Tensor cell_pos, Tensor run_cells, Tensor run_groups, Tensor cells, int p0, int start, "
+           "int r) -> Tensor[]",
+           reference.qsa_plan_one_row, _CPU),
+    OpSpec("qsa_claim_cells",
+           "qsa_claim_cells(Tensor(a!) cell_ref, Tensor(b!) cell_pos, Tensor(c!) unwritten, Tensor freed, int start, "
+           "int[] starts, int[] counts) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+           reference.qsa_claim_cells, _CPU),
     OpSpec("rms_norm_rope",
            "rms_norm_rope(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor",
            reference.rms_norm_rope, _CPU_MPS),

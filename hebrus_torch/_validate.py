@@ -252,6 +252,48 @@ def qsa_token_cells(selected, nvis, first, cells, r) -> int:
     return selected.shape[1] * r + r - 1
 
 
+def qsa_plan_one_row(cell_pos, run_cells, run_groups, cells, p0, start, r) -> tuple[int, int]:
+    """Metadata of hebrus::qsa_plan_one_row (issue 37); returns (nvis, groups): the chunk's visible positions in
+    the run (``start - p0 + T``) and its complete groups (``nvis // r``)."""
+    op = "qsa_plan_one_row"
+    _same_device(op, cell_pos=cell_pos, run_cells=run_cells, run_groups=run_groups, cells=cells)
+    _ranks_and_dtypes(op, ("cell_pos", cell_pos, 1, torch.int64), ("run_cells", run_cells, 1, torch.int64),
+                      ("run_groups", run_groups, 1, torch.int64), ("cells", cells, 1, torch.int64))
+    t = cells.shape[0]
+    check(t >= 1, op, "the chunk must have at least one cell")
+    check(1 <= r <= 2**20, op, f"r must be in [1, 1048576], got {r}")
+    check(0 <= p0 <= start, op, f"need 0 <= p0 <= start, got p0 = {p0} and start = {start}")
+    check(start - p0 <= run_cells.shape[0] - t, op,
+          f"the chunk's {t} positions from {start} pass the run's {run_cells.shape[0]} cells from {p0}")
+    nvis = start - p0 + t
+    check(nvis // r <= run_groups.shape[0], op,
+          f"the run's {nvis} visible positions make {nvis // r} groups but run_groups has {run_groups.shape[0]}")
+    check(cell_pos.shape[0] <= 2**31 - 1, op, f"cell_pos must have fewer than 2^31 cells, got {cell_pos.shape[0]}")
+    return nvis, nvis // r
+
+
+def qsa_claim_cells(cell_ref, cell_pos, unwritten, freed, start, starts, counts) -> tuple[int, int]:
+    """Metadata of hebrus::qsa_claim_cells (issue 37); returns (T, L): the cells taken and the layers flagged."""
+    op = "qsa_claim_cells"
+    _same_device(op, cell_ref=cell_ref, cell_pos=cell_pos, unwritten=unwritten, freed=freed)
+    _ranks_and_dtypes(op, ("cell_ref", cell_ref, 1, torch.int32), ("cell_pos", cell_pos, 1, torch.int64),
+                      ("unwritten", unwritten, 2, torch.bool), ("freed", freed, 1, torch.bool))
+    capacity = cell_ref.shape[0]
+    check(cell_pos.shape[0] == capacity and unwritten.shape[1] == capacity and freed.shape[0] == capacity, op,
+          f"cell_pos, unwritten and freed must cover cell_ref's C = {capacity} cells, got {cell_pos.shape[0]}, "
+          f"{unwritten.shape[1]} and {freed.shape[0]}")
+    check(len(starts) == len(counts), op, f"{len(starts)} starts but {len(counts)} counts")
+    for i, (first, count) in enumerate(zip(starts, counts)):
+        check(0 <= count <= capacity, op, f"counts[{i}] = {count} is outside [0, {capacity}]")
+        check(count == 0 or 0 <= first <= 2**63 - count, op,
+              f"row {i}'s {count} positions from {first} are outside [0, 2^63)")
+    total = sum(counts)
+    check(total >= 1 and 0 <= start <= capacity - total, op,
+          f"the {total} cells from {start} must be at least one and lie in [0, {capacity})")
+    check(total < 2**31, op, f"at most 2^31 - 1 cells at once, got {total}")
+    return total, unwritten.shape[0]
+
+
 def rms_norm_rope(x, weight, eps, cos, sin) -> None:
     """Metadata of hebrus::rms_norm_rope (issue 37)."""
     op = "rms_norm_rope"

@@ -1,5 +1,5 @@
 """Calling a model's own ``nn.Linear`` modules on the decode hot path without ``nn.Module.__call__``'s machinery,
-where skipping it changes nothing.
+where skipping it changes nothing (and the same for ``nn.Embedding``: :func:`embedding`).
 
 ``module(x)`` of an ``nn.Linear`` runs ``F.linear(x, weight, bias)`` after checking for hooks, a compiled call,
 an instance ``forward`` and TorchScript tracing; :func:`linear` makes the same checks itself and, where none
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-__all__ = ["linear", "plain_linear_weight", "runs_as_f_linear", "runs_forward_only", "submodule"]
+__all__ = ["embedding", "linear", "plain_linear_weight", "runs_as_f_linear", "runs_forward_only", "submodule"]
 
 
 def runs_forward_only(module: torch.nn.Module) -> bool:
@@ -51,6 +51,16 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         params = module._parameters
         return F.linear(x, params["weight"], params["bias"])
     return module(x)
+
+
+def embedding(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``module(ids)``: as ``F.embedding`` of the module's own weight and options where ``module`` is a plain
+    ``nn.Embedding`` (:func:`runs_forward_only`: what its ``forward`` runs, the same bits), else the module's own call.
+    ids Tensor[...] int64 -> Tensor[..., embedding_dim]."""
+    if type(module) is torch.nn.Embedding and runs_forward_only(module):
+        return F.embedding(ids, module._parameters["weight"], module.padding_idx, module.max_norm, module.norm_type,
+                           module.scale_grad_by_freq, module.sparse)
+    return module(ids)
 
 
 _ABSENT = object()

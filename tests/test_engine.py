@@ -336,7 +336,8 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), the PLE
     conv after its op wrote the tails ("ple_conv_written"), a native GDN layer after it wrote its pools
     ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA cache's planes
-    ("native_attention_layer") or the engine's step hook ("hook"); every execute that fails must leave the cache's
+    ("native_attention_layer"), or after the cache's bookkeeping of it ("native_attention_settled"), or the engine's
+    step hook ("hook"); every execute that fails must leave the cache's
     digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
@@ -347,14 +348,19 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
 
     if target == "hook":
         engine._fault_hook = lambda plan: fault()
-    elif target == "native_attention_layer":
-        # after hebrus::decode_attention_layer wrote the QSA cache's planes, before the cache's bookkeeping
+    elif target in ("native_attention_layer", "native_attention_settled"):
+        # after hebrus::decode_attention_layer wrote the QSA cache's planes, before the cache's bookkeeping (or after
+        # it: its flag writes, by range where the chunk's cells were taken at the head, are undone too)
         qsa = engine.cache.qsa
         settle = qsa.settle_step_plan
 
         def faulty_settle(plan, layers, _orig=settle):
-            fault()
-            return _orig(plan, layers)
+            if target == "native_attention_layer":
+                fault()
+            out = _orig(plan, layers)
+            if target == "native_attention_settled":
+                fault()
+            return out
         monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
     elif target == "native_gdn_layer":
         # in the layer's call bound by ChunkStep.gdn_layer_call, after hebrus::decode_gdn_layer wrote the pools
@@ -418,7 +424,7 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("target", ["ple_conv", "ple_conv_written", "qsa_select", "delta_rule", "native_gdn_layer",
-                                    "native_attention_layer", "hook"])
+                                    "native_attention_layer", "native_attention_settled", "hook"])
 def test_a_fault_at_any_step_rolls_back_and_the_engine_completes_every_request(target, monkeypatch):
     model = make_model("lin-idx", seed=7)
     prompts = prompts_for(7, lengths=(10, 4, 15))

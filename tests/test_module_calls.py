@@ -1,13 +1,13 @@
 """hebrus_torch.module_calls.linear: a plain nn.Linear runs as F.linear on its own parameters (the module call's
 bits), and anything the module call would do besides its forward (hooks, a subclass, an instance forward, a
-compiled call) still happens."""
+compiled call) still happens. module_calls.embedding: the same for nn.Embedding and F.embedding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hebrus_torch.module_calls import linear, runs_forward_only
+from hebrus_torch.module_calls import embedding, linear, runs_forward_only
 
 
 def _lin(bias: bool = False) -> torch.nn.Linear:
@@ -72,3 +72,27 @@ def test_any_other_module_is_called_as_itself():
     seq = torch.nn.Sequential(_lin(), torch.nn.ReLU())
     x = torch.randn(2, 8)
     assert torch.equal(linear(seq, x), seq(x))
+
+
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 2}, {"max_norm": 0.5}])
+def test_plain_embedding_gives_the_module_calls_bits(options):
+    torch.manual_seed(1)
+    emb, ids = torch.nn.Embedding(11, 6, **options), torch.tensor([[3, 2], [10, 3]])
+    want = torch.nn.Embedding(11, 6, **options)
+    want.load_state_dict(emb.state_dict())
+    assert torch.equal(embedding(emb, ids), want(ids))
+    assert torch.equal(emb.weight, want.weight)         # (max_norm renormalizes the rows read, in place: both did)
+
+
+def test_an_embedding_with_a_hook_or_of_a_subclass_is_called_as_itself():
+    torch.manual_seed(2)
+    emb, ids = torch.nn.Embedding(7, 4), torch.tensor([1, 5])
+    emb.register_forward_hook(lambda mod, args, out: out + 1)
+    assert torch.equal(embedding(emb, ids), emb.weight[ids] + 1)
+
+    class Doubled(torch.nn.Embedding):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    doubled = Doubled(7, 4)
+    assert torch.equal(embedding(doubled, ids), doubled.weight[ids] * 2)

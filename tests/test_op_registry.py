@@ -109,7 +109,7 @@ def test_composites_and_native_lists_are_the_registrys():
         assert spec.mutates == (name in ("ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots",
                                          "gdn_delta_rule", "gdn_delta_rule_slots",
                                          "gdn_chunk_delta_rule_slots", "decode_gdn_layer",
-                                         "decode_attention_layer"))
+                                         "decode_attention_layer", "qsa_claim_cells"))
 
 
 def test_has_native_kernel_answers_for_the_emulated_device_from_the_registry(monkeypatch):
@@ -152,7 +152,7 @@ REFERENCE_NAMES = [
     "ple_ngram_ids", "ple_ngram_ids_rows", "ple_ngram_ids_slots", "qsa_attention", "qsa_pool", "qsa_scores",
     "quantized_linear",
     "qsa_select", "rotate_half", "_qsa_select_all", "_silu",
-    "qsa_token_cells", "rms_norm_rope", "sigmoid_gate",
+    "qsa_token_cells", "qsa_plan_one_row", "qsa_claim_cells", "rms_norm_rope", "sigmoid_gate",
     "decode_gdn_layer", "decode_moe_tail", "decode_attention_head", "decode_attention_tail", "decode_attention_layer",
     "decode_ple_gate", "dense_projection",
 ]

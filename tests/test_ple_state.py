@@ -832,3 +832,28 @@ def test_a_fault_around_the_in_place_write_is_undone(op_name, when, monkeypatch)
             state.ngram_ids(0, seqs, tokens, cu)
             raise ZeroDivisionError       # ... and the block fails
     assert state.digest() == before
+
+
+def test_conv_call_reads_a_passed_weight_as_it_is_now():
+    """conv_call keeps a passed [C, 1, K] weight's [C, K] form between calls (a view): an in-place change of the weight
+    reaches the next call through it, and a weight whose data was replaced (``.data =``) or another tensor is formed
+    afresh. Each call gives what PLEState.conv gives with the same weight."""
+    fast, slow = make_state(), make_state()
+    seq_f, seq_s = fast.new_sequence(), slow.new_sequence()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(CHANNELS, 1, 4, generator=g)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    for step, change in enumerate(["none", "none", "in place", "data", "other", "none"]):
+        if change == "in place":
+            weight.mul_(-2)
+        elif change == "data":
+            weight.data = torch.randn(CHANNELS, 1, 4, generator=g)
+        elif change == "other":
+            weight = torch.randn(CHANNELS, 1, 4, generator=g)
+        x = torch.randn(1, CHANNELS, generator=g)
+        with torch.no_grad(), ht.transaction(fast):
+            y_fast = fast.conv_call(0, [seq_f], cu, torch.float32, weight)(x)
+        with torch.no_grad(), ht.transaction(slow):
+            y_slow = slow.conv(0, [seq_s], x, cu, weight.clone())
+        assert torch.equal(y_fast, y_slow), (step, change)
+    assert torch.equal(fast.conv_state, slow.conv_state)

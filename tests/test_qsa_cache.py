@@ -1020,12 +1020,16 @@ def test_rewind_many_equals_one_rewind_after_another_with_shared_cells():
 
 
 def test_allocation_at_the_head_chooses_what_the_full_scan_chooses():
-    """The allocator's shortcut (the cells from the head on, when free and not precious) takes exactly the
-    cells and group rows the full scan takes: the same tables after every operation of a random workload
-    with forks, rewinds, frees, cells freed and taken again in one transaction, and rolled-back ones."""
+    """The allocator's shortcut (the cells from the head on, when free and not precious; a chunk's cells then taken
+    in one ``hebrus::qsa_claim_cells`` call) takes exactly the cells and group rows the full scan takes: the same
+    tables after every operation of a random workload with forks, rewinds, frees, cells freed and taken again in one
+    transaction, and rolled-back ones."""
     rng = random.Random(5)
     fast, slow = make_cache(48), make_cache(48)
-    slow._at_head = lambda *args: None
+    slow._head_free = lambda *args: False
+    claims = []
+    claim = fast._claim_at_head
+    fast._claim_at_head = lambda *args: claims.append(claim(*args)) or claims[-1]
     keys, _, _ = stream(64)
     live: list[list[SeqHandle]] = [[], []]
     for step in range(120):
@@ -1065,6 +1069,7 @@ def test_allocation_at_the_head_chooses_what_the_full_scan_chooses():
         for table in ("_unwritten", "_freed_cells", "_freed_rows", "_pending"):
             assert torch.equal(getattr(fast, table), getattr(slow, table)), (step, table)
     check_invariants(fast)
+    assert sum(c is not None for c in claims) > 10 and None in claims     # (both paths of the fast cache ran)
 
 
 def test_the_allocators_numpy_views_follow_a_replaced_table():

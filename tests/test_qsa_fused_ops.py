@@ -5,7 +5,10 @@ heads cut from a wider projection), rows independent. hebrus::qsa_token_cells: e
 cells ``QSACache.plan`` derived with ATen ops before (selected groups in order, -1 entries skipped
 wherever they are, then the raw tail, then -1), every bad value refused with a HebrusError before
 anything is written. Both: bad metadata refused as the reference refuses it, opcheck, torch.compile
-(fullgraph). The packed attention uses them (norm_and_rope)."""
+(fullgraph). The packed attention uses them (norm_and_rope). hebrus::qsa_plan_one_row: the host's selection rows of
+a one-row chunk, exactly the values built from host integers, holes refused with a HoleError. hebrus::qsa_claim_cells:
+a chunk's cells taken at the allocator's head, the tables written as the allocator's writes leave them, the old values
+returned; a taken or freed cell refused before anything is written."""
 
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from hf_models import modeling
 from tolerance import near
 
 from hebrus_torch import reference
-from hebrus_torch.errors import HebrusError
+from hebrus_torch.errors import HebrusError, HoleError
 from hebrus_torch.models.qwen4_exp.attention import norm_and_rope
-from hebrus_torch.qsa.ops import qsa_token_cells, rms_norm_rope, sigmoid_gate
+from hebrus_torch.qsa.ops import qsa_claim_cells, qsa_plan_one_row, qsa_token_cells, rms_norm_rope, sigmoid_gate
 from hebrus_torch.qsa.runs import group_and_tail_offsets
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -224,6 +227,179 @@ def test_token_cells_opcheck_and_compile():
     fn = torch.compile(qsa_token_cells, fullgraph=True, backend="eager")
     got, want = fn(*args, 4), qsa_token_cells(*args, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- qsa_plan_one_row ---------------------------------------------------------------------------------------
+
+def plan_one_row_inputs(n_run, capacity=96, seed=0):
+    """A run of n_run cells (scattered over a table of ``capacity``) holding positions 7, 8, ... and its groups."""
+    g = torch.Generator().manual_seed(seed)
+    cell_pos = torch.full((capacity,), -1, dtype=torch.int64)
+    run = torch.randperm(capacity, generator=g)[:n_run]
+    cell_pos[run] = torch.arange(7, 7 + n_run)
+    groups = torch.randperm(500, generator=g)[: n_run + 2]
+    return cell_pos, run, groups
+
+
+def expected_plan_rows(run, groups, p0, start, t, r):
+    """The plan rows from host integers (what QSACache._plan_one_row built with torch ops before the op)."""
+    nvis, skip = start - p0 + t, start - p0
+    seen = [skip + 1 + j for j in range(t)]
+    g = groups[: nvis // r].tolist() or [-1]
+    i32, i64 = dict(dtype=torch.int32), dict(dtype=torch.int64)
+    return [torch.tensor([g], **i32), torch.zeros(t, **i32), torch.tensor([n // r for n in seen], **i32),
+            torch.tensor(run[:nvis].tolist() + [-1], **i32), torch.tensor(seen, **i64), torch.zeros(t, **i64),
+            torch.full((t,), p0, **i64), torch.zeros(t, **i64)]
+
+
+@pytest.mark.parametrize("n_run,start,t,r", [(30, 7, 1, 4), (30, 36, 1, 4), (30, 30, 3, 4), (9, 9, 2, 4),
+                                             (2, 8, 1, 4), (40, 20, 17, 3), (5, 7, 5, 1)])
+def test_plan_one_row_is_the_host_integers(n_run, start, t, r):
+    cell_pos, run, groups = plan_one_row_inputs(n_run, seed=n_run + t)
+    cells = run[start - 7:start - 7 + t].clone()
+    want = expected_plan_rows(run, groups, 7, start, t, r)
+    for fn in (qsa_plan_one_row, reference.qsa_plan_one_row):
+        got = fn(cell_pos, run, groups, cells, 7, start, r)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (fn, a, b)
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    (lambda pos, run, grp, cells: pos.__setitem__(run[3], 99), HoleError,
+     r"the run starting at 7 has cell \d+ at position 99 where 10 is required"),
+    (lambda pos, run, grp, cells: pos.__setitem__(run[21], -1), HoleError,
+     r"the run starting at 7 has cell \d+ at position -1 where 28 is required"),
+    (lambda pos, run, grp, cells: cells.__setitem__(1, run[0]), HoleError,
+     r"the chunk's cell 1 is \d+ but the run holds cell \d+ at position 28"),
+    (lambda pos, run, grp, cells: run.__setitem__(5, 96), HebrusError, r"run_cells\[5\] = 96 is outside the table's"),
+    (lambda pos, run, grp, cells: grp.__setitem__(2, 2**31), HebrusError, r"run_groups\[2\] = 2147483648 is outside"),
+])
+def test_plan_one_row_refuses_holes_and_bad_values(edit, error, match):
+    cell_pos, run, groups = plan_one_row_inputs(24)
+    cells = run[20:23].clone()
+    edit(cell_pos, run, groups, cells)
+    for fn in (qsa_plan_one_row, reference.qsa_plan_one_row):
+        with pytest.raises(error, match="hebrus::qsa_plan_one_row: " + match):
+            fn(cell_pos, run, groups, cells, 7, 27, 4)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda pos, run, grp, cells: (pos.int(), run, grp, cells, 7, 27, 4), "cell_pos must have dtype torch.int64"),
+    (lambda pos, run, grp, cells: (pos, run[None], grp, cells, 7, 27, 4), "run_cells must be 1-D"),
+    (lambda pos, run, grp, cells: (pos, run, grp, cells[:0], 7, 27, 4), "the chunk must have at least one cell"),
+    (lambda pos, run, grp, cells: (pos, run, grp, cells, 7, 27, 0), r"r must be in \[1, 1048576\], got 0"),
+    (lambda pos, run, grp, cells: (pos, run, grp, cells, 28, 27, 4), "need 0 <= p0 <= start, got p0 = 28"),
+    (lambda pos, run, grp, cells: (pos, run, grp, cells, 7, 29, 4), "the chunk's 3 positions from 29 pass the run's"),
+    (lambda pos, run, grp, cells: (pos, run, grp[:3], cells, 7, 27, 5), "make 4 groups but run_groups has 3"),
+])
+def test_plan_one_row_bad_metadata_raises(bad, match):
+    cell_pos, run, groups = plan_one_row_inputs(24)
+    args = bad(cell_pos, run, groups, run[20:23].clone())
+    for fn in (qsa_plan_one_row, reference.qsa_plan_one_row):
+        with pytest.raises(HebrusError, match=match):
+            fn(*args)
+
+
+def test_plan_one_row_opcheck_and_compile():
+    cell_pos, run, groups = plan_one_row_inputs(30, seed=3)
+    args = (cell_pos, run, groups, run[26:28].clone(), 7, 33, 4)
+    torch.library.opcheck(torch.ops.hebrus.qsa_plan_one_row.default, args)
+    fn = torch.compile(qsa_plan_one_row, fullgraph=True, backend="eager")
+    for a, b in zip(fn(*args), qsa_plan_one_row(*args)):
+        assert torch.equal(a, b)
+
+
+# ---- qsa_claim_cells ----------------------------------------------------------------------------------------
+
+def claim_tables(capacity=40, layers=3, seed=0):
+    """cell_ref, cell_pos, unwritten, freed as a QSA cache holds them, with some cells referenced, flagged, freed."""
+    g = torch.Generator().manual_seed(seed)
+    ref = (torch.rand(capacity, generator=g) < 0.4).to(torch.int32) * torch.randint(1, 3, (capacity,), generator=g,
+                                                                                      dtype=torch.int32)
+    pos = torch.where(ref > 0, torch.randint(0, 1000, (capacity,), generator=g), -1)
+    unwritten = torch.rand(layers, capacity, generator=g) < 0.3
+    freed = torch.zeros(capacity, dtype=torch.bool)
+    return ref, pos, unwritten, freed
+
+
+@pytest.mark.parametrize("starts,counts", [([5], [1]), ([0, 17, 2**62], [3, 0, 2]), ([9, 40], [4, 4]),
+                                           ([2**63 - 3], [3])])
+def test_claim_cells_takes_the_head_as_the_allocator_writes(starts, counts):
+    total = sum(counts)
+    ref, pos, unwritten, freed = claim_tables(seed=total)
+    head = 11
+    ref[head:head + total] = 0
+    results = []
+    for fn in (qsa_claim_cells, reference.qsa_claim_cells):
+        tables = [t.clone() for t in (ref, pos, unwritten)]
+        out = fn(*tables, freed, head, starts, counts)
+        results.append((out, tables))
+    want_pos = [first + j for first, count in zip(starts, counts) for j in range(count)]
+    (out, tables), (ref_out, ref_tables) = results
+    assert out[0].tolist() == list(range(head, head + total)) and out[1].tolist() == want_pos
+    assert out[2].tolist() == [sum(counts[:i]) for i in range(len(counts) + 1)]
+    at = slice(head, head + total)
+    assert torch.equal(out[3], ref[at]) and torch.equal(out[4], pos[at]) and torch.equal(out[5], unwritten[:, at])
+    assert tables[0][at].tolist() == [1] * total and tables[1][at].tolist() == want_pos and bool(tables[2][:, at].all())
+    outside = torch.ones(ref.shape[0], dtype=torch.bool)
+    outside[at] = False
+    for new, old in zip(tables, (ref, pos, unwritten)):
+        assert torch.equal(new[..., outside], old[..., outside])
+    for a, b in zip(out, ref_out):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(tables, ref_tables):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("taken", ["referenced", "freed in this block"])
+def test_claim_cells_refuses_a_cell_not_free_and_writes_nothing(taken):
+    ref, pos, unwritten, freed = claim_tables(seed=4)
+    ref[20:26] = 0
+    if taken == "referenced":
+        ref[24] = 2
+    else:
+        freed[24] = True
+    for fn in (qsa_claim_cells, reference.qsa_claim_cells):
+        tables = [t.clone() for t in (ref, pos, unwritten)]
+        with pytest.raises(HebrusError, match=f"hebrus::qsa_claim_cells: cell 24 is not free for the taking \\({taken}\\)"):
+            fn(*tables, freed, 20, [100, 7], [2, 4])
+        for new, old in zip(tables, (ref, pos, unwritten)):
+            assert torch.equal(new, old)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda r, p, u, f: (r.long(), p, u, f, 0, [3], [2]), "cell_ref must have dtype torch.int32"),
+    (lambda r, p, u, f: (r, p, u[0], f, 0, [3], [2]), "unwritten must be 2-D"),
+    (lambda r, p, u, f: (r, p[:-1], u, f, 0, [3], [2]), r"cover cell_ref's C = 40 cells, got 39, 40 and 40"),
+    (lambda r, p, u, f: (r, p, u, f, 0, [3, 4], [2]), "2 starts but 1 counts"),
+    (lambda r, p, u, f: (r, p, u, f, 0, [3], [-1]), r"counts\[0\] = -1 is outside \[0, 40\]"),
+    (lambda r, p, u, f: (r, p, u, f, 0, [-3], [2]), r"row 0's 2 positions from -3 are outside \[0, 2\^63\)"),
+    (lambda r, p, u, f: (r, p, u, f, 0, [2**63 - 2], [3]), r"row 0's 3 positions from \d+ are outside"),
+    (lambda r, p, u, f: (r, p, u, f, 0, [3], [0]), r"the 0 cells from 0 must be at least one"),
+    (lambda r, p, u, f: (r, p, u, f, 39, [3], [2]), r"the 2 cells from 39 must be at least one and lie in \[0, 40\)"),
+])
+def test_claim_cells_bad_metadata_raises(bad, match):
+    ref, pos, unwritten, freed = claim_tables(seed=1)
+    ref.zero_()
+    for fn in (qsa_claim_cells, reference.qsa_claim_cells):
+        args = bad(ref.clone(), pos.clone(), unwritten.clone(), freed)
+        with pytest.raises(HebrusError, match=match):
+            fn(*args)
+
+
+def test_claim_cells_opcheck_and_compile():
+    ref, pos, unwritten, freed = claim_tables(seed=2)
+    ref[3:8] = 0
+    torch.library.opcheck(torch.ops.hebrus.qsa_claim_cells.default,
+                          (ref.clone(), pos.clone(), unwritten.clone(), freed, 3, [10, 50], [2, 3]))
+    fn = torch.compile(qsa_claim_cells, fullgraph=True, backend="eager")
+    tables = [t.clone() for t in (ref, pos, unwritten)]
+    got = fn(*tables, freed, 3, [10, 50], [2, 3])
+    want_tables = [t.clone() for t in (ref, pos, unwritten)]
+    want = qsa_claim_cells(*want_tables, freed, 3, [10, 50], [2, 3])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(tables, want_tables))
 
 
 # ---- sigmoid_gate -------------------------------------------------------------------------------------------

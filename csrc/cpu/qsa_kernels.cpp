@@ -831,6 +831,123 @@ at::Tensor sigmoid_gate_cpu(const at::Tensor& x, const at::Tensor& gate) {
   return out;
 }
 
+// ---- qsa_plan_one_row (issue 37) ----------------------------------------------------------------------
+// The selection rows of a one-row chunk (QSACache._plan_one_row: one person's decode, a speculative verify) in one
+// call, where they took ~20 torch ops of the host's step plan: the run's contiguity and the chunk's cells checked
+// (HoleError), then the eight index tensors qsa_select, qsa_token_cells and decode_attention_layer read.
+std::vector<at::Tensor> qsa_plan_one_row_cpu(const at::Tensor& cell_pos_in, const at::Tensor& run_cells_in,
+                                             const at::Tensor& run_groups_in, const at::Tensor& cells_in, int64_t p0,
+                                             int64_t start, int64_t r) {
+  const char* op = "qsa_plan_one_row";
+  check_on_device(op, at::kCPU, {{"cell_pos", &cell_pos_in}, {"run_cells", &run_cells_in},
+                                 {"run_groups", &run_groups_in}, {"cells", &cells_in}});
+  const QsaPlanOneRowSizes sz = check_qsa_plan_one_row_args(cell_pos_in, run_cells_in, run_groups_in, cells_in, p0,
+                                                            start, r);
+  const at::Tensor pos_t = cell_pos_in.contiguous(), run_t = run_cells_in.contiguous();
+  const at::Tensor groups_t = run_groups_in.contiguous(), cells_t = cells_in.contiguous();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const int64_t* run = run_t.data_ptr<int64_t>();
+  const int64_t* groups = groups_t.data_ptr<int64_t>();
+  const int64_t* cells = cells_t.data_ptr<int64_t>();
+  const int64_t t = sz.tokens, nvis = sz.nvis, n_groups = sz.groups, capacity = sz.capacity, skip = start - p0;
+  for (int64_t j = 0; j < nvis; ++j) {
+    const int64_t c = run[j];
+    HEBRUS_CHECK(c >= 0 && c < capacity, HebrusError, "hebrus::", op, ": run_cells[", j, "] = ", c,
+                 " is outside the table's cells [0, ", capacity, ")");
+    HEBRUS_CHECK(pos[c] == p0 + j, HoleError, "hebrus::", op, ": the run starting at ", p0, " has cell ", c,
+                 " at position ", pos[c], " where ", p0 + j, " is required (a hole inside the run is not padding)");
+  }
+  for (int64_t j = 0; j < t; ++j) {
+    HEBRUS_CHECK(run[skip + j] == cells[j], HoleError, "hebrus::", op, ": the chunk's cell ", j, " is ", cells[j],
+                 " but the run holds cell ", run[skip + j], " at position ", start + j);
+  }
+  for (int64_t g = 0; g < n_groups; ++g) {
+    HEBRUS_CHECK(groups[g] >= 0 && groups[g] <= std::numeric_limits<int32_t>::max(), HebrusError, "hebrus::", op,
+                 ": run_groups[", g, "] = ", groups[g], " is outside [0, 2^31)");
+  }
+  const at::TensorOptions i32 = cells_in.options().dtype(at::kInt), i64 = cells_in.options();
+  at::Tensor sel_groups = empty_on_cpu({1, std::max<int64_t>(n_groups, 1)}, i32);
+  at::Tensor sel_row = empty_on_cpu({t}, i32), q_groups = empty_on_cpu({t}, i32);
+  at::Tensor cells32 = empty_on_cpu({nvis + 1}, i32);
+  at::Tensor nvis_q = empty_on_cpu({t}, i64), first = empty_on_cpu({t}, i64);
+  at::Tensor q_p0 = empty_on_cpu({t}, i64), q_rows = empty_on_cpu({t}, i64);
+  int32_t* sg = sel_groups.data_ptr<int32_t>();
+  if (n_groups == 0) sg[0] = -1;
+  for (int64_t g = 0; g < n_groups; ++g) sg[g] = static_cast<int32_t>(groups[g]);
+  int32_t* c32 = cells32.data_ptr<int32_t>();
+  for (int64_t j = 0; j < nvis; ++j) c32[j] = static_cast<int32_t>(run[j]);
+  c32[nvis] = -1;
+  int32_t *sr = sel_row.data_ptr<int32_t>(), *qg = q_groups.data_ptr<int32_t>();
+  int64_t *nq = nvis_q.data_ptr<int64_t>(), *fi = first.data_ptr<int64_t>();
+  int64_t *qp = q_p0.data_ptr<int64_t>(), *qr = q_rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < t; ++j) {
+    const int64_t seen = skip + 1 + j;        // the query's visible positions
+    sr[j] = 0;
+    qg[j] = static_cast<int32_t>(seen / r);
+    nq[j] = seen;
+    fi[j] = 0;
+    qp[j] = p0;
+    qr[j] = 0;
+  }
+  return {sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows};
+}
+
+// ---- qsa_claim_cells (issue 37) -----------------------------------------------------------------------
+// A chunk's cells taken at the allocator's head in one call (QSACache.reserve, where the cells [start, start + T) are
+// all free and none freed in this block): referenced once, given the rows' positions, flagged unwritten for every
+// layer; their old values returned for the undo log. Every check runs before anything is written.
+using ClaimedCells = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+ClaimedCells qsa_claim_cells_cpu(at::Tensor& cell_ref, at::Tensor& cell_pos, at::Tensor& unwritten,
+                                            const at::Tensor& freed_in, int64_t start, c10::IntArrayRef starts,
+                                            c10::IntArrayRef counts) {
+  const char* op = "qsa_claim_cells";
+  check_on_device(op, at::kCPU, {{"cell_ref", &cell_ref}, {"cell_pos", &cell_pos}, {"unwritten", &unwritten},
+                                 {"freed", &freed_in}});
+  const QsaClaimCellsSizes sz = check_qsa_claim_cells_args(cell_ref, cell_pos, unwritten, freed_in, start, starts,
+                                                           counts);
+  HEBRUS_CHECK(cell_ref.is_contiguous() && cell_pos.is_contiguous() && unwritten.stride(1) == 1, HebrusError,
+               "hebrus::", op, ": cell_ref, cell_pos and unwritten's rows must be contiguous (the tables it writes)");
+  const at::Tensor freed_t = freed_in.contiguous();
+  int32_t* ref = cell_ref.data_ptr<int32_t>();
+  int64_t* pos = cell_pos.data_ptr<int64_t>();
+  bool* flags = unwritten.data_ptr<bool>();
+  const bool* freed = freed_t.data_ptr<bool>();
+  const int64_t t = sz.tokens, layers = sz.layers, row_stride = unwritten.stride(0);
+  for (int64_t j = 0; j < t; ++j) {
+    HEBRUS_CHECK(ref[start + j] == 0 && !freed[start + j], HebrusError, "hebrus::", op, ": cell ", start + j,
+                 " is not free for the taking (", ref[start + j] != 0 ? "referenced" : "freed in this block", ")");
+  }
+  const at::TensorOptions i64 = cell_pos.options();
+  at::Tensor cells = empty_on_cpu({t}, i64), positions = empty_on_cpu({t}, i64);
+  at::Tensor cu = empty_on_cpu({sz.rows + 1}, cell_ref.options());
+  at::Tensor old_ref = empty_on_cpu({t}, cell_ref.options()), old_pos = empty_on_cpu({t}, i64);
+  at::Tensor old_flags = empty_on_cpu({layers, t}, unwritten.options().memory_format(at::MemoryFormat::Contiguous));
+  int64_t *c = cells.data_ptr<int64_t>(), *p = positions.data_ptr<int64_t>(), *op_ = old_pos.data_ptr<int64_t>();
+  int32_t *cu32 = cu.data_ptr<int32_t>(), *orf = old_ref.data_ptr<int32_t>();
+  bool* of = old_flags.data_ptr<bool>();
+  int64_t at_token = 0;
+  cu32[0] = 0;
+  for (int64_t i = 0; i < sz.rows; ++i) {
+    for (int64_t j = 0; j < counts[i]; ++j, ++at_token) p[at_token] = starts[i] + j;
+    cu32[i + 1] = static_cast<int32_t>(at_token);
+  }
+  for (int64_t j = 0; j < t; ++j) {
+    const int64_t cell = start + j;
+    c[j] = cell;
+    orf[j] = ref[cell];
+    op_[j] = pos[cell];
+    ref[cell] = 1;
+    pos[cell] = p[j];
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    bool* row = flags + l * row_stride + start;
+    std::memcpy(of + l * t, row, static_cast<size_t>(t) * sizeof(bool));
+    std::fill(row, row + t, true);
+  }
+  return {cells, positions, cu, old_ref, old_pos, old_flags};
+}
+
 }  // namespace
 }  // namespace hebrus
 
@@ -838,6 +955,8 @@ TORCH_LIBRARY_IMPL(hebrus, CPU, m) {
   m.impl("qsa_pool", &hebrus::qsa_pool_cpu);
   m.impl("qsa_select", &hebrus::qsa_select_cpu);
   m.impl("qsa_token_cells", &hebrus::qsa_token_cells_cpu);
+  m.impl("qsa_plan_one_row", &hebrus::qsa_plan_one_row_cpu);
+  m.impl("qsa_claim_cells", &hebrus::qsa_claim_cells_cpu);
   m.impl("rms_norm_rope", &hebrus::rms_norm_rope_cpu);
   m.impl("sigmoid_gate", &hebrus::sigmoid_gate_cpu);
 }

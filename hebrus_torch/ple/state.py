@@ -152,11 +152,14 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         # step, runs the same sequences (see _slot_index). And views of conv_state per layer (_tail_pools).
         self._index_cache: tuple | None = None
         self._pool_cache: tuple | None = None
+        self._history_cache: tuple | None = None      # views of history per layer (_history_pool)
+        self._weight_cache: dict[int, tuple] = {}      # per layer: a conv weight and its [C, K] form (conv_call)
         self.replay_log: ReplayLog | None = None
         """While set, the state ops record their inputs there (speculative decoding: ``state/replay.py``)."""
 
     # Bookkeeping set on every transaction and chunk, never a parameter, buffer or module (state/plain_attrs.py).
-    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "replay_log"})
+    _PLAIN_ATTRS = frozenset({"_undo", "_base", "_txn_depth_owner", "_index_cache", "_pool_cache", "_history_cache",
+                              "_weight_cache", "replay_log"})
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -206,7 +209,7 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         """
         slots = self._slots_of(seqs, cu_seqlens)
         p = self.hash_params(layer)
-        pool = self.history[layer]
+        pool = self._history_pool(layer)
         index = self._slot_index(slots, pool.device)
         with atomic(self):
             # In place by slot (hebrus::ple_ngram_ids_slots). The undo entry (the rows' whole old histories,
@@ -272,8 +275,16 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         if not self.in_transaction or self.replay_log is not None or dtype != pool.dtype or torch.is_grad_enabled():
             return None
         slots = self._slots_of(seqs, cu_seqlens)
-        weight = conv_weight("PLEState.conv", layer, weight, self._conv_weights, ("C", self.channels),
-                             self.conv_kernel_size, dtype, pool.device)
+        held = self._weight_cache.get(layer)
+        if held is not None and held[0] is weight and weight is not None and held[1] == weight.data_ptr() \
+                and held[2] == weight.shape and held[3] == dtype:
+            weight = held[4]        # (the same tensor as last step's, its data unmoved: its [C, K] form again)
+        else:
+            given = weight
+            weight = conv_weight("PLEState.conv", layer, weight, self._conv_weights, ("C", self.channels),
+                                 self.conv_kernel_size, dtype, pool.device)
+            if given is not None and weight.data_ptr() == given.data_ptr():     # (a view of it: no copy kept)
+                self._weight_cache[layer] = (given, given.data_ptr(), given.shape, dtype, weight)
         return self._in_place_conv(layer, pool, first, self._slot_index(slots, pool.device), cu_seqlens, weight)
 
     def _in_place_conv(self, layer: int, pool: torch.Tensor, first: torch.Tensor, index: torch.Tensor,
@@ -355,6 +366,16 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         rows = source.index_select(0, index)   # 2-5x faster than pool[index, :width]
         return _TailUndo(layer, index, kept, rows)
 
+    def _history_pool(self, layer: int) -> torch.Tensor:
+        """``history[layer]`` Tensor[S, N-1] int64, a view made once for the buffer (as :meth:`_tail_pools`): each
+        indexing op costs several microseconds inside a step. Made again when ``history`` is another tensor or has
+        moved."""
+        state = self._buffers["history"]
+        cache = self._history_cache
+        if cache is None or cache[0] is not state or cache[1] != state.data_ptr():
+            cache = self._history_cache = (state, state.data_ptr(), state.unbind(0))
+        return cache[2][layer]
+
     def _tail_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of layer ``layer``'s tails, ``conv_state[layer]`` and its first entries ``[S, 1, C]`` (what
         a decode step's undo copies), made once for the buffer rather than at every call: with cold caches
@@ -371,7 +392,8 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
     # _check_apply: SlotPoolHolder.
     def _apply(self, fn, recurse: bool = True):
         self._check_apply(fn)
-        self._index_cache = self._pool_cache = None   # (they would keep the old tensors alive)
+        self._index_cache = self._pool_cache = self._history_cache = None   # (they would keep the old tensors alive)
+        self._weight_cache = {}
         return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------------------- whole-holder state
@@ -396,7 +418,8 @@ class PLEState(PlainAttrs, SlotPoolHolder, torch.nn.Module, Transactional):
         return self.eos_token_id if pool == "history" else 0   # a fresh slot: history all EOS, zero tails
 
     def _drop_caches(self) -> None:
-        self._index_cache = self._pool_cache = None
+        self._index_cache = self._pool_cache = self._history_cache = None
+        self._weight_cache = {}
 
     # ----------------------------------------------------------------------------- internals
     def _config_meta(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError
+from .ops import qsa_claim_cells
 from .runs import _Run
 
 # The host tables _array may view (what the allocator and reserve read and write a few entries of).
@@ -42,33 +43,59 @@ class _Allocator:
         arrays[id(table)] = (table, array)
         return array
 
-    def _at_head(self, ref: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor | None:
-        """The ``count`` cells (rows) from ``head`` on when they are all free and none precious: what
-        :meth:`_pick` would choose, found without scanning the whole table (a decode step allocates one cell
-        per sequence, and the scan is O(capacity): 0.45 ms a step at 65536 cells); None otherwise."""
+    def _head_free(self, ref: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> bool:
+        """Whether the ``count`` cells (rows) from ``head`` on are all free and none precious: what :meth:`_pick`
+        would choose, found without scanning the whole table (a decode step allocates one cell per sequence, and the
+        scan is O(capacity): 0.45 ms a step at 65536 cells)."""
         if self._alloc_generator is not None or head + count > ref.numel():
-            return None
+            return False
         if count == 1:          # (a decode's one cell: two element reads)
-            if self._array(ref)[head] or self._array(precious)[head]:
-                return None
-        elif self._array(ref)[head:head + count].any() or self._array(precious)[head:head + count].any():
+            return not (self._array(ref)[head] or self._array(precious)[head])
+        return not (self._array(ref)[head:head + count].any() or self._array(precious)[head:head + count].any())
+
+    def _at_head(self, ref: torch.Tensor, count: int, head: int, precious: torch.Tensor) -> torch.Tensor | None:
+        """The ``count`` cells (rows) from ``head`` on where :meth:`_head_free`; None otherwise."""
+        if not self._head_free(ref, count, head, precious):
             return None
         return torch.arange(head, head + count, dtype=torch.int64)
 
+    def _claim_at_head(self, starts: list[int], counts: list[int], total: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A chunk's ``total`` > 0 cells taken at the head where :meth:`_head_free`, in one ``hebrus::qsa_claim_cells``
+        call: referenced, given the rows' positions (row i: ``starts[i]`` on, ``counts[i]`` of them), flagged unwritten
+        in every layer, each table's old values undo-logged by range (what :meth:`_alloc_cell_span` and ``reserve``'s
+        writes of ``cell_pos`` and the flags leave, in one log entry per table). Returns (cells Tensor[T] int64,
+        positions Tensor[T] int64, cu_seqlens Tensor[B + 1] int32), or None where the head's cells are not free."""
+        head = self._cell_head
+        if not self._head_free(self.cell_ref, total, head, self._freed_cells):
+            return None
+        free = self._free_count_known()
+        cells, positions, cu, old_ref, old_pos, old_flags = qsa_claim_cells(
+            self.cell_ref, self.cell_pos, self._unwritten, self._freed_cells, head, starts, counts)
+        at = slice(head, head + total)
+        self._txn.log += ((self.cell_ref, at, old_ref), (self.cell_pos, at, old_pos),
+                          (self._unwritten, (slice(None), at), old_flags))
+        self._wrote(self.cell_ref)
+        self._wrote(self.cell_pos)
+        self._keep_free_count(free, -total)         # (every taken cell was free)
+        self._cell_head = (head + total) % self.capacity
+        return cells, positions, cu
+
     def _set_cells(self, table: torch.Tensor, cells: torch.Tensor, span: int | None, value: Any,
-                   along_cells: bool = False) -> None:
+                   along_cells: bool = False, old: torch.Tensor | None = None) -> None:
         """``_set`` of ``table`` at ``cells`` (along its second dimension, every layer's, where ``along_cells``). Where
         the cells are the range [span, span + len(cells)) (taken at the head), written and undo-logged by that range
-        through the table's numpy view: the same values and undo. ``value``: a scalar or a tensor of len(cells)."""
+        through the table's numpy view: the same values and undo. ``value``: a scalar or a tensor of len(cells);
+        ``old``: as ``_set``'s (the entries' values now, known to the caller: logged without reading them)."""
         if span is None:
-            self._set(table, (slice(None), cells) if along_cells else cells, value)
+            self._set(table, (slice(None), cells) if along_cells else cells, value, old=old)
             return
         txn = self._txn
         assert txn is not None, "QSACache mutation outside a transaction"
         array = self._array(table)
         at = slice(span, span + len(cells))
         idx = (slice(None), at) if along_cells else at
-        txn.log.append((table, idx, torch.from_numpy(array[idx].copy())))
+        txn.log.append((table, idx, torch.from_numpy(array[idx].copy()) if old is None else old))
         array[idx] = value.numpy() if isinstance(value, torch.Tensor) else value
         self._wrote(table)
 

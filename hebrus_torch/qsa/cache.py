@@ -124,7 +124,7 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
 
     # Bookkeeping set on every transaction and operation, never a parameter, buffer or module (state/plain_attrs.py).
     _PLAIN_ATTRS = frozenset({"_txn", "_txn_depth_owner", "_cells_version", "_ref_version", "_free_count",
-                              "_chunk_checked", "_plan_rows_memo", "_cell_head", "_row_head", "_iota"})
+                              "_chunk_checked", "_plan_rows_memo", "_cell_head", "_row_head"})
 
     layer_ids: list[int]
 
@@ -206,7 +206,7 @@ class QSACache(PlainAttrs, _Persistence, _Planning, _Lifecycle, _Pooling, _Alloc
         self.slots = SlotTable(max_sequences, "QSACache")
         self._runs: dict[int, _Run] = _RunTable()
         self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}    # (_zero_of: a fill's value)
-        self._iota = torch.arange(min(C, 4096), dtype=torch.int64)    # host 0, 1, ...: a run's offsets (plan), grown
+        self._fresh_flags: dict[int, torch.Tensor] = {}   # T -> Tensor[T] bool of True (step_plan's, read only)
         self._cells_version = 0       # counts writes of cell_pos / cell_ref (see _layout_key)
         self._ref_version = 0         # counts writes of cell_ref (free_cells' count is kept under it)
         self._free_count: tuple | None = None        # (cell_ref, _ref_version, cells free then)

@@ -228,27 +228,19 @@ class _Lifecycle:
                 runs.append(run)
                 anchors.append(run.p0)
             total = sum(counts)
-            cells, span = self._alloc_cell_span(total)
             bounds = [0]
             for c in counts:
                 bounds.append(bounds[-1] + c)      # the row boundaries (cu_seqlens), from the host's counts
-            cu32 = torch.tensor(bounds, dtype=torch.int32)
-            if total <= _LISTED_POSITIONS:
-                # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
-                # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
-                positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
-            else:
-                cu = torch.tensor(bounds, dtype=torch.int64)
-                counts_t = torch.tensor(counts, dtype=torch.int64)
-                # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
-                # no position, so any start in range will do)
-                starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
-                offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
-                positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
-            if total:
-                self._set_cells(self.cell_pos, cells, span, positions)
-                self._set_cells(self._unwritten, cells, span, True, along_cells=True)
+            # (a row of 0 tokens after a run that ends at the largest position starts past int64: any start will do)
+            span = self._cell_head
+            claimed = self._claim_at_head(starts if max(starts) <= MAX_POSITION else
+                                          [min(x, MAX_POSITION) for x in starts], counts, total) if total else None
+            if claimed is not None:
+                cells, positions, cu32 = claimed
                 self._txn.new_cells.append(cells)
+            else:
+                span = None
+                cells, positions, cu32 = self._alloc_chunk_cells(starts, counts, bounds, total)
             # New complete groups of every row, allocated and defined in one go.
             new_runs: list[_Run] = []
             n_groups: list[int] = []
@@ -258,7 +250,8 @@ class _Lifecycle:
                 grown = _Run(run.p0, run.n + counts[i], run.cells.extend(new_cells), run.groups)
                 new_runs.append(grown)
                 n_groups.append(grown.n // r - run.n // r)
-            rows = self._alloc_rows(sum(n_groups))
+            new_groups = sum(n_groups)
+            rows = self._alloc_rows(new_groups) if new_groups else None      # (most decode steps complete none)
             gcells, gpos, at = [], [], 0
             for i, (slot, run) in enumerate(zip(slots, new_runs)):
                 if not n_groups[i]:             # (most decode tokens complete no group)
@@ -270,17 +263,42 @@ class _Lifecycle:
                 gpos.append(p)
                 self._runs[slot] = _Run(run.p0, run.n, run.cells, run.groups.extend(rows[at:at + n_groups[i]]))
                 at += n_groups[i]
-            if rows.numel():
+            if rows is not None:
                 # (each new group ends at or past its run's old end: it holds a cell of this chunk)
                 self._define_groups(rows, torch.cat(gcells), torch.cat(gpos), fresh=True)
             self._txn.evict.update(evict)
             dev_cells, dev_positions, dev_cu = self._upload(cells, positions, cu32)
             chunk = ReservedChunk(tuple(seqs), mirror(dev_cu, bounds), dev_cells, dev_positions, id(self),
-                                  self._txn.token, tuple(starts), tuple(anchors), cells, positions)
+                                  self._txn.token, tuple(starts), tuple(anchors), cells, positions, span)
             # Its cells hold its positions with a reference each, by construction: what _check_chunk reads, under
             # the layout key as it is now (any later change of runs or cells makes the first check read them).
             self._chunk_checked = (self._layout_key(chunk), tuple(slots))
             return chunk
+
+    def _alloc_chunk_cells(self, starts: list[int], counts: list[int], bounds: list[int], total: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``reserve``'s cells where they are not taken at the head in one call (:meth:`_claim_at_head`): allocated
+        anywhere, given the rows' positions and flagged unwritten in every layer (undo-logged). Returns (cells Tensor[T]
+        int64, positions Tensor[T] int64, cu_seqlens Tensor[B + 1] int32)."""
+        cells, span = self._alloc_cell_span(total)
+        cu32 = torch.tensor(bounds, dtype=torch.int32)
+        if total <= _LISTED_POSITIONS:
+            # A decode's few tokens: positions listed on the host, one tensor instead of six ops (each row's
+            # start + 0, 1, ...; a row with tokens ends by MAX_POSITION, checked above).
+            positions = torch.tensor([s + j for s, c in zip(starts, counts) for j in range(c)], dtype=torch.int64)
+        else:
+            cu = torch.tensor(bounds, dtype=torch.int64)
+            counts_t = torch.tensor(counts, dtype=torch.int64)
+            # (a row of 0 tokens after a run that ends at the largest position starts past it: it gives
+            # no position, so any start in range will do)
+            starts_t = torch.tensor([min(x, MAX_POSITION) for x in starts], dtype=torch.int64)
+            offs = self._arange(total) - torch.repeat_interleave(cu[:-1], counts_t, output_size=total)
+            positions = torch.repeat_interleave(starts_t, counts_t, output_size=total) + offs
+        if total:
+            self._set_cells(self.cell_pos, cells, span, positions)
+            self._set_cells(self._unwritten, cells, span, True, along_cells=True)
+            self._txn.new_cells.append(cells)
+        return cells, positions, cu32
 
     def held_chunk(self, seqs: Sequence[SeqHandle], positions: Sequence[Sequence[int]]) -> ReservedChunk:
         """A chunk over positions the sequences already hold (row i: ``positions[i]`` of ``seqs[i]``, in any order,

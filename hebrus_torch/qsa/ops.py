@@ -44,6 +44,34 @@ def qsa_token_cells(selected: torch.Tensor, nvis: torch.Tensor, first: torch.Ten
         return torch.ops.hebrus.qsa_token_cells.default(selected, nvis, first, cells, int(r))
 
 
+def qsa_plan_one_row(cell_pos: torch.Tensor, run_cells: torch.Tensor, run_groups: torch.Tensor,
+                     cells: torch.Tensor, p0: int, start: int, r: int) -> list[torch.Tensor]:
+    """The host's selection rows of a one-row chunk in one call (issue 37); see
+    :func:`hebrus_torch.reference.qsa_plan_one_row`.
+
+    Shapes: cell_pos [C] i64, run_cells [>= nvis] i64, run_groups [>= nvis // r] i64, cells [T] i64 ->
+    [sel_groups [1, max(G, 1)] i32, sel_row [T] i32, q_groups [T] i32, cells32 [nvis + 1] i32, nvis_q [T] i64,
+    first [T] i64, q_p0 [T] i64, q_rows [T] i64], nvis = start - p0 + T, G = nvis // r. Raises HoleError.
+    """
+    with translated():
+        return torch.ops.hebrus.qsa_plan_one_row.default(cell_pos, run_cells, run_groups, cells, int(p0), int(start),
+                                                         int(r))
+
+
+def qsa_claim_cells(cell_ref: torch.Tensor, cell_pos: torch.Tensor, unwritten: torch.Tensor, freed: torch.Tensor,
+                    start: int, starts: list[int], counts: list[int]) -> tuple[torch.Tensor, ...]:
+    """A chunk's cells taken at the QSA allocator's head in one call, in place (issue 37); see
+    :func:`hebrus_torch.reference.qsa_claim_cells`.
+
+    Shapes: cell_ref [C] i32, cell_pos [C] i64, unwritten [L, C] bool (written), freed [C] bool -> (cells [T] i64,
+    positions [T] i64, cu_seqlens [B + 1] i32, old cell_ref [T] i32, old cell_pos [T] i64, old unwritten [L, T] bool)
+    (a tuple), T = sum(counts).
+    """
+    with translated():
+        return torch.ops.hebrus.qsa_claim_cells.default(cell_ref, cell_pos, unwritten, freed, int(start), starts,
+                                                        counts)
+
+
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """Qwen4Exp's RMSNorm of every head then transformers' RoPE of its first R dims, in one dispatch (issue 37);
@@ -79,6 +107,23 @@ def _qsa_token_cells_fake(selected, nvis, first, cells, r):
     width = _validate.qsa_token_cells(selected, nvis, first, cells, r)
     tq = selected.shape[0]
     return cells.new_empty((tq, width)), nvis.new_empty((tq, width))
+
+
+@torch.library.register_fake("hebrus::qsa_plan_one_row")
+def _qsa_plan_one_row_fake(cell_pos, run_cells, run_groups, cells, p0, start, r):
+    nvis, groups = _validate.qsa_plan_one_row(cell_pos, run_cells, run_groups, cells, p0, start, r)
+    t = cells.shape[0]
+    i32 = dict(dtype=torch.int32)
+    return [cells.new_empty((1, max(groups, 1)), **i32), cells.new_empty(t, **i32), cells.new_empty(t, **i32),
+            cells.new_empty(nvis + 1, **i32), cells.new_empty(t), cells.new_empty(t), cells.new_empty(t),
+            cells.new_empty(t)]
+
+
+@torch.library.register_fake("hebrus::qsa_claim_cells")
+def _qsa_claim_cells_fake(cell_ref, cell_pos, unwritten, freed, start, starts, counts):
+    total, layers = _validate.qsa_claim_cells(cell_ref, cell_pos, unwritten, freed, start, starts, counts)
+    return (cell_pos.new_empty(total), cell_pos.new_empty(total), cell_ref.new_empty(len(counts) + 1),
+            cell_ref.new_empty(total), cell_pos.new_empty(total), unwritten.new_empty((layers, total)))
 
 
 @torch.library.register_fake("hebrus::rms_norm_rope")

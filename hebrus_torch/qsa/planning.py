@@ -15,7 +15,7 @@ import torch
 from ..errors import HebrusError, HoleError
 from ..state.handles import SeqHandle
 from ..state.host_mirror import host_ints
-from .ops import qsa_select, qsa_token_cells
+from .ops import qsa_plan_one_row, qsa_select, qsa_token_cells
 from .runs import first_hole, window_starts
 
 _ONE_ROW_TOKENS = 64
@@ -44,6 +44,8 @@ class ReservedChunk:
     # The host copies of cells and positions (the same tensors on a CPU cache): what the checks read.
     _host_cells: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _host_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Where its cells are the range [_span, _span + T), taken at the allocator's head: the first (else None).
+    _span: int | None = field(default=None, repr=False, compare=False)
 
     def _host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cells, positions) on the host: reserve's copies; a chunk built by hand has none and is read
@@ -156,7 +158,7 @@ class StepPlan:
     pool_pos [P] int64, pool_rows [P] int64, then ``qsa_select``'s and ``qsa_token_cells``' index tensors);
     ``sizes``: [top_k, r]; ``cells``: the chunk's cells (host int64); ``pool_rows``: the rows pooled, None when the
     chunk completes no group; ``key``: the chunk's layout key; ``fresh``: Tensor[T] bool of True, the flags' old
-    value in the undo log."""
+    value in the undo log; ``span``: where the chunk's cells are the range [span, span + T), its first (else None)."""
 
     cache: "_Planning"
     plan: list
@@ -165,6 +167,7 @@ class StepPlan:
     pool_rows: torch.Tensor | None
     key: tuple
     fresh: torch.Tensor
+    span: int | None = None
 
     def layer_args(self, layer: int) -> tuple[list, list, list, list, float]:
         """``(planes, qsa, plan, sizes, qsa_eps)`` of ``decode_attention_layer`` for cache layer ``layer``."""
@@ -221,7 +224,12 @@ class _Planning:
         rows = self._memo_plan_rows(chunk, slots, cells_h, pos_h, key)
         plan = [chunk.cells, *pool, rows.sel_groups, rows.sel_row, rows.q_groups, rows.nvis_q, rows.first,
                 rows.cells32]
-        return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, torch.ones(t, dtype=torch.bool))
+        fresh = self._fresh_flags.get(t)
+        if fresh is None:                   # (read only: the flags' old values in settle's undo entries)
+            fresh = torch.ones(t, dtype=torch.bool)
+            if t <= _ONE_ROW_TOKENS:        # (a decode's or a verify's few tokens: kept)
+                self._fresh_flags[t] = fresh
+        return StepPlan(self, plan, [int(top_k), r], cells_h, pool_rows, key, fresh, chunk._span)
 
     def settle_step_plan(self, step_plan: StepPlan, layers: Sequence[int]) -> None:
         """After ``decode_attention_layer`` wrote, pooled and attended each of ``layers`` over ``step_plan``: what
@@ -234,7 +242,8 @@ class _Planning:
         # (the flags' old values are known: all set, as step_plan checked)
         if len(layers) > 1 and sorted(layers) == list(range(self.num_layers)):
             fresh = step_plan.fresh.expand(len(layers), -1)
-            self._set(self._unwritten, (slice(None), step_plan.cells), False, old=fresh)
+            # (by range where the chunk's cells were taken at the head)
+            self._set_cells(self._unwritten, step_plan.cells, step_plan.span, False, along_cells=True, old=fresh)
             if rows is not None:
                 self._set(self._pending, (slice(None), rows), False, old=fresh.new_ones((len(layers), rows.numel())))
         else:
@@ -344,30 +353,18 @@ class _Planning:
             return seq_groups, sel_row
         return seq_groups[torch.tensor(rows, dtype=torch.int64)], sel_row
 
-    def _plan_one_row(self, start: int, t: int, p0: int, nvis: int, vis_cells: torch.Tensor, groups: torch.Tensor,
+    def _plan_one_row(self, start: int, t: int, p0: int, nvis: int, run_cells: torch.Tensor, groups: torch.Tensor,
                       cells_h: torch.Tensor) -> "_PlanRows | None":
         """:meth:`_plan_rows` of a reserved chunk of one row (positions ``start .. start + t - 1``, no window: one
-        person's decode, a speculative verify): the same tensors from host integers, with each check one
-        ``torch.equal``. None where a check fails (the general path then names the hole)."""
-        r = self.compress_ratio
-        iota = self._iota
-        if iota.numel() < nvis:
-            iota = self._iota = torch.arange(max(nvis, 2 * iota.numel()), dtype=torch.int64)
-        if not torch.equal(self.cell_pos.index_select(0, vis_cells).sub_(p0), iota[:nvis]):
-            return None                                         # a hole inside the run
-        skip = start - p0                                       # the chunk's first token within the run
-        if not torch.equal(vis_cells[skip:skip + t], cells_h):
-            return None                                         # the chunk's cells no longer match the run
-        nvis_q = [skip + 1 + j for j in range(t)]               # each query's visible positions
-        n_groups = groups.numel()
-        sel_groups = groups.view(1, -1) if n_groups else torch.full((1, 1), -1, dtype=torch.int64)
-        rows32 = torch.tensor([0] * t + [n // r for n in nvis_q], dtype=torch.int32)     # sel_row, q_groups
-        visible64 = torch.tensor(nvis_q + [0] * t, dtype=torch.int64)                    # nvis_q, first
-        cells32 = torch.cat((vis_cells.to(torch.int32), torch.full((1,), -1, dtype=torch.int32)))
-        sel_groups, sel_row, q_groups, cells32, nvis_q_t, first, q_p0, q_rows = self._upload(
-            sel_groups.to(torch.int32), rows32[:t], rows32[t:], cells32, visible64[:t], visible64[t:],
-            torch.full((t,), p0, dtype=torch.int64), torch.zeros(t, dtype=torch.int64))
-        return _PlanRows(groups, sel_groups, sel_row, q_groups, cells32, nvis_q_t, first, q_p0, q_rows, nvis)
+        person's decode, a speculative verify) over its run's cells from ``p0`` (at least ``nvis``) and its visible
+        groups: the checks and the tensors in one ``hebrus::qsa_plan_one_row`` call over the host tables (about 20
+        torch ops otherwise). None where a check fails (the general path then names the hole)."""
+        try:
+            planned = qsa_plan_one_row(self.cell_pos, run_cells, groups, cells_h, p0, start, self.compress_ratio)
+        except HoleError:
+            return None
+        sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows = self._upload(*planned)
+        return _PlanRows(groups, sel_groups, sel_row, q_groups, cells32, nvis_q, first, q_p0, q_rows, nvis)
 
     def _plan_rows(self, chunk: ReservedChunk, slots: list[int], cells_h: torch.Tensor,
                    pos_h: torch.Tensor) -> "_PlanRows":
@@ -376,11 +373,16 @@ class _Planning:
         t = chunk.num_tokens
         r = self.compress_ratio
         b = len(slots)
-        counts, p0_list, nvis_list, vis, grp = self._visible_runs(chunk, slots)
         if b == 1 and self.window is None and chunk._starts is not None and t <= _ONE_ROW_TOKENS:
-            rows = self._plan_one_row(chunk._starts[0], t, p0_list[0], nvis_list[0], vis[0], grp[0], cells_h)
-            if rows is not None:
-                return rows
+            run, start = self._runs[slots[0]], chunk._starts[0]
+            nvis = start + t - run.p0
+            if run.p0 <= start and nvis <= run.n:       # (else the general path names the hole)
+                groups = run.groups.tensor()            # (the op reads the visible part of the run's tables)
+                rows = self._plan_one_row(start, t, run.p0, nvis, run.cells.tensor(),
+                                          groups if groups.numel() == nvis // r else groups[:nvis // r], cells_h)
+                if rows is not None:
+                    return rows
+        counts, p0_list, nvis_list, vis, grp = self._visible_runs(chunk, slots)
         # Contiguity of every visible run, all rows at once.
         vis_cells = torch.cat(vis)
         nv = torch.tensor(nvis_list, dtype=torch.int64)

@@ -213,7 +213,9 @@ class _Transactions:
         # One allocation's cells are distinct already (and only their set matters below): unique only merges.
         cells = (txn.new_cells[0] if len(txn.new_cells) == 1 else torch.unique(torch.cat(txn.new_cells))) \
             if txn.new_cells else None
-        if cells is not None and not self._chunk_written(txn):
+        if cells is not None and self._chunk_written(txn):
+            cells = None                    # (every flag of its cells is clear: nothing to fill, nothing to clear)
+        if cells is not None:
             held = self.cell_ref.index_select(0, cells) > 0
             live = cells if bool(held.all()) else cells[held]     # (a mask gather only where some was released)
             unwritten = self._unwritten.index_select(1, live)     # [layers, cells]: one gather, one read for all layers

@@ -12,7 +12,9 @@ One module per op family; every name is re-exported here (``from hebrus_torch im
 - :mod:`.checks`: the value checks they share (raise at once on CPU, device-side asserts elsewhere);
 - :mod:`.ple`: ``ple_ngram_ids``, ``ple_conv``, ``ple_conv_into`` and the PLE slot forms;
 - :mod:`.uniform_rows`: the drop-in's fast paths of the PLE ops on rows of equal length (not ops);
-- :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores, ``qsa_token_cells`` (issue 37);
+- :mod:`.qsa`: ``qsa_pool``, ``qsa_select`` and its fixed-order scores, ``qsa_token_cells`` and
+  ``qsa_plan_one_row`` and ``qsa_claim_cells`` (the host's selection rows of a one-row chunk, a chunk's cells
+  taken at the allocator's head) (issue 37);
 - :mod:`.attention`: ``qsa_attention``, ``rms_norm_rope`` and ``sigmoid_gate`` (issue 37);
 - :mod:`.gdn`: ``gdn_delta_rule``, its slot form and the chunked slot form; the fused gates and output
   norm ``gdn_gates``, ``gdn_gated_rms_norm`` (issue 37);
@@ -37,8 +39,8 @@ from .moe import (moe_experts, moe_experts_quantized, moe_route, moe_shared_expe
                   quantized_linear)
 from .ple import (_silu, ple_conv, ple_conv_into, ple_conv_into_via, ple_conv_slots, ple_ngram_ids,
                   ple_ngram_ids_slots)
-from .qsa import (_qsa_select_all, check_groups_contiguous, qsa_pool, qsa_scores, qsa_select, qsa_token_cells,
-                  rotate_half)
+from .qsa import (_qsa_select_all, check_groups_contiguous, qsa_claim_cells, qsa_plan_one_row, qsa_pool, qsa_scores,
+                  qsa_select, qsa_token_cells, rotate_half)
 from .uniform_rows import ple_conv_rows, ple_ngram_ids_rows
 
 __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", "ple_conv_slots", "qsa_pool",
@@ -47,7 +49,7 @@ __all__ = ["ple_ngram_ids", "ple_conv", "ple_conv_into", "ple_ngram_ids_slots", 
            "check_groups_contiguous", "check_token_cells_values", "ple_conv_into_via", "ple_conv_rows",
            "ple_ngram_ids_rows", "qsa_scores", "rotate_half", "hc_rms_norm", "gdn_gates",
            "gdn_gated_rms_norm", "hc_premix", "hc_premix_quantized", "hc_post_combine", "qsa_token_cells",
-           "rms_norm_rope",
+           "qsa_plan_one_row", "qsa_claim_cells", "rms_norm_rope",
            "sigmoid_gate", "moe_route",
            "moe_shared_expert", "moe_shared_expert_quantized", "decode_moe_tail", "decode_gdn_layer",
            "decode_attention_head", "decode_attention_tail", "decode_attention_layer", "decode_ple_gate",

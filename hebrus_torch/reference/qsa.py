@@ -317,3 +317,103 @@ def qsa_token_cells(selected: torch.Tensor, nvis: torch.Tensor, first: torch.Ten
     at = torch.where(offs >= 0, first64[:, None] + offs, 0).clamp(0, max(n - 1, 0))
     picked = cells[at] if n else torch.zeros_like(offs, dtype=torch.int32)
     return torch.where(offs >= 0, picked, -1).to(torch.int32), offs
+
+
+def qsa_plan_one_row(cell_pos: torch.Tensor, run_cells: torch.Tensor, run_groups: torch.Tensor, cells: torch.Tensor,
+                     p0: int, start: int, r: int) -> list[torch.Tensor]:
+    """The selection rows of a chunk of one row (issue 37: what ``QSACache.plan`` derives on the host for one
+    person's decode or a speculative verify, no window), with its checks.
+
+    Args:
+        cell_pos: Tensor[C] int64, each cell's position (-1 when free).
+        run_cells: Tensor[>= nvis] int64, the row's run: its cells in position order from ``p0``.
+        run_groups: Tensor[>= nvis // r] int64, the run's complete groups' pooled rows, in order.
+        cells: Tensor[T] int64, T >= 1, the chunk's cells (positions ``start .. start + T - 1``).
+        p0, start: the run's first position and the chunk's; r: tokens per group.
+
+    Returns:
+        [sel_groups Tensor[1, max(G, 1)] int32 (the run's G = nvis // r groups, or -1), sel_row Tensor[T] int32
+        (0), q_groups Tensor[T] int32 (each query's complete groups), cells32 Tensor[nvis + 1] int32 (the visible
+        cells, then -1), nvis_q Tensor[T] int64 (each query's visible positions ``start - p0 + 1 + j``), first
+        Tensor[T] int64 (0), q_p0 Tensor[T] int64 (p0), q_rows Tensor[T] int64 (0)], with nvis = start - p0 + T.
+
+    Raises:
+        HoleError where a visible cell does not hold its position (``cell_pos[run_cells[j]] != p0 + j``) or the
+        run's cells at the chunk's positions are not ``cells``; HebrusError for a run cell outside the table or a
+        group row outside int32.
+    """
+    nvis, n_groups = _validate.qsa_plan_one_row(cell_pos, run_cells, run_groups, cells, p0, start, r)
+    op = "qsa_plan_one_row"
+    t = cells.shape[0]
+    vis = run_cells[:nvis]
+    outside = (vis < 0) | (vis >= cell_pos.shape[0])
+    if bool(outside.any()):
+        j = int(torch.nonzero(outside)[0])
+        raise HebrusError(f"hebrus::{op}: run_cells[{j}] = {int(vis[j])} is outside the table's cells "
+                          f"[0, {cell_pos.shape[0]})")
+    got = cell_pos[vis]
+    want = torch.arange(p0, p0 + nvis, dtype=torch.int64, device=cell_pos.device)
+    if not torch.equal(got, want):
+        j = int(torch.nonzero(got != want)[0])
+        raise HoleError(f"hebrus::{op}: the run starting at {p0} has cell {int(vis[j])} at position {int(got[j])} "
+                        f"where {p0 + j} is required (a hole inside the run is not padding)")
+    skip = start - p0
+    mine = vis[skip:skip + t]
+    if not torch.equal(mine, cells):
+        j = int(torch.nonzero(mine != cells)[0])
+        raise HoleError(f"hebrus::{op}: the chunk's cell {j} is {int(cells[j])} but the run holds cell "
+                        f"{int(mine[j])} at position {start + j}")
+    groups = run_groups[:n_groups]
+    bad = (groups < 0) | (groups > 2**31 - 1)
+    if bool(bad.any()):
+        g = int(torch.nonzero(bad)[0])
+        raise HebrusError(f"hebrus::{op}: run_groups[{g}] = {int(groups[g])} is outside [0, 2^31)")
+    seen = torch.arange(skip + 1, skip + 1 + t, dtype=torch.int64, device=cells.device)
+    zeros = torch.zeros(t, dtype=torch.int64, device=cells.device)
+    sel_groups = (groups if n_groups else torch.full((1,), -1, dtype=torch.int64, device=cells.device)).view(1, -1)
+    minus_one = torch.full((1,), -1, dtype=torch.int32, device=cells.device)
+    return [sel_groups.to(torch.int32), zeros.to(torch.int32), torch.div(seen, r, rounding_mode="floor").to(torch.int32),
+            torch.cat((vis.to(torch.int32), minus_one)), seen, zeros.clone(), torch.full_like(zeros, p0),
+            zeros.clone()]
+
+
+def qsa_claim_cells(cell_ref: torch.Tensor, cell_pos: torch.Tensor, unwritten: torch.Tensor, freed: torch.Tensor,
+                    start: int, starts: list[int], counts: list[int]) -> tuple[torch.Tensor, ...]:
+    """A chunk's cells taken at the QSA allocator's head (issue 37: what ``QSACache.reserve`` writes for a chunk whose
+    cells are the range ``[start, start + T)``, T = sum(counts)), in place.
+
+    Args:
+        cell_ref: Tensor[C] int32, written: each taken cell's reference count becomes 1.
+        cell_pos: Tensor[C] int64, written: the taken cells get the rows' positions in order (row i: ``starts[i]``,
+            ``starts[i] + 1``, ... for ``counts[i]`` tokens).
+        unwritten: Tensor[L, C] bool, written: the taken cells flagged in every layer.
+        freed: Tensor[C] bool, the cells freed in the open transaction (read: none of the taken may be).
+        start: the first cell taken; starts, counts: per row of the chunk.
+
+    Returns:
+        (cells Tensor[T] int64, positions Tensor[T] int64, cu_seqlens Tensor[B + 1] int32, and the old values for the
+        undo log: cell_ref Tensor[T] int32, cell_pos Tensor[T] int64, unwritten Tensor[L, T] bool).
+
+    Raises:
+        HebrusError (nothing written) where a cell of the range is referenced or freed in this block.
+    """
+    total, _ = _validate.qsa_claim_cells(cell_ref, cell_pos, unwritten, freed, start, starts, counts)
+    op = "qsa_claim_cells"
+    at = slice(start, start + total)
+    taken = (cell_ref[at] != 0) | freed[at]
+    if bool(taken.any()):
+        j = int(torch.nonzero(taken)[0])
+        why = "referenced" if int(cell_ref[start + j]) != 0 else "freed in this block"
+        raise HebrusError(f"hebrus::{op}: cell {start + j} is not free for the taking ({why})")
+    dev = cell_pos.device
+    positions = torch.tensor([first + j for first, count in zip(starts, counts) for j in range(count)],
+                             dtype=torch.int64, device=dev)
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + count)
+    old = [cell_ref[at].clone(), cell_pos[at].clone(), unwritten[:, at].clone()]
+    cell_ref[at] = 1
+    cell_pos[at] = positions
+    unwritten[:, at] = True
+    return (torch.arange(start, start + total, dtype=torch.int64, device=dev), positions,
+            torch.tensor(bounds, dtype=torch.int32, device=dev), *old)

@@ -21,6 +21,7 @@ import torch
 
 from ...errors import HebrusError
 from ...hc import hyper_premix, post_combine
+from ...module_calls import embedding
 from ...moe.block import packed_moe
 from ...ple.prefetch import PLEPrefetcher, PrefetchedRows, PrefetchLayer, prefetch_enabled
 from ...ple.row_store import DiskNgramEmbedding
@@ -193,7 +194,7 @@ class PackedQwen4Exp:
                         prefetched: PrefetchedRows | None
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], MixerCall | None]:
         text = self.text
-        embeds = text.embed_tokens(step.batch.tokens)                                  # [T, hidden]
+        embeds = embedding(text.embed_tokens, step.batch.tokens)                       # [T, hidden]
         cos, sin = self.rope_rows(positions, last, embeds)                             # [T, R]
         h = torch.cat((embeds,) * self.hc_count, dim=1)      # [T, hc * hidden]: embeds.repeat(1, hc), one copy pass
         layers = self._layers()
@@ -229,7 +230,7 @@ class PackedQwen4Exp:
             rows = conv = bound = None
             if calls.ple is not None and layer.ple is not None:
                 if prefetched is None or idx not in prefetched:
-                    rows = layer.ple.ple_embedding.ngram_embedding(step.ple_ngram_ids(idx))
+                    rows = embedding(layer.ple.ple_embedding.ngram_embedding, step.ple_ngram_ids(idx))
                 conv = step.ple_conv_call(idx, h.dtype, calls.ple.conv_weight)
             if calls.layer is not None:
                 bound = step.gdn_layer_call(idx, h, calls.layer)      # (the step's pools at the first)
