@@ -100,6 +100,19 @@ def test_rows_independent_of_batch():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_pairs_of_an_expert_give_the_tiles_bits(dtype):
+    """An expert with fewer pairs than a tile (a decode step's one token) is read several weight rows at a time, the
+    others a tile of pairs per row: both give every output the same bits. Odd sizes (intermediate 45, hidden 83)
+    reach the loops' last columns, the lone last intermediate and the down rows past a whole four; 1, 2 and 3
+    rows alone against the full batch (about 10 pairs per expert)."""
+    x, ids, w, gu, dn = make_inputs(20, 83, 45, 4, 2, dtype, seed=7)
+    full = hebrus_torch.moe_experts(x, ids, w, gu, dn)
+    for a, b in ((0, 1), (3, 5), (17, 20)):
+        part = hebrus_torch.moe_experts(x[a:b], ids[a:b], w[a:b], gu, dn)
+        assert torch.equal(part, full[a:b])
+
+
 def test_rows_past_the_first_chunk():
     """The kernel runs rows in chunks of its fp32 scratch (64 MiB): rows of a later chunk give the bits
     they give alone (H 2560, k 10: chunks of about 640 rows)."""

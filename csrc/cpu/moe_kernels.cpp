@@ -464,7 +464,7 @@ QuantScratch& thread_scratch() {
 // How far past the chunk it reads each row of a dense tile prefetches: the rows that the work item's next tiles read
 // (its rows walk up in address order). A decode step's tiles are a few rows of 1-2 KB each, too short for the
 // hardware's stream prefetcher to reach DRAM's rate on its own.
-constexpr int64_t kDensePrefetchBytes = 2048;
+constexpr int64_t kDensePrefetchBytes = 8192;
 
 template <typename T>
 HEBRUS_INLINE Half load_half(const T* p) {
@@ -607,7 +607,34 @@ HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t*
   std::vector<float>& scratch = thread_scratch().dots;
   scratch.resize(static_cast<size_t>(2 * n * width));
   float* dots = scratch.data();  // pair q: gates at dots[2 q width + j], ups at dots[(2 q + 1) width + j]
-  for (int64_t i = it.begin; i < it.end; ++i) {
+  if (n < kPairTile) {
+    // Fewer pairs than a tile (a decode step's one token): each pair alone over two intermediates at a time, so
+    // that four weight rows stream at once (one row pair per call left the loads too few to keep up with memory).
+    // Every dot product is the same one (tile_dots' fixed order), so the bits are those of the loop below.
+    for (int64_t q = 0; q < n; ++q) {
+      const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
+      float* gates = dots + 2 * q * width;
+      float* ups = gates + width;
+      int64_t i = it.begin;
+      for (; i + 2 <= it.end; i += 2) {
+        const int64_t wrows[4] = {i, i + 1, inter + i, inter + i + 1}, j = i - it.begin;
+        float out[1][4];
+        tile_dots<1, 4>(gate_up, it.expert, wrows, xs, out);
+        gates[j] = out[0][0];
+        gates[j + 1] = out[0][1];
+        ups[j] = out[0][2];
+        ups[j + 1] = out[0][3];
+      }
+      for (; i < it.end; ++i) {
+        const int64_t wrows[2] = {i, inter + i}, j = i - it.begin;
+        float out[1][2];
+        tile_dots<1, 2>(gate_up, it.expert, wrows, xs, out);
+        gates[j] = out[0][0];
+        ups[j] = out[0][1];
+      }
+    }
+  }
+  for (int64_t i = n < kPairTile ? it.end : it.begin; i < it.end; ++i) {
     const int64_t wrows[2] = {i, inter + i}, j = i - it.begin;
     int64_t q = 0;
     for (; q + kPairTile <= n; q += kPairTile) {
@@ -638,6 +665,27 @@ HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t*
 template <typename T, typename W>
 HEBRUS_INLINE void down_item(const W& down, const Item& it, const int64_t* pairs, int64_t n, const float* act,
                              int64_t ip, const float* w, bool round_product, float* y, int64_t hidden) {
+  if (n < kPairTile) {
+    // Fewer pairs than a tile: each pair alone over four outputs at a time (as gate_up_item: four weight rows
+    // streaming at once; the same dot products, so the same bits).
+    for (int64_t q = 0; q < n; ++q) {
+      const float* xs[1] = {act + pairs[q] * ip};
+      int64_t d = it.begin;
+      for (; d + 4 <= it.end; d += 4) {
+        const int64_t wrows[4] = {d, d + 1, d + 2, d + 3};
+        float out[1][4];
+        tile_dots<1, 4>(down, it.expert, wrows, xs, out);
+        for (int64_t o = 0; o < 4; ++o) store_weighted<T>(y, hidden, pairs[q], d + o, out[0][o], w, round_product);
+      }
+      for (; d < it.end; ++d) {
+        const int64_t wrows[1] = {d};
+        float out[1][1];
+        tile_dots<1, 1>(down, it.expert, wrows, xs, out);
+        store_weighted<T>(y, hidden, pairs[q], d, out[0][0], w, round_product);
+      }
+    }
+    return;
+  }
   for (int64_t d = it.begin; d < it.end; ++d) {
     const int64_t wrows[1] = {d};
     int64_t q = 0;

@@ -36,7 +36,7 @@ HEBRUS_INLINE float scale_of(const float* x, int64_t n, float eps) {
 
 // How far ahead of the columns it reads row_kernel_mm prefetches each weight row: the next rows' first lines (a
 // decode step's rows are short, and the hardware's stream prefetcher does not find them in time).
-constexpr int64_t kRowPrefetchBytes = 2048;
+constexpr int64_t kRowPrefetchBytes = 16384;
 
 // The dot products of one row x with R consecutive rows of w (each k long) into out[0 .. R): each is reduce_halves
 // of a 16-lane sum (lane j: the products of the columns c = j mod 16 in ascending c; the last columns zero-padded
