@@ -463,8 +463,12 @@ QuantScratch& thread_scratch() {
 
 // How far past the chunk it reads each row of a dense tile prefetches: the rows that the work item's next tiles read
 // (its rows walk up in address order). A decode step's tiles are a few rows of 1-2 KB each, too short for the
-// hardware's stream prefetcher to reach DRAM's rate on its own.
-constexpr int64_t kDensePrefetchBytes = 8192;
+// hardware's stream prefetcher to reach DRAM's rate on its own. An expert with fewer pairs than a tile (a decode
+// step's one token) does one dot product per row loaded, not a tile's P, so its rows stream faster and its requests
+// go further ahead (kFewPairsPrefetchBytes): measured on one core, 8 KB there made a 1-request decode step ~1% shorter
+// than 2 KB, while 8 KB in the tiles made a 64-request step ~1.5% longer (benchmarks/RESULTS.md, session 36).
+constexpr int64_t kDensePrefetchBytes = 2048;
+constexpr int64_t kFewPairsPrefetchBytes = 8192;
 
 template <typename T>
 HEBRUS_INLINE Half load_half(const T* p) {
@@ -481,7 +485,7 @@ HEBRUS_INLINE Half load_half<float>(const float* p) {
 // out[p][o] = sum over columns of W[e, wrows[o]] * xs[p] for P pairs and O rows of a dense W, each sum in
 // the fixed lane order (reduce_lanes of 16-lane accumulators, kept as halves: hebrus_simd.h's Half). The xs rows
 // are fp32 and zero-padded to a multiple of kLanes.
-template <int P, int O, typename W>
+template <int P, int O, typename W, int64_t kAhead = kDensePrefetchBytes>
 HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], const float* const (&xs)[P],
                              float (&out)[P][O]) {
   using T = typename W::Elem;
@@ -505,7 +509,7 @@ HEBRUS_INLINE void tile_dots(const W& w, int64_t e, const int64_t (&wrows)[O], c
   };
   for (int64_t c = 0; c < full; c += kLanes) {
     for (int o = 0; o < O; ++o)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows[o] + c) + kDensePrefetchBytes);
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[o] + c) + kAhead);
     chunk(rows, c, c);
   }
   if (full < n) {  // the last columns, zero-padded to a chunk
@@ -619,7 +623,7 @@ HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t*
       for (; i + 2 <= it.end; i += 2) {
         const int64_t wrows[4] = {i, i + 1, inter + i, inter + i + 1}, j = i - it.begin;
         float out[1][4];
-        tile_dots<1, 4>(gate_up, it.expert, wrows, xs, out);
+        tile_dots<1, 4, W, kFewPairsPrefetchBytes>(gate_up, it.expert, wrows, xs, out);
         gates[j] = out[0][0];
         gates[j + 1] = out[0][1];
         ups[j] = out[0][2];
@@ -674,7 +678,7 @@ HEBRUS_INLINE void down_item(const W& down, const Item& it, const int64_t* pairs
       for (; d + 4 <= it.end; d += 4) {
         const int64_t wrows[4] = {d, d + 1, d + 2, d + 3};
         float out[1][4];
-        tile_dots<1, 4>(down, it.expert, wrows, xs, out);
+        tile_dots<1, 4, W, kFewPairsPrefetchBytes>(down, it.expert, wrows, xs, out);
         for (int64_t o = 0; o < 4; ++o) store_weighted<T>(y, hidden, pairs[q], d + o, out[0][o], w, round_product);
       }
       for (; d < it.end; ++d) {
