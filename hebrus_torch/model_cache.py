@@ -173,7 +173,11 @@ class ChunkStep:
 
     _qsa_step_plan = _gdn_pools = _UNPLANNED
     _unsettled: tuple[int, ...] = ()
-    """QSA cache layers :meth:`qsa_layer` ran whose bookkeeping waits for :meth:`settle_qsa_layers`."""
+    """QSA cache layers whose bookkeeping waits for :meth:`settle_qsa_layers`: those :meth:`qsa_layer` ran, and those
+    :meth:`qsa_layer_call` bound."""
+    _bound_unrun: tuple[int, ...] = ()
+    """QSA cache layers :meth:`qsa_layer_call` bound whose call has not returned yet (:meth:`finish_qsa_layers`
+    refuses to end a step with one)."""
 
     def __init__(self, cache: "ModelCache", batch: Batch):
         self.cache, self.batch = cache, batch
@@ -326,10 +330,10 @@ class ChunkStep:
         the cache. Returns what ``run`` returns.
 
         The cache's bookkeeping of the write (``QSACache.settle_step_plan``) waits for :meth:`settle_qsa_layers`:
-        done for every such layer at once after the step's layers (one pass with warm caches instead of one cold
-        pass between two layers' calls), before any other QSA operation of the step and at the latest when the
-        transaction's block ends (``ModelCache.transaction``). No other layer's work reads it: each layer's part
-        of the plan is its own (its flags, its pending groups)."""
+        done for every such layer at once after the step's layers (one pass instead of one cold pass between two
+        layers' calls), before any other QSA operation of the step and at the latest when the transaction's block
+        ends (``ModelCache.transaction``). No other layer's work reads it: each layer's part of the plan is its own
+        (its flags, its pending groups). (Layers bound ahead, :meth:`qsa_layer_call`, are settled before they run.)"""
         layer = self.cache._qsa_layer(layer_idx)
         out = run(*self._qsa_step_plan.layer_args(layer))
         self._ran_qsa_layer(layer)
@@ -338,20 +342,41 @@ class ChunkStep:
     def qsa_layer_call(self, layer_idx: int, call: "AttentionLayerCall", cos: torch.Tensor,
                        sin: torch.Tensor) -> "BoundLayer":
         """:meth:`qsa_layer` of ``call.whole`` made ahead (the step plan, not None, bound with the step's rotary rows
-        cos, sin Tensor[T, R]): the returned ``bound(h)`` runs the call, then lists the layer's bookkeeping."""
+        cos, sin Tensor[T, R]): the returned ``bound(h)`` runs the call alone.
+
+        Binding commits the step to running the call: the layer's bookkeeping is listed at once, so that the forward
+        settles every bound layer before the first layer runs (:meth:`settle_qsa_layers`, with the caches the host
+        work left warm: after the layers, their weights have streamed through them). Nothing the layers run reads
+        it (each layer's part of the plan is its own; the call reads the planes and the plan, not the flags). A
+        step whose bound call never returned cannot end: :meth:`finish_qsa_layers` raises, and the transaction
+        rolls back."""
         layer = self.cache._qsa_layer(layer_idx)
-        return call.bound(cos, sin, *self._qsa_step_plan.layer_args(layer), then=partial(self._ran_qsa_layer, layer))
+        self._unsettled += (layer,)
+        self._bound_unrun += (layer,)
+        return call.bound(cos, sin, *self._qsa_step_plan.layer_args(layer), then=partial(self._ran_bound_layer, layer))
 
     def _ran_qsa_layer(self, layer: int) -> None:
         self._unsettled += (layer,)
 
+    def _ran_bound_layer(self, layer: int) -> None:
+        self._bound_unrun = tuple(x for x in self._bound_unrun if x != layer)
+
     def settle_qsa_layers(self) -> None:
-        """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran since the last call, at once
-        (``QSACache.settle_step_plan``)."""
+        """The QSA cache's bookkeeping of every layer :meth:`qsa_layer` ran or :meth:`qsa_layer_call` bound since the
+        last call, at once (``QSACache.settle_step_plan``)."""
         layers = self._unsettled
         if layers:
             self._unsettled = ()        # (if the settle raises, the step rolls back anyway)
             self.cache.qsa.settle_step_plan(self._qsa_step_plan, layers)
+
+    def finish_qsa_layers(self) -> None:
+        """The end of the step's layers: :meth:`settle_qsa_layers`; ``HebrusError`` where a call
+        :meth:`qsa_layer_call` bound never returned (its layer's bookkeeping says written: the step must not
+        commit)."""
+        if self._bound_unrun:
+            raise HebrusError(f"ChunkStep: the bound call of QSA cache layer(s) {list(self._bound_unrun)} never ran; "
+                              f"the step cannot commit")
+        self.settle_qsa_layers()
 
     def qsa_attention(self, layer_idx: int, q: torch.Tensor, plan, scale: float | None = None) -> torch.Tensor:
         """``hebrus::qsa_attention`` of the chunk's queries over exactly the cells ``plan`` selected.
@@ -522,7 +547,7 @@ class ModelCache(PlainAttrs, StateDictProtocol, torch.nn.Module, Transactional):
             step = ChunkStep(self, batch) if batch is not None else None
             yield step
             if step is not None:
-                step.settle_qsa_layers()        # (what the block's layers left to settle: before the commit)
+                step.finish_qsa_layers()        # (what the block's layers left to settle: before the commit)
 
     def _txn_members(self) -> tuple[Transactional, ...]:
         return (self, *self.holders)

@@ -335,10 +335,10 @@ def test_a_one_token_difference_is_never_shared():
 def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
     """Make the k-th call of ``target`` raise: a holder operation ("ple_conv", "qsa_select", "delta_rule"), the PLE
     conv after its op wrote the tails ("ple_conv_written"), a native GDN layer after it wrote its pools
-    ("native_gdn_layer"), a native indexed-attention layer after it wrote the QSA cache's planes
-    ("native_attention_layer"), or after the cache's bookkeeping of it ("native_attention_settled"), or the engine's
-    step hook ("hook"); every execute that fails must leave the cache's
-    digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
+    ("native_gdn_layer"), a native indexed-attention layer bound ahead after it wrote the QSA cache's planes
+    ("native_attention_layer"), or the cache's bookkeeping of the step's indexed layers once it is written (settled
+    before the first layer: "native_attention_settled"), or the engine's step hook ("hook"); every execute that fails
+    must leave the cache's digest as it was (rolled back bitwise). Returns the call counter ``{"n": calls so far}``."""
     calls = {"n": 0}
 
     def fault(*args, **kwargs):
@@ -348,28 +348,27 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
 
     if target == "hook":
         engine._fault_hook = lambda plan: fault()
-    elif target in ("native_attention_layer", "native_attention_settled"):
-        # after hebrus::decode_attention_layer wrote the QSA cache's planes, before the cache's bookkeeping (or after
-        # it: its flag writes, by range where the chunk's cells were taken at the head, are undone too)
+    elif target == "native_attention_settled":
+        # after the cache's bookkeeping of the step's indexed layers (its flag writes, by range where the chunk's cells
+        # were taken at the head, are undone too)
         qsa = engine.cache.qsa
         settle = qsa.settle_step_plan
 
         def faulty_settle(plan, layers, _orig=settle):
-            if target == "native_attention_layer":
-                fault()
             out = _orig(plan, layers)
-            if target == "native_attention_settled":
-                fault()
+            fault()
             return out
         monkeypatch.setattr(qsa, "settle_step_plan", faulty_settle)
-    elif target == "native_gdn_layer":
-        # in the layer's call bound by ChunkStep.gdn_layer_call, after hebrus::decode_gdn_layer wrote the pools
+    elif target in ("native_gdn_layer", "native_attention_layer"):
+        # in the layer's call bound by ChunkStep.gdn_layer_call / qsa_layer_call, after hebrus::decode_gdn_layer wrote
+        # the pools / hebrus::decode_attention_layer wrote the QSA cache's planes (its bookkeeping already settled)
         from hebrus_torch.model_cache import ChunkStep
 
-        original = ChunkStep.gdn_layer_call
+        name = "gdn_layer_call" if target == "native_gdn_layer" else "qsa_layer_call"
+        original = getattr(ChunkStep, name)
 
-        def faulty_call(step, layer_idx, x, call, _orig=original):
-            bound = _orig(step, layer_idx, x, call)
+        def faulty_call(step, *args, _orig=original):
+            bound = _orig(step, *args)
             if bound is not None:
                 op = bound.op
 
@@ -379,7 +378,7 @@ def inject_fault(engine: Engine, target: str, k: int, monkeypatch) -> dict:
                     return out
                 bound.op = failing
             return bound
-        monkeypatch.setattr(ChunkStep, "gdn_layer_call", faulty_call)
+        monkeypatch.setattr(ChunkStep, name, faulty_call)
     elif target in ("ple_conv", "ple_conv_written"):
         # the PLE conv, made in the layer (PLEState.conv) or ahead of the first layer (PLEState.conv_call): before its
         # op, or after the op wrote the tails

@@ -609,9 +609,9 @@ def test_the_whole_attention_layer_compiles_in_a_full_graph(monkeypatch):
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
-def test_the_layers_bookkeeping_waits_for_the_end_of_the_layers(monkeypatch):
-    """An indexed layer over the step plan leaves its bookkeeping to ``ChunkStep.settle_qsa_layers``: none is settled
-    while the layers run, all of them once the last layer has run."""
+def test_the_bound_layers_bookkeeping_is_settled_before_the_first_layer(monkeypatch):
+    """Indexed layers bound ahead (``ChunkStep.qsa_layer_call``) have their bookkeeping settled once, before the first
+    layer runs (with the host work's warm caches); none is left while the layers run or after them."""
     from hebrus_torch.models.qwen4_exp import forward
     from hebrus_torch.model_cache import ChunkStep
 
@@ -628,8 +628,36 @@ def test_the_layers_bookkeeping_waits_for_the_end_of_the_layers(monkeypatch):
     monkeypatch.setattr(ChunkStep, "settle_qsa_layers", lambda step: (seen.append(("settle", step._unsettled)),
                                                                        settle(step)))
     run(model, prompts_for(7, lengths=(5,)), True, max_batch_tokens=512)
-    # The last step (a decode of one token): the layers, the forward's settle, the transaction block's (none left).
-    assert seen[-6:] == [(0, ()), (1, (0,)), (2, (0,)), (3, (0, 1)), ("settle", (0, 1)), ("settle", ())]
+    # The last step (a decode of one token): the settle of both bound layers, the layers, the forward's and the
+    # transaction block's settles (none left).
+    assert seen[-7:] == [("settle", (0, 1)), (0, ()), (1, ()), (2, ()), (3, ()), ("settle", ()), ("settle", ())]
+
+
+def test_a_step_whose_bound_indexed_layer_never_ran_does_not_commit(monkeypatch):
+    """A bound indexed layer's bookkeeping is settled before it runs: a step that ends without running the call
+    raises ``HebrusError`` naming the layer, and rolls back (the cache as before the step)."""
+    from hebrus_torch.models.qwen4_exp import native
+
+    model = make_model("lin-idx", seed=37)
+    engine = Engine(model, EngineConfig(capacity_tokens=256, max_sequences=2, max_batch_tokens=512))
+    engine.add_request(prompts_for(9, lengths=(6,))[0], request_id="r", max_new_tokens=8, eos_token_id=EOS)
+    engine.step()
+    engine.step()
+    req = engine.requests["r"]
+    before = engine.cache.digest()
+    call = native.BoundLayer.__call__
+    skipped = []
+
+    def skip_attention(self, h):
+        if "attention" in str(self.op):
+            skipped.append(self.op)
+            return h                # (the layer's call never runs)
+        return call(self, h)
+    monkeypatch.setattr(native.BoundLayer, "__call__", skip_attention)
+    with torch.inference_mode(), pytest.raises(HebrusError, match="never ran"):
+        engine.runner.execute([req.seq], [[req.tokens[-1]]], [True], [len(req.tokens) - 1])
+    assert skipped
+    assert engine.cache.digest() == before
 
 
 def test_the_holders_host_work_runs_before_the_first_layer(monkeypatch):

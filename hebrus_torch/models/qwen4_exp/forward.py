@@ -203,7 +203,7 @@ class PackedQwen4Exp:
         for idx, layer in enumerate(layers):
             h = self.decoder_layer(step, idx, layer, h, cos, sin, timed, prefetched,
                                    None if native is None else native[idx], None if ahead is None else ahead[idx])
-        step.settle_qsa_layers()
+        step.finish_qsa_layers()
         return h, (cos, sin), None if native is None else self.native.mixer
 
     def _host_work_ahead(self, step: ChunkStep, layers: list[torch.nn.Module], native: list[LayerCalls],
@@ -212,7 +212,8 @@ class PackedQwen4Exp:
         """The state holders' host work of a step whose layers run as native calls, done before the first call: the
         QSA cache's step plan, the GDN state's logged pools, the rows of every PLE layer with a native gate whose
         rows were not prefetched (n-gram ids, history advanced and staged) and its conv (checked, its undo logged),
-        and each layer's native call bound to them. Between two layers' calls the host runs with cold caches (each
+        each layer's native call bound to them, and the bound indexed layers' QSA bookkeeping settled
+        (``ChunkStep.qsa_layer_call``). Between two layers' calls the host runs with cold caches (each
         call streams megabytes of weights through them), several times slower than here, next to the step's other
         host work; what is left there is the calls. Returns per decoder layer what was made ahead of it.
 
@@ -238,6 +239,7 @@ class PackedQwen4Exp:
                 bound = step.qsa_layer_call(idx, calls.attention, cos, sin)
             ahead.append(_NOTHING_AHEAD if rows is None and conv is None and bound is None
                          else LayerAhead(rows, conv, bound))
+        step.settle_qsa_layers()        # (the bound indexed layers' bookkeeping, while the caches are warm)
         return ahead
 
     def decoder_layer(self, step: ChunkStep, idx: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
