@@ -637,26 +637,27 @@ HEBRUS_INLINE void gate_up_item(const W& gate_up, const Item& it, const int64_t*
         ups[j] = out[0][1];
       }
     }
-  }
-  for (int64_t i = n < kPairTile ? it.end : it.begin; i < it.end; ++i) {
-    const int64_t wrows[2] = {i, inter + i}, j = i - it.begin;
-    int64_t q = 0;
-    for (; q + kPairTile <= n; q += kPairTile) {
-      const float* xs[kPairTile];
-      for (int64_t r = 0; r < kPairTile; ++r) xs[r] = xf + (pairs[q + r] / top_k) * hp;
-      float out[kPairTile][2];
-      tile_dots<kPairTile, 2>(gate_up, it.expert, wrows, xs, out);
-      for (int64_t r = 0; r < kPairTile; ++r) {
-        dots[2 * (q + r) * width + j] = out[r][0];
-        dots[(2 * (q + r) + 1) * width + j] = out[r][1];
+  } else {
+    for (int64_t i = it.begin; i < it.end; ++i) {
+      const int64_t wrows[2] = {i, inter + i}, j = i - it.begin;
+      int64_t q = 0;
+      for (; q + kPairTile <= n; q += kPairTile) {
+        const float* xs[kPairTile];
+        for (int64_t r = 0; r < kPairTile; ++r) xs[r] = xf + (pairs[q + r] / top_k) * hp;
+        float out[kPairTile][2];
+        tile_dots<kPairTile, 2>(gate_up, it.expert, wrows, xs, out);
+        for (int64_t r = 0; r < kPairTile; ++r) {
+          dots[2 * (q + r) * width + j] = out[r][0];
+          dots[(2 * (q + r) + 1) * width + j] = out[r][1];
+        }
       }
-    }
-    for (; q < n; ++q) {
-      const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
-      float out[1][2];
-      tile_dots<1, 2>(gate_up, it.expert, wrows, xs, out);
-      dots[2 * q * width + j] = out[0][0];
-      dots[(2 * q + 1) * width + j] = out[0][1];
+      for (; q < n; ++q) {
+        const float* xs[1] = {xf + (pairs[q] / top_k) * hp};
+        float out[1][2];
+        tile_dots<1, 2>(gate_up, it.expert, wrows, xs, out);
+        dots[2 * q * width + j] = out[0][0];
+        dots[(2 * q + 1) * width + j] = out[0][1];
+      }
     }
   }
   for (int64_t q = 0; q < n; ++q) {

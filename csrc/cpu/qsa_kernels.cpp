@@ -899,8 +899,8 @@ std::vector<at::Tensor> qsa_plan_one_row_cpu(const at::Tensor& cell_pos_in, cons
 using ClaimedCells = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 ClaimedCells qsa_claim_cells_cpu(at::Tensor& cell_ref, at::Tensor& cell_pos, at::Tensor& unwritten,
-                                            const at::Tensor& freed_in, int64_t start, c10::IntArrayRef starts,
-                                            c10::IntArrayRef counts) {
+                                 const at::Tensor& freed_in, int64_t start, c10::IntArrayRef starts,
+                                 c10::IntArrayRef counts) {
   const char* op = "qsa_claim_cells";
   check_on_device(op, at::kCPU, {{"cell_ref", &cell_ref}, {"cell_pos", &cell_pos}, {"unwritten", &unwritten},
                                  {"freed", &freed_in}});
