@@ -154,6 +154,54 @@ def test_decode_ple_gate_is_its_ops_bit_for_bit(dtype):
         assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("hidden", [3, 6, 10, 16])
+@pytest.mark.parametrize("rows_count", [1, 3, 5])
+def test_decode_ple_gates_float_loops_give_the_aten_ops_bits(hidden, rows_count):
+    # (float32 runs the gate's elementwise tail as loops: a hidden size whose square root is inexact, rows whose
+    # streams fill ATen's vectors or not, dot products of zero, -0.0 and NaN: the ATen ops' bits each time)
+    hc, n, dim = 4, 2, 8
+    g = torch.Generator().manual_seed(hidden * 10 + rows_count)
+    weights = [torch.randn(hc * hidden, n * dim, generator=g), torch.randn(hc * hidden, generator=g) * 0.1,
+               torch.randn(hidden, n * dim, generator=g), torch.randn(hc * hidden, generator=g) * 0.1,
+               torch.randn(hc * hidden, generator=g) * 0.1]
+    groups, eps = [hidden, hidden, hc * hidden], [1e-6, 1e-6, 1e-6]
+    rows = torch.randn(rows_count, n, dim, generator=g)
+    h = torch.randn(rows_count, hc * hidden, generator=g)
+    cases = [(rows, h)]
+    zero_key = [w.clone() for w in weights]
+    zero_key[0][:hidden] = 0.0                                            # stream 0's dot products are +0.0
+    cases.append((rows, h, zero_key))
+    neg_zero = h.clone()
+    neg_zero[:, :hidden] = -0.0                                            # stream 0's query: -0.0 products
+    cases.append((rows.abs(), neg_zero, [weights[0].abs(), *weights[1:]]))
+    nan_h = h.clone()
+    nan_h[0, 1] = float("nan")
+    cases.append((rows, nan_h))
+    for case in cases:
+        r, x, w = (*case, weights) if len(case) == 2 else case
+        with torch.no_grad():
+            got = torch.ops.hebrus.decode_ple_gate.default(r, x, w, groups, eps, hc, hidden)
+            want = reference.decode_ple_gate(r, x, w, groups, eps, hc, hidden)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(torch.nan_to_num(a).view(torch.int32), torch.nan_to_num(b).view(torch.int32))
+
+
+def test_moe_routes_renormalised_weights_are_the_modules_bits():
+    # (the renormalisation divides topk's values by their sum in a loop: ATen's division's bits)
+    from hebrus_torch.reference import moe_route as reference_route
+
+    g = torch.Generator().manual_seed(3)
+    for rows, experts, k in [(1, 8, 2), (3, 512, 10), (17, 64, 8), (5, 7, 3)]:
+        logits = torch.randn(rows, experts, generator=g) * 3
+        shared = torch.randn(rows, 1, generator=g)
+        for sh in (None, shared):
+            (ids, weights), (want_ids, want_weights) = (torch.ops.hebrus.moe_route.default(logits, sh, k, True),
+                                                        reference_route(logits, sh, k, True))
+            # (the shared gate's sigmoid is hebrus's own row arithmetic: the routed weights are the ones compared)
+            assert torch.equal(ids, want_ids) and torch.equal(weights[:, :k], want_weights[:, :k])
+
+
 def captured_attention_layers(model, prompts, monkeypatch, **config) -> list[tuple]:
     """Every ``decode_attention_layer`` call of an engine serving ``prompts``: (the layer's call, then its arguments,
     each tensor cloned as the call found it), the engine's tokens and state as they come."""

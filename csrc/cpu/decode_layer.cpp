@@ -290,6 +290,56 @@ Tensor hc_rms_norm(const Tensor& x, const Tensor& weight, int64_t group, double 
   return op.call(x, weight, group, eps);
 }
 
+// The gate after its dot products for float32 (a decode step's case): `dots / sqrt(hidden)`, `abs`, `clamp_min(1e-6)`,
+// `* sign` and `* value.unsqueeze(-2)` as loops around ATen's own sqrt and sigmoid, five ATen ops fewer (each several
+// microseconds inside a step). Those five are one correctly rounded float operation per element, the same in ATen's
+// vector body and its scalar tail, so the loops give ATen's bits; sqrt and sigmoid are not (MKL's vector functions:
+// their bits depend on where an element falls), so they stay ATen's, on tensors of the shapes the ATen ops saw. A
+// scaled dot that is NaN or -0.0 (ATen's scalar sign reads the sign bit, its vector sign does not), another dtype or
+// layout: false, and the caller runs the ATen ops. gated: [..., hc * V] from dots [..., hc, 1] and value [..., V].
+bool gate_by_hand(const Tensor& dots, const Tensor& value, int64_t hidden, Tensor& gated) {
+  if (dots.scalar_type() != at::kFloat || value.scalar_type() != at::kFloat || !plain_cpu_tensor(dots) ||
+      !plain_cpu_tensor(value) || !dots.is_contiguous() || !value.is_contiguous() || dots.dim() < 2 ||
+      value.dim() != dots.dim() - 1 || autograd_could_record(dots) || autograd_could_record(value))
+    return false;
+  const int64_t hc = dots.size(-2), v_dim = value.size(-1), rows = value.numel() / std::max<int64_t>(v_dim, 1);
+  if (dots.size(-1) != 1 || dots.numel() != rows * hc ||
+      value.sizes().slice(0, value.dim() - 1) != dots.sizes().slice(0, dots.dim() - 2))
+    return false;
+  const float scale = static_cast<float>(std::sqrt(static_cast<double>(hidden)));   // (div's float scalar)
+  const float floor = static_cast<float>(1e-6);                                      // (clamp_min's)
+  const float* d = dots.const_data_ptr<float>();
+  const int64_t n = dots.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = d[i] / scale;
+    if (std::isnan(s) || (s == 0.f && std::signbit(s))) return false;
+  }
+  Tensor magnitude = empty_on_cpu(dots.sizes(), dots.options());
+  float* m = magnitude.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) m[i] = std::max(std::fabs(d[i] / scale), floor);
+  Tensor gate = at::sqrt(magnitude);
+  float* g = gate.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = d[i] / scale;
+    g[i] *= static_cast<float>((0.f < s) - (s < 0.f));
+  }
+  const Tensor sig = at::sigmoid(gate);
+  std::vector<int64_t> shape(value.sizes().begin(), value.sizes().end());
+  shape.back() = hc * v_dim;
+  gated = empty_on_cpu(shape, value.options());
+  const float* sp = sig.const_data_ptr<float>();
+  const float* vp = value.const_data_ptr<float>();
+  float* out = gated.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < hc; ++h) {
+      const float s = sp[r * hc + h];
+      float* o = out + (r * hc + h) * v_dim;
+      const float* v = vp + r * v_dim;
+      for (int64_t j = 0; j < v_dim; ++j) o[j] = s * v[j];
+    }
+  return true;
+}
+
 // A PLE layer's gate up to its conv (models/qwen4_exp/ple.py's packed_ple): each stream's normed activations gate
 // the n-gram value against that stream's key; returns (the gated values, them normed for the conv).
 std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor& h, at::TensorList w,
@@ -314,10 +364,14 @@ std::tuple<Tensor, Tensor> decode_ple_gate_cpu(const Tensor& rows, const Tensor&
   const Tensor value = project(emb, w[2]);
   const Tensor query_h = hc_rms_norm(h, w[3], groups[1], eps[1]);
   const Tensor query = reshaped(query_h, shape_with(query_h, 1, {hc_count, hidden}));
-  Tensor gate = (key * query).sum(-1, true) / std::sqrt(static_cast<double>(hidden));
-  gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign();
-  const Tensor product = at::sigmoid(gate) * reshaped(value, shape_with(value, 1, {1, value.size(-1)}));  // unsqueeze
-  const Tensor gated = reshaped(product, shape_with(product, 2, {product.size(-2) * product.size(-1)}));
+  const Tensor dots = (key * query).sum(-1, true);                                       // [..., hc, 1]
+  Tensor gated;
+  if (!gate_by_hand(dots, value, hidden, gated)) {
+    Tensor gate = dots / std::sqrt(static_cast<double>(hidden));
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign();
+    const Tensor product = at::sigmoid(gate) * reshaped(value, shape_with(value, 1, {1, value.size(-1)}));  // unsqueeze
+    gated = reshaped(product, shape_with(product, 2, {product.size(-2) * product.size(-1)}));
+  }
   return {gated, hc_rms_norm(gated, w[4], groups[2], eps[2])};
 }
 

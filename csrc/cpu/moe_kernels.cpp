@@ -1080,6 +1080,22 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
 
 namespace {
 
+// values.div_(sums) for topk's fp32 values [rows, k] by their row sums [rows, 1], as one loop: a division is correctly
+// rounded in ATen's vector body and scalar tail alike, so these are its bits, without its dispatch (several
+// microseconds inside a step). Another layout takes ATen's.
+void divide_rows_by(Tensor& values, const Tensor& sums) {
+  if (values.scalar_type() != at::kFloat || sums.scalar_type() != at::kFloat || values.dim() != 2 ||
+      !values.is_contiguous() || !sums.is_contiguous() || sums.numel() != values.size(0)) {
+    values = values.div(sums);
+    return;
+  }
+  const int64_t rows = values.size(0), k = values.size(1);
+  float* v = values.mutable_data_ptr<float>();
+  const float* s = sums.const_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; ++j) v[r * k + j] /= s[r];
+}
+
 // hebrus::moe_route (issue 37): transformers' Qwen4ExpTextTopKRouter after its linear as the module's own ATen
 // sequence (softmax in fp32, torch.topk with its order among equal probabilities, the renormalisation, the cast:
 // the module's bits, each row on its own), and the shared expert's sigmoid gate in hebrus's own row arithmetic
@@ -1098,7 +1114,7 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   const Tensor probs =
       logits.scalar_type() == at::kFloat ? at::softmax(logits, -1) : at::softmax(logits, -1, at::kFloat);
   auto [values, ids] = at::topk(probs, top_k, -1);
-  if (norm_topk_prob) values = values.div(values.sum(-1, /*keepdim=*/true));
+  if (norm_topk_prob) divide_rows_by(values, values.sum(-1, /*keepdim=*/true));
   if (sh == nullptr) return {ids, as_dtype(values, logits.scalar_type())};
   const int64_t rows = logits.size(0), gates = sh->size(1), width = top_k + gates;
   Tensor weights = empty_on_cpu({rows, width}, logits.options());
