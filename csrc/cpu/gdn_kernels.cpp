@@ -108,7 +108,7 @@ Tensor gdn_delta_rule_slots_cpu(const Tensor& q, const Tensor& k, const Tensor& 
 // g = -exp(A_log) * softplus(a + dt_bias) (fp32) and beta = sigmoid(b) in fp32 rounded to b's dtype, returned
 // widened to fp32; Tensor[..., Hv] each.
 template <typename T>
-void gates_rows(const T* a, const T* b, const float* decay, const float* dt_bias, float* g, float* beta, int64_t rows,
+void gates_rows(const T* a, const T* b, const float* growth, const float* dt_bias, float* g, float* beta, int64_t rows,
                 int64_t hv) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -116,7 +116,7 @@ void gates_rows(const T* a, const T* b, const float* decay, const float* dt_bias
       float* br = beta + r * hv;
       for (int64_t h = 0; h < hv; ++h) gr[h] = static_cast<float>(a[r * hv + h]) + dt_bias[h];
       softplus_row(gr, hv);
-      for (int64_t h = 0; h < hv; ++h) gr[h] = decay[h] * gr[h];
+      for (int64_t h = 0; h < hv; ++h) gr[h] = -(growth[h] * gr[h]);   // (-e) * x, exactly: rounding is odd
       widen_row(b + r * hv, br, hv);
       sigmoid_row(br, hv);
       for (int64_t h = 0; h < hv; ++h) br[h] = static_cast<float>(static_cast<T>(br[h]));
@@ -132,9 +132,10 @@ std::tuple<Tensor, Tensor> gdn_gates_cpu(const Tensor& a, const Tensor& b, const
   Tensor beta = at::empty_like(g);
   if (g.numel() == 0) return {g, beta};
   const Tensor ac = a.contiguous(), bc = b.contiguous(), dt = float_weight(dt_bias);
-  const Tensor decay = as_dtype(A_log, at::kFloat).exp().neg().contiguous();
+  // exp(A_log) by ATen's exp (the module's bits); its negation is in gates_rows (one dispatched op fewer)
+  const Tensor growth = as_dtype(A_log, at::kFloat).exp().contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "gdn_gates", [&] {
-    gates_rows<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), decay.data_ptr<float>(),
+    gates_rows<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), growth.data_ptr<float>(),
                          dt.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(), sz.rows, sz.dim);
   });
   return {g, beta};

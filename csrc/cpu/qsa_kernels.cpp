@@ -505,7 +505,9 @@ at::Tensor qsa_select_cpu(const at::Tensor& q_in, const at::Tensor& pooled_in, c
   HEBRUS_CHECK(dim <= kMaxHeadDim, HebrusError, "hebrus::qsa_select: head dim D must be at most ", kMaxHeadDim,
                " on CPU, got ", dim);
 
-  at::Tensor out = at::full({tq, top_k}, -1, q_in.options().dtype(at::kInt));
+  // (at::full's -1s, filled here: full is three dispatched ops)
+  at::Tensor out = empty_on_cpu({tq, top_k}, q_in.options().dtype(at::kInt));
+  std::fill_n(out.mutable_data_ptr<int32_t>(), tq * top_k, -1);
   if (tq == 0) return out;
 
   const at::Tensor q_row_t = q_row_in.contiguous();

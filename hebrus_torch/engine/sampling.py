@@ -270,7 +270,7 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
             and n * logits.shape[-1] * 4 <= _CPU_BLOCK_BYTES and not any(map(_reads_more_than_argmax, params)):
         # Plain greedy rows of float32 logits on the CPU (a decode step of greedy requests): the general path's one
         # argmax over the same rows, read as ints (no float64 table to build for one read).
-        picked = logits if rows is None else _rows_of(logits, list(rows))[0]
+        picked = logits if rows is None or _every_row(rows, logits.shape[0]) else _rows_of(logits, list(rows))[0]
         return [Pick(t) for t in torch.argmax(picked, -1).tolist()], []
     width = max((p.top_logprobs for p in params), default=0)
     size = 2 + 2 * width if any(p.logprobs for p in params) else 1   # per request: token[, logprob, tops...]
@@ -318,6 +318,11 @@ def _penalises(p: SamplingParams) -> bool:
 # the allocator reuses, in cache) and the other rows one at a time (each row's float32 copies as small as one row
 # alone makes them: per-op overhead is microseconds there); on a device every row of a group goes at once.
 _CPU_BLOCK_BYTES = 2 << 20
+
+
+def _every_row(rows: Sequence[int], n: int) -> bool:
+    """Whether ``rows`` are 0 .. n - 1 in order (a decode step's: the table itself, no slice of it to make)."""
+    return len(rows) == n and all(r == i for i, r in enumerate(rows))
 
 
 def _rows_of(table: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, bool]:
