@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -1080,6 +1081,58 @@ Tensor quantized_linear_cpu(const Tensor& x, const Tensor& wq, const Tensor& sca
 
 namespace {
 
+// at::topk(probs, k, -1) (largest, sorted) of fp32 probabilities [rows, E] where its answer is the only one: in every row
+// the k largest are distinct and larger than every other, none NaN. Then the values and their order do not depend on
+// how they are found, so a selection by insertion gives topk's bits without its dispatch and sort (several microseconds
+// inside a step); where equal probabilities meet at or inside the top k (topk's own order among them), false.
+bool top_k_by_hand(const Tensor& probs, int64_t k, Tensor& values, Tensor& ids) {
+  if (probs.scalar_type() != at::kFloat || probs.dim() != 2 || !probs.is_contiguous() || k < 1 || k > 64 ||
+      k > probs.size(1))
+    return false;
+  const int64_t rows = probs.size(0), n = probs.size(1);
+  Tensor v = empty_on_cpu({rows, k}, probs.options());
+  Tensor i = empty_on_cpu({rows, k}, probs.options().dtype(at::kLong));
+  const float* p = probs.const_data_ptr<float>();
+  float* vp = v.mutable_data_ptr<float>();
+  int64_t* ip = i.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = p + r * n;
+    float* top = vp + r * k;        // descending
+    int64_t* at = ip + r * k;
+    int64_t held = 0;
+    float rest = -std::numeric_limits<float>::infinity();   // the largest value left out
+    bool left_out = false;
+    for (int64_t e = 0; e < n; ++e) {
+      const float x = row[e];
+      if (std::isnan(x)) return false;
+      if (held == k && !(x > top[k - 1])) {
+        if (!left_out || x > rest) rest = x;
+        left_out = true;
+        continue;
+      }
+      if (held == k) {
+        if (!left_out || top[k - 1] > rest) rest = top[k - 1];
+        left_out = true;
+      } else {
+        ++held;
+      }
+      int64_t j = held - 1;
+      for (; j > 0 && top[j - 1] < x; --j) {
+        top[j] = top[j - 1];
+        at[j] = at[j - 1];
+      }
+      top[j] = x;
+      at[j] = e;
+    }
+    for (int64_t j = 1; j < k; ++j)
+      if (!(top[j - 1] > top[j])) return false;         // equal probabilities inside the top k
+    if (left_out && !(top[k - 1] > rest)) return false;  // or at its edge
+  }
+  values = v;
+  ids = i;
+  return true;
+}
+
 // values.div_(sums) for topk's fp32 values [rows, k] by their row sums [rows, 1], as one loop: a division is correctly
 // rounded in ATen's vector body and scalar tail alike, so these are its bits, without its dispatch (several
 // microseconds inside a step). Another layout takes ATen's.
@@ -1113,7 +1166,8 @@ std::tuple<Tensor, Tensor> moe_route_cpu(const Tensor& logits, const std::option
   // (softmax's dtype argument is a to() of the input before the kernel: float logits skip that dispatch, same bits)
   const Tensor probs =
       logits.scalar_type() == at::kFloat ? at::softmax(logits, -1) : at::softmax(logits, -1, at::kFloat);
-  auto [values, ids] = at::topk(probs, top_k, -1);
+  Tensor values, ids;
+  if (!top_k_by_hand(probs, top_k, values, ids)) std::tie(values, ids) = at::topk(probs, top_k, -1);
   if (norm_topk_prob) divide_rows_by(values, values.sum(-1, /*keepdim=*/true));
   if (sh == nullptr) return {ids, as_dtype(values, logits.scalar_type())};
   const int64_t rows = logits.size(0), gates = sh->size(1), width = top_k + gates;
