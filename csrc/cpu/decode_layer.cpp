@@ -291,8 +291,8 @@ Tensor hc_rms_norm(const Tensor& x, const Tensor& weight, int64_t group, double 
 }
 
 // The gate after its dot products for float32 (a decode step's case): `dots / sqrt(hidden)`, `abs`, `clamp_min(1e-6)`,
-// `* sign` and `* value.unsqueeze(-2)` as loops around ATen's own sqrt and sigmoid, five ATen ops fewer (each several
-// microseconds inside a step). Those five are one correctly rounded float operation per element, the same in ATen's
+// `* sign` and `* value.unsqueeze(-2)` as loops around ATen's own sqrt and sigmoid, six ATen ops fewer (each several
+// microseconds inside a step). Those six are one correctly rounded float operation per element, the same in ATen's
 // vector body and its scalar tail, so the loops give ATen's bits; sqrt and sigmoid are not (MKL's vector functions:
 // their bits depend on where an element falls), so they stay ATen's, on tensors of the shapes the ATen ops saw. A
 // scaled dot that is NaN or -0.0 (ATen's scalar sign reads the sign bit, its vector sign does not), another dtype or
