@@ -270,7 +270,7 @@ def sample_rows_reading(logits: torch.Tensor, params: Sequence[SamplingParams], 
             and n * logits.shape[-1] * 4 <= _CPU_BLOCK_BYTES and not any(map(_reads_more_than_argmax, params)):
         # Plain greedy rows of float32 logits on the CPU (a decode step of greedy requests): the general path's one
         # argmax over the same rows, read as ints (no float64 table to build for one read).
-        picked = logits if rows is None or _every_row(rows, logits.shape[0]) else _rows_of(logits, list(rows))[0]
+        picked = logits if rows is None else _rows_of(logits, list(rows))[0]
         return [Pick(t) for t in torch.argmax(picked, -1).tolist()], []
     width = max((p.top_logprobs for p in params), default=0)
     size = 2 + 2 * width if any(p.logprobs for p in params) else 1   # per request: token[, logprob, tops...]
@@ -321,13 +321,15 @@ _CPU_BLOCK_BYTES = 2 << 20
 
 
 def _every_row(rows: Sequence[int], n: int) -> bool:
-    """Whether ``rows`` are 0 .. n - 1 in order (a decode step's: the table itself, no slice of it to make)."""
+    """Whether ``rows`` are 0 .. n - 1 in order (a decode step's: the table itself serves)."""
     return len(rows) == n and all(r == i for i, r in enumerate(rows))
 
 
 def _rows_of(table: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, bool]:
-    """(table[rows], whether it is a view of ``table``): a view where ``rows`` are consecutive, else a gather (one
-    upload of the indices)."""
+    """(table[rows], whether it is a view of ``table``): ``table`` itself where ``rows`` are all of it in order (no
+    slice op), a view where they are consecutive, else a gather (one upload of the indices)."""
+    if _every_row(rows, table.shape[0]):
+        return table, True
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return table[rows[0]:rows[0] + len(rows)], True
     return table.index_select(0, _upload(rows, table.device)), False
@@ -345,7 +347,7 @@ def _picks_table(logits: torch.Tensor, params: Sequence[SamplingParams], histori
     values are those it alone would get."""
     n = len(params)
     device = logits.device
-    picked = logits if rows == list(range(logits.shape[0])) else logits.index_select(0, _upload(rows, device))
+    picked = logits if _every_row(rows, logits.shape[0]) else logits.index_select(0, _upload(rows, device))
     on_cpu = device.type == "cpu"
     block = max(1, _CPU_BLOCK_BYTES // (4 * picked.shape[-1])) if on_cpu else n
     out = torch.zeros(n, size, dtype=torch.float64, device=device) if size > 1 else None
