@@ -13,7 +13,13 @@ microseconds each, so the step is a little longer than unmarked. The ``hebrus_to
 ``--tiny``: the same layer types with weights of 0.6 MB instead of 47 MB (all of them stay in L2), which separates
 what the host work and the native calls cost with warm caches from what the weights' streaming adds.
 
-    python benchmarks/profile_step_gaps.py [--steps 1200] [--tiny]
+``--replay``: after the timed steps, one more step's ``hebrus`` op calls from Python are recorded (each op and its
+arguments) and replayed back to back, alone, ``--replay-rounds`` times: what the step's native calls cost without
+the Python around them (the weights streamed as in a step), and so, by difference, what the host work costs.
+``qsa_claim_cells`` is left out of the replay (the cells it claims are taken by then); the other ops write the
+state they were given again (the engine is not stepped after).
+
+    python benchmarks/profile_step_gaps.py [--steps 1200] [--tiny] [--replay]
 """
 
 from __future__ import annotations
@@ -83,10 +89,47 @@ def mark_calls(marks: list[tuple[str, float]]) -> None:
         bound.__call__ = marked_bound
 
 
+def replay_step(engine, rounds: int) -> tuple[float, list[tuple[str, int]]]:
+    """One step of ``engine`` with its ``hebrus`` op calls recorded, then those calls (but ``qsa_claim_cells``)
+    replayed back to back ``rounds`` times: (the median seconds of a replay, [(op, calls)] in call order)."""
+    import torch._ops as torch_ops
+
+    recorded: list[tuple[object, tuple, dict]] = []
+    original = torch_ops.OpOverload.__call__
+
+    def recording(self, *args, **kwargs):
+        if self.namespace == "hebrus":
+            recorded.append((self, args, kwargs))
+        return original(self, *args, **kwargs)
+
+    torch_ops.OpOverload.__call__ = recording
+    try:
+        engine.step()
+    finally:
+        torch_ops.OpOverload.__call__ = original
+    calls = [(op, args, kwargs) for op, args, kwargs in recorded if op.__name__.split(".")[0] != "qsa_claim_cells"]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for op, args, kwargs in calls:
+            op._op(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    names: list[tuple[str, int]] = []
+    for op, _, _ in recorded:
+        name = op.__name__.split(".")[0]
+        if names and names[-1][0] == name:
+            names[-1] = (name, names[-1][1] + 1)
+        else:
+            names.append((name, 1))
+    return statistics.median(times), names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--tiny", action="store_true", help="weights of 0.6 MB (the same layer types)")
+    ap.add_argument("--replay", action="store_true", help="also replay one step's native op calls alone")
+    ap.add_argument("--replay-rounds", type=int, default=300)
     args = ap.parse_args()
 
     from hebrus_torch.engine import Engine, EngineConfig
@@ -126,6 +169,13 @@ def main() -> None:
         host += 0 if call else median
         print(f"{median:8.1f} us  {name}{'' if call else '  (host)'}")
     print(f"{host:8.1f} us  host work, summed")
+    if args.replay:
+        with torch.inference_mode():
+            replayed, names = replay_step(engine, args.replay_rounds)
+        step = statistics.median(steps)
+        listed = ", ".join(f"{name}{f' x{n}' if n > 1 else ''}" for name, n in names)
+        print(f"the step's hebrus op calls ({listed}) replayed alone, but qsa_claim_cells: {replayed * 1e6:.0f} us "
+              f"(median of {args.replay_rounds}); the step less them: {(step - replayed) * 1e6:.0f} us")
 
 
 if __name__ == "__main__":

@@ -215,13 +215,18 @@ NATIVE_OPS: dict[str, frozenset[str]] = {
     device: frozenset(name for name, spec in OPS.items() if device in spec.native) for device in ("cpu", "mps")
 }
 
-_emulation = threading.local()
+class _Emulation(threading.local):
+    device_type: str | None = None
+    """(a class default: a thread that never emulated reads None without a failed attribute lookup, twice a step)"""
+
+
+_emulation = _Emulation()
 
 
 def emulated_device_type() -> str | None:
     """The device type being emulated on this thread (``"mps"``, inside ``hebrus_torch._emulate.emulate``),
     or None."""
-    return getattr(_emulation, "device_type", None)
+    return _emulation.device_type
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,17 @@ def test_has_native_kernel_answers_for_the_emulated_device_from_the_registry(mon
     with pytest.raises(ht.HebrusError, match=r"can emulate \['mps'\], not 'cpu'"):
         with _emulate.emulate("cpu"):
             pass
+
+
+def test_the_emulated_device_is_the_emulating_thread_s_alone():
+    """A thread that never emulated reads None (a class default, not a failed lookup) while another emulates."""
+    seen = []
+    with _emulate.emulate("mps"):
+        reader = threading.Thread(target=lambda: seen.append(_op_registry.emulated_device_type()))
+        reader.start()
+        reader.join()
+        assert _op_registry.emulated_device_type() == "mps"
+    assert seen == [None] and _op_registry.emulated_device_type() is None
 
 
 def test_an_op_not_native_on_the_emulated_device_runs_its_composite(monkeypatch):

@@ -138,7 +138,9 @@ class ModelRunner:
                 else:
                     hidden = self.mtp.forward(step, pos, last, list(positions), counts, self._timed)
                 logits = self.forward.native.project(self.lm_head, hidden if ends is None else
-                                                     hidden.index_select(0, ends)).float()
+                                                     hidden.index_select(0, ends))
+                if logits.dtype != torch.float32:
+                    logits = logits.float()
             result = logits
             if consume is not None:
                 with self._part("engine"):

@@ -11,6 +11,7 @@ the log holds the uploaded index, so undoing it needs no read of the device eith
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,7 +313,7 @@ class _Transactions:
         if memo is None or self._txn is None or key[1][0] is None:
             return False
         objects, counts = memo[0]
-        return all(a is b for a, b in zip(objects, key[0])) and counts == key[1]
+        return counts == key[1] and all(map(operator.is_, objects, key[0]))
 
     def _op(self):
         """One atomic operation: its own transaction when none is open, else between savepoints."""

@@ -21,7 +21,7 @@ _ATTR = "_hebrus_host_values"
 
 def mirror(t: torch.Tensor, values: Sequence[int]) -> torch.Tensor:
     """Record that the 1-D tensor ``t`` holds ``values`` (the ints it was built from); returns ``t``."""
-    values = tuple(int(v) for v in values)
+    values = tuple(map(int, values))
     if t.dim() != 1 or t.shape[0] != len(values):
         raise ValueError(f"host_mirror: {len(values)} values for a tensor of shape {list(t.shape)}")
     setattr(t, _ATTR, (_version(t), values))

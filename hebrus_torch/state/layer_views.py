@@ -9,6 +9,7 @@ are made once and made again when any base is another object.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -27,7 +28,7 @@ class LayerViews:
 
     def views(self, bases: Sequence[torch.Tensor], layer: int) -> list[torch.Tensor]:
         kept = self._bases
-        if len(kept) != len(bases) or any(a is not b for a, b in zip(kept, bases)):
+        if len(kept) != len(bases) or not all(map(operator.is_, kept, bases)):
             self._bases, self._views = tuple(bases), {}
         found = self._views.get(layer)
         if found is None:

@@ -17,6 +17,8 @@ error propagates. Only when all have committed does any finish.
 from __future__ import annotations
 
 import contextlib
+import operator
+from itertools import repeat
 from typing import Any, Iterator
 
 from ..errors import HebrusError
@@ -74,7 +76,7 @@ def transaction(*holders: Transactional) -> Iterator[tuple[Transactional, ...]]:
         for member in holder._txn_members():
             if member.in_transaction:
                 raise HebrusError(f"transaction: {type(member).__name__} is already inside a transaction")
-            if all(member is not u for u in unique):
+            if not any(map(operator.is_, repeat(member), unique)):
                 unique.append(member)
     token = object()
     begun: list[Transactional] = []
