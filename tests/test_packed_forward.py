@@ -145,21 +145,3 @@ def test_shared_projections_are_transformers_own(model):
         want, _ = attn(x, (cos, sin), mask)       # 6 tokens, within the budget: each query attends to its history
         assert near(gated_output(attn, dense, gate), want)
 
-
-def test_one_token_s_rope_rows_are_the_tables_rows(model):
-    """A one-token step's cos/sin are the tables' rows at its position as views (no gather; its position is the
-    step's ``last``): the bits of the gather, of that position among others, and of the rotary module's block."""
-    from hebrus_torch.models.qwen4_exp.rope import RopeRows
-
-    rows = RopeRows(model.model.rotary_emb)
-    like = torch.randn(1, model.config.hidden_size)
-    many = torch.tensor([0, 7, 4100, 13], dtype=torch.int64)
-    cos_many, sin_many = rows(many, 4100, like.expand(4, -1))
-    for i, p in enumerate(many.tolist()):
-        cos, sin = rows(torch.tensor([p]), p, like)
-        assert cos.shape == (1, cos_many.shape[1]) and cos.is_contiguous() and sin.is_contiguous()
-        assert torch.equal(cos, cos_many[i:i + 1]) and torch.equal(sin, sin_many[i:i + 1])
-    block = torch.arange(4096, 8192).view(1, 1, -1).expand(3, 1, -1)
-    cos_block, sin_block = model.model.rotary_emb(like[None], block)
-    cos, sin = rows(torch.tensor([4100]), 4100, like)
-    assert torch.equal(cos[0], cos_block[0, 4]) and torch.equal(sin[0], sin_block[0, 4])

@@ -35,6 +35,4 @@ class RopeRows:
                 cos, sin = self.rotary_emb(like[None, :1], pos.view(1, 1, -1).expand(3, 1, -1))
                 done.append((cos[0], sin[0]))
             tables = self._tables = (torch.cat([c for c, _ in done]), torch.cat([s for _, s in done]))
-        if positions.numel() == 1:      # (one token: its position is ``last``; the tables' rows as views, no gather)
-            return tables[0][last:last + 1], tables[1][last:last + 1]
         return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
