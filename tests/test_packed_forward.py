@@ -144,4 +144,3 @@ def test_shared_projections_are_transformers_own(model):
         dense, _ = interface(attn, q, k, v.transpose(1, 2), mask, scaling=attn.scaling)
         want, _ = attn(x, (cos, sin), mask)       # 6 tokens, within the budget: each query attends to its history
         assert near(gated_output(attn, dense, gate), want)
-
