@@ -215,6 +215,7 @@ NATIVE_OPS: dict[str, frozenset[str]] = {
     device: frozenset(name for name, spec in OPS.items() if device in spec.native) for device in ("cpu", "mps")
 }
 
+
 class _Emulation(threading.local):
     device_type: str | None = None
     """(a class default: a thread that never emulated reads None without a failed attribute lookup, twice a step)"""
