@@ -310,13 +310,13 @@ bool gate_by_hand(const Tensor& dots, const Tensor& value, int64_t hidden, Tenso
   const float floor = static_cast<float>(1e-6);                                      // (clamp_min's)
   const float* d = dots.const_data_ptr<float>();
   const int64_t n = dots.numel();
+  Tensor magnitude = empty_on_cpu(dots.sizes(), dots.options());
+  float* m = magnitude.mutable_data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const float s = d[i] / scale;
     if (std::isnan(s) || (s == 0.f && std::signbit(s))) return false;
+    m[i] = std::max(std::fabs(s), floor);
   }
-  Tensor magnitude = empty_on_cpu(dots.sizes(), dots.options());
-  float* m = magnitude.mutable_data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) m[i] = std::max(std::fabs(d[i] / scale), floor);
   Tensor gate = at::sqrt(magnitude);
   float* g = gate.mutable_data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {

@@ -1100,22 +1100,18 @@ bool top_k_by_hand(const Tensor& probs, int64_t k, Tensor& values, Tensor& ids) 
     float* top = vp + r * k;        // descending
     int64_t* at = ip + r * k;
     int64_t held = 0;
-    float rest = -std::numeric_limits<float>::infinity();   // the largest value left out
-    bool left_out = false;
+    float rest = -std::numeric_limits<float>::infinity();   // the largest value left out (n > k: one is)
     for (int64_t e = 0; e < n; ++e) {
       const float x = row[e];
       if (std::isnan(x)) return false;
       if (held == k && !(x > top[k - 1])) {
-        if (!left_out || x > rest) rest = x;
-        left_out = true;
+        rest = std::max(rest, x);
         continue;
       }
-      if (held == k) {
-        if (!left_out || top[k - 1] > rest) rest = top[k - 1];
-        left_out = true;
-      } else {
+      if (held == k)
+        rest = std::max(rest, top[k - 1]);
+      else
         ++held;
-      }
       int64_t j = held - 1;
       for (; j > 0 && top[j - 1] < x; --j) {
         top[j] = top[j - 1];
@@ -1126,7 +1122,7 @@ bool top_k_by_hand(const Tensor& probs, int64_t k, Tensor& values, Tensor& ids) 
     }
     for (int64_t j = 1; j < k; ++j)
       if (!(top[j - 1] > top[j])) return false;         // equal probabilities inside the top k
-    if (left_out && !(top[k - 1] > rest)) return false;  // or at its edge
+    if (n > k && !(top[k - 1] > rest)) return false;     // or at its edge
   }
   values = v;
   ids = i;
